@@ -1,0 +1,382 @@
+"""Configuration: nested dataclasses, presets, YAML files and ``key=value`` overrides.
+
+One ``Config`` object describes a run. It is built in three layers, later ones winning:
+
+1. a preset (``tiny_cpu`` — the embedded default — ``qwen3vl_8b_paragrpo``, ``qwen3vl_8b_vanilla``);
+2. YAML files (``--config a.yaml --config b.yaml``);
+3. dotted ``key=value`` overrides on the command line (``algo.kl_coef=0.02``).
+
+Merging and type checking are OmegaConf's (structured configs): an unknown key or a value of
+the wrong type is an error naming the key. ``validate`` then checks cross-field rules before
+anything heavy (model, data, video) is loaded, so a bad run fails in a second, not after
+loading an 8B checkpoint.
+
+Each section belongs to one part of the pipeline (see DESIGN.md). Field docstrings are the
+comment lines directly above each field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf  # noqa: F401  (MISSING re-exported for presets)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key, the problem and the fix."""
+
+
+@dataclass
+class DataConfig:
+    # Dataset location: a directory holding train.jsonl/val.jsonl (or *.parquet), or one file.
+    # Empty means the embedded synthetic task under ``synth_dir``.
+    path: str = ""
+    # Directory the embedded synthetic task is generated into when ``path`` is empty.
+    synth_dir: str = "runs/data/synth"
+    # Number of synthetic videos (each yields several questions) and the generator seed.
+    synth_num_videos: int = 12
+    synth_seed: int = 0
+    # Root prepended to relative video paths in dataset rows ('' = relative to the dataset file).
+    video_root: str = ""
+    # Keep at most this many training rows (0 = all); useful for smoke runs.
+    max_samples: int = 0
+
+
+@dataclass
+class VideoConfig:
+    # Decode backend: 'pyav' (CPU, default) or 'dali' (GPU NVDEC; CPU for VP9/MJPEG only).
+    backend: str = "pyav"
+    # Overview frame budgets K drawn per prompt when gating is on (PARA-GRPO gating).
+    frame_budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    # Frame-budget gating on/off. Off: every prompt sees ``fixed_frames`` overview frames.
+    gating: bool = True
+    # Overview frame count when gating is off (also the eval default).
+    fixed_frames: int = 16
+    # Pixel budget per overview frame (smart_resize keeps aspect, sides multiple of patch*merge).
+    overview_max_pixels: int = 64 * 64
+    overview_min_pixels: int = 32 * 32
+    # Crop sampling: frames per second inside a crop window, cap and floor on frames per crop.
+    crop_fps: float = 1.0
+    crop_max_frames: int = 16
+    crop_min_frames: int = 2
+    # Pixel budget per crop frame.
+    crop_max_pixels: int = 64 * 64
+    crop_min_pixels: int = 32 * 32
+    # Bounded LRU frame cache shared by overview and crops (decoded frames kept, 0 = off).
+    cache_frames: int = 4096
+
+
+@dataclass
+class ModelConfig:
+    # Local HF checkpoint directory (Qwen3-VL or Qwen2.5-VL). Empty: build the tiny offline
+    # model into ``tiny_dir`` (if absent) and load it through the same code path.
+    path: str = ""
+    tiny_dir: str = "runs/models/tiny-qwen3vl"
+    # Parameter dtype for training and rollout: float32 | bfloat16 | float16.
+    dtype: str = "float32"
+    # Device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.
+    device: str = "auto"
+    # Attention implementation passed to transformers ('sdpa', 'eager', 'flash_attention_2').
+    attn_implementation: str = "sdpa"
+    # Gradient checkpointing for the policy (saves memory on real models; slower).
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    # Rollout engine: 'hf' (transformers generate, CPU/GPU) or 'vllm' (GPU).
+    engine: str = "hf"
+    # G: samples per prompt (the GRPO group).
+    group_size: int = 8
+    # Sampling parameters of the main agent.
+    temperature: float = 0.7
+    top_p: float = 1.0
+    # New-token caps per main-agent turn and per sub-agent summary.
+    max_new_tokens: int = 256
+    sub_max_new_tokens: int = 128
+    # Sub-agent sampling temperature (summaries are usually sampled cooler).
+    sub_temperature: float = 0.7
+    # Max sequences in one engine.generate call (0 = all at once).
+    max_batch_size: int = 0
+
+
+@dataclass
+class AgentConfig:
+    # Tool turns before the answer is forced.
+    max_turns: int = 3
+    # Max crop_video calls executed per turn; extra calls get an error tool response.
+    max_parallel: int = 5
+    # Text forced at the start of every main-agent generation (counts as an opened <think>).
+    think_prefix: str = "<think>\n"
+    # Accept a final <tool_call> with no closing tag when generation stopped on length/EOS.
+    allow_unclosed_final_call: bool = False
+    # Include the user's question in the sub-agent's summary prompt.
+    sub_agent_include_question: bool = True
+    # Tool responses are truncated to this many tokens.
+    max_tool_response_tokens: int = 512
+    # Text appended to force an answer after max_turns.
+    force_answer_text: str = "\nI must answer now.\n</think>\n<answer>"
+
+
+@dataclass
+class RewardConfig:
+    # R = R_acc + w_fmt * R_fmt + R_tool.
+    w_fmt: float = 1.0
+    # Anchoring: R_fmt = base + lambda_anchor * R_anchor (</think> closure, think->answer flow,
+    # unclosed-<think> penalty). 0 disables anchoring (vanilla GRPO format reward).
+    lambda_anchor: float = 0.5
+    # Tool reward paid when the trajectory executed >= 1 valid crop and the answer is correct.
+    tool_bonus: float = 0.2
+    # Penalty per tool call that failed to parse/validate (structure, not strings).
+    tool_error_penalty: float = 0.05
+    # Token-level format variant: place format signal on structural-token positions.
+    token_level_format: bool = False
+
+
+@dataclass
+class AlgoConfig:
+    # Optimizer learning rate and weight decay (AdamW).
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    # PPO clipping: ratio in [1-clip_low, 1+clip_high]; dual clip bound c (>1) or null.
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    # Decoupled objective: cap on the behaviour importance weight exp(prox - old); null = off.
+    behav_cap: float | None = None
+    # KL to the frozen reference: coefficient and estimator (k1 | k2 | k3). 0 skips the reference.
+    kl_coef: float = 0.01
+    kl_type: str = "k3"
+    # Loss aggregation. token-mean: long answers weigh more (length bias towards long outputs);
+    # seq-mean-token-mean: every sequence weighs the same (GRPO paper); seq-mean-token-sum:
+    # Dr.GRPO-style, no per-length normalisation.
+    agg: str = "token-mean"
+    # Group-relative advantage: divide by group std (GRPO) or not (Dr.GRPO).
+    normalize_std: bool = True
+    adv_scale: float = 1.0
+    adv_bias: float = 0.0
+    # PPO epochs over each rollout batch and minibatches per epoch.
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    # Gradient clipping (max global norm).
+    max_grad_norm: float = 1.0
+    # Train sub-agent trajectories with the main trajectory's advantage; each trajectory's
+    # sub-agent rows are weighted 1/num_sub so gradients do not grow with the call count.
+    train_sub_agents: bool = True
+
+
+@dataclass
+class SFTConfig:
+    # Cold-start SFT before RL (0 steps = skip). Trajectories: the synthetic oracle by default.
+    steps: int = 40
+    lr: float = 1e-3
+    batch_size: int = 8
+    # SFT data file (JSONL of oracle trajectories / ParaVT SFT messages). Empty = synthetic.
+    data: str = ""
+
+
+@dataclass
+class TrainConfig:
+    # RL steps and prompts per step (each prompt is rolled out group_size times).
+    steps: int = 4
+    prompts_per_step: int = 4
+    # Global seed: data order, frame budgets, sampling.
+    seed: int = 0
+    # Run folder (resolved config, metrics.jsonl, TensorBoard, trajectories, checkpoints, plot).
+    out_dir: str = "runs/train/default"
+    # Checkpoint every N steps (0 = only at the end); keep the last N checkpoints.
+    save_every: int = 2
+    keep_last: int = 2
+    # Resume from the latest checkpoint in out_dir.
+    resume: bool = False
+    # Log to Weights & Biases as well (needs wandb installed and configured).
+    wandb: bool = False
+    # Write this many sample trajectories per step to trajectories.jsonl.
+    log_trajectories: int = 2
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    video: VideoConfig = field(default_factory=VideoConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# --------------------------------------------------------------------------------------------
+# Presets: dotted overrides on top of the dataclass defaults.
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The embedded default: a tiny model on the synthetic task, minutes on a 2-core CPU.
+    "tiny_cpu": {
+        "rollout.group_size": 4,
+        "rollout.max_new_tokens": 48,
+        "rollout.sub_max_new_tokens": 24,
+        "rollout.temperature": 1.0,
+        "rollout.sub_temperature": 1.0,
+        "agent.max_tool_response_tokens": 64,
+        "agent.max_turns": 2,
+        "algo.lr": 1e-4,
+        "video.frame_budgets": [4, 8, 16, 32],
+        "video.overview_max_pixels": 32 * 32,
+        "video.crop_max_pixels": 32 * 32,
+        "video.crop_max_frames": 8,
+    },
+    # The reference recipe (ParaVT paper): Qwen3-VL-8B, PARA-GRPO.
+    "qwen3vl_8b_paragrpo": {
+        "model.dtype": "bfloat16",
+        "model.gradient_checkpointing": True,
+        "model.attn_implementation": "flash_attention_2",
+        "rollout.engine": "vllm",
+        "rollout.group_size": 8,
+        "rollout.temperature": 0.7,
+        "rollout.max_new_tokens": 1024,
+        "rollout.sub_max_new_tokens": 512,
+        "algo.lr": 2e-6,
+        "algo.clip_low": 0.2,
+        "algo.clip_high": 0.2,
+        "algo.kl_coef": 0.01,
+        "reward.w_fmt": 1.0,
+        "reward.lambda_anchor": 0.5,
+        "agent.max_turns": 3,
+        "agent.max_parallel": 5,
+        "video.gating": True,
+        "video.frame_budgets": [4, 8, 16, 32, 64],
+        "video.overview_max_pixels": 448 * 448,
+        "video.crop_max_pixels": 448 * 448,
+        "sft.steps": 0,
+        "train.steps": 300,
+        "train.prompts_per_step": 32,
+        "train.save_every": 20,
+    },
+}
+# Vanilla GRPO on the same recipe: no anchoring, no gating.
+PRESETS["qwen3vl_8b_vanilla"] = {
+    **PRESETS["qwen3vl_8b_paragrpo"],
+    "reward.lambda_anchor": 0.0,
+    "video.gating": False,
+    "video.fixed_frames": 64,
+}
+
+
+def _set_dotted(cfg: Any, key: str, value: Any) -> None:
+    try:
+        OmegaConf.update(cfg, key, value, merge=False)
+    except Exception as e:  # omegaconf raises several types; normalise to one clear error
+        raise ConfigError(f"config key '{key}': cannot set {value!r} ({e})") from None
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(
+            f"override '{item}' is not of the form key=value (e.g. algo.kl_coef=0.02)"
+        )
+    key, raw = item.split("=", 1)
+    # YAML parsing gives numbers, bools, null and lists ([4,8]) their types.
+    return key.strip(), OmegaConf.create({"v": raw} if raw == "" else f"v: {raw}").v
+
+
+def load_config(
+    preset: str = "tiny_cpu",
+    files: list[str] | None = None,
+    overrides: list[str] | None = None,
+    validate_: bool = True,
+) -> Config:
+    """Build a ``Config`` from a preset, YAML files and ``key=value`` overrides, then validate.
+
+    Raises ``ConfigError`` for an unknown preset, an unknown key, a wrong type or a rule broken.
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset '{preset}'; choose one of {sorted(PRESETS)}")
+    cfg = OmegaConf.structured(Config)
+    for key, value in PRESETS[preset].items():
+        _set_dotted(cfg, key, value)
+    for f in files or []:
+        p = Path(f)
+        if not p.is_file():
+            raise ConfigError(f"config file '{f}' does not exist")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(p))
+        except Exception as e:
+            raise ConfigError(f"config file '{f}': {e}") from None
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        _set_dotted(cfg, key, value)
+    out: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    if validate_:
+        validate(out)
+    return out
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that must fail before anything heavy loads."""
+    errs: list[str] = []
+    if cfg.video.backend not in ("pyav", "dali"):
+        errs.append(f"video.backend='{cfg.video.backend}' is not one of pyav|dali")
+    if not cfg.video.frame_budgets or any(k < 1 for k in cfg.video.frame_budgets):
+        errs.append(f"video.frame_budgets={cfg.video.frame_budgets} must be positive integers")
+    if cfg.video.fixed_frames < 1:
+        errs.append(f"video.fixed_frames={cfg.video.fixed_frames} must be >= 1")
+    if cfg.video.crop_min_frames < 2:
+        errs.append(f"video.crop_min_frames={cfg.video.crop_min_frames} must be >= 2")
+    if cfg.video.crop_max_frames < cfg.video.crop_min_frames:
+        errs.append(
+            f"video.crop_max_frames={cfg.video.crop_max_frames} is below "
+            f"video.crop_min_frames={cfg.video.crop_min_frames}"
+        )
+    if cfg.video.crop_fps <= 0:
+        errs.append(f"video.crop_fps={cfg.video.crop_fps} must be > 0")
+    if cfg.rollout.engine not in ("hf", "vllm"):
+        errs.append(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")
+    if cfg.rollout.group_size < 1:
+        errs.append(f"rollout.group_size={cfg.rollout.group_size} must be >= 1")
+    if cfg.rollout.temperature < 0:
+        errs.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0")
+    if not 0 < cfg.rollout.top_p <= 1:
+        errs.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
+    if cfg.agent.max_turns < 0:
+        errs.append(f"agent.max_turns={cfg.agent.max_turns} must be >= 0")
+    if cfg.agent.max_parallel < 1:
+        errs.append(f"agent.max_parallel={cfg.agent.max_parallel} must be >= 1")
+    if cfg.algo.kl_type not in ("k1", "k2", "k3"):
+        errs.append(f"algo.kl_type='{cfg.algo.kl_type}' is not one of k1|k2|k3")
+    aggs = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+    if cfg.algo.agg not in aggs:
+        errs.append(f"algo.agg='{cfg.algo.agg}' is not one of {'|'.join(aggs)}")
+    if cfg.algo.dual_clip is not None and cfg.algo.dual_clip <= 1:
+        errs.append(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (or null to disable)")
+    if cfg.algo.behav_cap is not None and cfg.algo.behav_cap <= 1:
+        errs.append(f"algo.behav_cap={cfg.algo.behav_cap} must be > 1 (or null to disable)")
+    if cfg.algo.minibatches < 1 or cfg.algo.ppo_epochs < 1:
+        errs.append("algo.minibatches and algo.ppo_epochs must be >= 1")
+    n_seq = cfg.train.prompts_per_step * cfg.rollout.group_size
+    if n_seq % cfg.algo.minibatches:
+        errs.append(
+            f"train.prompts_per_step*rollout.group_size={n_seq} is not divisible by "
+            f"algo.minibatches={cfg.algo.minibatches}"
+        )
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        errs.append(f"model.dtype='{cfg.model.dtype}' is not one of float32|bfloat16|float16")
+    if cfg.model.path and not Path(cfg.model.path).is_dir():
+        errs.append(f"model.path='{cfg.model.path}' is not a directory (a local HF checkpoint)")
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        errs.append(f"data.path='{cfg.data.path}' does not exist")
+    if errs:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved configuration as YAML (saved in the run folder, printed at start)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,58 @@
+"""The engine protocol: batched generation with per-token behaviour log-probs.
+
+An engine turns prompt token ids (+ visual inputs) into new token ids and the log-prob of each
+under the *sampling* distribution (after temperature / top-p), which is what the PPO ratio's
+behaviour term needs. Implementations: ``paravt.rollout.hf.HFEngine`` (transformers, CPU/GPU)
+and, later, a vLLM engine behind the same protocol. Requests are independent; an engine may
+reorder internally but returns results in request order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from paravt.types import VisualInputs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    # Generation stops after any of these token ids (the stop token is included in the output).
+    stop_token_ids: tuple[int, ...] = ()
+    # Generation stops once the decoded new text ends with one of these (included in output).
+    stop_strings: tuple[str, ...] = ()
+    # Per-request seed for reproducible sampling (None = engine's generator).
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    visuals: VisualInputs | None = None
+    # Extra per-token model inputs aligned with prompt_ids (e.g. mm_token_type_ids).
+    extras: dict = field(default_factory=dict)
+    request_id: str = ""
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each new token, same length as token_ids
+    finish_reason: str  # 'stop' (stop token/string/EOS) | 'length'
+    request_id: str = ""
+    text: str = ""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Generate for every request (batched); results in request order."""
+        ...
+
+    def sync_weights(self, model: object) -> None:
+        """Make subsequent generations use ``model``'s current weights."""
+        ...

@@ -1,0 +1,217 @@
+"""Records that cross module boundaries. Typed dataclasses, never bare dicts.
+
+Shapes are written ``(dim, ...)``. Tensors are CPU tensors unless a field says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+QuestionType = Literal["mcq", "oe", "tvg"]
+
+
+# ------------------------------------------------------------------------------------- video
+@dataclass(frozen=True)
+class VideoMeta:
+    """What ``paravt.video.probe`` learns about a file without decoding it fully."""
+
+    path: str
+    duration: float  # seconds, from the first frame's pts to the end of the last frame
+    fps: float  # average frame rate
+    num_frames: int
+    width: int
+    height: int
+    codec: str  # e.g. 'h264', 'vp9'
+    # Frame indices (display order) of keyframes, ascending; frame i is shown at
+    # ``start_time + i / fps`` for constant-frame-rate streams.
+    keyframes: tuple[int, ...] = ()
+    start_time: float = 0.0
+
+
+@dataclass
+class FrameBatch:
+    """Decoded frames of one request, in request order."""
+
+    frames: torch.Tensor  # (T, H, W, 3) uint8, RGB
+    timestamps: torch.Tensor  # (T,) float64 seconds, the requested sample times
+    indices: torch.Tensor  # (T,) int64 display-order frame index actually returned
+    video: str = ""
+
+
+@dataclass(frozen=True)
+class FrameRequest:
+    """Frames wanted from one file at given times (the decode planner's unit of work)."""
+
+    video: str
+    timestamps: tuple[float, ...]
+    # Optional resize target (height, width); None keeps the decoded size.
+    size: tuple[int, int] | None = None
+    tag: str = ""  # free-form, for logging (e.g. 'overview', 'crop:3')
+
+
+@dataclass(frozen=True)
+class CropRequest:
+    """A crop window on a sample's own video, already validated and clamped."""
+
+    video: str
+    start: float
+    end: float
+    fps: float = 1.0
+    max_frames: int = 16
+    min_frames: int = 2
+    max_pixels: int = 64 * 64
+    min_pixels: int = 32 * 32
+
+
+# -------------------------------------------------------------------------------------- data
+@dataclass
+class Sample:
+    """One dataset row: a question about a video."""
+
+    id: str
+    video: str  # absolute or dataset-relative path, resolved by the reader
+    question: str
+    answer: str
+    question_type: QuestionType = "mcq"
+    # Ground-truth event window (seconds) when known (synthetic task, tvg questions).
+    event_start: float | None = None
+    event_end: float | None = None
+    options: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------- visuals
+@dataclass
+class VisualInputs:
+    """Everything the vision encoder needs for the visual placeholders of one sequence.
+
+    ``pixel_values`` rows are patches in the model's spatial-merge order; ``grid_thw`` has one
+    row per video/image segment, in the order the placeholders appear in the token ids.
+    """
+
+    pixel_values: torch.Tensor  # (sum_i t_i*h_i*w_i, C*tp*p*p) float32
+    grid_thw: torch.Tensor  # (n_segments, 3) int64
+    kind: Literal["video", "image"] = "video"
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.grid_thw.shape[0])
+
+    @staticmethod
+    def concat(parts: list[VisualInputs]) -> VisualInputs | None:
+        parts = [p for p in parts if p is not None and p.num_segments]
+        if not parts:
+            return None
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot concatenate visual inputs of kinds {sorted(kinds)}")
+        return VisualInputs(
+            torch.cat([p.pixel_values for p in parts]),
+            torch.cat([p.grid_thw for p in parts]),
+            parts[0].kind,
+        )
+
+
+# ------------------------------------------------------------------------------------ agent
+ToolCallStatus = Literal[
+    "ok",
+    "bad_json",
+    "unknown_tool",
+    "bad_arguments",
+    "bad_range",
+    "outside_video",
+    "over_parallel_limit",
+    "unclosed",
+    "decode_error",
+    "sub_agent_error",
+]
+
+
+@dataclass
+class ToolCall:
+    """One parsed ``<tool_call>`` block. ``status != 'ok'`` calls become error tool responses."""
+
+    raw: str
+    name: str = ""
+    arguments: dict[str, Any] = field(default_factory=dict)
+    status: ToolCallStatus = "ok"
+    error: str = ""
+    # Filled for executed calls: the clamped window actually cropped.
+    start: float | None = None
+    end: float | None = None
+    response: str = ""
+
+
+@dataclass
+class Turn:
+    """One main-agent generation and what the tools returned for it."""
+
+    text: str  # decoded generated text (forced prefix excluded)
+    calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+@dataclass
+class Trajectory:
+    """Token-exact record of one agent (main or sub) for training.
+
+    ``tokens`` is the full context the engine conditioned on, prompt included; ``loss_mask`` is
+    1 exactly on tokens the policy generated; ``logprobs`` holds the behaviour log-prob of each
+    generated token (0 elsewhere). ``visuals`` matches the visual placeholders in ``tokens``.
+    """
+
+    uid: str
+    role: Literal["main", "sub"]
+    sample_id: str
+    group_id: int
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    prompt_len: int
+    visuals: VisualInputs | None = None
+    parent: str | None = None  # uid of the main trajectory for sub-agents
+    num_frames: int = 0  # overview budget K (main) or crop frames (sub)
+    turns: list[Turn] = field(default_factory=list)
+    answer_text: str = ""  # the full generated text of the main agent (all turns, for rewards)
+    reward: float = 0.0
+    reward_breakdown: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    # Extra model inputs aligned with tokens (e.g. mm_token_type_ids), filled by the builder.
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.tokens) == len(self.loss_mask) == len(self.logprobs)):
+            raise ValueError(
+                f"trajectory {self.uid}: tokens ({len(self.tokens)}), loss_mask "
+                f"({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) differ in length"
+            )
+
+
+@dataclass
+class Group:
+    """The G main trajectories of one prompt (plus their sub-agents), sharing frame budget K."""
+
+    sample: Sample
+    group_id: int
+    num_frames: int
+    trajectories: list[Trajectory]  # main agents
+    sub_trajectories: list[Trajectory] = field(default_factory=list)
+
+
+@dataclass
+class PackedBatch:
+    """A padding-free batch: sequences concatenated, boundaries in ``cu_seqlens``."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    cu_seqlens: torch.Tensor  # (B+1,) int32
+    loss_mask: torch.Tensor  # (N,) float32, 1 on tokens to train (already shifted: see algo)
+    old_logprobs: torch.Tensor  # (N,) float32 behaviour log-probs
+    advantages: torch.Tensor  # (N,) float32 per-token advantages
+    seq_weights: torch.Tensor  # (B,) float32 per-sequence loss weight (sub-agent 1/num_sub)
+    uids: list[str] = field(default_factory=list)
+    visuals: list[VisualInputs | None] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
