@@ -1,0 +1,1 @@
+"""paravt_kernels"""
