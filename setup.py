@@ -7,7 +7,9 @@
 from setuptools import find_packages, setup
 
 packages = find_packages(include=["paravt", "paravt.*"])
-packages += ["paravt_kernels" + p[len("kernels") :] for p in find_packages(include=["kernels", "kernels.*"])]
+packages += [
+    "paravt_kernels" + p[len("kernels") :] for p in find_packages(include=["kernels", "kernels.*"])
+]
 
 setup(
     packages=packages,
