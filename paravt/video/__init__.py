@@ -1,1 +1,40 @@
+"""Video: probe, frame-accurate decode (PyAV on CPU, DALI on GPU), sampling, decode planner.
 
+Frame rule shared by every backend: the frame returned for time ``t`` (seconds from the first
+frame) is the last frame whose presentation time is ``<= t``.
+"""
+
+from paravt.video.cache import FrameCache
+from paravt.video.errors import VideoError
+from paravt.video.planner import (
+    BACKENDS,
+    DecodePlanner,
+    crop_request,
+    decode,
+    overview_request,
+)
+from paravt.video.probe import StreamIndex, clear_probe_cache, probe, stream_index
+from paravt.video.sampling import (
+    crop_timestamps,
+    frame_size_for_budget,
+    overview_timestamps,
+    resize_frames,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DecodePlanner",
+    "FrameCache",
+    "StreamIndex",
+    "VideoError",
+    "clear_probe_cache",
+    "crop_request",
+    "crop_timestamps",
+    "decode",
+    "frame_size_for_budget",
+    "overview_request",
+    "overview_timestamps",
+    "probe",
+    "resize_frames",
+    "stream_index",
+]

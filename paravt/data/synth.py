@@ -1,0 +1,514 @@
+"""The synthetic long-video task: real encoded videos where cropping pays.
+
+``python -m paravt.data.synth --out DIR --num-videos N --seed S [--codec h264|vp9]`` writes::
+
+    DIR/videos/vid_0000.mp4 ...   real H.264 (libx264) or VP9 (libvpx) files
+    DIR/train.jsonl DIR/val.jsonl  one question per row (mcq | oe | tvg), paths relative to DIR
+    DIR/sft.jsonl                  oracle tool-use trajectories for the train rows
+    DIR/manifest.json              the parameters; a rerun with the same ones is a no-op
+
+Each video (``min_duration``–``max_duration`` s, ``fps`` frames/s, low resolution) shows a
+dark background with a small moving dot. Once, for 20–30 s, the background changes to a cue
+colour (blue, green, purple or brown); inside that cue window a coloured shape (the *target*)
+appears for 2–4 s. Distractor shapes (other colour/shape pairs) appear outside the cue window.
+A 4-frame overview usually misses the 2–4 s target, a 64-frame overview (spacing <= 2.9 s at
+180 s) catches it, and even a sparse overview usually sees the 20–30 s cue, so an agent can
+localise the cue and crop it. Every frame carries its display index as a strip of 16
+black/white blocks across the top (``read_frame_index``), large enough to survive the encoder
+at the quality used here, so tests can check decoded frames exactly.
+
+Everything derives from ``seed``: the same seed gives byte-identical JSONL files (and
+byte-identical videos: the encoders run single-threaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+# Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS
+# equal blocks (MSB first). At 160x128 a block is 10x16 px: at crf 15 H.264 keeps its mean
+# within a few levels of 0/255.
+INDEX_BITS = 16
+STRIP_FRAC = 1 / 8
+DEFAULT_SIZE = (128, 160)  # (height, width): macroblock-aligned, Qwen-VL factor-friendly
+DEFAULT_FPS = 4.0
+DEFAULT_GOP = 16
+
+BACKGROUND = (40, 40, 40)
+CUE_COLOURS = {
+    "blue": (30, 60, 170),
+    "green": (30, 120, 50),
+    "purple": (110, 40, 140),
+    "brown": (120, 75, 30),
+}
+SHAPE_COLOURS = {
+    "red": (230, 30, 30),
+    "yellow": (240, 230, 40),
+    "white": (250, 250, 250),
+    "cyan": (40, 230, 230),
+    "magenta": (230, 40, 230),
+    "orange": (250, 140, 20),
+}
+SHAPES = ("square", "circle", "triangle")
+ENCODERS = {"h264": ("libx264", ".mp4"), "vp9": ("libvpx-vp9", ".webm")}
+
+
+# ------------------------------------------------------------------------ frame index strip
+def _strip_geometry(h: int, w: int) -> tuple[int, list[tuple[int, int]]]:
+    strip_h = max(1, round(h * STRIP_FRAC))
+    edges = [round(b * w / INDEX_BITS) for b in range(INDEX_BITS + 1)]
+    return strip_h, [(edges[b], edges[b + 1]) for b in range(INDEX_BITS)]
+
+
+def draw_frame_index(frame: np.ndarray, index: int) -> None:
+    """Write ``index`` (0 <= index < 2**16) into the top strip of ``frame`` (H, W, 3) in place."""
+    if not 0 <= index < 2**INDEX_BITS:
+        raise ValueError(f"frame index {index} does not fit in {INDEX_BITS} bits")
+    h, w = frame.shape[:2]
+    strip_h, blocks = _strip_geometry(h, w)
+    for b, (x0, x1) in enumerate(blocks):
+        bit = (index >> (INDEX_BITS - 1 - b)) & 1
+        frame[:strip_h, x0:x1] = 255 if bit else 0
+
+
+def read_frame_index(frame: torch.Tensor | np.ndarray) -> int:
+    """Decode the index embedded by ``draw_frame_index`` from an (H, W, 3) uint8 RGB frame.
+
+    Reads the mean of the central half of each block (away from block edges, where the codec
+    and resizing blur); a block must be clearly dark (< 64) or bright (> 191), else the frame
+    carries no readable index and ``ValueError`` says which block failed. Works on resized
+    frames down to ~4 px per block.
+    """
+    a = frame.numpy() if isinstance(frame, torch.Tensor) else np.asarray(frame)
+    if a.ndim != 3 or a.shape[-1] != 3:
+        raise ValueError(f"read_frame_index: expected an (H, W, 3) frame, got {a.shape}")
+    h, w = a.shape[:2]
+    strip_h, blocks = _strip_geometry(h, w)
+    y0, y1 = strip_h // 4, max(strip_h // 4 + 1, (3 * strip_h) // 4)
+    value = 0
+    for b, (x0, x1) in enumerate(blocks):
+        q = (x1 - x0) // 4
+        m = float(a[y0:y1, x0 + q : max(x0 + q + 1, x1 - q)].astype(np.float32).mean())
+        if 64 <= m <= 191:
+            raise ValueError(
+                f"read_frame_index: block {b} has mean {m:.0f} (neither black nor white); "
+                "the frame has no embedded index or was resized below ~4 px per block"
+            )
+        value = (value << 1) | int(m > 127.5)
+    return value
+
+
+# ---------------------------------------------------------------------------- video writing
+def write_video(
+    path: str | Path,
+    frames: Iterable[np.ndarray],
+    *,
+    fps: float = DEFAULT_FPS,
+    gop: int = DEFAULT_GOP,
+    codec: str = "h264",
+    crf: int = 15,
+) -> Path:
+    """Encode RGB uint8 frames (H, W, 3) to ``path`` with a fixed GOP (keyframe every ``gop``
+    frames, scene-cut keyframes off) and constant frame rate ``fps``. Single-threaded, so the
+    output is byte-deterministic. ``codec``: 'h264' (libx264, .mp4) or 'vp9' (libvpx, .webm).
+    """
+    if codec not in ENCODERS:
+        raise ValueError(f"write_video: codec '{codec}' is not one of {sorted(ENCODERS)}")
+    if gop < 1:
+        raise ValueError(f"write_video: gop={gop} must be >= 1")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rate = Fraction(fps).limit_denominator(1001)
+    container = av.open(str(path), "w")
+    try:
+        stream = container.add_stream(ENCODERS[codec][0], rate=rate)
+        stream.pix_fmt = "yuv420p"
+        stream.gop_size = gop
+        stream.thread_count = 1
+        if codec == "h264":
+            # keyint_min=gop + scenecut=0: keyframes exactly every `gop` frames.
+            stream.options = {
+                "crf": str(crf),
+                "preset": "veryfast",
+                "threads": "1",
+                "x264-params": f"scenecut=0:keyint={gop}:min-keyint={gop}",
+            }
+        else:
+            stream.options = {
+                "crf": str(crf),
+                "b": "0",
+                "deadline": "realtime",
+                "cpu-used": "8",
+                "threads": "1",
+                "lag-in-frames": "0",
+                "auto-alt-ref": "0",
+                "keyint_min": str(gop),
+            }
+        first = True
+        for i, rgb in enumerate(frames):
+            if first:
+                stream.height, stream.width = rgb.shape[:2]
+                first = False
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+        if first:
+            raise ValueError(f"write_video: no frames given for {path}")
+        container.mux(stream.encode(None))
+    finally:
+        container.close()
+    return path
+
+
+def write_index_clip(
+    path: str | Path,
+    *,
+    duration: float = 10.0,
+    fps: float = DEFAULT_FPS,
+    gop: int = DEFAULT_GOP,
+    codec: str = "h264",
+    size: tuple[int, int] = DEFAULT_SIZE,
+) -> Path:
+    """A plain test clip: ``round(duration * fps)`` frames, each with its index strip and a
+    moving dot (so P/B frames carry real motion). Returns ``path``."""
+    h, w = size
+    n = round(duration * fps)
+
+    def gen() -> Iterable[np.ndarray]:
+        for i in range(n):
+            f = np.empty((h, w, 3), np.uint8)
+            f[:] = BACKGROUND
+            x = (i * 3) % max(1, w - 8)
+            f[h // 2 : h // 2 + 8, x : x + 8] = 200
+            draw_frame_index(f, i)
+            yield f
+
+    return write_video(path, gen(), fps=fps, gop=gop, codec=codec)
+
+
+# ------------------------------------------------------------------------------ the task
+@dataclass
+class Event:
+    colour: str
+    shape: str
+    start: float
+    end: float
+    x: int
+    y: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.colour} {self.shape}"
+
+
+@dataclass
+class VideoPlan:
+    name: str
+    duration: float
+    cue: str
+    cue_start: float
+    cue_end: float
+    target: Event
+    distractors: list[Event]
+
+
+def _half(x: float) -> float:
+    return round(x * 2) / 2
+
+
+def _plan_video(
+    rng: random.Random, name: str, min_d: float, max_d: float, size: tuple[int, int]
+) -> VideoPlan:
+    h, w = size
+    duration = _half(rng.uniform(min_d, max_d))
+    cue_len = min(_half(rng.uniform(20, 30)), duration - 10)
+    cue_start = _half(rng.uniform(5, duration - cue_len - 5))
+    cue_end = cue_start + cue_len
+    ev_len = _half(rng.uniform(2, 4))
+    ev_start = _half(rng.uniform(cue_start + 2, max(cue_start + 2, cue_end - ev_len - 2)))
+    shape_side = max(8, min(h, w) // 3)
+
+    def pos() -> tuple[int, int]:
+        top = round(h * STRIP_FRAC) + 4
+        return rng.randrange(4, w - shape_side - 4), rng.randrange(top, h - shape_side - 4)
+
+    pairs = [(c, s) for c in SHAPE_COLOURS for s in SHAPES]
+    rng.shuffle(pairs)
+    target = Event(*pairs[0], ev_start, ev_start + ev_len, *pos())
+    distractors: list[Event] = []
+    busy = [(cue_start - 1, cue_end + 1)]
+    for c, s in pairs[1 : 1 + rng.randint(2, 3)]:
+        for _ in range(20):  # rejection-sample a free slot outside the cue window
+            d_len = _half(rng.uniform(2, 4))
+            d_start = _half(rng.uniform(1, duration - d_len - 1))
+            if all(d_start + d_len + 1 <= a or d_start >= b + 1 for a, b in busy):
+                distractors.append(Event(c, s, d_start, d_start + d_len, *pos()))
+                busy.append((d_start, d_start + d_len))
+                break
+    distractors.sort(key=lambda e: e.start)
+    cue = rng.choice(sorted(CUE_COLOURS))
+    return VideoPlan(name, duration, cue, cue_start, cue_end, target, distractors)
+
+
+def _shape_mask(shape: str, side: int) -> np.ndarray:
+    yy, xx = np.mgrid[0:side, 0:side]
+    if shape == "square":
+        return np.ones((side, side), bool)
+    if shape == "circle":
+        r = (side - 1) / 2
+        return (yy - r) ** 2 + (xx - r) ** 2 <= r * r
+    # triangle, apex up
+    return np.abs(xx - (side - 1) / 2) <= yy / 2
+
+
+def _render(plan: VideoPlan, fps: float, size: tuple[int, int]) -> Iterable[np.ndarray]:
+    h, w = size
+    side = max(8, min(h, w) // 3)
+    masks = {s: _shape_mask(s, side) for s in SHAPES}
+    events = [plan.target, *plan.distractors]
+    for i in range(round(plan.duration * fps)):
+        t = i / fps
+        f = np.empty((h, w, 3), np.uint8)
+        in_cue = plan.cue_start <= t < plan.cue_end
+        f[:] = CUE_COLOURS[plan.cue] if in_cue else BACKGROUND
+        x = (i * 2) % max(1, w - 6)
+        f[h - 10 : h - 4, x : x + 6] = 160
+        for e in events:
+            if e.start <= t < e.end:
+                region = f[e.y : e.y + side, e.x : e.x + side]
+                region[masks[e.shape]] = SHAPE_COLOURS[e.colour]
+        draw_frame_index(f, i)
+        yield f
+
+
+def _fmt(t: float) -> str:
+    return f"{t:.1f}"
+
+
+def _rows(plan: VideoPlan, rel_video: str, rng: random.Random, seed: int) -> list[dict]:
+    base = {
+        "video": rel_video,
+        "event_start": plan.target.start,
+        "event_end": plan.target.end,
+    }
+    vid = f"synth-s{seed}-{plan.name}"
+    others = sorted({e.name for e in plan.distractors} - {plan.target.name})
+    pool = [f"{c} {s}" for c in SHAPE_COLOURS for s in SHAPES]
+    fill = [p for p in pool if p != plan.target.name and p not in others]
+    rng.shuffle(fill)
+    options = [plan.target.name, *others[:3], *fill][:4]
+    rng.shuffle(options)
+    letter = "ABCD"[options.index(plan.target.name)]
+    lettered = "\n".join(f"{'ABCD'[j]}. {o}" for j, o in enumerate(options))
+    return [
+        {
+            "id": f"{vid}-mcq",
+            **base,
+            "question": (
+                f"While the background is {plan.cue}, a coloured shape briefly appears. "
+                f"Which one is it?\n{lettered}\nAnswer with the option's letter."
+            ),
+            "answer": letter,
+            "question_type": "mcq",
+            "options": options,
+        },
+        {
+            "id": f"{vid}-oe",
+            **base,
+            "question": (
+                f"What coloured shape briefly appears while the background is {plan.cue}? "
+                "Answer with its colour and shape, e.g. 'blue circle'."
+            ),
+            "answer": plan.target.name,
+            "question_type": "oe",
+        },
+        {
+            "id": f"{vid}-tvg",
+            **base,
+            "question": (
+                f"During which seconds of the video is the {plan.target.name} visible? "
+                "Answer as start-end in seconds, e.g. '12.0-15.5'."
+            ),
+            "answer": f"{_fmt(plan.target.start)}-{_fmt(plan.target.end)}",
+            "question_type": "tvg",
+        },
+    ]
+
+
+def _tool_call(start: float, end: float) -> str:
+    call = {"name": "crop_video", "arguments": {"start_time": start, "end_time": end}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def _sft(row: dict, plan: VideoPlan, rng: random.Random, num_frames: int) -> dict:
+    n_crops = rng.choice((2, 3))
+    a, b = plan.cue_start, plan.cue_end
+    edges = [round(a + (b - a) * j / n_crops, 1) for j in range(n_crops + 1)]
+    windows = list(zip(edges[:-1], edges[1:]))
+    tgt = plan.target
+    summaries, hit = [], None
+    for j, (s, e) in enumerate(windows):
+        if tgt.start < e and tgt.end > s:
+            vis_s, vis_e = max(tgt.start, s), min(tgt.end, e)
+            summaries.append(
+                f"The background is {plan.cue}. A {tgt.name} is visible from "
+                f"{_fmt(vis_s)} s to {_fmt(vis_e)} s."
+            )
+            hit = j if hit is None else hit
+        else:
+            summaries.append(f"The background is {plan.cue}. Nothing else notable happens.")
+    first = (
+        f"<think>\nThe background turns {plan.cue} around {a:.0f}-{b:.0f} s; the shape should "
+        f"appear in that part, so I will look closer at {n_crops} pieces of it.\n</think>\n"
+        + "\n".join(_tool_call(s, e) for s, e in windows)
+    )
+    final = (
+        f"<think>\nCrop {hit + 1} shows a {tgt.name} from {_fmt(tgt.start)} s to "
+        f"{_fmt(tgt.end)} s.\n</think>\n<answer>{row['answer']}</answer>"
+    )
+    return {
+        "sample_id": row["id"],
+        "num_frames": num_frames,
+        "turns": [
+            {"role": "assistant", "content": first},
+            {"role": "tool", "content": summaries},
+            {"role": "assistant", "content": final},
+        ],
+    }
+
+
+def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def generate(
+    out_dir: str | Path,
+    num_videos: int,
+    seed: int = 0,
+    *,
+    codec: str = "h264",
+    min_duration: float = 60,
+    max_duration: float = 180,
+    fps: float = DEFAULT_FPS,
+    gop: int = DEFAULT_GOP,
+    size: tuple[int, int] = DEFAULT_SIZE,
+    val_fraction: float = 0.2,
+    sft_frames: int = 16,
+) -> Path:
+    """Write the synthetic task into ``out_dir`` and return it (see the module docstring).
+
+    Videos ``v >= num_videos - round(val_fraction * num_videos)`` (at least one when
+    ``num_videos >= 2``) form the validation split; each video yields one mcq, one oe and one
+    tvg row. If ``out_dir/manifest.json`` records the same parameters and every file exists,
+    nothing is rewritten.
+    """
+    if num_videos < 1:
+        raise ValueError(f"generate: num_videos={num_videos} must be >= 1")
+    if codec not in ENCODERS:
+        raise ValueError(f"generate: codec '{codec}' is not one of {sorted(ENCODERS)}")
+    if not 30 <= min_duration <= max_duration:
+        raise ValueError(
+            f"generate: need 30 <= min_duration ({min_duration}) <= max_duration "
+            f"({max_duration}) seconds (the cue window alone is 20-30 s)"
+        )
+    out = Path(out_dir)
+    params = {
+        "version": 1,
+        "num_videos": num_videos,
+        "seed": seed,
+        "codec": codec,
+        "min_duration": min_duration,
+        "max_duration": max_duration,
+        "fps": fps,
+        "gop": gop,
+        "size": list(size),
+        "val_fraction": val_fraction,
+        "sft_frames": sft_frames,
+    }
+    manifest = out / "manifest.json"
+    ext = ENCODERS[codec][1]
+    names = [f"vid_{v:04d}" for v in range(num_videos)]
+    files = [out / "videos" / f"{n}{ext}" for n in names]
+    files += [out / f for f in ("train.jsonl", "val.jsonl", "sft.jsonl")]
+    if manifest.exists() and all(f.exists() for f in files):
+        try:
+            if json.loads(manifest.read_text())["params"] == params:
+                return out
+        except (ValueError, KeyError):
+            pass  # unreadable manifest: regenerate
+    out.mkdir(parents=True, exist_ok=True)
+    n_val = 0 if num_videos < 2 else max(1, round(val_fraction * num_videos))
+    train, val, sft, plans = [], [], [], []
+    for v, name in enumerate(names):
+        # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
+        rng = random.Random(f"paravt-synth:{seed}:{v}")
+        plan = _plan_video(rng, name, min_duration, max_duration, size)
+        plans.append(asdict(plan))
+        rel = f"videos/{name}{ext}"
+        # Write-then-rename: a crashed or concurrent (multi-rank) run never leaves a
+        # half-written video under the final name.
+        tmp = out / "videos" / f".{name}.{os.getpid()}.tmp{ext}"
+        write_video(tmp, _render(plan, fps, size), fps=fps, gop=gop, codec=codec)
+        os.replace(tmp, out / rel)
+        rows = _rows(plan, rel, rng, seed)
+        if v < num_videos - n_val:
+            train.extend(rows)
+            sft.extend(_sft(r, plan, rng, sft_frames) for r in rows)
+        else:
+            val.extend(rows)
+    _write_jsonl(out / "train.jsonl", train)
+    _write_jsonl(out / "val.jsonl", val)
+    _write_jsonl(out / "sft.jsonl", sft)
+    manifest.write_text(json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m paravt.data.synth", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--num-videos", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--codec", choices=sorted(ENCODERS), default="h264")
+    p.add_argument("--min-duration", type=float, default=60)
+    p.add_argument("--max-duration", type=float, default=180)
+    p.add_argument("--fps", type=float, default=DEFAULT_FPS)
+    p.add_argument("--gop", type=int, default=DEFAULT_GOP)
+    p.add_argument("--sft-frames", type=int, default=16, help="overview K of the SFT rows")
+    a = p.parse_args(argv)
+    out = generate(
+        a.out,
+        a.num_videos,
+        a.seed,
+        codec=a.codec,
+        min_duration=a.min_duration,
+        max_duration=a.max_duration,
+        fps=a.fps,
+        gop=a.gop,
+        sft_frames=a.sft_frames,
+    )
+    n = {s: sum(1 for _ in open(out / f"{s}.jsonl")) for s in ("train", "val", "sft")}
+    print(
+        f"wrote {a.num_videos} videos to {out}: {n['train']} train / {n['val']} val rows, "
+        f"{n['sft']} sft trajectories"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The one exception type of ``paravt.video``."""
+
+from __future__ import annotations
+
+
+class VideoError(Exception):
+    """Bad video input: missing, empty, truncated or undecodable file, or a time outside it.
+
+    The message always names the file and the problem (and, where there is one, the fix), so a
+    failed sample can be logged and skipped without a traceback hunt.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+    def __reduce__(self):  # picklable across worker processes despite the 2-arg __init__
+        return (type(self), (self.path, self.problem))

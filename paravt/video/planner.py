@@ -1,0 +1,289 @@
+"""``DecodePlanner``: every frame request of a step decoded in one planned pass per file.
+
+The reference pattern opens, seeks and decodes once per crop (and re-probes each time). Here
+all requests of a step (overviews + all crop windows of all G rollouts) go in together:
+
+1. group requests by file and probe each file once (cached);
+2. map each request's times to display-order frame indices (one rule for every backend);
+3. look each ``(file, index, size)`` up in the LRU cache; the union of misses is decoded in
+   ONE pass per file (sorted indices, one seek per needed GOP, each frame decoded at most
+   once; see ``pyav_backend``);
+4. resize once per ``(frame, size)`` (one batched call per size), fill the cache;
+5. assemble one ``FrameBatch`` per request, in request order.
+
+Errors are per request: a missing/empty/truncated/undecodable file fails the requests on that
+file, a time outside the video fails only that request; everything else is still served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from paravt.types import CropRequest, FrameBatch, FrameRequest
+from paravt.video import dali_backend, pyav_backend
+from paravt.video.cache import FrameCache
+from paravt.video.errors import VideoError
+from paravt.video.probe import StreamIndex, stream_index
+from paravt.video.sampling import (
+    crop_timestamps,
+    frame_size_for_budget,
+    overview_timestamps,
+    resize_frames,
+)
+
+BACKENDS = {"pyav": pyav_backend.decode_indices, "dali": dali_backend.decode_indices}
+_ITER_BACKENDS = {"pyav": pyav_backend.iter_indices, "dali": dali_backend.iter_indices}
+
+# Frames resized per call: large enough to amortise the call, small enough that the stacked
+# native frames stay in cache-sized memory (32 x 1080p RGB = 200 MB would not).
+_RESIZE_CHUNK = 32
+
+_STAT_KEYS = (
+    "requests",
+    "failed_requests",
+    "frames_requested",
+    "frames_decoded",
+    "frames_resized",
+    "cache_hits",
+    "seeks",
+    "files_opened",
+    "peak_frame_bytes",
+)
+
+
+def _stack(frames: list[np.ndarray]) -> torch.Tensor:
+    """Stack (H, W, 3) uint8 arrays into a (T, H, W, 3) tensor. Frames live as numpy arrays
+    inside the planner: torch's CPU stack/clone split small copies over OpenMP threads, and on
+    a busy machine (rollout workers, dataloaders) ``torch.stack`` of 32 frames of 320x240
+    measured 0.76 s against numpy's 0.007 s."""
+    return torch.from_numpy(np.stack(frames))
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"video backend '{backend}' is not one of {sorted(BACKENDS)}")
+
+
+def _check_size(path: str, size: tuple[int, int] | None) -> tuple[int, int] | None:
+    if size is None:
+        return None
+    if len(size) != 2 or int(size[0]) <= 0 or int(size[1]) <= 0:
+        raise VideoError(path, f"requested frame size {size} must be (height, width) > 0")
+    return int(size[0]), int(size[1])
+
+
+class DecodePlanner:
+    """Decode many frame requests with one pass per file and a shared LRU frame cache.
+
+    ``stats`` accumulates over calls: ``frames_requested`` (sum of request lengths),
+    ``frames_decoded`` (frames out of the decoder), ``frames_resized``, ``cache_hits``
+    (distinct ``(file, frame, size)`` served from the cache), ``seeks``, ``files_opened``,
+    ``requests``, ``failed_requests``; ``peak_frame_bytes`` is the most frame memory one file's
+    plan held at once (kept frames + the resize chunks in flight; a max, not a sum).
+
+    Not thread-safe: use one planner per thread, or serialise ``run`` calls.
+    """
+
+    def __init__(
+        self, backend: str = "pyav", cache_frames: int = 4096, cache_bytes: int = 2 << 30
+    ) -> None:
+        _check_backend(backend)
+        self.backend = backend
+        self.cache = FrameCache(cache_frames, cache_bytes)
+        self.stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+
+    def run(self, requests: list[FrameRequest]) -> list[FrameBatch | VideoError]:
+        """One result per request, in order: a ``FrameBatch`` or the ``VideoError`` for it."""
+        results: list[FrameBatch | VideoError | None] = [None] * len(requests)
+        by_file: dict[str, list[int]] = {}
+        for r, req in enumerate(requests):
+            by_file.setdefault(str(req.video), []).append(r)
+            self.stats["requests"] += 1
+            self.stats["frames_requested"] += len(req.timestamps)
+        for path, rids in by_file.items():
+            self._run_file(path, [(r, requests[r]) for r in rids], results)
+        self.stats["failed_requests"] += sum(isinstance(x, VideoError) for x in results)
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------------------ per file
+    def _run_file(
+        self,
+        path: str,
+        reqs: list[tuple[int, FrameRequest]],
+        results: list[FrameBatch | VideoError | None],
+    ) -> None:
+        try:
+            sidx = stream_index(path)
+        except Exception as e:  # noqa: BLE001 - one bad file must never stop the step
+            err = e if isinstance(e, VideoError) else VideoError(path, f"probe failed: {e!r}")
+            for r, _ in reqs:
+                results[r] = err
+            return
+        fid = (path, sidx.file_key)
+        # Per request: frame indices and output size; bad times fail that request only.
+        plans: list[tuple[int, FrameRequest, list[int], tuple[int, int] | None]] = []
+        for r, req in reqs:
+            try:
+                size = _check_size(path, req.size)
+                if not req.timestamps:
+                    raise VideoError(path, f"request '{req.tag}' has no timestamps")
+                plans.append((r, req, sidx.indices_at(req.timestamps), size))
+            except VideoError as e:
+                results[r] = e
+        # Frames this call needs, per size; held locally so a small cache cannot evict a
+        # frame between decoding it and assembling the batches.
+        have: dict[tuple[int, tuple[int, int] | None], np.ndarray] = {}
+        need_native: set[int] = set()
+        to_resize: dict[tuple[int, int], set[int]] = {}
+        for _, _, idx, size in plans:
+            for i in idx:
+                if (i, size) in have:
+                    continue
+                hit = self.cache.get((fid, i, size))
+                if hit is not None:
+                    have[(i, size)] = hit
+                    self.stats["cache_hits"] += 1
+                    continue
+                if size is not None:
+                    to_resize.setdefault(size, set()).add(i)
+                    native = self.cache.get((fid, i, None))
+                    if native is not None:
+                        have[(i, None)] = native
+                        continue
+                need_native.add(i)
+        # Native frames are kept only when someone asked for the native size: at real
+        # resolutions a native frame is ~6 MB, a budgeted one ~0.1-0.6 MB. The others stream
+        # through per-size chunks and are resized as soon as a chunk fills.
+        native_wanted = {i for _, _, idx, size in plans if size is None for i in idx}
+        sizes_of: dict[int, list[tuple[int, int]]] = {}
+        for size, ids in to_resize.items():
+            for i in ids:
+                sizes_of.setdefault(i, []).append(size)
+        pending: dict[tuple[int, int], list[tuple[int, np.ndarray]]] = {s: [] for s in to_resize}
+
+        pending_peak = 0
+
+        def flush(size: tuple[int, int]) -> None:
+            nonlocal pending_peak
+            chunk = pending[size]
+            if not chunk:
+                return
+            pending_peak = max(pending_peak, sum(a.nbytes for p in pending.values() for _, a in p))
+            small = resize_frames(_stack([a for _, a in chunk]), size).numpy()
+            for j, (i, _) in enumerate(chunk):
+                frame = small[j].copy()  # own storage: a view would pin the whole chunk
+                have[(i, size)] = frame
+                self.cache.put((fid, i, size), frame)
+            self.stats["frames_resized"] += len(chunk)
+            pending[size] = []
+
+        def take(i: int, native: np.ndarray) -> None:
+            if i in native_wanted:
+                have[(i, None)] = native
+                self.cache.put((fid, i, None), native)
+            for size in sizes_of.get(i, ()):
+                if (i, size) not in have:
+                    pending[size].append((i, native))
+                    if len(pending[size]) >= _RESIZE_CHUNK:
+                        flush(size)
+
+        for (i, size), frame in list(have.items()):
+            if size is None:  # native frames that came from the cache
+                take(i, frame)
+        error: VideoError | None = None
+        try:
+            for i, native in self._iter_decode(sidx, sorted(need_native)):
+                take(i, native)
+        except VideoError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - a decoder bug on an odd file fails that file only
+            error = VideoError(path, f"{self.backend} decoder failed: {e!r}")
+        for size in pending:
+            flush(size)
+        held = sum(a.nbytes for a in have.values()) + pending_peak
+        self.stats["peak_frame_bytes"] = max(self.stats["peak_frame_bytes"], held)
+        if error is not None:
+            # Fail the requests that still lack a frame; requests served from the cache or
+            # from frames decoded before the failure still succeed.
+            for r, _, idx, size in plans:
+                if any((i, size) not in have for i in idx):
+                    results[r] = error
+            plans = [p for p in plans if results[p[0]] is None]
+        for r, req, idx, size in plans:
+            results[r] = FrameBatch(
+                frames=_stack([have[(i, size)] for i in idx]),
+                timestamps=torch.tensor([float(t) for t in req.timestamps], dtype=torch.float64),
+                indices=torch.tensor(idx, dtype=torch.int64),
+                video=path,
+            )
+
+    def _iter_decode(
+        self, sidx: StreamIndex, indices: list[int]
+    ) -> Iterator[tuple[int, np.ndarray]]:
+        for i, a in _ITER_BACKENDS[self.backend](sidx, indices, self.stats):
+            yield i, np.ascontiguousarray(a)
+
+
+def decode(
+    path: str,
+    timestamps: Sequence[float],
+    *,
+    backend: str = "pyav",
+    size: tuple[int, int] | None = None,
+) -> FrameBatch:
+    """Frames of ``path`` displayed at each time in ``timestamps`` (seconds from the first
+    frame), optionally resized to ``size = (h, w)``.
+
+    Returns ``FrameBatch(frames (T, H, W, 3) uint8 RGB, timestamps (T,), indices (T,))``; the
+    frame for ``t`` is the last one with pts ``<= t``. Opens the file once, no cache. Raises
+    ``VideoError`` for bad input.
+    """
+    _check_backend(backend)
+    path = str(path)
+    sidx = stream_index(path)
+    size = _check_size(path, size)
+    if len(timestamps) == 0:
+        raise VideoError(path, "no timestamps requested")
+    idx = sidx.indices_at(timestamps)
+    uniq = sorted(set(idx))
+    frames = BACKENDS[backend](sidx, uniq, None)
+    stacked = torch.from_numpy(np.stack([frames[i] for i in uniq]))
+    if size is not None:
+        stacked = resize_frames(stacked, size)
+    pos = {i: j for j, i in enumerate(uniq)}
+    return FrameBatch(
+        frames=stacked[[pos[i] for i in idx]].contiguous(),
+        timestamps=torch.tensor([float(t) for t in timestamps], dtype=torch.float64),
+        indices=torch.tensor(idx, dtype=torch.int64),
+        video=path,
+    )
+
+
+def overview_request(
+    path: str, k: int, *, min_pixels: int, max_pixels: int, factor: int = 32, tag: str = "overview"
+) -> FrameRequest:
+    """The ``FrameRequest`` for a K-frame overview of ``path`` at a pixel budget (probes the
+    file; raises ``VideoError``). ``factor`` = patch size × merge size (32 for Qwen3-VL)."""
+    meta = stream_index(str(path)).meta
+    size = frame_size_for_budget(meta, min_pixels, max_pixels, factor)
+    return FrameRequest(str(path), tuple(overview_timestamps(meta, k)), size, tag)
+
+
+def crop_request(crop: CropRequest, *, factor: int = 32, tag: str = "crop") -> FrameRequest:
+    """The ``FrameRequest`` for a crop window: clamped to the video, sampled at ``crop.fps``
+    (``min_frames``..``max_frames``), sized by ``crop``'s pixel budget. Raises ``VideoError``
+    (bad file, or a window empty/outside the video after clamping)."""
+    meta = stream_index(str(crop.video)).meta
+    ts = crop_timestamps(
+        meta,
+        crop.start,
+        crop.end,
+        fps=crop.fps,
+        max_frames=crop.max_frames,
+        min_frames=crop.min_frames,
+    )
+    size = frame_size_for_budget(meta, crop.min_pixels, crop.max_pixels, factor)
+    return FrameRequest(str(crop.video), tuple(ts), size, tag)

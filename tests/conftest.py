@@ -1,0 +1,47 @@
+"""Session-scoped fixtures shared across the suite. Keep this file small.
+
+- ``synth_dir``: a small synthetic long-video task (3 videos of 60 s, H.264) generated once.
+- ``make_clip``: ``make_clip(gop=12, codec="h264", fps=4.0, duration=10.0, size=(128, 160))``
+  writes (once per parameter set) a real clip whose frames carry their index (read it back
+  with ``paravt.data.synth.read_frame_index``) and returns its path as ``str``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from paravt.data.synth import generate
+
+    return generate(tmp_path_factory.mktemp("synth"), 3, seed=0, min_duration=60, max_duration=60)
+
+
+@pytest.fixture(scope="session")
+def make_clip(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    from paravt.data.synth import ENCODERS, write_index_clip
+
+    root = tmp_path_factory.mktemp("clips")
+    made: dict[tuple, str] = {}
+
+    def _make(
+        gop: int = 12,
+        codec: str = "h264",
+        fps: float = 4.0,
+        duration: float = 10.0,
+        size: tuple[int, int] = (128, 160),
+    ) -> str:
+        key = (gop, codec, float(fps), float(duration), tuple(size))
+        if key not in made:
+            name = f"clip_g{gop}_f{fps:g}_d{duration:g}_{size[0]}x{size[1]}{ENCODERS[codec][1]}"
+            write_index_clip(
+                root / name, duration=duration, fps=fps, gop=gop, codec=codec, size=size
+            )
+            made[key] = str(root / name)
+        return made[key]
+
+    return _make
