@@ -95,6 +95,9 @@ class VisualInputs:
     pixel_values: torch.Tensor  # (sum_i t_i*h_i*w_i, C*tp*p*p) float32
     grid_thw: torch.Tensor  # (n_segments, 3) int64
     kind: Literal["video", "image"] = "video"
+    # Qwen2.5-VL videos only: seconds per temporal patch, one per segment (its M-RoPE spaces
+    # temporal positions by this); None for Qwen3-VL, whose timestamps are text tokens.
+    second_per_grid_ts: torch.Tensor | None = None  # (n_segments,) float32
 
     @property
     def num_segments(self) -> int:
@@ -108,10 +111,12 @@ class VisualInputs:
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot concatenate visual inputs of kinds {sorted(kinds)}")
+        spg = [p.second_per_grid_ts for p in parts]
         return VisualInputs(
             torch.cat([p.pixel_values for p in parts]),
             torch.cat([p.grid_thw for p in parts]),
             parts[0].kind,
+            None if any(s is None for s in spg) else torch.cat(spg),  # type: ignore[arg-type]
         )
 
 
@@ -152,6 +157,10 @@ class Turn:
     text: str  # decoded generated text (forced prefix excluded)
     calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str = ""
+    # Forced text the engine was given right before ``text`` in this turn (the think prefix,
+    # plus ``agent.force_answer_text`` on a forced-answer turn); loss mask 0.
+    prefix: str = ""
+    forced_answer: bool = False  # True when the answer was forced after max_turns
 
 
 @dataclass

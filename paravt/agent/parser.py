@@ -1,0 +1,154 @@
+"""Tool-call parser: one turn's generated text -> ``ToolCall`` records, each judged on its own.
+
+A turn may hold several ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` blocks. Every
+block is parsed and validated independently, so one malformed call never discards the good
+calls beside it (the reference dropped the whole turn). Statuses (``paravt.types.ToolCall``):
+
+``bad_json``            the block is not a JSON object with a string ``name``
+``unknown_tool``        ``name`` is not ``crop_video``
+``bad_arguments``       ``arguments`` missing / not an object / a key missing, unknown or not a
+                        finite number (the video is always the sample's own: a path argument is
+                        rejected, never opened)
+``bad_range``           ``start_time >= end_time``
+``outside_video``       the window lies entirely outside ``[0, duration]``
+``over_parallel_limit`` the block is beyond the first ``max_parallel`` blocks of the turn
+``unclosed``            a final ``<tool_call>`` without ``</tool_call>`` (accepted and parsed
+                        instead when ``allow_unclosed_final_call``)
+
+Valid calls are clamped to ``[0, duration]`` (``ToolCall.start/end``); partly-outside windows
+are cropped to their inside part rather than rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+from paravt.types import ToolCall
+
+TOOL_NAME = "crop_video"
+ARG_NAMES = ("start_time", "end_time")
+_BLOCK_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN = "<tool_call>"
+
+
+def _number(v: object) -> float | None:
+    # bool is an int subclass in Python; JSON true is not a time.
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def parse_call(raw: str, *, duration: float) -> ToolCall:
+    """Parse and validate one block's content (the text between the tags)."""
+    call = ToolCall(raw=raw)
+    try:
+        obj = json.loads(raw.strip())
+    except json.JSONDecodeError as e:
+        call.status, call.error = "bad_json", f"the tool call is not valid JSON ({e.msg})"
+        return call
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        call.status = "bad_json"
+        call.error = 'the tool call must be a JSON object {"name": ..., "arguments": {...}}'
+        return call
+    call.name = obj["name"]
+    if call.name != TOOL_NAME:
+        call.status = "unknown_tool"
+        call.error = f"unknown tool '{call.name}'; the only tool is {TOOL_NAME}"
+        return call
+    args = obj.get("arguments")
+    if isinstance(args, str):  # some chat formats double-encode arguments
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(args, dict):
+        call.status = "bad_arguments"
+        call.error = f"{TOOL_NAME} needs an 'arguments' object with start_time and end_time"
+        return call
+    call.arguments = args
+    extra = sorted(set(args) - set(ARG_NAMES))
+    if extra:
+        call.status = "bad_arguments"
+        call.error = (
+            f"unknown argument(s) {', '.join(extra)}; {TOOL_NAME} takes only start_time and "
+            "end_time (the video is always the current one)"
+        )
+        return call
+    vals = {}
+    for k in ARG_NAMES:
+        if k not in args:
+            call.status, call.error = "bad_arguments", f"missing argument {k} (seconds)"
+            return call
+        v = _number(args[k])
+        if v is None:
+            call.status = "bad_arguments"
+            call.error = f"argument {k}={args[k]!r} must be a number of seconds"
+            return call
+        vals[k] = v
+    s, e = vals["start_time"], vals["end_time"]
+    if s >= e:
+        call.status = "bad_range"
+        call.error = f"start_time {s:g} s must be smaller than end_time {e:g} s"
+        return call
+    if e <= 0 or s >= duration:
+        call.status = "outside_video"
+        call.error = f"window [{s:g}, {e:g}] s is outside the video, which lasts {duration:.1f} s"
+        return call
+    call.start, call.end = max(s, 0.0), min(e, duration)
+    return call
+
+
+def parse_tool_calls(
+    text: str,
+    *,
+    duration: float,
+    max_parallel: int,
+    allow_unclosed_final: bool = False,
+) -> list[ToolCall]:
+    """All tool calls of one generated turn, in order, each with its status.
+
+    Blocks past the first ``max_parallel`` are not executed (``over_parallel_limit``) but are
+    still reported, so the model sees why and the metric counts them.
+    """
+    blocks: list[str] = []
+    pos = 0
+    for m in _BLOCK_RE.finditer(text):
+        blocks.append(m.group(1))
+        pos = m.end()
+    tail = text[pos:]
+    unclosed_raw: str | None = None
+    if _OPEN in tail:
+        unclosed_raw = tail[tail.index(_OPEN) + len(_OPEN) :]
+    calls: list[ToolCall] = []
+    items = [(b, False) for b in blocks]
+    if unclosed_raw is not None:
+        items.append((unclosed_raw, True))
+    for i, (raw, is_unclosed) in enumerate(items):
+        if i >= max_parallel:
+            calls.append(
+                ToolCall(
+                    raw=raw,
+                    status="over_parallel_limit",
+                    error=f"at most {max_parallel} tool calls run per turn; this was call {i + 1}",
+                )
+            )
+        elif is_unclosed and not allow_unclosed_final:
+            calls.append(
+                ToolCall(
+                    raw=raw,
+                    status="unclosed",
+                    error="the tool call was not closed with </tool_call>",
+                )
+            )
+        else:
+            calls.append(parse_call(_strip_end_markers(raw), duration=duration))
+    return calls
+
+
+def _strip_end_markers(raw: str) -> str:
+    for m in ("<|im_end|>", "<|endoftext|>"):
+        raw = raw.replace(m, "")
+    return raw

@@ -1,0 +1,118 @@
+"""Prompt texts and the tool schema, in the Qwen/Hermes chat layout.
+
+Everything the model reads that is not a video frame comes from this file, so SFT, RL and eval
+share one wording. The chat layout (``<|im_start|>role\\n…<|im_end|>\\n``) is written out here
+rather than produced by a chat template, because the agent appends token segments to a live
+context and must never re-template history (see ``paravt.agent.context``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from paravt.types import Sample, ToolCall
+
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+# JSON Schema of the one tool (validated against the JSON Schema meta-schema in tests).
+CROP_VIDEO_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "crop_video",
+        "description": (
+            "Look closely at a time window of the current video. A helper watches the window at "
+            "a higher frame rate and returns a short description of what happens in it. "
+            "Several calls in one turn run in parallel."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "start_time": {
+                    "type": "number",
+                    "description": "Window start in seconds from the beginning of the video.",
+                },
+                "end_time": {
+                    "type": "number",
+                    "description": "Window end in seconds; must be greater than start_time.",
+                },
+            },
+            "required": ["start_time", "end_time"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def system_prompt(max_parallel: int) -> str:
+    """Main-agent system prompt: role, the Hermes ``<tools>`` block, the answer format."""
+    return (
+        "You are a careful video analyst. You see a few overview frames of a long video, each "
+        "with its timestamp, and answer a question about it.\n\n"
+        "# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        "<tools>\n"
+        f"{json.dumps(CROP_VIDEO_SCHEMA)}\n"
+        "</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n"
+        "<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n'
+        "</tool_call>\n\n"
+        f"You may make up to {max_parallel} calls in one turn; they run in parallel. Think inside "
+        "<think></think> first. When you know the answer, reply with <answer>…</answer> only."
+    )
+
+
+def question_text(sample: Sample, duration: float) -> str:
+    """The user's text after the overview frames: duration, question, options, answer form."""
+    parts = [f"The video is {duration:.1f} seconds long.", f"Question: {sample.question}"]
+    q = sample.question
+    if sample.question_type == "mcq" and sample.options:
+        lettered = [
+            o if re.match(r"^\(?[A-Z][.):]", o) else f"{chr(65 + i)}. {o}"
+            for i, o in enumerate(sample.options)
+        ]
+        # Datasets often already list the options in the question; never print them twice.
+        if not all(o in q for o in lettered):
+            parts.append("Options:\n" + "\n".join(lettered))
+    if "answer" not in q.lower():
+        parts.append(_ANSWER_FORM.get(sample.question_type, _ANSWER_FORM["oe"]))
+    return "\n".join(parts)
+
+
+_ANSWER_FORM = {
+    "mcq": "Answer with the option's letter.",
+    "oe": "Answer with a short phrase.",
+    "tvg": "Answer with the time window in seconds, as start-end.",
+}
+
+
+def sub_system_prompt() -> str:
+    return (
+        "You are a video clip describer. You see frames of a short clip of a longer video, each "
+        "with its timestamp. Describe concisely what happens in the clip and when."
+    )
+
+
+def sub_user_text(start: float, end: float, question: str | None) -> str:
+    """The sub-agent's instruction after the crop frames (question optional by config)."""
+    s = f"The clip covers {start:.1f}-{end:.1f} s of the video. Describe what happens in it."
+    if question:
+        s += f" It will help answer: {question}"
+    return s
+
+
+def tool_response_text(call: ToolCall) -> str:
+    """What the main agent reads for one call: the summary, or the error it made."""
+    if call.status == "ok":
+        assert call.start is not None and call.end is not None
+        return f"[{call.start:.1f}-{call.end:.1f} s] {call.response}"
+    return f"Error: {call.error}"
+
+
+def render_tool_responses(calls: list[ToolCall]) -> str:
+    """One ``<tool_response>`` per call, in call order (errors too)."""
+    return "\n".join(f"<tool_response>\n{tool_response_text(c)}\n</tool_response>" for c in calls)

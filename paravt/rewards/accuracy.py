@@ -1,0 +1,206 @@
+"""Accuracy reward ``R_acc``: answer extraction and per-question-type scoring.
+
+The answer is the content of the *last complete* ``<answer>…</answer>`` block of the main
+agent's text (never "the last line of anything": a trajectory without a closed answer block
+scores 0). Scoring by ``Sample.question_type``:
+
+* ``mcq`` — one option letter is extracted (:func:`extract_choice`) and compared with the
+  ground-truth letter. 1 or 0.
+* ``oe`` — normalised exact match (lower-case, punctuation and articles dropped, whitespace
+  collapsed) *and* multiset token F1 (:func:`token_f1`). ``R_acc`` is the F1: it equals 1
+  exactly when the normalised token multisets match (so every exact match scores 1) and gives
+  partial credit otherwise, a denser signal for group-relative advantages than 0/1 exact match.
+  ``RewardConfig.oe_metric='exact'`` switches to strict 0/1.
+* ``tvg`` — temporal IoU of the predicted window (``"12.5-18"``, ``"from 12.5 to 18 seconds"``,
+  ``"[12.5, 18]"``) with the ground-truth window (``Sample.event_start/end``, else parsed from
+  ``Sample.answer``).
+
+Shortcuts of the reference implementation that are closed here: ``\\b([A-D])\\b`` matched the
+article "A" in "A red square appears"; token F1 over *sets* rewarded "red red red" for "red";
+answers came from the last line of any text.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+
+from paravt.types import Sample
+
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def extract_answer(text: str) -> str | None:
+    """Content of the last complete ``<answer>…</answer>`` block (stripped), or None."""
+    blocks = _ANSWER_RE.findall(text)
+    if not blocks:
+        return None
+    return blocks[-1].strip()
+
+
+# ----------------------------------------------------------------------------------- mcq
+def _letters(num_options: int) -> str:
+    n = num_options if num_options > 0 else 26
+    return string.ascii_uppercase[: min(n, 26)]
+
+
+def _option_text(option: str) -> tuple[str | None, str]:
+    """Split 'B. red square' / '(B) red square' / 'B) red' into ('B', 'red square')."""
+    m = re.match(r"^\s*\(?([A-Z])[).:]\s*(.*)$", option)
+    if m:
+        return m.group(1), m.group(2).strip()
+    return None, option.strip()
+
+
+def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
+    """The option letter an answer names, upper-case, or None.
+
+    Accepted, in order: a bare letter (``"B"``, ``"(b)"``, ``"B."``); a letter opening the
+    answer followed by ``)``, ``.`` or ``:`` (``"b) red"``, ``"B. red"``); a phrase
+    ``answer/option/choice is (B)``; a parenthesised letter anywhere (``"... (B)"``); the
+    answer equal to one option's text. A capital letter followed by a space or word
+    (``"A red square appears"``) is an article, not a choice. Letters beyond the number of
+    options are rejected.
+    """
+    valid = _letters(len(options or []))
+    s = answer.strip()
+    if not s:
+        return None
+    cands: list[str] = []
+    m = re.fullmatch(r"[\(\[]?([A-Za-z])[\)\]]?[.:]?", s)
+    if m:
+        cands.append(m.group(1))
+    m = re.match(r"^[\(\[]?([A-Za-z])(?:[\)\]]|[.:](?=\s|$))\s*", s)
+    if m:
+        cands.append(m.group(1))
+    # Phrases: upper-case letter only, so "the answer is a red square" is not 'A'.
+    m = re.search(
+        r"(?:answer|option|choice)\s*(?:is|:)?\s*[\(\[]?([A-Z])(?![A-Za-z])", s, re.IGNORECASE
+    )
+    if m and m.group(1).isupper():
+        cands.append(m.group(1))
+    m = re.search(r"\(([A-Za-z])\)", s)
+    if m:
+        cands.append(m.group(1))
+    for c in cands:
+        if c.upper() in valid:
+            return c.upper()
+    if options:
+        norm = normalize_text(s)
+        for i, opt in enumerate(options):
+            letter, text = _option_text(opt)
+            if text and normalize_text(text) == norm:
+                return letter or valid[i]
+    return None
+
+
+def mcq_accuracy(pred: str, sample: Sample) -> float:
+    gt = extract_choice(sample.answer, sample.options) or sample.answer.strip().upper()
+    got = extract_choice(pred, sample.options)
+    return 1.0 if got is not None and got == gt else 0.0
+
+
+# ------------------------------------------------------------------------------- open-ended
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = re.compile(rf"[{re.escape(string.punctuation)}]")
+
+
+def normalize_text(s: str) -> str:
+    """SQuAD-style normalisation: lower-case, drop punctuation and articles, collapse spaces."""
+    s = _PUNCT.sub(" ", s.lower())
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def exact_match(pred: str, gold: str) -> float:
+    return 1.0 if normalize_text(pred) == normalize_text(gold) else 0.0
+
+
+def token_f1(pred: str, gold: str) -> float:
+    """Multiset token F1 of the normalised texts.
+
+    ``overlap = sum_t min(c_pred[t], c_gold[t])``; ``P = overlap/|pred|``, ``R = overlap/|gold|``,
+    ``F1 = 2PR/(P+R)``. Counting multiplicities (not sets) is what stops "red red red" scoring 1
+    against "red". Two empty texts score 1; one empty text scores 0.
+    """
+    p, g = normalize_text(pred).split(), normalize_text(gold).split()
+    if not p or not g:
+        return 1.0 if p == g else 0.0
+    overlap = sum((Counter(p) & Counter(g)).values())
+    if overlap == 0:
+        return 0.0
+    prec, rec = overlap / len(p), overlap / len(g)
+    return 2 * prec * rec / (prec + rec)
+
+
+# -------------------------------------------------------------------------------- temporal
+_NUM = r"(-?\d+(?:\.\d+)?)"
+_WINDOW_RES = [
+    re.compile(rf"from\s+{_NUM}\s*(?:s|sec|secs|seconds?)?\s+to\s+{_NUM}", re.IGNORECASE),
+    re.compile(rf"{_NUM}\s*(?:s|sec|secs|seconds?)?\s*(?:-|–|—|to|,)\s*{_NUM}", re.IGNORECASE),
+]
+
+
+def parse_window(text: str) -> tuple[float, float] | None:
+    """A time window ``(start, end)`` in seconds from '12.5-18', 'from 12.5 to 18 seconds',
+    '[12.5, 18]', '12.5 s to 18 s'; None if none found or ``end <= start``."""
+    for rx in _WINDOW_RES:
+        m = rx.search(text)
+        if m:
+            a, b = float(m.group(1)), float(m.group(2))
+            return (a, b) if b > a else None
+    return None
+
+
+def temporal_iou(pred: tuple[float, float], gold: tuple[float, float]) -> float:
+    """``|pred ∩ gold| / |pred ∪ gold|`` of two intervals; 0 for empty intervals."""
+    inter = max(0.0, min(pred[1], gold[1]) - max(pred[0], gold[0]))
+    union = max(pred[1], gold[1]) - min(pred[0], gold[0])
+    return inter / union if union > 0 and inter > 0 else 0.0
+
+
+def tvg_accuracy(pred: str, sample: Sample) -> float:
+    if sample.event_start is not None and sample.event_end is not None:
+        gold: tuple[float, float] | None = (float(sample.event_start), float(sample.event_end))
+    else:
+        gold = parse_window(sample.answer)
+    if gold is None:
+        raise ValueError(
+            f"sample {sample.id}: tvg question has no ground-truth window (event_start/end unset "
+            f"and answer {sample.answer!r} is not 'start-end'); fix the dataset row"
+        )
+    got = parse_window(pred)
+    return temporal_iou(got, gold) if got is not None else 0.0
+
+
+# -------------------------------------------------------------------------------- dispatch
+def accuracy(text: str, sample: Sample, *, oe_metric: str = "f1") -> dict[str, float]:
+    """``R_acc`` of a main agent's full text, with its parts.
+
+    Returns ``{'acc': R_acc, 'has_answer': 0|1}`` plus ``'em'``/``'f1'`` for oe and ``'iou'``
+    for tvg.
+    """
+    pred = extract_answer(text)
+    out: dict[str, float] = {"has_answer": 0.0 if pred is None else 1.0}
+    qt = sample.question_type
+    if qt == "mcq":
+        out["acc"] = 0.0 if pred is None else mcq_accuracy(pred, sample)
+    elif qt == "oe":
+        em = 0.0 if pred is None else exact_match(pred, sample.answer)
+        f1 = 0.0 if pred is None else token_f1(pred, sample.answer)
+        out.update(em=em, f1=f1)
+        if oe_metric == "f1":
+            out["acc"] = f1
+        elif oe_metric == "exact":
+            out["acc"] = em
+        else:
+            raise ValueError(f"reward.oe_metric={oe_metric!r} is not one of f1|exact")
+    elif qt == "tvg":
+        iou = 0.0 if pred is None else tvg_accuracy(pred, sample)
+        out.update(iou=iou, acc=iou)
+    else:
+        raise ValueError(
+            f"sample {sample.id}: question_type {qt!r} is not one of mcq|oe|tvg; fix the row"
+        )
+    return out

@@ -1,0 +1,276 @@
+"""``python -m paravt.rollout`` — roll out a few prompts and print what the agents did.
+
+    python -m paravt.rollout [--preset P] [--config F.yaml ...] [key=value ...] --num-prompts N
+
+With no data or model configured (the embedded default) it generates the synthetic long-video
+task into ``data.synth_dir`` and the tiny offline Qwen3-VL into ``model.tiny_dir`` if they are
+absent, then runs ``N`` prompts × ``rollout.group_size`` episodes through the same
+``AgentRunner`` and reward code the trainer uses, and prints each episode's turns, tool calls
+(status, clamped window, the sub-agent's summary), crops and reward breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from paravt.config import PRESETS, Config, ConfigError, load_config
+
+_WRAP = 100
+
+
+def resolve_data(cfg: Config) -> Path:
+    """The dataset location: ``data.path``, or the synthetic task (generated if absent)."""
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    from paravt.data.synth import generate
+
+    return generate(cfg.data.synth_dir, cfg.data.synth_num_videos, seed=cfg.data.synth_seed)
+
+
+def resolve_model(cfg: Config) -> Any:
+    """Load ``model.path``, or the tiny offline model (built into ``model.tiny_dir`` if absent)."""
+    from paravt.models import build_tiny_checkpoint, load_model
+
+    path = cfg.model.path or str(build_tiny_checkpoint(cfg.model.tiny_dir, seed=cfg.train.seed))
+    return load_model(
+        path,
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+        attn_implementation=cfg.model.attn_implementation,
+    )
+
+
+def make_engine(cfg: Config, bundle: Any) -> Any:
+    """The rollout engine named by ``rollout.engine``."""
+    if cfg.rollout.engine == "hf":
+        from paravt.rollout.hf import HFEngine
+
+        return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
+    try:
+        from paravt.rollout.vllm import VLLMEngine  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise SystemExit(
+            f"rollout.engine=vllm needs vLLM and paravt.rollout.vllm ({e}); use rollout.engine=hf"
+        ) from None
+    return VLLMEngine(bundle, cfg)
+
+
+class OracleMainEngine:
+    """Main agents replay the synthetic task's oracle turns (``sft.jsonl``); sub-agents (and
+    prompts without an oracle row) use the real ``engine``.
+
+    For demos and benchmarks with an untrained model, which would never call a tool: the
+    crops, sub-agent batching and rewards then run for real. Oracle tokens get log-prob 0.
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, records: dict[str, dict], think_prefix: str):
+        self.engine = engine
+        self.tok = tokenizer
+        self.records = records
+        self.prefix = think_prefix
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.turn: dict[str, int] = {}
+
+    @staticmethod
+    def sample_id(request_id: str) -> str | None:
+        """Sample id of a main-agent request id ``'{group}:{sample id}:r{g}'`` (None for subs)."""
+        head, _, rest = request_id.partition(":")
+        sid, _, tail = rest.rpartition(":")
+        if not head.isdigit() or not tail.startswith("r") or not tail[1:].isdigit():
+            return None
+        return sid
+
+    def _oracle_text(self, request_id: str) -> str | None:
+        rec = self.records.get(self.sample_id(request_id) or "")
+        if rec is None:
+            return None
+        k = self.turn.get(request_id, 0)
+        self.turn[request_id] = k + 1
+        texts = [t["content"] for t in rec["turns"] if t["role"] == "assistant"]
+        text = texts[min(k, len(texts) - 1)]
+        return text[len(self.prefix) :] if text.startswith(self.prefix) else text
+
+    def generate(self, requests: list[Any]) -> list[Any]:
+        from paravt.rollout.engine import GenerationResult
+
+        out: list[Any] = [None] * len(requests)
+        real = []
+        for i, r in enumerate(requests):
+            text = self._oracle_text(r.request_id)
+            if text is None:
+                real.append(i)
+                continue
+            ids = self.tok.encode(text, add_special_tokens=False) + [self.im_end]
+            out[i] = GenerationResult(ids, [0.0] * len(ids), "stop", r.request_id, text)
+        if real:
+            for i, res in zip(real, self.engine.generate([requests[i] for i in real])):
+                out[i] = res
+        return out
+
+    def sync_weights(self, model: object) -> None:
+        self.engine.sync_weights(model)
+
+
+def load_oracle(data: Path) -> dict[str, dict]:
+    """``sft.jsonl`` rows of a dataset directory, by sample id ({} if there is none)."""
+    import json
+
+    f = data / "sft.jsonl" if data.is_dir() else data.parent / "sft.jsonl"
+    if not f.is_file():
+        return {}
+    rows = (json.loads(x) for x in f.read_text().splitlines() if x.strip())
+    return {r["sample_id"]: r for r in rows}
+
+
+def _short(text: str, limit: int = 600) -> str:
+    text = text if len(text) <= limit else text[:limit] + f" …[{len(text) - limit} more chars]"
+    return textwrap.indent(text.rstrip(), "      | ")
+
+
+def print_groups(groups: list[Any], show: int, out: Any = sys.stdout) -> None:
+    """Human-readable dump of the first ``show`` episodes of each group."""
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    for g in groups:
+        s = g.sample
+        p("=" * _WRAP)
+        p(f"prompt {g.group_id}: {s.id}  [{s.question_type}]  K={g.num_frames} overview frames")
+        p(textwrap.indent(s.question.rstrip(), "  Q: "))
+        p(f"  ground truth: {s.answer}")
+        subs_by_parent: dict[str, list[Any]] = {}
+        for st in g.sub_trajectories:
+            subs_by_parent.setdefault(st.parent, []).append(st)
+        for t in g.trajectories[:show]:
+            p("-" * _WRAP)
+            n_gen = sum(t.loss_mask)
+            p(
+                f"  episode {t.uid}: {len(t.tokens)} tokens ({n_gen} generated), {len(t.turns)} turn(s)"
+            )
+            for i, turn in enumerate(t.turns):
+                tag = " (forced answer)" if turn.forced_answer else ""
+                p(f"    turn {i}{tag}, finish={turn.finish_reason}:")
+                p(_short(turn.prefix + turn.text))
+                for k, c in enumerate(turn.calls):
+                    if c.status == "ok":
+                        p(f"    call {k}: crop_video [{c.start:.1f}, {c.end:.1f}] s -> ok")
+                        p(f"      summary: {c.response[:200]!r}")
+                    else:
+                        p(f"    call {k}: {c.status}: {c.error}")
+            crops = subs_by_parent.get(t.uid, [])
+            if crops:
+                frames = ", ".join(str(x.num_frames) for x in crops)
+                p(f"    crops: {len(crops)} sub-agent trajectories (frames: {frames})")
+            b = t.reward_breakdown
+            if b:
+                keys = (
+                    "total",
+                    "acc",
+                    "fmt",
+                    "fmt_base",
+                    "anchor",
+                    "tool",
+                    "n_ok",
+                    "n_model_errors",
+                )
+                p("    reward: " + "  ".join(f"{k}={b[k]:.3f}" for k in keys if k in b))
+            if t.errors:
+                p(f"    errors: {len(t.errors)} (first: {t.errors[0]})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m paravt.rollout", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--preset", default="tiny_cpu", choices=sorted(PRESETS))
+    ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    ap.add_argument("--num-prompts", type=int, default=2, help="prompts to roll out")
+    ap.add_argument("--group-size", type=int, default=0, help="G (default rollout.group_size)")
+    ap.add_argument("--split", default="train", help="dataset split (train|val)")
+    ap.add_argument("--seed", type=int, default=None, help="default train.seed")
+    ap.add_argument("--show", type=int, default=2, help="episodes printed per prompt")
+    ap.add_argument(
+        "--main",
+        choices=("model", "oracle"),
+        default="model",
+        help="main agents: the model, or the oracle turns of sft.jsonl (sub-agents stay the "
+        "model; shows real crops and sub-agents with an untrained model)",
+    )
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.preset, args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.num_prompts < 1:
+        print("error: --num-prompts must be >= 1", file=sys.stderr)
+        return 2
+
+    from paravt.agent import AgentRunner
+    from paravt.algo.gating import frame_budget
+    from paravt.data.readers import load_samples
+    from paravt.rewards import score_groups
+
+    seed = cfg.train.seed if args.seed is None else args.seed
+    G = args.group_size or cfg.rollout.group_size
+    t0 = time.perf_counter()
+    data = resolve_data(cfg)
+    samples = load_samples(
+        data, video_root=cfg.data.video_root, split=args.split, max_samples=args.num_prompts
+    )
+    if not samples:
+        print(f"error: no usable samples in {data} (split {args.split})", file=sys.stderr)
+        return 1
+    bundle = resolve_model(cfg)
+    engine = make_engine(cfg, bundle)
+    if args.main == "oracle":
+        records = load_oracle(Path(data))
+        if not records:
+            print(f"error: --main oracle needs {data}/sft.jsonl", file=sys.stderr)
+            return 2
+        engine = OracleMainEngine(engine, bundle.tokenizer, records, cfg.agent.think_prefix)
+    runner = AgentRunner(engine, bundle, cfg)
+    budgets = [
+        frame_budget(
+            s.id,
+            seed=seed,
+            epoch=0,
+            budgets=cfg.video.frame_budgets,
+            gating=cfg.video.gating,
+            fixed=cfg.video.fixed_frames,
+        )
+        for s in samples
+    ]
+    t_setup = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    groups = runner.rollout(samples, budgets, group_size=G, seed=seed)
+    score_groups(groups, cfg.reward)
+    dt = time.perf_counter() - t1
+    print_groups(groups, args.show)
+    n_ep = sum(len(g.trajectories) for g in groups)
+    print("=" * _WRAP)
+    st = runner.stats
+    calls = {k[6:]: int(v) for k, v in st.items() if k.startswith("calls_") and v}
+    print(
+        f"{len(groups)} prompt(s) x G={G}: {n_ep} episodes in {dt:.2f} s "
+        f"({n_ep / max(dt, 1e-9):.2f} episodes/s; setup {t_setup:.1f} s)"
+    )
+    print(
+        f"engine calls: main {int(st['main_engine_calls'])}, sub {int(st['sub_engine_calls'])}; "
+        f"planner runs {int(st['planner_runs'])}; crops {int(st['crops'])}; "
+        f"forced answers {int(st['forced_answers'])}; tool calls {calls or 'none'}"
+    )
+    if groups:
+        rewards = [t.reward for g in groups for t in g.trajectories]
+        print(f"mean reward {sum(rewards) / len(rewards):.3f}")
+    for e in runner.errors:
+        print(f"skipped: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

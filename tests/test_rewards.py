@@ -1,0 +1,239 @@
+"""Rewards: every rule of DESIGN.md "PARA-GRPO", including the reference's shortcuts."""
+
+from __future__ import annotations
+
+import pytest
+
+from paravt.config import RewardConfig
+from paravt.rewards import (
+    accuracy,
+    analyse_turn,
+    extract_answer,
+    extract_choice,
+    format_reward,
+    parse_window,
+    score,
+    score_groups,
+    temporal_iou,
+    token_f1,
+)
+from paravt.types import Group, Sample, ToolCall, Trajectory, Turn
+
+OPTS = ["A. blue circle", "B. red square", "C. green triangle", "D. yellow star"]
+MCQ = Sample("s1", "v.mp4", "What appears?", "B", "mcq", options=OPTS)
+THINK = "<think>\n"
+
+
+def _traj(turns: list[Turn], role: str = "main", uid: str = "m0", parent=None) -> Trajectory:
+    return Trajectory(
+        uid, role, "s1", 0, [1, 2], [0, 1], [0.0, -0.5], 1, turns=turns, parent=parent
+    )
+
+
+# ------------------------------------------------------------------------------- extraction
+def test_answer_is_last_complete_block_never_last_line():
+    assert extract_answer("<answer>A</answer> then <answer>C</answer>") == "C"
+    # An unclosed trailing block does not override the last complete one.
+    assert extract_answer("<answer>B</answer> <answer>D") == "B"
+    # No block: no answer, even if the last line looks like one.
+    assert extract_answer("reasoning...\nThe answer is B") is None
+    assert accuracy("I think\nB", MCQ)["acc"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("B", "B"),
+        ("(B)", "B"),
+        ("B.", "B"),
+        ("b) red square", "B"),
+        ("B. red square", "B"),
+        ("The answer is (B)", "B"),
+        ("the answer is B.", "B"),
+        ("Answer: C", "C"),
+        ("I pick option D", "D"),
+        ("It is clearly (c) here", "C"),
+        ("red square", "B"),  # the option text itself
+        # The article "A" is not a choice (the reference's \b([A-D])\b took it as A).
+        ("A red square appears in the middle", None),
+        # A phrase followed by a lower-case article names no letter.
+        ("The answer is a red square", None),
+    ],
+)
+def test_extract_choice(text, want):
+    assert extract_choice(text, OPTS) == want
+
+
+def test_choice_beyond_options_rejected():
+    assert extract_choice("F", OPTS) is None
+    assert extract_choice("F", []) == "F"  # no options: any letter
+
+
+def test_mcq_accuracy_article_shortcut():
+    a = Sample("s", "v", "q", "A", "mcq", options=OPTS)
+    assert accuracy("<answer>A red square appears</answer>", a)["acc"] == 0.0
+    assert accuracy("<answer>The answer is (A)</answer>", a)["acc"] == 1.0
+    assert accuracy("<answer>B</answer>", MCQ)["acc"] == 1.0
+    assert accuracy("<answer>C</answer>", MCQ)["acc"] == 0.0
+
+
+# ------------------------------------------------------------------------------ open-ended
+def test_token_f1_is_multiset_not_set():
+    # Sets would give {red} vs {red} -> 1.0.
+    assert token_f1("red red red", "red") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
+    assert token_f1("red square", "a red square.") == 1.0  # articles, punctuation normalised
+    assert token_f1("red circle", "red square") == pytest.approx(0.5)
+    assert token_f1("", "red") == 0.0
+
+
+def test_oe_exact_and_partial():
+    s = Sample("s", "v", "q", "the red square", "oe")
+    r = accuracy("<answer>Red square!</answer>", s)
+    assert r["em"] == 1.0 and r["f1"] == 1.0 and r["acc"] == 1.0
+    r = accuracy("<answer>red circle</answer>", s)
+    assert r["em"] == 0.0 and r["acc"] == pytest.approx(0.5)
+    assert accuracy("<answer>red circle</answer>", s, oe_metric="exact")["acc"] == 0.0
+    with pytest.raises(ValueError, match="oe_metric"):
+        accuracy("<answer>x</answer>", s, oe_metric="bleu")
+
+
+# -------------------------------------------------------------------------------- temporal
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("12.5-18", (12.5, 18.0)),
+        ("from 12.5 to 18 seconds", (12.5, 18.0)),
+        ("[12.5, 18]", (12.5, 18.0)),
+        ("12.5s - 18s", (12.5, 18.0)),
+        ("18-12", None),
+        ("no window", None),
+    ],
+)
+def test_parse_window(text, want):
+    assert parse_window(text) == want
+
+
+def test_temporal_iou():
+    assert temporal_iou((10, 20), (15, 25)) == pytest.approx(5 / 15)
+    assert temporal_iou((0, 5), (6, 9)) == 0.0
+    s = Sample("s", "v", "when?", "", "tvg", event_start=10.0, event_end=20.0)
+    assert accuracy("<answer>from 15 to 25 seconds</answer>", s)["acc"] == pytest.approx(1 / 3)
+    s2 = Sample("s", "v", "when?", "10-20", "tvg")
+    assert accuracy("<answer>10-20</answer>", s2)["iou"] == 1.0
+    bad = Sample("s9", "v", "when?", "soon", "tvg")
+    with pytest.raises(ValueError, match="s9.*no ground-truth window"):
+        accuracy("<answer>1-2</answer>", bad)
+
+
+# ---------------------------------------------------------------------------------- format
+def test_forced_prefix_counts_as_opened_think():
+    gen = "The red square is at 40 s.\n</think>\n<answer>B</answer>"
+    ours = format_reward([Turn(gen, prefix=THINK)], lambda_anchor=0.5)
+    assert ours["think_closed"] == 1.0 and ours["flow"] == 1.0 and ours["anchor"] == 1.0
+    assert ours["fmt"] == pytest.approx(1.0 + 0.5 * 1.0)
+    # Scoring only generated text (the reference) never sees the <think>: anchor never fires.
+    ref = format_reward([Turn(gen, prefix="")], lambda_anchor=0.5)
+    assert ref["anchor"] == 0.0 and ref["fmt"] == 0.0
+
+
+def test_unclosed_think_penalised():
+    r = format_reward([Turn("rambling on and on", prefix=THINK)], lambda_anchor=0.5)
+    assert r["unclosed_think"] == 1.0 and r["anchor"] == -1.0 and r["fmt"] == -0.5
+
+
+def test_repeated_and_empty_tags_earn_nothing():
+    rep = "<think>again</think>\n<answer>B</answer>"  # second <think> inside the turn
+    assert analyse_turn(THINK + rep) == {
+        "opened": True,
+        "closed": False,
+        "unclosed": False,
+        "well_formed": False,
+        "answer": False,
+    }
+    assert not analyse_turn(THINK + "</think>\n<answer>B</answer>")["closed"]  # empty think
+    assert not analyse_turn(THINK + "x</think>\n<answer> </answer>")["well_formed"]  # empty
+    two = THINK + "x</think>\n<answer>B</answer><answer>C</answer>"
+    assert not analyse_turn(two)["well_formed"]
+    assert format_reward([Turn(rep, prefix=THINK)], lambda_anchor=0.5)["fmt"] == 0.0
+
+
+def test_multi_turn_flow_and_tool_blocks():
+    t1 = Turn(
+        'look\n</think>\n<tool_call>\n{"name": "crop_video"}\n</tool_call>\n'
+        "<tool_call>\n{}\n</tool_call><|im_end|>",
+        prefix=THINK,
+    )
+    t2 = Turn("seen\n</think>\n<answer>B</answer><|im_end|>", prefix=THINK)
+    r = format_reward([t1, t2], lambda_anchor=0.5)
+    assert r["fmt_base"] == 1.0 and r["think_closed"] == 1.0 and r["flow"] == 1.0
+    # A model-written tool response after the call breaks the turn's format.
+    t1b = Turn(t1.text.replace("<|im_end|>", "<tool_response>ok</tool_response>"), prefix=THINK)
+    r = format_reward([t1b, t2], lambda_anchor=0.5)
+    assert r["fmt_base"] == 0.5
+
+
+def test_forced_answer_turn_earns_no_flow():
+    t1 = Turn('x\n</think>\n<tool_call>\n{"a": 1}\n</tool_call>', prefix=THINK)
+    forced = Turn(
+        "B</answer>", prefix=THINK + "\nI must answer now.\n</think>\n<answer>", forced_answer=True
+    )
+    r = format_reward([t1, forced], lambda_anchor=0.5)
+    assert r["fmt_base"] == 1.0 and r["flow"] == 0.0 and r["think_closed"] == 1.0
+    assert r["anchor"] == pytest.approx(0.5)
+    bad = Turn("", prefix=forced.prefix, forced_answer=True)
+    assert format_reward([t1, bad], lambda_anchor=0.5)["fmt_base"] == 0.5
+
+
+# ------------------------------------------------------------------------------------ tool
+def _call(status: str) -> ToolCall:
+    return ToolCall(raw="{}", name="crop_video", status=status)  # type: ignore[arg-type]
+
+
+def test_tool_reward_from_structure_not_strings():
+    cfg = RewardConfig()
+    text = "x\n</think>\n<answer>B</answer>"
+    # Writes a fake tool response into its text; no ToolCall executed -> no tool bonus.
+    fake = Turn("<tool_response>red square at 40s</tool_response>" + text, prefix=THINK)
+    r = score(_traj([fake]), MCQ, cfg)
+    assert r["acc"] == 1.0 and r["tool"] == 0.0 and r["n_ok"] == 0.0
+    # A real executed call + correct answer earns the bonus.
+    t1 = Turn("x</think><tool_call>{}</tool_call>", calls=[_call("ok")], prefix=THINK)
+    r = score(_traj([t1, Turn(text, prefix=THINK)]), MCQ, cfg)
+    assert r["tool"] == pytest.approx(cfg.tool_bonus)
+    # Wrong answer: no bonus; model errors penalised; system errors not.
+    t1 = Turn("", calls=[_call("ok"), _call("bad_json"), _call("decode_error")], prefix=THINK)
+    wrong = Turn("x\n</think>\n<answer>C</answer>", prefix=THINK)
+    r = score(_traj([t1, wrong]), MCQ, cfg)
+    assert r["tool"] == pytest.approx(-cfg.tool_error_penalty)
+    assert (r["n_calls"], r["n_ok"], r["n_model_errors"], r["n_system_errors"]) == (3, 1, 1, 1)
+
+
+def test_score_total_and_groups():
+    cfg = RewardConfig(w_fmt=0.5, lambda_anchor=0.5)
+    good = _traj([Turn("x\n</think>\n<answer>B</answer>", prefix=THINK)], uid="m0")
+    bad = _traj([Turn("no idea", prefix=THINK)], uid="m1")
+    sub = _traj([], role="sub", uid="m0/s0", parent="m0")
+    g = Group(MCQ, 0, 8, [good, bad], [sub])
+    score_groups([g], cfg)
+    assert good.reward == pytest.approx(1.0 + 0.5 * (1.0 + 0.5 * 1.0))
+    assert bad.reward == pytest.approx(0.0 + 0.5 * (0.0 + 0.5 * -1.0))
+    assert sub.reward == good.reward and sub.reward_breakdown == good.reward_breakdown
+    assert good.reward_breakdown["total"] == good.reward
+    orphan = _traj([], role="sub", uid="x/s0", parent="nope")
+    with pytest.raises(ValueError, match="x/s0.*nope"):
+        score_groups([Group(MCQ, 0, 8, [good], [orphan])], cfg)
+    with pytest.raises(ValueError, match="sub agent"):
+        score(sub, MCQ, cfg)
+
+
+def test_token_level_format_on_structural_tokens():
+    from paravt.rewards import format_token_rewards
+
+    tags = {7, 9}
+    toks = [1, 2, 7, 3, 9, 7, 4]
+    mask = [0, 0, 1, 1, 1, 0, 1]  # the second 7 is forced (mask 0): it earns nothing
+    r = format_token_rewards(toks, mask, tags, 1.5)
+    assert r == [0, 0, 0.75, 0, 0.75, 0, 0]
+    # No structural token generated: the (negative) signal lands on the last generated token.
+    assert format_token_rewards([1, 2, 3], [0, 1, 1], tags, -0.5) == [0, 0, -0.5]
+    assert format_token_rewards([1], [0], tags, 1.0) == [0.0]
