@@ -1,1 +1,13 @@
+"""Model loading (``load_model``) and the tiny offline Qwen3-VL factory."""
 
+from paravt.models.loader import ModelBundle, SpecialTokens, load_model, vision_spec_from_dir
+from paravt.models.tiny import build_tiny_checkpoint, build_tiny_tokenizer
+
+__all__ = [
+    "ModelBundle",
+    "SpecialTokens",
+    "build_tiny_checkpoint",
+    "build_tiny_tokenizer",
+    "load_model",
+    "vision_spec_from_dir",
+]

@@ -1,0 +1,417 @@
+"""A tiny Qwen3-VL-architecture checkpoint built fully offline: random weights + a small BPE.
+
+``build_tiny_checkpoint(dir)`` writes an ordinary Hugging Face checkpoint directory
+(``config.json``, ``model.safetensors``, ``tokenizer.json`` + ``tokenizer_config.json`` with a
+chat template, ``preprocessor_config.json``, ``video_preprocessor_config.json``) that
+``paravt.models.load_model`` then loads exactly like an 8B checkpoint. It exists so that the
+embedded default run, the tests and the benchmarks exercise the real Qwen3-VL code paths
+(vision tower with deepstack, M-RoPE with timestamps, KV-cache decoding) in milliseconds.
+
+``arch="qwen2_5_vl"`` builds the Qwen2.5-VL variant (patch 14, CLIP normalisation, windowed
+vision attention, ``second_per_grid_ts`` M-RoPE) with the same tokenizer and text sizes.
+
+Sizes (``TINY_*`` below): text hidden 64, 2 layers, 4 heads of 16 (2 KV heads), vocab 4096;
+vision depth 2, hidden 64, patch 16, merge 2, temporal patch 2 — about 0.8 M parameters.
+Architecture rules Qwen3-VL imposes (checked in ``_tiny_config``):
+``sum(mrope_section) == head_dim / 2``; ``num_position_embeddings`` is a perfect square;
+deepstack indexes < vision depth; vision ``out_hidden_size`` == text hidden size.
+
+The tokenizer is a byte-level BPE (Qwen2 pre-tokenisation regex: digits split one by one)
+learned from (a) a corpus generated from ``seed`` of agent prompts, ``<tool_call>`` JSON and
+timestamps, so tool calls tokenize compactly, and (b) ~400 KB of Python stdlib sources for
+general text — enough that the learned vocabulary fills every model id. Qwen's special tokens are appended after the learned vocabulary. Weights depend only on
+``seed`` (the model vocabulary is fixed at ``TINY_VOCAB``); the learned merges depend on the
+stdlib sources of the running Python, so they are deterministic per installation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+
+# Model vocabulary (embedding rows). The BPE learns up to TINY_VOCAB - len(SPECIAL_TOKENS)
+# tokens; unused rows stay as never-produced ids.
+TINY_VOCAB = 4096
+TINY_TEXT = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+TINY_VISION = dict(depth=2, hidden=64, heads=4, intermediate=128, patch=16, merge=2, tpatch=2)
+
+# Qwen's special tokens (``special=True``: skipped by decode(skip_special_tokens=True)) ...
+QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# ... and the structural tags, which (as in Qwen3) are single tokens but ordinary text: they
+# survive skip_special_tokens and are visible to reward parsers.
+TAG_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+    "<answer>",
+    "</answer>",
+]
+SPECIAL_TOKENS = QWEN_SPECIAL + TAG_TOKENS
+
+# Qwen2/Qwen3 pre-tokenisation: contractions, letters with an optional leading non-letter,
+# single digits, punctuation runs, newlines, spaces.
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# A Qwen3-VL-style chat template: tools block in the system turn, videos/images as
+# <|vision_start|><|video_pad|><|vision_end|> placeholders (expanded by the processor or by
+# paravt.vision.preprocess), tool results as <tool_response> in a user turn.
+CHAT_TEMPLATE = r"""{%- macro render(content) -%}
+{%- if content is string -%}{{- content -}}
+{%- else -%}{%- for c in content -%}
+{%- if c.type == 'video' or 'video' in c -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+{%- elif c.type == 'image' or 'image' in c -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+{%- elif c.type == 'text' -%}{{- c.text -}}
+{%- endif -%}{%- endfor -%}{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages[0].role == 'system' -%}{{- render(messages[0].content) + '\n\n' -}}{%- endif -%}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and '
+    'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+{%- if not (tools and loop.first and m.role == 'system') -%}
+{%- if m.role == 'tool' -%}
+{{- '<|im_start|>user\n<tool_response>\n' + render(m.content) + '\n</tool_response><|im_end|>\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + m.role + '\n' + render(m.content) + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"""
+
+_WORDS = (
+    "the a an of to in on at for with and or not is are was were be this that these those "
+    "video frame frames clip crop window time times second seconds minute start end begin "
+    "question answer options option choose select correct best describe summary summarize "
+    "what when where which who why how does do did happen happens happened event events "
+    "person people man woman car dog cat ball red blue green yellow white black color shape "
+    "moves moving appears appear shown shows show scene background object objects count "
+    "number first last before after during between overview look closer inspect detail "
+    "I need to check the part around think reasoning so it must be because then now "
+    "tool call response result error invalid range outside duration returned view see"
+).split()
+# ~600 KB of stdlib sources: enough text for the BPE to fill all TINY_VOCAB ids (an id the
+# tokenizer never produces would still get probability mass from the random lm_head).
+_STDLIB_FILES = (
+    "textwrap.py",
+    "string.py",
+    "json/encoder.py",
+    "json/decoder.py",
+    "fractions.py",
+    "argparse.py",
+    "difflib.py",
+    "inspect.py",
+    "tarfile.py",
+    "pydoc.py",
+)
+
+
+def _agent_corpus(seed: int, n: int = 600) -> str:
+    """Deterministic text in the shape of the agent's prompts, tool calls and answers."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        a = round(rng.uniform(0, 600), rng.choice([0, 1, 1, 2]))
+        b = round(a + rng.uniform(1, 60), rng.choice([0, 1, 1, 2]))
+        call = {"name": "crop_video", "arguments": {"start_time": a, "end_time": b}}
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 16)))
+        letter = rng.choice("ABCD")
+        lines += [
+            f"<{rng.uniform(0, 600):.1f} seconds>",
+            f"{rng.choice(['system', 'user', 'assistant'])}\n{words}",
+            f"<think>\n{words.capitalize()}.\n</think>",
+            f"<tool_call>\n{json.dumps(call)}\n</tool_call>",
+            f"<tool_response>\nFrom {a} to {b} seconds: {words}.\n</tool_response>",
+            f"<answer>{letter}</answer>",
+            f"Question: {words}?\nOptions:\nA. {rng.choice(_WORDS)}\nB. {rng.choice(_WORDS)}",
+            json.dumps({"type": "object", "properties": {"start_time": {"type": "number"}}}),
+        ]
+    return "\n".join(lines)
+
+
+def _stdlib_corpus(max_chars: int = 400_000) -> str:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = []
+    for name in _STDLIB_FILES:
+        p = root / name
+        if p.is_file():
+            text.append(p.read_text(encoding="utf-8", errors="replace"))
+    return "\n".join(text)[:max_chars]
+
+
+def build_tiny_tokenizer(seed: int = 0):
+    """Byte-level BPE + Qwen special/tag tokens + chat template, as a PreTrainedTokenizerFast.
+
+    Returns a tokenizer with ``eos_token='<|im_end|>'`` and ``pad_token='<|endoftext|>'`` (the
+    Qwen3-VL instruct convention). Special tokens are appended after the learned vocabulary, so
+    ``len(tokenizer) <= TINY_VOCAB``.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [_agent_corpus(seed), _stdlib_corpus()]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=QWEN_SPECIAL[1:],
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=32768,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _tiny_config(tokenizer):
+    from transformers import Qwen3VLConfig
+
+    t, v = TINY_TEXT, TINY_VISION
+    mrope_section = [4, 2, 2]  # T, H, W rotary pairs; Qwen3-VL interleaves them
+    assert sum(mrope_section) == t["head_dim"] // 2
+    num_pos = 64  # an 8x8 learned position grid, bilinearly interpolated to any frame size
+    assert int(num_pos**0.5) ** 2 == num_pos
+    deepstack = [0, 1]
+    assert max(deepstack) < v["depth"]
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in QWEN_SPECIAL}
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=TINY_VOCAB,
+            hidden_size=t["hidden"],
+            intermediate_size=t["intermediate"],
+            num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"],
+            num_key_value_heads=t["kv_heads"],
+            head_dim=t["head_dim"],
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": mrope_section,
+                "mrope_interleaved": True,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+        ),
+        vision_config=dict(
+            depth=v["depth"],
+            hidden_size=v["hidden"],
+            intermediate_size=v["intermediate"],
+            num_heads=v["heads"],
+            patch_size=v["patch"],
+            spatial_merge_size=v["merge"],
+            temporal_patch_size=v["tpatch"],
+            out_hidden_size=t["hidden"],  # must equal the text hidden size
+            num_position_embeddings=num_pos,
+            deepstack_visual_indexes=deepstack,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _tiny_config_qwen2_5(tokenizer):
+    """The same sizes as a Qwen2.5-VL: patch 14, windowed vision attention, no deepstack."""
+    from transformers import Qwen2_5_VLConfig
+
+    t, v = TINY_TEXT, TINY_VISION
+    assert t["hidden"] // t["heads"] == t["head_dim"]  # Qwen2.5 derives head_dim
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in QWEN_SPECIAL}
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=TINY_VOCAB,
+            hidden_size=t["hidden"],
+            intermediate_size=t["intermediate"],
+            num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"],
+            num_key_value_heads=t["kv_heads"],
+            max_position_embeddings=8192,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1_000_000.0,
+                "mrope_section": [4, 2, 2],  # sums to head_dim / 2
+            },
+            tie_word_embeddings=False,
+            pad_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            bos_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=v["depth"],
+            hidden_size=v["hidden"],
+            intermediate_size=v["intermediate"],
+            num_heads=v["heads"],
+            patch_size=14,
+            spatial_merge_size=v["merge"],
+            temporal_patch_size=v["tpatch"],
+            out_hidden_size=t["hidden"],
+            window_size=112,  # 4x4 merged patches per attention window
+            fullatt_block_indexes=[v["depth"] - 1],
+            tokens_per_second=2,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+# CLIP normalisation, which Qwen2.5-VL (and Qwen2-VL) use.
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def _processor_configs(arch: str = "qwen3_vl") -> tuple[dict, dict]:
+    v = TINY_VISION
+    qwen3 = arch == "qwen3_vl"
+    common = {
+        "patch_size": v["patch"] if qwen3 else 14,
+        "temporal_patch_size": v["tpatch"],
+        "merge_size": v["merge"],
+        "image_mean": [0.5, 0.5, 0.5] if qwen3 else _CLIP_MEAN,
+        "image_std": [0.5, 0.5, 0.5] if qwen3 else _CLIP_STD,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+    }
+    image = {
+        **common,
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor",
+        "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+    }
+    video = {
+        **common,
+        "video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor",
+        "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64 * 64},
+        "fps": 1,
+        "min_frames": 2,
+        "max_frames": 64,
+        "do_sample_frames": False,
+    }
+    return image, video
+
+
+def build_tiny_checkpoint(
+    out_dir: str | Path, *, seed: int = 0, overwrite: bool = False, arch: str = "qwen3_vl"
+) -> Path:
+    """Write (if absent) a tiny random-weight Qwen3-VL checkpoint + tokenizer to ``out_dir``.
+
+    ``arch='qwen2_5_vl'`` writes the Qwen2.5-VL variant instead (patch 14, CLIP normalisation,
+    windowed vision attention) with the same tokenizer and text sizes.
+
+    Offline and fast (well under a second for the BPE, ~1 s for the model on 2 cores). The
+    directory is complete when ``config.json`` and ``model.safetensors`` exist; an existing
+    complete directory is returned untouched unless ``overwrite``. Writing goes to a sibling
+    temporary directory that is renamed into place, so a crash never leaves a half checkpoint
+    that a later run would load. Returns the directory path.
+    """
+    import transformers
+
+    archs = {
+        "qwen3_vl": (_tiny_config, "Qwen3VLForConditionalGeneration"),
+        "qwen2_5_vl": (_tiny_config_qwen2_5, "Qwen2_5_VLForConditionalGeneration"),
+    }
+    if arch not in archs:
+        raise ValueError(f"build_tiny_checkpoint: arch='{arch}' is not one of {sorted(archs)}")
+    make_config, cls_name = archs[arch]
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        if not overwrite:
+            return out
+    # A private temporary name: several processes (torchrun ranks) may build concurrently.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+    tokenizer = build_tiny_tokenizer(seed)
+    if len(tokenizer) > TINY_VOCAB:  # cannot happen with the trainer cap; guard the invariant
+        raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > TINY_VOCAB={TINY_VOCAB}")
+    config = make_config(tokenizer)
+    config.dtype = "float32"
+    # Weights depend only on the seed: a private RNG state, restored afterwards so building a
+    # checkpoint never perturbs the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, cls_name)(config)
+    model.generation_config.eos_token_id = [
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    ]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    from paravt.models.loader import _quiet_progress
+
+    with _quiet_progress():
+        model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    image_cfg, video_cfg = _processor_configs(arch)
+    (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
+    (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
+    (tmp / "paravt_tiny.json").write_text(
+        json.dumps({"seed": seed, "vocab": TINY_VOCAB, "arch": arch})
+    )
+
+    if (out / "model.safetensors").is_file() and not overwrite:  # another process won
+        shutil.rmtree(tmp)
+        return out
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,428 @@
+"""The transformers engine: batched KV-cache decoding with behaviour log-probs, CPU or GPU.
+
+``HFEngine.generate`` runs its own decode loop over the model's ``forward`` (not
+``model.generate``) because PPO needs things ``generate`` does not give together:
+
+- per-request sampling parameters in one batch (temperature, top-p, stops, token caps);
+- per-request ``torch.Generator`` s, so a request's sample depends on its seed only — not on
+  which other requests share its batch — and a run is reproducible from ``seed``;
+- the log-prob of every sampled token under the distribution it was actually drawn from:
+  ``log_softmax(top_p(logits / T))`` in float32 (greedy, ``T == 0``: ``log_softmax(logits)``);
+- finished rows dropped from the batch and the KV cache as soon as they stop;
+- a clip shared by several requests (the same ``VisualInputs`` object: a group's overview)
+  encoded by the vision tower once per call, not once per request.
+
+One call = one batched prefill (prompts left-padded; all requests' ``pixel_values`` and
+``grid_thw`` concatenated in request order, so the vision tower runs once) + one decode step
+per new token. M-RoPE positions are computed once per batch with the model's own
+``get_rope_index`` on the left-padded ids and attention mask (padding is skipped, exactly as
+``generate`` does), and each decode step advances every position row by one. With this,
+left-padded batched decoding reproduces unpadded single-request decoding and the
+teacher-forced ``sequence_logprobs`` to float rounding (tests check 1e-4), for Qwen3-VL and
+Qwen2.5-VL (whose video rows also carry ``second_per_grid_ts``). A batch may mix requests
+with and without visuals, with any prompt lengths and patch counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from paravt.models.loader import ModelBundle
+from paravt.rollout.engine import GenerationRequest, GenerationResult
+from paravt.types import VisualInputs
+from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, build_model_inputs, check_visual_tokens
+
+# Tokens decoded to look for a stop string: enough to span any stop string the agent uses
+# (``</tool_call>``-length) even when byte-level tokens are single characters.
+_STOP_TAIL_TOKENS = 24
+
+
+def _row_seed(engine_seed: int, call: int, row: int) -> int:
+    """A stable 63-bit seed from (engine seed, call counter, row): same in every process."""
+    h = hashlib.blake2b(f"{engine_seed}:{call}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside the nucleus, HF ``TopPLogitsWarper``'s rule.
+
+    ``logits`` ``(..., V)``; ``top_p`` a float or ``(...,)`` tensor. Tokens are sorted by
+    ascending logit and removed while the cumulative probability is ``<= 1 - top_p``; the most
+    likely token is always kept. Differentiable through the kept entries.
+    """
+    if isinstance(top_p, torch.Tensor) and top_p.numel() and bool((top_p >= 1.0).all()):
+        return logits  # (a device sync; the engine passes a float when no row filters)
+    if not isinstance(top_p, torch.Tensor) and top_p >= 1.0:
+        return logits
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    p = top_p if isinstance(top_p, float) else top_p.unsqueeze(-1)
+    remove_sorted = cum <= (1 - p)
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """``log_softmax(top_p(logits / T))`` in float32; ``T <= 0`` (greedy) means ``T = 1``.
+
+    ``logits`` ``(..., V)``; returns ``(..., V)``. This is the distribution the engine samples
+    from, so it is also the behaviour distribution of the PPO ratio.
+    """
+    x = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        x = x / t.to(x).unsqueeze(-1)
+    elif temperature > 0 and temperature != 1.0:
+        x = x / temperature
+    x = top_p_filter(x, top_p)
+    return torch.log_softmax(x, dim=-1)
+
+
+def _model_of(bundle_or_model: Any) -> Any:
+    return bundle_or_model.model if isinstance(bundle_or_model, ModelBundle) else bundle_or_model
+
+
+def _merge_size(model: Any) -> int:
+    return int(model.config.vision_config.spatial_merge_size)
+
+
+def sequence_logprobs(
+    bundle_or_model: ModelBundle | Any,
+    token_ids: Sequence[int],
+    mm_token_type_ids: Sequence[int],
+    visuals: VisualInputs | None,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """Teacher-forced log-prob of each token given the tokens before it, ONE model forward.
+
+    Returns ``(L,)`` float32 with ``out[0] = 0`` and ``out[t] = log p(token_t | tokens_<t)``
+    under ``sampling_logprobs(logits, temperature, top_p)`` — pass the engine's sampling
+    parameters to reproduce its behaviour log-probs. Differentiable: there is no
+    ``torch.no_grad`` inside (wrap the call yourself for inference), so the trainer can
+    backpropagate through it. Materialises ``(L, V)`` float32 logits: fine for tests and the
+    tiny model; the trainer's fused ``linear_logprob`` avoids that for large vocabularies.
+    """
+    model = _model_of(bundle_or_model)
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    kw = build_model_inputs(
+        token_ids, mm_token_type_ids, visuals, dev, merge_size=_merge_size(model), dtype=dtype
+    )
+    logits = model(**kw, use_cache=False).logits[0]  # (L, V)
+    lp = sampling_logprobs(logits[:-1], temperature, top_p)  # predicts tokens 1..L-1
+    target = kw["input_ids"][0, 1:].unsqueeze(-1)
+    out = lp.gather(-1, target).squeeze(-1)
+    return torch.cat([out.new_zeros(1), out])
+
+
+class HFEngine:
+    """Batched generation with transformers models (implements ``paravt.rollout.engine.Engine``).
+
+    Args:
+        bundle: the loaded model (``paravt.models.load_model``).
+        max_batch_size: most sequences per forward (0 = the whole call in one batch). Larger
+            calls are split into chunks of similar prompt length (less padding).
+        seed: engine seed; a request without ``sampling.seed`` gets a generator seeded from
+            (seed, call counter, its index in the call). A request with a seed is reproducible
+            on its own, whatever it is batched with.
+    """
+
+    def __init__(self, bundle: ModelBundle, *, max_batch_size: int = 0, seed: int = 0):
+        if max_batch_size < 0:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 0 (0 = no limit)")
+        self.bundle = bundle
+        self.model = bundle.model
+        self.tokenizer = bundle.tokenizer
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self.calls = 0
+        self.stats = {
+            "prefill_tokens": 0,
+            "decode_steps": 0,
+            "generated_tokens": 0,
+            "vision_patches": 0,  # patches through the vision tower (after de-duplication)
+        }
+
+    # ----------------------------------------------------------------------------- public
+    def sync_weights(self, model: Any) -> None:
+        """Use ``model``'s weights from now on.
+
+        ``model`` may be the same module (CPU, colocated: nothing to do), another module with
+        the same parameter names (DDP/compiled wrappers are unwrapped), or a state dict.
+        """
+        src = model
+        for attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers
+            while hasattr(src, attr) and isinstance(getattr(src, attr), torch.nn.Module):
+                src = getattr(src, attr)
+        if src is self.model:
+            return
+        state = src if isinstance(src, dict) else src.state_dict()
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"sync_weights: policy and rollout model differ: missing {list(missing)[:5]}, "
+                f"unexpected {list(unexpected)[:5]}; pass the unwrapped policy module"
+            )
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Generate for every request; results in request order (see the module docstring)."""
+        # The engine may share its module with the trainer (CPU, colocated). Decode in eval
+        # mode: with gradient checkpointing, a module in train mode silently turns the KV
+        # cache off, which would make every decode step see only its newest token.
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                return self._generate(requests)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        call = self.calls
+        self.calls += 1
+        if not requests:
+            return []
+        gens = []
+        dev = self.bundle.device
+        for i, r in enumerate(requests):
+            if not r.prompt_ids:
+                raise ValueError(f"request {i} ({r.request_id!r}) has an empty prompt")
+            if r.sampling.max_new_tokens < 1:
+                raise ValueError(
+                    f"request {i} ({r.request_id!r}): max_new_tokens="
+                    f"{r.sampling.max_new_tokens} must be >= 1"
+                )
+            s = r.sampling.seed if r.sampling.seed is not None else _row_seed(self.seed, call, i)
+            g = torch.Generator(device=dev)
+            g.manual_seed(int(s) & ((1 << 63) - 1))
+            gens.append(g)
+        order = list(range(len(requests)))
+        bs = self.max_batch_size or len(requests)
+        if bs < len(requests):
+            # Similar lengths together: less padding. Results are per-request (own generator),
+            # so the grouping changes nothing but speed.
+            order.sort(key=lambda i: len(requests[i].prompt_ids))
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for start in range(0, len(order), bs):
+            idx = order[start : start + bs]
+            outs = self._generate_batch([requests[i] for i in idx], [gens[i] for i in idx])
+            for i, o in zip(idx, outs):
+                results[i] = o
+        return results  # type: ignore[return-value]
+
+    # ---------------------------------------------------------------------------- internal
+    def _mm_types(self, r: GenerationRequest) -> list[int]:
+        mm = r.extras.get("mm_token_type_ids")
+        if mm is None:
+            sp = self.bundle.special
+            mm = [
+                MM_VIDEO if t == sp.video_pad else MM_IMAGE if t == sp.image_pad else 0
+                for t in r.prompt_ids
+            ]
+        if len(mm) != len(r.prompt_ids):
+            raise ValueError(
+                f"request {r.request_id!r}: mm_token_type_ids ({len(mm)}) and prompt_ids "
+                f"({len(r.prompt_ids)}) differ in length"
+            )
+        return list(mm)
+
+    def _prefill_inputs(self, reqs: list[GenerationRequest]) -> dict[str, Any]:
+        """Left-padded batch: ids, mask, (4, B, L) positions, concatenated visual inputs."""
+        model, sp = self.model, self.bundle.special
+        dev = self.bundle.device
+        dtype = next(model.parameters()).dtype
+        B, L = len(reqs), max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((B, L), sp.pad, dtype=torch.long)
+        mask = torch.zeros((B, L), dtype=torch.long)
+        mm = torch.zeros((B, L), dtype=torch.int32)
+        videos: list[VisualInputs] = []
+        images: list[VisualInputs] = []
+        for b, r in enumerate(reqs):
+            n = len(r.prompt_ids)
+            types = self._mm_types(r)
+            check_visual_tokens(types, r.visuals, _merge_size(model))
+            ids[b, L - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[b, L - n :] = 1
+            mm[b, L - n :] = torch.tensor(types, dtype=torch.int32)
+            if r.visuals is not None:
+                (videos if r.visuals.kind == "video" else images).append(r.visuals)
+        ids, mask, mm = ids.to(dev), mask.to(dev), mm.to(dev)
+        kw: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": mm}
+        vid, img = VisualInputs.concat(videos), VisualInputs.concat(images)
+        if vid is not None:
+            kw["video_grid_thw"] = vid.grid_thw.to(dev)
+            shared = self._shared_video_features(videos)
+            if shared is not None:
+                kw["mm_encoder_outputs"] = {"video": shared}
+            else:
+                kw["pixel_values_videos"] = vid.pixel_values.to(dev, dtype)
+                self.stats["vision_patches"] += int(vid.pixel_values.shape[0])
+            if vid.second_per_grid_ts is not None:  # Qwen2.5-VL
+                kw["second_per_grid_ts"] = vid.second_per_grid_ts.to(dev)
+        if img is not None:
+            kw["pixel_values"] = img.pixel_values.to(dev, dtype)
+            kw["image_grid_thw"] = img.grid_thw.to(dev)
+        # Text row: what generate() uses (cumsum of the mask, pads at 0); M-RoPE rows: the
+        # model's own rule over the unpadded tokens of each row.
+        text_pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        if vid is None and img is None:
+            rope = text_pos.unsqueeze(0).expand(3, -1, -1)
+        else:
+            rope, _ = model.model.get_rope_index(
+                ids,
+                mm_token_type_ids=mm,
+                image_grid_thw=kw.get("image_grid_thw"),
+                video_grid_thw=kw.get("video_grid_thw"),
+                second_per_grid_ts=kw.get("second_per_grid_ts"),  # Qwen2.5-VL only
+                attention_mask=mask,
+            )
+        kw["position_ids"] = torch.cat([text_pos.unsqueeze(0), rope.to(text_pos)], dim=0)
+        return kw
+
+    def _shared_video_features(self, videos: list[VisualInputs]) -> Any | None:
+        """Encode each distinct clip once when requests share a ``VisualInputs`` object.
+
+        The G rollouts of a prompt carry the same overview clip (the same object), so a batch
+        of G main-agent requests would run the vision tower G times on identical pixels. Here
+        each distinct object (by identity: hashing pixels would cost more than it saves) is
+        encoded once and its features, deepstack levels included, are repeated in request
+        order as the model's ``mm_encoder_outputs``. Vision attention is per segment, so a
+        segment's features do not depend on its batch-mates. Returns None (encode as usual)
+        when no object repeats.
+        """
+        uniq: dict[int, VisualInputs] = {}
+        for v in videos:
+            uniq.setdefault(id(v), v)
+        if len(uniq) == len(videos):
+            return None
+        dev, dtype = self.bundle.device, next(self.model.parameters()).dtype
+        u = VisualInputs.concat(list(uniq.values()))
+        assert u is not None
+        feats = self.model.model.get_video_features(
+            u.pixel_values.to(dev, dtype), u.grid_thw.to(dev), return_dict=True
+        )
+        self.stats["vision_patches"] += int(u.pixel_values.shape[0])
+        first_seg: dict[int, int] = {}
+        k = 0
+        for key, v in uniq.items():
+            first_seg[key] = k
+            k += v.num_segments
+        order = [first_seg[id(v)] + j for v in videos for j in range(v.num_segments)]
+        feats.pooler_output = tuple(feats.pooler_output[i] for i in order)
+        if getattr(feats, "deepstack_features", None) is not None:  # Qwen3-VL
+            feats.deepstack_features = [
+                tuple(level[i] for i in order) for level in feats.deepstack_features
+            ]
+        return feats
+
+    def _generate_batch(
+        self, reqs: list[GenerationRequest], gens: list[torch.Generator]
+    ) -> list[GenerationResult]:
+        from transformers import DynamicCache
+
+        model, tok = self.model, self.tokenizer
+        dev = self.bundle.device
+        kw = self._prefill_inputs(reqs)
+        B = len(reqs)
+        self.stats["prefill_tokens"] += int(kw["attention_mask"].sum())
+        temps = torch.tensor([r.sampling.temperature for r in reqs], device=dev)
+        # A sort over the vocabulary per step is the top-p price: pay it only when used.
+        any_top_p = any(r.sampling.top_p < 1.0 for r in reqs)
+        top_ps = torch.tensor([r.sampling.top_p for r in reqs], device=dev)
+        default_stops = set(self.bundle.special.stop_ids)
+        stop_ids = [default_stops | set(r.sampling.stop_token_ids) for r in reqs]
+        out_ids: list[list[int]] = [[] for _ in range(B)]
+        out_lps: list[list[float]] = [[] for _ in range(B)]
+        finish = [""] * B
+        active = list(range(B))  # original row of each live batch row
+
+        cache = DynamicCache(config=model.config)
+        logits = model(**kw, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        mask, pos = kw["attention_mask"], kw["position_ids"]
+        while True:
+            t_act = temps[active]
+            p_act = top_ps[active] if any_top_p else 1.0
+            lp = sampling_logprobs(logits, t_act, p_act)  # (b, V) float32
+            nxt = lp.argmax(-1)  # greedy rows keep this
+            sampled = [j for j, b in enumerate(active) if reqs[b].sampling.temperature > 0]
+            if sampled:
+                nxt[sampled] = self._draw(lp[sampled], [gens[active[j]] for j in sampled])
+            chosen = lp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1).tolist()
+            nxt_list = nxt.tolist()
+            keep: list[int] = []
+            for j, b in enumerate(active):
+                t = nxt_list[j]
+                out_ids[b].append(t)
+                out_lps[b].append(float(chosen[j]))
+                sp = reqs[b].sampling
+                if t in stop_ids[b] or self._hit_stop_string(out_ids[b], sp.stop_strings):
+                    finish[b] = "stop"
+                elif len(out_ids[b]) >= sp.max_new_tokens:
+                    finish[b] = "length"
+                else:
+                    keep.append(j)
+            self.stats["decode_steps"] += 1
+            if not keep:
+                break
+            if len(keep) < len(active):
+                # Drop finished rows from every per-row tensor and from the KV cache.
+                sel = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(sel)
+                mask, pos, nxt = mask[sel], pos[:, sel], nxt[sel]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            pos = pos[:, :, -1:] + 1  # every M-RoPE row advances by one per text token
+            logits = model(
+                input_ids=nxt.unsqueeze(-1),
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+        self.stats["generated_tokens"] += sum(len(o) for o in out_ids)
+        return [
+            GenerationResult(
+                token_ids=out_ids[b],
+                logprobs=out_lps[b],
+                finish_reason=finish[b],
+                request_id=reqs[b].request_id,
+                text=tok.decode(out_ids[b], skip_special_tokens=True),
+            )
+            for b in range(B)
+        ]
+
+    @staticmethod
+    def _draw(logprobs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+        """One token per row by inverse-CDF sampling, ``(b, V)`` -> ``(b,)``.
+
+        Each row takes ONE uniform from its own generator, so a request's sample never depends
+        on what else is in the batch; the CDF search is batched (4-5x cheaper on the CPU than
+        one ``torch.multinomial`` per row). ``right=True`` skips zero-probability tokens
+        (outside the top-p nucleus) even for ``u == 0``.
+        """
+        dev = logprobs.device
+        u = torch.stack([torch.rand((), generator=g, device=dev) for g in gens])
+        cdf = logprobs.exp().cumsum(-1)  # (b, V); the last entry is the row's total (~1)
+        idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        return idx.clamp_(max=logprobs.shape[-1] - 1)
+
+    def _hit_stop_string(self, ids: list[int], stops: Sequence[str]) -> bool:
+        """True when the newest token completed one of ``stops`` (decoded tail of the output).
+
+        Checked after every token, so a stop string found in the tail was completed by the
+        newest token: generation stops on it, the stop string included.
+        """
+        if not stops:
+            return False
+        n = max(_STOP_TAIL_TOKENS, max(len(s) for s in stops) + 2)  # >= 1 char per token
+        tail = self.tokenizer.decode(ids[-n:], skip_special_tokens=False)
+        return any(s in tail for s in stops)
