@@ -1,0 +1,246 @@
+"""Fused lm-head log-prob (Triton epilogues around tensor-core matmuls).
+
+The ``(N, V)`` logits are never held: the vocabulary is walked in tiles of ``BV`` rows of the
+weight. Per tile the logits ``Z_j = H W_j^T`` (``(N, BV)``, fp32 accumulate/output) come from
+a matmul (cuBLAS on GPU), then:
+
+* forward, ``_llp_fwd_tile_kernel`` (grid: token blocks): one read of ``Z_j`` updates each
+  token's online log-sum-exp state (running max ``m``, ``s = sum e^{z-m}``,
+  ``u = sum e^{z-m} z`` for the entropy) and picks the target logit when it lies in the tile;
+  bias and ``1/T`` are applied on load.
+* backward, ``_llp_bwd_tile_kernel`` (grid: token blocks x column blocks): one read of the
+  recomputed ``Z_j`` writes ``dZ_j = (g (1[j=t] - p) - k p (z - lse + H)) / T`` in the
+  operand dtype, then ``dW_j = dZ_j^T H`` is written ONCE per vocabulary tile and
+  ``dH += dZ_j W_j`` accumulates in fp32.
+
+Memory: one ``(N, BV)`` fp32 tile (+ one ``dZ`` tile in backward) instead of ``(N, V)``
+logits, log-softmax and their gradient. FLOPs: ``8 N d V`` (the forward matmul is recomputed
+in backward) against ``6 N d V`` for the naive path.
+Maths: ``reference.linear_logprob_forward_torch`` / ``linear_logprob_backward_torch``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_utils import lazy_jit, next_pow2
+from .dispatch import interpreting
+
+# GPU tile of the vocabulary: ~2^26 fp32 logits (256 MiB) per tile; at N = 8192 that is 8192
+# vocabulary rows, a matmul large enough to run at full tensor-core rate.
+_GPU_TILE_ELEMS = 1 << 26
+_GPU_FWD = {"BLOCK_M": 16, "BLOCK_N": 512, "num_warps": 4}
+_GPU_BWD = {"BLOCK_M": 16, "BLOCK_N": 512, "num_warps": 4}
+
+
+@lazy_jit
+def _llp_fwd_tile_kernel(
+    z_ptr, stride_z, bias_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
+    n_rows, n_cols, v0, inv_t,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    m = tl.load(m_ptr + rows, mask=rmask, other=float("-inf"))
+    s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    if ENTROPY:
+        u = tl.load(u_ptr + rows, mask=rmask, other=0.0)
+    for c0 in range(0, n_cols, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        cmask = cols < n_cols
+        z = tl.load(
+            z_ptr + rows64[:, None] * stride_z + cols[None, :],
+            mask=rmask[:, None] & cmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + v0 + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        z = tl.where(cmask[None, :], z * inv_t, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, 1))
+        # rows past the end stay at -inf; shift by 0 there so no (-inf) - (-inf) NaN appears.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - shift)
+        e = tl.exp(z - shift[:, None])
+        s = s * alpha + tl.sum(e, 1)
+        if ENTROPY:
+            u = u * alpha + tl.sum(e * tl.where(cmask[None, :], z, 0.0), 1)  # no 0 * -inf
+        m = m_new
+    tl.store(m_ptr + rows, m, mask=rmask)
+    tl.store(s_ptr + rows, s, mask=rmask)
+    if ENTROPY:
+        tl.store(u_ptr + rows, u, mask=rmask)
+    t = tl.load(tgt_ptr + rows, mask=rmask, other=-1)
+    inside = rmask & (t >= v0) & (t < v0 + n_cols)
+    zt = tl.load(z_ptr + rows64 * stride_z + (t - v0), mask=inside, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        zt += tl.load(bias_ptr + t, mask=inside, other=0.0).to(tl.float32)
+    tl.store(zt_ptr + rows, zt * inv_t, mask=inside)
+
+
+@lazy_jit
+def _llp_bwd_tile_kernel(
+    z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, tgt_ptr, lse_ptr, g_ptr, k_ptr, ent_ptr,
+    n_rows, n_cols, v0, inv_t,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    cmask = cols < n_cols
+    rows64 = rows.to(tl.int64)
+    io_mask = rmask[:, None] & cmask[None, :]
+    z = tl.load(z_ptr + rows64[:, None] * stride_z + cols[None, :], mask=io_mask, other=0.0)
+    z = z.to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + v0 + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    z = z * inv_t
+    lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+    g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
+    p = tl.exp(z - lse[:, None])
+    if ENTROPY:
+        k = tl.load(k_ptr + rows, mask=rmask, other=0.0)
+        h = tl.load(ent_ptr + rows, mask=rmask, other=0.0)
+        dz = -p * (g[:, None] + k[:, None] * (z - lse[:, None] + h[:, None]))
+    else:
+        dz = -p * g[:, None]
+    t = tl.load(tgt_ptr + rows, mask=rmask, other=-1)
+    dz += tl.where((cols[None, :] + v0) == t[:, None], g[:, None], 0.0)
+    dz = dz * inv_t
+    tl.store(
+        dz_ptr + rows64[:, None] * stride_dz + cols[None, :],
+        dz.to(dz_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 result. Low-precision CUDA operands use the tensor cores with an
+    fp32 output (no rounding of the logits to bf16); on CPU they are upcast first."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # older torch / unsupported dtype: round then upcast
+            return (a @ b).float()
+    return a.float() @ b.float()
+
+
+def _vocab_tile(n_tok: int, vocab: int) -> int:
+    if interpreting():
+        return vocab if vocab <= 8192 else 4096
+    bv = max(1024, min(16384, _GPU_TILE_ELEMS // max(n_tok, 1)))
+    return min(vocab, bv // 128 * 128)
+
+
+def _blocks(n_tok: int, bv: int, fwd: bool) -> dict:
+    if interpreting():
+        # programs run one after another: few, large blocks.
+        return {"BLOCK_M": min(next_pow2(n_tok), 128), "BLOCK_N": min(next_pow2(bv), 1024)}
+    return dict(_GPU_FWD if fwd else _GPU_BWD)
+
+
+def linear_logprob_fwd_triton(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprob (N,), entropy (N,) or (0,), lse (N,))``, all float32."""
+    n_tok, _ = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    m = torch.full((n_tok,), float("-inf"), **f32)
+    s = torch.zeros(n_tok, **f32)
+    u = torch.zeros(n_tok if return_entropy else 1, **f32)
+    zt = torch.zeros(n_tok, **f32)
+    if n_tok == 0:
+        e = torch.empty(0, **f32)
+        return e, e.clone(), e.clone()
+    bv = _vocab_tile(n_tok, vocab)
+    cfg = _blocks(n_tok, bv, fwd=True)
+    grid = (triton.cdiv(n_tok, cfg["BLOCK_M"]),)
+    inv_t = 1.0 / temperature
+    for v0 in range(0, vocab, bv):
+        v1 = min(v0 + bv, vocab)
+        z = _mm_f32(hidden, weight[v0:v1].T)
+        _llp_fwd_tile_kernel[grid](
+            z, z.stride(0), hidden if bias is None else bias, targets, m, s, u, zt,
+            n_tok, v1 - v0, v0, inv_t,
+            HAS_BIAS=bias is not None, ENTROPY=bool(return_entropy), **cfg,
+        )  # fmt: skip
+    lse = m + torch.log(s)
+    valid = targets != ignore_index
+    logprob = torch.where(valid, (zt - lse).clamp_max(0.0), 0.0)
+    if return_entropy:
+        entropy = torch.where(valid, lse - u / s, 0.0)
+    else:
+        entropy = torch.empty(0, **f32)
+    return logprob, entropy, lse
+
+
+def linear_logprob_bwd_triton(
+    grad_logprob: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dhidden (N,d) fp32, dweight (V,d), dbias (V,) fp32 or None)`` by tile recomputation."""
+    n_tok, d = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    valid = (targets != ignore_index).float()
+    g = (grad_logprob.float() * valid).contiguous()
+    use_ent = grad_entropy is not None and entropy.numel() == n_tok
+    k = (grad_entropy.float() * valid).contiguous() if use_ent else g
+    grad_h = torch.zeros(n_tok, d, dtype=torch.float32, device=dev)
+    # dW is written once per vocabulary tile, in the weight's dtype on GPU (as cuBLAS emits).
+    gw_dtype = weight.dtype if dev.type == "cuda" else torch.float32
+    grad_w = torch.empty(vocab, d, dtype=gw_dtype, device=dev)
+    grad_b = torch.empty(vocab, dtype=torch.float32, device=dev) if bias is not None else None
+    if n_tok == 0:
+        grad_w.zero_()
+        if grad_b is not None:
+            grad_b.zero_()
+        return grad_h, grad_w, grad_b
+    # dZ feeds two matmuls: keep it in the operand dtype on GPU (tensor cores), fp32 on CPU.
+    dz_dtype = hidden.dtype if dev.type == "cuda" else torch.float32
+    h_op = hidden if dev.type == "cuda" else hidden.float()
+    bv = _vocab_tile(n_tok, vocab)
+    cfg = _blocks(n_tok, bv, fwd=False)
+    inv_t = 1.0 / temperature
+    dz_buf = torch.empty(n_tok, bv, dtype=dz_dtype, device=dev)
+    for v0 in range(0, vocab, bv):
+        v1 = min(v0 + bv, vocab)
+        w_j = weight[v0:v1]
+        z = _mm_f32(hidden, w_j.T)
+        dz = dz_buf[:, : v1 - v0]
+        grid = (triton.cdiv(n_tok, cfg["BLOCK_M"]), triton.cdiv(v1 - v0, cfg["BLOCK_N"]))
+        _llp_bwd_tile_kernel[grid](
+            z, z.stride(0), dz, dz.stride(0), hidden if bias is None else bias, targets, lse,
+            g, k, entropy if use_ent else lse, n_tok, v1 - v0, v0, inv_t,
+            HAS_BIAS=bias is not None, ENTROPY=use_ent, **cfg,
+        )  # fmt: skip
+        del z
+        w_op = w_j if dev.type == "cuda" else w_j.float()
+        torch.mm(dz.T, h_op, out=grad_w[v0:v1])
+        grad_h += _mm_f32(dz, w_op)
+        if grad_b is not None:
+            grad_b[v0:v1] = dz.sum(dim=0, dtype=torch.float32)
+    return grad_h, grad_w, grad_b

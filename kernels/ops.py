@@ -1,0 +1,219 @@
+"""``torch.library`` registration of the paravt ops (``paravt::<op>``) with fake kernels and
+autograd, so that ``torch.compile`` traces them and ``opcheck`` validates them.
+
+Each op takes its resolved implementation (``impl``: ``"torch"`` | ``"triton"``, see
+``dispatch.py``) as a schema argument: the choice is made once, outside the op, and is a
+constant for tracing. Triton modules are imported lazily, so the package imports without Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+
+__all__ = ["group_advantage_op", "linear_logprob_bwd_op", "linear_logprob_fwd_op", "policy_loss_op"]
+
+
+def _triton_module(name: str):
+    """Import a Triton kernel module on first use (keeps ``import paravt_kernels`` Triton-free)."""
+    import importlib
+
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+# --------------------------------------------------------------------------------------------
+# group_advantage
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("paravt::group_advantage", mutates_args=())
+def group_advantage_op(
+    rewards: Tensor,
+    group_index: Tensor,
+    normalize_std: bool,
+    eps: float,
+    scale: float,
+    bias: float,
+    impl: str,
+) -> Tensor:
+    if impl == "triton":
+        return _triton_module("group_advantage_triton").group_advantage_triton(
+            rewards, group_index, normalize_std, eps, scale, bias
+        )
+    return ref.group_advantage_torch(
+        rewards, group_index, normalize_std=normalize_std, eps=eps, scale=scale, bias=bias
+    )
+
+
+@group_advantage_op.register_fake
+def _(rewards, group_index, normalize_std, eps, scale, bias, impl):
+    return torch.empty(rewards.shape, dtype=torch.float32, device=rewards.device)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_logprob
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("paravt::linear_logprob_fwd", mutates_args=())
+def linear_logprob_fwd_op(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if impl == "triton":
+        return _triton_module("linear_logprob_triton").linear_logprob_fwd_triton(
+            hidden, weight, targets, bias, temperature, return_entropy, ignore_index
+        )
+    return ref.linear_logprob_forward_torch(
+        hidden, weight, targets, bias, temperature, return_entropy, ignore_index
+    )
+
+
+@linear_logprob_fwd_op.register_fake
+def _(hidden, weight, targets, bias, temperature, return_entropy, ignore_index, impl):
+    n = hidden.shape[0]
+    f32 = {"dtype": torch.float32, "device": hidden.device}
+    return (
+        torch.empty(n, **f32),
+        torch.empty(n if return_entropy else 0, **f32),
+        torch.empty(n, **f32),
+    )
+
+
+@torch.library.custom_op("paravt::linear_logprob_bwd", mutates_args=())
+def linear_logprob_bwd_op(
+    grad_logprob: Tensor,
+    grad_entropy: Tensor | None,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None,
+    lse: Tensor,
+    entropy: Tensor,
+    temperature: float,
+    ignore_index: int,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if impl == "triton":
+        gh, gw, gb = _triton_module("linear_logprob_triton").linear_logprob_bwd_triton(
+            grad_logprob, grad_entropy, hidden, weight, targets, bias, lse, entropy,
+            temperature, ignore_index,
+        )  # fmt: skip
+    else:
+        gh, gw, gb = ref.linear_logprob_backward_torch(
+            grad_logprob, grad_entropy, hidden, weight, targets, bias, lse, entropy,
+            temperature, ignore_index,
+        )  # fmt: skip
+    if gb is None:
+        gb = torch.empty(0, dtype=weight.dtype, device=weight.device)
+    return (
+        gh.to(hidden.dtype),
+        gw.to(weight.dtype),
+        gb.to(weight.dtype if bias is None else bias.dtype),
+    )
+
+
+@linear_logprob_bwd_op.register_fake
+def _(grad_logprob, grad_entropy, hidden, weight, targets, bias, lse, entropy, temperature,
+      ignore_index, impl):  # fmt: skip
+    gb_shape = (0,) if bias is None else tuple(bias.shape)
+    gb_dtype = weight.dtype if bias is None else bias.dtype
+    return (
+        torch.empty_like(hidden),
+        torch.empty_like(weight),
+        torch.empty(gb_shape, dtype=gb_dtype, device=weight.device),
+    )
+
+
+def _llp_setup_context(ctx, inputs, output):
+    hidden, weight, targets, bias, temperature, return_entropy, ignore_index, impl = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, targets, bias, lse, entropy)
+    ctx.temperature = temperature
+    ctx.ignore_index = ignore_index
+    ctx.return_entropy = return_entropy
+    ctx.impl = impl
+    ctx.has_bias = bias is not None
+
+
+def _llp_backward(ctx, grad_logprob, grad_entropy, _grad_lse):
+    hidden, weight, targets, bias, lse, entropy = ctx.saved_tensors
+    if grad_logprob is None:
+        grad_logprob = torch.zeros_like(lse)
+    if not ctx.return_entropy:
+        grad_entropy = None
+    gh, gw, gb = linear_logprob_bwd_op(
+        grad_logprob.contiguous(),
+        None if grad_entropy is None else grad_entropy.contiguous(),
+        hidden, weight, targets, bias, lse, entropy, ctx.temperature, ctx.ignore_index, ctx.impl,
+    )  # fmt: skip
+    return gh, gw, None, (gb if ctx.has_bias else None), None, None, None, None
+
+
+linear_logprob_fwd_op.register_autograd(_llp_backward, setup_context=_llp_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# policy_loss
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("paravt::policy_loss", mutates_args=())
+def policy_loss_op(
+    logprob: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    ref_logprob: Tensor | None,
+    prox_logprob: Tensor | None,
+    cu_seqlens: Tensor | None,
+    seq_weights: Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    behav_cap: float | None,
+    kl_coef: float,
+    kl_type: str,
+    agg: str,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(loss (), dloss/dlogprob (N,), stats (len(POLICY_STAT_NAMES),))``."""
+    fn = (
+        _triton_module("policy_loss_triton").policy_loss_fused_triton
+        if impl == "triton"
+        else ref.policy_loss_fused_torch
+    )
+    return fn(
+        logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
+        seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg,
+    )  # fmt: skip
+
+
+@policy_loss_op.register_fake
+def _(logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
+      seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, impl):  # fmt: skip
+    f32 = {"dtype": torch.float32, "device": logprob.device}
+    return (
+        torch.empty((), **f32),
+        torch.empty(logprob.shape, **f32),
+        torch.empty(len(ref.POLICY_STAT_NAMES), **f32),
+    )
+
+
+def _pl_setup_context(ctx, inputs, output):
+    _, grad, _ = output
+    ctx.save_for_backward(grad)
+    ctx.lp_dtype = inputs[0].dtype
+
+
+def _pl_backward(ctx, grad_loss, _grad_grad, _grad_stats):
+    (grad,) = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 16
+    g = (grad * grad_loss).to(ctx.lp_dtype)
+    return (g,) + (None,) * 15
+
+
+policy_loss_op.register_autograd(_pl_backward, setup_context=_pl_setup_context)

@@ -1,0 +1,743 @@
+"""Pure-torch implementations of the paravt_kernels ops: the CPU path and the test oracle.
+
+Every function here is written from the published formula with plain, vectorised torch ops and
+no host synchronisation on the hot path (no ``.item()``, no Python loop over sequences).
+
+Conventions shared by all ops
+-----------------------------
+* Per-token tensors are packed 1-D ``(N,)`` over a batch of ``B`` sequences whose boundaries are
+  ``cu_seqlens`` ``(B+1,)`` int (``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == N``).
+* Results are float32 (statistics of bf16 inputs are accumulated in float32).
+
+``linear_logprob_torch`` is a custom ``autograd.Function`` that never materialises the
+``(tokens, vocab)`` logits: it walks vocabulary tiles (and token chunks) with an online
+log-sum-exp, and its backward recomputes each tile. ``policy_loss_torch`` and
+``group_advantage_torch`` are differentiable (where it makes sense) through torch autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "AGG_MODES",
+    "KL_TYPES",
+    "POLICY_STAT_NAMES",
+    "broadcast_to_tokens",
+    "group_advantage_torch",
+    "kl_penalty",
+    "linear_logprob_torch",
+    "policy_loss_torch",
+    "seq_ids_from_cu_seqlens",
+]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_TYPES = ("k1", "k2", "k3")
+# Order of the packed statistics vector returned by the registered policy-loss op.
+POLICY_STAT_NAMES = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_frac_dual",
+    "clip_frac",
+    "kl_mean",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "n_tokens",
+    "n_masked",
+    "n_capped",
+)
+# The k3 estimator exponentiates (ref - logprob); beyond +-20 the estimate is dominated by
+# numerical blow-up (exp(20) ~ 5e8), so the log-ratio is clamped there, as verl does.
+K3_LOG_RATIO_CLAMP = 20.0
+
+
+# --------------------------------------------------------------------------------------------
+# group advantage
+# --------------------------------------------------------------------------------------------
+def group_advantage_torch(
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    scale: float = 1.0,
+    bias: float = 0.0,
+) -> torch.Tensor:
+    """Group-relative advantages, ``(B,)`` float32.
+
+    ``A_i = (r_i - mean_g) / (std_g + eps) * scale + bias`` (or ``(r_i - mean_g) * scale + bias``
+    when ``normalize_std=False``, Dr. GRPO), where ``g = group_index[i]`` and ``std_g`` is the
+    **unbiased** (n-1) standard deviation, as ``torch.std`` in TRL's GRPO. A group of size 1
+    has no relative signal and an undefined unbiased std: its advantage is exactly 0 (neither
+    ``scale`` nor ``bias`` is applied). Groups may be ragged and interleaved in any order;
+    ``group_index`` holds arbitrary int ids (only equality matters).
+    """
+    # group statistics in float64: B is small, and an fp32 sum of rewards with a large common
+    # offset loses the low bits that the centred values are made of.
+    r = rewards.double()
+    # unique's inverse maps arbitrary ids to 0..G-1 (sorted ids; order of rows is irrelevant).
+    _, inv = torch.unique(group_index, return_inverse=True)
+    num = r.numel()  # an upper bound on the number of groups: no host sync for G
+    count = torch.zeros(num, dtype=r.dtype, device=r.device).index_add_(0, inv, torch.ones_like(r))
+    total = torch.zeros(num, dtype=r.dtype, device=r.device).index_add_(0, inv, r)
+    n = count[inv]
+    mean = total[inv] / n
+    centred = r - mean
+    if normalize_std:
+        # two-pass variance (sum of squared deviations) is stable for large reward offsets.
+        ssd = torch.zeros(num, dtype=r.dtype, device=r.device).index_add_(0, inv, centred * centred)
+        std = torch.sqrt(ssd[inv] / (n - 1).clamp_min(1.0))
+        adv = centred / (std + eps) * scale + bias
+    else:
+        adv = centred * scale + bias
+    return torch.where(n > 1, adv, torch.zeros_like(adv)).float()
+
+
+def seq_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """Sequence id of every token, ``(N,)`` int64, from ``cu_seqlens`` ``(B+1,)`` (no host sync)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(ids, lengths, output_size=total_tokens)
+
+
+def broadcast_to_tokens(
+    seq_values: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    parent_index: torch.Tensor | None = None,
+    total_tokens: int | None = None,
+) -> torch.Tensor:
+    """Spread one value per sequence over that sequence's tokens in a packed batch.
+
+    ``seq_values`` ``(B,)``, ``cu_seqlens`` ``(B+1,)`` -> ``(N,)`` with ``N = cu_seqlens[-1]``.
+    ``parent_index`` ``(B,)`` int: ``parent_index[i] >= 0`` makes sub-agent sequence ``i`` take
+    the value of main sequence ``parent_index[i]``; ``-1`` marks a main sequence (own value).
+    Pass ``total_tokens`` (= N) to avoid the one host read of ``cu_seqlens[-1]``.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() != seq_values.numel() + 1:
+        raise ValueError(
+            f"cu_seqlens has shape {tuple(cu_seqlens.shape)} but seq_values has "
+            f"{seq_values.numel()} sequences: cu_seqlens must be (B+1,) = ({seq_values.numel() + 1},)"
+        )
+    values = seq_values
+    if parent_index is not None:
+        if parent_index.shape != seq_values.shape:
+            raise ValueError(
+                f"parent_index has shape {tuple(parent_index.shape)}, expected "
+                f"{tuple(seq_values.shape)} (one parent per sequence, -1 for main sequences)"
+            )
+        pi = parent_index.long()
+        values = torch.where(pi >= 0, seq_values[pi.clamp_min(0)], seq_values)
+    if total_tokens is None:
+        total_tokens = int(cu_seqlens[-1])
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(values, lengths, output_size=total_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_logprob: chunked, online log-sum-exp, recomputing backward
+# --------------------------------------------------------------------------------------------
+# Tile sizes for the CPU path: a (4096 tokens x 2048 vocab) fp32 tile is 32 MiB. Measured on
+# 2 cores at 4096 x 256 x 32768: small tiles (256 x 4096) were 3x slower than this (per-op
+# overhead and thin matmuls dominate); the memory saving stays ~10x.
+TORCH_TOKEN_CHUNK = 4096
+TORCH_VOCAB_TILE = 2048
+
+
+def _tile_logits(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    inv_t: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 ``(h @ w.T + b) * inv_t`` for one tile, written into ``out`` when given.
+
+    ``h`` must already be fp32; bf16/fp16 weight tiles are upcast (exact products). Writing
+    into a reused buffer matters on CPU: a fresh 32 MiB result per tile is returned to the
+    OS on free and page-faulted back on the next tile (measured: matmul+exp 1.5x slower).
+    """
+    wf = w if w.dtype == torch.float32 else w.float()
+    if out is None:
+        z = h @ wf.T
+    else:
+        z = torch.mm(h, wf.T, out=out)
+    if b is not None:
+        z.add_(b.float())
+    if inv_t != 1.0:
+        z.mul_(inv_t)
+    return z
+
+
+def linear_logprob_forward_torch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    return_entropy: bool,
+    ignore_index: int,
+    token_chunk: int | None = None,
+    vocab_tile: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward statistics without gradients: ``(logprob, entropy, lse)``, each ``(N,)`` float32.
+
+    Online log-sum-exp over vocabulary tiles, per token: running max ``m``, ``s = sum e^{z-m}``
+    and (entropy only) ``u = sum e^{z-m} z``; then ``lse = m + log s``,
+    ``logprob = z_target - lse`` (clamped to <= 0) and ``entropy = lse - u / s``.
+    ``entropy`` is an empty tensor when not requested. Ignored targets give 0 and 0.
+    """
+    token_chunk = token_chunk or TORCH_TOKEN_CHUNK
+    vocab_tile = vocab_tile or TORCH_VOCAB_TILE
+    n_tok = hidden.shape[0]
+    vocab = weight.shape[0]
+    dev = hidden.device
+    inv_t = 1.0 / temperature
+    f32 = {"dtype": torch.float32, "device": dev}
+    lse = torch.empty(n_tok, **f32)
+    logprob = torch.empty(n_tok, **f32)
+    entropy = torch.empty(n_tok if return_entropy else 0, **f32)
+    tgt = targets.long()
+    valid = tgt != ignore_index
+    hf = hidden.float()
+    zbuf = torch.empty(min(token_chunk, n_tok) * min(vocab_tile, vocab), **f32)
+    for c0 in range(0, n_tok, token_chunk):
+        c1 = min(c0 + token_chunk, n_tok)
+        h = hf[c0:c1]
+        t = tgt[c0:c1]
+        m = torch.full((c1 - c0,), float("-inf"), **f32)
+        s = torch.zeros(c1 - c0, **f32)
+        u = torch.zeros(c1 - c0, **f32) if return_entropy else None
+        zt = torch.zeros(c1 - c0, **f32)
+        for v0 in range(0, vocab, vocab_tile):
+            v1 = min(v0 + vocab_tile, vocab)
+            out = zbuf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0)
+            z = _tile_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], inv_t, out)
+            inside = (t >= v0) & (t < v1)
+            local = (t - v0).clamp(0, v1 - v0 - 1)
+            zt = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), zt)
+            m_new = torch.maximum(m, z.amax(dim=1))
+            alpha = torch.exp(m - m_new)
+            if u is not None:
+                e = torch.exp(z - m_new[:, None])
+                u = u * alpha + (e * z).sum(dim=1)
+            else:
+                e = z.sub_(m_new[:, None]).exp_()  # in place: no second tile-sized buffer
+            s = s * alpha + e.sum(dim=1)
+            m = m_new
+        chunk_lse = m + torch.log(s)
+        ok = valid[c0:c1]
+        lse[c0:c1] = chunk_lse
+        logprob[c0:c1] = torch.where(ok, (zt - chunk_lse).clamp_max(0.0), 0.0)
+        if u is not None:
+            entropy[c0:c1] = torch.where(ok, chunk_lse - u / s, 0.0)
+    return logprob, entropy, lse
+
+
+def linear_logprob_backward_torch(
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    temperature: float,
+    ignore_index: int,
+    token_chunk: int | None = None,
+    vocab_tile: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients ``(d hidden (N,d), d weight (V,d), d bias (V,) or None)`` by tile recomputation.
+
+    With ``z = (h W^T + b) / T``, ``p = softmax(z)``, ``g`` = grad of logprob, ``k`` = grad of
+    entropy ``H``:  ``dL/dz_j = g (1[j=t] - p_j) - k p_j (z_j - lse + H)``, and
+    ``dL/dlogits = dL/dz / T``. The vocabulary-tile loop is the OUTER loop so that each tile's
+    weight gradient is accumulated over all token chunks and written once.
+    """
+    token_chunk = token_chunk or TORCH_TOKEN_CHUNK
+    vocab_tile = vocab_tile or TORCH_VOCAB_TILE
+    n_tok, d = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    inv_t = 1.0 / temperature
+    tgt = targets.long()
+    valid = (tgt != ignore_index).float()
+    g = (grad_logprob.float() if grad_logprob is not None else torch.zeros(n_tok, **f32)) * valid
+    k = None
+    if grad_entropy is not None and entropy.numel() == n_tok:
+        k = grad_entropy.float() * valid
+    grad_h = torch.zeros(n_tok, d, **f32)
+    grad_w = torch.empty(vocab, d, **f32)
+    grad_b = torch.empty(vocab, **f32) if bias is not None else None
+    hf = hidden.float()
+    zbuf = torch.empty(min(token_chunk, n_tok) * min(vocab_tile, vocab), **f32)
+    for v0 in range(0, vocab, vocab_tile):
+        v1 = min(v0 + vocab_tile, vocab)
+        w = weight[v0:v1].float()
+        b = None if bias is None else bias[v0:v1]
+        gw = grad_w[v0:v1].zero_()
+        gb = grad_b[v0:v1].zero_() if grad_b is not None else None
+        for c0 in range(0, n_tok, token_chunk):
+            c1 = min(c0 + token_chunk, n_tok)
+            out = zbuf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0)
+            z = _tile_logits(hf[c0:c1], w, b, inv_t, out)
+            if k is None:
+                # in place on the tile: dz = -g p, p = exp(z - lse)
+                dz = z.sub_(lse[c0:c1, None]).exp_().mul_(-g[c0:c1, None])
+            else:
+                p = torch.exp(z - lse[c0:c1, None])
+                coef = (z - (lse[c0:c1] - entropy[c0:c1])[:, None]) * k[c0:c1, None]
+                dz = -p * (g[c0:c1, None] + coef)
+            t = tgt[c0:c1]
+            inside = (t >= v0) & (t < v1)
+            local = (t - v0).clamp(0, v1 - v0 - 1)
+            dz.scatter_add_(1, local[:, None], torch.where(inside, g[c0:c1], 0.0)[:, None])
+            if inv_t != 1.0:
+                dz.mul_(inv_t)
+            grad_h[c0:c1].addmm_(dz, w)
+            gw.addmm_(dz.T, hf[c0:c1])
+            if gb is not None:
+                gb += dz.sum(dim=0)
+    return grad_h, grad_w, grad_b
+
+
+class _LinearLogprobTorch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, temperature, return_entropy, ignore_index):
+        logprob, entropy, lse = linear_logprob_forward_torch(
+            hidden, weight, targets, bias, temperature, return_entropy, ignore_index
+        )
+        ctx.save_for_backward(hidden, weight, targets, bias, lse, entropy)
+        ctx.temperature = temperature
+        ctx.ignore_index = ignore_index
+        ctx.mark_non_differentiable(lse)
+        return logprob, entropy, lse
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, _grad_lse):
+        hidden, weight, targets, bias, lse, entropy = ctx.saved_tensors
+        grad_h, grad_w, grad_b = linear_logprob_backward_torch(
+            grad_logprob,
+            grad_entropy,
+            hidden,
+            weight,
+            targets,
+            bias,
+            lse,
+            entropy,
+            ctx.temperature,
+            ctx.ignore_index,
+        )
+        return (
+            grad_h.to(hidden.dtype),
+            grad_w.to(weight.dtype),
+            None,
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def linear_logprob_torch(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax((hidden @ weight.T + bias) / T)[targets]`` without ``(tokens, vocab)`` logits.
+
+    hidden ``(N, d)``, weight ``(V, d)``, targets ``(N,)`` int, bias ``(V,)`` -> logprob ``(N,)``
+    float32 (and entropy ``(N,)`` float32). Peak extra memory is one ``(chunk, tile)`` fp32 tile.
+    """
+    logprob, entropy, _ = _LinearLogprobTorch.apply(
+        hidden, weight, targets, bias, float(temperature), bool(return_entropy), int(ignore_index)
+    )
+    return (logprob, entropy) if return_entropy else logprob
+
+
+# --------------------------------------------------------------------------------------------
+# policy loss
+# --------------------------------------------------------------------------------------------
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimators (Schulman, "Approximating KL divergence").
+
+    ``k1 = lp - ref``; ``k2 = (lp - ref)^2 / 2``; ``k3 = e^{ref-lp} - (ref - lp) - 1`` with
+    ``ref - lp`` clamped to +-20 (verl's ``low_var_kl``; TRL's formula, identical inside).
+    """
+    if kl_type == "k1":
+        return logprob - ref_logprob
+    if kl_type == "k2":
+        return 0.5 * (logprob - ref_logprob) ** 2
+    if kl_type == "k3":
+        d = (ref_logprob - logprob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"kl_type='{kl_type}' is not one of {'|'.join(KL_TYPES)}")
+
+
+def aggregation_weights(
+    mask: torch.Tensor,
+    agg: str,
+    cu_seqlens: torch.Tensor | None,
+    seq_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Per-token coefficients ``c_t`` such that ``loss = sum_t c_t * l_t``, ``(N,)`` float32.
+
+    With ``m_t`` the (float) mask, ``w_s`` the sequence weight (1 if absent), ``M_s`` the
+    mask mass of sequence ``s`` and ``S = sum_s w_s [M_s > 0]`` the weighted count of
+    sequences with at least one trained token:
+
+    * ``token-mean``:           ``c_t = w_s m_t / sum_t' w_s' m_t'``
+    * ``seq-mean-token-mean``:  ``c_t = w_s m_t / (M_s S)``
+    * ``seq-mean-token-sum``:   ``c_t = w_s m_t / S``
+
+    A weight therefore acts as a fractional count of its sequence (or of each of its tokens)
+    in both numerator and denominator. Empty denominators give 0 (no NaN).
+    """
+    n = mask.numel()
+    if cu_seqlens is None:
+        if agg != "token-mean":
+            raise ValueError(f"agg='{agg}' needs cu_seqlens (B+1,) to find sequence boundaries")
+        if seq_weights is not None:
+            raise ValueError("seq_weights needs cu_seqlens (B+1,) to map tokens to sequences")
+        return mask / mask.sum().clamp_min(1e-30) * (mask.sum() > 0)
+    sid = seq_ids_from_cu_seqlens(cu_seqlens, n)
+    nseq = cu_seqlens.numel() - 1
+    w_seq = (
+        seq_weights.float()
+        if seq_weights is not None
+        else torch.ones(nseq, dtype=torch.float32, device=mask.device)
+    )
+    w_tok = w_seq[sid]
+    if agg == "token-mean":
+        den = (w_tok * mask).sum()
+        return torch.where(den > 0, w_tok * mask / den.clamp_min(1e-30), 0.0)
+    m_seq = torch.zeros(nseq, dtype=torch.float32, device=mask.device).index_add_(0, sid, mask)
+    nonempty = (m_seq > 0).float()
+    s_den = (w_seq * nonempty).sum()
+    inv_s = torch.where(s_den > 0, 1.0 / s_den.clamp_min(1e-30), 0.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = torch.where(m_seq > 0, w_seq / m_seq.clamp_min(1e-30), 0.0) * inv_s
+    elif agg == "seq-mean-token-sum":
+        per_seq = w_seq * inv_s
+    else:
+        raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
+    return per_seq[sid] * mask
+
+
+def policy_loss_torch(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    ref_logprob: torch.Tensor | None = None,
+    prox_logprob: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    behav_cap: float | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "k3",
+    agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate + KL, aggregated; differentiable w.r.t. ``logprob`` via autograd.
+
+    Per token (all ``(N,)``), with ``base = prox_logprob`` if given else ``old_logprob``:
+
+    * ``r = exp(logprob - base)``, ``l_pg = max(-A r, -A clip(r, 1-clip_low, 1+clip_high))``;
+      dual clip ``c`` (> 1): where ``A < 0``, ``l_pg = min(l_pg, -A c)``.
+    * decoupled objective (``prox_logprob`` given): ``l_pg *= w_b`` with behaviour weight
+      ``w_b = exp(prox - old)``; tokens with ``w_b > behav_cap`` are dropped from the mask.
+    * ``l = l_pg + kl_coef * KL_k(logprob, ref)`` (``kl_penalty``), aggregated with
+      ``aggregation_weights`` (token-mean | seq-mean-token-mean | seq-mean-token-sum, optional
+      per-sequence ``seq_weights`` ``(B,)``).
+
+    Returns ``(loss (), stats)``; stats are 0-d float32 tensors (token means over the final
+    mask): ``POLICY_STAT_NAMES``.
+    """
+    mask = loss_mask.float()
+    n_masked_in = (mask <= 0).float().sum()
+    lp = logprob.float()
+    adv = advantages.float()
+    if prox_logprob is not None:
+        base = prox_logprob.float()
+        behav = torch.exp(base - old_logprob.float())
+        if behav_cap is not None:
+            capped = (behav > behav_cap) & (mask > 0)
+            mask = torch.where(capped, 0.0, mask)
+            behav = behav.clamp_max(behav_cap)
+        else:
+            capped = torch.zeros_like(mask, dtype=torch.bool)
+    else:
+        base = old_logprob.float()
+        behav = None
+        capped = torch.zeros_like(mask, dtype=torch.bool)
+    ratio = torch.exp(lp - base)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    dual_hit = torch.zeros_like(mask, dtype=torch.bool)
+    if dual_clip is not None:
+        pg3 = -adv * dual_clip
+        dual_hit = (adv < 0) & (pg3 < pg)
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
+    if behav is not None:
+        pg = pg * behav
+    loss_tok = pg
+    kl = None
+    if ref_logprob is not None:
+        kl = kl_penalty(lp, ref_logprob.float(), kl_type)
+        if kl_coef != 0.0:
+            loss_tok = loss_tok + kl_coef * kl
+    coef = aggregation_weights(mask, agg, cu_seqlens, seq_weights)
+    loss = (coef * loss_tok).sum()
+
+    with torch.no_grad():
+        on = mask > 0
+        n_tok = mask.sum()
+        den = n_tok.clamp_min(1e-30)
+        low = ((ratio < 1.0 - clip_low) & (adv < 0)).float()
+        high = ((ratio > 1.0 + clip_high) & (adv > 0)).float()
+        r_det = ratio.detach()
+        stats = {
+            "clip_frac_low": (low * mask).sum() / den,
+            "clip_frac_high": (high * mask).sum() / den,
+            "clip_frac_dual": (dual_hit.float() * mask).sum() / den,
+            "clip_frac": (torch.maximum(low, high) * mask).sum() / den,
+            "kl_mean": (kl.detach() * mask).sum() / den
+            if kl is not None
+            else torch.zeros((), device=mask.device),
+            "ratio_mean": (r_det * mask).sum() / den,
+            "ratio_min": _masked_extreme(r_det, on, "min"),
+            "ratio_max": _masked_extreme(r_det, on, "max"),
+            "n_tokens": n_tok,
+            "n_masked": n_masked_in + capped.float().sum(),
+            "n_capped": capped.float().sum(),
+        }
+    return loss, stats
+
+
+def _masked_extreme(x: torch.Tensor, on: torch.Tensor, kind: str) -> torch.Tensor:
+    """min/max of ``x`` over ``on``; 0 when nothing is selected (a loggable value, not inf)."""
+    fill = float("inf") if kind == "min" else float("-inf")
+    y = torch.where(on, x, fill)
+    if y.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    v = y.amin() if kind == "min" else y.amax()
+    return torch.where(on.any(), v, 0.0)
+
+
+def policy_token_terms(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ref_logprob: torch.Tensor | None,
+    prox_logprob: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    behav_cap: float | None,
+    kl_coef: float,
+    kl_type: str,
+) -> dict[str, torch.Tensor]:
+    """Per-token loss ``l``, its analytic derivative ``dl/dlogprob`` and the stat indicators.
+
+    This is the element-wise half of the fused op (the Triton kernel computes the same
+    quantities); derivative of each term, with ``r = e^{lp - base}``:
+    ``d(-A r)/dlp = -A r`` (zero where the clipped branch wins or the dual bound binds),
+    ``dk1 = 1``, ``dk2 = lp - ref``, ``dk3 = 1 - e^{ref - lp}`` (zero where clamped).
+    """
+    mask = loss_mask.float()
+    lp = logprob.float()
+    adv = advantages.float()
+    old = old_logprob.float()
+    capped = torch.zeros_like(mask, dtype=torch.bool)
+    if prox_logprob is not None:
+        base = prox_logprob.float()
+        behav = torch.exp(base - old)
+        if behav_cap is not None:
+            capped = (behav > behav_cap) & (mask > 0)
+            behav = behav.clamp_max(behav_cap)
+    else:
+        base = old
+        behav = torch.ones_like(mask)
+    ratio = torch.exp(lp - base)
+    pg1 = -adv * ratio
+    pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    unclipped = pg1 >= pg2
+    pg = torch.maximum(pg1, pg2)
+    dpg = torch.where(unclipped, pg1, 0.0)
+    dual_hit = torch.zeros_like(capped)
+    if dual_clip is not None:
+        pg3 = -adv * dual_clip
+        dual_hit = (adv < 0) & (pg3 < pg)
+        pg = torch.where(dual_hit, pg3, pg)
+        dpg = torch.where(dual_hit, 0.0, dpg)
+    loss = pg * behav
+    dloss = dpg * behav
+    kl = torch.zeros_like(mask)
+    if ref_logprob is not None:
+        ref = ref_logprob.float()
+        kl = kl_penalty(lp, ref, kl_type)
+        if kl_type == "k1":
+            dkl = torch.ones_like(lp)
+        elif kl_type == "k2":
+            dkl = lp - ref
+        else:
+            d = ref - lp
+            inside = (d >= -K3_LOG_RATIO_CLAMP) & (d <= K3_LOG_RATIO_CLAMP)
+            dkl = torch.where(
+                inside, 1.0 - torch.exp(d.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)), 0.0
+            )
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl
+            dloss = dloss + kl_coef * dkl
+    return {
+        "mask": torch.where(capped, 0.0, mask),
+        "loss": loss,
+        "dloss": dloss,
+        "ratio": ratio,
+        "kl": kl,
+        "low": (ratio < 1.0 - clip_low) & (adv < 0),
+        "high": (ratio > 1.0 + clip_high) & (adv > 0),
+        "dual": dual_hit,
+        "capped": capped,
+        "masked_in": mask <= 0,
+    }
+
+
+def seq_coefficients(mass_s: torch.Tensor, w_s: torch.Tensor, agg: str) -> torch.Tensor:
+    """Per-sequence aggregation coefficient ``coef_s`` with ``c_t = coef_s m_t`` (``(B,)``).
+
+    ``mass_s`` is the mask mass of each sequence, ``w_s`` its weight; see
+    ``aggregation_weights`` for the three modes. Used by the fused torch and Triton paths.
+    """
+    if agg == "token-mean":
+        den = (w_s * mass_s).sum()
+        return torch.where(den > 0, w_s / den.clamp_min(1e-30), 0.0)
+    s_den = (w_s * (mass_s > 0).float()).sum()
+    inv_s = torch.where(s_den > 0, 1.0 / s_den.clamp_min(1e-30), 0.0)
+    if agg == "seq-mean-token-mean":
+        return torch.where(mass_s > 0, w_s / mass_s.clamp_min(1e-30), 0.0) * inv_s
+    if agg == "seq-mean-token-sum":
+        return w_s * inv_s
+    raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
+
+
+# Token chunk of the fused torch policy loss: 32K fp32 values (128 KiB) per temporary keeps
+# the ~40 element-wise temporaries in cache and in malloc's reused arena; whole-batch
+# temporaries (2 MiB at 512K tokens) were page-faulted afresh on every op (measured 10-20x
+# slower per op on the build machine).
+POLICY_TOKEN_CHUNK = 1 << 15
+
+
+def policy_loss_fused_torch(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ref_logprob: torch.Tensor | None,
+    prox_logprob: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    seq_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    behav_cap: float | None,
+    kl_coef: float,
+    kl_type: str,
+    agg: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused forward+backward in torch: ``(loss (), dloss/dlogprob (N,), stats (11,))``.
+
+    Same maths as ``policy_loss_torch`` but the gradient is formed analytically in the forward
+    pass (the backward is one multiply by the incoming scalar), token chunk by token chunk,
+    with per-sequence partial sums, like the Triton kernel. ``stats`` is packed in the order
+    of ``POLICY_STAT_NAMES``.
+    """
+    n = logprob.numel()
+    dev = logprob.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    if cu_seqlens is None:
+        if agg != "token-mean" or seq_weights is not None:
+            raise ValueError(f"agg='{agg}' / seq_weights need cu_seqlens (B+1,)")
+        n_seq, sid = 1, None
+    else:
+        n_seq = cu_seqlens.numel() - 1
+        sid = seq_ids_from_cu_seqlens(cu_seqlens, n)
+    loss_s = torch.zeros(n_seq, **f32)
+    mass_s = torch.zeros(n_seq, **f32)
+    gbuf = torch.empty(n, **f32)
+    acc = torch.zeros(8, **f32)  # low, high, dual, any, kl, ratio, capped, masked_in
+    rmin = torch.full((), float("inf"), **f32)
+    rmax = torch.full((), float("-inf"), **f32)
+
+    def sl(x: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+        return None if x is None else x[a:b]
+
+    for a in range(0, n, POLICY_TOKEN_CHUNK):
+        b = min(a + POLICY_TOKEN_CHUNK, n)
+        t = policy_token_terms(
+            logprob[a:b], old_logprob[a:b], advantages[a:b], loss_mask[a:b],
+            sl(ref_logprob, a, b), sl(prox_logprob, a, b), clip_low, clip_high, dual_clip,
+            behav_cap, kl_coef, kl_type,
+        )  # fmt: skip
+        m = t["mask"]
+        torch.mul(m, t["dloss"], out=gbuf[a:b])
+        ml = m * t["loss"]
+        if sid is None:
+            loss_s += ml.sum()
+            mass_s += m.sum()
+        else:
+            loss_s.index_add_(0, sid[a:b], ml)
+            mass_s.index_add_(0, sid[a:b], m)
+        low, high = t["low"].float(), t["high"].float()
+        acc += torch.stack(
+            [
+                (low * m).sum(),
+                (high * m).sum(),
+                (t["dual"].float() * m).sum(),
+                (torch.maximum(low, high) * m).sum(),
+                (t["kl"] * m).sum(),
+                (t["ratio"] * m).sum(),
+                t["capped"].float().sum(),
+                t["masked_in"].float().sum(),
+            ]
+        )
+        on = m > 0
+        rmin = torch.minimum(rmin, torch.where(on, t["ratio"], float("inf")).amin())
+        rmax = torch.maximum(rmax, torch.where(on, t["ratio"], float("-inf")).amax())
+    w = seq_weights.float() if seq_weights is not None else torch.ones(n_seq, **f32)
+    coef = seq_coefficients(mass_s, w, agg)
+    loss = (coef * loss_s).sum()
+    grad = gbuf.mul_(coef[sid] if sid is not None else coef)
+    n_tok = mass_s.sum()
+    den = n_tok.clamp_min(1e-30)
+    any_on = n_tok > 0
+    stats = torch.stack(
+        [
+            acc[0] / den,
+            acc[1] / den,
+            acc[2] / den,
+            acc[3] / den,
+            acc[4] / den,
+            acc[5] / den,
+            torch.where(any_on, rmin, 0.0),
+            torch.where(any_on, rmax, 0.0),
+            n_tok,
+            acc[7] + acc[6],
+            acc[6],
+        ]
+    )
+    return loss, grad, stats

@@ -1,0 +1,170 @@
+"""linear_logprob: Triton kernels (CPU interpreter) and the chunked torch path vs the naive
+formulation (full logits, log_softmax, gather) evaluated in float64."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede any Triton kernel launch; the kernels jit lazily, so this also holds when
+    # another test module imported paravt_kernels first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from paravt_kernels import linear_logprob  # noqa: E402
+from paravt_kernels import reference as ref  # noqa: E402
+
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed"))]  # fmt: skip
+# (tokens, d, vocab): vocab never a multiple of a tile; 5000 > the interpreter's 4096-row
+# torch tile and, for Triton, spans two 1024-column blocks plus a remainder.
+SHAPES = [(1, 59, 333), (7, 111, 1000), (83, 256, 2049), (1031, 59, 5000)]
+
+
+@pytest.fixture
+def impl(request, monkeypatch):
+    monkeypatch.setenv("PARAVT_IMPL", request.param)
+    if request.param == "triton":  # the tests' tensors live on the CPU: interpret
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
+
+
+def _naive(h, w, t, b, temperature, ignore_index=-100):
+    """The formulation users know, with autograd: (logprob, entropy) (N,)."""
+    z = h @ w.T
+    if b is not None:
+        z = z + b
+    lsm = torch.log_softmax(z / temperature, dim=-1)
+    valid = t != ignore_index
+    lp = lsm.gather(1, t.clamp_min(0)[:, None]).squeeze(1)
+    ent = -(lsm.exp() * lsm).sum(-1)
+    return torch.where(valid, lp, 0.0), torch.where(valid, ent, 0.0)
+
+
+def _inputs(n, d, v, dtype, seed=0, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, d, generator=g) * scale).to(dtype)
+    w = (torch.randn(v, d, generator=g) * scale).to(dtype)
+    b = torch.randn(v, generator=g).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_bias,entropy,temperature", [(False, False, 1.0), (True, True, 0.7)])
+def test_matches_naive_fp32(impl, shape, with_bias, entropy, temperature):
+    n, d, v = shape
+    h, w, b, t = _inputs(n, d, v, torch.float32)
+    if n > 1:
+        t[1::3] = -100  # ignored tokens: value 0, no gradient
+    b = b if with_bias else None
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    leaves = [x.clone().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    out = linear_logprob(
+        leaves[0], leaves[1], t, temperature=temperature,
+        bias=leaves[2] if b is not None else None, return_entropy=entropy,
+    )  # fmt: skip
+    lp, ent = out if entropy else (out, None)
+    obj = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy else 0.0)
+    grads = torch.autograd.grad(obj, leaves)
+
+    oracle = [x.double().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    lp64, ent64 = _naive(oracle[0], oracle[1], t, oracle[2] if b is not None else None, temperature)
+    obj64 = (lp64 * g_lp.double()).sum() + ((ent64 * g_ent.double()).sum() if entropy else 0.0)
+    grads64 = torch.autograd.grad(obj64, oracle)
+
+    assert lp.dtype == torch.float32 and lp.shape == (n,)
+    assert (lp <= 0).all(), "a log-probability above 0"
+    torch.testing.assert_close(lp.double(), lp64, atol=2e-5, rtol=1e-5)
+    if entropy:
+        torch.testing.assert_close(ent.double(), ent64, atol=2e-5, rtol=1e-5)
+    if n > 1:
+        assert (lp[1::3] == 0).all() and grads[0][1::3].abs().max() == 0
+    for got, want in zip(grads, grads64):
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_bf16_error_within_twice_torch_bf16(impl):
+    """bf16 error vs an fp64 oracle <= 2x the error of the same-dtype naive torch computation."""
+    n, d, v = 83, 256, 3001
+    h, w, b, t = _inputs(n, d, v, torch.bfloat16, seed=3, scale=1.0)
+    lp64, ent64 = _naive(h.double(), w.double(), t, b.double(), 0.7)
+    # same-dtype torch: bf16 matmul, softmax in fp32 (what a bf16 trainer computes)
+    z16 = (h @ w.T + b).float() / 0.7
+    lsm16 = torch.log_softmax(z16, -1)
+    lp16 = lsm16.gather(1, t[:, None]).squeeze(1)
+    ent16 = -(lsm16.exp() * lsm16).sum(-1)
+    lp, ent = linear_logprob(h, w, t, temperature=0.7, bias=b, return_entropy=True)
+    assert (lp <= 0).all()
+    err, err_torch = (lp.double() - lp64).abs().max(), (lp16.double() - lp64).abs().max()
+    assert err <= 2 * err_torch, (err, err_torch)
+    err_e, err_e_torch = (ent.double() - ent64).abs().max(), (ent16.double() - ent64).abs().max()
+    assert err_e <= 2 * err_e_torch, (err_e, err_e_torch)
+
+    # gradients, same rule, w.r.t. hidden and weight
+    g = torch.Generator().manual_seed(4)
+    g_lp = torch.randn(n, generator=g)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    gh, gw = torch.autograd.grad((linear_logprob(hh, ww, t, bias=b) * g_lp).sum(), (hh, ww))
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    gh64, gw64 = torch.autograd.grad(
+        (_naive(h64, w64, t, b.double(), 1.0)[0] * g_lp.double()).sum(), (h64, w64)
+    )
+    h16, w16 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lsm = torch.log_softmax((h16 @ w16.T + b).float(), -1)
+    gh16, gw16 = torch.autograd.grad(
+        (lsm.gather(1, t[:, None]).squeeze(1) * g_lp).sum(), (h16, w16)
+    )
+    for got, same, want in ((gh, gh16, gh64), (gw, gw16, gw64)):
+        e, e_t = (got.double() - want).abs().max(), (same.double() - want).abs().max()
+        assert e <= 2 * e_t, (e, e_t)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_never_above_zero_with_peaked_logits(impl):
+    """Near-one-hot distributions are where z_t - lse rounds to a positive number."""
+    n, d, v = 7, 59, 300
+    h, w, _, t = _inputs(n, d, v, torch.float32, seed=5, scale=4.0)
+    t = (h @ w.T).argmax(-1)  # the dominant token: logprob ~ -1e-30 in exact arithmetic
+    lp = linear_logprob(h, w, t)
+    assert (lp <= 0).all()
+    torch.testing.assert_close(
+        lp.double(), _naive(h.double(), w.double(), t, None, 1.0)[0], atol=1e-5, rtol=1e-5
+    )
+
+
+def test_torch_path_chunks_do_not_change_results():
+    """Tile/chunk boundaries of the torch path are invisible in the result."""
+    h, w, b, t = _inputs(50, 59, 777, torch.float32, seed=6)
+    full = ref.linear_logprob_forward_torch(h, w, t, b, 0.9, True, -100, 10**6, 10**6)
+    tiled = ref.linear_logprob_forward_torch(h, w, t, b, 0.9, True, -100, 16, 100)
+    for a, c in zip(full, tiled):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+    # the standalone autograd.Function of reference.py agrees with the registered op
+    hh = h.clone().requires_grad_()
+    lp, ent = ref.linear_logprob_torch(hh, w, t, temperature=0.9, bias=b, return_entropy=True)
+    torch.testing.assert_close(lp, full[0])
+    torch.testing.assert_close(ent, full[1])
+    (gh,) = torch.autograd.grad(lp.sum(), hh)
+    hh2 = h.clone().requires_grad_()
+    (gh2,) = torch.autograd.grad(linear_logprob(hh2, w, t, temperature=0.9, bias=b).sum(), hh2)
+    torch.testing.assert_close(gh, gh2)
+
+
+def test_errors_name_the_problem():
+    h, w, _, t = _inputs(7, 59, 100, torch.float32)
+    with pytest.raises(ValueError, match=r"weight must be\s+\(vocab, d\)|\(vocab, d\)"):
+        linear_logprob(h, w.T.contiguous(), t)
+    with pytest.raises(ValueError, match="targets has 6 elements but hidden has 7"):
+        linear_logprob(h, w, t[:6])
+    with pytest.raises(ValueError, match="temperature=0"):
+        linear_logprob(h, w, t, temperature=0.0)
+    with pytest.raises(TypeError, match="hidden is torch.float32 but weight is torch.bfloat16"):
+        linear_logprob(h, w.bfloat16(), t)
