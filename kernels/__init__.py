@@ -16,213 +16,40 @@ Every op is registered as ``paravt::<op>`` (``torch.ops.paravt``) with a fake ke
 autograd, so ``torch.compile`` can trace it.
 """
 
-from __future__ import annotations
+# The source folder is named ``kernels``: run from the repository root (``python -m ...`` puts
+# the working directory on sys.path) it is importable as a bare ``kernels``, and transformers
+# imports that name when it probes for PyPI's ``kernels`` package. Executing this package a
+# second time under that name would register every ``paravt::`` op twice, which leaves the
+# dispatcher in a broken state (seen: a segfault in the next ``policy_loss`` call after a model
+# load, depending on test order). So under any other name hand back the installed package (it
+# has no ``__version__``, so transformers reports its ``kernels`` as unavailable).
+if __name__ == "paravt_kernels":
+    from .api import (
+        AGG_MODES,
+        KL_TYPES,
+        POLICY_STAT_NAMES,
+        broadcast_to_tokens,
+        group_advantage,
+        linear_logprob,
+        policy_loss,
+        resolve_impl,
+    )
 
-import torch
+    __all__ = [
+        "AGG_MODES",
+        "KL_TYPES",
+        "POLICY_STAT_NAMES",
+        "broadcast_to_tokens",
+        "group_advantage",
+        "linear_logprob",
+        "policy_loss",
+        "resolve_impl",
+    ]
+else:
+    import importlib as _importlib
+    import sys as _sys
 
-from . import ops as _ops
-from .dispatch import resolve_impl
-from .reference import AGG_MODES, KL_TYPES, POLICY_STAT_NAMES, broadcast_to_tokens
-
-__all__ = [
-    "AGG_MODES",
-    "KL_TYPES",
-    "POLICY_STAT_NAMES",
-    "broadcast_to_tokens",
-    "group_advantage",
-    "linear_logprob",
-    "policy_loss",
-    "resolve_impl",
-]
-
-
-def _check_1d(name: str, t: torch.Tensor, n: int | None = None, like: str = "") -> None:
-    if t.dim() != 1:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}: expected a packed 1-D tensor (N,)")
-    if n is not None and t.numel() != n:
-        raise ValueError(
-            f"{name} has {t.numel()} elements but {like} has {n}: all per-token inputs must be "
-            "packed over the same tokens"
-        )
-
-
-def group_advantage(
-    rewards: torch.Tensor,
-    group_index: torch.Tensor,
-    *,
-    normalize_std: bool = True,
-    eps: float = 1e-6,
-    scale: float = 1.0,
-    bias: float = 0.0,
-) -> torch.Tensor:
-    """Group-relative advantages ``(B,)`` float32 from scalar rewards ``(B,)``.
-
-    ``A_i = (r_i - mean_g) / (std_g + eps) * scale + bias`` with ``g = group_index[i]`` (ids in
-    any order, ragged groups) and ``std_g`` the unbiased (n-1) std, as ``torch.std`` in TRL's
-    GRPO; ``normalize_std=False`` drops the division (Dr. GRPO). Groups of size 1 get exactly 0.
-    No host synchronisation.
-    """
-    _check_1d("rewards", rewards)
-    _check_1d("group_index", group_index, rewards.numel(), "rewards")
-    if not rewards.is_floating_point():
-        raise TypeError(f"rewards has dtype {rewards.dtype}: expected a floating tensor")
-    if group_index.is_floating_point() or group_index.dtype == torch.bool:
-        raise TypeError(f"group_index has dtype {group_index.dtype}: expected an integer tensor")
-    if group_index.device != rewards.device:
-        raise ValueError(
-            f"group_index is on {group_index.device} but rewards on {rewards.device}: "
-            "move both to one device"
-        )
-    impl = resolve_impl(rewards.device, "group_advantage")
-    return _ops.group_advantage_op(
-        rewards.contiguous(), group_index.long().contiguous(), bool(normalize_std),
-        float(eps), float(scale), float(bias), impl,
-    )  # fmt: skip
-
-
-def linear_logprob(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    bias: torch.Tensor | None = None,
-    return_entropy: bool = False,
-    ignore_index: int = -100,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-prob of ``targets`` under ``softmax((hidden @ weight.T + bias) / T)``.
-
-    hidden ``(N, d)``, weight ``(V, d)`` (the lm_head), targets ``(N,)`` int, bias ``(V,)``
-    -> logprob ``(N,)`` float32, always <= 0 (and the entropy of the same distribution,
-    ``(N,)`` float32, if ``return_entropy``). The ``(N, V)`` logits are never held in memory:
-    the vocabulary is walked tile by tile with an online log-sum-exp and the backward
-    recomputes each tile. Differentiable w.r.t. hidden, weight and bias. Tokens whose target
-    is ``ignore_index`` get logprob 0, entropy 0 and no gradient.
-    """
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D: "
-            "hidden (tokens, d), weight (vocab, d); flatten packed/batched hidden states first"
-        )
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden has d={hidden.shape[1]} but weight has d={weight.shape[1]}: weight must be "
-            "(vocab, d) as nn.Linear stores it (not its transpose)"
-        )
-    _check_1d("targets", targets, hidden.shape[0], "hidden")
-    if targets.is_floating_point():
-        raise TypeError(f"targets has dtype {targets.dtype}: expected token ids (int)")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one so both match"
-        )
-    impl = resolve_impl(hidden.device, "linear_logprob")
-    logprob, entropy, _ = _ops.linear_logprob_fwd_op(
-        hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
-        None if bias is None else bias.contiguous(), float(temperature), bool(return_entropy),
-        int(ignore_index), impl,
-    )  # fmt: skip
-    return (logprob, entropy) if return_entropy else logprob
-
-
-def policy_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    ref_logprob: torch.Tensor | None = None,
-    prox_logprob: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    behav_cap: float | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
-    agg: str = "token-mean",
-    cu_seqlens: torch.Tensor | None = None,
-    seq_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate + KL to a reference, fused forward and backward.
-
-    All per-token inputs are packed ``(N,)``; ``loss_mask`` is float (a weight) or bool.
-    With ``base = prox_logprob`` if given else ``old_logprob`` and ``r = exp(logprob - base)``:
-
-        l_t = w_b * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   [dual clip: where A < 0,
-              min(., -A * dual_clip)]  + kl_coef * KL_k(logprob, ref_logprob)
-
-    Decoupled objective: ``w_b = exp(prox - old)`` (1 without ``prox_logprob``); tokens with
-    ``w_b > behav_cap`` are removed from the mask (counted in ``stats["n_capped"]``).
-    KL: k1 ``lp - ref``, k2 ``(lp - ref)^2 / 2``, k3 ``e^{ref-lp} - (ref-lp) - 1`` (log-ratio
-    clamped to +-20). Aggregation over the final mask ``m`` with per-sequence weights
-    ``seq_weights`` ``(B,)`` (default 1; e.g. 1/num_sub for sub-agent sequences), each weight
-    counting as a fractional sequence (or token) in numerator and denominator alike:
-
-        token-mean            sum_t w m l / sum_t w m                    (TRL bnpo/dapo)
-        seq-mean-token-mean   sum_s w_s (sum_t m l / sum_t m) / sum_s w_s  (TRL grpo)
-        seq-mean-token-sum    sum_s w_s (sum_t m l) / sum_s w_s            (Dr.GRPO x max_len)
-
-    where the sequence sums only count sequences with at least one unmasked token (a fully
-    masked sequence contributes nothing, no NaN). ``cu_seqlens`` ``(B+1,)`` is needed for the
-    seq modes and for ``seq_weights``. Returns ``(loss, stats)``; ``stats`` maps each name in
-    ``POLICY_STAT_NAMES`` to a 0-d float32 tensor (no host syncs): clip fractions low/high/
-    dual/any, mean KL, ratio mean/min/max over unmasked tokens, n_tokens (mask mass),
-    n_masked (tokens excluded, capped included), n_capped.
-    """
-    n = logprob.numel()
-    _check_1d("logprob", logprob)
-    for name, t in (
-        ("old_logprob", old_logprob),
-        ("advantages", advantages),
-        ("loss_mask", loss_mask),
-    ):
-        _check_1d(name, t, n, "logprob")
-    for name, t in (("ref_logprob", ref_logprob), ("prox_logprob", prox_logprob)):
-        if t is not None:
-            _check_1d(name, t, n, "logprob")
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type='{kl_type}' is not one of {'|'.join(KL_TYPES)}")
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None to disable)")
-    if behav_cap is not None and not behav_cap > 0:
-        raise ValueError(f"behav_cap={behav_cap} must be > 0 (or None to disable)")
-    if behav_cap is not None and prox_logprob is None:
-        raise ValueError(
-            f"behav_cap={behav_cap} caps the behaviour weight exp(prox - old) of the decoupled "
-            "objective: pass prox_logprob (N,) or set behav_cap=None"
-        )
-    if kl_coef != 0.0 and ref_logprob is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprob (N,); pass it or set kl_coef=0")
-    if cu_seqlens is None and (agg != "token-mean" or seq_weights is not None):
-        raise ValueError(
-            f"agg='{agg}'{' with seq_weights' if seq_weights is not None else ''} needs "
-            "cu_seqlens (B+1,) to find sequence boundaries"
-        )
-    if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}: expected (B+1,)")
-        if seq_weights is not None and seq_weights.numel() != cu_seqlens.numel() - 1:
-            raise ValueError(
-                f"seq_weights has {seq_weights.numel()} entries but cu_seqlens describes "
-                f"{cu_seqlens.numel() - 1} sequences"
-            )
-    mask = loss_mask.float() if loss_mask.dtype == torch.bool else loss_mask
-    impl = resolve_impl(logprob.device, "policy_loss")
-
-    def c(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.contiguous()
-
-    loss, _, stats = _ops.policy_loss_op(
-        logprob.contiguous(), c(old_logprob), c(advantages), c(mask), c(ref_logprob),
-        c(prox_logprob), None if cu_seqlens is None else cu_seqlens.long().contiguous(),
-        None if seq_weights is None else seq_weights.float().contiguous(),
-        float(clip_low), float(clip_high), None if dual_clip is None else float(dual_clip),
-        None if behav_cap is None else float(behav_cap), float(kl_coef), kl_type, agg, impl,
-    )  # fmt: skip
-    return loss, dict(zip(POLICY_STAT_NAMES, stats.detach().unbind(0)))
+    try:
+        _sys.modules[__name__] = _importlib.import_module("paravt_kernels")
+    except ImportError:  # not installed: stay an empty namespace
+        pass
