@@ -1,0 +1,335 @@
+"""Run observability: ``metrics.jsonl``, TensorBoard, optional wandb, trajectories, plot, table.
+
+A run folder looks like::
+
+    out_dir/
+      config.yaml            resolved configuration (written before anything heavy loads)
+      metrics.jsonl          one JSON object per step (and one per evaluation), append-only
+      trajectories.jsonl     a few sample trajectories per step (decoded text, reward breakdown)
+      tb/                    TensorBoard event files (every scalar of metrics.jsonl)
+      summary.png            the main curves (reward, format, tool-call rate, accuracy, KL, ...)
+      checkpoints/step_N/    see paravt.checkpoint
+
+Why this matters for PARA-GRPO: under vanilla GRPO, format compliance and the tool-call rate
+collapse within a few steps; the curves in ``metrics.jsonl`` / ``summary.png`` are how a user
+sees that happen (and sees PARA-GRPO's anchoring and gating prevent it).
+
+Only rank 0 writes (``enabled=False`` on other ranks makes every method a no-op).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+# Metrics every RL step must log (the smoke test asserts each is present). Per-K metrics
+# (``acc/K{k}``, ``tool_rate/K{k}``) are added for each K drawn in the step.
+STEP_METRICS: tuple[str, ...] = (
+    "reward/total",
+    "reward/acc",
+    "reward/fmt",
+    "reward/anchor",
+    "reward/tool",
+    "reward/std",
+    "format_compliance",
+    "think_closure_rate",
+    "tool_calls_per_rollout",
+    "tool_call_rate",
+    "parse_error_rate",
+    "accuracy",
+    "loss",
+    "kl",
+    "clip_frac",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "response_tokens",
+    "tokens_per_s",
+    "time/rollout",
+    "time/reward",
+    "time/logprobs",
+    "time/update",
+    "time/sync",
+    "time/step",
+)
+
+# The curves of summary.png (key, title), in panel order.
+PLOT_PANELS: tuple[tuple[str, str], ...] = (
+    ("reward/total", "reward"),
+    ("reward/fmt", "format reward"),
+    ("format_compliance", "format compliance"),
+    ("tool_call_rate", "tool-call rate"),
+    ("accuracy", "accuracy"),
+    ("kl", "KL to reference"),
+    ("entropy", "entropy"),
+    ("grad_norm", "grad norm"),
+)
+
+# The rows of the final before/after table.
+TABLE_ROWS: tuple[tuple[str, str], ...] = (
+    ("reward/total", "reward"),
+    ("reward/fmt", "format reward"),
+    ("format_compliance", "format compliance"),
+    ("think_closure_rate", "</think> closure"),
+    ("tool_call_rate", "tool-call rate"),
+    ("tool_calls_per_rollout", "tool calls / rollout"),
+    ("parse_error_rate", "parse-error rate"),
+    ("accuracy", "accuracy"),
+)
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe scalar: tensors → float, NaN/inf → None (strict JSON has no NaN)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a ``metrics.jsonl`` (skips a torn last line left by a killed process)."""
+    rows: list[dict[str, Any]] = []
+    p = Path(path)
+    if not p.is_file():
+        return rows
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill mid-write
+    return rows
+
+
+class MetricsLogger:
+    """Writes the run folder's metrics (jsonl + TensorBoard + optional wandb).
+
+    ``log(step, metrics, kind='train')`` appends ``{"step": step, "kind": kind, **metrics}``.
+    ``truncate_after(step)`` drops rows past ``step`` (used on ``--resume`` so that a run killed
+    after writing step 5's metrics but before its checkpoint does not log step 5 twice).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        run_name: str = "",
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.enabled = enabled
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.traj_path = self.out_dir / "trajectories.jsonl"
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tb"))
+        if wandb:
+            try:
+                import wandb as _wandb
+            except ImportError as e:
+                raise RuntimeError(
+                    "train.wandb=true but wandb is not installed; `pip install wandb` "
+                    "or set train.wandb=false"
+                ) from e
+            self._wandb = _wandb.init(
+                project="paravt", name=run_name or self.out_dir.name, config=config or {}
+            )
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only rows with ``step <= step`` (atomic rewrite)."""
+        if not self.enabled or not self.metrics_path.is_file():
+            return
+        for path in (self.metrics_path, self.traj_path):
+            rows = [r for r in read_metrics(path) if int(r.get("step", -1)) <= step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            os.replace(tmp, path)
+
+    def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "kind": kind, **{k: _clean(v) for k, v in metrics.items()}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        prefix = "" if kind == "train" else f"{kind}/"
+        if self._tb is not None:
+            for k, v in row.items():
+                if k in ("step", "kind") or not isinstance(v, (int, float)):
+                    continue
+                self._tb.add_scalar(prefix + k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({prefix + k: v for k, v in row.items() if k != "kind"}, step=step)
+
+    def log_trajectories(self, step: int, records: Iterable[dict[str, Any]]) -> None:
+        if not self.enabled:
+            return
+        with open(self.traj_path, "a") as f:
+            for r in records:
+                f.write(json.dumps({"step": int(step), **r}) + "\n")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def plot_summary(
+    metrics_path: str | Path,
+    out_png: str | Path,
+    panels: Sequence[tuple[str, str]] = PLOT_PANELS,
+) -> Path:
+    """Plot the main curves of a ``metrics.jsonl`` (train rows vs step) into one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_metrics(metrics_path) if r.get("kind", "train") == "train"]
+    cols = 4
+    nrows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", markersize=3)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def format_table(
+    columns: dict[str, dict[str, Any]],
+    rows: Sequence[tuple[str, str]] = TABLE_ROWS,
+) -> str:
+    """A fixed-width text table: one row per metric, one column per named metrics dict.
+
+    ``columns`` maps a column title (e.g. 'before RL', 'after RL') to a metrics dict.
+    """
+    names = list(columns)
+    w0 = max(len(label) for _, label in rows) + 2
+    widths = [max(10, len(n) + 2) for n in names]
+    header = "metric".ljust(w0) + "".join(n.rjust(w) for n, w in zip(names, widths))
+    lines = [header, "-" * len(header)]
+    for key, label in rows:
+        cells = []
+        for n, w in zip(names, widths):
+            v = columns[n].get(key)
+            cells.append(("n/a" if v is None else f"{float(v):.3f}").rjust(w))
+        lines.append(label.ljust(w0) + "".join(cells))
+    return "\n".join(lines)
+
+
+def progress_bar(total: int, *, initial: int = 0, enabled: bool = True, desc: str = "PARA-GRPO"):
+    """A tqdm bar over RL steps; ``set_postfix`` shows reward, fmt, tool rate and accuracy."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
+
+
+def postfix(metrics: dict[str, Any]) -> dict[str, str]:
+    """The progress-bar summary of one step's metrics."""
+    keys = (
+        ("reward/total", "R"),
+        ("reward/fmt", "fmt"),
+        ("tool_call_rate", "tool"),
+        ("accuracy", "acc"),
+        ("kl", "kl"),
+    )
+    return {short: f"{metrics[k]:.3f}" for k, short in keys if metrics.get(k) is not None}
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
+    """A light, picklable summary of one scored main trajectory (gathered across ranks)."""
+    from paravt.rewards.format import analyse_turn
+
+    ok = bool(traj.turns)
+    closed: list[float] = []
+    for i, turn in enumerate(traj.turns):
+        if turn.forced_answer:
+            ok = False
+            continue
+        a = analyse_turn(turn.prefix + turn.text)
+        closed.append(float(a["closed"]))
+        ok = ok and a["well_formed"] and (i < len(traj.turns) - 1 or a["answer"])
+    calls = [c for turn in traj.turns for c in turn.calls]
+    return {
+        "K": int(num_frames),
+        "reward": float(traj.reward),
+        "breakdown": {k: float(v) for k, v in traj.reward_breakdown.items()},
+        "compliant": float(ok),
+        "closed": closed,
+        "n_calls": len(calls),
+        "bad_calls": sum(c.status != "ok" for c in calls),
+        "used_tool": float(any(c.status == "ok" for c in calls)),
+        "response_tokens": int(sum(traj.loss_mask)),
+    }
+
+
+def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Behaviour metrics of one step's main-agent rollouts (``trajectory_record`` rows).
+
+    * ``reward/*``: mean of each ``reward_breakdown`` entry (total, acc, fmt, anchor, tool, …);
+    * ``format_compliance``: fraction of rollouts whose every turn is well-formed and that end
+      in a non-forced ``</think>`` → ``<answer>`` (``paravt.rewards.format``'s analysis);
+    * ``think_closure_rate``: fraction of non-forced turns that close ``<think>``;
+    * ``tool_calls_per_rollout``: ``<tool_call>`` blocks attempted per rollout (valid or not);
+    * ``tool_call_rate``: fraction of rollouts that executed at least one valid crop;
+    * ``parse_error_rate``: fraction of attempted calls that failed to parse/validate;
+    * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
+    * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket.
+    """
+    out: dict[str, float] = {}
+    for k in sorted({k for r in records for k in r["breakdown"]}):
+        out[f"reward/{k}"] = _mean([r["breakdown"].get(k, 0.0) for r in records])
+    rewards = [r["reward"] for r in records]
+    out["reward/total"] = mu = _mean(rewards)
+    out["reward/std"] = math.sqrt(_mean([(x - mu) ** 2 for x in rewards]))
+    out["format_compliance"] = _mean([r["compliant"] for r in records])
+    out["think_closure_rate"] = _mean([c for r in records for c in r["closed"]])
+    total_calls = sum(r["n_calls"] for r in records)
+    out["tool_calls_per_rollout"] = total_calls / len(records) if records else 0.0
+    out["tool_call_rate"] = _mean([r["used_tool"] for r in records])
+    out["parse_error_rate"] = (
+        sum(r["bad_calls"] for r in records) / total_calls if total_calls else 0.0
+    )
+    out["accuracy"] = _mean([r["breakdown"].get("acc", 0.0) for r in records])
+    out["response_tokens"] = _mean([r["response_tokens"] for r in records])
+    for k in sorted({r["K"] for r in records}):
+        rs = [r for r in records if r["K"] == k]
+        out[f"acc/K{k}"] = _mean([r["breakdown"].get("acc", 0.0) for r in rs])
+        out[f"tool_rate/K{k}"] = _mean([r["used_tool"] for r in rs])
+        out[f"count/K{k}"] = float(len(rs))
+    return out

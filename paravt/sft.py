@@ -1,0 +1,271 @@
+"""``python -m paravt.sft`` — cold-start SFT on tool-use trajectories.
+
+Why: a freshly initialised (or instruct) model rarely emits well-formed parallel
+``<tool_call>`` blocks, so RL has nothing to reinforce. A short SFT on oracle trajectories
+(think → parallel crops → think → answer) teaches the protocol first.
+
+Data: a JSONL of records, one per trajectory, joined to the dataset rows by sample id:
+
+* the synthetic task's ``sft.jsonl`` (default)::
+
+      {"sample_id", "num_frames": K, "turns": [{"role": "assistant", "content": str},
+                                               {"role": "tool", "content": [summary, ...]}, ...]}
+
+* the ParaVT SFT message format for real data: ``{"id"|"sample_id", "messages": [...]}`` with
+  OpenAI-style ``system``/``user``/``assistant``/``tool`` messages. The system and user
+  messages are *not* copied: the prompt (tool schema, overview frames with timestamps,
+  question) is rebuilt by the same code RL and eval use, so SFT, RL and eval see one encoding.
+  Consecutive ``tool`` messages form one tool turn (one summary per valid call).
+
+Every record becomes a token-exact ``Trajectory`` through
+``paravt.agent.loop.encode_oracle_trajectory`` (the RL context builder): loss mask 1 on the
+assistant's generated tokens (and their ``<|im_end|>``), 0 on the prompt, the forced
+``<think>`` prefix and the tool responses — tool-response and prompt tokens are not trained.
+
+Loss: token-mean negative log-likelihood over masked tokens (temperature 1), AdamW; with
+torchrun each rank takes its share of every batch and the normaliser is global.
+The result is an HF checkpoint directory (``from_pretrained``-loadable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paravt.config import Config, ConfigError, load_config, to_yaml
+from paravt.types import Sample, Trajectory
+
+
+def _record_from_messages(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """ParaVT ``messages`` → the ``turns`` record ``encode_oracle_trajectory`` reads."""
+    turns: list[dict[str, Any]] = []
+    for j, m in enumerate(row["messages"]):
+        role, content = m.get("role"), m.get("content")
+        if isinstance(content, list):  # multimodal content parts: keep the text parts
+            content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+        if role in ("system", "user"):
+            continue
+        if role == "assistant":
+            turns.append({"role": "assistant", "content": str(content)})
+        elif role == "tool":
+            if turns and turns[-1]["role"] == "tool":
+                turns[-1]["content"].append(str(content))
+            else:
+                turns.append({"role": "tool", "content": [str(content)]})
+        else:
+            raise ValueError(f"{where} message {j}: unknown role {role!r}")
+    rec = {"sample_id": str(row.get("sample_id", row.get("id", ""))), "turns": turns}
+    if "num_frames" in row:
+        rec["num_frames"] = int(row["num_frames"])
+    return rec
+
+
+def read_sft_records(path: str | Path) -> list[dict[str, Any]]:
+    """SFT records (``turns`` format) from a JSONL file in either supported format."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(
+            f"SFT data '{path}' does not exist; set sft.data to a JSONL of trajectories or "
+            "leave it empty to use the synthetic task's sft.jsonl"
+        )
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        where = f"{p}:{n}"
+        if "messages" in row:
+            out.append(_record_from_messages(row, where))
+        elif "turns" in row:
+            out.append(row)
+        else:
+            raise ValueError(f"{where}: an SFT row needs 'turns' (paravt) or 'messages' (ParaVT)")
+    return out
+
+
+def encode_records(
+    records: Sequence[dict[str, Any]],
+    samples: Sequence[Sample],
+    bundle: Any,
+    cfg: Config,
+    planner: Any = None,
+) -> list[Trajectory]:
+    """Token-exact SFT trajectories (records whose sample or video is missing are skipped)."""
+    from paravt.agent.loop import encode_oracle_trajectory
+    from paravt.video import VideoError
+
+    by_id = {s.id: s for s in samples}
+    out: list[Trajectory] = []
+    skipped = 0
+    for rec in records:
+        sample = by_id.get(str(rec.get("sample_id", "")))
+        if sample is None:
+            skipped += 1
+            continue
+        try:
+            out.append(encode_oracle_trajectory(bundle, cfg, sample, rec, planner))
+        except VideoError as e:
+            print(f"[sft] skipping {sample.id}: {e}", file=sys.stderr)
+            skipped += 1
+    if skipped:
+        print(f"[sft] skipped {skipped} record(s) without a readable sample", file=sys.stderr)
+    return out
+
+
+def sft_loss(
+    model: torch.nn.Module, trajs: Sequence[Trajectory], *, global_tokens: float, world: int = 1
+) -> tuple[float, float]:
+    """Back-propagate the token-mean NLL of ``trajs`` one sequence at a time.
+
+    ``loss = -sum_{s,t} m_t log p(x_t | x_<t) / global_tokens`` (times ``world`` to undo FSDP
+    gradient averaging). Returns ``(sum of -log p over masked tokens, masked token count)``.
+    """
+    from paravt.algo.packing import sequence_logprobs
+
+    nll_sum, count = 0.0, 0.0
+    for t in trajs:
+        mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+        mm = t.extras.get("mm_token_type_ids")
+        mm_t = torch.tensor(list(mm) if mm is not None else [0] * len(t.tokens))
+        lp, _ = sequence_logprobs(model, torch.tensor(t.tokens), mm_t, t.visuals, 1.0)
+        nll = -(lp * mask.to(lp.device)).sum()
+        (nll * (world / max(global_tokens, 1.0))).backward()
+        nll_sum += float(nll.detach())
+        count += float(mask.sum())
+    return nll_sum, count
+
+
+def run_sft(
+    cfg: Config,
+    *,
+    model_dir: str | Path,
+    data_dir: str | Path,
+    out_dir: str | Path,
+    ctx: Any = None,
+    log: Any = print,
+) -> dict[str, float]:
+    """Cold-start SFT of the checkpoint at ``model_dir``; writes an HF checkpoint to ``out_dir``.
+
+    Returns ``{"sft/loss_first", "sft/loss_last", "sft/tokens", "sft/seconds"}``.
+    """
+    from paravt.checkpoint import save_model_dir
+    from paravt.data.readers import load_samples
+    from paravt.distributed import (
+        DistContext,
+        all_gather_objects,
+        all_reduce_sum,
+        barrier,
+        clip_grad_norm,
+        full_state_dict,
+        shard_model,
+    )
+    from paravt.models import load_model
+    from paravt.video import DecodePlanner
+
+    ctx = ctx or DistContext()
+    t_start = time.perf_counter()
+    s = cfg.sft
+    bundle = load_model(
+        model_dir,
+        dtype=cfg.model.dtype,
+        device=str(ctx.device),
+        attn_implementation=cfg.model.attn_implementation,
+    )
+    samples = load_samples(data_dir, video_root=cfg.data.video_root, split="train")
+    sft_path = s.data or str(Path(data_dir) / "sft.jsonl")
+    records = read_sft_records(sft_path)
+    planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
+    # Each rank encodes only its own records (encoding decodes video; no rank needs all).
+    mine = records[ctx.rank :: ctx.world_size]
+    trajs = encode_records(mine, samples, bundle, cfg, planner)
+    counts = all_gather_objects(len(trajs), ctx)
+    if min(counts) <= 0:
+        raise ValueError(
+            f"SFT data '{sft_path}' gave no usable trajectory on some rank (records must match "
+            f"train sample ids of '{data_dir}')"
+        )
+    model = bundle.model
+    model.train()  # no dropout in Qwen-VL by default; train mode enables grad checkpointing
+    if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    shard_model(model, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    rng = random.Random(f"paravt-sft:{cfg.train.seed}:{ctx.rank}")
+    per_rank = max(1, s.batch_size // ctx.world_size)
+    losses: list[float] = []
+    order: list[int] = []
+    for step in range(s.steps):
+        batch = []
+        while len(batch) < per_rank:
+            if not order:
+                order = list(range(len(trajs)))
+                rng.shuffle(order)
+            batch.append(trajs[order.pop()])
+        local_tok = float(sum(sum(t.loss_mask) for t in batch))
+        global_tok = float(all_reduce_sum(local_tok, ctx).sum())
+        nll, _ = sft_loss(model, batch, global_tokens=global_tok, world=ctx.world_size)
+        clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = float(all_reduce_sum(nll, ctx).sum()) / max(global_tok, 1.0)
+        losses.append(loss)
+        if ctx.is_main and (step % max(1, s.steps // 8) == 0 or step == s.steps - 1):
+            log(f"[sft] step {step + 1}/{s.steps} nll/token {loss:.4f}")
+    state = full_state_dict(model, ctx)
+    if ctx.is_main:
+        tmp = Path(str(out_dir) + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_model_dir(tmp, model, state, tokenizer=bundle.tokenizer, source_dir=model_dir)
+        if Path(out_dir).exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)  # a killed SFT never leaves a half checkpoint at out_dir
+    barrier(ctx)
+    return {
+        "sft/loss_first": losses[0] if losses else float("nan"),
+        "sft/loss_last": losses[-1] if losses else float("nan"),
+        "sft/trajectories": float(sum(counts)),
+        "sft/seconds": time.perf_counter() - t_start,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paravt.sft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny_cpu")
+    p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    p.add_argument("--out", default="", help="output checkpoint dir (default <out_dir>/sft)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sft.steps=20")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_config(a.preset, a.config, a.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from paravt.distributed import cleanup, init_distributed
+    from paravt.train import prepare_assets
+
+    ctx = init_distributed(cfg.model.device)
+    if ctx.is_main:
+        print(to_yaml(cfg))
+    data_dir, model_dir = prepare_assets(cfg, ctx)
+    out = a.out or str(Path(cfg.train.out_dir) / "sft")
+    res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
+    if ctx.is_main:
+        print(json.dumps(res, indent=1))
+        print(f"[sft] wrote {out}")
+    cleanup(ctx)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

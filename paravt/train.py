@@ -1,0 +1,688 @@
+"""``python -m paravt.train`` — PARA-GRPO training, readable top to bottom.
+
+    python -m paravt.train [--preset NAME] [--config F.yaml ...] [--resume] [key=value ...]
+    torchrun --nproc-per-node N -m paravt.train ...          (FSDP2; gloo on CPU, NCCL on GPU)
+
+With no arguments it runs the embedded default (preset ``tiny_cpu``): writes the synthetic
+long-video task if absent, builds the tiny Qwen3-VL model if absent, cold-starts it with a
+short SFT on oracle tool-use trajectories, evaluates, runs PARA-GRPO steps with a progress bar,
+evaluates again and prints a before/after table. Everything lands in ``train.out_dir``.
+
+One RL step (``train_step``)::
+
+    prompts ─► K per prompt (gating) ─► rollouts (engine + tools + sub-agents) ─► rewards
+      ─► group advantages ─► packed minibatches ─► π_ref / π_prox log-probs (no grad)
+      ─► PPO epochs × minibatches: per-sequence forward/backward, clip, optimizer step
+      ─► push weights to the engine ─► metrics
+
+Honest limits: the log-prob forward is per sequence (padding-free, see
+``paravt.algo.packing``); the vLLM engine is not wired here (``rollout.engine=hf`` only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from paravt.config import Config, ConfigError, load_config, to_dict, to_yaml
+
+# ----------------------------------------------------------------------------------- config
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="python -m paravt.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny_cpu", help="tiny_cpu | tiny_cpu_vanilla | ...")
+    p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. algo.kl_coef=0.02")
+    a = p.parse_args(argv)
+    cfg = load_config(a.preset, a.config, a.overrides)
+    if a.resume:
+        cfg.train.resume = True
+    return cfg, a
+
+
+def validate_run(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size or files on disk, run before anything loads."""
+    from paravt.distributed import resolve_device
+
+    errs: list[str] = []
+    t, r, a = cfg.train, cfg.rollout, cfg.algo
+    if t.steps < 1:
+        errs.append(f"train.steps={t.steps} must be >= 1")
+    if t.prompts_per_step % world_size:
+        errs.append(
+            f"train.prompts_per_step={t.prompts_per_step} is not divisible by the world size "
+            f"{world_size}; each rank rolls out whole groups (use a multiple of {world_size})"
+        )
+    else:
+        per_rank = t.prompts_per_step // world_size
+        if per_rank < a.minibatches:
+            errs.append(
+                f"algo.minibatches={a.minibatches} exceeds the {per_rank} prompt(s) each of the "
+                f"{world_size} rank(s) gets per step; lower algo.minibatches"
+            )
+    if cfg.sft.steps > 0 and cfg.sft.batch_size < world_size:
+        errs.append(
+            f"sft.batch_size={cfg.sft.batch_size} is smaller than the world size {world_size}"
+        )
+    if r.engine != "hf":
+        errs.append(
+            f"rollout.engine='{r.engine}' is not wired into paravt.train yet; use rollout.engine=hf"
+        )
+    if r.temperature <= 0:
+        errs.append(
+            f"rollout.temperature={r.temperature}: RL needs sampling (> 0); greedy rollouts "
+            "give identical group members and zero advantages"
+        )
+    if cfg.sft.data and not Path(cfg.sft.data).is_file():
+        errs.append(f"sft.data='{cfg.sft.data}' does not exist")
+    try:
+        dev = resolve_device(cfg.model.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            errs.append(f"model.device='{cfg.model.device}' but CUDA is not available; use cpu")
+    except RuntimeError as e:
+        errs.append(f"model.device='{cfg.model.device}': {e}")
+    if t.resume and not Path(t.out_dir).is_dir():
+        errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
+    # The largest K must fit the model's context: estimate its prompt from the pixel budget.
+    model_dir = Path(cfg.model.path or cfg.model.tiny_dir)
+    if (model_dir / "config.json").is_file():
+        errs += _context_budget_errors(cfg, model_dir)
+    if errs:
+        raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
+
+
+def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
+    """K (frames) × visual tokens per frame + generation must fit max_position_embeddings.
+
+    Reads only ``config.json`` (no weights). Visual tokens per frame pair (temporal patch 2)
+    are at most ``overview_max_pixels / (patch · merge)^2``.
+    """
+    import json
+
+    c = json.loads((model_dir / "config.json").read_text())
+    text = c.get("text_config", c)
+    vis = c.get("vision_config", {})
+    max_pos = int(text.get("max_position_embeddings", 0) or 0)
+    if not max_pos:
+        return []
+    patch = int(vis.get("patch_size", 16))
+    merge = int(vis.get("spatial_merge_size", 2))
+    tpatch = int(vis.get("temporal_patch_size", 2))
+    k_max = max(cfg.video.frame_budgets) if cfg.video.gating else cfg.video.fixed_frames
+    per_frame = cfg.video.overview_max_pixels / float((patch * merge) ** 2) / tpatch
+    visual = int(k_max * per_frame) + 8 * k_max  # + timestamp text per frame
+    gen = (cfg.agent.max_turns + 1) * (
+        cfg.rollout.max_new_tokens
+        + cfg.agent.max_parallel * (cfg.agent.max_tool_response_tokens + 16)
+    )
+    if visual + gen + 512 > max_pos:
+        return [
+            f"frame budget K={k_max} needs about {visual} visual tokens plus up to {gen} "
+            f"generated/tool tokens, over the model's max_position_embeddings={max_pos}; "
+            "lower video.frame_budgets / video.overview_max_pixels or agent.max_turns"
+        ]
+    return []
+
+
+# ------------------------------------------------------------------------------- assets
+
+
+def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
+    """Dataset directory and model directory; the synthetic task and the tiny model are
+    created on rank 0 if absent (other ranks wait)."""
+    from paravt.distributed import barrier
+
+    data_dir = cfg.data.path or cfg.data.synth_dir
+    model_dir = cfg.model.path or cfg.model.tiny_dir
+    if ctx.is_main:
+        if not cfg.data.path:
+            from paravt.data.synth import generate
+
+            generate(data_dir, cfg.data.synth_num_videos, seed=cfg.data.synth_seed)
+        if not cfg.model.path:
+            from paravt.models import build_tiny_checkpoint
+
+            build_tiny_checkpoint(model_dir, seed=cfg.train.seed)
+    barrier(ctx)
+    return data_dir, model_dir
+
+
+@dataclass
+class PromptSampler:
+    """Epoch-wise shuffled prompts; the permutation is a pure function of (seed, epoch), so
+    the sampler's whole state is ``(epoch, pos)`` and resumes exactly."""
+
+    samples: list[Any]
+    seed: int
+    epoch: int = 0
+    pos: int = 0
+    _perm: list[int] = field(default_factory=list, repr=False)
+
+    def _permutation(self) -> list[int]:
+        perm = list(range(len(self.samples)))
+        random.Random(f"paravt-data:{self.seed}:{self.epoch}").shuffle(perm)
+        return perm
+
+    def next(self, n: int) -> list[tuple[Any, int]]:
+        """``n`` (sample, epoch) pairs; epochs roll over mid-batch."""
+        out = []
+        while len(out) < n:
+            if not self._perm:
+                self._perm = self._permutation()
+            if self.pos >= len(self._perm):
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation()
+            out.append((self.samples[self._perm[self.pos]], self.epoch))
+            self.pos += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._perm = self._permutation()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+# --------------------------------------------------------------------------------- state
+
+
+@dataclass
+class Trainer:
+    """Everything a step touches (built once by ``build_trainer``)."""
+
+    cfg: Config
+    ctx: Any
+    policy: torch.nn.Module
+    bundle: Any  # the policy's ModelBundle (tokenizer, vision spec)
+    engine: Any
+    runner: Any
+    reference: Any  # ReferencePolicy or None
+    objective: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    sampler: PromptSampler
+    val_samples: list[Any]
+    logger: Any
+    init_dir: str
+    start_step: int = 0
+
+
+def build_trainer(cfg: Config, ctx: Any) -> Trainer:
+    from paravt.agent.loop import AgentRunner
+    from paravt.algo.loss import make_objective
+    from paravt.algo.reference import ReferencePolicy
+    from paravt.checkpoint import latest_checkpoint, load_trainer_state, set_rng_state
+    from paravt.data.readers import load_samples
+    from paravt.distributed import load_full_optimizer_state, shard_model
+    from paravt.metrics import MetricsLogger
+    from paravt.models import load_model
+    from paravt.rollout.hf import HFEngine
+    from paravt.sft import run_sft
+    from paravt.video import DecodePlanner
+
+    t = cfg.train
+    out = Path(t.out_dir)
+    data_dir, model_dir = prepare_assets(cfg, ctx)
+
+    # 1. SFT cold start (once per run folder; a resumed run reuses it).
+    init_dir = model_dir
+    if cfg.sft.steps > 0:
+        init_dir = str(out / "sft")
+        if not (Path(init_dir) / "config.json").is_file():
+            res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=init_dir, ctx=ctx)
+            if ctx.is_main:
+                print(
+                    f"[sft] {cfg.sft.steps} steps, nll/token {res['sft/loss_first']:.3f} -> "
+                    f"{res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s)"
+                )
+
+    # 2. Policy (from the latest checkpoint on --resume), reference, engine.
+    ckpt = latest_checkpoint(out) if t.resume else None
+    if t.resume and ckpt is None and ctx.is_main:
+        print(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
+    load = dict(
+        dtype=cfg.model.dtype,
+        device=str(ctx.device),
+        attn_implementation=cfg.model.attn_implementation,
+    )
+    bundle = load_model(ckpt or init_dir, **load)
+    policy = bundle.model
+    if cfg.model.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
+        policy.gradient_checkpointing_enable()
+    objective = make_objective(cfg.algo)
+    reference = None
+    if objective.needs_ref:
+        reference = ReferencePolicy(
+            load_model(init_dir, **load).model, cfg.rollout.temperature, cfg.rollout.top_p
+        )
+    if ctx.distributed:
+        # The engine decodes with its own full replica; sharded parameters cannot generate.
+        engine_bundle = load_model(ckpt or init_dir, **load)
+        shard_model(policy, ctx)
+    else:
+        engine_bundle = bundle  # colocated: the engine reads the policy's weights directly
+    engine = HFEngine(engine_bundle, max_batch_size=cfg.rollout.max_batch_size, seed=t.seed)
+    planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
+    runner = AgentRunner(engine, engine_bundle, cfg, planner=planner)
+
+    # 3. Optimizer and schedule (linear warm-up, then constant).
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.algo.lr,
+        weight_decay=cfg.algo.weight_decay,
+    )
+    warm = cfg.algo.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
+    )
+
+    # 4. Data.
+    train_samples = load_samples(
+        data_dir, video_root=cfg.data.video_root, split="train", max_samples=cfg.data.max_samples
+    )
+    try:
+        val_samples = load_samples(data_dir, video_root=cfg.data.video_root, split="val")
+    except Exception:
+        val_samples = []
+    if not val_samples:
+        val_samples = train_samples
+    val_samples = val_samples[: t.eval_prompts]
+    sampler = PromptSampler(train_samples, seed=t.seed)
+
+    logger = MetricsLogger(
+        out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg)
+    )
+    trainer = Trainer(
+        cfg, ctx, policy, bundle, engine, runner, reference, objective, optimizer, scheduler,
+        sampler, val_samples, logger, init_dir,
+    )  # fmt: skip
+
+    # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
+    if ckpt is not None:
+        st = load_trainer_state(ckpt)
+        load_full_optimizer_state(policy, optimizer, st["optimizer"], ctx)
+        scheduler.load_state_dict(st["scheduler"])
+        sampler.load(st["data"])
+        rngs = st.get("rng", [])
+        if len(rngs) == ctx.world_size:
+            set_rng_state(rngs[ctx.rank])
+        trainer.start_step = int(st["step"])
+        logger.truncate_after(trainer.start_step)
+        if ctx.is_main:
+            print(f"[train] resumed from {ckpt} (step {trainer.start_step})")
+    else:
+        seed_everything(t.seed + ctx.rank)
+    return trainer
+
+
+# ---------------------------------------------------------------------------------- step
+
+
+def train_step(tr: Trainer, step: int) -> dict[str, float]:
+    """One PARA-GRPO step; returns the step's metrics (global over ranks, on every rank)."""
+    from paravt.agent.loop import stable_seed
+    from paravt.algo.advantages import build_units
+    from paravt.algo.gating import frame_budget
+    from paravt.algo.loss import agg_denominator, minibatch_backward
+    from paravt.algo.packing import pack_units, sequence_logprobs, split_units
+    from paravt.distributed import (
+        all_gather_objects,
+        all_reduce_sum,
+        clip_grad_norm,
+        shard_list,
+    )
+    from paravt.metrics import rollout_metrics, trajectory_record
+    from paravt.rewards import score_groups
+
+    cfg, ctx, algo = tr.cfg, tr.ctx, tr.cfg.algo
+    temp, top_p = cfg.rollout.temperature, cfg.rollout.top_p
+    times: dict[str, float] = {}
+    t_step = time.perf_counter()
+
+    # 1. Prompts and their frame budgets K (stable hash of seed, epoch, sample id).
+    picked = shard_list(tr.sampler.next(cfg.train.prompts_per_step), ctx)
+    samples = [s for s, _ in picked]
+    budgets = [
+        frame_budget(
+            s.id,
+            seed=cfg.train.seed,
+            epoch=epoch,
+            budgets=cfg.video.frame_budgets,
+            gating=cfg.video.gating,
+            fixed=cfg.video.fixed_frames,
+        )
+        for s, epoch in picked
+    ]
+
+    # 2. Roll out G samples per prompt (main agents, parallel crops, sub-agents).
+    t0 = time.perf_counter()
+    tr.policy.eval()
+    groups = tr.runner.rollout(
+        samples, budgets, group_size=cfg.rollout.group_size, seed=stable_seed(cfg.train.seed, step)
+    )
+    times["time/rollout"] = time.perf_counter() - t0
+
+    # 3. Rewards (sub-agents inherit their parent's).
+    t0 = time.perf_counter()
+    score_groups(groups, cfg.reward)
+    times["time/reward"] = time.perf_counter() - t0
+
+    # 4. Advantages, packed minibatches, reference / proximal log-probs (no grad).
+    t0 = time.perf_counter()
+    units = build_units(groups, algo)
+    batches = [pack_units(mb) for mb in split_units(units, algo.minibatches)]
+    with torch.no_grad():
+        for b in batches:
+            if tr.reference is not None:
+                b.extras["ref_logprobs"] = tr.reference.logprobs(b)
+            if tr.objective.needs_prox:
+                b.extras["prox_logprobs"] = proximal_logprobs(tr, b)
+    times["time/logprobs"] = time.perf_counter() - t0
+    if cfg.train.dump_batches:
+        dump = Path(cfg.train.out_dir) / "debug" / f"step{step}_rank{ctx.rank}.pt"
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
+
+    # 5. PPO epochs × minibatches: per-sequence forward/backward, one optimizer step each.
+    t0 = time.perf_counter()
+    acc: dict[str, float] = {"loss_num": 0.0, "den": 0.0, "ent": 0.0, "ent_n": 0.0}
+    stat_sums: dict[str, float] = {}
+    grad_norms: list[float] = []
+    params = [p for p in tr.policy.parameters() if p.requires_grad]
+    tr.policy.train()  # Qwen-VL has no dropout by default; train mode enables grad checkpointing
+    # A rank whose prompts all failed to decode has nothing to train on; ranks must take the
+    # same number of optimizer steps (FSDP collectives), so the step's update is skipped.
+    epochs = algo.ppo_epochs if min(all_gather_objects(len(units), ctx)) > 0 else 0
+    if epochs == 0 and ctx.is_main:
+        print(f"[train] step {step}: a rank has no trajectories (videos unreadable); no update")
+    for _ in range(epochs):
+        for b in batches:
+            local_den = agg_denominator(tr.objective.effective_mask(b), b, algo.agg)
+            n_seq = b.cu_seqlens.numel() - 1
+            red = all_reduce_sum(torch.tensor([local_den, float(n_seq)]), ctx)
+            global_den = float(red[0])
+            # FSDP: every rank runs the same number of forwards (max over ranks).
+            n_fwd = int(max(all_gather_objects(n_seq, ctx)))
+            cu = b.cu_seqlens.tolist()
+            mm = b.extras["mm_token_type_ids"]
+
+            def seq_lp(i: int, b=b, cu=cu, mm=mm) -> tuple[torch.Tensor, torch.Tensor]:
+                a, e = cu[i], cu[i + 1]
+                return sequence_logprobs(
+                    tr.policy, b.input_ids[a:e], mm[a:e], b.visuals[i], temp, True, top_p
+                )
+
+            res = minibatch_backward(
+                b, tr.objective, seq_lp, global_den=global_den, world=ctx.world_size,
+                num_forwards=n_fwd,
+            )  # fmt: skip
+            grad_norms.append(clip_grad_norm(params, algo.max_grad_norm))
+            tr.optimizer.step()
+            tr.scheduler.step()
+            tr.optimizer.zero_grad(set_to_none=True)
+            acc["loss_num"] += res.loss_num
+            acc["den"] += local_den
+            acc["ent"] += res.entropy_sum
+            acc["ent_n"] += res.entropy_count
+            n_tok = res.stats["n_tokens"]
+            for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "kl_mean", "ratio_mean"):
+                stat_sums[k] = stat_sums.get(k, 0.0) + res.stats[k] * n_tok
+            stat_sums["n_tokens"] = stat_sums.get("n_tokens", 0.0) + n_tok
+    tr.policy.eval()
+    times["time/update"] = time.perf_counter() - t0
+
+    # 6. Push the new weights to the rollout engine.
+    t0 = time.perf_counter()
+    sync_engine(tr)
+    times["time/sync"] = time.perf_counter() - t0
+
+    # 7. Metrics, reduced over ranks.
+    keys = sorted(stat_sums)
+    vec = all_reduce_sum(
+        torch.tensor([acc["loss_num"], acc["den"], acc["ent"], acc["ent_n"]] +
+                     [stat_sums[k] for k in keys], dtype=torch.float64),
+        ctx,
+    )  # fmt: skip
+    loss_num, den, ent, ent_n = (float(x) for x in vec[:4])
+    red_stats = dict(zip(keys, (float(x) for x in vec[4:])))
+    n_tok = max(red_stats.get("n_tokens", 0.0), 1.0)
+    records = [r for part in all_gather_objects(
+        [trajectory_record(t, g.num_frames) for g in groups for t in g.trajectories], ctx
+    ) for r in part]  # fmt: skip
+    m = rollout_metrics(records)
+    gen_tokens = float(all_reduce_sum(float(sum(sum(t.loss_mask) for u in units
+                                                for t in u.sequences)), ctx)[0])  # fmt: skip
+    times["time/step"] = time.perf_counter() - t_step
+    m.update(times)
+    m.update(
+        {
+            "loss": loss_num / den if den > 0 else 0.0,
+            "kl": red_stats.get("kl_mean", 0.0) / n_tok,
+            "clip_frac": red_stats.get("clip_frac", 0.0) / n_tok,
+            "clip_frac_low": red_stats.get("clip_frac_low", 0.0) / n_tok,
+            "clip_frac_high": red_stats.get("clip_frac_high", 0.0) / n_tok,
+            "ratio_mean": red_stats.get("ratio_mean", 0.0) / n_tok,
+            "entropy": ent / ent_n if ent_n > 0 else 0.0,
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
+            "lr": float(tr.scheduler.get_last_lr()[0]),
+            "tokens_per_s": gen_tokens / max(times["time/step"], 1e-9),
+            "trained_tokens": gen_tokens,
+            "num_groups": float(all_reduce_sum(float(len(groups)), ctx)[0]),
+            "skipped_prompts": float(all_reduce_sum(float(len(tr.runner.errors)), ctx)[0]),
+        }
+    )
+    if ctx.is_main and cfg.train.log_trajectories:
+        tr.logger.log_trajectories(step, trajectory_samples(tr, groups, cfg.train.log_trajectories))
+    return m
+
+
+def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
+    """π_prox: the policy before this step's updates, one no-grad forward per sequence.
+
+    It is computed on the engine's model: that model holds exactly the weights pushed at the
+    end of the previous step (in one process it *is* the policy module; under FSDP it is the
+    rank's full replica). Under FSDP2 this also avoids no-grad forwards through the sharded
+    policy, which on torch 2.13/gloo left the following backward's gradients wrong (measured:
+    grad norm off by 2x against the single-process recomputation in
+    tests/test_train_distributed.py)."""
+    from paravt.algo.packing import packed_logprobs
+
+    lp, _ = packed_logprobs(
+        tr.engine.model, batch, tr.cfg.rollout.temperature, top_p=tr.cfg.rollout.top_p
+    )
+    return lp.float().cpu()
+
+
+def sync_engine(tr: Trainer) -> None:
+    """Colocated single process: the engine shares the policy module (nothing to copy).
+    FSDP: all-gather the full weights and load them into the engine's replica."""
+    if not tr.ctx.distributed:
+        tr.engine.sync_weights(tr.policy)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Without cpu_offload every rank receives the full tensors (each rank's engine needs them).
+    state = get_model_state_dict(tr.policy, options=StateDictOptions(full_state_dict=True))
+    tr.engine.sync_weights(state)
+
+
+def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str, Any]]:
+    """A few decoded trajectories for ``trajectories.jsonl`` (what the model actually wrote)."""
+    out = []
+    for g in groups:
+        for t in g.trajectories:
+            if len(out) >= n:
+                return out
+            out.append(
+                {
+                    "uid": t.uid,
+                    "sample_id": t.sample_id,
+                    "K": g.num_frames,
+                    "question": g.sample.question,
+                    "answer": g.sample.answer,
+                    "turns": [
+                        {
+                            "prefix": x.prefix,
+                            "text": x.text,
+                            "calls": [[c.status, c.start, c.end] for c in x.calls],
+                        }
+                        for x in t.turns
+                    ],
+                    "reward": t.reward,
+                    "breakdown": t.reward_breakdown,
+                    "num_sub_agents": sum(s.parent == t.uid for s in g.sub_trajectories),
+                }
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(tr: Trainer, seed: int) -> dict[str, float]:
+    """Roll out the validation prompts (``eval_samples`` each, K = ``train.eval_frames`` or
+    ``video.fixed_frames``, rollout temperature, fixed seed) and score them: the before/after
+    numbers of the final table."""
+    from paravt.agent.loop import stable_seed
+    from paravt.distributed import all_gather_objects, shard_list
+    from paravt.metrics import rollout_metrics, trajectory_record
+    from paravt.rewards import score_groups
+
+    cfg = tr.cfg
+    if not tr.val_samples:
+        return {}
+    n = len(tr.val_samples) - len(tr.val_samples) % tr.ctx.world_size
+    mine = shard_list(tr.val_samples[:n], tr.ctx)
+    k = [cfg.train.eval_frames or cfg.video.fixed_frames] * len(mine)
+    tr.policy.eval()
+    groups = tr.runner.rollout(
+        mine, k, group_size=cfg.train.eval_samples, seed=stable_seed("eval", seed)
+    )
+    score_groups(groups, cfg.reward)
+    recs = [trajectory_record(t, g.num_frames) for g in groups for t in g.trajectories]
+    return rollout_metrics([r for part in all_gather_objects(recs, tr.ctx) for r in part])
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+def save(tr: Trainer, step: int) -> None:
+    from paravt.checkpoint import rng_state, save_checkpoint
+    from paravt.distributed import (
+        all_gather_objects,
+        barrier,
+        full_optimizer_state,
+        full_state_dict,
+    )
+
+    model_state = full_state_dict(tr.policy, tr.ctx)
+    optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
+    rngs = all_gather_objects(rng_state(), tr.ctx)
+    if tr.ctx.is_main:
+        save_checkpoint(
+            tr.cfg.train.out_dir,
+            step,
+            model=tr.policy,
+            model_state=model_state,
+            trainer_state={
+                "optimizer": optim_state,
+                "scheduler": tr.scheduler.state_dict(),
+                "rng": rngs,
+                "data": tr.sampler.state(),
+                "world_size": tr.ctx.world_size,
+            },
+            tokenizer=tr.bundle.tokenizer,
+            source_dir=tr.init_dir,
+            keep_last=tr.cfg.train.keep_last,
+        )
+    barrier(tr.ctx)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``."""
+    from paravt.distributed import cleanup, init_distributed, world_size_from_env
+    from paravt.metrics import format_table, plot_summary, postfix, progress_bar, read_metrics
+
+    validate_run(cfg, world_size_from_env())  # before anything heavy loads
+    ctx = init_distributed(cfg.model.device)
+    out = Path(cfg.train.out_dir)
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(to_yaml(cfg))
+        print(to_yaml(cfg), flush=True)
+    t_run = time.perf_counter()
+    tr = build_trainer(cfg, ctx)
+    t = cfg.train
+
+    before: dict[str, float] = {}
+    if t.eval_prompts:
+        prev = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "eval_before"]
+        if prev and tr.start_step > 0:
+            before = prev[-1]
+        else:
+            before = evaluate(tr, seed=t.seed)
+            tr.logger.log(tr.start_step, before, kind="eval_before")
+
+    bar = progress_bar(
+        t.steps, initial=tr.start_step, enabled=ctx.is_main and t.progress, desc="PARA-GRPO"
+    )
+    last: dict[str, float] = {}
+    for step in range(tr.start_step + 1, t.steps + 1):
+        last = train_step(tr, step)
+        tr.logger.log(step, last)
+        bar.set_postfix(postfix(last))
+        bar.update(1)
+        if (t.save_every and step % t.save_every == 0) or step == t.steps:
+            save(tr, step)
+    bar.close()
+
+    after = evaluate(tr, seed=t.seed) if t.eval_prompts else {}
+    if after:
+        tr.logger.log(t.steps, after, kind="eval_after")
+    if ctx.is_main:
+        plot_summary(out / "metrics.jsonl", out / "summary.png")
+        print()
+        print(format_table({"before RL": before, "after RL": after, "last step": last}))
+        print(
+            f"\n[train] {t.steps} steps in {time.perf_counter() - t_run:.0f} s; run folder: "
+            f"{out} (metrics.jsonl, tb/, trajectories.jsonl, summary.png, checkpoints/)"
+        )
+    tr.logger.close()
+    cleanup(ctx)
+    return {"before": before, "after": after, "last": last, "out_dir": str(out)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg, _ = parse_args(argv)
+        run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Cold-start SFT: both data formats, what is trained (only the assistant's generations), and
+a few real optimizer steps on the tiny model that lower the NLL and write an HF checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paravt.config import load_config
+from paravt.sft import read_sft_records
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    from paravt.data.synth import generate
+    from paravt.models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("assets")
+    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
+
+
+def _cfg(assets: dict[str, str], out: Path, **kv: object):
+    base = {
+        "data.synth_dir": assets["data"],
+        "model.tiny_dir": assets["model"],
+        "train.out_dir": str(out),
+        "sft.steps": 3,
+        "sft.batch_size": 2,
+        "sft.lr": 3e-3,
+    }
+    base.update(kv)
+    return load_config(overrides=[f"{k}={v}" for k, v in base.items()])
+
+
+def test_paravt_messages_format_reads_like_the_synthetic_one(assets, tmp_path) -> None:
+    rec = read_sft_records(Path(assets["data"]) / "sft.jsonl")[0]
+    msgs = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "question"}]},
+    ]
+    for t in rec["turns"]:
+        if t["role"] == "assistant":
+            msgs.append({"role": "assistant", "content": t["content"]})
+        else:
+            msgs += [{"role": "tool", "content": c} for c in t["content"]]
+    f = tmp_path / "paravt_sft.jsonl"
+    f.write_text(
+        json.dumps({"id": rec["sample_id"], "num_frames": rec["num_frames"], "messages": msgs})
+        + "\n"
+    )
+    assert read_sft_records(f) == [rec]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": "x", "prompt": "?"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        read_sft_records(bad)
+
+
+def test_only_assistant_generations_are_trained(assets, tmp_path) -> None:
+    from paravt.data.readers import load_samples
+    from paravt.models import load_model
+    from paravt.sft import encode_records
+
+    cfg = _cfg(assets, tmp_path)
+    bundle = load_model(assets["model"], device="cpu")
+    recs = read_sft_records(Path(assets["data"]) / "sft.jsonl")[:2]
+    trajs = encode_records(recs, load_samples(assets["data"]), bundle, cfg)
+    assert len(trajs) == 2
+    tok = bundle.tokenizer
+    for t, rec in zip(trajs, recs):
+        trained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m])
+        untrained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if not m])
+        # Tool responses, the prompt and the forced <think> prefix are never targets.
+        assert "<tool_response>" in untrained and "<tool_response>" not in trained
+        assert rec["turns"][1]["content"][0][:30] in untrained
+        assert "<|vision_start|>" in untrained and "crop_video" in untrained  # prompt + schema
+        assert trained.count("<think>") == 0 and "</think>" in trained
+        final = rec["turns"][-1]["content"].split("<answer>")[1]
+        assert "<answer>" + final in trained
+        assert sum(t.loss_mask[: t.prompt_len]) == 0
+
+
+def test_sft_steps_lower_the_nll_and_write_a_checkpoint(assets, tmp_path) -> None:
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from paravt.checkpoint import load_model_state
+    from paravt.sft import run_sft
+
+    cfg = _cfg(assets, tmp_path, **{"sft.steps": 4})
+    out = tmp_path / "sft"
+    res = run_sft(cfg, model_dir=assets["model"], data_dir=assets["data"], out_dir=out)
+    assert res["sft/loss_last"] < res["sft/loss_first"]
+    before, after = load_model_state(assets["model"]), load_model_state(out)
+    assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
+    Qwen3VLForConditionalGeneration.from_pretrained(out, local_files_only=True)
+    assert (out / "tokenizer.json").is_file() and not Path(str(out) + ".tmp").exists()

@@ -1,0 +1,190 @@
+"""End-to-end PARA-GRPO on the tiny model: a 2-step smoke run of the default preset, frame
+gating inside real prompts, config errors before loading, metrics and the run folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paravt.config import ConfigError, load_config
+from paravt.metrics import STEP_METRICS, read_metrics
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    """The synthetic task (2 real H.264 videos) and the tiny checkpoint, built once."""
+    from paravt.data.synth import generate
+    from paravt.models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("assets")
+    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    model = build_tiny_checkpoint(root / "tiny", seed=0)
+    return {"data": str(data), "model": str(model)}
+
+
+def small_overrides(assets: dict[str, str], out: Path, **extra: object) -> list[str]:
+    """Tiny shapes: 2 prompts x G=2, few tokens, K in {2, 4}, one tool turn."""
+    kv = {
+        "data.synth_dir": assets["data"],
+        "data.synth_num_videos": 2,
+        "model.tiny_dir": assets["model"],
+        "train.out_dir": str(out),
+        "train.prompts_per_step": 2,
+        "train.steps": 2,
+        "train.save_every": 1,
+        "train.eval_prompts": 0,
+        "train.progress": False,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 8,
+        "rollout.sub_max_new_tokens": 4,
+        "agent.max_turns": 1,
+        "agent.max_tool_response_tokens": 8,
+        "video.frame_budgets": [2, 4],
+        "video.fixed_frames": 2,
+        "sft.steps": 1,
+        "sft.batch_size": 2,
+        # An untrained model's rewards are equal within a group (advantage 0: no policy
+        # gradient, correctly). A bias makes every advantage non-zero so the update is real.
+        "algo.adv_bias": 0.1,
+    }
+    kv.update(extra)
+    return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in kv.items()]
+
+
+def test_default_preset_two_steps_updates_parameters_and_logs_every_metric(assets, tmp_path):
+    from paravt.checkpoint import latest_checkpoint, load_model_state
+    from paravt.train import run
+
+    out = tmp_path / "run"
+    cfg = load_config(overrides=small_overrides(assets, out))
+    res = run(cfg)
+
+    rows = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        missing = [k for k in STEP_METRICS if r.get(k) is None]
+        assert not missing, f"step {r['step']} lacks {missing}"
+        assert any(k.startswith("acc/K") for k in r) and any(k.startswith("tool_rate/K") for k in r)
+        assert torch.isfinite(torch.tensor(r["loss"]))
+        assert r["grad_norm"] > 0
+        assert 0.0 <= r["format_compliance"] <= 1.0 and 0.0 <= r["tool_call_rate"] <= 1.0
+    assert res["last"]["loss"] == rows[-1]["loss"]
+
+    # Parameters changed: the step-2 checkpoint differs from the SFT starting point.
+    start = load_model_state(out / "sft")
+    end = load_model_state(latest_checkpoint(out))
+    assert latest_checkpoint(out).name == "step_000002"
+    changed = [k for k in start if not torch.equal(start[k], end[k])]
+    assert len(changed) > len(start) // 2, f"only {len(changed)}/{len(start)} tensors moved"
+
+    # The run folder.
+    assert (out / "config.yaml").read_text().count("prompts_per_step: 2") == 1
+    assert (out / "summary.png").stat().st_size > 1000
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    trajs = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert {t["step"] for t in trajs} == {1, 2} and all(t["turns"] for t in trajs)
+    # The checkpoint is an HF directory transformers loads directly.
+    from transformers import Qwen3VLForConditionalGeneration
+
+    Qwen3VLForConditionalGeneration.from_pretrained(latest_checkpoint(out), local_files_only=True)
+
+
+def _overview_frames(traj, tpatch: int = 2) -> int:
+    """Frames in the main prompt's overview clip (grid t x temporal patch)."""
+    return int(traj.visuals.grid_thw[0, 0]) * tpatch
+
+
+@pytest.mark.parametrize("gating", [True, False])
+def test_frame_budget_reaches_the_prompt(assets, tmp_path, gating: bool) -> None:
+    """K drawn per prompt is what the model sees (overview frames == K), the same for the
+    whole group; with gating off every prompt sees video.fixed_frames."""
+    from paravt.agent.loop import AgentRunner
+    from paravt.algo.gating import frame_budget
+    from paravt.data.readers import load_samples
+    from paravt.models import load_model
+    from paravt.rollout.hf import HFEngine
+
+    cfg = load_config(
+        overrides=small_overrides(
+            assets, tmp_path, **{"video.gating": gating, "video.frame_budgets": [2, 4, 6]}
+        )
+    )
+    samples = load_samples(assets["data"])
+    bundle = load_model(assets["model"], device="cpu")
+    runner = AgentRunner(HFEngine(bundle), bundle, cfg)
+    ks = [
+        frame_budget(s.id, seed=0, epoch=0, budgets=cfg.video.frame_budgets, gating=gating,
+                     fixed=cfg.video.fixed_frames)
+        for s in samples
+    ]  # fmt: skip
+    if gating:
+        assert len(set(ks)) > 1  # K varies across the prompts of this dataset
+    else:
+        assert set(ks) == {cfg.video.fixed_frames}
+    groups = runner.rollout(samples, ks, group_size=2, seed=0)
+    assert len(groups) == len(samples)
+    for g, k in zip(groups, ks):
+        assert g.num_frames == k
+        for t in g.trajectories:
+            assert t.num_frames == k
+            assert _overview_frames(t) == k
+
+
+def test_config_errors_are_reported_before_loading(tmp_path) -> None:
+    from paravt.train import validate_run
+
+    cfg = load_config(overrides=[f"train.out_dir={tmp_path}", "train.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="not divisible by the world size 2"):
+        validate_run(cfg, world_size=2)
+    cfg = load_config(overrides=[f"sft.data={tmp_path}/missing.jsonl"])
+    with pytest.raises(ConfigError, match="sft.data"):
+        validate_run(cfg, world_size=1)
+    cfg = load_config(overrides=["train.resume=true", f"train.out_dir={tmp_path}/nope"])
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        validate_run(cfg, world_size=1)
+
+
+def test_k_too_large_for_the_model_context(assets, tmp_path) -> None:
+    from paravt.train import validate_run
+
+    cfg = load_config(
+        overrides=[
+            f"model.path={assets['model']}",
+            "video.frame_budgets=[4,4096]",
+            "video.overview_max_pixels=65536",
+        ]
+    )
+    with pytest.raises(ConfigError, match="K=4096"):
+        validate_run(cfg, world_size=1)
+
+
+def test_cli_rejects_bad_config_before_loading(tmp_path, monkeypatch, capsys) -> None:
+    from paravt.train import main
+
+    out = tmp_path / "never"
+    assert main([f"train.out_dir={out}", "algo.kl_type=k9"]) == 2
+    assert "algo.kl_type" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun would set it
+    assert main([f"train.out_dir={out}", "train.prompts_per_step=3"]) == 2
+    assert "world size 2" in capsys.readouterr().err
+    assert not out.exists()  # nothing was created, generated or loaded
+
+
+def test_vanilla_preset_differs_only_in_anchoring_and_gating() -> None:
+    from paravt.config import to_dict
+
+    para, van = to_dict(load_config("tiny_cpu")), to_dict(load_config("tiny_cpu_vanilla"))
+    diff = {f"{sec}.{k}" for sec in para for k in para[sec] if para[sec][k] != van[sec][k]}
+    assert diff == {
+        "reward.lambda_anchor",
+        "video.gating",
+        "video.fixed_frames",
+        "train.eval_frames",
+        "train.out_dir",
+    }
+    assert van["train"]["eval_frames"] == para["video"]["fixed_frames"]  # same eval K
+    assert van["reward"]["lambda_anchor"] == 0.0 and not van["video"]["gating"]
+    assert van["video"]["fixed_frames"] == max(para["video"]["frame_budgets"])

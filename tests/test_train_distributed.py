@@ -1,0 +1,134 @@
+"""torchrun --nproc-per-node 2 on CPU (gloo, FSDP2): 2 PARA-GRPO steps whose loss, gradient
+norm and updated weights match a single-process computation on the same data.
+
+"The same data" is taken literally: the ranks dump the packed batches they trained on
+(``train.dump_batches``); the test merges both ranks' batches and recomputes, in one process
+with the unsharded initial model, the step-1 loss, the pre-clip gradient norm and the weights
+after one AdamW step. Tolerances: loss and grad norm 1e-4 relative (float32 reductions in a
+different order); weights: Adam's update is ``lr · m / (sqrt(v) + eps)``, bounded by ``lr`` per
+element, so reduction-order noise on a near-zero gradient can move an element by up to 2·lr;
+we require max |Δ| <= 2·lr and fewer than 1% of elements off by more than 1e-6.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paravt.metrics import read_metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    from paravt.data.synth import generate
+    from paravt.models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("assets")
+    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
+
+
+LR = 1e-4
+
+
+def _overrides(assets: dict[str, str], out: Path) -> list[str]:
+    return [
+        f"data.synth_dir={assets['data']}",
+        "data.synth_num_videos=2",
+        f"model.tiny_dir={assets['model']}",
+        f"train.out_dir={out}",
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "train.save_every=1",
+        "train.keep_last=2",
+        "train.eval_prompts=0",
+        "train.progress=false",
+        "train.dump_batches=true",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "rollout.sub_max_new_tokens=4",
+        "agent.max_turns=1",
+        "agent.max_tool_response_tokens=8",
+        "video.frame_budgets=[2,4]",
+        # One SFT step under FSDP2 too; RL then starts from out/sft (gathered full weights).
+        "sft.steps=1",
+        "sft.batch_size=2",
+        "algo.adv_bias=0.1",  # non-zero advantages even when group rewards tie
+        f"algo.lr={LR}",
+        "algo.kl_coef=0.05",
+        # The decoupled objective: the proximal forwards run under FSDP too (rank-balanced).
+        "algo.loss=decoupled",
+        "algo.behav_cap=3.0",
+    ]
+
+
+def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
+    from paravt.algo.loss import agg_denominator, make_objective, minibatch_backward
+    from paravt.algo.packing import concat_packed, sequence_logprobs
+    from paravt.checkpoint import load_model_state
+    from paravt.config import load_config
+    from paravt.models import load_model
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "paravt.train", *_overrides(assets, out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
+    assert sorted(rows) == [1, 2]
+    assert rows[1]["num_groups"] == 2.0  # one prompt per rank, both counted
+    dumps = [torch.load(out / "debug" / f"step1_rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(d["world_size"] == 2 for d in dumps)
+    # The two ranks rolled out different prompts (the step's prompts were split, not copied).
+    ids = [{u.split(":")[1] for u in d["batches"][0].uids} for d in dumps]
+    assert ids[0].isdisjoint(ids[1])
+
+    # Single process, same data, unsharded initial weights.
+    cfg = load_config(overrides=_overrides(assets, out))
+    batch = concat_packed([d["batches"][0] for d in dumps])
+    model = load_model(out / "sft", device="cpu").model  # the RL starting point
+    obj = make_objective(cfg.algo)
+    den = agg_denominator(obj.effective_mask(batch), batch, cfg.algo.agg)
+    cu = batch.cu_seqlens.tolist()
+    mm = batch.extras["mm_token_type_ids"]
+
+    def seq_lp(i: int):
+        a, b = cu[i], cu[i + 1]
+        return sequence_logprobs(
+            model, batch.input_ids[a:b], mm[a:b], batch.visuals[i], cfg.rollout.temperature, True
+        )
+
+    res = minibatch_backward(batch, obj, seq_lp, global_den=den)
+    assert res.loss_num / den == pytest.approx(rows[1]["loss"], rel=1e-4)
+    params = [p for p in model.parameters()]
+    gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.algo.max_grad_norm))
+    assert gnorm == pytest.approx(rows[1]["grad_norm"], rel=1e-4)
+    torch.optim.AdamW(params, lr=LR, weight_decay=cfg.algo.weight_decay).step()
+
+    after = load_model_state(out / "checkpoints" / "step_000001")
+    worst, off = 0.0, 0
+    total = 0
+    for k, v in model.state_dict().items():
+        d = (v - after[k]).abs()
+        worst = max(worst, float(d.max()))
+        off += int((d > 1e-6).sum())
+        total += d.numel()
+    assert worst <= 2 * LR + 1e-7
+    assert off < 0.01 * total, f"{off}/{total} weights differ by > 1e-6"

@@ -1,0 +1,82 @@
+"""Resume: a run stopped after step 3 and resumed reproduces an uninterrupted run's steps 4-6.
+
+On CPU the match is bitwise: the checkpoint holds the float32 weights and AdamW moments
+exactly, rollouts draw from per-request generators seeded by (seed, step, uid, turn), prompts
+come from a (seed, epoch) permutation whose position is saved, and the frame budgets are a
+stable hash — nothing depends on process state that the checkpoint does not restore.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paravt.config import load_config
+from paravt.metrics import read_metrics
+
+# Wall-clock metrics legitimately differ between runs.
+_TIMING = ("time/", "tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    from paravt.data.synth import generate
+    from paravt.models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("assets")
+    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
+
+
+def _cfg(assets: dict[str, str], out: Path, steps: int, resume: bool = False):
+    return load_config(
+        overrides=[
+            f"data.synth_dir={assets['data']}",
+            "data.synth_num_videos=2",
+            f"model.tiny_dir={assets['model']}",
+            f"train.out_dir={out}",
+            f"train.steps={steps}",
+            f"train.resume={str(resume).lower()}",
+            "train.prompts_per_step=1",
+            "train.save_every=3",
+            "train.keep_last=1",
+            "train.eval_prompts=0",
+            "train.progress=false",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=6",
+            "rollout.sub_max_new_tokens=4",
+            "agent.max_turns=1",
+            "agent.max_tool_response_tokens=8",
+            "video.frame_budgets=[2,4]",
+            "sft.steps=0",
+            "algo.adv_bias=0.1",  # non-zero advantages even when group rewards tie
+            "algo.lr=1e-3",
+        ]
+    )
+
+
+def _train_rows(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
+
+
+def test_resume_matches_uninterrupted_run(assets, tmp_path) -> None:
+    from paravt.train import run
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run(_cfg(assets, full, 6))
+    run(_cfg(assets, cut, 3))  # "killed" after the step-3 checkpoint
+    # A torn line from a kill mid-write and a stale step-4 row must not survive the resume.
+    with open(cut / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "kind": "train", "loss": 123.0}\n{"step": 5, "ki')
+    run(_cfg(assets, cut, 6, resume=True))
+
+    a, b = _train_rows(full), _train_rows(cut)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        ra, rb = a[step], b[step]
+        keys = [k for k in ra if not k.startswith(_TIMING)]
+        assert set(keys) == {k for k in rb if not k.startswith(_TIMING)}
+        diff = {k: (ra[k], rb[k]) for k in keys if ra[k] != rb[k]}
+        assert not diff, f"step {step} differs after resume: {diff}"  # bitwise on CPU
+    assert a[4]["loss"] != a[5]["loss"] or a[4]["grad_norm"] != a[5]["grad_norm"]
