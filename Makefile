@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip --disable-pip-version-check
 
-.PHONY: install train test lint format bench clean
+.PHONY: install train test lint format bench clean ext native-check
 
 $(STAMP): requirements.txt pyproject.toml setup.py
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -20,7 +20,35 @@ install: $(STAMP)
 train: install
 	$(VPY) -m paravt.train $(ARGS)
 
-test: install
+# paravt._C (csrc/): rebuilt whenever its sources or setup.py change (the install stamp above
+# covers only requirements/pyproject/setup). A failed build warns loudly (setup.py) and the
+# suite then runs on the pure-torch fallback; PARAVT_SKIP_EXT=1 skips it.
+CSRC      := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.h)
+EXT_STAMP := build/.paravt_ext
+
+$(EXT_STAMP): $(STAMP) $(CSRC) setup.py
+	@mkdir -p build
+	$(VPY) setup.py -q build_ext --inplace
+	@touch $@
+
+ext: $(EXT_STAMP)
+
+# C++ unit tests of the index arithmetic (ctest) and the nvcc compile of csrc/cuda/*.cu for
+# sm_90 (CMakeLists.txt); skipped with a notice where cmake or nvcc is missing.
+native-check:
+	@if ! command -v cmake >/dev/null 2>&1; then \
+	  echo "NOTICE: cmake not found: C++ tests and the nvcc compile of csrc/cuda are SKIPPED"; \
+	else \
+	  command -v nvcc >/dev/null 2>&1 || test -x /usr/local/cuda/bin/nvcc || \
+	    echo "NOTICE: nvcc not found: the CUDA kernels are NOT compile-checked"; \
+	  mkdir -p build && \
+	  cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release > build/cmake-configure.log 2>&1 || \
+	    { cat build/cmake-configure.log; exit 1; }; \
+	  grep "paravt:" build/cmake-configure.log; \
+	  cmake --build build/cmake -j2 && ctest --test-dir build/cmake --output-on-failure; \
+	fi
+
+test: install ext native-check
 	$(VPY) -m pytest tests -q
 
 lint: install
@@ -33,4 +61,4 @@ bench: install
 	$(VPY) -m pytest bench/ --benchmark-only
 
 clean:
-	rm -rf build *.egg-info .pytest_cache
+	rm -rf build *.egg-info .pytest_cache paravt/_C*.so
