@@ -24,27 +24,8 @@ autograd, so ``torch.compile`` can trace it.
 # load, depending on test order). So under any other name hand back the installed package (it
 # has no ``__version__``, so transformers reports its ``kernels`` as unavailable).
 if __name__ == "paravt_kernels":
-    from .api import (
-        AGG_MODES,
-        KL_TYPES,
-        POLICY_STAT_NAMES,
-        broadcast_to_tokens,
-        group_advantage,
-        linear_logprob,
-        policy_loss,
-        resolve_impl,
-    )
-
-    __all__ = [
-        "AGG_MODES",
-        "KL_TYPES",
-        "POLICY_STAT_NAMES",
-        "broadcast_to_tokens",
-        "group_advantage",
-        "linear_logprob",
-        "policy_loss",
-        "resolve_impl",
-    ]
+    from .api import *  # noqa: F403  (the public API is api.__all__)
+    from .api import __all__  # noqa: F401
 else:
     import importlib as _importlib
     import sys as _sys
