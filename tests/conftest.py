@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import paravt  # noqa: F401  (first: makes a CUDA torchvision importable before transformers)
+
 
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
