@@ -139,7 +139,16 @@ def _samples(video: str) -> list[Sample]:
 
 
 # ------------------------------------------------------------------------------- the tests
-def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip):
+def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip, monkeypatch):
+    import paravt.vision.preprocess as pre
+
+    packs: list[int] = []  # clips per pixel pack
+    real_pack = pre.pack_pixels
+    monkeypatch.setattr(
+        pre,
+        "pack_pixels",
+        lambda crops, *a, **k: packs.append(len(crops)) or real_pack(crops, *a, **k),
+    )
     video = make_clip(duration=20.0)
     turn0 = (
         "The shape is probably early.\n</think>\n"
@@ -166,6 +175,8 @@ def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip):
     assert kinds == [[False] * 4, [True] * 8, [False] * 4]
     # ONE planner run for both overviews, ONE for all 8 crop windows.
     assert planner.runs == [2, 8]
+    # ONE native pixel pack for both overviews, ONE for all 8 crops.
+    assert packs == [2, 8]
     assert [g.num_frames for g in groups] == [4, 8]
     duration = runner.meta(video).duration
     for g in groups:

@@ -2,11 +2,13 @@
 
 What is compared:
 - always: pixels against HF's numpy ``rescale``/``normalize`` + ``Qwen3VLVideoProcessor.patchify``
-  (the video processor's own ``__call__`` needs torchvision, which this environment lacks), and
+  (runs even where torchvision is absent), and
   the token layout against ``Qwen3VLProcessor``'s own text-expansion path
   (``replace_video_token`` -> ``get_text_with_replacements`` -> tokenizer ->
   ``create_mm_token_type_ids``) with the real frame indices/fps as metadata;
-- when torchvision imports: the full ``Qwen3VLProcessor.__call__`` (pixels, grid, ids, types).
+- when torchvision imports (``make install`` installs it; ``paravt._compat`` makes PyPI's CUDA
+  build importable on CPU torch): the full ``Qwen3VLProcessor.__call__`` (pixels, grid, ids,
+  types).
 """
 
 from __future__ import annotations
@@ -171,17 +173,9 @@ def test_tokens_match_hf_processor_text_expansion(bundle, real_frames):
 
 
 def _import_torchvision() -> bool:
+    # ``import paravt`` (conftest) already made a CUDA torchvision importable on CPU torch.
     if importlib.util.find_spec("torchvision") is None:
         return False
-    if torch.version.cuda is None:
-        # PyPI torchvision registers CUDA-built ops; CPU torch needs their schemas first.
-        try:
-            lib = torch.library.Library("torchvision", "DEF")
-            for op in ("nms", "qnms"):
-                lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            globals()["_TV_LIB"] = lib
-        except RuntimeError:
-            pass  # already defined
     try:
         import torchvision  # noqa: F401
     except Exception:
@@ -215,9 +209,8 @@ def test_full_hf_processor_call(bundle, real_frames):
         clip.mm_token_type_ids
     )
     assert out["video_grid_thw"].tolist() == clip.visuals.grid_thw.tolist()
-    torch.testing.assert_close(
-        out["pixel_values_videos"], clip.visuals.pixel_values, rtol=0, atol=1e-6
-    )
+    # Bit-identical: patchify_frames replays the processor's fused rescale+normalise.
+    assert torch.equal(out["pixel_values_videos"], clip.visuals.pixel_values)
 
 
 def test_build_model_inputs_checks_counts(bundle, real_frames):
@@ -297,3 +290,39 @@ def test_qwen2_5_layout_pixels_and_time_scale(bundle25, real_frames):
     torch.testing.assert_close(clip.visuals.pixel_values, ref[0], rtol=0, atol=1e-6)
     kw = build_model_inputs(clip.token_ids, clip.mm_token_type_ids, clip.visuals)
     assert kw["second_per_grid_ts"].tolist() == clip.visuals.second_per_grid_ts.tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_encode_clips_one_pack_equals_encode_clip_per_clip(bundle, bundle25, arch, impl):
+    """The batched encode (ONE pixel pack for every clip of a turn) returns, clip by clip,
+    exactly what the pure-torch encode_clip returns: tokens, types, grid, pixels, times."""
+    from paravt.vision import pack as pk
+    from paravt.vision.preprocess import encode_clips
+
+    if impl == "native" and not pk.native_available():
+        pytest.skip("paravt._C not built")
+    b = bundle if arch == "qwen3_vl" else bundle25
+    f = b.vision.factor
+    g = torch.Generator().manual_seed(3)
+    clips = [
+        (
+            torch.randint(0, 256, (t, hh * f, ww * f, 3), dtype=torch.uint8, generator=g),
+            [0.4 * i + 1.0 for i in range(t)],
+        )
+        for t, hh, ww in [(5, 2, 3), (2, 1, 1), (1, 3, 2), (8, 2, 2)]
+    ]
+    got = encode_clips(clips, b.vision, b.tokenizer, impl=impl)
+    assert len(got) == len(clips)
+    for (frames, ts), enc in zip(clips, got):
+        ref = encode_clip(frames, ts, b.vision, b.tokenizer)
+        assert enc.token_ids == ref.token_ids
+        assert enc.mm_token_type_ids == ref.mm_token_type_ids
+        assert enc.patch_timestamps == ref.patch_timestamps
+        assert torch.equal(enc.visuals.grid_thw, ref.visuals.grid_thw)
+        assert torch.equal(enc.visuals.pixel_values, ref.visuals.pixel_values)
+        if ref.visuals.second_per_grid_ts is not None:
+            assert torch.equal(enc.visuals.second_per_grid_ts, ref.visuals.second_per_grid_ts)
+    assert encode_clips([], b.vision, b.tokenizer) == []
+    with pytest.raises(ValueError, match="crop 1 has frame size"):
+        encode_clips([clips[0], (clips[1][0][:, :-1], clips[1][1])], b.vision, b.tokenizer)

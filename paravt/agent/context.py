@@ -45,15 +45,23 @@ class Clip:
 
 def encode_frames(bundle: Any, frames: torch.Tensor, timestamps: list[float]) -> Clip:
     """Encode uint8 frames ``(T, H, W, 3)`` (already at the pixel budget) and their times into
-    the Qwen3-VL timestamped video layout, via ``paravt.vision.preprocess.encode_clip``."""
-    from paravt.vision.preprocess import encode_clip
+    the model's video layout (one clip of :func:`encode_frames_batch`)."""
+    return encode_frames_batch(bundle, [(frames, timestamps)])[0]
 
-    enc = encode_clip(frames, timestamps, bundle.vision, bundle.tokenizer)
-    return Clip(
-        token_ids=[int(t) for t in enc.token_ids],
-        mm_token_type_ids=[int(t) for t in enc.mm_token_type_ids],
-        visuals=enc.visuals,
-    )
+
+def encode_frames_batch(bundle: Any, clips: list[tuple[torch.Tensor, list[float]]]) -> list[Clip]:
+    """:func:`encode_frames` for many clips (a turn's overviews, or all its crops), with their
+    pixels packed in ONE native call (``paravt.vision.preprocess.encode_clips``)."""
+    from paravt.vision.preprocess import encode_clips
+
+    return [
+        Clip(
+            token_ids=[int(t) for t in enc.token_ids],
+            mm_token_type_ids=[int(t) for t in enc.mm_token_type_ids],
+            visuals=enc.visuals,
+        )
+        for enc in encode_clips(clips, bundle.vision, bundle.tokenizer)
+    ]
 
 
 class TextCache:

@@ -34,7 +34,7 @@ from paravt.agent.context import (
     Clip,
     Context,
     TextCache,
-    encode_frames,
+    encode_frames_batch,
     main_prompt,
     sub_prompt,
     tool_turn_text,
@@ -192,12 +192,15 @@ class AgentRunner:
                 continue
             reqs.append(FrameRequest(s.video, tuple(ts), size, tag=f"overview:{s.id}"))
             where.append(i)
+        done = []
         for i, fb in zip(where, self.planner.run(reqs)):
             if isinstance(fb, VideoError):
                 out[i] = fb
-                continue
+            else:
+                done.append((i, fb))
+        clips = encode_frames_batch(self.bundle, [(fb.frames, _times(fb)) for _, fb in done])
+        for (i, _), clip in zip(done, clips):
             s = samples[i]
-            clip = encode_frames(self.bundle, fb.frames, [float(t) for t in fb.timestamps])
             question = prompts.question_text(s, self.meta(s.video).duration)
             out[i] = main_prompt(self.text, clip, question, self.cfg.agent.max_parallel)
         return out
@@ -372,7 +375,7 @@ class AgentRunner:
         batches = self.planner.run([plans[i] for i in live]) if live else []
         st["planner_runs"] += 1 if live else 0
         decoded: dict[int, Any] = dict(zip(live, batches))
-        sub_ctx: list[tuple[int, Context, int]] = []  # (job index, context, frames)
+        ok: list[tuple[int, Any]] = []  # (job index, decoded frames)
         for i, (e, k, c) in enumerate(jobs):
             fb = decoded.get(i, plans[i])
             if isinstance(fb, VideoError):
@@ -380,9 +383,14 @@ class AgentRunner:
                 e.errors.append(f"turn {turn} call {k}: decode_error: {fb}")
                 st["calls_ok"] -= 1
                 st["calls_decode_error"] = st.get("calls_decode_error", 0) + 1
-                continue
-            clip = encode_frames(self.bundle, fb.frames, [float(x) for x in fb.timestamps])
-            sub_ctx.append((i, self.sub_context(e.sample, c, clip), int(fb.frames.shape[0])))
+            else:
+                ok.append((i, fb))
+        # ONE pixel pack for every crop of every rollout in this turn.
+        clips = encode_frames_batch(self.bundle, [(fb.frames, _times(fb)) for _, fb in ok])
+        sub_ctx: list[tuple[int, Context, int]] = [  # (job index, context, frames)
+            (i, self.sub_context(jobs[i][0].sample, jobs[i][2], clip), int(fb.frames.shape[0]))
+            for (i, fb), clip in zip(ok, clips)
+        ]
         st["crops"] += len(sub_ctx)
         dt_tool = time.perf_counter() - t0
 
@@ -575,12 +583,11 @@ def encode_oracle_sub_trajectories(
     plans = plan_crops([(c, sample.video, meta) for _, _, c in jobs], cfg.video, runner.factor)
     live = [i for i, p in enumerate(plans) if isinstance(p, FrameRequest)]
     decoded: dict[int, Any] = dict(zip(live, runner.planner.run([plans[i] for i in live])))
+    ok = [(i, fb) for i, fb in decoded.items() if not isinstance(fb, VideoError)]
+    clips = encode_frames_batch(bundle, [(fb.frames, _times(fb)) for _, fb in ok])
     out: list[Trajectory] = []
-    for i, (ti, k, c) in enumerate(jobs):
-        fb = decoded.get(i)
-        if fb is None or isinstance(fb, VideoError):
-            continue
-        clip = encode_frames(bundle, fb.frames, [float(x) for x in fb.timestamps])
+    for (i, fb), clip in zip(ok, clips):
+        ti, k, c = jobs[i]
         ctx = runner.sub_context(sample, c, clip)
         prompt_len = len(ctx.tokens)
         ids = runner.text(c.response) + [runner.im_end]
@@ -599,6 +606,11 @@ def encode_oracle_sub_trajectories(
             )
         )
     return out
+
+
+def _times(fb: Any) -> list[float]:
+    """A FrameBatch's sample times as Python floats (the clip's timestamp text)."""
+    return [float(t) for t in fb.timestamps]
 
 
 class _NoEngine:

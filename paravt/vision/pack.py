@@ -515,6 +515,42 @@ def pack_vision(
     )
 
 
+def pack_pixels(
+    crops: list[torch.Tensor],
+    spec: VisionSpec,
+    *,
+    dtype: torch.dtype = torch.float32,
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, tuple[tuple[int, int, int], ...]]:
+    """Pixels only: ``(pixel_values (N, 3*tp*p*p), host grid)`` of ``crops`` in ONE call.
+
+    For preprocessing, where the vision encoder builds its own metadata later (the model's
+    ``get_image_features``, or :func:`paravt.vision.encoder.use_packed_vision`): on CPU the
+    native path is ``pack_pixels_out`` into one fresh buffer (no metadata computed); otherwise
+    the full pack's pixels. Bit-identical to :func:`paravt.vision.patchify.patchify_frames`
+    per crop (both replay HF's float32 ops).
+    """
+    p, tp, m = spec.patch_size, spec.temporal_patch_size, spec.merge_size
+    _check_crops(crops, p * m)
+    device = crops[0].device
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"pack_pixels: dtype {dtype}; expected float32, bfloat16 or float16")
+    lut = normalization_lut(spec.mean, spec.std, device=device).to(dtype)
+    grid = tuple(
+        (-(-int(c.shape[0]) // tp), int(c.shape[1]) // p, int(c.shape[2]) // p) for c in crops
+    )
+    native = _use_native(device, impl)
+    if native and device.type == "cpu":
+        n_patch = sum(t * h * w for t, h, w in grid)
+        pixels = torch.empty(n_patch, 3 * tp * p * p, dtype=dtype)
+        torch.ops.paravt.pack_pixels_out(list(crops), lut, p, tp, m, pixels)
+    elif native:
+        pixels = torch.ops.paravt.pack_vision(list(crops), lut, p, tp, m, 0, 0)[0]
+    else:
+        pixels = pack_pixels_reference(list(crops), lut, p, tp, m)[0]
+    return pixels, grid
+
+
 def pack_vision_spec(
     crops: list[torch.Tensor],
     spec: VisionSpec,

@@ -53,10 +53,12 @@ def patchify_frames(frames: torch.Tensor, spec: VisionSpec) -> tuple[torch.Tenso
             "resize with paravt.vision.resize.smart_resize first"
         )
     x = frames.permute(0, 3, 1, 2).to(torch.float32)  # (T, C, H, W)
-    mean = torch.tensor(spec.mean, dtype=torch.float32).view(1, C, 1, 1)
-    std = torch.tensor(spec.std, dtype=torch.float32).view(1, C, 1, 1)
-    # Same op order as HF's fused rescale+normalize: (x * 1/255 - mean) / std.
-    x = (x * (1.0 / 255.0) - mean) / std
+    # HF's fused rescale+normalise, op for op (image_processing_backends: the rescale factor is
+    # folded into mean and std, then torchvision's normalize: sub, div), so the pixels are
+    # bit-identical to the processor's, and to paravt._C's lookup table.
+    mean = (torch.tensor(spec.mean) * (1.0 / (1.0 / 255.0))).view(1, C, 1, 1)
+    std = (torch.tensor(spec.std) * (1.0 / (1.0 / 255.0))).view(1, C, 1, 1)
+    x = (x - mean) / std
     if pad := -T % tp:
         x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)], dim=0)
     gt, gh, gw = x.shape[0] // tp, H // p, W // p

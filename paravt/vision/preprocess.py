@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from paravt.types import VisualInputs
+from paravt.vision.pack import Impl, pack_pixels
 from paravt.vision.patchify import VisionSpec, patchify_frames
 
 MM_TEXT, MM_IMAGE, MM_VIDEO = 0, 1, 2
@@ -76,6 +77,31 @@ def _token_id(tokenizer: Any, text: str) -> int:
     return int(ids[0])
 
 
+def _resolve(spec: VisionSpec | Any, tokenizer: Any, who: str) -> tuple[VisionSpec, Any]:
+    if not isinstance(spec, VisionSpec) and hasattr(spec, "vision"):  # a ModelBundle
+        tokenizer = tokenizer if tokenizer is not None else spec.tokenizer
+        spec = spec.vision
+    if tokenizer is None:
+        raise ValueError(f"{who}: pass the model's tokenizer (or a ModelBundle as spec)")
+    if spec.model_type not in ("qwen3_vl", "qwen2_5_vl"):
+        raise NotImplementedError(
+            f"{who}: no video layout for model_type '{spec.model_type}' (qwen3_vl and "
+            "qwen2_5_vl are supported)"
+        )
+    return spec, tokenizer
+
+
+def _check_times(frames: torch.Tensor, timestamps: Sequence[float], who: str) -> list[float]:
+    if isinstance(timestamps, torch.Tensor):
+        timestamps = timestamps.tolist()
+    if frames.dim() != 4 or len(timestamps) != frames.shape[0]:
+        raise ValueError(
+            f"{who}: {len(timestamps)} timestamps for frames of shape "
+            f"{tuple(frames.shape)}; pass one timestamp per frame"
+        )
+    return [float(t) for t in timestamps]
+
+
 def encode_clip(
     frames: torch.Tensor,
     timestamps: Sequence[float] | torch.Tensor,
@@ -84,6 +110,9 @@ def encode_clip(
 ) -> EncodedClip:
     """Encode one clip into its placeholder token span and patch tensor, in the layout of
     ``spec.model_type`` (Qwen3-VL: timestamped per temporal patch; Qwen2.5-VL: one span).
+
+    This is the pure-torch reference (``patchify_frames``); :func:`encode_clips` encodes many
+    clips with ONE native pixel pack and returns the same values.
 
     Args:
         frames: ``(T, H, W, 3)`` uint8 RGB, ``H`` and ``W`` multiples of ``spec.factor``
@@ -95,24 +124,45 @@ def encode_clip(
     Returns:
         ``EncodedClip`` with ``grid_thw = [[ceil(T/tp), H/p, W/p]]``.
     """
-    if not isinstance(spec, VisionSpec) and hasattr(spec, "vision"):  # a ModelBundle
-        tokenizer = tokenizer if tokenizer is not None else spec.tokenizer
-        spec = spec.vision
-    if tokenizer is None:
-        raise ValueError("encode_clip: pass the model's tokenizer (or a ModelBundle as spec)")
-    if spec.model_type not in ("qwen3_vl", "qwen2_5_vl"):
-        raise NotImplementedError(
-            f"encode_clip: no video layout for model_type '{spec.model_type}' (qwen3_vl and "
-            "qwen2_5_vl are supported)"
-        )
-    if isinstance(timestamps, torch.Tensor):
-        timestamps = timestamps.tolist()
-    if frames.dim() != 4 or len(timestamps) != frames.shape[0]:
-        raise ValueError(
-            f"encode_clip: {len(timestamps)} timestamps for frames of shape "
-            f"{tuple(frames.shape)}; pass one timestamp per frame"
-        )
+    spec, tokenizer = _resolve(spec, tokenizer, "encode_clip")
+    timestamps = _check_times(frames, timestamps, "encode_clip")
     pixel_values, grid = patchify_frames(frames, spec)
+    return _layout(pixel_values, grid, timestamps, spec, tokenizer)
+
+
+def encode_clips(
+    clips: Sequence[tuple[torch.Tensor, Sequence[float] | torch.Tensor]],
+    spec: VisionSpec | Any,
+    tokenizer: Any = None,
+    *,
+    impl: Impl = "auto",
+) -> list[EncodedClip]:
+    """:func:`encode_clip` for every ``(frames, timestamps)`` of ``clips``, with the pixels of
+    all of them normalised and patchified in ONE ``paravt._C`` call (multithreaded; the torch
+    reference when the extension is not built). Same values as ``encode_clip`` per clip; each
+    clip's ``pixel_values`` is a view of the shared packed tensor.
+    """
+    spec, tokenizer = _resolve(spec, tokenizer, "encode_clips")
+    if not clips:
+        return []
+    times = [_check_times(f, t, f"encode_clips (clip {i})") for i, (f, t) in enumerate(clips)]
+    # pack_pixels checks every clip's dtype, shape and size (naming the clip's index).
+    pixels, grid = pack_pixels([f for f, _ in clips], spec, impl=impl)
+    parts = torch.split(pixels, [t * h * w for t, h, w in grid])
+    return [
+        _layout(pv, torch.tensor(g, dtype=torch.int64), ts, spec, tokenizer)
+        for pv, g, ts in zip(parts, grid, times)
+    ]
+
+
+def _layout(
+    pixel_values: torch.Tensor,
+    grid: torch.Tensor,
+    timestamps: list[float],
+    spec: VisionSpec,
+    tokenizer: Any,
+) -> EncodedClip:
+    """The token span of one clip around its patchified pixels (``grid`` = ``(t, h, w)``)."""
     t, h, w = (int(x) for x in grid)
     per_patch = h * w // spec.merge_size**2
     vs = _token_id(tokenizer, "<|vision_start|>")
