@@ -83,6 +83,9 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     # Gradient checkpointing for the policy (saves memory on real models; slower).
     gradient_checkpointing: bool = False
+    # Encode every visual segment of a batch (overviews and crops) in ONE packed varlen vision
+    # forward with natively precomputed metadata (paravt.vision.encoder); Qwen3-VL only.
+    packed_vision: bool = True
 
 
 @dataclass

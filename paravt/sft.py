@@ -169,18 +169,13 @@ def run_sft(
         full_state_dict,
         shard_model,
     )
-    from paravt.models import load_model
+    from paravt.models import load_model_from_config
     from paravt.video import DecodePlanner
 
     ctx = ctx or DistContext()
     t_start = time.perf_counter()
     s = cfg.sft
-    bundle = load_model(
-        model_dir,
-        dtype=cfg.model.dtype,
-        device=str(ctx.device),
-        attn_implementation=cfg.model.attn_implementation,
-    )
+    bundle = load_model_from_config(model_dir, cfg.model, device=str(ctx.device))
     samples = load_samples(data_dir, video_root=cfg.data.video_root, split="train")
     sft_path = s.data or str(Path(data_dir) / "sft.jsonl")
     records = read_sft_records(sft_path)

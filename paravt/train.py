@@ -233,7 +233,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     from paravt.data.readers import load_samples
     from paravt.distributed import load_full_optimizer_state, shard_model
     from paravt.metrics import MetricsLogger
-    from paravt.models import load_model
+    from paravt.models import load_model_from_config
     from paravt.rollout.hf import HFEngine
     from paravt.sft import run_sft
     from paravt.video import DecodePlanner
@@ -258,12 +258,11 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     ckpt = latest_checkpoint(out) if t.resume else None
     if t.resume and ckpt is None and ctx.is_main:
         print(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
-    load = dict(
-        dtype=cfg.model.dtype,
-        device=str(ctx.device),
-        attn_implementation=cfg.model.attn_implementation,
-    )
-    bundle = load_model(ckpt or init_dir, **load)
+
+    def load(path: Any) -> Any:
+        return load_model_from_config(path, cfg.model, device=str(ctx.device))
+
+    bundle = load(ckpt or init_dir)
     policy = bundle.model
     if cfg.model.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
         policy.gradient_checkpointing_enable()
@@ -271,11 +270,11 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     reference = None
     if objective.needs_ref:
         reference = ReferencePolicy(
-            load_model(init_dir, **load).model, cfg.rollout.temperature, cfg.rollout.top_p
+            load(init_dir).model, cfg.rollout.temperature, cfg.rollout.top_p
         )
     if ctx.distributed:
         # The engine decodes with its own full replica; sharded parameters cannot generate.
-        engine_bundle = load_model(ckpt or init_dir, **load)
+        engine_bundle = load(ckpt or init_dir)
         shard_model(policy, ctx)
     else:
         engine_bundle = bundle  # colocated: the engine reads the policy's weights directly

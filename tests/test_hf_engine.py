@@ -335,3 +335,67 @@ def test_shared_clip_is_encoded_once(tmp_path_factory, arch):
         torch.testing.assert_close(
             torch.tensor(s.logprobs), torch.tensor(c.logprobs), rtol=0, atol=TOL
         )
+
+
+def test_packed_vision_engine_equals_hf_vision(tiny_dir, bundle):
+    """load_model(packed_vision=True) routes every generate's vision tower through ONE packed
+    forward: greedy tokens equal HF's vision path, behaviour log-probs agree, and the packed
+    path really ran (it counts its calls)."""
+    import paravt.vision.encoder as enc
+
+    packed = load_model(tiny_dir, device="cpu", packed_vision=True)
+    assert "get_image_features" in vars(packed.model.model)
+    assert "get_image_features" not in vars(bundle.model.model)
+    calls = []
+    orig = enc.encode_packed
+
+    def counting(visual, p, **kw):
+        calls.append(p.num_crops)
+        return orig(visual, p, **kw)
+
+    enc.encode_packed = counting
+    try:
+        greedy = mixed_requests(bundle, temperature=0.0)
+        got = HFEngine(packed).generate(greedy)
+        ref = HFEngine(bundle).generate(greedy)
+        sampled = mixed_requests(bundle, temperature=0.9, seed=5)
+        got_s = HFEngine(packed).generate(sampled)
+    finally:
+        enc.encode_packed = orig
+    # One packed vision forward per generate call (all clips of the batch), not per clip.
+    assert calls == [3, 3]
+    for g, r in zip(got, ref):
+        assert g.token_ids == r.token_ids
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), torch.tensor(r.logprobs), atol=TOL, rtol=0
+        )
+    for req, o in zip(sampled, got_s):  # behaviour log-probs = HF-vision teacher forcing
+        torch.testing.assert_close(
+            torch.tensor(o.logprobs), teacher_forced(bundle, req, o.token_ids), rtol=0, atol=TOL
+        )
+
+
+def test_packed_vision_survives_deepcopy_and_skips_qwen2_5(tiny_dir, tmp_path_factory, caplog):
+    """The installed methods are bound methods: a deepcopy (e.g. a reference policy) runs on
+    its OWN weights. Qwen2.5-VL keeps HF's vision forward and says so."""
+    packed = load_model(tiny_dir, device="cpu", packed_vision=True)
+    twin = copy.deepcopy(packed.model)
+    assert twin.model.get_image_features.__self__ is twin.model
+    req = make_request(packed, "What happens?", (4, 64, 64), temperature=0.0)
+    kw = {
+        "input_ids": torch.tensor([req.prompt_ids]),
+        "mm_token_type_ids": torch.tensor([req.extras["mm_token_type_ids"]]),
+        "pixel_values_videos": req.visuals.pixel_values,
+        "video_grid_thw": req.visuals.grid_thw,
+    }
+    with torch.no_grad():
+        before = packed.model(**kw).logits
+        for p in twin.model.visual.parameters():
+            p.add_(0.05)
+        assert torch.equal(packed.model(**kw).logits, before)  # the original is untouched
+        assert not torch.allclose(twin(**kw).logits, before)  # the copy uses its own weights
+    d = build_tiny_checkpoint(tmp_path_factory.mktemp("m25p") / "tiny25", arch="qwen2_5_vl")
+    with caplog.at_level("INFO", logger="paravt.models.loader"):
+        b25 = load_model(d, device="cpu", packed_vision=True)
+    assert "get_image_features" not in vars(b25.model.model)
+    assert "no packed vision forward yet" in caplog.text

@@ -212,3 +212,71 @@ def test_use_packed_vision_in_the_full_model_forward():
     assert (ref - blank).abs().max() > 1e-2  # the test would notice a wrong vision output
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert "get_image_features" in vars(model.model)  # installed on the instance only
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_vision_training_gradients_equal_hf(checkpointing):
+    """Training through the packed encoder: the loss and every vision-tower gradient equal
+    HF's vision forward, with and without HF's gradient checkpointing of the blocks (the
+    packed blocks run through their own __call__, so checkpointing and FSDP hooks apply)."""
+    model = _tiny_qwen3_vl().train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    crops = crops_for(11, 3)
+    packed = pk.pack_vision(crops, **SPEC, num_position_embeddings=64)
+    ids = [1, 2]
+    for t, h, w in packed.grid:
+        for _ in range(t):
+            ids += [9, 502] + [501] * (h * w // 4) + [503]
+        ids += [7, 8]
+    input_ids = torch.tensor([ids])
+    kw = dict(
+        input_ids=input_ids,
+        pixel_values_videos=packed.pixel_values,
+        video_grid_thw=packed.grid_thw,
+        mm_token_type_ids=(input_ids == 501).long() * 2,
+    )
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = (
+            model(**kw)
+            .logits.float()
+            .log_softmax(-1)[0, :-1]
+            .gather(-1, input_ids[0, 1:, None])
+            .mean()
+        )
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.model.visual.named_parameters()}
+        return loss.detach(), grads
+
+    import paravt.vision.encoder as enc
+
+    ref_loss, ref = loss_and_grads()
+    with torch.no_grad():
+        hf_tower = model.model.visual(packed.pixel_values, grid_thw=packed.grid_thw).pooler_output
+    use_packed_vision(model)
+    runs = []
+    orig = enc._packed_block
+
+    def counting(blk, x, st):
+        runs.append(1)
+        return orig(blk, x, st)
+
+    enc._packed_block = counting
+    try:
+        loss, got = loss_and_grads()
+    finally:
+        enc._packed_block = orig
+    depth = len(model.model.visual.blocks)
+    assert len(runs) == (2 * depth if checkpointing else depth)  # recomputed in backward
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    assert ref.keys() == got.keys()
+    assert sum(g.abs().sum() for g in ref.values()) > 0
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-4, msg=name)
+    # HF callers of a block still get HF's forward (the override dispatches on packed_state).
+    assert "forward" in vars(model.model.visual.blocks[0])
+    with torch.no_grad():
+        again = model.model.visual(packed.pixel_values, grid_thw=packed.grid_thw).pooler_output
+    assert torch.equal(again, hf_tower)

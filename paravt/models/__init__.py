@@ -1,6 +1,12 @@
 """Model loading (``load_model``) and the tiny offline Qwen3-VL factory."""
 
-from paravt.models.loader import ModelBundle, SpecialTokens, load_model, vision_spec_from_dir
+from paravt.models.loader import (
+    ModelBundle,
+    SpecialTokens,
+    load_model,
+    load_model_from_config,
+    vision_spec_from_dir,
+)
 from paravt.models.tiny import build_tiny_checkpoint, build_tiny_tokenizer
 
 __all__ = [
@@ -9,5 +15,6 @@ __all__ = [
     "build_tiny_checkpoint",
     "build_tiny_tokenizer",
     "load_model",
+    "load_model_from_config",
     "vision_spec_from_dir",
 ]

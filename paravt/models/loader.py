@@ -8,6 +8,7 @@ safetensors weights. Nothing is ever fetched from a hub (``local_files_only=True
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 
 from paravt.vision.patchify import VisionSpec
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SUPPORTED = {
@@ -162,12 +165,25 @@ def vision_spec_from_dir(path: str | Path, config: dict | None = None) -> Vision
     )
 
 
+def load_model_from_config(path: str | Path, mcfg: Any, device: str | None = None) -> ModelBundle:
+    """:func:`load_model` with the settings of a ``ModelConfig`` (``cfg.model``); ``device``
+    overrides ``mcfg.device`` (a distributed rank's own device)."""
+    return load_model(
+        path,
+        dtype=mcfg.dtype,
+        device=device or mcfg.device,
+        attn_implementation=mcfg.attn_implementation,
+        packed_vision=mcfg.packed_vision,
+    )
+
+
 def load_model(
     path: str | Path,
     *,
     dtype: str = "float32",
     device: str = "auto",
     attn_implementation: str = "sdpa",
+    packed_vision: bool = False,
 ) -> ModelBundle:
     """Load a local Qwen3-VL or Qwen2.5-VL checkpoint directory (safetensors) in eval mode.
 
@@ -176,6 +192,11 @@ def load_model(
         dtype: float32 | bfloat16 | float16 (parameters).
         device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.
         attn_implementation: 'sdpa' | 'eager' | 'flash_attention_2'.
+        packed_vision: route the vision tower through ONE packed varlen forward over all
+            visual segments of a batch (:func:`paravt.vision.encoder.use_packed_vision`;
+            native metadata, no per-layer host syncs). Qwen3-VL only: a Qwen2.5-VL
+            checkpoint keeps HF's vision forward (its window attention is not packed yet),
+            which is logged.
     Raises:
         ValueError naming the path and the fix for a missing directory, an unsupported
         architecture, missing safetensors weights or an unknown dtype.
@@ -215,6 +236,15 @@ def load_model(
             local_files_only=True,
         )
     model.to(dev).eval()
+    if packed_vision:
+        if model_type == "qwen3_vl":
+            from paravt.vision.encoder import use_packed_vision
+
+            use_packed_vision(model)
+        else:
+            log.info(
+                "model.packed_vision: %s has no packed vision forward yet; using HF's", model_type
+            )
     tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
     tokenizer.padding_side = "left"  # decoder-only batched generation pads on the left
     special = SpecialTokens.from_tokenizer(tokenizer)

@@ -34,15 +34,10 @@ def resolve_data(cfg: Config) -> Path:
 
 def resolve_model(cfg: Config) -> Any:
     """Load ``model.path``, or the tiny offline model (built into ``model.tiny_dir`` if absent)."""
-    from paravt.models import build_tiny_checkpoint, load_model
+    from paravt.models import build_tiny_checkpoint, load_model_from_config
 
     path = cfg.model.path or str(build_tiny_checkpoint(cfg.model.tiny_dir, seed=cfg.train.seed))
-    return load_model(
-        path,
-        dtype=cfg.model.dtype,
-        device=cfg.model.device,
-        attn_implementation=cfg.model.attn_implementation,
-    )
+    return load_model_from_config(path, cfg.model)
 
 
 def make_engine(cfg: Config, bundle: Any) -> Any:

@@ -23,11 +23,12 @@ metadata precomputed once by ``pack_vision``, and replaces only the attention ca
 rollout and training code encode all visual segments of a batch in one packed forward.
 
 Limits: Qwen3-VL only (Qwen2.5-VL's window attention is packed by ``pack_vision`` but not run
-here); no gradient checkpointing inside this forward.
+here). Gradient checkpointing follows HF's per-block flag (``gradient_checkpointing_enable``).
 """
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Literal
 
@@ -143,6 +144,45 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@dataclass
+class _PackedState:
+    """What every block of one packed forward shares (built once per batch)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    plan: VarlenPlan
+    attn_impl: AttnImpl
+
+
+def _packed_block(blk: torch.nn.Module, x: torch.Tensor, st: _PackedState) -> torch.Tensor:
+    """One Qwen3-VL vision block over the packed rows: HF's maths, varlen attention."""
+    attn, n = blk.attn, x.shape[0]
+    q, k, v = attn.qkv(blk.norm1(x)).reshape(n, 3, attn.num_heads, -1).unbind(1)
+    # HF applies the rotary in fp32 and casts back (apply_rotary_pos_emb_vision).
+    qf, kf = q.float(), k.float()
+    q = (qf * st.cos + _rotate_half(qf) * st.sin).to(q.dtype)
+    k = (kf * st.cos + _rotate_half(kf) * st.sin).to(k.dtype)
+    o = varlen_attention(q, k, v, st.plan, attn.scaling, st.attn_impl)
+    x = x + attn.proj(o.reshape(n, -1))
+    return x + blk.mlp(blk.norm2(x))
+
+
+def _dispatch_block_forward(
+    self: torch.nn.Module, *args, packed_state: _PackedState | None = None, **kwargs
+):
+    """Instance ``forward`` of a vision block: the packed path when given a packed state, HF's
+    own forward otherwise (so the block still works for every HF caller)."""
+    if packed_state is None:
+        return type(self).forward(self, *args, **kwargs)
+    return _packed_block(self, args[0], packed_state)
+
+
+def _install_packed_block_forward(blk: torch.nn.Module) -> None:
+    # A bound method, not a closure: deepcopy / pickling rebinds it to the copied block.
+    if getattr(blk.forward, "__func__", None) is not _dispatch_block_forward:
+        blk.forward = types.MethodType(_dispatch_block_forward, blk)
+
+
 def encode_packed(
     visual: torch.nn.Module,
     packed: PackedVision,
@@ -186,18 +226,12 @@ def encode_packed(
 
     deepstack = []
     layers = list(visual.deepstack_visual_indexes)
-    n = x.shape[0]
+    state = _PackedState(cos, sin, plan, attn_impl)
     for i, blk in enumerate(visual.blocks):
-        attn = blk.attn
-        h = blk.norm1(x)
-        q, k, v = attn.qkv(h).reshape(n, 3, attn.num_heads, -1).unbind(1)
-        # HF applies the rotary in fp32 and casts back (apply_rotary_pos_emb_vision).
-        qf, kf = q.float(), k.float()
-        q = (qf * cos + _rotate_half(qf) * sin).to(q.dtype)
-        k = (kf * cos + _rotate_half(kf) * sin).to(k.dtype)
-        o = varlen_attention(q, k, v, plan, attn.scaling, attn_impl)
-        x = x + attn.proj(o.reshape(n, -1))
-        x = x + blk.mlp(blk.norm2(x))
+        # Through the block's own __call__, so module hooks run (FSDP2 unshards the block's
+        # parameters there) and HF's per-block gradient checkpointing applies.
+        _install_packed_block_forward(blk)
+        x = blk(x, packed_state=state)
         if i in layers:
             deepstack.append(visual.deepstack_merger_list[layers.index(i)](x))
     embeds = visual.merger(x)
@@ -245,30 +279,33 @@ def use_packed_vision(model: torch.nn.Module, attn_impl: AttnImpl = "auto") -> t
     native metadata, and returns what HF returns (per-segment ``pooler_output`` and
     ``deepstack_features`` tuples). Returns ``model``; the class is untouched.
     """
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
-
     inner = getattr(model, "model", model)
     if not hasattr(inner, "visual") or not hasattr(inner, "get_image_features"):
         raise TypeError(
             f"use_packed_vision: {type(model).__name__} has no Qwen3-VL vision tower "
             "(.visual / .get_image_features); pass a Qwen3VLForConditionalGeneration"
         )
-    visual = inner.visual
-    num_pos = visual.config.num_position_embeddings
-
-    def get_image_features(pixel_values, image_grid_thw=None, **kwargs):
-        packed = packed_from_grid(
-            pixel_values,
-            image_grid_thw,
-            merge_size=visual.spatial_merge_size,
-            num_position_embeddings=num_pos,
-        )
-        feats = encode_packed(visual, packed, attn_impl=attn_impl)
-        return BaseModelOutputWithDeepstackFeatures(
-            last_hidden_state=feats.last_hidden_state,
-            pooler_output=torch.split(feats.embeds, feats.tokens_per_crop),
-            deepstack_features=[torch.split(d, feats.tokens_per_crop) for d in feats.deepstack],
-        )
-
-    inner.get_image_features = get_image_features
+    inner._paravt_attn_impl = attn_impl
+    # A bound method, not a closure over this model: a deepcopy of the model rebinds it.
+    inner.get_image_features = types.MethodType(_packed_get_image_features, inner)
     return model
+
+
+def _packed_get_image_features(self, pixel_values, image_grid_thw=None, **kwargs):
+    """``Qwen3VLModel.get_image_features`` through :func:`encode_packed` (installed on the
+    instance by :func:`use_packed_vision`); returns what HF returns."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    visual = self.visual
+    packed = packed_from_grid(
+        pixel_values,
+        image_grid_thw,
+        merge_size=visual.spatial_merge_size,
+        num_position_embeddings=visual.config.num_position_embeddings,
+    )
+    feats = encode_packed(visual, packed, attn_impl=self._paravt_attn_impl)
+    return BaseModelOutputWithDeepstackFeatures(
+        last_hidden_state=feats.last_hidden_state,
+        pooler_output=torch.split(feats.embeds, feats.tokens_per_crop),
+        deepstack_features=[torch.split(d, feats.tokens_per_crop) for d in feats.deepstack],
+    )
