@@ -9,9 +9,11 @@ Baseline ("HF path"), measured in the same run on the same crops: the Qwen3-VL v
 processor's ``_preprocess`` (normalise + patchify; its input conversion is skipped, which
 flatters it) plus the vision model's metadata helpers exactly as ``Qwen3VLVisionModel.forward``
 calls them (bilinear position-embedding taps, rotary position ids, cu_seqlens, max_seqlen).
-Ours: ``pack_vision`` (native CPU op), which returns all of that in one call, measured three
-ways: fresh float32 output (bit-identical to HF), float32 into a reused buffer (a pipeline's
-steady state: no page faults), fresh bfloat16 output (what the patch embedding casts to).
+Ours: ``pack_vision`` (native CPU op), which returns all of that in one call, measured four
+ways: float32 output (bit-identical to HF) with the op's output pool warm (a freed output's
+pages are reused: the steady state of a rollout loop), the same on the first call of the
+process (cold pool: every output page faulted in), float32 into a caller's reused buffer, and
+bfloat16 output (what the patch embedding casts to).
 Reported: time ratios ours / HF (target <= 0.1), printed and in ``benchmark.extra_info``.
 
 Encoder: ONE ``encode_packed`` forward of a tiny Qwen3-VL vision tower over 64 small crops vs
@@ -116,6 +118,9 @@ def test_bench_pack_vision_cpu_vs_hf(benchmark, hf_path, kind):
     crops = _crops(kind)
     rounds = 2 if kind == "big" else 5
     hf_s = _best_of(lambda: hf_path(crops), rounds)
+    # First pack of this size in the process: its output buffer is freshly faulted in. Later
+    # packs reuse a freed output's pages (paravt._C's output pool), as a rollout loop does.
+    cold_s = _best_of(lambda: pk.pack_vision(crops, impl="native"), 1)
     benchmark.pedantic(lambda: pk.pack_vision(crops, impl="native"), rounds=rounds, iterations=1)
     ours_s = benchmark.stats.stats.min
     # Steady state of a pipeline: pack into one reused staging buffer (no page faults).
@@ -132,6 +137,8 @@ def test_bench_pack_vision_cpu_vs_hf(benchmark, hf_path, kind):
             "patches": n_patch,
             "hf_s": hf_s,
             "ours_s": ours_s,
+            "ours_cold_s": cold_s,
+            "ratio_cold": cold_s / hf_s,
             "ours_reused_buffer_s": reuse_s,
             "ratio": ratio,
             "ratio_reused_buffer": ratio_reuse,
@@ -142,7 +149,8 @@ def test_bench_pack_vision_cpu_vs_hf(benchmark, hf_path, kind):
     print(
         f"\n[pack_vision {kind}] {len(crops)} crops, {n_patch} patches, "
         f"threads={torch.get_num_threads()}: HF path {hf_s * 1e3:.1f} ms, pack_vision "
-        f"{ours_s * 1e3:.1f} ms (ratio {ratio:.3f}), into a reused buffer {reuse_s * 1e3:.1f} ms "
+        f"{ours_s * 1e3:.1f} ms (ratio {ratio:.3f}; first call, cold pool "
+        f"{cold_s * 1e3:.1f} ms, ratio {cold_s / hf_s:.3f}), into a reused buffer {reuse_s * 1e3:.1f} ms "
         f"(ratio {ratio_reuse:.3f}), bf16 output {bf16_s * 1e3:.1f} ms (ratio {ratio_bf16:.3f}); "
         "target <= 0.1"
     )

@@ -4,28 +4,34 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "pack_vision.h"
 
 namespace {
 
+using Affine = std::optional<at::ArrayRef<double>>;
+
 paravt::PackOut pack_vision_cpu_op(const at::TensorList crops, const at::Tensor& lut,
                                    int64_t patch_size, int64_t temporal_patch_size,
                                    int64_t merge_size, int64_t num_grid_per_side,
-                                   int64_t window_size) {
+                                   int64_t window_size, Affine affine) {
   return paravt::pack_vision_cpu(crops.vec(), lut, patch_size, temporal_patch_size, merge_size,
-                                 num_grid_per_side, window_size);
+                                 num_grid_per_side, window_size, affine);
 }
 
 void pack_pixels_out_cpu_op(const at::TensorList crops, const at::Tensor& lut, int64_t patch_size,
-                            int64_t temporal_patch_size, int64_t merge_size, const at::Tensor& out) {
-  paravt::pack_pixels_out_cpu(crops.vec(), lut, patch_size, temporal_patch_size, merge_size, out);
+                            int64_t temporal_patch_size, int64_t merge_size, const at::Tensor& out,
+                            Affine affine) {
+  paravt::pack_pixels_out_cpu(crops.vec(), lut, patch_size, temporal_patch_size, merge_size, out,
+                              affine);
 }
 
 #ifdef PARAVT_WITH_CUDA
 paravt::PackOut pack_vision_cuda_op(const at::TensorList crops, const at::Tensor& lut,
                                     int64_t patch_size, int64_t temporal_patch_size,
                                     int64_t merge_size, int64_t num_grid_per_side,
-                                    int64_t window_size) {
+                                    int64_t window_size, Affine /*affine: the LUT is as fast*/) {
   return paravt::pack_vision_cuda(crops.vec(), lut, patch_size, temporal_patch_size, merge_size,
                                   num_grid_per_side, window_size);
 }
@@ -34,18 +40,20 @@ paravt::PackOut pack_vision_cuda_op(const at::TensorList crops, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(paravt, m) {
-  // crops: (T_i, H_i, W_i, 3) uint8; lut: (3, 256) float32 normalisation table.
+  // crops: (T_i, H_i, W_i, 3) uint8; lut: (3, 256) float32 normalisation table; affine:
+  // (mean'[3], std'[3]) of that table's arithmetic, selecting the CPU's vectorised kernel.
   // num_grid_per_side = 0 skips the Qwen3-VL position-embedding interpolation;
   // window_size = 0 skips the Qwen2.5-VL window index.
   m.def(
       "pack_vision(Tensor[] crops, Tensor lut, int patch_size, int temporal_patch_size, "
-      "int merge_size, int num_grid_per_side, int window_size) -> (Tensor pixel_values, "
+      "int merge_size, int num_grid_per_side, int window_size, float[]? affine=None) -> "
+      "(Tensor pixel_values, "
       "Tensor grid_thw, Tensor cu_seqlens, Tensor position_ids, Tensor interp_indices, "
       "Tensor interp_weights, Tensor window_index, Tensor cu_window_seqlens)");
   // Out variant of the pixel packing (no metadata): writes into a caller-owned buffer.
   m.def(
       "pack_pixels_out(Tensor[] crops, Tensor lut, int patch_size, int temporal_patch_size, "
-      "int merge_size, Tensor(a!) out) -> ()");
+      "int merge_size, Tensor(a!) out, float[]? affine=None) -> ()");
   // grid_thw: (n, 3) integer CPU tensor; same metadata as pack_vision, without pixels.
   m.def(
       "vision_metadata(Tensor grid_thw, int merge_size, int num_grid_per_side, int window_size, "

@@ -3,6 +3,7 @@
 
 #include <torch/types.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -23,16 +24,19 @@ CropLayout crop_layout(const std::vector<at::Tensor>& crops, int64_t patch_size,
 void check_lut(const at::Tensor& lut, const at::Device& device);
 
 // (pixel_values (N, 3*tp*p*p) float32, grid_thw (n, 3) int64) on the crops' device.
-std::tuple<at::Tensor, at::Tensor> pack_pixels_cpu(const std::vector<at::Tensor>& crops,
-                                                   const at::Tensor& lut, int64_t patch_size,
-                                                   int64_t temporal_patch_size,
-                                                   int64_t merge_size);
+// affine: (mean'[3], std'[3]) of the LUT's arithmetic selects the vectorised affine kernel
+// (bit-identical, float32/bfloat16 outputs); nullopt uses the LUT gather.
+std::tuple<at::Tensor, at::Tensor> pack_pixels_cpu(
+    const std::vector<at::Tensor>& crops, const at::Tensor& lut, int64_t patch_size,
+    int64_t temporal_patch_size, int64_t merge_size,
+    const std::optional<at::ArrayRef<double>>& affine = std::nullopt);
 
 // Out variant: packs into a caller-owned contiguous float32 (N, 3*tp*p*p) tensor, e.g. a
 // slice of a reused (pinned) staging buffer, so steady-state packing never page-faults.
 void pack_pixels_out_cpu(const std::vector<at::Tensor>& crops, const at::Tensor& lut,
                          int64_t patch_size, int64_t temporal_patch_size, int64_t merge_size,
-                         const at::Tensor& out);
+                         const at::Tensor& out,
+                         const std::optional<at::ArrayRef<double>>& affine = std::nullopt);
 
 // Metadata from grid_thw: (cu_seqlens int32, position_ids (N,2) int64, interp_indices (N,4)
 // int64, interp_weights (N,4) float32, window_index (N/m^2,) int64, cu_window_seqlens int32).
@@ -59,7 +63,8 @@ using PackOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::T
 // interp_weights, window_index, cu_window_seqlens), all on the crops' device.
 PackOut pack_vision_cpu(const std::vector<at::Tensor>& crops, const at::Tensor& lut,
                         int64_t patch_size, int64_t temporal_patch_size, int64_t merge_size,
-                        int64_t num_grid_per_side, int64_t window_size);
+                        int64_t num_grid_per_side, int64_t window_size,
+                        const std::optional<at::ArrayRef<double>>& affine = std::nullopt);
 
 #ifdef PARAVT_WITH_CUDA
 PackOut pack_vision_cuda(const std::vector<at::Tensor>& crops, const at::Tensor& lut,

@@ -258,8 +258,8 @@ def test_native_equals_reference_and_patchify():
     ref = pk.pack_vision(crops, **QWEN3_SPEC, impl="torch")
     spec = VisionSpec()
     pv = torch.cat([patchify_frames(c, spec)[0] for c in crops])
-    # patchify.py normalises as (x/255 - mean)/std, HF as (x - 255 mean)/(255 std): 1 ulp apart.
-    torch.testing.assert_close(ref.pixel_values, pv, atol=2e-7, rtol=0)
+    # All three replay HF's fused rescale+normalise: (x - mean/r) / (std/r), bit for bit.
+    assert torch.equal(ref.pixel_values, pv)
     if NATIVE:
         nat = pk.pack_vision(crops, **QWEN3_SPEC, impl="native")
         for name in ("pixel_values", "grid_thw", "cu_seqlens", "position_ids", "interp_indices"):
@@ -303,6 +303,55 @@ def test_native_op_checks_its_own_inputs():
 
 
 @pytest.mark.skipif(not NATIVE, reason="paravt._C not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("stats", ["half", "clip"])
+def test_native_affine_kernel_equals_lut_gather_bitwise(dtype, stats):
+    """The CPU op's vectorised affine kernel ((v - mean') / std', chosen when the table was
+    built from mean/std) writes the same bits as the LUT gather, for every uint8 level and
+    both output dtypes it serves (float16 always gathers); Qwen2.5-VL's 14-px patches too."""
+    mean, std = ((0.5,) * 3, (0.5,) * 3) if stats == "half" else (CLIP_MEAN, CLIP_STD)
+    lut = pk.normalization_lut(mean, std).to(dtype)
+    aff = pk.affine_params(mean, std)
+    levels = torch.arange(256, dtype=torch.uint8).repeat(6 * 32 * 32 * 3 // 256 * 2)
+    every_level = levels[: 6 * 32 * 32 * 3].view(6, 32, 32, 3)
+    crops = [every_level, *random_crops(random.Random(4), 5, (1, 7), (32, 160))]
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    for p in (16, 14):
+        cs = [c[:, : c.shape[1] // (2 * p) * 2 * p, : c.shape[2] // (2 * p) * 2 * p] for c in crops]
+        cs = [c for c in cs if c.shape[1] and c.shape[2]]
+        gathered = torch.ops.paravt.pack_vision(cs, lut, p, 2, 2, 0, 0)[0]
+        computed = torch.ops.paravt.pack_vision(cs, lut, p, 2, 2, 0, 0, affine=aff)[0]
+        assert computed.dtype == dtype
+        assert torch.equal(computed.view(bits), gathered.view(bits))
+        out = torch.full_like(gathered, float("nan"))
+        torch.ops.paravt.pack_pixels_out(cs, lut, p, 2, 2, out, affine=aff)
+        assert torch.equal(out.view(bits), gathered.view(bits))
+    with pytest.raises(RuntimeError, match="affine must hold 6 floats"):
+        torch.ops.paravt.pack_vision(crops[:1], lut.float(), 16, 2, 2, 0, 0, affine=aff[:5])
+
+
+@pytest.mark.skipif(not NATIVE, reason="paravt._C not built")
+def test_output_pool_reuses_only_freed_buffers():
+    """pack_vision's outputs come from a pool of freed buffers: a live output is never handed
+    out again (its values survive later packs); once freed, its pages serve the next pack."""
+    crops_a = random_crops(random.Random(21), 4, (2, 4), (64, 96))
+    crops_b = [torch.flip(c, dims=(2,)) for c in crops_a]  # same sizes, different pixels
+    ref_a = pk.pack_vision(crops_a, **QWEN3_SPEC, impl="torch").pixel_values
+    ref_b = pk.pack_vision(crops_b, **QWEN3_SPEC, impl="torch").pixel_values
+    a = pk.pack_vision(crops_a, **QWEN3_SPEC, impl="native").pixel_values
+    ptr_a = a.data_ptr()
+    view = a[1:]  # a view keeps the buffer alive after `a` itself is gone
+    del a
+    b = pk.pack_vision(crops_b, **QWEN3_SPEC, impl="native").pixel_values
+    assert b.data_ptr() != ptr_a
+    assert torch.equal(view, ref_a[1:]) and torch.equal(b, ref_b)
+    del view  # now the buffer is free: the next pack of this size gets it back
+    c = pk.pack_vision(crops_a, **QWEN3_SPEC, impl="native").pixel_values
+    assert c.data_ptr() == ptr_a
+    assert torch.equal(c, ref_a) and torch.equal(b, ref_b)
+
+
+@pytest.mark.skipif(not NATIVE, reason="paravt._C not built")
 def test_opcheck():
     lut = pk.normalization_lut((0.5,) * 3, (0.5,) * 3)
     crops = random_crops(random.Random(1), 3, (1, 4), (32, 64))
@@ -311,12 +360,21 @@ def test_opcheck():
         (crops, lut, 16, 2, 2, 48, 0),
         test_utils=("test_schema", "test_faketensor"),
     )
-    n_patch = sum(((c.shape[0] + 1) // 2) * (c.shape[1] // 16) * (c.shape[2] // 16) for c in crops)
+    aff = pk.affine_params((0.5,) * 3, (0.5,) * 3)
     torch.library.opcheck(
-        torch.ops.paravt.pack_pixels_out.default,
-        (crops, lut, 16, 2, 2, torch.empty(n_patch, 1536)),
-        test_utils=("test_schema",),
+        torch.ops.paravt.pack_vision.default,
+        (crops, lut, 16, 2, 2, 48, 0),
+        {"affine": aff},
+        test_utils=("test_schema", "test_faketensor"),
     )
+    n_patch = sum(((c.shape[0] + 1) // 2) * (c.shape[1] // 16) * (c.shape[2] // 16) for c in crops)
+    for kwargs in ({}, {"affine": aff}):
+        torch.library.opcheck(
+            torch.ops.paravt.pack_pixels_out.default,
+            (crops, lut, 16, 2, 2, torch.empty(n_patch, 1536)),
+            kwargs,
+            test_utils=("test_schema",),
+        )
     torch.library.opcheck(
         torch.ops.paravt.vision_metadata.default,
         (torch.tensor([[1, 2, 4], [3, 4, 2]]), 2, 48, 112, 14),

@@ -9,7 +9,12 @@ whose tensors the encoder consumes as they are (see :mod:`paravt.vision.encoder`
 Three implementations, one dispatch point (``impl=``):
 
 * ``native`` CPU: ``torch.ops.paravt.pack_vision`` (csrc/pack_vision_cpu.cpp), parallel over
-  patches; normalisation is a gather from a (3, 256) table, bit-identical to HF.
+  patches; normalisation is HF's own float32 arithmetic ``(v - mean') / std'`` in a vectorised
+  kernel (``affine=``; float32 and bfloat16 outputs) or a gather from the (3, 256) table it
+  produces (float16, or a caller's own ``lut``) — the same bits either way, and HF's.
+  Outputs come from a pool of freed output buffers (pages already faulted in; a buffer is
+  reused only after every tensor on it is gone), capped by ``PARAVT_PACK_POOL_MB`` (default
+  4096 MB of idle buffers; 0 disables it).
 * ``native`` CUDA: the same op on GPU frames (csrc/cuda/pack_kernels.cu; built only where
   torch has CUDA), fused uint8 -> normalised -> patchified in one pass.
 * ``torch``: :func:`pack_vision_reference`, pure torch, the oracle of the native op and the
@@ -72,7 +77,16 @@ def _register_fake() -> None:
     follows from the crops' shapes alone."""
 
     @torch.library.register_fake("paravt::pack_vision")
-    def _(crops, lut, patch_size, temporal_patch_size, merge_size, num_grid_per_side, window_size):
+    def _(
+        crops,
+        lut,
+        patch_size,
+        temporal_patch_size,
+        merge_size,
+        num_grid_per_side,
+        window_size,
+        affine=None,
+    ):
         p, tp, m = patch_size, temporal_patch_size, merge_size
         grid = [((c.shape[0] + tp - 1) // tp, c.shape[1] // p, c.shape[2] // p) for c in crops]
         n_patch = sum(t * h * w for t, h, w in grid)
@@ -96,7 +110,7 @@ def _register_fake() -> None:
         )
 
     @torch.library.register_fake("paravt::pack_pixels_out")
-    def _(crops, lut, patch_size, temporal_patch_size, merge_size, out):
+    def _(crops, lut, patch_size, temporal_patch_size, merge_size, out, affine=None):
         return None
 
 
@@ -196,6 +210,30 @@ class PackedVision:
         )
 
 
+def _folded_mean_std(
+    mean: tuple[float, ...] | list[float],
+    std: tuple[float, ...] | list[float],
+    rescale_factor: float = 1.0 / 255.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's fused rescale+normalise constants: float32 ``mean / rescale`` and ``std / rescale``."""
+    return (
+        torch.tensor(list(mean)) * (1.0 / rescale_factor),
+        torch.tensor(list(std)) * (1.0 / rescale_factor),
+    )
+
+
+def affine_params(
+    mean: tuple[float, ...] | list[float],
+    std: tuple[float, ...] | list[float],
+    rescale_factor: float = 1.0 / 255.0,
+) -> list[float]:
+    """``[mean'_0..2, std'_0..2]`` (float32 values) of :func:`normalization_lut`'s arithmetic:
+    the native CPU op's vectorised kernel computes ``(v - mean') / std'`` with them, which is
+    the table's own formula, so both paths give the same bits."""
+    m, s = _folded_mean_std(mean, std, rescale_factor)
+    return [float(x) for x in torch.cat([m, s]).tolist()]
+
+
 def normalization_lut(
     mean: tuple[float, ...] | list[float],
     std: tuple[float, ...] | list[float],
@@ -213,8 +251,7 @@ def normalization_lut(
         raise ValueError(f"normalization_lut: mean {mean} and std {std} need 3 channels each")
     if any(s == 0 for s in std):
         raise ValueError(f"normalization_lut: std {std} has a zero; use the model's image_std")
-    m = torch.tensor(list(mean)) * (1.0 / rescale_factor)
-    s = torch.tensor(list(std)) * (1.0 / rescale_factor)
+    m, s = _folded_mean_std(mean, std, rescale_factor)
     levels = torch.arange(256, dtype=torch.float32)
     return ((levels[None, :] - m[:, None]) / s[:, None]).contiguous().to(device)
 
@@ -453,6 +490,9 @@ def pack_vision(
         raise ValueError(f"pack_vision: model={model!r}; expected 'qwen3_vl' or 'qwen2_5_vl'")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"pack_vision: dtype {dtype}; expected float32, bfloat16 or float16")
+    # A table built here from mean/std also has an affine form: the CPU op's vectorised kernel
+    # (same bits). A caller's own lut is only ever gathered from.
+    affine = affine_params(mean, std) if lut is None and device.type == "cpu" else None
     if lut is None:
         lut = normalization_lut(mean, std, device=device)
     lut = lut.to(device=device, dtype=dtype)  # RNE rounding: same as casting the fp32 result
@@ -467,7 +507,11 @@ def pack_vision(
     args = (list(crops), lut, patch_size, temporal_patch_size, merge_size, side, win)
     native = _use_native(device, impl)
     if out is None:
-        result = torch.ops.paravt.pack_vision(*args) if native else pack_vision_reference(*args)
+        result = (
+            torch.ops.paravt.pack_vision(*args, affine=affine)
+            if native
+            else pack_vision_reference(*args)
+        )
     else:
         n_patch, dim = sum(t * h * w for t, h, w in grid), 3 * temporal_patch_size * patch_size**2
         if out.dtype != dtype or not out.is_contiguous() or out.device != device:
@@ -482,7 +526,7 @@ def pack_vision(
             )
         pixels = out.view(-1)[: n_patch * dim].view(n_patch, dim)
         if native and device.type == "cpu":
-            torch.ops.paravt.pack_pixels_out(*args[:5], pixels)
+            torch.ops.paravt.pack_pixels_out(*args[:5], pixels, affine=affine)
             grid_thw = torch.tensor(grid, dtype=torch.int64).view(-1, 3)
             meta = torch.ops.paravt.vision_metadata(grid_thw, merge_size, side, win, patch_size)
         else:
@@ -543,7 +587,8 @@ def pack_pixels(
     if native and device.type == "cpu":
         n_patch = sum(t * h * w for t, h, w in grid)
         pixels = torch.empty(n_patch, 3 * tp * p * p, dtype=dtype)
-        torch.ops.paravt.pack_pixels_out(list(crops), lut, p, tp, m, pixels)
+        affine = affine_params(spec.mean, spec.std)
+        torch.ops.paravt.pack_pixels_out(list(crops), lut, p, tp, m, pixels, affine=affine)
     elif native:
         pixels = torch.ops.paravt.pack_vision(list(crops), lut, p, tp, m, 0, 0)[0]
     else:
