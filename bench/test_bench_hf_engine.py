@@ -30,7 +30,9 @@ BATCH, NEW_TOKENS = 8, 32
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    bundle = load_model(build_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny"))
+    bundle = load_model(
+        build_tiny_checkpoint(tmp_path_factory.mktemp("m") / "tiny"), packed_vision=True
+    )
     tok = bundle.tokenizer
     reqs = []
     for i in range(BATCH):

@@ -16,6 +16,7 @@
 #include <optional>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "pack_index.h"
 #include "pack_vision.h"
@@ -80,8 +81,8 @@ void check_lut(const at::Tensor& lut, const at::Device& device) {
 // takes 29 ms, filling it again 4 ms). So outputs come from a small pool: when the last tensor
 // using a buffer is freed, the buffer (its pages already faulted in) is kept for the next pack
 // of a similar size instead of going back to the OS. Bounded by PARAVT_PACK_POOL_MB (default
-// 4096; 0 disables), best fit within 2x of the request; a buffer is handed out again only after
-// its deleter ran, i.e. when no tensor references it any more. Transparent huge pages
+// 1/16 of RAM, at most 4096; 0 disables), best fit within 2x of the request; a buffer is
+// handed out again only after its deleter ran, i.e. when no tensor references it any more. Transparent huge pages
 // (PARAVT_PACK_THP=1: 2 MiB aligned + MADV_HUGEPAGE) stay opt-in: they halved the fault cost
 // of 80 MB packs but made 300 MB packs swing between 190 ms and 3 s (direct compaction).
 namespace {
@@ -140,8 +141,15 @@ class BufferPool {
   size_t cached_ = 0;
   const size_t cap_ = [] {
     const char* v = std::getenv("PARAVT_PACK_POOL_MB");
-    const long long mb = v != nullptr ? std::atoll(v) : 4096;
-    return static_cast<size_t>(mb > 0 ? mb : 0) << 20;
+    if (v != nullptr) {
+      const long long mb = std::atoll(v);
+      return static_cast<size_t>(mb > 0 ? mb : 0) << 20;
+    }
+    // Default: 1/16 of physical memory, at most 4 GiB (1.5 GiB on a 24 GB box, 4 GiB on a
+    // training node).
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const size_t phys = pages > 0 && page > 0 ? size_t(pages) * size_t(page) : 0;
+    return std::min(phys / 16, size_t(4096) << 20);
   }();
 };
 
@@ -223,6 +231,8 @@ static void pack_pixels_into(const std::vector<at::Tensor>& crops_in, const at::
 #else
 #define PARAVT_CLONES
 #endif
+
+namespace {
 
 struct Affine {
   float mean[3];
@@ -327,6 +337,8 @@ static bool use_affine(const std::optional<at::ArrayRef<double>>& affine, at::Sc
   }
   return true;
 }
+
+}  // namespace
 
 static void pack_pixels_dispatch(const std::vector<at::Tensor>& crops, const at::Tensor& lut,
                                  int64_t p, int64_t tp, int64_t m, const CropLayout& L,

@@ -43,8 +43,13 @@ def fix_cuda_torchvision_on_cpu_torch() -> bool:
 
     if torch.version.cuda is not None:
         return False
-    lib = torch.library.Library("torchvision", "DEF")
-    for op in ("nms", "qnms"):
-        lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    try:
+        lib = torch.library.Library("torchvision", "DEF")
+        for op in ("nms", "qnms"):
+            lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except RuntimeError:
+        # The namespace or the ops exist already (another library applied the same fix, or
+        # torchvision registered them itself): nothing left to do, and import must not fail.
+        return False
     _TV_LIBRARY = lib
     return True

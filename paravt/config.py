@@ -84,7 +84,9 @@ class ModelConfig:
     # Gradient checkpointing for the policy (saves memory on real models; slower).
     gradient_checkpointing: bool = False
     # Encode every visual segment of a batch (overviews and crops) in ONE packed varlen vision
-    # forward with natively precomputed metadata (paravt.vision.encoder); Qwen3-VL only.
+    # forward with natively precomputed metadata (paravt.vision.encoder); Qwen3-VL only. Its
+    # attention is flash-attn varlen when installed (CUDA, bf16/fp16), else exact block SDPA,
+    # whatever attn_implementation says (that setting then applies to the language model).
     packed_vision: bool = True
 
 

@@ -41,8 +41,30 @@ def test_import_paravt_makes_hf_video_processor_and_model_loading_work():
     assert r.stdout.strip() == "ok"
 
 
-def test_fix_is_a_no_op_without_a_mismatch():
-    if CUDA_TV_ON_CPU:
-        assert _compat.fix_cuda_torchvision_on_cpu_torch() is True
-    else:
-        assert _compat.fix_cuda_torchvision_on_cpu_torch() is False
+@pytest.mark.parametrize(("version", "cuda_build"), [("0.28.0+cu130", True), ("0.28.0+cpu", False)])
+def test_only_a_cuda_torchvision_build_is_patched(tmp_path, version, cuda_build):
+    """The fix keys on the installed torchvision's version file; a CPU build is left alone
+    (defining its ops first would break its own registration)."""
+    pkg = tmp_path / "torchvision"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "version.py").write_text(f"__version__ = '{version}'\n")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from paravt import _compat\n"
+            "print(_compat._torchvision_is_cuda_build(), "
+            "_compat.fix_cuda_torchvision_on_cpu_torch())",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    detected, applied = r.stdout.split()
+    assert detected == str(cuda_build)
+    # import paravt already applied it once when needed; a second call reports it applied.
+    assert applied == str(cuda_build and torch.version.cuda is None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -375,12 +376,14 @@ def test_packed_vision_engine_equals_hf_vision(tiny_dir, bundle):
         )
 
 
-def test_packed_vision_survives_deepcopy_and_skips_qwen2_5(tiny_dir, tmp_path_factory, caplog):
-    """The installed methods are bound methods: a deepcopy (e.g. a reference policy) runs on
-    its OWN weights. Qwen2.5-VL keeps HF's vision forward and says so."""
+def test_packed_vision_survives_deepcopy_pickle_and_skips_qwen2_5(
+    tiny_dir, tmp_path_factory, caplog
+):
+    """The installed methods are bound partials: a deepcopy (e.g. a reference policy) runs on
+    its OWN weights, a pickled model loads and runs. Qwen2.5-VL keeps HF's vision forward."""
     packed = load_model(tiny_dir, device="cpu", packed_vision=True)
     twin = copy.deepcopy(packed.model)
-    assert twin.model.get_image_features.__self__ is twin.model
+    assert twin.model.get_image_features.args[0] is twin.model
     req = make_request(packed, "What happens?", (4, 64, 64), temperature=0.0)
     kw = {
         "input_ids": torch.tensor([req.prompt_ids]),
@@ -394,6 +397,13 @@ def test_packed_vision_survives_deepcopy_and_skips_qwen2_5(tiny_dir, tmp_path_fa
             p.add_(0.05)
         assert torch.equal(packed.model(**kw).logits, before)  # the original is untouched
         assert not torch.allclose(twin(**kw).logits, before)  # the copy uses its own weights
+        # A pickled packed model (torch.save of the module, spawn workers) loads and runs.
+        buf = io.BytesIO()
+        torch.save(packed.model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert loaded.model.get_image_features.args[0] is loaded.model
+        assert torch.equal(loaded(**kw).logits, before)
     d = build_tiny_checkpoint(tmp_path_factory.mktemp("m25p") / "tiny25", arch="qwen2_5_vl")
     with caplog.at_level("INFO", logger="paravt.models.loader"):
         b25 = load_model(d, device="cpu", packed_vision=True)

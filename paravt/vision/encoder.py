@@ -28,7 +28,7 @@ here). Gradient checkpointing follows HF's per-block flag (``gradient_checkpoint
 
 from __future__ import annotations
 
-import types
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -177,10 +177,20 @@ def _dispatch_block_forward(
     return _packed_block(self, args[0], packed_state)
 
 
+def _bind(func, obj: torch.nn.Module) -> functools.partial:
+    """``func`` bound to ``obj`` as an instance attribute that survives ``copy.deepcopy`` (the
+    copy is bound to the copied module) and pickling (a bound method would not unpickle: its
+    name is not an attribute of the HF class)."""
+    return functools.partial(func, obj)
+
+
+def _installed(attr: object, func) -> bool:
+    return isinstance(attr, functools.partial) and attr.func is func
+
+
 def _install_packed_block_forward(blk: torch.nn.Module) -> None:
-    # A bound method, not a closure: deepcopy / pickling rebinds it to the copied block.
-    if getattr(blk.forward, "__func__", None) is not _dispatch_block_forward:
-        blk.forward = types.MethodType(_dispatch_block_forward, blk)
+    if not _installed(vars(blk).get("forward"), _dispatch_block_forward):
+        blk.forward = _bind(_dispatch_block_forward, blk)
 
 
 def encode_packed(
@@ -286,8 +296,7 @@ def use_packed_vision(model: torch.nn.Module, attn_impl: AttnImpl = "auto") -> t
             "(.visual / .get_image_features); pass a Qwen3VLForConditionalGeneration"
         )
     inner._paravt_attn_impl = attn_impl
-    # A bound method, not a closure over this model: a deepcopy of the model rebinds it.
-    inner.get_image_features = types.MethodType(_packed_get_image_features, inner)
+    inner.get_image_features = _bind(_packed_get_image_features, inner)
     return model
 
 

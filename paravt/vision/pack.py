@@ -14,7 +14,7 @@ Three implementations, one dispatch point (``impl=``):
   produces (float16, or a caller's own ``lut``) — the same bits either way, and HF's.
   Outputs come from a pool of freed output buffers (pages already faulted in; a buffer is
   reused only after every tensor on it is gone), capped by ``PARAVT_PACK_POOL_MB`` (default
-  4096 MB of idle buffers; 0 disables it).
+  1/16 of physical memory, at most 4096 MB of idle buffers; 0 disables it).
 * ``native`` CUDA: the same op on GPU frames (csrc/cuda/pack_kernels.cu; built only where
   torch has CUDA), fused uint8 -> normalised -> patchified in one pass.
 * ``torch``: :func:`pack_vision_reference`, pure torch, the oracle of the native op and the
@@ -569,9 +569,9 @@ def pack_pixels(
     """Pixels only: ``(pixel_values (N, 3*tp*p*p), host grid)`` of ``crops`` in ONE call.
 
     For preprocessing, where the vision encoder builds its own metadata later (the model's
-    ``get_image_features``, or :func:`paravt.vision.encoder.use_packed_vision`): on CPU the
-    native path is ``pack_pixels_out`` into one fresh buffer (no metadata computed); otherwise
-    the full pack's pixels. Bit-identical to :func:`paravt.vision.patchify.patchify_frames`
+    ``get_image_features``, or :func:`paravt.vision.encoder.use_packed_vision`): the native
+    op without position taps or windows, so the output comes from its buffer pool; the torch
+    reference otherwise. Bit-identical to :func:`paravt.vision.patchify.patchify_frames`
     per crop (both replay HF's float32 ops).
     """
     p, tp, m = spec.patch_size, spec.temporal_patch_size, spec.merge_size
@@ -584,13 +584,12 @@ def pack_pixels(
         (-(-int(c.shape[0]) // tp), int(c.shape[1]) // p, int(c.shape[2]) // p) for c in crops
     )
     native = _use_native(device, impl)
-    if native and device.type == "cpu":
-        n_patch = sum(t * h * w for t, h, w in grid)
-        pixels = torch.empty(n_patch, 3 * tp * p * p, dtype=dtype)
-        affine = affine_params(spec.mean, spec.std)
-        torch.ops.paravt.pack_pixels_out(list(crops), lut, p, tp, m, pixels, affine=affine)
-    elif native:
-        pixels = torch.ops.paravt.pack_vision(list(crops), lut, p, tp, m, 0, 0)[0]
+    if native:
+        # The full op without position taps / windows (side = window = 0): its output comes
+        # from the op's buffer pool; the remaining metadata (cu_seqlens, rotary ids) is ~0.3%
+        # of the pixel bytes.
+        affine = affine_params(spec.mean, spec.std) if device.type == "cpu" else None
+        pixels = torch.ops.paravt.pack_vision(list(crops), lut, p, tp, m, 0, 0, affine=affine)[0]
     else:
         pixels = pack_pixels_reference(list(crops), lut, p, tp, m)[0]
     return pixels, grid
