@@ -26,16 +26,11 @@ import gc
 import os
 import random
 import time
-import types
 
 import pytest
 import torch
-import transformers.image_processing_backends as hf_backends
-from transformers import vision_utils as hf_vu
-from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from paravt.vision import hf_reference as hf_ref
 from paravt.vision import pack as pk
 from paravt.vision.encoder import encode_packed
 
@@ -43,42 +38,16 @@ SPEC = dict(patch_size=16, temporal_patch_size=2, merge_size=2)
 BIG_CROPS = int(os.environ.get("PARAVT_BENCH_BIG_CROPS", "64"))
 
 
-def _tv_normalize(image, mean, std, inplace=False):
-    """torchvision 0.28 normalize_image (not importable on CPU torch): sub then div."""
-    mean = torch.as_tensor(mean, dtype=image.dtype, device=image.device).view(-1, 1, 1)
-    std = torch.as_tensor(std, dtype=image.dtype, device=image.device).view(-1, 1, 1)
-    image = image.sub_(mean) if inplace else image.sub(mean)
-    return image.div_(std)
-
-
 @pytest.fixture(scope="module")
 def hf_path():
-    if getattr(hf_backends, "tvF", None) is None:
-        hf_backends.tvF = types.SimpleNamespace(normalize=_tv_normalize)
-    proc = Qwen3VLVideoProcessor(**SPEC)
+    proc = hf_ref.video_processor(**SPEC)
 
     def run(crops):
-        out = proc._preprocess(
-            [c.permute(0, 3, 1, 2) for c in crops],
-            do_resize=False,
-            size=None,
-            resample=None,
-            do_rescale=True,
-            rescale_factor=1 / 255,
-            do_normalize=True,
-            image_mean=(0.5, 0.5, 0.5),
-            image_std=(0.5, 0.5, 0.5),
-            cap_pixels_per_frame=False,
-            **SPEC,
+        pixels, grid = hf_ref.hf_video_pixels(proc, crops)
+        cu, pos, idx, wt, max_seqlen = hf_ref.hf_vision_metadata(
+            grid, merge_size=2, num_position_embeddings=2304
         )
-        g = out["video_grid_thw"]
-        idx, wt = hf_vu.get_vision_interpolation_indices_and_weights(
-            g, 48, mode="bilinear", align_corners=True, spatial_merge_size=2
-        )
-        pos = hf_vu.get_vision_position_ids(g, 2)
-        cu = hf_vu.get_vision_cu_seqlens(g)
-        max_seqlen = int((cu[1:] - cu[:-1]).max())
-        return out["pixel_values_videos"], g, cu, max_seqlen, pos, idx, wt
+        return pixels, grid, cu, max_seqlen, pos, idx, wt
 
     return run
 
@@ -156,18 +125,14 @@ def test_bench_pack_vision_cpu_vs_hf(benchmark, hf_path, kind):
     )
 
 
-def _tiny_visual(device: str) -> Qwen3VLVisionModel:
-    cfg = Qwen3VLVisionConfig(
-        depth=2,
+def _tiny_visual(device: str):
+    return hf_ref.tiny_vision_tower(
         hidden_size=64,
-        intermediate_size=128,
         num_heads=4,
         out_hidden_size=64,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[1],
+        deepstack_visual_indexes=(1,),
+        device=device,
     )
-    cfg._attn_implementation = "sdpa"
-    return Qwen3VLVisionModel(cfg).eval().to(device)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -5,25 +5,21 @@ Oracles are HF's own code: ``Qwen3VLVideoProcessor._preprocess`` (normalise + pa
 ``Qwen3VLVisionModel.forward`` / ``Qwen2_5_VisionTransformerPretrainedModel.forward`` call with
 the model's own attributes (position ids, bilinear taps, cu_seqlens, window index).
 
-The HF video processor's normalise calls ``torchvision.transforms.v2.functional.normalize``;
-torchvision cannot be imported on CPU torch, so when it is absent the tests provide the
-one function the processor uses, with torchvision 0.28's exact body (``sub`` then ``div``).
+The HF oracles live in ``paravt.vision.hf_reference`` (shared with the benchmarks).
 """
 
 from __future__ import annotations
 
 import os
 import random
-import types
 
 import numpy as np
 import pytest
 import torch
-import transformers.image_processing_backends as hf_backends
 from transformers import vision_utils as hf_vu
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from paravt.vision import hf_reference as hf_ref
 from paravt.vision import pack as pk
 from paravt.vision.patchify import VisionSpec, patchify_frames
 
@@ -34,45 +30,14 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2.5-VL's processor uses t
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def _tv_normalize(image, mean, std, inplace=False):
-    """torchvision 0.28 ``normalize_image`` (transforms/v2/functional/_misc.py), verbatim maths."""
-    mean = torch.as_tensor(mean, dtype=image.dtype, device=image.device)
-    std = torch.as_tensor(std, dtype=image.dtype, device=image.device)
-    if mean.ndim == 1:
-        mean = mean.view(-1, 1, 1)
-    if std.ndim == 1:
-        std = std.view(-1, 1, 1)
-    image = image.sub_(mean) if inplace else image.sub(mean)
-    return image.div_(std)
-
-
 @pytest.fixture
-def video_processor(monkeypatch):
-    if getattr(hf_backends, "tvF", None) is None:
-        monkeypatch.setattr(
-            hf_backends, "tvF", types.SimpleNamespace(normalize=_tv_normalize), raising=False
-        )
-    return Qwen3VLVideoProcessor(**QWEN3_SPEC)
+def video_processor():
+    return hf_ref.video_processor(**QWEN3_SPEC)
 
 
-def hf_video(proc, crops, mean, std, p=16, tp=2, m=2):
+def hf_video(proc, crops, mean, std):
     """HF processor output for uint8 (T, H, W, 3) crops, no resize, no frame sampling."""
-    out = proc._preprocess(
-        [c.permute(0, 3, 1, 2) for c in crops],
-        do_resize=False,
-        size=None,
-        resample=None,
-        do_rescale=True,
-        rescale_factor=1 / 255,
-        do_normalize=True,
-        image_mean=tuple(mean),
-        image_std=tuple(std),
-        patch_size=p,
-        temporal_patch_size=tp,
-        merge_size=m,
-        cap_pixels_per_frame=False,
-    )
-    return out["pixel_values_videos"], out["video_grid_thw"]
+    return hf_ref.hf_video_pixels(proc, crops, mean, std)
 
 
 def random_crops(rng: random.Random, n: int, frames: tuple[int, int], sides: tuple[int, int], f=32):
@@ -144,34 +109,17 @@ def test_single_frames_match_hf_image_processor(impl):
 
 def hf_vision_internals(grid_thw, config):
     """What Qwen3VLVisionModel.forward computes internally (same helpers, same arguments)."""
-    side = int(config.num_position_embeddings**0.5)
-    idx, wt = hf_vu.get_vision_interpolation_indices_and_weights(
+    cu, pos, idx, wt, _ = hf_ref.hf_vision_metadata(
         grid_thw,
-        num_grid_per_side=side,
-        mode="bilinear",
-        align_corners=True,
-        spatial_merge_size=config.spatial_merge_size,
+        merge_size=config.spatial_merge_size,
+        num_position_embeddings=config.num_position_embeddings,
     )
-    pos = hf_vu.get_vision_position_ids(grid_thw, config.spatial_merge_size)
-    cu = hf_vu.get_vision_cu_seqlens(grid_thw)
     return cu, pos, idx, wt
 
 
 @pytest.fixture(scope="module")
 def tiny_vision_model():
-    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    cfg = Qwen3VLVisionConfig(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        out_hidden_size=32,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=[0],
-    )
-    return Qwen3VLVisionModel(cfg).eval()
+    return hf_ref.tiny_vision_tower()
 
 
 def test_model_uses_the_interpolation_we_match(tiny_vision_model):

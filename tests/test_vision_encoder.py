@@ -6,11 +6,10 @@ import random
 
 import pytest
 import torch
-from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
-from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from paravt.vision import pack as pk
 from paravt.vision.encoder import VarlenPlan, encode_packed, use_packed_vision, varlen_attention
+from paravt.vision.hf_reference import tiny_vision_tower
 
 SPEC = dict(patch_size=16, temporal_patch_size=2, merge_size=2)
 
@@ -18,17 +17,14 @@ SPEC = dict(patch_size=16, temporal_patch_size=2, merge_size=2)
 @pytest.fixture(scope="module")
 def visual():
     torch.manual_seed(0)
-    cfg = Qwen3VLVisionConfig(
+    model = tiny_vision_tower(
         depth=3,
         hidden_size=64,
-        intermediate_size=128,
         num_heads=4,
         out_hidden_size=48,
         num_position_embeddings=64,  # an 8x8 table: every crop size interpolates
-        deepstack_visual_indexes=[0, 2],
+        deepstack_visual_indexes=(0, 2),
     )
-    cfg._attn_implementation = "sdpa"
-    model = Qwen3VLVisionModel(cfg).eval()
     # HF's init (std 0.02) makes every block nearly the identity; larger weights make the
     # comparison sensitive to rotary, position-table and attention-mask mistakes.
     with torch.no_grad():
