@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip --disable-pip-version-check
 
-.PHONY: install train test lint format bench clean ext native-check
+.PHONY: install train test lint format bench clean ext native-check gpu-wheels
 
 $(STAMP): requirements.txt pyproject.toml setup.py
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -59,6 +59,13 @@ format: install
 
 bench: install
 	$(VPY) -m pytest bench/ --benchmark-only
+
+# Wheels the GPU check (scripts/gpu_check.sh) carries to a device machine whose image lacks them
+# (py3-none-any, so the device's Python 3.12 takes them; setuptools>=77 reads the PEP 639 license).
+gpu-wheels: install
+	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu_wheels transformers==5.19.0 \
+	  liger-kernel==0.8.5 "setuptools>=77"
+	@ls -la .gpu_wheels
 
 clean:
 	rm -rf build *.egg-info .pytest_cache paravt/_C*.so

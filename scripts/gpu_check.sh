@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU check paravt has, as ONE command for a lent device session (15 minutes of device
+# time in all, start-up included; this script aims at ~8 minutes on an H100/H200):
+#
+#   here:   make gpu-wheels          # transformers + liger-kernel wheels into .gpu_wheels/
+#   device: run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
+#
+# 1. installs the carried wheels (the device image has torch/triton/pytest but transformers
+#    5.17, no liger-kernel, maybe a setuptools older than 77) and builds paravt._C against the
+#    CUDA torch (CUDA ops included);
+# 2. runs the CUDA tests: CUDA pack_vision vs CPU pack (bitwise), the packed encoder on GPU
+#    vs CPU, the Triton kernels vs the torch reference on GPU;
+# 3. runs the GPU benchmarks: bench/gpu_kernels.py (linear_logprob TFLOP/s and vs Liger,
+#    policy_loss bandwidth), the CUDA pack vs the CPU pack, the packed encoder vs a per-crop
+#    loop (target >= 3x at 64 small crops).
+# Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
+# recorded in summary.txt and the next step still runs. On a CPU-only machine every step
+# reports that it skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.txt
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  summary "$name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 15 "$OUT/$name.txt"
+  return 0
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+  "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__,
+    'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
+  step wheels 120 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
+fi
+step build 300 "$PY" -m pip install --no-deps --no-build-isolation -e .
+summary "native CUDA ops: $("$PY" -c 'from paravt.vision import pack; print(pack.native_has_cuda())' 2>&1 | tail -n 1)"
+
+step tests 180 "$PY" -m pytest -q -p no:cacheprovider -rs \
+  tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py
+step gpu_kernels 240 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
+step bench_pack 180 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
+  --benchmark-only -s -k cuda
+grep -h "^\[" "$OUT/bench_pack.txt" | tee -a "$OUT/summary.txt" || true
