@@ -16,6 +16,7 @@
 #include <optional>
 
 #include <sys/mman.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include "pack_index.h"
@@ -89,6 +90,13 @@ namespace {
 
 class BufferPool {
  public:
+  BufferPool() {
+    // fork() while another thread holds mu_ (a deleter returning a buffer) would leave the
+    // child's mutex locked forever: hold it across the fork, release it on both sides.
+    pthread_atfork([] { pool_mutex().lock(); }, [] { pool_mutex().unlock(); },
+                   [] { pool_mutex().unlock(); });
+  }
+
   void* take(size_t bytes, size_t* got) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -136,7 +144,9 @@ class BufferPool {
     return ptr;
   }
 
-  std::mutex mu_;
+  static std::mutex& pool_mutex();
+
+  std::mutex& mu_ = pool_mutex();
   std::multimap<size_t, void*> free_;
   size_t cached_ = 0;
   const size_t cap_ = [] {
@@ -152,6 +162,11 @@ class BufferPool {
     return std::min(phys / 16, size_t(4096) << 20);
   }();
 };
+
+std::mutex& BufferPool::pool_mutex() {
+  static std::mutex* mu = new std::mutex();  // leaked with the pool (see pool())
+  return *mu;
+}
 
 BufferPool& pool() {
   static BufferPool* p = new BufferPool();  // leaked: tensors may die after static teardown
