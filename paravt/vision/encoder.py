@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from paravt.vision.pack import PackedVision, vision_metadata
+from paravt.vision.pack import PackedVision, packed_from_grid
 
 AttnImpl = Literal["auto", "flash", "sdpa"]
 
@@ -246,38 +246,6 @@ def encode_packed(
             deepstack.append(visual.deepstack_merger_list[layers.index(i)](x))
     embeds = visual.merger(x)
     return PackedVisionFeatures(embeds, deepstack, x, packed.tokens_per_crop)
-
-
-def packed_from_grid(
-    pixel_values: torch.Tensor,
-    grid_thw: torch.Tensor,
-    *,
-    merge_size: int,
-    num_position_embeddings: int,
-) -> PackedVision:
-    """A :class:`PackedVision` for pixel values patchified elsewhere (e.g. by the HF processor):
-    the metadata comes from one native ``vision_metadata`` call on the host grid."""
-    grid = tuple(tuple(int(v) for v in row) for row in grid_thw.tolist())
-    side = int(round(num_position_embeddings**0.5))
-    cu, pos, idx, wt, _, _ = vision_metadata(
-        torch.tensor(grid, dtype=torch.int64).view(-1, 3),
-        merge_size=merge_size,
-        num_grid_per_side=side,
-    )
-    return PackedVision(
-        pixel_values=pixel_values,
-        grid_thw=grid_thw,
-        cu_seqlens=cu,
-        max_seqlen=max(h * w for _, h, w in grid),
-        position_ids=pos,
-        interp_indices=idx,
-        interp_weights=wt,
-        window_index=None,
-        cu_window_seqlens=None,
-        max_window_seqlen=None,
-        merge_size=merge_size,
-        grid=grid,
-    )
 
 
 def use_packed_vision(model: torch.nn.Module, attn_impl: AttnImpl = "auto") -> torch.nn.Module:

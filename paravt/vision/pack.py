@@ -536,10 +536,24 @@ def pack_vision(
             pixels.copy_(ref[0])
             grid_thw, meta = ref[1], ref[2:]
         result = (pixels, grid_thw, *meta)
+    return _assemble(result, grid, merge_size=merge_size, patch_size=patch_size, side=side, win=win)
+
+
+def _assemble(
+    result: tuple[torch.Tensor, ...],
+    grid: tuple[tuple[int, int, int], ...],
+    *,
+    merge_size: int,
+    patch_size: int,
+    side: int,
+    win: int,
+) -> PackedVision:
+    """A :class:`PackedVision` from the op's 8 outputs ``(pixels, grid_thw, cu_seqlens,
+    position_ids, interp_indices, interp_weights, window_index, cu_window_seqlens)``; the
+    Python ints (``max_seqlen``, ``max_window_seqlen``) come from the host grid, no sync."""
     pixels, grid_thw, cu, pos, idx, wt, widx, cuw = result
     max_win = None
     if win:
-        # Window sizes are host-computable from the grid alone: no device sync.
         vw = win // merge_size // patch_size
         max_win = max(min(vw, h // merge_size) * min(vw, w // merge_size) for _, h, w in grid)
         max_win *= merge_size**2
@@ -556,6 +570,27 @@ def pack_vision(
         max_window_seqlen=max_win,
         merge_size=merge_size,
         grid=grid,
+    )
+
+
+def packed_from_grid(
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    *,
+    merge_size: int,
+    num_position_embeddings: int,
+) -> PackedVision:
+    """A Qwen3-VL :class:`PackedVision` for pixel values patchified elsewhere (e.g. by the HF
+    processor): the metadata comes from one native ``vision_metadata`` call on the host grid."""
+    grid = tuple(tuple(int(v) for v in row) for row in grid_thw.tolist())
+    side = int(round(num_position_embeddings**0.5))
+    meta = vision_metadata(
+        torch.tensor(grid, dtype=torch.int64).view(-1, 3),
+        merge_size=merge_size,
+        num_grid_per_side=side,
+    )
+    return _assemble(
+        (pixel_values, grid_thw, *meta), grid, merge_size=merge_size, patch_size=0, side=side, win=0
     )
 
 
