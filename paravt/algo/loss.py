@@ -99,26 +99,17 @@ class DecoupledPPO(PolicyObjective):
         w = torch.exp(batch.extras["prox_logprobs"].float().cpu() - batch.old_logprobs.float())
         return torch.where(w > self.algo.behav_cap, 0.0, mask)
 
-    def __call__(
-        self, logprob: torch.Tensor, batch: PackedBatch
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        from paravt_kernels import policy_loss
-
+    def _kwargs(self, batch: PackedBatch, device: torch.device) -> dict:
         if "prox_logprobs" not in batch.extras:
             raise ValueError(
                 "algo.loss=decoupled needs the proximal log-probs in batch.extras"
                 "['prox_logprobs'] (a no-grad forward before the update); the trainer fills it"
             )
-        d = logprob.device
-        return policy_loss(
-            logprob,
-            batch.old_logprobs.to(d),
-            batch.advantages.to(d),
-            batch.loss_mask.to(d),
-            prox_logprob=batch.extras["prox_logprobs"].to(d),
-            behav_cap=self.algo.behav_cap,
-            **self._kwargs(batch, d),
-        )
+        return {
+            **super()._kwargs(batch, device),
+            "prox_logprob": batch.extras["prox_logprobs"].to(device),
+            "behav_cap": self.algo.behav_cap,
+        }
 
 
 OBJECTIVES: dict[str, type[PolicyObjective]] = {"ppo": PPOClip, "decoupled": DecoupledPPO}
