@@ -182,18 +182,25 @@ def _tiny_qwen3_vl():
     return model
 
 
+def _video_prompt(packed, prefix: list[int], after_each: list[int]) -> torch.Tensor:
+    """``(1, L)`` ids of the tiny model's video layout: per crop, one
+    ``<9><vision_start> <video_pad>*(h*w/4) <vision_end>`` per temporal patch, then
+    ``after_each``."""
+    ids = list(prefix)
+    for t, h, w in packed.grid:
+        for _ in range(t):
+            ids += [9, 502] + [501] * (h * w // 4) + [503]
+        ids += after_each
+    return torch.tensor([ids])
+
+
 def test_use_packed_vision_in_the_full_model_forward():
     """A whole Qwen3-VL forward (videos of several crops) gives the same logits with the packed
     encoder installed; the vision features demonstrably reach the logits."""
     model = _tiny_qwen3_vl()
     crops = crops_for(5, 4)
     packed = pk.pack_vision(crops, **SPEC, num_position_embeddings=64)
-    ids = [1, 2, 3]
-    for t, h, w in packed.grid:  # Qwen3-VL: one <vision_start>..<vision_end> per temporal patch
-        for _ in range(t):
-            ids += [9, 502] + [501] * (h * w // 4) + [503]
-        ids += [7]
-    input_ids = torch.tensor([ids])
+    input_ids = _video_prompt(packed, [1, 2, 3], [7])
     mm = (input_ids == 501).long() * 2
 
     def logits(pixels):
@@ -220,12 +227,7 @@ def test_packed_vision_training_gradients_equal_hf(checkpointing):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     crops = crops_for(11, 3)
     packed = pk.pack_vision(crops, **SPEC, num_position_embeddings=64)
-    ids = [1, 2]
-    for t, h, w in packed.grid:
-        for _ in range(t):
-            ids += [9, 502] + [501] * (h * w // 4) + [503]
-        ids += [7, 8]
-    input_ids = torch.tensor([ids])
+    input_ids = _video_prompt(packed, [1, 2], [7, 8])
     kw = dict(
         input_ids=input_ids,
         pixel_values_videos=packed.pixel_values,
