@@ -120,7 +120,8 @@ class AgentConfig:
     allow_unclosed_final_call: bool = False
     # Include the user's question in the sub-agent's summary prompt.
     sub_agent_include_question: bool = True
-    # Tool responses are truncated to this many tokens.
+    # Each tool response's content (a summary or an error) is cut to this many tokens, ending
+    # with a visible ' [truncated]' marker.
     max_tool_response_tokens: int = 512
     # Text appended to force an answer after max_turns.
     force_answer_text: str = "\nI must answer now.\n</think>\n<answer>"

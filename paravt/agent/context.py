@@ -20,10 +20,23 @@ Main-agent layout (Qwen chat markup, written out in ``paravt.agent.prompts``)::
 
 Sub-agent layout: the same markup with the sub-agent system prompt, the crop clip, the
 summary instruction, then the generated summary (mask 1).
+
+Special tokens come only from templates. Text is tokenised in one of three ways
+(:class:`TextCache`): the project's own markup (``<|im_start|>user\\n``, the think prefix,
+``<tool_response>``) with every added token parsed; text from the model or from data (a tool's
+error message quoting the model's call, a sub-agent's summary, a question) with NONE parsed, so
+a summary that says ``<|video_pad|>`` or ``</tool_response>`` becomes ordinary text tokens and
+can never forge protocol structure; and SFT targets, where the tags the model generates as
+single tokens (``<tool_call>``, ``</think>``) are parsed but Qwen's special tokens are not. A
+:class:`Context` records where its templates put added tokens and
+:meth:`Context.check_special_tokens` asserts that no other forced position holds one (the
+agent loop checks every trajectory it returns).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,38 +78,140 @@ def encode_frames_batch(bundle: Any, clips: list[tuple[torch.Tensor, list[float]
 
 
 class TextCache:
-    """Tokenises forced text segments (no BOS/EOS added), memoising the repeated ones."""
+    """Tokenises forced text (no BOS/EOS added), with special-token parsing decided by where
+    the text came from; memoises the project's repeated markup.
+
+    - :meth:`markup` — the project's own template text: every added token (Qwen's special
+      tokens and the structural tags) is parsed. Only constants of ``paravt.agent.prompts`` and
+      the config's ``think_prefix`` / ``force_answer_text`` go through here.
+    - :meth:`plain` — text from the model or from data: no added token is parsed, whatever the
+      text spells; the ids never contain an id of ``control_ids``.
+    - :meth:`target` — SFT targets (what the model should generate): the structural tags
+      (non-special added tokens such as ``<tool_call>``) are parsed, Qwen's special tokens
+      (``special=True``: ``<|im_end|>``, ``<|video_pad|>`` …) are not.
+    """
 
     def __init__(self, tokenizer: Any, max_entries: int = 4096) -> None:
         self.tokenizer = tokenizer
         self._memo: dict[str, list[int]] = {}
         self._max = max_entries
+        added = dict(tokenizer.get_added_vocab())
+        #: ids of every added token (special tokens and structural tags).
+        self.control_ids: frozenset[int] = frozenset(int(i) for i in added.values())
+        self._control_spellings = sorted(added, key=len, reverse=True)
+        self._control_re = (
+            re.compile("|".join(re.escape(t) for t in self._control_spellings)) if added else None
+        )
 
-    def __call__(self, text: str) -> list[int]:
+    def _encode(self, text: str, split_special: bool) -> list[int]:
+        return list(
+            self.tokenizer.encode(
+                text, add_special_tokens=False, split_special_tokens=split_special
+            )
+        )
+
+    def markup(self, text: str) -> list[int]:
+        """The project's template text, every added token parsed (memoised)."""
         ids = self._memo.get(text)
         if ids is None:
-            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids = self._encode(text, False)
             if len(self._memo) < self._max:
                 self._memo[text] = ids
+        return list(ids)
+
+    def target(self, text: str) -> list[int]:
+        """An SFT target: structural tags parsed, Qwen's special tokens not."""
+        return self._encode(text, True)
+
+    def plain(self, text: str) -> list[int]:
+        """Untrusted text (model output, data): no added token is ever produced.
+
+        Where the text spells an added token, the spelling is split after its first character
+        so that the tokenizer cannot match it; what remains is tokenised the same way (it may
+        spell another one). The result is checked; a tokenizer that still yields an added
+        token (e.g. through normalisation) falls back to one character at a time.
+        """
+        if not text:
+            return []
+        if self._control_re is None:
+            return self._encode(text, True)
+        ids: list[int] = []
+        pos = 0
+        for m in self._control_re.finditer(text):
+            if m.start() > pos:
+                ids += self._encode(text[pos : m.start()], True)
+            ids += self._encode(m.group()[0], True) + self.plain(m.group()[1:])
+            pos = m.end()
+        if pos < len(text):
+            ids += self._encode(text[pos:], True)
+        if any(i in self.control_ids for i in ids):  # pragma: no cover - normalising tokenizers
+            ids = [i for ch in text for i in self._encode(ch, True)]
+            if any(i in self.control_ids for i in ids):
+                raise RuntimeError(
+                    f"the tokenizer maps plain text {text[:80]!r} to an added token even one "
+                    "character at a time; paravt cannot keep model text out of its markup"
+                )
         return ids
 
 
 @dataclass
 class Context:
-    """A growing token context with per-token mask, behaviour log-probs and mm token types."""
+    """A growing token context with per-token mask, behaviour log-probs and mm token types.
+
+    ``control_ids`` are the tokenizer's added-token ids (``TextCache.control_ids``);
+    ``template_positions`` lists every forced position where a template or a clip put one of
+    them. Forced text from the model or from data (:meth:`add_text`) must not add any.
+    """
 
     tokens: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mm_types: list[int] = field(default_factory=list)
     clips: list[VisualInputs] = field(default_factory=list)
+    control_ids: frozenset[int] = frozenset()
+    template_positions: list[int] = field(default_factory=list)
 
-    def add_ids(self, ids: list[int]) -> None:
-        """Forced (not generated) tokens: mask 0, log-prob 0, text type 0."""
+    def _add_forced(self, ids: list[int], mm_types: list[int] | None = None) -> None:
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
-        self.mm_types += [0] * len(ids)
+        self.mm_types += mm_types if mm_types is not None else [0] * len(ids)
+
+    def add_markup(self, ids: list[int]) -> None:
+        """Forced template tokens (``TextCache.markup``): mask 0, log-prob 0, text type 0."""
+        n = len(self.tokens)
+        self.template_positions += [n + j for j, t in enumerate(ids) if t in self.control_ids]
+        self._add_forced(ids)
+
+    def add_text(self, ids: list[int]) -> None:
+        """Forced tokens of untrusted text (``TextCache.plain``): must hold no added token."""
+        bad = [t for t in ids if t in self.control_ids]
+        if bad:
+            raise ValueError(
+                f"add_text: untrusted text holds added token id(s) {sorted(set(bad))[:5]}; "
+                "tokenise model or data text with TextCache.plain, never with markup"
+            )
+        self._add_forced(ids)
+
+    def check_special_tokens(self, where: str = "") -> None:
+        """Raise unless the added tokens at forced positions are exactly the templates'.
+
+        Generated positions (mask 1) hold what the model sampled and are not restricted here.
+        """
+        control = self.control_ids
+        forced = [
+            i
+            for i, (t, m) in enumerate(zip(self.tokens, self.loss_mask))
+            if m == 0 and t in control
+        ]
+        if forced != self.template_positions:
+            extra = sorted(set(forced) - set(self.template_positions))[:5]
+            missing = sorted(set(self.template_positions) - set(forced))[:5]
+            raise RuntimeError(
+                f"context {where}: special tokens at forced positions differ from the templates' "
+                f"(unexpected at {extra}, missing at {missing}); model or data text was "
+                "tokenised with special-token parsing on"
+            )
 
     def add_clip(self, clip: Clip) -> None:
         if len(clip.token_ids) != len(clip.mm_token_type_ids):
@@ -104,10 +219,11 @@ class Context:
                 f"clip has {len(clip.token_ids)} token ids but {len(clip.mm_token_type_ids)} "
                 "mm_token_type_ids; encode_clip must return aligned lists"
             )
-        self.tokens += clip.token_ids
-        self.loss_mask += [0] * len(clip.token_ids)
-        self.logprobs += [0.0] * len(clip.token_ids)
-        self.mm_types += clip.mm_token_type_ids
+        n = len(self.tokens)
+        self.template_positions += [
+            n + j for j, t in enumerate(clip.token_ids) if t in self.control_ids
+        ]
+        self._add_forced(list(clip.token_ids), list(clip.mm_token_type_ids))
         self.clips.append(clip.visuals)
 
     def add_generated(self, ids: list[int], logprobs: list[float]) -> None:
@@ -135,6 +251,8 @@ class Context:
             list(self.logprobs),
             list(self.mm_types),
             list(self.clips),
+            self.control_ids,
+            list(self.template_positions),
         )
 
     def request(self, sampling: SamplingParams, request_id: str) -> GenerationRequest:
@@ -167,29 +285,68 @@ def header(role: str) -> str:
 
 
 def main_prompt(text: TextCache, overview: Clip, question: str, max_parallel: int) -> Context:
-    """The main agent's prompt up to and including ``<|im_start|>assistant\\n``."""
-    ctx = Context()
-    ctx.add_ids(
-        text(header("system") + prompts.system_prompt(max_parallel) + prompts.IM_END + "\n")
-        + text(header("user"))
+    """The main agent's prompt up to and including ``<|im_start|>assistant\\n``.
+
+    ``question`` (``prompts.question_text``: data) is tokenised as plain text."""
+    ctx = Context(control_ids=text.control_ids)
+    ctx.add_markup(
+        text.markup(header("system") + prompts.system_prompt(max_parallel) + prompts.IM_END + "\n")
+        + text.markup(header("user"))
     )
     ctx.add_clip(overview)
-    ctx.add_ids(text("\n" + question + prompts.IM_END + "\n" + header("assistant")))
+    ctx.add_markup(text.markup("\n"))
+    ctx.add_text(text.plain(question))
+    ctx.add_markup(text.markup(prompts.IM_END + "\n" + header("assistant")))
     return ctx
 
 
 def sub_prompt(text: TextCache, crop: Clip, instruction: str) -> Context:
-    """A sub-agent's prompt up to and including ``<|im_start|>assistant\\n``."""
-    ctx = Context()
-    ctx.add_ids(
-        text(header("system") + prompts.sub_system_prompt() + prompts.IM_END + "\n")
-        + text(header("user"))
+    """A sub-agent's prompt up to and including ``<|im_start|>assistant\\n``.
+
+    ``instruction`` (``prompts.sub_user_text``: may quote the question) is plain text."""
+    ctx = Context(control_ids=text.control_ids)
+    ctx.add_markup(
+        text.markup(header("system") + prompts.sub_system_prompt() + prompts.IM_END + "\n")
+        + text.markup(header("user"))
     )
     ctx.add_clip(crop)
-    ctx.add_ids(text("\n" + instruction + prompts.IM_END + "\n" + header("assistant")))
+    ctx.add_markup(text.markup("\n"))
+    ctx.add_text(text.plain(instruction))
+    ctx.add_markup(text.markup(prompts.IM_END + "\n" + header("assistant")))
     return ctx
 
 
-def tool_turn_text(responses: str) -> str:
-    """Forced text after a main turn that called tools, up to the next assistant header."""
-    return "\n" + header("user") + responses + prompts.IM_END + "\n" + header("assistant")
+TRUNCATED = " [truncated]"
+
+
+def response_ids(text: TextCache, content: str, max_tokens: int) -> tuple[list[int], bool]:
+    """One tool response's content as plain-text ids, at most ``max_tokens`` of them.
+
+    A longer content is cut at a token boundary and ends with the visible ``TRUNCATED``
+    marker (counted in the budget). Returns ``(ids, truncated)``."""
+    ids = text.plain(content)
+    if len(ids) <= max_tokens:
+        return ids, False
+    mark = text.plain(TRUNCATED)
+    return ids[: max(max_tokens - len(mark), 0)] + mark, True
+
+
+def add_tool_turn(
+    ctx: Context, text: TextCache, contents: Iterable[str], max_tokens: int
+) -> list[bool]:
+    """Append the forced text after a main turn that called tools, up to the next assistant
+    header: ``\\n<|im_start|>user\\n`` + one ``<tool_response>\\n{content}\\n</tool_response>``
+    per call (joined by ``\\n``) + ``<|im_end|>\\n<|im_start|>assistant\\n``.
+
+    The tags are markup; every content (a summary, an error quoting the model's call) is
+    plain text cut to ``max_tokens`` (:func:`response_ids`). Returns which were cut."""
+    cut: list[bool] = []
+    ctx.add_markup(text.markup("\n" + header("user")))
+    for j, content in enumerate(contents):
+        ctx.add_markup(text.markup(("\n" if j else "") + prompts.TOOL_RESPONSE_OPEN))
+        ids, was_cut = response_ids(text, content, max_tokens)
+        ctx.add_text(ids)
+        cut.append(was_cut)
+        ctx.add_markup(text.markup(prompts.TOOL_RESPONSE_CLOSE))
+    ctx.add_markup(text.markup(prompts.IM_END + "\n" + header("assistant")))
+    return cut

@@ -34,10 +34,10 @@ from paravt.agent.context import (
     Clip,
     Context,
     TextCache,
+    add_tool_turn,
     encode_frames_batch,
     main_prompt,
     sub_prompt,
-    tool_turn_text,
 )
 from paravt.agent.parser import parse_tool_calls
 from paravt.agent.subagent import run_sub_agents
@@ -96,7 +96,7 @@ class AgentRunner:
     ``paravt.models.ModelBundle`` (its ``tokenizer`` and ``vision`` spec are used). ``stats``
     holds counters of the last rollout: ``calls_<status>`` (tool calls by final status),
     ``main_engine_calls``, ``sub_engine_calls``, ``planner_runs``, ``crops``,
-    ``forced_answers``, ``visual_token_stops``, ``episodes`` and wall times ``overview_s``,
+    ``forced_answers``, ``visual_token_stops``, ``truncated_responses``, ``episodes`` and wall times ``overview_s``,
     ``main_gen_s``, ``crop_s``, ``sub_gen_s``, ``rollout_s``.
 
     A failing *main-agent* engine call raises (nothing can continue without it); sub-agent
@@ -236,6 +236,7 @@ class AgentRunner:
             "crops": 0,
             "forced_answers": 0,
             "visual_token_stops": 0,
+            "truncated_responses": 0,
             "main_gen_s": 0.0,
             "crop_s": 0.0,
             "sub_gen_s": 0.0,
@@ -273,10 +274,10 @@ class AgentRunner:
                 break
             forced = turn == acfg.max_turns
             prefix = acfg.think_prefix + (acfg.force_answer_text if forced else "")
-            prefix_ids = self.text(prefix)
+            prefix_ids = self.text.markup(prefix)
             reqs = []
             for e in active:
-                e.ctx.add_ids(prefix_ids)
+                e.ctx.add_markup(prefix_ids)
                 if turn == 0:  # the prompt is what the first generation conditioned on
                     e.prompt_len = len(e.ctx.tokens)
                 reqs.append(
@@ -302,6 +303,7 @@ class AgentRunner:
         for e in episodes:
             if not e.done:  # cannot happen: the forced turn finishes everyone; keep invariant
                 raise RuntimeError(f"episode {e.uid} did not finish after the forced answer")
+            e.ctx.check_special_tokens(e.uid)
         out = self._collect(episodes, groups)
         st["episodes"] = len(episodes)
         st["rollout_s"] = time.perf_counter() - t_start
@@ -406,7 +408,6 @@ class AgentRunner:
             self.engine,
             reqs,
             self.tokenizer,
-            max_response_tokens=acfg.max_tool_response_tokens,
             stop_ids=set(self.stop_ids),
         )
         dt_sub = time.perf_counter() - t0
@@ -426,6 +427,7 @@ class AgentRunner:
                 continue  # nothing usable to train on
             ids, lps, _ = self._cut_visual(list(o.result.token_ids), list(o.result.logprobs))
             if ids:
+                ctx.check_special_tokens(req.request_id)
                 ctx.add_generated(ids, lps)
                 e.subs.append(
                     ctx.to_trajectory(
@@ -449,8 +451,14 @@ class AgentRunner:
             _add_time(e, "tool_s", dt_tool + dt_sub)
             t = e.turns[-1]
             if not (t.finish_reason == "stop" and e.ctx.tokens[-1] == self.im_end):
-                e.ctx.add_ids([self.im_end])  # close the turn the length cap cut off
-            e.ctx.add_ids(self.text(tool_turn_text(prompts.render_tool_responses(t.calls))))
+                e.ctx.add_markup([self.im_end])  # close the turn the length cap cut off
+            cut = add_tool_turn(
+                e.ctx,
+                self.text,
+                [prompts.tool_response_text(c) for c in t.calls],
+                acfg.max_tool_response_tokens,
+            )
+            st["truncated_responses"] += sum(cut)
 
     def _collect(self, episodes: list[_Episode], groups: dict[int, Group]) -> list[Group]:
         for e in episodes:
@@ -511,10 +519,10 @@ def encode_oracle_trajectory(
                 if content.startswith(acfg.think_prefix)
                 else content
             )
-            ctx.add_ids(runner.text(acfg.think_prefix))
+            ctx.add_markup(runner.text.markup(acfg.think_prefix))
             if not turns:
                 prompt_len = len(ctx.tokens)
-            ids = runner.text(gen) + [runner.im_end]
+            ids = runner.text.target(gen) + [runner.im_end]
             ctx.add_generated(ids, [0.0] * len(ids))
             t = Turn(text=gen, finish_reason="stop", prefix=acfg.think_prefix)
             t.calls = parse_tool_calls(
@@ -538,9 +546,13 @@ def encode_oracle_trajectory(
                     "valid calls in the previous assistant turn; give one summary per valid call"
                 )
             for c, s in zip(ok, summaries):
-                ids = runner.text(str(s))[: acfg.max_tool_response_tokens]
-                c.response = runner.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            ctx.add_ids(runner.text(tool_turn_text(prompts.render_tool_responses(turns[-1].calls))))
+                c.response = str(s).strip()
+            add_tool_turn(
+                ctx,
+                runner.text,
+                [prompts.tool_response_text(c) for c in turns[-1].calls],
+                acfg.max_tool_response_tokens,
+            )
         else:
             raise ValueError(
                 f"SFT record {sid} turn {j}: role {role!r} is not 'assistant' or 'tool'"
@@ -590,7 +602,7 @@ def encode_oracle_sub_trajectories(
         ti, k, c = jobs[i]
         ctx = runner.sub_context(sample, c, clip)
         prompt_len = len(ctx.tokens)
-        ids = runner.text(c.response) + [runner.im_end]
+        ids = runner.text.target(c.response) + [runner.im_end]
         ctx.add_generated(ids, [0.0] * len(ids))
         out.append(
             ctx.to_trajectory(

@@ -7,9 +7,11 @@ calls beside it (the reference dropped the whole turn). Statuses (``paravt.types
 ``bad_json``            the block is not a JSON object with a string ``name``
 ``unknown_tool``        ``name`` is not ``crop_video``
 ``bad_arguments``       ``arguments`` missing / not an object / a key missing, unknown or not a
-                        finite number (the video is always the sample's own: a path argument is
-                        rejected, never opened)
-``bad_range``           ``start_time >= end_time``
+                        finite number. The reference's ``video_path`` argument (ParaVT's SFT
+                        data writes it) is accepted and ignored: the video is always the
+                        sample's own, a model-written path is never opened
+``bad_range``           ``start_time >= end_time``, or a window that is empty once clamped to
+                        ``[0, duration]`` (it only touches the video's first or last instant)
 ``outside_video``       the window lies entirely outside ``[0, duration]``
 ``over_parallel_limit`` the block is beyond the first ``max_parallel`` blocks of the turn
 ``unclosed``            a final ``<tool_call>`` without ``</tool_call>`` (accepted and parsed
@@ -17,6 +19,10 @@ calls beside it (the reference dropped the whole turn). Statuses (``paravt.types
 
 Valid calls are clamped to ``[0, duration]`` (``ToolCall.start/end``); partly-outside windows
 are cropped to their inside part rather than rejected.
+
+A block runs from a ``<tool_call>`` to the next ``</tool_call>`` with no other ``<tool_call>``
+in between: a tag the model merely mentions earlier (e.g. inside its thinking) does not swallow
+the valid call after it.
 """
 
 from __future__ import annotations
@@ -29,15 +35,26 @@ from paravt.types import ToolCall
 
 TOOL_NAME = "crop_video"
 ARG_NAMES = ("start_time", "end_time")
-_BLOCK_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# Accepted and ignored (the reference's call format); never used to open a file.
+IGNORED_ARGS = ("video_path",)
+_BLOCK_RE = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
+
+
+def _quote(v: object, limit: int = 60) -> str:
+    """A model-written value for an error message, shortened (the message is plain text)."""
+    r = v if isinstance(v, str) else repr(v)
+    return r if len(r) <= limit else r[:limit] + "…"
 
 
 def _number(v: object) -> float | None:
     # bool is an int subclass in Python; JSON true is not a time.
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an integer literal beyond float range
+        return None
     return f if math.isfinite(f) else None
 
 
@@ -49,6 +66,10 @@ def parse_call(raw: str, *, duration: float) -> ToolCall:
     except json.JSONDecodeError as e:
         call.status, call.error = "bad_json", f"the tool call is not valid JSON ({e.msg})"
         return call
+    except (ValueError, RecursionError) as e:  # >4300-digit integers, absurd nesting
+        call.status = "bad_json"
+        call.error = f"the tool call is not usable JSON ({type(e).__name__})"
+        return call
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         call.status = "bad_json"
         call.error = 'the tool call must be a JSON object {"name": ..., "arguments": {...}}'
@@ -56,24 +77,24 @@ def parse_call(raw: str, *, duration: float) -> ToolCall:
     call.name = obj["name"]
     if call.name != TOOL_NAME:
         call.status = "unknown_tool"
-        call.error = f"unknown tool '{call.name}'; the only tool is {TOOL_NAME}"
+        call.error = f"unknown tool '{_quote(call.name)}'; the only tool is {TOOL_NAME}"
         return call
     args = obj.get("arguments")
     if isinstance(args, str):  # some chat formats double-encode arguments
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
     if not isinstance(args, dict):
         call.status = "bad_arguments"
         call.error = f"{TOOL_NAME} needs an 'arguments' object with start_time and end_time"
         return call
     call.arguments = args
-    extra = sorted(set(args) - set(ARG_NAMES))
+    extra = sorted(set(args) - set(ARG_NAMES) - set(IGNORED_ARGS))
     if extra:
         call.status = "bad_arguments"
         call.error = (
-            f"unknown argument(s) {', '.join(extra)}; {TOOL_NAME} takes only start_time and "
+            f"unknown argument(s) {_quote(', '.join(extra))}; {TOOL_NAME} takes only start_time and "
             "end_time (the video is always the current one)"
         )
         return call
@@ -85,7 +106,7 @@ def parse_call(raw: str, *, duration: float) -> ToolCall:
         v = _number(args[k])
         if v is None:
             call.status = "bad_arguments"
-            call.error = f"argument {k}={args[k]!r} must be a number of seconds"
+            call.error = f"argument {k}={_quote(repr(args[k]))} must be a number of seconds"
             return call
         vals[k] = v
     s, e = vals["start_time"], vals["end_time"]
@@ -93,11 +114,19 @@ def parse_call(raw: str, *, duration: float) -> ToolCall:
         call.status = "bad_range"
         call.error = f"start_time {s:g} s must be smaller than end_time {e:g} s"
         return call
-    if e <= 0 or s >= duration:
+    if e < 0 or s > duration:
         call.status = "outside_video"
         call.error = f"window [{s:g}, {e:g}] s is outside the video, which lasts {duration:.1f} s"
         return call
-    call.start, call.end = max(s, 0.0), min(e, duration)
+    cs, ce = max(s, 0.0), min(e, duration)
+    if ce <= cs:
+        call.status = "bad_range"
+        call.error = (
+            f"window [{s:g}, {e:g}] s is empty inside the video [0, {duration:.1f}] s; give a "
+            "window that overlaps it"
+        )
+        return call
+    call.start, call.end = cs, ce
     return call
 
 

@@ -15,6 +15,8 @@ from typing import Any
 from paravt.types import Sample, ToolCall
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+# The markup around each tool response's content (``paravt.agent.context.add_tool_turn``).
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
 # JSON Schema of the one tool (validated against the JSON Schema meta-schema in tests).
 CROP_VIDEO_SCHEMA: dict[str, Any] = {
@@ -106,13 +108,11 @@ def sub_user_text(start: float, end: float, question: str | None) -> str:
 
 
 def tool_response_text(call: ToolCall) -> str:
-    """What the main agent reads for one call: the summary, or the error it made."""
+    """What the main agent reads for one call: the summary, or the error it made.
+
+    Plain text (it quotes the model): ``paravt.agent.context.add_tool_turn`` tokenises it
+    with no special-token parsing and wraps it in the ``<tool_response>`` markup."""
     if call.status == "ok":
         assert call.start is not None and call.end is not None
         return f"[{call.start:.1f}-{call.end:.1f} s] {call.response}"
     return f"Error: {call.error}"
-
-
-def render_tool_responses(calls: list[ToolCall]) -> str:
-    """One ``<tool_response>`` per call, in call order (errors too)."""
-    return "\n".join(f"<tool_response>\n{tool_response_text(c)}\n</tool_response>" for c in calls)

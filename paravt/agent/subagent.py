@@ -1,8 +1,11 @@
 """Sub-agents: the same engine and weights summarise each crop; one batched call per turn.
 
 A sub-agent sees the crop's frames (with timestamps), an instruction naming the window and,
-when ``agent.sub_agent_include_question``, the user's question. Its summary becomes the
-main agent's tool response, truncated to ``agent.max_tool_response_tokens`` tokens.
+when ``agent.sub_agent_include_question``, the user's question. Its summary (the generated
+text, special tokens dropped) becomes the main agent's tool response. It is not filtered: the
+main context tokenises it as plain text (``paravt.agent.context.add_tool_turn``), so whatever
+it spells — ``</tool_response>``, ``<|video_pad|>`` — stays ordinary text, and it is cut there
+to ``agent.max_tool_response_tokens`` tokens with a visible marker.
 
 Failures never stop the rollout: if the batched engine call raises, each request is retried
 alone so one bad request cannot fail its siblings; a request that still raises, returns no
@@ -11,20 +14,10 @@ tokens, or decodes to blank text becomes a ``sub_agent_error`` tool response.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from paravt.rollout.engine import Engine, GenerationRequest, GenerationResult
-
-# A summary is re-tokenised into the main context: structural tags or special-token spellings in
-# it would forge protocol structure (a fake </tool_response>, a stray <|video_pad|>).
-_FORGED = re.compile(r"</?(?:think|answer|tool_call|tool_response)>|<\|[a-z_]+\|>")
-
-
-def sanitize_summary(text: str) -> str:
-    """Drop protocol tags and special-token spellings from a summary, collapse blank ends."""
-    return _FORGED.sub("", text).strip()
 
 
 @dataclass
@@ -32,7 +25,7 @@ class SubOutcome:
     """What came back for one sub-agent request."""
 
     result: GenerationResult | None
-    summary: str  # truncated, stripped text ('' on failure)
+    summary: str  # decoded, stripped text ('' on failure)
     error: str  # '' on success
 
 
@@ -65,7 +58,6 @@ def run_sub_agents(
     requests: list[GenerationRequest],
     tokenizer: Any,
     *,
-    max_response_tokens: int,
     stop_ids: set[int],
 ) -> list[SubOutcome]:
     """Generate all sub-agent summaries of a turn (ONE engine call when nothing fails)."""
@@ -75,8 +67,8 @@ def run_sub_agents(
             msg = f"{type(r).__name__}: {r}" if str(r) else type(r).__name__
             outcomes.append(SubOutcome(None, "", f"the sub-agent failed ({msg})"))
             continue
-        ids = [t for t in r.token_ids[:max_response_tokens] if t not in stop_ids]
-        summary = sanitize_summary(tokenizer.decode(ids, skip_special_tokens=True))
+        ids = [t for t in r.token_ids if t not in stop_ids]
+        summary = tokenizer.decode(ids, skip_special_tokens=True).strip()
         if not summary:
             outcomes.append(SubOutcome(r, "", "the sub-agent returned an empty summary"))
         else:
