@@ -219,6 +219,9 @@ def test_parquet_rows_without_ids_get_unique_stable_ids(synth_dir, tmp_path):
     # A top-level id column is used when extra_info has none; NaN counts as absent.
     _parquet(p, [{"answer": "x"}] * 3, id=["a", None, "c"], index=[0.0, math.nan, 2.0])
     assert [s.id for s in read_samples(p, video_root=str(synth_dir))[0]] == ["a", "rl-1", "c"]
+    # pandas writes an int index with gaps as float: 3.0 is the id "3", not "3.0".
+    _parquet(p, [{"answer": "x"}] * 2, index=[3.0, math.nan])
+    assert [s.id for s in read_samples(p, video_root=str(synth_dir))[0]] == ["3", "rl-1"]
     # JSONL: a null or empty id is no id.
     f = tmp_path / "d.jsonl"
     _jsonl(f, [_row(0, id=None), _row(1, id=""), _row(2)])

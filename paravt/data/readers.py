@@ -116,10 +116,13 @@ def _float_or_none(v: Any, where: str, key: str) -> float | None:
 
 
 def _id_or_none(*values: Any) -> str | None:
-    """The first usable id: not None, not NaN (pandas' missing value), not empty."""
+    """The first usable id: not None, not NaN (pandas' missing value), not empty. An integral
+    float is written as an int: pandas stores an int column with gaps as float (7 → 7.0)."""
     for v in values:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
         if (sid := str(v).strip()) != "":
             return sid
     return None
