@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 
@@ -11,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from paravt.data import DatasetError, load_samples, read_samples
+from paravt.data.readers import DatasetReport
 
 
 def test_loads_synthetic_jsonl_from_a_directory(synth_dir) -> None:
@@ -44,8 +46,9 @@ def test_missing_videos_warn_once_and_are_skipped(synth_dir, tmp_path) -> None:
     msg = str(rec[0].message)
     assert "skipped 2 row(s)" in msg and "gone_1.mp4" in msg and "video_root" in msg
     assert [s.id for s in got] == [r["id"] for i, r in enumerate(rows) if i not in (1, 4)]
-    _, missing = read_samples(f, video_root=str(synth_dir))
-    assert [os.path.basename(m) for m in missing] == ["gone_1.mp4", "gone_2.mp4"]
+    _, rep = read_samples(f, video_root=str(synth_dir))
+    assert [os.path.basename(m) for m in rep.missing_videos] == ["gone_1.mp4", "gone_2.mp4"]
+    assert (rep.n_missing, rep.rows, rep.file) == (2, 6, str(f))
 
 
 def test_malformed_jsonl_names_file_line_and_key(tmp_path) -> None:
@@ -90,8 +93,10 @@ def test_paravt_parquet_rows(synth_dir, tmp_path) -> None:
     vid = str(synth_dir / "videos" / "vid_0000.mp4")
     f = tmp_path / "paravt_rl_train.parquet"
     _paravt_parquet(f, vid, "videos/vid_0001.mp4")
-    with pytest.warns(UserWarning, match="skipped 1 row"):
+    with pytest.warns(UserWarning) as rec:
         got = load_samples(tmp_path, video_root=str(synth_dir))  # directory: *train*.parquet
+    msgs = sorted(str(w.message) for w in rec)
+    assert len(msgs) == 2 and "2 of 3 row(s) have no id" in msgs[0] and "skipped 1 row" in msgs[1]
     assert len(got) == 2
     mcq, tvg = got
     assert mcq.id == "7" and mcq.video == vid and mcq.answer == "B"
@@ -102,8 +107,9 @@ def test_paravt_parquet_rows(synth_dir, tmp_path) -> None:
     assert (tvg.event_start, tvg.event_end) == (12.5, 16.0)
     assert tvg.id == "paravt_rl_train-1"
     # Unknown question types are open-ended, as in the reference reward; raw type kept.
-    samples, missing = read_samples(f, video_root=str(synth_dir))
-    assert len(missing) == 1 and missing[0].endswith("missing/x.mp4")
+    samples, rep = read_samples(f, video_root=str(synth_dir))
+    assert rep.n_missing == 1 and rep.missing_videos[0].endswith("missing/x.mp4")
+    assert rep.synthesized_ids == ["paravt_rl_train-1", "paravt_rl_train-2"]
 
 
 def test_parquet_without_required_columns_is_a_clear_error(tmp_path) -> None:
@@ -111,3 +117,134 @@ def test_parquet_without_required_columns_is_a_clear_error(tmp_path) -> None:
     pq.write_table(pa.table({"prompt": ["x"], "videos": [["a.mp4"]]}), str(f))
     with pytest.raises(DatasetError, match="no 'extra_info' column"):
         load_samples(f)
+
+
+# ------------------------------------------------------------------ validation at load time
+def _jsonl(path, rows: list[dict]) -> None:
+    # json.dumps writes float('nan') as NaN, which json.loads reads back: real files have it.
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _row(i: int, **kw) -> dict:
+    return {"id": f"r{i}", "video": "videos/vid_0000.mp4", "question": "q", "answer": "B", **kw}
+
+
+def _parquet(path, extras: list, **columns) -> None:
+    """ParaVT-layout parquet; ``extras`` as dicts make ``extra_info`` a struct column (every
+    row then carries every key, absent ones as null), as JSON strings a string column."""
+    n = len(extras)
+    rows = {
+        "prompt": [[{"role": "user", "content": "<video>\nq"}]] * n,
+        "videos": [[{"video": "videos/vid_0000.mp4"}]] * n,
+        "extra_info": extras,
+        **columns,
+    }
+    pq.write_table(pa.table(rows), str(path))
+
+
+def test_tvg_answer_that_does_not_parse_fails_at_load_not_in_the_reward(synth_dir, tmp_path):
+    root = str(synth_dir)
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0), _row(1, question_type="tvg", answer="around the middle")])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: tvg 'answer' 'around the middle' is not"):
+        load_samples(f, video_root=root)
+    p = tmp_path / "d.parquet"
+    tvg = {"question_type": "tvg", "index": 1}
+    _parquet(p, [json.dumps({"answer": "B", "index": 0}), json.dumps({**tvg, "answer": "soon"})])
+    with pytest.raises(DatasetError, match=r"d\.parquet row 1: tvg 'answer' 'soon'"):
+        load_samples(p, video_root=root)
+    # An empty window is no window either.
+    _jsonl(f, [_row(0, question_type="tvg", answer="", event_start=5.0, event_end=5.0)])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: tvg window .* need start < end"):
+        load_samples(f, video_root=root)
+    # A window the reward can read fills the events, so the reward never re-parses.
+    _jsonl(f, [_row(0, question_type="tvg", answer="from 3 to 7.5 seconds")])
+    (s,) = load_samples(f, video_root=root)
+    assert (s.event_start, s.event_end) == (3.0, 7.5)
+    _parquet(p, [json.dumps({**tvg, "answer": "[12.5, 16.0]"})])
+    (s,) = load_samples(p, video_root=root)
+    assert (s.event_start, s.event_end) == (12.5, 16.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_ground_truth_is_an_error_naming_row_and_field(synth_dir, tmp_path, bad):
+    f = tmp_path / "d.jsonl"
+    rows = [_row(0), _row(1, question_type="tvg", answer="", event_start=bad, event_end=9.0)]
+    _jsonl(f, rows)
+    assert "NaN" in f.read_text() or "Infinity" in f.read_text()
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: 'event_start' = .* not a finite"):
+        load_samples(f, video_root=str(synth_dir))
+    # A [start, end] answer list with a non-finite bound (parquet) is no window.
+    p = tmp_path / "d.parquet"
+    extra = {"answer": [2.0, bad], "question_type": "tvg", "index": 0}
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": [[{"role": "user", "content": "q"}]],
+                "videos": [[{"video": "videos/vid_0000.mp4"}]],
+                "extra_info": [extra],
+            }
+        ),
+        str(p),
+    )
+    with pytest.raises(DatasetError, match=r"d\.parquet row 0: tvg 'answer'"):
+        load_samples(p, video_root=str(synth_dir))
+
+
+def test_one_event_bound_without_the_other_is_an_error(synth_dir, tmp_path):
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0, question_type="tvg", answer="1-2", event_start=1.0)])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: 'event_end' is missing"):
+        load_samples(f, video_root=str(synth_dir))
+
+
+def test_parquet_rows_without_ids_get_unique_stable_ids(synth_dir, tmp_path):
+    # A struct extra_info: the rows without an index read it back as null (the old reader
+    # made every such id the string 'None', so they shared one frame budget K).
+    p = tmp_path / "rl.parquet"
+    extras = [
+        {"answer": "B", "question_type": "mcq", "index": 7},
+        {"answer": "x", "question_type": "oe", "index": None},
+        {"answer": "y", "question_type": "oe", "index": None},
+    ]
+    _parquet(p, extras)
+    assert pq.read_table(str(p)).schema.field("extra_info").type.num_fields == 3
+    with pytest.warns(UserWarning, match=r"rl\.parquet: 2 of 3 row\(s\) have no id") as rec:
+        got = load_samples(p, video_root=str(synth_dir))
+    assert len(rec) == 1
+    assert [s.id for s in got] == ["7", "rl-1", "rl-2"]
+    samples, rep = read_samples(p, video_root=str(synth_dir))
+    assert [s.id for s in samples] == ["7", "rl-1", "rl-2"]  # the same on every read
+    assert rep == DatasetReport(str(p), rows=3, synthesized_ids=["rl-1", "rl-2"])
+    # A top-level id column is used when extra_info has none; NaN counts as absent.
+    _parquet(p, [{"answer": "x"}] * 3, id=["a", None, "c"], index=[0.0, math.nan, 2.0])
+    assert [s.id for s in read_samples(p, video_root=str(synth_dir))[0]] == ["a", "rl-1", "c"]
+    # pandas writes an int index with gaps as float: 3.0 is the id "3", not "3.0".
+    _parquet(p, [{"answer": "x"}] * 2, index=[3.0, math.nan])
+    assert [s.id for s in read_samples(p, video_root=str(synth_dir))[0]] == ["3", "rl-1"]
+    # JSONL: a null or empty id is no id.
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0, id=None), _row(1, id=""), _row(2)])
+    samples, rep = read_samples(f, video_root=str(synth_dir))
+    assert [s.id for s in samples] == ["d-1", "d-2", "r2"]
+    assert rep.synthesized_ids == ["d-1", "d-2"]
+
+
+def test_duplicate_ids_are_an_error_naming_both_rows(synth_dir, tmp_path):
+    root = str(synth_dir)
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0, id="x"), _row(1), _row(2, id="x")])
+    with pytest.raises(DatasetError, match=r"duplicate sample id 'x' at .*d\.jsonl:1 and .*:3"):
+        load_samples(f, video_root=root)
+    # An explicit id that equals a synthesised one collides too; the message says which.
+    _jsonl(f, [_row(0, id="d-2"), _row(1, id=None)])
+    with pytest.raises(DatasetError, match=r"'d-2' \(synthesised for .*d\.jsonl:2\)"):
+        load_samples(f, video_root=root)
+    p = tmp_path / "d.parquet"
+    _parquet(p, [json.dumps({"answer": "a", "index": i % 2}) for i in range(3)])
+    with pytest.raises(DatasetError, match=r"id '0' at .*d\.parquet row 0 and .*row 2"):
+        load_samples(p, video_root=root)
+    # Rows whose video is missing still count: the id is a property of the data file.
+    _jsonl(f, [_row(0, id="x"), _row(1, id="x", video="videos/gone.mp4")])
+    with pytest.raises(DatasetError, match="duplicate sample id 'x'"):
+        read_samples(f, video_root=root)

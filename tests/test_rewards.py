@@ -17,6 +17,7 @@ from paravt.rewards import (
     temporal_iou,
     token_f1,
 )
+from paravt.rewards.accuracy import options_from_question, sample_options
 from paravt.types import Group, Sample, ToolCall, Trajectory, Turn
 
 OPTS = ["A. blue circle", "B. red square", "C. green triangle", "D. yellow star"]
@@ -67,6 +68,46 @@ def test_extract_choice(text, want):
 def test_choice_beyond_options_rejected():
     assert extract_choice("F", OPTS) is None
     assert extract_choice("F", []) == "F"  # no options: any letter
+    # The explicit answer names E, one of no options: it does not fall through to "(B)".
+    assert extract_choice("Answer: E (B)", OPTS) is None
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        # An explicit "the answer is X" wins over earlier mentions, and the last one wins.
+        ("option C is wrong, the answer is D", "D"),
+        ("Option C looks close but the correct option is D.", "D"),
+        ("I first thought the answer is B, but the answer is (C)", "C"),
+        # An article (or "I") followed by a word is not a letter, even after a phrase.
+        ("The answer is A man walking", None),
+        ("Answer: A man walks", None),
+        ("A man walks", None),
+        ("the answer is A.", "A"),
+        ("The answer is (A) a man walks", "A"),
+        # Hedging over several parenthesised letters or option mentions names none.
+        ("It is (A) or maybe (C)", None),
+        ("option B or option D", None),
+    ],
+)
+def test_extract_choice_precedence(text, want):
+    assert extract_choice(text, OPTS) == want
+
+
+def test_options_parsed_from_the_question_when_the_row_has_none():
+    q = "Q: what appears?\n(A) blue circle\nB. red square\nC: green triangle\nD) yellow star"
+    q += "\nAnswer with the option's letter."
+    want = ["A. blue circle", "B. red square", "C. green triangle", "D. yellow star"]
+    assert options_from_question(q) == want
+    assert options_from_question("Which colour? A. red B. blue") == []  # inline: not parsed
+    assert options_from_question("I. Introduction\nText") == []  # a lone lettered line
+    bare = Sample("s", "v", q, "B", "mcq")
+    assert sample_options(bare) == want and sample_options(MCQ) == OPTS
+    # The option text now maps to its letter, and letters beyond D are rejected.
+    assert accuracy("<answer>red square</answer>", bare)["acc"] == 1.0
+    assert extract_choice("E", sample_options(bare)) is None
+    wrong_gt = Sample("s", "v", q, "E", "mcq")  # a row whose answer is not one of its options
+    assert accuracy("<answer>E</answer>", wrong_gt)["acc"] == 0.0
 
 
 def test_mcq_accuracy_article_shortcut():
@@ -116,6 +157,13 @@ def test_parse_window(text, want):
 def test_temporal_iou():
     assert temporal_iou((10, 20), (15, 25)) == pytest.approx(5 / 15)
     assert temporal_iou((0, 5), (6, 9)) == 0.0
+    # Non-finite bounds score 0, never 1.0 (NaN compares false inside min/max).
+    nan, inf = float("nan"), float("inf")
+    for gold in [(nan, nan), (nan, 20.0), (10.0, inf), (-inf, inf)]:
+        assert temporal_iou((10.0, 20.0), gold) == 0.0 and temporal_iou(gold, (10.0, 20.0)) == 0.0
+    s_nan = Sample("s", "v", "when?", "", "tvg", event_start=nan, event_end=nan)
+    assert accuracy("<answer>10-20</answer>", s_nan)["acc"] == 0.0
+    assert parse_window("0-" + "9" * 400) is None  # 400 digits parse to inf
     s = Sample("s", "v", "when?", "", "tvg", event_start=10.0, event_end=20.0)
     assert accuracy("<answer>from 15 to 25 seconds</answer>", s)["acc"] == pytest.approx(1 / 3)
     s2 = Sample("s", "v", "when?", "10-20", "tvg")

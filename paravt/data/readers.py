@@ -14,20 +14,40 @@ in ``Sample.extra``). Question types other than mcq/tvg are open-ended (``oe``),
 reference reward.
 
 Relative video paths resolve against ``video_root`` (or, when empty, the dataset file's
-directory). Rows whose video is missing are skipped with ONE warning giving the count and the
-first few paths; a partially synced video tree never stops a run.
+directory).
+
+Validated at load, so that a bad row fails before any rollout (errors name the file, the row
+and the field; ``DatasetError``):
+
+* ground truths: ``event_start``/``event_end`` must be finite numbers; a tvg row needs a window
+  (both events, ``start < end``, or an answer ``parse_window`` reads, e.g. ``"12.5-16.0"`` or
+  ``[12.5, 16.0]``), and the events are filled from that answer. The parser is the reward's own,
+  so a row that loads is a row ``score_groups`` can score.
+* ids: a row's id is its ``id`` (parquet: ``extra_info.id``, ``extra_info.index``, then an
+  ``id``/``index`` column); an absent, null, NaN or empty id is synthesised as
+  ``"{file stem}-{row}"`` (the JSONL line number, or the 0-based parquet row), which is stable
+  across processes but shifts if rows are inserted above, so ``load_samples`` warns once with the
+  count. Ids key the frame budget K, the SFT records and the logs, so a duplicate id is an
+  error naming the file and both rows (renaming one silently would re-key whatever refers to
+  it); give each row its own id, or drop the ids to let the reader number the rows.
+* missing videos: rows whose video file is missing are DROPPED (not fatal; a partially synced
+  video tree never stops a run) and counted in ``DatasetReport.missing_videos``;
+  ``load_samples`` warns ONCE with the count and the first few paths. Dropping at load, rather
+  than letting the agent loop skip the row at each rollout, keeps every sampled group usable.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-import re
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from paravt.rewards.accuracy import parse_window
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.data")
@@ -38,6 +58,26 @@ _SHOW_MISSING = 5
 
 class DatasetError(ValueError):
     """A dataset file or row is malformed; the message names the file, the row and the key."""
+
+
+@dataclass
+class DatasetReport:
+    """What ``read_samples`` did with a dataset file (``load_samples`` warns from it)."""
+
+    file: str  # the file read (a directory argument resolved to its split file)
+    rows: int = 0  # valid rows in the file, before dropping missing videos and max_samples
+    missing_videos: list[str] = field(default_factory=list)  # one path per dropped row
+    synthesized_ids: list[str] = field(default_factory=list)  # ids the reader made up
+
+    @property
+    def n_missing(self) -> int:
+        return len(self.missing_videos)
+
+
+class _Row(NamedTuple):
+    sample: Sample
+    where: str  # "file:line" or "file row i", for errors
+    id_synthesized: bool
 
 
 def _resolve_file(path: Path, split: str) -> Path:
@@ -67,9 +107,49 @@ def _float_or_none(v: Any, where: str, key: str) -> float | None:
     if v is None:
         return None
     try:
-        return float(v)
+        x = float(v)
     except (TypeError, ValueError):
         raise DatasetError(f"{where}: '{key}' = {v!r} is not a number") from None
+    if not math.isfinite(x):
+        raise DatasetError(f"{where}: '{key}' = {v!r} is not a finite number of seconds")
+    return x
+
+
+def _id_or_none(*values: Any) -> str | None:
+    """The first usable id: not None, not NaN (pandas' missing value), not empty. An integral
+    float is written as an int: pandas stores an int column with gaps as float (7 → 7.0)."""
+    for v in values:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if (sid := str(v).strip()) != "":
+            return sid
+    return None
+
+
+def _checked(sample: Sample, where: str) -> Sample:
+    """Validate the ground truth of ``sample`` (see the module docstring); fill a tvg window."""
+    start, end = sample.event_start, sample.event_end
+    if (start is None) != (end is None):
+        missing = "event_end" if end is None else "event_start"
+        raise DatasetError(f"{where}: '{missing}' is missing while its pair is set; set both")
+    if sample.question_type != "tvg":
+        return sample
+    if start is None:
+        win = parse_window(sample.answer)
+        if win is None:
+            raise DatasetError(
+                f"{where}: tvg 'answer' {sample.answer!r} is not a finite time window with "
+                "start < end (write 'start-end' in seconds, e.g. '12.5-16.0', or set "
+                "event_start/event_end)"
+            )
+        sample.event_start, sample.event_end = win
+    elif not start < end:  # type: ignore[operator]
+        raise DatasetError(
+            f"{where}: tvg window event_start={start} event_end={end} is empty; need start < end"
+        )
+    return sample
 
 
 def _answer_text(ans: Any) -> str:
@@ -83,10 +163,7 @@ def _answer_text(ans: Any) -> str:
     return str(ans)
 
 
-_SPAN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:-|to|,)\s*(-?\d+(?:\.\d+)?)\s*$")
-
-
-def _jsonl_samples(file: Path, root: Path) -> list[Sample]:
+def _jsonl_samples(file: Path, root: Path) -> list[_Row]:
     out = []
     with open(file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -109,19 +186,19 @@ def _jsonl_samples(file: Path, root: Path) -> list[Sample]:
                 )
             known = {"id", "video", "question", "answer", "question_type", "options"}
             known |= {"event_start", "event_end"}
-            out.append(
-                Sample(
-                    id=str(row.get("id", f"{file.stem}-{lineno}")),
-                    video=_video_path(str(row["video"]), root),
-                    question=str(row["question"]),
-                    answer=_answer_text(row["answer"]),
-                    question_type=qtype,
-                    event_start=_float_or_none(row.get("event_start"), where, "event_start"),
-                    event_end=_float_or_none(row.get("event_end"), where, "event_end"),
-                    options=[str(o) for o in row.get("options") or []],
-                    extra={k: v for k, v in row.items() if k not in known},
-                )
+            sid = _id_or_none(row.get("id"))
+            sample = Sample(
+                id=sid if sid is not None else f"{file.stem}-{lineno}",
+                video=_video_path(str(row["video"]), root),
+                question=str(row["question"]),
+                answer=_answer_text(row["answer"]),
+                question_type=qtype,
+                event_start=_float_or_none(row.get("event_start"), where, "event_start"),
+                event_end=_float_or_none(row.get("event_end"), where, "event_end"),
+                options=[str(o) for o in row.get("options") or []],
+                extra={k: v for k, v in row.items() if k not in known},
             )
+            out.append(_Row(_checked(sample, where), where, sid is None))
     return out
 
 
@@ -133,7 +210,7 @@ def _text_of(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def _parquet_samples(file: Path, root: Path) -> list[Sample]:
+def _parquet_samples(file: Path, root: Path) -> list[_Row]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(str(file))
@@ -168,50 +245,70 @@ def _parquet_samples(file: Path, root: Path) -> list[Sample]:
         raw_type = str(extra.get("question_type", "oe"))
         qtype = raw_type if raw_type in QUESTION_TYPES else "oe"
         answer = _answer_text(extra.pop("answer"))
-        start = end = None
-        if qtype == "tvg" and (m := _SPAN.match(answer)):
-            start, end = float(m.group(1)), float(m.group(2))
-        sid = extra.get("id", extra.get("index", row.get("id", f"{file.stem}-{i}")))
+        # A struct extra_info carries every key of every row: absent ones read as None.
+        sid = _id_or_none(extra.get("id"), extra.get("index"), row.get("id"), row.get("index"))
         extra.update(
             {"raw_question_type": raw_type, "videos": [_video_path(v, root) for v in videos]}
         )
         if system:
             extra["system_prompt"] = "\n".join(system)
-        out.append(
-            Sample(
-                id=str(sid),
-                video=_video_path(str(videos[0]), root),
-                question=question,
-                answer=answer,
-                question_type=qtype,
-                event_start=start,
-                event_end=end,
-                extra=extra,
-            )
+        sample = Sample(
+            id=sid if sid is not None else f"{file.stem}-{i}",
+            video=_video_path(str(videos[0]), root),
+            question=question,
+            answer=answer,
+            question_type=qtype,
+            extra=extra,
         )
+        out.append(_Row(_checked(sample, where), where, sid is None))
     return out
+
+
+def _check_unique_ids(rows: list[_Row]) -> None:
+    first: dict[str, _Row] = {}
+    for r in rows:
+        prev = first.setdefault(r.sample.id, r)
+        if prev is not r:
+            made = [w for w, x in ((prev.where, prev), (r.where, r)) if x.id_synthesized]
+            note = f" (synthesised for {made[0]})" if made else ""
+            raise DatasetError(
+                f"duplicate sample id {r.sample.id!r}{note} at {prev.where} and {r.where}: ids "
+                "key the frame budget and the SFT records, so each row needs its own. Give each "
+                "row a unique 'id', or drop the ids to let the reader number the rows"
+            )
 
 
 def read_samples(
     path: str | Path, *, video_root: str = "", split: str = "train", max_samples: int = 0
-) -> tuple[list[Sample], list[str]]:
-    """Like ``load_samples`` but silent; returns ``(samples, missing_video_paths)``."""
+) -> tuple[list[Sample], DatasetReport]:
+    """Like ``load_samples`` but silent; returns ``(samples, report)``."""
     file = _resolve_file(Path(path), split)
     root = Path(video_root) if video_root else file.parent
     if file.suffix == ".parquet":
-        samples = _parquet_samples(file, root)
+        rows = _parquet_samples(file, root)
     elif file.suffix in (".jsonl", ".json"):
-        samples = _jsonl_samples(file, root)
+        rows = _jsonl_samples(file, root)
     else:
         raise DatasetError(f"{file}: unknown dataset format (expected .jsonl or .parquet)")
+    _check_unique_ids(rows)
+    report = DatasetReport(str(file), rows=len(rows))
+    report.synthesized_ids = [r.sample.id for r in rows if r.id_synthesized]
     exists: dict[str, bool] = {}
-    kept, missing = [], []
-    for s in samples:
-        ok = exists.setdefault(s.video, os.path.isfile(s.video))
-        (kept if ok else missing).append(s)
+    kept = []
+    for r in rows:
+        s = r.sample
+        if exists.setdefault(s.video, os.path.isfile(s.video)):
+            kept.append(s)
+        else:
+            report.missing_videos.append(s.video)
     if max_samples > 0:
         kept = kept[:max_samples]
-    return kept, [s.video for s in missing]
+    return kept, report
+
+
+def _warn(msg: str) -> None:
+    log.warning(msg)
+    warnings.warn(msg, stacklevel=3)
 
 
 def load_samples(
@@ -220,19 +317,24 @@ def load_samples(
     """Samples of ``path`` (a ``.jsonl``/``.parquet`` file, or a directory holding
     ``{split}.jsonl`` / ``{split}.parquet``), video paths resolved and checked.
 
-    Rows whose video file is missing are skipped with one ``UserWarning`` naming the count and
-    the first few paths. ``max_samples > 0`` keeps the first that many usable rows. Raises
-    ``DatasetError`` for a malformed file (naming the file, row and key).
+    Rows whose video file is missing are dropped with one ``UserWarning`` naming the count and
+    the first few paths; synthesised ids get one ``UserWarning`` too (``read_samples`` returns
+    both in its ``DatasetReport`` instead). ``max_samples > 0`` keeps the first that many usable
+    rows. Raises ``DatasetError`` for a malformed file or row (naming the file, row and key):
+    see the module docstring for what is validated.
     """
-    samples, missing = read_samples(
-        path, video_root=video_root, split=split, max_samples=max_samples
-    )
-    if missing:
-        uniq = list(dict.fromkeys(missing))
-        msg = (
-            f"{path}: skipped {len(missing)} row(s) whose video is missing "
-            f"({len(uniq)} file(s), e.g. {uniq[:_SHOW_MISSING]}); check video_root"
+    samples, rep = read_samples(path, video_root=video_root, split=split, max_samples=max_samples)
+    if rep.synthesized_ids:
+        _warn(
+            f"{rep.file}: {len(rep.synthesized_ids)} of {rep.rows} row(s) have no id; "
+            f"synthesised as '<file stem>-<row>' (e.g. {rep.synthesized_ids[:_SHOW_MISSING]}), "
+            "stable unless rows are inserted above them; add an 'id' to each row"
         )
-        log.warning(msg)
-        warnings.warn(msg, stacklevel=2)
+    if rep.missing_videos:
+        uniq = list(dict.fromkeys(rep.missing_videos))
+        _warn(
+            f"{rep.file}: skipped {rep.n_missing} row(s) whose video is missing (of "
+            f"{rep.rows}; {len(uniq)} file(s), e.g. {uniq[:_SHOW_MISSING]}); check video_root"
+        )
+    log.info("%s: %d sample(s) loaded", rep.file, len(samples))
     return samples

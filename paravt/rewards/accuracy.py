@@ -5,7 +5,8 @@ agent's text (never "the last line of anything": a trajectory without a closed a
 scores 0). Scoring by ``Sample.question_type``:
 
 * ``mcq`` — one option letter is extracted (:func:`extract_choice`) and compared with the
-  ground-truth letter. 1 or 0.
+  ground-truth letter. 1 or 0. The options are the row's own, else those its question lists
+  one per line (:func:`sample_options`); a letter outside them never scores.
 * ``oe`` — normalised exact match (lower-case, punctuation and articles dropped, whitespace
   collapsed) *and* multiset token F1 (:func:`token_f1`). ``R_acc`` is the F1: it equals 1
   exactly when the normalised token multisets match (so every exact match scores 1) and gives
@@ -13,7 +14,7 @@ scores 0). Scoring by ``Sample.question_type``:
   ``RewardConfig.oe_metric='exact'`` switches to strict 0/1.
 * ``tvg`` — temporal IoU of the predicted window (``"12.5-18"``, ``"from 12.5 to 18 seconds"``,
   ``"[12.5, 18]"``) with the ground-truth window (``Sample.event_start/end``, else parsed from
-  ``Sample.answer``).
+  ``Sample.answer``). A non-finite window scores 0; the readers reject such rows at load.
 
 Shortcuts of the reference implementation that are closed here: ``\\b([A-D])\\b`` matched the
 article "A" in "A red square appears"; token F1 over *sets* rewarded "red red red" for "red";
@@ -22,6 +23,7 @@ answers came from the last line of any text.
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -45,47 +47,95 @@ def _letters(num_options: int) -> str:
     return string.ascii_uppercase[: min(n, 26)]
 
 
+_OPTION_RE = re.compile(r"^\s*(?:\(([A-Z])\)|([A-Z])[.:)])\s*(\S.*)$")
+
+
 def _option_text(option: str) -> tuple[str | None, str]:
-    """Split 'B. red square' / '(B) red square' / 'B) red' into ('B', 'red square')."""
-    m = re.match(r"^\s*\(?([A-Z])[).:]\s*(.*)$", option)
+    """Split 'B. red square' / '(B) red square' / 'B) red' / 'B: red' into ('B', 'red square')."""
+    m = _OPTION_RE.match(option)
     if m:
-        return m.group(1), m.group(2).strip()
+        return m.group(1) or m.group(2), m.group(3).strip()
     return None, option.strip()
+
+
+def options_from_question(question: str) -> list[str]:
+    """The options a question lists one per line (``A. foo``, ``(B) bar``, ``C: baz``), or [].
+
+    Only a run of lines lettered A, B, C… in order counts (at least two), so a stray line such
+    as "I. Introduction" or options written inline on one line yield no options.
+    """
+    found = []
+    for line in question.splitlines():
+        letter, text = _option_text(line)
+        if letter is None or not text or (not found and letter != "A"):
+            continue
+        if letter != string.ascii_uppercase[len(found)]:
+            break
+        found.append(f"{letter}. {text}")
+    return found if len(found) >= 2 else []
+
+
+def sample_options(sample: Sample) -> list[str]:
+    """The options of an mcq sample: its own ``options``, else those its question lists."""
+    return sample.options or options_from_question(sample.question)
+
+
+# A choice letter inside a sentence: upper-case, not glued to a word ("Apple"), and for the
+# letters that are also English words ("A", "I") not followed by a word ("A man walks").
+_LETTER = r"[\(\[]?(?P<l>[A-Z])(?![A-Za-z])(?!(?<=[AI])\s+[A-Za-z])"
+# Explicit answer phrases: "the answer is (B)", "Answer: C", "correct option is D".
+_ANSWER_PHRASE = re.compile(
+    r"(?i:\banswer\b\s*(?:is|:|=)?\s*(?:option|choice)?|\bcorrect\s+(?:option|choice)\b"
+    r"\s*(?:is|:)?)\s*" + _LETTER
+)
+_MENTION = re.compile(r"(?i:\b(?:option|choice)\b)\s*(?:is|:)?\s*" + _LETTER)
+_PAREN = re.compile(r"\(([A-Za-z])\)")
 
 
 def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     """The option letter an answer names, upper-case, or None.
 
-    Accepted, in order: a bare letter (``"B"``, ``"(b)"``, ``"B."``); a letter opening the
-    answer followed by ``)``, ``.`` or ``:`` (``"b) red"``, ``"B. red"``); a phrase
-    ``answer/option/choice is (B)``; a parenthesised letter anywhere (``"... (B)"``); the
-    answer equal to one option's text. A capital letter followed by a space or word
-    (``"A red square appears"``) is an article, not a choice. Letters beyond the number of
-    options are rejected.
+    Tried in order; the first rule that names a letter decides (a letter outside the options,
+    e.g. "E" of four, then gives None rather than falling through to a weaker rule):
+
+    1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``;
+    2. an explicit phrase, the *last* one wins: ``the answer is (B)``, ``Answer: C``,
+       ``correct option is D`` — so "option C is wrong, the answer is D" is D;
+    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``;
+    4. ``option D`` / ``choice D`` mentions, and then 5. parenthesised letters ``(c)``
+       anywhere: if these name different letters (hedging: "(A) or (B)") the answer is None;
+    6. the answer equal to one option's text (normalised).
+
+    Letters in phrases must be upper-case ("the answer is a red square" names none), and an
+    "A" or "I" followed by a word is read as the word ("A red square appears", "The answer is
+    A man walking"): the reference's ``\\b([A-D])\\b`` paid for the article. The honest limit:
+    "The answer is A because…" also reads as no choice; the prompt asks for the letter alone.
+    Letters beyond the number of options are rejected; with no options any letter counts (pass
+    :func:`sample_options` to use the options a question lists in its text).
     """
     valid = _letters(len(options or []))
     s = answer.strip()
     if not s:
         return None
-    cands: list[str] = []
+
+    def decide(letter: str) -> str | None:
+        return letter.upper() if letter.upper() in valid else None
+
     m = re.fullmatch(r"[\(\[]?([A-Za-z])[\)\]]?[.:]?", s)
     if m:
-        cands.append(m.group(1))
-    m = re.match(r"^[\(\[]?([A-Za-z])(?:[\)\]]|[.:](?=\s|$))\s*", s)
+        return decide(m.group(1))
+    phrases = list(_ANSWER_PHRASE.finditer(s))
+    if phrases:
+        return decide(phrases[-1].group("l"))
+    m = re.match(r"^[\(\[]?([A-Za-z])(?:[\)\]]|[.:](?=\s|$))", s)
     if m:
-        cands.append(m.group(1))
-    # Phrases: upper-case letter only, so "the answer is a red square" is not 'A'.
-    m = re.search(
-        r"(?:answer|option|choice)\s*(?:is|:)?\s*[\(\[]?([A-Z])(?![A-Za-z])", s, re.IGNORECASE
-    )
-    if m and m.group(1).isupper():
-        cands.append(m.group(1))
-    m = re.search(r"\(([A-Za-z])\)", s)
-    if m:
-        cands.append(m.group(1))
-    for c in cands:
-        if c.upper() in valid:
-            return c.upper()
+        return decide(m.group(1))
+    for found in ([m.group("l") for m in _MENTION.finditer(s)], _PAREN.findall(s)):
+        named = {c.upper() for c in found}
+        if len(named) == 1:
+            return decide(named.pop())
+        if len(named) > 1:
+            return None
     if options:
         norm = normalize_text(s)
         for i, opt in enumerate(options):
@@ -96,8 +146,10 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
 
 
 def mcq_accuracy(pred: str, sample: Sample) -> float:
-    gt = extract_choice(sample.answer, sample.options) or sample.answer.strip().upper()
-    got = extract_choice(pred, sample.options)
+    """1 if ``pred`` names the ground-truth letter, else 0 (options: :func:`sample_options`)."""
+    options = sample_options(sample)
+    gt = extract_choice(sample.answer, options) or sample.answer.strip().upper()
+    got = extract_choice(pred, options)
     return 1.0 if got is not None and got == gt else 0.0
 
 
@@ -144,17 +196,22 @@ _WINDOW_RES = [
 
 def parse_window(text: str) -> tuple[float, float] | None:
     """A time window ``(start, end)`` in seconds from '12.5-18', 'from 12.5 to 18 seconds',
-    '[12.5, 18]', '12.5 s to 18 s'; None if none found or ``end <= start``."""
+    '[12.5, 18]', '12.5 s to 18 s'; None if none found, ``end <= start``, or a bound is not
+    finite (400 digits parse to ``inf``)."""
     for rx in _WINDOW_RES:
         m = rx.search(text)
         if m:
             a, b = float(m.group(1)), float(m.group(2))
-            return (a, b) if b > a else None
+            return (a, b) if math.isfinite(a) and math.isfinite(b) and b > a else None
     return None
 
 
 def temporal_iou(pred: tuple[float, float], gold: tuple[float, float]) -> float:
-    """``|pred ∩ gold| / |pred ∪ gold|`` of two intervals; 0 for empty intervals."""
+    """``|pred ∩ gold| / |pred ∪ gold|`` of two intervals; 0 for empty intervals and for any
+    non-finite bound (NaN compares false, so ``min``/``max`` would otherwise make a NaN ground
+    truth score 1.0 against any prediction)."""
+    if not all(math.isfinite(x) for x in (*pred, *gold)):
+        return 0.0
     inter = max(0.0, min(pred[1], gold[1]) - max(pred[0], gold[0]))
     union = max(pred[1], gold[1]) - min(pred[0], gold[0])
     return inter / union if union > 0 and inter > 0 else 0.0
