@@ -143,8 +143,6 @@ class RewardConfig:
     # Open-ended R_acc: 'f1' (multiset token F1; partial credit, 1 iff normalised exact match)
     # or 'exact' (normalised exact match, 0/1; sparser signal).
     oe_metric: str = "f1"
-    # Token-level format variant: place format signal on structural-token positions.
-    token_level_format: bool = False
 
 
 @dataclass
@@ -161,6 +159,15 @@ class AlgoConfig:
     # KL to the frozen reference: coefficient and estimator (k1 | k2 | k3). 0 skips the reference.
     kl_coef: float = 0.01
     kl_type: str = "k3"
+    # Where the KL acts. 'loss': kl_coef * KL_k(pi_theta, pi_ref) is added to every trained
+    # token's loss; with k1 (log pi_theta - log pi_ref) that term's expected gradient is zero
+    # (E_pi[grad log pi] = 0), so k1 there is noise, not a constraint: use k2 (gradient of
+    # KL(pi_theta || pi_ref)) or k3. 'reward' (AReaL, the ParaVT reference recipe): each trained
+    # token gets the reward -kl_coef * KL_k(behaviour, pi_ref) and its advantage the sum of those
+    # rewards from it to the end of its row (return-to-go, gamma = 1), on top of the group
+    # advantage; the loss has no KL term. With k1 this is the score-function gradient of the
+    # KL-regularised return. The penalty is logged as ``kl_penalty`` (mean per row).
+    kl_mode: str = "loss"
     # Loss aggregation. token-mean: long answers weigh more (length bias towards long outputs);
     # seq-mean-token-mean: every sequence weighs the same (GRPO paper); seq-mean-token-sum:
     # Dr.GRPO-style, no per-length normalisation.
@@ -294,6 +301,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algo.clip_low": 0.2,
         "algo.clip_high": 0.2,
         "algo.kl_coef": 0.01,
+        # The reference (AReaL kl_ctl=0.01): k1 as a per-token reward penalty, no KL loss term.
+        "algo.kl_mode": "reward",
+        "algo.kl_type": "k1",
         "reward.w_fmt": 1.0,
         "reward.lambda_anchor": 0.5,
         "agent.max_turns": 3,
@@ -411,6 +421,11 @@ def validate(cfg: Config) -> None:
         errs.append(f"reward.oe_metric='{cfg.reward.oe_metric}' is not one of f1|exact")
     if cfg.algo.kl_type not in ("k1", "k2", "k3"):
         errs.append(f"algo.kl_type='{cfg.algo.kl_type}' is not one of k1|k2|k3")
+    if cfg.algo.kl_mode not in ("loss", "reward"):
+        errs.append(
+            f"algo.kl_mode='{cfg.algo.kl_mode}' is not one of loss|reward (loss: KL term in the "
+            "policy loss; reward: per-token KL penalty in the advantages, as AReaL does)"
+        )
     aggs = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
     if cfg.algo.agg not in aggs:
         errs.append(f"algo.agg='{cfg.algo.agg}' is not one of {'|'.join(aggs)}")

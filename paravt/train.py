@@ -269,9 +269,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     objective = make_objective(cfg.algo)
     reference = None
     if objective.needs_ref:
-        reference = ReferencePolicy(
-            load(init_dir).model, cfg.rollout.temperature, cfg.rollout.top_p
-        )
+        reference = ReferencePolicy(load(init_dir).model)
     if ctx.distributed:
         # The engine decodes with its own full replica; sharded parameters cannot generate.
         engine_bundle = load(ckpt or init_dir)
@@ -338,10 +336,10 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
     """One PARA-GRPO step; returns the step's metrics (global over ranks, on every rank)."""
     from paravt.agent.loop import stable_seed
-    from paravt.algo.advantages import build_units
+    from paravt.algo.advantages import apply_kl_reward, build_units
     from paravt.algo.gating import frame_budget
     from paravt.algo.loss import agg_denominator, minibatch_backward
-    from paravt.algo.packing import pack_units, sequence_logprobs, split_units
+    from paravt.algo.packing import pack_units, row_logprobs, split_units
     from paravt.distributed import (
         all_gather_objects,
         all_reduce_sum,
@@ -352,7 +350,6 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     from paravt.rewards import score_groups
 
     cfg, ctx, algo = tr.cfg, tr.ctx, tr.cfg.algo
-    temp, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     times: dict[str, float] = {}
     t_step = time.perf_counter()
 
@@ -388,12 +385,17 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     units = build_units(groups, algo)
     batches = [pack_units(mb) for mb in split_units(units, algo.minibatches)]
+    kl_pen = torch.zeros(2, dtype=torch.float64)  # sum of per-row KL penalties, rows
     with torch.no_grad():
         for b in batches:
             if tr.reference is not None:
                 b.extras["ref_logprobs"] = tr.reference.logprobs(b)
             if tr.objective.needs_prox:
                 b.extras["prox_logprobs"] = proximal_logprobs(tr, b)
+            pen = apply_kl_reward(b, algo)  # kl_mode=reward: KL penalty into the advantages
+            kl_pen += torch.tensor([float(pen.sum()), float(pen.numel())], dtype=torch.float64)
+    kl_pen = all_reduce_sum(kl_pen, ctx)
+    shaping = {"kl_penalty": float(kl_pen[0] / kl_pen[1]) if kl_pen[1] > 0 else 0.0}
     times["time/logprobs"] = time.perf_counter() - t0
     if cfg.train.dump_batches:
         dump = Path(cfg.train.out_dir) / "debug" / f"step{step}_rank{ctx.rank}.pt"
@@ -420,14 +422,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             global_den = float(red[0])
             # FSDP: every rank runs the same number of forwards (max over ranks).
             n_fwd = int(max(all_gather_objects(n_seq, ctx)))
-            cu = b.cu_seqlens.tolist()
-            mm = b.extras["mm_token_type_ids"]
 
-            def seq_lp(i: int, b=b, cu=cu, mm=mm) -> tuple[torch.Tensor, torch.Tensor]:
-                a, e = cu[i], cu[i + 1]
-                return sequence_logprobs(
-                    tr.policy, b.input_ids[a:e], mm[a:e], b.visuals[i], temp, True, top_p
-                )
+            def seq_lp(i: int, b=b) -> tuple[torch.Tensor, torch.Tensor]:
+                return row_logprobs(tr.policy, b, i, with_entropy=True)  # row's own T / top-p
 
             res = minibatch_backward(
                 b, tr.objective, seq_lp, global_den=global_den, world=ctx.world_size,
@@ -471,6 +468,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
                                                 for t in u.sequences)), ctx)[0])  # fmt: skip
     times["time/step"] = time.perf_counter() - t_step
     m.update(times)
+    m.update(shaping)
     m.update(
         {
             "loss": loss_num / den if den > 0 else 0.0,
@@ -504,9 +502,7 @@ def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
     tests/test_train_distributed.py)."""
     from paravt.algo.packing import packed_logprobs
 
-    lp, _ = packed_logprobs(
-        tr.engine.model, batch, tr.cfg.rollout.temperature, top_p=tr.cfg.rollout.top_p
-    )
+    lp, _ = packed_logprobs(tr.engine.model, batch)  # each row under its own sampling T / top-p
     return lp.float().cpu()
 
 

@@ -191,6 +191,13 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     # Extra model inputs aligned with tokens (e.g. mm_token_type_ids), filled by the builder.
     extras: dict[str, Any] = field(default_factory=dict)
+    # Sampling parameters the generated tokens were drawn with (``logprobs`` are of
+    # ``softmax(top_p(logits / temperature))``). Every trainer log-prob pass (policy, proximal,
+    # reference) re-scores the row under these, so a sub-agent sampled cooler than the main
+    # agent keeps a PPO ratio of 1 before the update. 1.0 / 1.0 (plain softmax) for rows that
+    # were not sampled (SFT oracle trajectories).
+    temperature: float = 1.0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.loss_mask) == len(self.logprobs)):
@@ -221,6 +228,11 @@ class PackedBatch:
     old_logprobs: torch.Tensor  # (N,) float32 behaviour log-probs
     advantages: torch.Tensor  # (N,) float32 per-token advantages
     seq_weights: torch.Tensor  # (B,) float32 per-sequence loss weight (sub-agent 1/num_sub)
+    # (B,) float32 sampling temperature / top-p of each sequence (``Trajectory.temperature``,
+    # ``.top_p``): the distribution every log-prob pass scores that sequence under. None only
+    # for hand-built batches; ``pack_units`` always fills them.
+    temperatures: torch.Tensor | None = None
+    top_ps: torch.Tensor | None = None
     uids: list[str] = field(default_factory=list)
     visuals: list[VisualInputs | None] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)

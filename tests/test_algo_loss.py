@@ -206,3 +206,77 @@ def test_per_sequence_accumulation_equals_packed_gradient(agg: str) -> None:
     assert res.loss_num / den == pytest.approx(loss_full.item(), rel=1e-5)
     assert res.stats["clip_frac"] == pytest.approx(st_full["clip_frac"].item())
     assert len(calls) == len(cu) + 2  # padded forwards for FSDP rank balance
+
+
+def _with_ref(batch, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ref = batch.old_logprobs - 0.4 * torch.rand(batch.old_logprobs.shape, generator=g) + 0.1
+    batch.extras["ref_logprobs"] = ref * batch.loss_mask
+    return batch
+
+
+def test_kl_reward_mode_moves_advantages_by_the_kl_return_to_go() -> None:
+    from paravt.algo.advantages import apply_kl_reward
+
+    beta = 0.05
+    batch = _with_ref(pack_units(_units(seed=11)), seed=1)
+    before = batch.advantages.clone()
+    old, ref, m = batch.old_logprobs, batch.extras["ref_logprobs"], batch.loss_mask
+    algo = AlgoConfig(kl_coef=beta, kl_type="k1", kl_mode="reward")
+    totals = apply_kl_reward(batch, algo)
+
+    # By hand: token t of row s loses beta * sum_{t' >= t in s} m (old - ref); a sub row pays
+    # for its own tokens only; the row's total is the shift of its first token.
+    cu = batch.cu_seqlens.tolist()
+    want = before.clone()
+    for s in range(len(cu) - 1):
+        for t in range(cu[s], cu[s + 1]):
+            want[t] -= beta * sum(float(m[u] * (old[u] - ref[u])) for u in range(t, cu[s + 1]))
+        assert float(totals[s]) == pytest.approx(float(before[cu[s]] - want[cu[s]]), abs=1e-6)
+    torch.testing.assert_close(batch.advantages, want, atol=1e-6, rtol=0)
+    assert (batch.advantages != before).any() and (totals > 0).any()
+
+    # The loss has no KL term: it equals the KL-free loss on the same (shaped) batch, gradient
+    # included, while kl_mean still reports KL(pi_theta || pi_ref).
+    obj = make_objective(algo)
+    assert obj.needs_ref and not obj.kl_in_loss
+    lp_a, lp_b = _policy_lp(batch), _policy_lp(batch)
+    loss, stats = obj(lp_a, batch)
+    plain, _ = make_objective(AlgoConfig(kl_coef=0.0))(lp_b, batch)
+    loss.backward()
+    plain.backward()
+    assert float(loss.detach()) == pytest.approx(float(plain.detach()), abs=1e-7)
+    torch.testing.assert_close(lp_a.grad, lp_b.grad)
+    assert float(stats["kl_mean"]) != 0.0
+
+    # k1 in reward mode needs the reference's log-probs.
+    batch.extras.pop("ref_logprobs")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        apply_kl_reward(batch, algo)
+
+
+def test_kl_loss_mode_is_unchanged() -> None:
+    from paravt_kernels import policy_loss
+
+    from paravt.algo.advantages import apply_kl_reward
+
+    batch = _with_ref(pack_units(_units(seed=12)), seed=2)
+    before = batch.advantages.clone()
+    algo = AlgoConfig(kl_coef=0.05, kl_type="k3")
+    assert algo.kl_mode == "loss"
+    totals = apply_kl_reward(batch, algo)
+    assert torch.equal(batch.advantages, before) and not totals.any()
+    obj = make_objective(algo)
+    assert obj.kl_in_loss
+    lp = _policy_lp(batch)
+    loss, _ = obj(lp, batch)
+    want, _ = policy_loss(
+        lp, batch.old_logprobs, batch.advantages, batch.loss_mask,
+        ref_logprob=batch.extras["ref_logprobs"], kl_coef=0.05, kl_type="k3",
+        clip_low=0.2, clip_high=0.2, agg=algo.agg, cu_seqlens=batch.cu_seqlens,
+        seq_weights=batch.seq_weights,
+    )  # fmt: skip
+    plain, _ = make_objective(AlgoConfig(kl_coef=0.0))(lp, batch)
+    loss, want, plain = float(loss.detach()), float(want.detach()), float(plain.detach())
+    assert loss == pytest.approx(want, abs=1e-7)
+    assert loss != pytest.approx(plain, abs=1e-5)  # the KL term is there

@@ -57,6 +57,9 @@ def test_list_and_null_overrides() -> None:
         ("video.backend=ffmpeg", "video.backend"),
         ("model.path=/does/not/exist", "model.path"),
         ("algo.minibatches=3", "algo.minibatches"),
+        ("algo.kl_mode=both", "algo.kl_mode"),
+        # Removed: it never reached the loss (see paravt.rewards.format).
+        ("reward.token_level_format=true", "reward.token_level_format"),
     ],
 )
 def test_bad_values_name_the_key(override: str, needle: str) -> None:
@@ -71,3 +74,12 @@ def test_malformed_override_and_unknown_preset(tmp_path) -> None:
         load_config("nope")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(files=[str(tmp_path / "missing.yaml")])
+
+
+def test_paper_presets_put_k1_kl_in_the_reward() -> None:
+    # The reference (AReaL kl_ctl=0.01) applies k1 as a per-token reward penalty; as a loss
+    # term k1 has zero expected gradient. The dataclass default stays 'loss'.
+    for preset in ("qwen3vl_8b_paragrpo", "qwen3vl_8b_vanilla"):
+        cfg = load_config(preset, validate_=False)
+        assert (cfg.algo.kl_mode, cfg.algo.kl_type, cfg.algo.kl_coef) == ("reward", "k1", 0.01)
+    assert load_config().algo.kl_mode == "loss"

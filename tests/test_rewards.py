@@ -272,16 +272,3 @@ def test_score_total_and_groups():
         score_groups([Group(MCQ, 0, 8, [good], [orphan])], cfg)
     with pytest.raises(ValueError, match="sub agent"):
         score(sub, MCQ, cfg)
-
-
-def test_token_level_format_on_structural_tokens():
-    from paravt.rewards import format_token_rewards
-
-    tags = {7, 9}
-    toks = [1, 2, 7, 3, 9, 7, 4]
-    mask = [0, 0, 1, 1, 1, 0, 1]  # the second 7 is forced (mask 0): it earns nothing
-    r = format_token_rewards(toks, mask, tags, 1.5)
-    assert r == [0, 0, 0.75, 0, 0.75, 0, 0]
-    # No structural token generated: the (negative) signal lands on the last generated token.
-    assert format_token_rewards([1, 2, 3], [0, 1, 1], tags, -0.5) == [0, 0, -0.5]
-    assert format_token_rewards([1], [0], tags, 1.0) == [0.0]

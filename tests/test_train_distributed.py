@@ -76,7 +76,7 @@ def _overrides(assets: dict[str, str], out: Path) -> list[str]:
 
 def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
     from paravt.algo.loss import agg_denominator, make_objective, minibatch_backward
-    from paravt.algo.packing import concat_packed, sequence_logprobs
+    from paravt.algo.packing import concat_packed, row_logprobs
     from paravt.checkpoint import load_model_state
     from paravt.config import load_config
     from paravt.models import load_model
@@ -106,14 +106,9 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
     model = load_model(out / "sft", device="cpu").model  # the RL starting point
     obj = make_objective(cfg.algo)
     den = agg_denominator(obj.effective_mask(batch), batch, cfg.algo.agg)
-    cu = batch.cu_seqlens.tolist()
-    mm = batch.extras["mm_token_type_ids"]
 
     def seq_lp(i: int):
-        a, b = cu[i], cu[i + 1]
-        return sequence_logprobs(
-            model, batch.input_ids[a:b], mm[a:b], batch.visuals[i], cfg.rollout.temperature, True
-        )
+        return row_logprobs(model, batch, i, with_entropy=True)
 
     res = minibatch_backward(batch, obj, seq_lp, global_den=den)
     assert res.loss_num / den == pytest.approx(rows[1]["loss"], rel=1e-4)

@@ -445,6 +445,8 @@ class AgentRunner:
                             )
                         ],
                         answer_text=o.summary,
+                        temperature=req.sampling.temperature,
+                        top_p=req.sampling.top_p,
                     )
                 )
         for e in calling:
@@ -473,6 +475,8 @@ class AgentRunner:
                 answer_text="".join(t.text for t in e.turns),
                 errors=e.errors,
                 timings=e.timings,
+                temperature=self.cfg.rollout.temperature,
+                top_p=self.cfg.rollout.top_p,
             )
             groups[e.group].trajectories.append(traj)
             groups[e.group].sub_trajectories.extend(e.subs)

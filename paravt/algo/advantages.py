@@ -11,6 +11,14 @@ PPO ratio. Sub-agent trajectories (crops examined by the same weights) share the
 trajectory's reward and therefore its advantage; each sub-agent row of a main trajectory with
 ``n`` sub-agents gets sequence weight ``1/n``, so a trajectory's total sub-agent gradient does
 not grow with the number of crops it requested (the reference's weight did).
+
+KL as a reward (``algo.kl_mode == 'reward'``, ``apply_kl_reward``): after packing, each trained
+token ``t`` of a row gets the reward ``r_t = -β KL_k(μ_t, π_ref,t)`` (``μ`` the behaviour
+log-probs) and its advantage becomes ``A + sum_{t' >= t, m_t' = 1} r_t'`` — the return-to-go
+of the KL rewards with γ = λ = 1 and no critic, which is what AReaL's ``compute_advantages``
+does with ``kl_ctl`` (there the group-normalised score sits on the last token, so every token
+sees it, as ``A`` does here). The penalty is *not* divided by the group std: a group whose
+task rewards are all equal keeps a small, KL-only advantage instead of one amplified to ±1.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from paravt.config import AlgoConfig
-from paravt.types import Group, Trajectory
+from paravt.types import Group, PackedBatch, Trajectory
 
 
 @dataclass
@@ -78,3 +86,45 @@ def build_units(groups: list[Group], algo: AlgoConfig) -> list[SequenceUnit]:
             units.append(SequenceUnit(t, subs, float(adv[k]), g.group_id))
             k += 1
     return units
+
+
+def apply_kl_reward(batch: PackedBatch, algo: AlgoConfig) -> torch.Tensor:
+    """KL to the reference as a per-token reward penalty (``algo.kl_mode == 'reward'``).
+
+    Needs ``batch.extras['ref_logprobs']`` ``(N,)`` (log π_ref, scored under each row's own
+    sampling parameters). With ``m`` the loss mask, ``μ`` the behaviour log-probs and
+    ``k_t = m_t · KL_k(μ_t, ref_t)`` (``algo.kl_type``; k1: ``μ_t - ref_t``), it shifts
+    ``batch.advantages`` in place, per row ``s``::
+
+        A_t <- A_t - β · sum_{t' >= t, t' in s} k_t'          (β = algo.kl_coef)
+
+    and returns the ``(B,)`` float32 total penalty ``β · sum_{t in s} k_t`` of each row (what
+    its first trained token's advantage moved by; logged as ``kl_penalty``). In
+    ``kl_mode == 'loss'`` or with ``kl_coef == 0`` it changes nothing and returns zeros.
+    Tokens with ``m_t = 0`` add no penalty (their own advantage is shifted too, but they are
+    outside the loss).
+    """
+    from paravt_kernels.reference import kl_penalty
+
+    n_seq = batch.cu_seqlens.numel() - 1
+    if algo.kl_mode != "reward" or algo.kl_coef == 0.0:
+        return torch.zeros(n_seq)
+    ref = batch.extras.get("ref_logprobs")
+    if ref is None:
+        raise ValueError(
+            "algo.kl_mode=reward needs batch.extras['ref_logprobs'] (the frozen reference's "
+            "log-probs); the trainer fills it when algo.kl_coef != 0"
+        )
+    mask = batch.loss_mask.float()
+    pen = algo.kl_coef * kl_penalty(batch.old_logprobs.float(), ref.float().cpu(), algo.kl_type)
+    pen = pen * mask
+    cu = batch.cu_seqlens.long().tolist()
+    totals = torch.zeros(n_seq)
+    adv = batch.advantages.float().clone()
+    for i in range(n_seq):
+        a, e = cu[i], cu[i + 1]
+        togo = pen[a:e].flip(0).cumsum(0).flip(0)  # sum over t' >= t within the row
+        adv[a:e] -= togo
+        totals[i] = togo[0] if e > a else 0.0
+    batch.advantages = adv
+    return totals

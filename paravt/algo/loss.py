@@ -15,6 +15,12 @@ updates, one no-grad forward) and correct for μ ≠ π_prox with a capped impor
     r_t = π_θ / π_prox,  w_t = π_prox / μ  (tokens with w_t > behav_cap leave the loss)
     l_t = w_t · max(-A r_t, -A clip(r_t, ...)) + β KL_k
 
+The ``+ β KL_k`` term is there only with ``algo.kl_mode == 'loss'``. With ``'reward'`` the KL
+to π_ref is a per-token reward penalty already inside ``batch.advantages``
+(``paravt.algo.advantages.apply_kl_reward``) and the loss has no KL term; the reference's
+log-probs are still passed to the op with ``kl_coef = 0`` so ``kl_mean`` keeps reporting
+KL(π_θ || π_ref).
+
 Aggregation (``algo.agg``) over the minibatch with per-sequence weights (sub-agent rows 1/n):
 token-mean | seq-mean-token-mean | seq-mean-token-sum (see ``AlgoConfig.agg`` for the biases).
 
@@ -47,7 +53,13 @@ class PolicyObjective:
 
     @property
     def needs_ref(self) -> bool:
+        """A reference model is needed (for the loss term or the reward penalty)."""
         return self.algo.kl_coef != 0.0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """The KL is a loss term (``algo.kl_mode == 'loss'``), not a reward penalty."""
+        return self.needs_ref and self.algo.kl_mode == "loss"
 
     def _kwargs(self, batch: PackedBatch, device: torch.device) -> dict:
         a = self.algo
@@ -57,7 +69,7 @@ class PolicyObjective:
             "clip_low": a.clip_low,
             "clip_high": a.clip_high,
             "dual_clip": a.dual_clip,
-            "kl_coef": a.kl_coef if self.needs_ref else 0.0,
+            "kl_coef": a.kl_coef if self.kl_in_loss else 0.0,
             "kl_type": a.kl_type,
             "agg": a.agg,
             "cu_seqlens": batch.cu_seqlens.to(device),
@@ -217,6 +229,8 @@ def sequence_view(batch: PackedBatch, i: int) -> PackedBatch:
         old_logprobs=batch.old_logprobs[a:b],
         advantages=batch.advantages[a:b],
         seq_weights=batch.seq_weights[i : i + 1],
+        temperatures=None if batch.temperatures is None else batch.temperatures[i : i + 1],
+        top_ps=None if batch.top_ps is None else batch.top_ps[i : i + 1],
         uids=batch.uids[i : i + 1],
         visuals=batch.visuals[i : i + 1],
         extras=extras,

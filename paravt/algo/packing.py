@@ -18,9 +18,14 @@ Alignment: ``logprob[t]`` is the log-prob of token ``t`` given tokens ``< t`` (p
 each sequence is 0, never trained). ``Trajectory.loss_mask``/``logprobs`` use the same
 alignment, so no shifting happens anywhere else.
 
-Temperature: the engine's behaviour log-probs are of ``softmax(logits / T)``; the trainer's
-log-probs must be of the same distribution for the PPO ratio to be 1 at step start, so the
-logits are divided by ``T`` here too.
+Sampling parameters: the engine's behaviour log-probs are of ``softmax(top_p(logits / T))``
+with the ``T``/``top_p`` of *that row's* request (main agents ``rollout.temperature``,
+sub-agents ``rollout.sub_temperature``). The trainer's log-probs must be of the same
+distribution for the PPO ratio to be 1 at step start, so each row carries its own
+(``Trajectory.temperature``/``top_p`` -> ``PackedBatch.temperatures``/``top_ps``) and every
+pass here (policy, proximal, reference) reads them from the batch; no caller passes a
+temperature. Scoring a ``T = 0.3`` sub-agent row at the main ``T = 0.7`` put its ratios at
+0.5-1.9 before any update.
 """
 
 from __future__ import annotations
@@ -32,10 +37,9 @@ import torch
 from paravt.algo.advantages import SequenceUnit
 from paravt.types import PackedBatch, Trajectory, VisualInputs
 
-# (model, batch, temperature, with_entropy, top_p) -> (logprob (N,), entropy (N,) or empty)
-LogprobFn = Callable[
-    [torch.nn.Module, PackedBatch, float, bool, float], tuple[torch.Tensor, torch.Tensor]
-]
+# (model, batch, with_entropy) -> (logprob (N,), entropy (N,) or empty); each sequence under
+# its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``.
+LogprobFn = Callable[[torch.nn.Module, PackedBatch, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _mm_types(traj: Trajectory) -> list[int]:
@@ -56,7 +60,8 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
 
     Per-token advantages come from ``paravt_kernels.broadcast_to_tokens``: a main row spreads
     its own group advantage, a sub row (``parent_index >= 0``) its parent's. ``seq_weights`` is
-    1 for main rows and ``1/num_sub`` for sub rows.
+    1 for main rows and ``1/num_sub`` for sub rows. ``temperatures``/``top_ps`` are each row's
+    own sampling parameters (a sub-agent's may differ from its parent's).
     """
     from paravt_kernels import broadcast_to_tokens
 
@@ -93,6 +98,8 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
         old_logprobs=torch.tensor([x for t in seqs for x in t.logprobs], dtype=torch.float32),
         advantages=adv.float(),
         seq_weights=torch.tensor(weights, dtype=torch.float32),
+        temperatures=torch.tensor([t.temperature for t in seqs], dtype=torch.float32),
+        top_ps=torch.tensor([t.top_p for t in seqs], dtype=torch.float32),
         uids=[t.uid for t in seqs],
         visuals=[t.visuals for t in seqs],
         extras={
@@ -159,22 +166,38 @@ def sequence_logprobs(
     return lp, ent
 
 
+def row_sampling(batch: PackedBatch, i: int) -> tuple[float, float]:
+    """``(temperature, top_p)`` sequence ``i`` of ``batch`` was sampled with."""
+    if batch.temperatures is None or batch.top_ps is None:
+        raise ValueError(
+            "PackedBatch.temperatures/top_ps are None: a log-prob pass needs each row's sampling "
+            "parameters; build batches with pack_units (it copies Trajectory.temperature/top_p)"
+        )
+    return float(batch.temperatures[i]), float(batch.top_ps[i])
+
+
+def row_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, i: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logprobs`` of sequence ``i`` of ``batch`` under its own sampling parameters
+    (``row_sampling``). The trainer's per-sequence policy forward (``train_step``) and every
+    packed pass (``packed_logprobs``: proximal, reference) go through here."""
+    cu = batch.cu_seqlens
+    a, b = int(cu[i]), int(cu[i + 1])
+    temperature, top_p = row_sampling(batch, i)
+    mm = batch.extras["mm_token_type_ids"][a:b]
+    return sequence_logprobs(
+        model, batch.input_ids[a:b], mm, batch.visuals[i], temperature, with_entropy, top_p
+    )
+
+
 def per_sequence_logprobs(
-    model: torch.nn.Module,
-    batch: PackedBatch,
-    temperature: float,
-    with_entropy: bool = False,
-    top_p: float = 1.0,
+    model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padding-free packed log-probs ``(N,)`` (and entropy) from one forward per sequence."""
-    cu = batch.cu_seqlens.tolist()
-    mm = batch.extras["mm_token_type_ids"]
     lps, ents = [], []
-    for i in range(len(cu) - 1):
-        a, b = cu[i], cu[i + 1]
-        lp, ent = sequence_logprobs(
-            model, batch.input_ids[a:b], mm[a:b], batch.visuals[i], temperature, with_entropy, top_p
-        )
+    for i in range(batch.cu_seqlens.numel() - 1):
+        lp, ent = row_logprobs(model, batch, i, with_entropy)
         lps.append(lp)
         ents.append(ent)
     # Results stay on the model's device (the loss runs there too).
@@ -189,15 +212,14 @@ LOGPROB_PATHS: dict[str, LogprobFn] = {"per_sequence": per_sequence_logprobs}
 def packed_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
-    temperature: float,
     with_entropy: bool = False,
-    top_p: float = 1.0,
     path: str = "per_sequence",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch to a registered ``LogprobFn`` (see the module docstring)."""
+    """Dispatch to a registered ``LogprobFn`` (see the module docstring); each sequence is
+    scored under its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``."""
     if path not in LOGPROB_PATHS:
         raise ValueError(f"log-prob path '{path}' is not one of {sorted(LOGPROB_PATHS)}")
-    return LOGPROB_PATHS[path](model, batch, temperature, with_entropy, top_p)
+    return LOGPROB_PATHS[path](model, batch, with_entropy)
 
 
 def concat_packed(batches: Sequence[PackedBatch]) -> PackedBatch:
@@ -228,9 +250,15 @@ def concat_packed(batches: Sequence[PackedBatch]) -> PackedBatch:
         old_logprobs=torch.cat([b.old_logprobs for b in batches]),
         advantages=torch.cat([b.advantages for b in batches]),
         seq_weights=torch.cat([b.seq_weights for b in batches]),
+        temperatures=_cat_optional([b.temperatures for b in batches]),
+        top_ps=_cat_optional([b.top_ps for b in batches]),
         uids=[u for b in batches for u in b.uids],
         visuals=[v for b in batches for v in b.visuals],
         extras=extras,
     )
     assert out.input_ids.numel() == n
     return out
+
+
+def _cat_optional(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if any(p is None for p in parts) else torch.cat(parts)  # type: ignore[arg-type]

@@ -2,8 +2,9 @@
 
 π_ref is the policy RL starts from (after the SFT cold start). It never trains: parameters
 have ``requires_grad=False``, the module stays in eval mode, and its log-probs are computed
-under ``torch.no_grad`` with the same per-sequence path and temperature as the policy's, so
-``KL(π_θ || π_ref)`` is exactly 0 at step 0.
+under ``torch.no_grad`` with the same per-sequence path as the policy's, each sequence under
+its own sampling temperature / top-p (``PackedBatch.temperatures``), so
+``KL(π_θ || π_ref)`` is exactly 0 at step 0 on main and sub-agent rows alike.
 
 Memory: a full replica per rank (sharded with FSDP2 too when distributed, forward-only). With
 ``algo.kl_coef == 0`` the trainer never builds one.
@@ -22,21 +23,18 @@ from paravt.types import PackedBatch
 class ReferencePolicy:
     """Wraps a frozen copy of the initial policy; ``logprobs(batch)`` → ``(N,)`` float32."""
 
-    def __init__(self, model: torch.nn.Module, temperature: float, top_p: float = 1.0) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         model.eval()
         model.requires_grad_(False)
         self.model = model
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
 
     @classmethod
-    def from_policy(
-        cls, policy: torch.nn.Module, temperature: float, top_p: float = 1.0
-    ) -> ReferencePolicy:
+    def from_policy(cls, policy: torch.nn.Module) -> ReferencePolicy:
         """A deep copy of ``policy``'s current weights (call before any update/sharding)."""
-        return cls(copy.deepcopy(policy), temperature, top_p)
+        return cls(copy.deepcopy(policy))
 
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        lp, _ = packed_logprobs(self.model, batch, self.temperature, top_p=self.top_p)
+        """``(N,)`` log π_ref of every token, each row under its own sampling parameters."""
+        lp, _ = packed_logprobs(self.model, batch)
         return lp.float().cpu()

@@ -9,23 +9,16 @@ from paravt.rewards.accuracy import (
     token_f1,
 )
 from paravt.rewards.compose import full_text, score, score_groups
-from paravt.rewards.format import (
-    STRUCTURAL_TAGS,
-    analyse_turn,
-    format_reward,
-    format_token_rewards,
-)
+from paravt.rewards.format import analyse_turn, format_reward
 from paravt.rewards.tool import call_counts, tool_reward
 
 __all__ = [
-    "STRUCTURAL_TAGS",
     "accuracy",
     "analyse_turn",
     "call_counts",
     "extract_answer",
     "extract_choice",
     "format_reward",
-    "format_token_rewards",
     "full_text",
     "parse_window",
     "score",

@@ -129,30 +129,3 @@ def format_reward(turns: list[Turn], *, lambda_anchor: float) -> dict[str, float
         "flow": flow,
         "unclosed_think": float(unclosed),
     }
-
-
-STRUCTURAL_TAGS = ("</think>", "<tool_call>", "</tool_call>", "<answer>", "</answer>")
-
-
-def format_token_rewards(
-    tokens: list[int], loss_mask: list[int], structural_ids: set[int], fmt: float
-) -> list[float]:
-    """Token-level format variant (``reward.token_level_format``): ``R_fmt`` placed on the
-    generated structural-tag tokens (``STRUCTURAL_TAGS``) instead of the whole sequence.
-
-    Returns ``(len(tokens),)`` per-token rewards summing to ``fmt``: split evenly over the
-    generated (mask 1) tokens whose id is in ``structural_ids``; with none (e.g. an unclosed
-    ``<think>``), all of it sits on the last generated token, so the penalty still lands where
-    the model stopped. Zero everywhere when nothing was generated. Tags must be single tokens
-    (true for Qwen tokenizers and the tiny one; ``SpecialTokens`` gives their ids).
-    """
-    if len(tokens) != len(loss_mask):
-        raise ValueError(f"tokens ({len(tokens)}) and loss_mask ({len(loss_mask)}) differ")
-    out = [0.0] * len(tokens)
-    gen = [i for i, m in enumerate(loss_mask) if m]
-    if not gen:
-        return out
-    where = [i for i in gen if tokens[i] in structural_ids] or [gen[-1]]
-    for i in where:
-        out[i] = fmt / len(where)
-    return out

@@ -1,0 +1,147 @@
+"""Every trainer log-prob pass scores each row under the distribution it was sampled from.
+
+Sub-agents sample at ``rollout.sub_temperature``, main agents at ``rollout.temperature``. With
+the two different, the policy forward of the first minibatch (before any update), the
+proximal pass and the reference pass must all reproduce the engine's behaviour log-probs on
+every trained token of every row: PPO ratio exp(trainer - behaviour) = 1. Scoring every row at
+the main temperature (the old behaviour) put the sub-agent rows' ratios at 0.5-1.9.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from paravt.config import load_config
+from paravt.rollout.engine import GenerationResult
+
+MAIN_T, SUB_T = 0.7, 0.3
+# float32 CPU forwards, batched generate vs one teacher-forced forward (tests/test_hf_engine.py
+# checks behaviour log-probs to 2e-4 the same way).
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    from paravt.data.synth import generate
+    from paravt.models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("rescoring")
+    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    model = build_tiny_checkpoint(root / "tiny", seed=0)
+    return {"data": str(data), "model": str(model)}
+
+
+class _ScriptedFirstTurn:
+    """The real HF engine, except that each main agent's first turn is a fixed parallel-crop
+    call (so sub-agents run with an untrained model) whose behaviour log-probs are the model's
+    own teacher-forced log-probs under the request's sampling parameters. Later main turns and
+    every sub-agent summary are sampled by the real engine."""
+
+    def __init__(self, real, text: str) -> None:
+        self.real, self.seen = real, set()
+        tok = real.tokenizer
+        self.ids = tok.encode(text, add_special_tokens=False) + [
+            tok.convert_tokens_to_ids("<|im_end|>")
+        ]
+
+    def generate(self, requests):
+        from paravt.rollout.hf import sequence_logprobs
+
+        out = []
+        for r in requests:
+            if ":t" in r.request_id or r.request_id in self.seen:
+                out.extend(self.real.generate([r]))
+                continue
+            self.seen.add(r.request_id)
+            mm = list(r.extras["mm_token_type_ids"]) + [0] * len(self.ids)
+            with torch.no_grad():
+                lp = sequence_logprobs(
+                    self.real.model, list(r.prompt_ids) + self.ids, mm, r.visuals,
+                    temperature=r.sampling.temperature, top_p=r.sampling.top_p,
+                )  # fmt: skip
+            lps = lp[len(r.prompt_ids) :].tolist()
+            out.append(GenerationResult(list(self.ids), lps, "stop", r.request_id))
+        return out
+
+    def sync_weights(self, model) -> None:
+        self.real.sync_weights(model)
+
+
+def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, monkeypatch):
+    import paravt.algo.loss as loss_mod
+    from paravt.distributed import init_distributed
+    from paravt.train import build_trainer, train_step
+
+    kv = {
+        "data.synth_dir": assets["data"],
+        "data.synth_num_videos": 2,
+        "model.tiny_dir": assets["model"],
+        "model.device": "cpu",
+        "train.out_dir": str(tmp_path / "run"),
+        "train.prompts_per_step": 2,
+        "train.eval_prompts": 0,
+        "train.progress": False,
+        "train.log_trajectories": 0,
+        "sft.steps": 0,
+        "rollout.group_size": 2,
+        "rollout.temperature": MAIN_T,
+        "rollout.sub_temperature": SUB_T,
+        "rollout.max_new_tokens": 6,
+        "rollout.sub_max_new_tokens": 6,
+        "agent.max_turns": 1,
+        "agent.max_tool_response_tokens": 8,
+        "video.frame_budgets": json.dumps([2, 4]),
+        "video.crop_max_frames": 4,
+        # Exercise all three passes: policy, proximal (decoupled) and reference (KL).
+        "algo.loss": "decoupled",
+        "algo.kl_coef": 0.01,
+    }
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
+    tr = build_trainer(cfg, init_distributed("cpu"))
+    calls = "\n".join(
+        "<tool_call>\n"
+        + json.dumps({"name": "crop_video", "arguments": {"start_time": s, "end_time": e}})
+        + "\n</tool_call>"
+        for s, e in ((5, 9), (20, 26))
+    )
+    tr.runner.engine = _ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls)
+
+    seen: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    real_backward = loss_mod.minibatch_backward
+
+    def checking_backward(batch, objective, seq_logprobs, **kw):
+        if not seen:  # the first minibatch, before any optimizer step
+            cu = batch.cu_seqlens.tolist()
+            for i, role in enumerate(batch.extras["roles"]):
+                a, e = cu[i], cu[i + 1]
+                with torch.no_grad():
+                    lp, _ = seq_logprobs(i)
+                m = batch.loss_mask[a:e].bool()
+                old = batch.old_logprobs[a:e][m]
+                seen.setdefault(role, []).append(
+                    (
+                        batch.uids[i],
+                        (lp.cpu()[m] - old).exp(),
+                        (batch.extras["prox_logprobs"][a:e][m] - old).exp(),
+                        (batch.extras["ref_logprobs"][a:e][m] - old).exp(),
+                    )
+                )
+            temps = dict(zip(batch.extras["roles"], batch.temperatures.tolist()))
+            assert temps == pytest.approx({"main": MAIN_T, "sub": SUB_T})
+        return real_backward(batch, objective, seq_logprobs, **kw)
+
+    monkeypatch.setattr(loss_mod, "minibatch_backward", checking_backward)
+    train_step(tr, 1)
+
+    assert len(seen.get("main", [])) == 4 and len(seen.get("sub", [])) >= 2, seen.keys()
+    for rows in seen.values():
+        for uid, policy, prox, ref in rows:
+            assert policy.numel() > 0, uid
+            for name, ratio in (("policy", policy), ("proximal", prox), ("reference", ref)):
+                torch.testing.assert_close(
+                    ratio, torch.ones_like(ratio), atol=ATOL, rtol=0,
+                    msg=lambda s, n=name, u=uid: f"{n} ratio of {u}: {s}",
+                )  # fmt: skip
