@@ -8,11 +8,15 @@ PIP     := $(VPY) -m pip --disable-pip-version-check
 
 .PHONY: install train test lint format bench clean ext native-check gpu-wheels
 
-$(STAMP): requirements.txt pyproject.toml setup.py
+# `python -m paravt_startup` writes paravt_startup.pth into the venv's site-packages: every
+# process started from the venv (not only those that import paravt) can then import PyPI's CUDA
+# torchvision on the CPU torch pinned here (the fix runs on torchvision's first import).
+$(STAMP): requirements.txt pyproject.toml setup.py paravt_startup.py
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-build-isolation --no-deps -e .
+	$(VPY) -m paravt_startup
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -1,7 +1,9 @@
 """Build script: the Python packages (paravt, paravt_kernels) and the optional native extension.
 
 ``kernels/`` is installed as ``paravt_kernels`` (never a bare ``kernels`` import: PyPI's
-``kernels`` package, which transformers probes for, would collide).
+``kernels`` package, which transformers probes for, would collide). ``paravt_startup`` is a
+top-level, stdlib-only module (the torchvision fix and its interpreter start-up hook, which
+``make install`` enables with ``python -m paravt_startup``).
 """
 
 from setuptools import find_packages, setup
@@ -74,6 +76,7 @@ ext_modules, cmdclass = _native_extension()
 
 setup(
     packages=packages,
+    py_modules=["paravt_startup"],
     package_dir={"paravt": "paravt", "paravt_kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
