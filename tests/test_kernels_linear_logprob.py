@@ -85,8 +85,20 @@ def test_matches_naive_fp32(impl, shape, with_bias, entropy, temperature):
         torch.testing.assert_close(ent.double(), ent64, atol=2e-5, rtol=1e-5)
     if n > 1:
         assert (lp[1::3] == 0).all() and grads[0][1::3].abs().max() == 0
-    for got, want in zip(grads, grads64):
-        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+    # Same-dtype baseline: the naive formulation in float32 (the project's tolerance rule:
+    # error vs the fp64 oracle <= 2x that of the same-dtype torch computation, where the fixed
+    # tolerance alone is too tight for this CPU's rounding).
+    naive = [x.clone().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    lp32, ent32 = _naive(naive[0], naive[1], t, naive[2] if b is not None else None, temperature)
+    obj32 = (lp32 * g_lp).sum() + ((ent32 * g_ent).sum() if entropy else 0.0)
+    grads32 = torch.autograd.grad(obj32, naive)
+    for got, want, base in zip(grads, grads64, grads32):
+        try:
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+        except AssertionError:
+            err = float((got.double() - want).abs().max())
+            base_err = float((base.double() - want).abs().max())
+            assert err <= 2 * base_err, f"grad error {err:.3g} > 2x naive fp32 {base_err:.3g}"
 
 
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)
