@@ -54,15 +54,18 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def _strict_rows(path: Path) -> dict[int, dict[str, Any]]:
-    """metrics.jsonl parsed as strict JSON (NaN / Infinity tokens raise)."""
+def _strict_jsonl(path: Path) -> list[dict[str, Any]]:
+    """A .jsonl file parsed as strict JSON (NaN / Infinity tokens raise)."""
 
     def no_constants(tok: str) -> Any:
-        raise AssertionError(f"metrics.jsonl holds the non-JSON constant {tok}")
+        raise AssertionError(f"{path.name} holds the non-JSON constant {tok}")
 
-    rows = [json.loads(line, parse_constant=no_constants) for line in path.read_text().split("\n")
-            if line.strip()]  # fmt: skip
-    return {r["step"]: r for r in rows if r["kind"] == "train"}
+    lines = [x for x in path.read_text().split("\n") if x.strip()]
+    return [json.loads(x, parse_constant=no_constants) for x in lines]
+
+
+def _strict_rows(path: Path) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in _strict_jsonl(path) if r["kind"] == "train"}
 
 
 def _run_with_fault(assets, out: Path, monkeypatch, fault) -> dict[int, tuple]:
@@ -126,6 +129,8 @@ def test_nan_reward_skips_the_step_update(assets, tmp_path, monkeypatch, capsys)
     assert rows[2]["nonfinite/advantage"] == 2.0  # the NaN spreads to its group of 2
     assert rows[1]["nonfinite/reward"] == rows[3]["nonfinite/reward"] == 0.0
     assert rows[2]["reward/total"] is None  # undefined mean: JSON null, never NaN
+    logged = [t for t in _strict_jsonl(tmp_path / "run" / "trajectories.jsonl") if t["step"] == 2]
+    assert None in [t["reward"] for t in logged]  # the NaN trajectory, written as null
     log = capsys.readouterr().out
     line = next(x for x in log.splitlines() if x.startswith("[guard] step 2: non-finite reward"))
     assert poisoned[0] in line and "skipped" in line
