@@ -11,6 +11,13 @@ Atomicity: a checkpoint is written into ``.tmp-step_000004`` and renamed into pl
 ``os.replace`` (atomic on POSIX within a file system), then ``latest`` is rewritten the same way.
 A process killed at any instant leaves either the previous complete checkpoint or the new
 complete one, never a torn one; stale ``.tmp-*`` directories are removed on the next save.
+Deleting is the mirror image: an old checkpoint (pruned by ``keep_last``, or replaced when a
+resumed run saves a step again) is first renamed to ``.tmp-del-*`` and only then removed, so a
+``step_*`` directory is complete whenever it exists (``tests/test_checkpoint_kill.py`` kills a
+saving process at each of these points). The one window left: re-saving an existing step
+renames the old copy aside and the new one in with two renames; a kill between them leaves
+``latest`` naming a missing directory, and ``latest_checkpoint`` falls back to the newest
+complete one.
 
 ``trainer_state.pt`` is a ``torch.save`` pickle written by this module and read back with
 ``weights_only=False`` (it holds Python/NumPy RNG states); only load checkpoints you wrote.
@@ -81,6 +88,15 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _move_aside(path: Path) -> Path:
+    """Rename ``path`` out of the ``step_*`` namespace (atomic); delete the result later."""
+    aside = path.with_name(f".tmp-del-{path.name}")
+    if aside.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    return aside
+
+
 def save_model_dir(
     out: str | Path,
     model: torch.nn.Module,
@@ -144,14 +160,15 @@ def save_checkpoint(
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     final = root / name
-    if final.exists():  # re-saving a step after a resume: replace the old copy
-        shutil.rmtree(final)
+    old = _move_aside(final) if final.exists() else None  # re-saving a step after a resume
     os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     _fsync_dir(root)
     _write_text_atomic(root / LATEST, name)
     if keep_last > 0:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        for prev in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(_move_aside(prev), ignore_errors=True)
     return final
 
 

@@ -91,6 +91,15 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _json_safe(v: Any) -> Any:
+    """``_clean`` applied through dicts and lists (trajectory records nest their rewards)."""
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return _clean(v)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a ``metrics.jsonl`` (skips a torn last line left by a killed process)."""
     rows: list[dict[str, Any]] = []
@@ -182,7 +191,7 @@ class MetricsLogger:
             return
         with open(self.traj_path, "a") as f:
             for r in records:
-                f.write(json.dumps({"step": int(step), **r}) + "\n")
+                f.write(json.dumps(_json_safe({"step": int(step), **r})) + "\n")
 
     def close(self) -> None:
         if self._tb is not None:

@@ -338,6 +338,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     from paravt.agent.loop import stable_seed
     from paravt.algo.advantages import apply_kl_reward, build_units
     from paravt.algo.gating import frame_budget
+    from paravt.algo.guard import NonFiniteGuard
     from paravt.algo.loss import agg_denominator, minibatch_backward
     from paravt.algo.packing import pack_units, row_logprobs, split_units
     from paravt.distributed import (
@@ -376,14 +377,19 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     )
     times["time/rollout"] = time.perf_counter() - t0
 
-    # 3. Rewards (sub-agents inherit their parent's).
+    # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
+    # rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite loss
+    # or gradient norm, per optimizer step.
     t0 = time.perf_counter()
     score_groups(groups, cfg.reward)
+    guard = NonFiniteGuard(ctx, step)
+    guard.check_rewards(groups)
     times["time/reward"] = time.perf_counter() - t0
 
     # 4. Advantages, packed minibatches, reference / proximal log-probs (no grad).
     t0 = time.perf_counter()
     units = build_units(groups, algo)
+    guard.check_advantages(units)
     batches = [pack_units(mb) for mb in split_units(units, algo.minibatches)]
     kl_pen = torch.zeros(2, dtype=torch.float64)  # sum of per-row KL penalties, rows
     with torch.no_grad():
@@ -414,6 +420,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     epochs = algo.ppo_epochs if min(all_gather_objects(len(units), ctx)) > 0 else 0
     if epochs == 0 and ctx.is_main:
         print(f"[train] step {step}: a rank has no trajectories (videos unreadable); no update")
+    epochs = guard.planned_epochs(epochs, len(batches))
     for _ in range(epochs):
         for b in batches:
             local_den = agg_denominator(tr.objective.effective_mask(b), b, algo.agg)
@@ -430,10 +437,15 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
                 b, tr.objective, seq_lp, global_den=global_den, world=ctx.world_size,
                 num_forwards=n_fwd,
             )  # fmt: skip
-            grad_norms.append(clip_grad_norm(params, algo.max_grad_norm))
-            tr.optimizer.step()
-            tr.scheduler.step()
+            grad_norm = clip_grad_norm(params, algo.max_grad_norm)
+            finite = guard.update_is_finite(res.loss_num, grad_norm, b.uids)
+            if finite:  # else skipped: parameters, AdamW moments and the schedule stay as is
+                tr.optimizer.step()
+                tr.scheduler.step()
             tr.optimizer.zero_grad(set_to_none=True)
+            if not finite:
+                continue  # a skipped update adds nothing to the loss / grad-norm metrics
+            grad_norms.append(grad_norm)
             acc["loss_num"] += res.loss_num
             acc["den"] += local_den
             acc["ent"] += res.entropy_sum
@@ -486,6 +498,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             "skipped_prompts": float(all_reduce_sum(float(len(tr.runner.errors)), ctx)[0]),
         }
     )
+    m.update(guard.metrics())
     if ctx.is_main and cfg.train.log_trajectories:
         tr.logger.log_trajectories(step, trajectory_samples(tr, groups, cfg.train.log_trajectories))
     return m

@@ -29,30 +29,35 @@ def assets(tmp_path_factory) -> dict[str, str]:
     return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
 
 
+def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
+    """The tiny run (~1 s a step on 2 CPU cores) as ``key=value`` overrides; the other
+    train-loop tests (test_train_nonfinite.py, test_train_kill.py) use it too."""
+    return [
+        f"data.synth_dir={assets['data']}",
+        "data.synth_num_videos=2",
+        f"model.tiny_dir={assets['model']}",
+        f"train.out_dir={out}",
+        f"train.steps={steps}",
+        "train.prompts_per_step=1",
+        "train.save_every=3",
+        "train.keep_last=1",
+        "train.eval_prompts=0",
+        "train.progress=false",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "rollout.sub_max_new_tokens=4",
+        "agent.max_turns=1",
+        "agent.max_tool_response_tokens=8",
+        "video.frame_budgets=[2,4]",
+        "sft.steps=0",
+        "algo.adv_bias=0.1",  # non-zero advantages even when group rewards tie
+        "algo.lr=1e-3",
+    ]
+
+
 def _cfg(assets: dict[str, str], out: Path, steps: int, resume: bool = False):
     return load_config(
-        overrides=[
-            f"data.synth_dir={assets['data']}",
-            "data.synth_num_videos=2",
-            f"model.tiny_dir={assets['model']}",
-            f"train.out_dir={out}",
-            f"train.steps={steps}",
-            f"train.resume={str(resume).lower()}",
-            "train.prompts_per_step=1",
-            "train.save_every=3",
-            "train.keep_last=1",
-            "train.eval_prompts=0",
-            "train.progress=false",
-            "rollout.group_size=2",
-            "rollout.max_new_tokens=6",
-            "rollout.sub_max_new_tokens=4",
-            "agent.max_turns=1",
-            "agent.max_tool_response_tokens=8",
-            "video.frame_budgets=[2,4]",
-            "sft.steps=0",
-            "algo.adv_bias=0.1",  # non-zero advantages even when group rewards tie
-            "algo.lr=1e-3",
-        ]
+        overrides=[*tiny_overrides(assets, out, steps), f"train.resume={str(resume).lower()}"]
     )
 
 
