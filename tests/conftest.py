@@ -1,6 +1,9 @@
 """Session-scoped fixtures shared across the suite. Keep this file small.
 
 - ``synth_dir``: a small synthetic long-video task (3 videos of 60 s, H.264) generated once.
+- ``assets``: ``{"data", "model"}`` — a 2-video synthetic task (40-50 s) and the tiny
+  Qwen3-VL checkpoint (seed 0), built once for the training / SFT tests (read-only for them:
+  runs write to their own ``train.out_dir``).
 - ``make_clip``: ``make_clip(gop=12, codec="h264", fps=4.0, duration=10.0, size=(128, 160))``
   writes (once per parameter set) a real clip whose frames carry their index (read it back
   with ``paravt.data.synth.read_frame_index``) and returns its path as ``str``.
@@ -21,6 +24,16 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from paravt.data.synth import generate
 
     return generate(tmp_path_factory.mktemp("synth"), 3, seed=0, min_duration=60, max_duration=60)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from paravt.data.synth import generate
+    from paravt.models import build_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("assets")
+    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
 
 
 @pytest.fixture(scope="session")

@@ -13,16 +13,6 @@ from paravt.config import load_config
 from paravt.sft import read_sft_records
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    from paravt.data.synth import generate
-    from paravt.models import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("assets")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
-    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
-
-
 def _cfg(assets: dict[str, str], out: Path, **kv: object):
     base = {
         "data.synth_dir": assets["data"],

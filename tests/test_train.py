@@ -13,18 +13,6 @@ from paravt.config import ConfigError, load_config
 from paravt.metrics import STEP_METRICS, read_metrics
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    """The synthetic task (2 real H.264 videos) and the tiny checkpoint, built once."""
-    from paravt.data.synth import generate
-    from paravt.models import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("assets")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
-    model = build_tiny_checkpoint(root / "tiny", seed=0)
-    return {"data": str(data), "model": str(model)}
-
-
 def small_overrides(assets: dict[str, str], out: Path, **extra: object) -> list[str]:
     """Tiny shapes: 2 prompts x G=2, few tokens, K in {2, 4}, one tool turn."""
     kv = {

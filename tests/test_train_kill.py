@@ -26,16 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]  # run from the checkout: its paravt 
 _TIMING = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    from paravt.data.synth import generate
-    from paravt.models import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("assets")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
-    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
-
-
 def _argv(assets: dict[str, str], out: Path, *extra: str) -> list[str]:
     over = [*tiny_overrides(assets, out, 4), "train.save_every=2"]
     return [sys.executable, "-m", "paravt.train", *extra, *over]

@@ -12,23 +12,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from test_train_resume import tiny_overrides
 
 from paravt.config import load_config
 
 FAULT_STEP = 2
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    from paravt.data.synth import generate
-    from paravt.models import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("assets")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
-    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
 
 
 def _snapshot(tr: Any) -> dict[str, Any]:

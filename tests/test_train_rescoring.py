@@ -23,17 +23,6 @@ MAIN_T, SUB_T = 0.7, 0.3
 ATOL = 2e-4
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    from paravt.data.synth import generate
-    from paravt.models import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("rescoring")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
-    model = build_tiny_checkpoint(root / "tiny", seed=0)
-    return {"data": str(data), "model": str(model)}
-
-
 class _ScriptedFirstTurn:
     """The real HF engine, except that each main agent's first turn is a fixed parallel-crop
     call (so sub-agents run with an untrained model) whose behaviour log-probs are the model's

@@ -10,23 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from paravt.config import load_config
 from paravt.metrics import read_metrics
 
 # Wall-clock metrics legitimately differ between runs.
 _TIMING = ("time/", "tokens_per_s")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> dict[str, str]:
-    from paravt.data.synth import generate
-    from paravt.models import build_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("assets")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
-    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
 
 
 def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
