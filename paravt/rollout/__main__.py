@@ -100,7 +100,9 @@ class OracleMainEngine:
             if text is None:
                 real.append(i)
                 continue
-            ids = self.tok.encode(text, add_special_tokens=False) + [self.im_end]
+            # An SFT-style target: tags as the model writes them, special tokens never parsed.
+            ids = self.tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+            ids += [self.im_end]
             out[i] = GenerationResult(ids, [0.0] * len(ids), "stop", r.request_id, text)
         if real:
             for i, res in zip(real, self.engine.generate([requests[i] for i in real])):
