@@ -230,7 +230,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     from paravt.algo.loss import make_objective
     from paravt.algo.reference import ReferencePolicy
     from paravt.checkpoint import latest_checkpoint, load_trainer_state, set_rng_state
-    from paravt.data.readers import load_samples
+    from paravt.data.readers import has_split, load_samples
     from paravt.distributed import load_full_optimizer_state, shard_model
     from paravt.metrics import MetricsLogger
     from paravt.models import load_model_from_config
@@ -295,10 +295,9 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     train_samples = load_samples(
         data_dir, video_root=cfg.data.video_root, split="train", max_samples=cfg.data.max_samples
     )
-    try:
+    val_samples = []  # an absent val split falls back to the train prompts; a bad one raises
+    if has_split(data_dir, "val"):
         val_samples = load_samples(data_dir, video_root=cfg.data.video_root, split="val")
-    except Exception:
-        val_samples = []
     if not val_samples:
         val_samples = train_samples
     val_samples = val_samples[: t.eval_prompts]

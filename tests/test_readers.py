@@ -248,3 +248,15 @@ def test_duplicate_ids_are_an_error_naming_both_rows(synth_dir, tmp_path):
     _jsonl(f, [_row(0, id="x"), _row(1, id="x", video="videos/gone.mp4")])
     with pytest.raises(DatasetError, match="duplicate sample id 'x'"):
         read_samples(f, video_root=root)
+
+
+def test_has_split_tells_an_absent_split_from_a_bad_one(tmp_path) -> None:
+    from paravt.data.readers import DatasetError, has_split, load_samples
+
+    (tmp_path / "train.jsonl").write_text("")
+    assert has_split(tmp_path, "train") and not has_split(tmp_path, "val")
+    assert has_split(tmp_path / "train.jsonl", "val")  # a file is every split
+    (tmp_path / "val.jsonl").write_text("{not json\n")
+    assert has_split(tmp_path, "val")
+    with pytest.raises(DatasetError, match="val.jsonl:1"):  # so the trainer does not hide it
+        load_samples(tmp_path, split="val")

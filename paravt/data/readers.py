@@ -97,6 +97,17 @@ def _resolve_file(path: Path, split: str) -> Path:
     )
 
 
+def has_split(path: str | Path, split: str) -> bool:
+    """Whether :func:`load_samples` finds a file for ``split`` at ``path`` (a file always
+    counts: it is every split). Lets callers treat an absent split as optional while a
+    malformed one still raises."""
+    try:
+        _resolve_file(Path(path), split)
+    except DatasetError:
+        return False
+    return True
+
+
 def _video_path(raw: str, root: Path) -> str:
     p = raw[len("file://") :] if raw.startswith("file://") else raw
     p = os.path.expanduser(p)
