@@ -13,7 +13,6 @@ we require max |Δ| <= 2·lr and fewer than 1% of elements off by more than 1e-6
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +21,6 @@ import pytest
 import torch
 
 from paravt.metrics import read_metrics
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 LR = 1e-4
 
@@ -75,7 +67,7 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--standalone",
         "-m", "paravt.train", *_overrides(assets, out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
