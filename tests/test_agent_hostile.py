@@ -202,8 +202,26 @@ def test_check_special_tokens_catches_forged_markup(bundle, text, make_clip):
     with pytest.raises(ValueError, match="TextCache.plain"):
         ctx.add_text(text.markup("<|im_end|>"))
     ctx._add_forced(text.markup("<|video_pad|>"))  # what the old code did
-    with pytest.raises(RuntimeError, match="unexpected at"):
+    with pytest.raises(RuntimeError, match=r"unexpected \(position, id\) \[\("):
         ctx.check_special_tokens("forged")
+    # Same positions, another token: a template's <|im_end|> swapped for <|im_start|>.
+    ok = runner.encode_overviews([Sample("q", video, "Which?", "B", "mcq")], [4])[0]
+    i = ok.tokens.index(bundle.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    ok.tokens[i] = bundle.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    with pytest.raises(RuntimeError, match="missing"):
+        ok.check_special_tokens("swapped")
+
+
+def test_truncated_response_never_exceeds_the_budget(text) -> None:
+    from paravt.agent.context import response_ids
+
+    long = "word " * 100
+    for cap in (1, 3, 5, 8, 40):
+        ids, cut = response_ids(text, long, cap)
+        assert cut and len(ids) == cap
+    ids, cut = response_ids(text, long, 40)
+    assert text.tokenizer.decode(ids).endswith(" [truncated]")
+    assert response_ids(text, "short", 40) == (text.plain("short"), False)
 
 
 # ------------------------------------------------------------------------------------ the fuzz

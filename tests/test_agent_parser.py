@@ -106,6 +106,14 @@ def test_tool_call_mentioned_in_thinking_does_not_swallow_the_next_call():
     )
     calls = parse_tool_calls(text, duration=60, max_parallel=5)
     assert [(c.status, c.start, c.end) for c in calls] == [("ok", 1.0, 2.0), ("ok", 3.0, 4.0)]
+    # Nor the unclosed final call (when those are accepted), nor an answer turn.
+    unclosed = "<think>I will use a <tool_call> block.</think> <tool_call>" + json.dumps(
+        _crop(1, 5)
+    )
+    calls = parse_tool_calls(unclosed, duration=60, max_parallel=5, allow_unclosed_final=True)
+    assert [(c.status, c.end) for c in calls] == [("ok", 5.0)]
+    answer = "<think>I could emit <tool_call> but no.</think><answer>B</answer>"
+    assert parse_tool_calls(answer, duration=60, max_parallel=5) == []
 
 
 def test_clamping_and_double_encoded_arguments():

@@ -249,6 +249,16 @@ def test_kl_reward_mode_moves_advantages_by_the_kl_return_to_go() -> None:
     torch.testing.assert_close(lp_a.grad, lp_b.grad)
     assert float(stats["kl_mean"]) != 0.0
 
+    # top_p < 1: the reference may give -inf to forced (mask 0) tokens; no NaN may result.
+    shaped = batch.advantages.clone()
+    batch.advantages = before.clone()
+    forced = (m == 0).nonzero().flatten()
+    assert forced.numel() > 0
+    batch.extras["ref_logprobs"] = ref.clone().index_fill_(0, forced, float("-inf"))
+    apply_kl_reward(batch, algo)
+    assert torch.isfinite(batch.advantages).all()
+    torch.testing.assert_close(batch.advantages, shaped, atol=1e-6, rtol=0)
+
     # k1 in reward mode needs the reference's log-probs.
     batch.extras.pop("ref_logprobs")
     with pytest.raises(ValueError, match="ref_logprobs"):

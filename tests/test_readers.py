@@ -230,24 +230,45 @@ def test_parquet_rows_without_ids_get_unique_stable_ids(synth_dir, tmp_path):
     assert rep.synthesized_ids == ["d-1", "d-2"]
 
 
-def test_duplicate_ids_are_an_error_naming_both_rows(synth_dir, tmp_path):
+def test_duplicate_ids_are_renamed_stably_with_a_warning(synth_dir, tmp_path):
     root = str(synth_dir)
     f = tmp_path / "d.jsonl"
     _jsonl(f, [_row(0, id="x"), _row(1), _row(2, id="x")])
-    with pytest.raises(DatasetError, match=r"duplicate sample id 'x' at .*d\.jsonl:1 and .*:3"):
-        load_samples(f, video_root=root)
-    # An explicit id that equals a synthesised one collides too; the message says which.
+    with pytest.warns(UserWarning, match=r"1 row\(s\) repeat .*'x' -> 'x#3' at .*d\.jsonl:3"):
+        got = load_samples(f, video_root=root)
+    assert [s.id for s in got] == ["x", "r1", "x#3"]
+    assert [s.id for s in load_samples(f, video_root=root)] == ["x", "r1", "x#3"]  # stable
+    # An explicit id that equals a synthesised one: the later row is renamed.
     _jsonl(f, [_row(0, id="d-2"), _row(1, id=None)])
-    with pytest.raises(DatasetError, match=r"'d-2' \(synthesised for .*d\.jsonl:2\)"):
-        load_samples(f, video_root=root)
+    with pytest.warns(UserWarning, match="repeat"):
+        assert [s.id for s in load_samples(f, video_root=root)] == ["d-2", "d-2#2"]
     p = tmp_path / "d.parquet"
     _parquet(p, [json.dumps({"answer": "a", "index": i % 2}) for i in range(3)])
-    with pytest.raises(DatasetError, match=r"id '0' at .*d\.parquet row 0 and .*row 2"):
-        load_samples(p, video_root=root)
-    # Rows whose video is missing still count: the id is a property of the data file.
-    _jsonl(f, [_row(0, id="x"), _row(1, id="x", video="videos/gone.mp4")])
-    with pytest.raises(DatasetError, match="duplicate sample id 'x'"):
-        read_samples(f, video_root=root)
+    samples, rep = read_samples(p, video_root=root)
+    assert [s.id for s in samples] == ["0", "1", "0#2"]
+    assert rep.renamed_ids == [("0", "0#2", f"{p} row 2")]
+    # A renamed id never collides with an existing one.
+    _jsonl(f, [_row(0, id="x"), _row(1, id="x#2"), _row(2, id="x")])
+    samples, _ = read_samples(f, video_root=root)
+    assert [s.id for s in samples] == ["x", "x#2", "x#3"]
+    _jsonl(f, [_row(0, id="x"), _row(1, id="x"), _row(2, id="x#2")])
+    ids = [s.id for s in read_samples(f, video_root=root)[0]]
+    assert len(set(ids)) == 3
+
+
+@pytest.mark.parametrize("answer", [None, float("nan"), float("inf")])
+def test_null_or_non_finite_answer_is_an_error(synth_dir, tmp_path, answer):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(_row(0, answer=answer)) + "\n")
+    with pytest.raises(DatasetError, match=r"d\.jsonl:1: 'answer'"):
+        load_samples(f, video_root=str(synth_dir))
+
+
+def test_tvg_list_answer_keeps_its_precision(synth_dir, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(_row(0, question_type="tvg", answer=[12.51, 12.54])) + "\n")
+    (s,) = load_samples(f, video_root=str(synth_dir))
+    assert (s.event_start, s.event_end) == (12.51, 12.54)
 
 
 def test_has_split_tells_an_absent_split_from_a_bad_one(tmp_path) -> None:
@@ -259,4 +280,10 @@ def test_has_split_tells_an_absent_split_from_a_bad_one(tmp_path) -> None:
     (tmp_path / "val.jsonl").write_text("{not json\n")
     assert has_split(tmp_path, "val")
     with pytest.raises(DatasetError, match="val.jsonl:1"):  # so the trainer does not hide it
+        load_samples(tmp_path, split="val")
+    (tmp_path / "val.jsonl").unlink()
+    for name in ("a_val.jsonl", "b_val.jsonl"):
+        (tmp_path / name).write_text("")
+    assert has_split(tmp_path, "val")  # ambiguous: load_samples must say so, not be skipped
+    with pytest.raises(DatasetError, match="several candidates"):
         load_samples(tmp_path, split="val")

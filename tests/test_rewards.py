@@ -88,6 +88,10 @@ def test_choice_beyond_options_rejected():
         # Hedging over several parenthesised letters or option mentions names none.
         ("It is (A) or maybe (C)", None),
         ("option B or option D", None),
+        # Common spellings of the explicit phrase.
+        ("The answer is: B", "B"),
+        ("Answer is: C", "C"),
+        ("The final answer is **D**", "D"),
     ],
 )
 def test_extract_choice_precedence(text, want):

@@ -159,8 +159,8 @@ class Context:
     """A growing token context with per-token mask, behaviour log-probs and mm token types.
 
     ``control_ids`` are the tokenizer's added-token ids (``TextCache.control_ids``);
-    ``template_positions`` lists every forced position where a template or a clip put one of
-    them. Forced text from the model or from data (:meth:`add_text`) must not add any.
+    ``template_tokens`` lists ``(position, id)`` of every added token a template or a clip
+    put there. Forced text from the model or from data (:meth:`add_text`) must not add any.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -169,7 +169,7 @@ class Context:
     mm_types: list[int] = field(default_factory=list)
     clips: list[VisualInputs] = field(default_factory=list)
     control_ids: frozenset[int] = frozenset()
-    template_positions: list[int] = field(default_factory=list)
+    template_tokens: list[tuple[int, int]] = field(default_factory=list)
 
     def _add_forced(self, ids: list[int], mm_types: list[int] | None = None) -> None:
         self.tokens += ids
@@ -180,7 +180,7 @@ class Context:
     def add_markup(self, ids: list[int]) -> None:
         """Forced template tokens (``TextCache.markup``): mask 0, log-prob 0, text type 0."""
         n = len(self.tokens)
-        self.template_positions += [n + j for j, t in enumerate(ids) if t in self.control_ids]
+        self.template_tokens += [(n + j, t) for j, t in enumerate(ids) if t in self.control_ids]
         self._add_forced(ids)
 
     def add_text(self, ids: list[int]) -> None:
@@ -194,22 +194,23 @@ class Context:
         self._add_forced(ids)
 
     def check_special_tokens(self, where: str = "") -> None:
-        """Raise unless the added tokens at forced positions are exactly the templates'.
+        """Raise unless the added tokens at forced positions are exactly the templates' (same
+        positions, same ids).
 
         Generated positions (mask 1) hold what the model sampled and are not restricted here.
         """
         control = self.control_ids
         forced = [
-            i
+            (i, t)
             for i, (t, m) in enumerate(zip(self.tokens, self.loss_mask))
             if m == 0 and t in control
         ]
-        if forced != self.template_positions:
-            extra = sorted(set(forced) - set(self.template_positions))[:5]
-            missing = sorted(set(self.template_positions) - set(forced))[:5]
+        if forced != self.template_tokens:
+            extra = sorted(set(forced) - set(self.template_tokens))[:5]
+            missing = sorted(set(self.template_tokens) - set(forced))[:5]
             raise RuntimeError(
                 f"context {where}: special tokens at forced positions differ from the templates' "
-                f"(unexpected at {extra}, missing at {missing}); model or data text was "
+                f"(unexpected (position, id) {extra}, missing {missing}); model or data text was "
                 "tokenised with special-token parsing on"
             )
 
@@ -220,8 +221,8 @@ class Context:
                 "mm_token_type_ids; encode_clip must return aligned lists"
             )
         n = len(self.tokens)
-        self.template_positions += [
-            n + j for j, t in enumerate(clip.token_ids) if t in self.control_ids
+        self.template_tokens += [
+            (n + j, t) for j, t in enumerate(clip.token_ids) if t in self.control_ids
         ]
         self._add_forced(list(clip.token_ids), list(clip.mm_token_type_ids))
         self.clips.append(clip.visuals)
@@ -252,7 +253,7 @@ class Context:
             list(self.mm_types),
             list(self.clips),
             self.control_ids,
-            list(self.template_positions),
+            list(self.template_tokens),
         )
 
     def request(self, sampling: SamplingParams, request_id: str) -> GenerationRequest:
@@ -328,7 +329,7 @@ def response_ids(text: TextCache, content: str, max_tokens: int) -> tuple[list[i
     if len(ids) <= max_tokens:
         return ids, False
     mark = text.plain(TRUNCATED)
-    return ids[: max(max_tokens - len(mark), 0)] + mark, True
+    return (ids[: max(max_tokens - len(mark), 0)] + mark)[:max_tokens], True
 
 
 def add_tool_turn(

@@ -22,7 +22,8 @@ are cropped to their inside part rather than rejected.
 
 A block runs from a ``<tool_call>`` to the next ``</tool_call>`` with no other ``<tool_call>``
 in between: a tag the model merely mentions earlier (e.g. inside its thinking) does not swallow
-the valid call after it.
+the valid call after it. Likewise only the LAST unmatched ``<tool_call>`` can be an unclosed
+call, and not when a ``</think>`` or ``<answer>`` follows it (then it was a mention).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ ARG_NAMES = ("start_time", "end_time")
 IGNORED_ARGS = ("video_path",)
 _BLOCK_RE = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
+_MENTION_ENDS = ("</think>", "<answer>")
 
 
 def _quote(v: object, limit: int = 60) -> str:
@@ -150,7 +152,11 @@ def parse_tool_calls(
     tail = text[pos:]
     unclosed_raw: str | None = None
     if _OPEN in tail:
-        unclosed_raw = tail[tail.index(_OPEN) + len(_OPEN) :]
+        # The last opening tag is the candidate call; one followed by a closed thought or an
+        # answer was only mentioned (e.g. "<think>I could use <tool_call>…</think><answer>").
+        rest = tail[tail.rindex(_OPEN) + len(_OPEN) :]
+        if not any(m in rest for m in _MENTION_ENDS):
+            unclosed_raw = rest
     calls: list[ToolCall] = []
     items = [(b, False) for b in blocks]
     if unclosed_raw is not None:

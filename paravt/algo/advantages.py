@@ -117,7 +117,9 @@ def apply_kl_reward(batch: PackedBatch, algo: AlgoConfig) -> torch.Tensor:
         )
     mask = batch.loss_mask.float()
     pen = algo.kl_coef * kl_penalty(batch.old_logprobs.float(), ref.float().cpu(), algo.kl_type)
-    pen = pen * mask
+    # where, not a product: with top_p < 1 the reference gives -inf to forced tokens outside
+    # its nucleus, and inf * 0 = NaN would spread through the return-to-go.
+    pen = torch.where(mask > 0, pen, torch.zeros_like(pen))
     cu = batch.cu_seqlens.long().tolist()
     totals = torch.zeros(n_seq)
     adv = batch.advantages.float().clone()

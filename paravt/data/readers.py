@@ -27,9 +27,13 @@ and the field; ``DatasetError``):
   ``id``/``index`` column); an absent, null, NaN or empty id is synthesised as
   ``"{file stem}-{row}"`` (the JSONL line number, or the 0-based parquet row), which is stable
   across processes but shifts if rows are inserted above, so ``load_samples`` warns once with the
-  count. Ids key the frame budget K, the SFT records and the logs, so a duplicate id is an
-  error naming the file and both rows (renaming one silently would re-key whatever refers to
-  it); give each row its own id, or drop the ids to let the reader number the rows.
+  count. Ids key the frame budget K, the SFT records and the logs, so they must be unique: the
+  first row with an id keeps it, every later row with the same id becomes ``"{id}#{row}"``
+  (stable), and ``load_samples`` warns once naming the file and the rows
+  (``DatasetReport.renamed_ids``). Records that refer to a duplicated id by name (SFT rows)
+  match its first row.
+* answers: a null, NaN or infinite answer is an error (it would score as the text "None" /
+  "nan"); a ``[start, end]`` answer keeps its numbers exactly.
 * missing videos: rows whose video file is missing are DROPPED (not fatal; a partially synced
   video tree never stops a run) and counted in ``DatasetReport.missing_videos``;
   ``load_samples`` warns ONCE with the count and the first few paths. Dropping at load, rather
@@ -68,6 +72,8 @@ class DatasetReport:
     rows: int = 0  # valid rows in the file, before dropping missing videos and max_samples
     missing_videos: list[str] = field(default_factory=list)  # one path per dropped row
     synthesized_ids: list[str] = field(default_factory=list)  # ids the reader made up
+    # (original id, new id, where) for every later row of a duplicated id
+    renamed_ids: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def n_missing(self) -> int:
@@ -98,14 +104,18 @@ def _resolve_file(path: Path, split: str) -> Path:
 
 
 def has_split(path: str | Path, split: str) -> bool:
-    """Whether :func:`load_samples` finds a file for ``split`` at ``path`` (a file always
-    counts: it is every split). Lets callers treat an absent split as optional while a
-    malformed one still raises."""
-    try:
-        _resolve_file(Path(path), split)
-    except DatasetError:
+    """Whether ``path`` holds any file for ``split`` (a file always counts: it is every
+    split). Lets callers treat an absent split as optional while a malformed or ambiguous one
+    (several candidates) still raises from :func:`load_samples`."""
+    p = Path(path)
+    if p.is_file():
+        return True
+    if not p.is_dir():
         return False
-    return True
+    names = (f"{split}.jsonl", f"{split}.parquet")
+    return any((p / n).is_file() for n in names) or bool(
+        list(p.glob(f"*{split}*.parquet")) + list(p.glob(f"*{split}*.jsonl"))
+    )
 
 
 def _video_path(raw: str, root: Path) -> str:
@@ -163,14 +173,21 @@ def _checked(sample: Sample, where: str) -> Sample:
     return sample
 
 
-def _answer_text(ans: Any) -> str:
-    # tvg answers sometimes come as [start, end].
+def _answer_text(ans: Any, where: str) -> str:
+    """The ground-truth answer as text; ``None`` and non-finite numbers are errors. A tvg
+    ``[start, end]`` keeps its numbers exactly (``repr``), never rounded."""
+    if ans is None:
+        raise DatasetError(f"{where}: 'answer' is null; every row needs a ground-truth answer")
+    if isinstance(ans, float) and not math.isfinite(ans):
+        raise DatasetError(f"{where}: 'answer' is {ans!r}, not a usable ground truth")
+    if hasattr(ans, "tolist"):  # numpy arrays from parquet
+        ans = ans.tolist()
     if (
         isinstance(ans, (list, tuple))
         and len(ans) == 2
-        and all(isinstance(x, (int, float)) for x in ans)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ans)
     ):
-        return f"{float(ans[0]):.1f}-{float(ans[1]):.1f}"
+        return f"{float(ans[0])!r}-{float(ans[1])!r}"
     return str(ans)
 
 
@@ -202,7 +219,7 @@ def _jsonl_samples(file: Path, root: Path) -> list[_Row]:
                 id=sid if sid is not None else f"{file.stem}-{lineno}",
                 video=_video_path(str(row["video"]), root),
                 question=str(row["question"]),
-                answer=_answer_text(row["answer"]),
+                answer=_answer_text(row["answer"], where),
                 question_type=qtype,
                 event_start=_float_or_none(row.get("event_start"), where, "event_start"),
                 event_end=_float_or_none(row.get("event_end"), where, "event_end"),
@@ -255,7 +272,7 @@ def _parquet_samples(file: Path, root: Path) -> list[_Row]:
         question = "\n".join(u.replace("<video>", "").strip() for u in user).strip()
         raw_type = str(extra.get("question_type", "oe"))
         qtype = raw_type if raw_type in QUESTION_TYPES else "oe"
-        answer = _answer_text(extra.pop("answer"))
+        answer = _answer_text(extra.pop("answer"), where)
         # A struct extra_info carries every key of every row: absent ones read as None.
         sid = _id_or_none(extra.get("id"), extra.get("index"), row.get("id"), row.get("index"))
         extra.update(
@@ -275,18 +292,26 @@ def _parquet_samples(file: Path, root: Path) -> list[_Row]:
     return out
 
 
-def _check_unique_ids(rows: list[_Row]) -> None:
-    first: dict[str, _Row] = {}
+def _unique_ids(rows: list[_Row]) -> list[tuple[str, str, str]]:
+    """Make ids unique in place: the first row keeps an id, later rows get ``"{id}#{row}"``
+    (``row`` = the JSONL line or parquet row number in ``where``). Returns
+    ``(old, new, where)`` per renamed row."""
+    seen = {r.sample.id for r in rows}
+    first: set[str] = set()
+    renamed = []
     for r in rows:
-        prev = first.setdefault(r.sample.id, r)
-        if prev is not r:
-            made = [w for w, x in ((prev.where, prev), (r.where, r)) if x.id_synthesized]
-            note = f" (synthesised for {made[0]})" if made else ""
-            raise DatasetError(
-                f"duplicate sample id {r.sample.id!r}{note} at {prev.where} and {r.where}: ids "
-                "key the frame budget and the SFT records, so each row needs its own. Give each "
-                "row a unique 'id', or drop the ids to let the reader number the rows"
-            )
+        sid = r.sample.id
+        if sid not in first:
+            first.add(sid)
+            continue
+        row = r.where.rsplit(":", 1)[-1] if " row " not in r.where else r.where.rsplit(" ", 1)[-1]
+        new = f"{sid}#{row}"
+        while new in seen:
+            new += f"#{row}"
+        seen.add(new)
+        r.sample.id = new
+        renamed.append((sid, new, r.where))
+    return renamed
 
 
 def read_samples(
@@ -301,8 +326,8 @@ def read_samples(
         rows = _jsonl_samples(file, root)
     else:
         raise DatasetError(f"{file}: unknown dataset format (expected .jsonl or .parquet)")
-    _check_unique_ids(rows)
-    report = DatasetReport(str(file), rows=len(rows))
+    renamed = _unique_ids(rows)
+    report = DatasetReport(str(file), rows=len(rows), renamed_ids=renamed)
     report.synthesized_ids = [r.sample.id for r in rows if r.id_synthesized]
     exists: dict[str, bool] = {}
     kept = []
@@ -340,6 +365,13 @@ def load_samples(
             f"{rep.file}: {len(rep.synthesized_ids)} of {rep.rows} row(s) have no id; "
             f"synthesised as '<file stem>-<row>' (e.g. {rep.synthesized_ids[:_SHOW_MISSING]}), "
             "stable unless rows are inserted above them; add an 'id' to each row"
+        )
+    if rep.renamed_ids:
+        _warn(
+            f"{rep.file}: {len(rep.renamed_ids)} row(s) repeat an earlier row's id and were "
+            "renamed '<id>#<row>' (e.g. "
+            + ", ".join(f"{o!r} -> {n!r} at {w}" for o, n, w in rep.renamed_ids[:_SHOW_MISSING])
+            + "); give each row its own 'id'"
         )
     if rep.missing_videos:
         uniq = list(dict.fromkeys(rep.missing_videos))

@@ -82,11 +82,12 @@ def sample_options(sample: Sample) -> list[str]:
 
 # A choice letter inside a sentence: upper-case, not glued to a word ("Apple"), and for the
 # letters that are also English words ("A", "I") not followed by a word ("A man walks").
-_LETTER = r"[\(\[]?(?P<l>[A-Z])(?![A-Za-z])(?!(?<=[AI])\s+[A-Za-z])"
-# Explicit answer phrases: "the answer is (B)", "Answer: C", "correct option is D".
+_LETTER = r"[\*_]*[\(\[]?(?P<l>[A-Z])(?![A-Za-z])(?!(?<=[AI])\s+[A-Za-z])"
+# Explicit answer phrases: "the answer is (B)", "Answer: C", "The answer is: B", "correct
+# option is D", "The final answer is **B**".
 _ANSWER_PHRASE = re.compile(
-    r"(?i:\banswer\b\s*(?:is|:|=)?\s*(?:option|choice)?|\bcorrect\s+(?:option|choice)\b"
-    r"\s*(?:is|:)?)\s*" + _LETTER
+    r"(?i:\banswer\b\s*(?:is\s*:?|:|=)?\s*(?:option|choice)?"
+    r"|\bcorrect\s+(?:option|choice)\b\s*(?:is\s*:?|:)?)\s*" + _LETTER
 )
 _MENTION = re.compile(r"(?i:\b(?:option|choice)\b)\s*(?:is|:)?\s*" + _LETTER)
 _PAREN = re.compile(r"\(([A-Za-z])\)")
