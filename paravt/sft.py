@@ -137,7 +137,8 @@ def sft_loss(
         mask = torch.tensor(t.loss_mask, dtype=torch.float32)
         mm = t.extras.get("mm_token_type_ids")
         mm_t = torch.tensor(list(mm) if mm is not None else [0] * len(t.tokens))
-        lp, _ = sequence_logprobs(model, torch.tensor(t.tokens), mm_t, t.visuals, 1.0)
+        # Only the target tokens (mask 1) go through the lm head (fused, T = 1).
+        lp, _ = sequence_logprobs(model, t.tokens, mm_t, t.visuals, target_mask=mask)
         nll = -(lp * mask.to(lp.device)).sum()
         (nll * (world / max(global_tokens, 1.0))).backward()
         nll_sum += float(nll.detach())

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from paravt.agent import AgentRunner, encode_oracle_trajectory
+from paravt.algo.packing import sequence_logprobs
 from paravt.config import load_config
 from paravt.data.readers import load_samples
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.rewards import score, score_groups
 from paravt.rollout.engine import GenerationRequest
-from paravt.rollout.hf import HFEngine, sequence_logprobs
+from paravt.rollout.hf import HFEngine
 from paravt.types import Trajectory
 from paravt.video import DecodePlanner
 from paravt.vision.preprocess import check_visual_tokens
@@ -44,8 +45,8 @@ def _cfg():
 def _check_logprobs(bundle, traj: Trajectory, temperature: float) -> None:
     check_visual_tokens(traj.extras["mm_token_type_ids"], traj.visuals, 2)
     with torch.no_grad():
-        lp = sequence_logprobs(
-            bundle,
+        lp, _ = sequence_logprobs(
+            bundle.model,
             traj.tokens,
             traj.extras["mm_token_type_ids"],
             traj.visuals,

@@ -9,9 +9,10 @@ import io
 import pytest
 import torch
 
+from paravt.algo.packing import sequence_logprobs
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.rollout.engine import Engine, GenerationRequest, SamplingParams
-from paravt.rollout.hf import HFEngine, sequence_logprobs, top_p_filter
+from paravt.rollout.hf import HFEngine, top_p_filter
 from paravt.vision.preprocess import encode_clip
 
 TOL = 1e-4  # behaviour vs teacher-forced log-prob (float32, batched sdpa vs unpadded)
@@ -62,8 +63,8 @@ def teacher_forced(bundle, req: GenerationRequest, out_ids: list[int]) -> torch.
     full = req.prompt_ids + out_ids
     mm = req.extras["mm_token_type_ids"] + [0] * len(out_ids)
     with torch.no_grad():
-        lp = sequence_logprobs(
-            bundle,
+        lp, _ = sequence_logprobs(
+            bundle.model,
             full,
             mm,
             req.visuals,
@@ -113,7 +114,7 @@ def test_behaviour_logprobs_match_teacher_forced(bundle, temperature, top_p):
 
 def test_sequence_logprobs_is_differentiable(bundle):
     r = make_request(bundle, "grad", (2, 32, 32))
-    lp = sequence_logprobs(bundle, r.prompt_ids, r.extras["mm_token_type_ids"], r.visuals)
+    lp, _ = sequence_logprobs(bundle.model, r.prompt_ids, r.extras["mm_token_type_ids"], r.visuals)
     assert lp.shape == (len(r.prompt_ids),) and lp[0] == 0 and lp.requires_grad
     lp.sum().backward()
     g = bundle.model.lm_head.weight.grad

@@ -37,7 +37,7 @@ class _ScriptedFirstTurn:
         ]
 
     def generate(self, requests):
-        from paravt.rollout.hf import sequence_logprobs
+        from paravt.algo.packing import sequence_logprobs
 
         out = []
         for r in requests:
@@ -47,7 +47,7 @@ class _ScriptedFirstTurn:
             self.seen.add(r.request_id)
             mm = list(r.extras["mm_token_type_ids"]) + [0] * len(self.ids)
             with torch.no_grad():
-                lp = sequence_logprobs(
+                lp, _ = sequence_logprobs(
                     self.real.model, list(r.prompt_ids) + self.ids, mm, r.visuals,
                     temperature=r.sampling.temperature, top_p=r.sampling.top_p,
                 )  # fmt: skip

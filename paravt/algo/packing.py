@@ -4,7 +4,13 @@
 sub-agent rows) into one ``(N,)`` layout with ``cu_seqlens (B+1,)``: there is no pad token
 anywhere, so no compute and no normalisation is spent on padding.
 
-``packed_logprobs`` fills that layout with ``log p_θ(x_t | x_<t) / T``-scaled log-probs:
+``packed_logprobs`` fills that layout with ``log p_θ(x_t | x_<t)`` under each row's sampling
+distribution, for the trained tokens (``loss_mask != 0``) only, 0 elsewhere. Every log-prob
+goes through ONE function, ``sequence_logprobs``: the model's backbone gives hidden states,
+only the rows that predict a trained token go through the lm_head, inside
+``paravt_kernels.linear_logprob`` (temperature inside the kernel): no ``(tokens, vocab)``
+logits for the prompt, the visual tokens or anything else (``top_p < 1`` materialises the
+logits of the gathered rows only).
 
 * **per-sequence path (now, every device)**: one forward per sequence (its own length, its own
   visual inputs), the per-token outputs concatenated into the packed ``(N,)`` vector. HF
@@ -30,7 +36,9 @@ temperature. Scoring a ``T = 0.3`` sub-agent row at the main ``T = 0.7`` put its
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -128,42 +136,140 @@ def split_units(units: Sequence[SequenceUnit], n: int) -> list[list[SequenceUnit
 
 def sequence_logprobs(
     model: torch.nn.Module,
-    tokens: torch.Tensor,
-    mm_token_type_ids: torch.Tensor,
+    tokens: Sequence[int] | torch.Tensor,
+    mm_token_type_ids: Sequence[int] | torch.Tensor | None,
     visuals: VisualInputs | None,
-    temperature: float,
-    with_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
     top_p: float = 1.0,
+    target_mask: torch.Tensor | None = None,
+    with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: ``(L,)`` log-probs of each token given its prefix (position 0 → 0) under
-    the engine's sampling distribution ``log_softmax(top_p(logits / T))``
-    (``paravt.rollout.hf.sampling_logprobs``), and (optionally, no grad) the ``(L,)`` entropy
-    ``H = -sum_v p_v log p_v`` of that distribution at the position that predicted the token.
+    """THE teacher-forced log-prob of one sequence: one backbone forward, no ``(L, V)`` logits.
+
+    Returns ``(L,)`` float32 ``lp`` with ``lp[t] = log p(x_t | x_<t)`` under the engine's
+    sampling distribution ``log_softmax(top_p(logits / T))``
+    (``paravt.rollout.hf.sampling_logprobs``; ``T <= 0``, greedy, counts as ``T = 1``) at every
+    *target* position ``t`` — those with ``target_mask[t] != 0`` (``None``: all of
+    ``1..L-1``) — and exactly 0 elsewhere, position 0 included. With ``with_entropy`` also the
+    ``(L,)`` entropy ``H = -sum_v p_v log p_v`` of that distribution at the same positions
+    (detached; 0 elsewhere), else an empty tensor. Differentiable w.r.t. the model's weights
+    (no ``torch.no_grad`` inside; wrap the call for inference).
+
+    How: the model's backbone (``model.model``: vision tower, merger, language model, final
+    norm) gives the last hidden states ``(L, d)``; only the ``n`` rows that predict a target
+    (row ``t - 1`` for target ``t``) are gathered, and ``paravt_kernels.linear_logprob`` takes
+    them through the lm_head weight with ``T`` inside the kernel — the lm_head module's
+    forward never runs, and no ``(L, V)`` (nor ``(n, V)``) tensor exists. ``top_p < 1`` needs
+    the sorted distribution, so for such a sequence the ``(n, V)`` logits of the gathered rows
+    alone are materialised (``n`` = generated tokens, not the prompt and its visual tokens).
+    Under FSDP2 the whole computation runs as a forward of the root unit
+    (``register_fsdp_forward_method``), so the root's parameters (embeddings, lm_head, norm)
+    are gathered and their gradients reduced as in a normal forward.
+
+    Callers — every log-prob in the project goes through here: the trainer's policy forward
+    (``train_step`` via ``row_logprobs``), the proximal and reference passes
+    (``packed_logprobs``, ``ReferencePolicy``), cold-start SFT (``paravt.sft.sft_loss``,
+    targets = the loss mask) and the tests that teacher-force the HF engine's samples.
     """
+    tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+    n_tok = tok.numel()
+    mm = [0] * n_tok if mm_token_type_ids is None else torch.as_tensor(mm_token_type_ids)
+    if target_mask is None:
+        need = torch.ones(n_tok, dtype=torch.bool)
+    else:
+        if target_mask.numel() != n_tok:
+            raise ValueError(
+                f"target_mask has {target_mask.numel()} entries for {n_tok} tokens: pass one "
+                "entry per token (the loss mask of the sequence)"
+            )
+        need = target_mask.detach().reshape(-1).cpu() != 0
+    need[:1] = False  # position 0 has no predecessor: never a target
+    pos = need.nonzero().squeeze(-1)
+    return _as_root_forward(
+        model, _hidden_logprobs, tok, mm, visuals, pos, float(temperature), float(top_p),
+        bool(with_entropy),
+    )  # fmt: skip
+
+
+def _hidden_logprobs(
+    model: torch.nn.Module,
+    tok: torch.Tensor,
+    mm: Sequence[int] | torch.Tensor,
+    visuals: VisualInputs | None,
+    pos: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_logprobs`` body: backbone, gather the ``pos - 1`` rows, fused lm_head."""
+    from paravt_kernels import linear_logprob
+
     from paravt.rollout.hf import sampling_logprobs
     from paravt.vision.preprocess import build_model_inputs
 
     p0 = next(model.parameters())
     merge = int(model.config.vision_config.spatial_merge_size)
+    mm_list = mm.tolist() if torch.is_tensor(mm) else list(mm)
     inputs = build_model_inputs(
-        tokens.tolist(), mm_token_type_ids.tolist(), visuals, p0.device, merge_size=merge,
-        dtype=p0.dtype,
-    )  # fmt: skip
-    logits = model(**inputs, use_cache=False).logits[0, :-1]
-    logp = sampling_logprobs(logits, temperature, top_p)  # (L-1, V) float32
-    tgt = inputs["input_ids"][0, 1:]
-    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
-    zero = lp.new_zeros(1)
-    lp = torch.cat([zero, lp])
-    if not with_entropy:
+        tok.tolist(), mm_list, visuals, p0.device, merge_size=merge, dtype=p0.dtype
+    )
+    backbone = getattr(model, "model", None)
+    head = model.get_output_embeddings()
+    if backbone is None or head is None:
+        raise TypeError(
+            f"{type(model).__name__} has no .model backbone / output embeddings: "
+            "sequence_logprobs needs an HF *ForConditionalGeneration (Qwen3-VL, Qwen2.5-VL)"
+        )
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state[0]  # (L, d)
+    pos = pos.to(hidden.device)
+    h = hidden.index_select(0, pos - 1)  # (n, d): the rows that predict a target
+    tgt = inputs["input_ids"][0].index_select(0, pos)
+    t = temperature if temperature > 0 else 1.0  # greedy rows: the engine's T = 1 rule
+    weight, bias = head.weight, head.bias
+    if top_p < 1.0:
+        # The nucleus needs the sorted distribution: logits of the gathered rows only.
+        logp = sampling_logprobs(torch.nn.functional.linear(h, weight, bias), t, top_p)
+        lp_n = logp.gather(-1, tgt[:, None]).squeeze(-1)
+        ent_n = None
+        if with_entropy:
+            with torch.no_grad():
+                q = logp.exp()
+                # Tokens outside the nucleus have p = 0 and log p = -inf: they add 0, not NaN.
+                ent_n = -torch.where(q > 0, q * logp, torch.zeros_like(logp)).sum(-1)
+    elif with_entropy:
+        lp_n, ent_n = linear_logprob(h, weight, tgt, temperature=t, bias=bias, return_entropy=True)
+    else:
+        lp_n, ent_n = linear_logprob(h, weight, tgt, temperature=t, bias=bias), None
+    n_tok = tok.numel()
+    lp = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device).index_copy(
+        0, pos, lp_n.float()
+    )
+    if ent_n is None:
         return lp, lp.new_zeros(0)
-    with torch.no_grad():
-        lq = logp.detach()
-        p = lq.exp()
-        # Tokens outside the nucleus have p = 0 and log p = -inf: they add 0, not NaN.
-        ent = -torch.where(p > 0, p * lq, torch.zeros_like(lq)).sum(-1)
-        ent = torch.cat([zero.detach(), ent])
+    ent = torch.zeros_like(lp).index_copy(0, pos, ent_n.detach().float())
     return lp, ent
+
+
+# The method name under which ``sequence_logprobs`` runs as an FSDP2 root forward.
+_FSDP_METHOD = "_paravt_hidden_logprobs"
+
+
+def _as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
+    """``fn(model, *args)``; for an FSDP2-sharded model, as a forward of its root unit.
+
+    Calling ``model.model`` directly would skip the root's pre/post-forward hooks: its
+    parameters (embeddings, lm_head, final norm) would stay sharded and their gradients would
+    not be reduced. ``register_fsdp_forward_method`` wraps a method in exactly those hooks.
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(model, FSDPModule):
+        return fn(model, *args)
+    if _FSDP_METHOD not in model.__dict__:
+        model.__dict__[_FSDP_METHOD] = types.MethodType(fn, model)
+        register_fsdp_forward_method(model, _FSDP_METHOD)
+    return getattr(model, _FSDP_METHOD)(*args)
 
 
 def row_sampling(batch: PackedBatch, i: int) -> tuple[float, float]:
@@ -180,21 +286,25 @@ def row_logprobs(
     model: torch.nn.Module, batch: PackedBatch, i: int, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sequence_logprobs`` of sequence ``i`` of ``batch`` under its own sampling parameters
-    (``row_sampling``). The trainer's per-sequence policy forward (``train_step``) and every
-    packed pass (``packed_logprobs``: proximal, reference) go through here."""
+    (``row_sampling``), ``(L_i,)``: the log-prob of each token with ``loss_mask != 0``, 0 at
+    every other position (prompt, visual and tool-result tokens are never scored). The
+    trainer's per-sequence policy forward (``train_step``) and every packed pass
+    (``packed_logprobs``: proximal, reference) go through here."""
     cu = batch.cu_seqlens
     a, b = int(cu[i]), int(cu[i + 1])
     temperature, top_p = row_sampling(batch, i)
     mm = batch.extras["mm_token_type_ids"][a:b]
     return sequence_logprobs(
-        model, batch.input_ids[a:b], mm, batch.visuals[i], temperature, with_entropy, top_p
-    )
+        model, batch.input_ids[a:b], mm, batch.visuals[i], temperature=temperature,
+        top_p=top_p, target_mask=batch.loss_mask[a:b], with_entropy=with_entropy,
+    )  # fmt: skip
 
 
 def per_sequence_logprobs(
     model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padding-free packed log-probs ``(N,)`` (and entropy) from one forward per sequence."""
+    """Padding-free packed log-probs ``(N,)`` (and entropy) from one forward per sequence;
+    0 where ``batch.loss_mask`` is 0 (``row_logprobs``)."""
     lps, ents = [], []
     for i in range(batch.cu_seqlens.numel() - 1):
         lp, ent = row_logprobs(model, batch, i, with_entropy)

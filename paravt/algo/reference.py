@@ -35,6 +35,7 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        """``(N,)`` log π_ref of every token, each row under its own sampling parameters."""
+        """``(N,)`` log π_ref of every trained token (``loss_mask != 0``; 0 elsewhere), each row
+        under its own sampling parameters (``packed_logprobs``)."""
         lp, _ = packed_logprobs(self.model, batch)
         return lp.float().cpu()

@@ -17,8 +17,10 @@ One call = one batched prefill (prompts left-padded; all requests' ``pixel_value
 per new token. M-RoPE positions are computed once per batch with the model's own
 ``get_rope_index`` on the left-padded ids and attention mask (padding is skipped, exactly as
 ``generate`` does), and each decode step advances every position row by one. With this,
-left-padded batched decoding reproduces unpadded single-request decoding and the
-teacher-forced ``sequence_logprobs`` to float rounding (tests check 1e-4), for Qwen3-VL and
+left-padded batched decoding reproduces unpadded single-request decoding and the trainer's
+teacher-forced ``paravt.algo.packing.sequence_logprobs`` (the project's one log-prob function:
+backbone hidden states through the fused ``paravt_kernels.linear_logprob``, no full logits)
+to float rounding (tests check 1e-4), for Qwen3-VL and
 Qwen2.5-VL (whose video rows also carry ``second_per_grid_ts``). A batch may mix requests
 with and without visuals, with any prompt lengths and patch counts.
 """
@@ -34,7 +36,7 @@ import torch
 from paravt.models.loader import ModelBundle
 from paravt.rollout.engine import GenerationRequest, GenerationResult
 from paravt.types import VisualInputs
-from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, build_model_inputs, check_visual_tokens
+from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens
 
 # Tokens decoded to look for a stop string: enough to span any stop string the agent uses
 # (``</tool_call>``-length) even when byte-level tokens are single characters.
@@ -85,43 +87,8 @@ def sampling_logprobs(
     return torch.log_softmax(x, dim=-1)
 
 
-def _model_of(bundle_or_model: Any) -> Any:
-    return bundle_or_model.model if isinstance(bundle_or_model, ModelBundle) else bundle_or_model
-
-
 def _merge_size(model: Any) -> int:
     return int(model.config.vision_config.spatial_merge_size)
-
-
-def sequence_logprobs(
-    bundle_or_model: ModelBundle | Any,
-    token_ids: Sequence[int],
-    mm_token_type_ids: Sequence[int],
-    visuals: VisualInputs | None,
-    *,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-) -> torch.Tensor:
-    """Teacher-forced log-prob of each token given the tokens before it, ONE model forward.
-
-    Returns ``(L,)`` float32 with ``out[0] = 0`` and ``out[t] = log p(token_t | tokens_<t)``
-    under ``sampling_logprobs(logits, temperature, top_p)`` — pass the engine's sampling
-    parameters to reproduce its behaviour log-probs. Differentiable: there is no
-    ``torch.no_grad`` inside (wrap the call yourself for inference), so the trainer can
-    backpropagate through it. Materialises ``(L, V)`` float32 logits: fine for tests and the
-    tiny model; the trainer's fused ``linear_logprob`` avoids that for large vocabularies.
-    """
-    model = _model_of(bundle_or_model)
-    dev = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    kw = build_model_inputs(
-        token_ids, mm_token_type_ids, visuals, dev, merge_size=_merge_size(model), dtype=dtype
-    )
-    logits = model(**kw, use_cache=False).logits[0]  # (L, V)
-    lp = sampling_logprobs(logits[:-1], temperature, top_p)  # predicts tokens 1..L-1
-    target = kw["input_ids"][0, 1:].unsqueeze(-1)
-    out = lp.gather(-1, target).squeeze(-1)
-    return torch.cat([out.new_zeros(1), out])
 
 
 class HFEngine:
