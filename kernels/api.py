@@ -202,7 +202,7 @@ def policy_loss(
     def c(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.contiguous()
 
-    loss, _, stats = _ops.policy_loss_op(
+    loss, _, _, stats = _ops.policy_loss_op(
         logprob.contiguous(), c(old_logprob), c(advantages), c(mask), c(ref_logprob),
         c(prox_logprob), None if cu_seqlens is None else cu_seqlens.long().contiguous(),
         None if seq_weights is None else seq_weights.float().contiguous(),

@@ -125,11 +125,31 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return a @ b
     if a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):  # older torch / unsupported dtype: round then upcast
-            return (a @ b).float()
+        return _mm_lowp_out_f32(a, b)
     return a.float() @ b.float()
+
+
+def _mm_lowp_out_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(a, b, out_dtype=torch.float32)`` for bf16/fp16 operands, or a clear error.
+
+    There is deliberately no fallback to ``(a @ b).float()``: logits rounded to bf16 (8 bits
+    of mantissa, spacing 0.0625 at |z| ~ 10) put an error of ~0.05 on every log-prob, i.e. a
+    5% error in the policy ratio against a clip range of 0.2, and it would do so silently.
+    """
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, TypeError) as err:
+        raise RuntimeError(
+            f"linear_logprob: hidden ({a.dtype}) x weight ({b.dtype}) on {a.device.type} needs "
+            "a matmul with float32 output, torch.mm(..., out_dtype=torch.float32), and this "
+            f"torch ({torch.__version__}) refused it: {str(err).splitlines()[0].split('. ')[0]}. Rounding the "
+            "logits to the operand dtype instead would put an error of ~0.05 on every "
+            "log-prob. Use a torch whose mm accepts out_dtype=torch.float32 for these "
+            "operands on this device, or pass float32 hidden and weight, or set "
+            "PARAVT_IMPL=torch (the torch path upcasts each weight tile)."
+        ) from err
 
 
 def _vocab_tile(n_tok: int, vocab: int) -> int:
@@ -205,10 +225,12 @@ def linear_logprob_bwd_triton(
     n_tok, d = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    valid = (targets != ignore_index).float()
-    g = (grad_logprob.float() * valid).contiguous()
+    valid = targets != ignore_index
+    # select, never multiply by the mask: a NaN gradient arriving for an ignored row would
+    # survive `* 0` and reach every row of the weight gradient through dZ^T H.
+    g = torch.where(valid, grad_logprob.float(), 0.0).contiguous()
     use_ent = grad_entropy is not None and entropy.numel() == n_tok
-    k = (grad_entropy.float() * valid).contiguous() if use_ent else g
+    k = torch.where(valid, grad_entropy.float(), 0.0).contiguous() if use_ent else g
     grad_h = torch.zeros(n_tok, d, dtype=torch.float32, device=dev)
     # dW is written once per vocabulary tile, in the weight's dtype on GPU (as cuBLAS emits).
     gw_dtype = weight.dtype if dev.type == "cuda" else torch.float32

@@ -13,7 +13,13 @@ from torch import Tensor
 
 from . import reference as ref
 
-__all__ = ["group_advantage_op", "linear_logprob_bwd_op", "linear_logprob_fwd_op", "policy_loss_op"]
+__all__ = [
+    "group_advantage_op",
+    "linear_logprob_bwd_op",
+    "linear_logprob_fwd_op",
+    "policy_loss_grad_op",
+    "policy_loss_op",
+]
 
 
 def _triton_module(name: str):
@@ -178,8 +184,13 @@ def policy_loss_op(
     kl_type: str,
     agg: str,
     impl: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(loss (), dloss/dlogprob (N,), stats (len(POLICY_STAT_NAMES),))``."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(loss (), gbuf (N,), coef (B,), stats (len(POLICY_STAT_NAMES),))``.
+
+    ``gbuf`` is the unscaled per-token gradient ``m_t dl_t/dlogprob`` and ``coef`` the
+    per-sequence aggregation coefficients (``B = 1`` without ``cu_seqlens``); the backward
+    (``policy_loss_grad_op``) forms ``dloss/dlogprob = grad_loss * coef_s * gbuf`` in one pass.
+    """
     fn = (
         _triton_module("policy_loss_triton").policy_loss_fused_triton
         if impl == "triton"
@@ -195,24 +206,51 @@ def policy_loss_op(
 def _(logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
       seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, impl):  # fmt: skip
     f32 = {"dtype": torch.float32, "device": logprob.device}
+    n_seq = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (
         torch.empty((), **f32),
         torch.empty(logprob.shape, **f32),
+        torch.empty(n_seq, **f32),
         torch.empty(len(ref.POLICY_STAT_NAMES), **f32),
     )
 
 
+@torch.library.custom_op("paravt::policy_loss_grad", mutates_args=())
+def policy_loss_grad_op(
+    gbuf: Tensor,
+    coef: Tensor,
+    cu_seqlens: Tensor | None,
+    grad_loss: Tensor,
+    dtype: torch.dtype,
+    impl: str,
+) -> Tensor:
+    """``dloss/dlogprob (N,)`` in ``dtype``: ``grad_loss * coef_s(t) * gbuf_t``, 0 outside
+    ``[cu_seqlens[0], cu_seqlens[-1])``; one read of ``gbuf``, one write, no host sync."""
+    if impl == "triton":
+        return _triton_module("policy_loss_triton").policy_loss_grad_triton(
+            gbuf, coef, cu_seqlens, grad_loss, dtype
+        )
+    return ref.policy_loss_grad_torch(gbuf, coef, cu_seqlens, grad_loss, dtype)
+
+
+@policy_loss_grad_op.register_fake
+def _(gbuf, coef, cu_seqlens, grad_loss, dtype, impl):
+    return torch.empty(gbuf.shape, dtype=dtype, device=gbuf.device)
+
+
 def _pl_setup_context(ctx, inputs, output):
-    _, grad, _ = output
-    ctx.save_for_backward(grad)
+    _, gbuf, coef, _ = output
+    cu_seqlens = inputs[6]
+    ctx.save_for_backward(gbuf, coef, cu_seqlens)
     ctx.lp_dtype = inputs[0].dtype
+    ctx.impl = inputs[-1]
 
 
-def _pl_backward(ctx, grad_loss, _grad_grad, _grad_stats):
-    (grad,) = ctx.saved_tensors
+def _pl_backward(ctx, grad_loss, _grad_gbuf, _grad_coef, _grad_stats):
+    gbuf, coef, cu_seqlens = ctx.saved_tensors
     if grad_loss is None:
         return (None,) * 16
-    g = (grad * grad_loss).to(ctx.lp_dtype)
+    g = policy_loss_grad_op(gbuf, coef, cu_seqlens, grad_loss, ctx.lp_dtype, ctx.impl)
     return (g,) + (None,) * 15
 
 

@@ -1,16 +1,24 @@
 """Fused PPO policy loss (Triton): one pass forms per-token loss, gradient and statistics.
 
-Kernels (grid ``(B, SPLIT)``: program ``(s, k)`` walks the k-th slice of sequence ``s``):
+Kernels (grid ``(B, SPLIT)``: program ``(s, k)`` walks the k-th slice of sequence ``s``; the
+first and last sequences' walks also take the rows before ``cu[0]`` and from ``cu[-1]`` on,
+which belong to no sequence, so every row of an output is written, with 0 there):
 
 * ``_policy_loss_fwd_kernel`` reads logprob, old, advantages, mask (+ ref, prox) once, writes
-  the un-normalised per-token gradient ``m_t dl_t/dlogprob`` and per-(sequence, slice) partial
-  sums (loss, mask mass, KL, clip counts, ratio sum/min/max, masked/capped counts). Partials
-  are written to distinct slots (no atomics), so results are deterministic.
+  the un-normalised per-token gradient ``gbuf_t = m_t dl_t/dlogprob`` and per-(sequence,
+  slice) partial sums (loss, mask mass, KL, clip counts, ratio sum/min/max, masked/capped
+  counts). Partials are written to distinct slots (no atomics), so results are deterministic.
+  Masked tokens are selected away (``where``), never multiplied by 0: their inputs may be
+  -inf or NaN (``0 * inf = NaN``).
 * a few ``(B,)``-sized torch ops turn the partials into per-sequence aggregation
   coefficients ``coef_s`` (token-mean | seq-mean-token-mean | seq-mean-token-sum, see
   ``reference.aggregation_weights``), the loss and the statistics, without host syncs.
-* ``_policy_loss_scale_kernel`` multiplies the gradient by ``coef_s`` in place, so the
-  autograd backward is a single multiply by the incoming scalar.
+* ``_policy_loss_grad_kernel`` (the autograd backward) writes
+  ``dloss/dlogprob_t = grad_loss * coef_s gbuf_t`` in the log-prob dtype: the gradient is
+  written once in the forward and read once in the backward.
+
+Without ``cu_seqlens`` the kernels take the whole batch as one sequence (``HAS_CU=False``),
+so no ``[0, N]`` tensor is copied to the device.
 
 The maths is ``reference.policy_token_terms`` / ``reference.policy_loss_fused_torch``.
 """
@@ -22,7 +30,7 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2, num_sms
 from .dispatch import interpreting
-from .reference import K3_LOG_RATIO_CLAMP, seq_coefficients
+from .reference import K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, seq_coefficients
 
 # Partial-sum slots written per (sequence, slice) program.
 _P_LOSS, _P_MASS, _P_KL, _P_LOW, _P_HIGH, _P_DUAL, _P_ANY, _P_RATIO = range(8)
@@ -36,17 +44,26 @@ _GPU_BLOCK = 1024
 @lazy_jit
 def _policy_loss_fwd_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, prox_ptr, cu_ptr, gbuf_ptr, part_ptr,
-    n_slots, clip_low, clip_high, dual_clip, behav_cap, kl_coef, k3_clamp,
-    SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_REF: tl.constexpr, HAS_PROX: tl.constexpr,
-    HAS_DUAL: tl.constexpr, HAS_CAP: tl.constexpr, KL_TYPE: tl.constexpr,
+    n_slots, n_seq, n_total, clip_low, clip_high, dual_clip, behav_cap, kl_coef, k3_clamp,
+    lr_clamp,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_CU: tl.constexpr, HAS_REF: tl.constexpr,
+    HAS_PROX: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_CAP: tl.constexpr,
+    KL_TYPE: tl.constexpr,
 ):  # fmt: skip
     s = tl.program_id(0)
     k = tl.program_id(1)
-    start = tl.load(cu_ptr + s).to(tl.int64)
-    end = tl.load(cu_ptr + s + 1).to(tl.int64)
-    per = (end - start + SPLIT - 1) // SPLIT
-    lo = start + k * per
-    hi = tl.minimum(lo + per, end)
+    # sequence [start, end); walk [w_lo, w_hi): see the module docstring
+    if HAS_CU:
+        start = tl.load(cu_ptr + s).to(tl.int64)
+        end = tl.load(cu_ptr + s + 1).to(tl.int64)
+    else:
+        start = tl.zeros([], tl.int64)
+        end = start + n_total
+    w_lo = tl.where(s == 0, 0, start)
+    w_hi = tl.where(s == n_seq - 1, n_total, end)
+    per = (w_hi - w_lo + SPLIT - 1) // SPLIT
+    lo = w_lo + k * per
+    hi = tl.minimum(lo + per, w_hi)
 
     a_loss = tl.zeros([BLOCK], tl.float32)
     a_mass = tl.zeros([BLOCK], tl.float32)
@@ -63,26 +80,29 @@ def _policy_loss_fwd_kernel(
     for off in range(lo, hi, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         inb = idx < hi
+        seq = inb & (idx >= start) & (idx < end)  # rows of sequence s (not head/tail padding)
         m = tl.load(mask_ptr + idx, mask=inb, other=0.0).to(tl.float32)
         lp = tl.load(lp_ptr + idx, mask=inb, other=0.0).to(tl.float32)
         old = tl.load(old_ptr + idx, mask=inb, other=0.0).to(tl.float32)
         adv = tl.load(adv_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-        capped = m < 0.0  # all-false, typed like a comparison
+        capped = m < m  # all-false, typed like a comparison
         if HAS_PROX:
             base = tl.load(prox_ptr + idx, mask=inb, other=0.0).to(tl.float32)
-            behav = tl.exp(base - old)
+            behav = tl.exp(tl.minimum(tl.maximum(base - old, -lr_clamp), lr_clamp))
             if HAS_CAP:
-                capped = (behav > behav_cap) & (m > 0.0)
+                capped = (behav > behav_cap) & (m > 0.0) & seq
                 behav = tl.minimum(behav, behav_cap)
         else:
             base = old
             behav = tl.full([BLOCK], 1.0, tl.float32)
-        ratio = tl.exp(lp - base)
+        d = lp - base
+        ratio = tl.exp(tl.minimum(tl.maximum(d, -lr_clamp), lr_clamp))
         pg1 = -adv * ratio
         pg2 = -adv * tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high)
         pg = tl.maximum(pg1, pg2)
-        dpg = tl.where(pg1 >= pg2, pg1, 0.0)
-        dual = m < 0.0
+        # the ratio's derivative is 0 where the log-ratio is clamped (as torch.clamp's)
+        dpg = tl.where((pg1 >= pg2) & (d >= -lr_clamp) & (d <= lr_clamp), pg1, 0.0)
+        dual = m < m
         if HAS_DUAL:
             pg3 = -adv * dual_clip
             dual = (adv < 0.0) & (pg3 < pg)
@@ -100,30 +120,31 @@ def _policy_loss_fwd_kernel(
                 kl = 0.5 * (lp - ref) * (lp - ref)
                 dkl = lp - ref
             else:
-                d = ref - lp
-                dc = tl.minimum(tl.maximum(d, -k3_clamp), k3_clamp)
+                dr = ref - lp
+                dc = tl.minimum(tl.maximum(dr, -k3_clamp), k3_clamp)
                 e = tl.exp(dc)
                 kl = e - dc - 1.0
-                dkl = tl.where((d >= -k3_clamp) & (d <= k3_clamp), 1.0 - e, 0.0)
+                dkl = tl.where((dr >= -k3_clamp) & (dr <= k3_clamp), 1.0 - e, 0.0)
             loss = loss + kl_coef * kl
             dloss = dloss + kl_coef * dkl
-        m_eff = tl.where(capped, 0.0, m)
-        tl.store(gbuf_ptr + idx, m_eff * dloss, mask=inb)
-        low = ((ratio < 1.0 - clip_low) & (adv < 0.0)).to(tl.float32)
-        high = ((ratio > 1.0 + clip_high) & (adv > 0.0)).to(tl.float32)
-        on = m_eff > 0.0
-        a_loss += m_eff * loss
-        a_mass += m_eff
-        a_kl += m_eff * kl
-        a_low += m_eff * low
-        a_high += m_eff * high
-        a_dual += m_eff * dual.to(tl.float32)
-        a_any += m_eff * tl.maximum(low, high)
-        a_ratio += m_eff * ratio
+        # select, never multiply by the mask: values at masked tokens may be inf or NaN
+        on = seq & (m > 0.0) & (capped == 0)
+        m_on = tl.where(on, m, 0.0)
+        tl.store(gbuf_ptr + idx, tl.where(on, m * dloss, 0.0), mask=inb)
+        low = (ratio < 1.0 - clip_low) & (adv < 0.0)
+        high = (ratio > 1.0 + clip_high) & (adv > 0.0)
+        a_loss += tl.where(on, m * loss, 0.0)
+        a_mass += m_on
+        a_kl += tl.where(on, m * kl, 0.0)
+        a_low += tl.where(on & low, m, 0.0)
+        a_high += tl.where(on & high, m, 0.0)
+        a_dual += tl.where(on & dual, m, 0.0)
+        a_any += tl.where(on & (low | high), m, 0.0)
+        a_ratio += tl.where(on, m * ratio, 0.0)
         a_rmin = tl.minimum(a_rmin, tl.where(on, ratio, float("inf")))
         a_rmax = tl.maximum(a_rmax, tl.where(on, ratio, float("-inf")))
         a_capped += capped.to(tl.float32)
-        a_masked += (inb & (m <= 0.0)).to(tl.float32)
+        a_masked += (seq & (m <= 0.0)).to(tl.float32)
 
     slot = s * SPLIT + k
     tl.store(part_ptr + 0 * n_slots + slot, tl.sum(a_loss, 0))
@@ -141,20 +162,31 @@ def _policy_loss_fwd_kernel(
 
 
 @lazy_jit
-def _policy_loss_scale_kernel(gbuf_ptr, coef_ptr, cu_ptr, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+def _policy_loss_grad_kernel(
+    gbuf_ptr, coef_ptr, gl_ptr, cu_ptr, out_ptr, n_seq, n_total,
+    SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_CU: tl.constexpr,
+):  # fmt: skip
     s = tl.program_id(0)
     k = tl.program_id(1)
-    start = tl.load(cu_ptr + s).to(tl.int64)
-    end = tl.load(cu_ptr + s + 1).to(tl.int64)
-    per = (end - start + SPLIT - 1) // SPLIT
-    lo = start + k * per
-    hi = tl.minimum(lo + per, end)
-    c = tl.load(coef_ptr + s)
+    if HAS_CU:
+        start = tl.load(cu_ptr + s).to(tl.int64)
+        end = tl.load(cu_ptr + s + 1).to(tl.int64)
+    else:
+        start = tl.zeros([], tl.int64)
+        end = start + n_total
+    w_lo = tl.where(s == 0, 0, start)
+    w_hi = tl.where(s == n_seq - 1, n_total, end)
+    per = (w_hi - w_lo + SPLIT - 1) // SPLIT
+    lo = w_lo + k * per
+    hi = tl.minimum(lo + per, w_hi)
+    c = tl.load(coef_ptr + s) * tl.load(gl_ptr)  # grad_loss read on the device: no host sync
     for off in range(lo, hi, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         inb = idx < hi
-        g = tl.load(gbuf_ptr + idx, mask=inb, other=0.0)
-        tl.store(gbuf_ptr + idx, g * c, mask=inb)
+        seq = inb & (idx >= start) & (idx < end)
+        g = tl.load(gbuf_ptr + idx, mask=seq, other=0.0)
+        g = tl.where(seq, g * c, 0.0)
+        tl.store(out_ptr + idx, g.to(out_ptr.dtype.element_ty), mask=inb)
 
 
 def _launch_shape(n_tokens: int, n_seq: int, device: torch.device) -> tuple[int, int]:
@@ -183,34 +215,34 @@ def policy_loss_fused_triton(
     kl_coef: float,
     kl_type: str,
     agg: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of ``reference.policy_loss_fused_torch``: ``(loss, grad (N,), stats (11,))``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.policy_loss_fused_torch``:
+    ``(loss (), gbuf (N,), coef (B,), stats (11,))``."""
     dev = logprob.device
     n = logprob.numel()
-    if cu_seqlens is None:
-        cu = torch.tensor([0, n], dtype=torch.int64, device=dev)
-    else:
-        cu = cu_seqlens.to(torch.int64)
-    n_seq = cu.numel() - 1
+    has_cu = cu_seqlens is not None
+    n_seq = cu_seqlens.numel() - 1 if has_cu else 1
+    cu = cu_seqlens.to(torch.int64) if has_cu else logprob  # never read without cu_seqlens
     split, block = _launch_shape(n, n_seq, dev)
     n_slots = n_seq * split
-    grad = torch.empty(n, dtype=torch.float32, device=dev)
+    gbuf = torch.empty(n, dtype=torch.float32, device=dev)
     part = torch.empty(_NUM_PARTIALS * n_slots, dtype=torch.float32, device=dev)
     dummy = logprob  # never read when the matching HAS_* flag is off
-    grid = (n_seq, split)
     if n_seq > 0:
-        _policy_loss_fwd_kernel[grid](
+        _policy_loss_fwd_kernel[(n_seq, split)](
             logprob, old_logprob, advantages, loss_mask,
             dummy if ref_logprob is None else ref_logprob,
             dummy if prox_logprob is None else prox_logprob,
-            cu, grad, part, n_slots, float(clip_low), float(clip_high),
+            cu, gbuf, part, n_slots, n_seq, n, float(clip_low), float(clip_high),
             float(dual_clip or 0.0), float(behav_cap or 0.0), float(kl_coef),
-            float(K3_LOG_RATIO_CLAMP),
-            SPLIT=split, BLOCK=block, HAS_REF=ref_logprob is not None,
+            float(K3_LOG_RATIO_CLAMP), float(LOG_RATIO_CLAMP),
+            SPLIT=split, BLOCK=block, HAS_CU=has_cu, HAS_REF=ref_logprob is not None,
             HAS_PROX=prox_logprob is not None, HAS_DUAL=dual_clip is not None,
             HAS_CAP=behav_cap is not None and prox_logprob is not None,
             KL_TYPE=_KL_CODE[kl_type],
         )  # fmt: skip
+    else:  # cu_seqlens == [c]: no sequence, every row is padding
+        gbuf.zero_()
     p = part.view(_NUM_PARTIALS, n_seq, split)
     sums = p.sum(dim=2)
     loss_s, mass_s = sums[_P_LOSS], sums[_P_MASS]
@@ -219,11 +251,8 @@ def policy_loss_fused_triton(
         if seq_weights is not None
         else torch.ones(n_seq, dtype=torch.float32, device=dev)
     )
-    coef = seq_coefficients(mass_s, w, agg)
-    coef = coef.contiguous()
+    coef = seq_coefficients(mass_s, w, agg).contiguous()
     loss = (coef * loss_s).sum()
-    if n_seq > 0:
-        _policy_loss_scale_kernel[grid](grad, coef, cu, SPLIT=split, BLOCK=block)
     tot = sums.sum(dim=1)
     n_tok = tot[_P_MASS]
     den = n_tok.clamp_min(1e-30)
@@ -245,4 +274,28 @@ def policy_loss_fused_triton(
             tot[_P_CAPPED],
         ]
     )
-    return loss, grad, stats
+    return loss, gbuf, coef, stats
+
+
+def policy_loss_grad_triton(
+    gbuf: torch.Tensor,
+    coef: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    grad_loss: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Triton twin of ``reference.policy_loss_grad_torch``: ``(N,)`` in ``dtype``."""
+    n = gbuf.numel()
+    has_cu = cu_seqlens is not None
+    n_seq = cu_seqlens.numel() - 1 if has_cu else 1
+    if n_seq == 0:
+        return torch.zeros(n, dtype=dtype, device=gbuf.device)
+    out = torch.empty(n, dtype=dtype, device=gbuf.device)
+    split, block = _launch_shape(n, n_seq, gbuf.device)
+    gl = grad_loss.to(torch.float32).reshape(1)
+    cu = cu_seqlens.to(torch.int64) if has_cu else gbuf  # never read without cu_seqlens
+    _policy_loss_grad_kernel[(n_seq, split)](
+        gbuf, coef.float().contiguous(), gl, cu, out, n_seq, n,
+        SPLIT=split, BLOCK=block, HAS_CU=has_cu,
+    )  # fmt: skip
+    return out

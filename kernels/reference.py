@@ -17,6 +17,8 @@ log-sum-exp, and its backward recomputes each tile. ``policy_loss_torch`` and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = [
@@ -50,6 +52,14 @@ POLICY_STAT_NAMES = (
 # The k3 estimator exponentiates (ref - logprob); beyond +-20 the estimate is dominated by
 # numerical blow-up (exp(20) ~ 5e8), so the log-ratio is clamped there, as verl does.
 K3_LOG_RATIO_CLAMP = 20.0
+# The importance ratio exp(logprob - base) and the behaviour weight exp(prox - old) are
+# exponentiated from a log-ratio clamped to +-20 (verl clamps its log-ratio at +-20 too).
+# Ordinary tokens never get near it: the trust region is 1 +- 0.3 (dual clip ~3, behaviour cap
+# ~2-10) while exp(20) ~ 4.9e8; but an old log-prob of -1e4 (a masked pad, a -inf from
+# top-p sampling) would give exp(1e4) = inf, and inf * 0 = NaN in any product that follows,
+# autograd's backward included. Outside the clamp the ratio's derivative is 0 (as
+# torch.clamp's).
+LOG_RATIO_CLAMP = 20.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,9 +105,17 @@ def group_advantage_torch(
 
 
 def seq_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """Sequence id of every token, ``(N,)`` int64, from ``cu_seqlens`` ``(B+1,)`` (no host sync)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ids = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    """Sequence id of every token, ``(N,)`` int64, from ``cu_seqlens`` ``(B+1,)`` (no host sync).
+
+    Tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` (padding of a fixed-size buffer) belong
+    to no sequence and get id ``B``: size per-sequence buffers ``B + 1`` and drop the last slot.
+    """
+    cu = cu_seqlens.long()
+    nseq = cu.numel() - 1
+    # one extra "sequence" B takes the head [0, cu[0]) and one the tail [cu[-1], N)
+    lengths = torch.cat([cu[:1], cu[1:] - cu[:-1], total_tokens - cu[-1:]])
+    ids = torch.arange(-1, nseq + 1, device=cu.device)
+    ids[0] = nseq
     return torch.repeat_interleave(ids, lengths, output_size=total_tokens)
 
 
@@ -264,11 +282,15 @@ def linear_logprob_backward_torch(
     f32 = {"dtype": torch.float32, "device": dev}
     inv_t = 1.0 / temperature
     tgt = targets.long()
-    valid = (tgt != ignore_index).float()
-    g = (grad_logprob.float() if grad_logprob is not None else torch.zeros(n_tok, **f32)) * valid
+    valid = tgt != ignore_index
+    # select, never multiply by the mask: a NaN gradient arriving for an ignored row would
+    # survive `* 0` and reach every row of the weight gradient through dZ^T H.
+    g = torch.zeros(n_tok, **f32)
+    if grad_logprob is not None:
+        g = torch.where(valid, grad_logprob.float(), 0.0)
     k = None
     if grad_entropy is not None and entropy.numel() == n_tok:
-        k = grad_entropy.float() * valid
+        k = torch.where(valid, grad_entropy.float(), 0.0)
     grad_h = torch.zeros(n_tok, d, **f32)
     grad_w = torch.empty(vocab, d, **f32)
     grad_b = torch.empty(vocab, **f32) if bias is not None else None
@@ -399,7 +421,8 @@ def aggregation_weights(
     * ``seq-mean-token-sum``:   ``c_t = w_s m_t / S``
 
     A weight therefore acts as a fractional count of its sequence (or of each of its tokens)
-    in both numerator and denominator. Empty denominators give 0 (no NaN).
+    in both numerator and denominator. Empty denominators give 0 (no NaN). Tokens outside
+    ``[cu_seqlens[0], cu_seqlens[-1])`` belong to no sequence: ``c_t = 0``.
     """
     n = mask.numel()
     if cu_seqlens is None:
@@ -408,18 +431,15 @@ def aggregation_weights(
         if seq_weights is not None:
             raise ValueError("seq_weights needs cu_seqlens (B+1,) to map tokens to sequences")
         return mask / mask.sum().clamp_min(1e-30) * (mask.sum() > 0)
-    sid = seq_ids_from_cu_seqlens(cu_seqlens, n)
+    sid = seq_ids_from_cu_seqlens(cu_seqlens, n)  # id nseq: no sequence
     nseq = cu_seqlens.numel() - 1
-    w_seq = (
-        seq_weights.float()
-        if seq_weights is not None
-        else torch.ones(nseq, dtype=torch.float32, device=mask.device)
-    )
-    w_tok = w_seq[sid]
+    f32 = {"dtype": torch.float32, "device": mask.device}
+    w_seq = seq_weights.float() if seq_weights is not None else torch.ones(nseq, **f32)
+    w_tok = torch.cat([w_seq, torch.zeros(1, **f32)])[sid]
     if agg == "token-mean":
         den = (w_tok * mask).sum()
         return torch.where(den > 0, w_tok * mask / den.clamp_min(1e-30), 0.0)
-    m_seq = torch.zeros(nseq, dtype=torch.float32, device=mask.device).index_add_(0, sid, mask)
+    m_seq = torch.zeros(nseq + 1, **f32).index_add_(0, sid, mask)[:nseq]
     nonempty = (m_seq > 0).float()
     s_den = (w_seq * nonempty).sum()
     inv_s = torch.where(s_den > 0, 1.0 / s_den.clamp_min(1e-30), 0.0)
@@ -429,7 +449,19 @@ def aggregation_weights(
         per_seq = w_seq * inv_s
     else:
         raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
-    return per_seq[sid] * mask
+    return torch.cat([per_seq, torch.zeros(1, **f32)])[sid] * mask
+
+
+def covered_tokens(cu_seqlens: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """``(N,)`` bool: token lies in ``[cu_seqlens[0], cu_seqlens[-1])`` (all True without it)."""
+    if cu_seqlens is None:
+        return torch.ones(n, dtype=torch.bool, device=device)
+    return seq_ids_from_cu_seqlens(cu_seqlens, n) < cu_seqlens.numel() - 1
+
+
+def _exp_log_ratio(d: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))``: finite for any finite-or-inf ``d``."""
+    return torch.exp(d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def policy_loss_torch(
@@ -462,31 +494,44 @@ def policy_loss_torch(
       ``aggregation_weights`` (token-mean | seq-mean-token-mean | seq-mean-token-sum, optional
       per-sequence ``seq_weights`` ``(B,)``).
 
+    Both log-ratios are clamped to ``+-LOG_RATIO_CLAMP`` before ``exp``. Masked tokens and
+    tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` may hold any value (-inf, NaN): they are
+    replaced by 0 before the maths and selected away after it, so they change nothing.
+
     Returns ``(loss (), stats)``; stats are 0-d float32 tensors (token means over the final
     mask): ``POLICY_STAT_NAMES``.
     """
-    mask = loss_mask.float()
-    n_masked_in = (mask <= 0).float().sum()
-    lp = logprob.float()
-    adv = advantages.float()
+    covered = covered_tokens(cu_seqlens, logprob.numel(), logprob.device)
+    mask = torch.where(covered, loss_mask.float(), 0.0)
+    n_masked_in = (covered & (mask <= 0)).float().sum()
+    keep = mask > 0
+
+    # double `where`: the backward of `where(keep, f(x), 0)` still multiplies 0 by f'(x), which
+    # is NaN where f'(x) is inf or NaN; stand-ins make f'(x) finite at ignored tokens.
+    def safe(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, x.float(), 0.0)
+
+    lp = safe(logprob)
+    adv = safe(advantages)
+    old = safe(old_logprob)
     if prox_logprob is not None:
-        base = prox_logprob.float()
-        behav = torch.exp(base - old_logprob.float())
+        base = safe(prox_logprob)
+        behav = _exp_log_ratio(base - old)
         if behav_cap is not None:
-            capped = (behav > behav_cap) & (mask > 0)
+            capped = (behav > behav_cap) & keep
             mask = torch.where(capped, 0.0, mask)
             behav = behav.clamp_max(behav_cap)
         else:
-            capped = torch.zeros_like(mask, dtype=torch.bool)
+            capped = torch.zeros_like(keep)
     else:
-        base = old_logprob.float()
+        base = old
         behav = None
-        capped = torch.zeros_like(mask, dtype=torch.bool)
-    ratio = torch.exp(lp - base)
+        capped = torch.zeros_like(keep)
+    ratio = _exp_log_ratio(lp - base)
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(pg1, pg2)
-    dual_hit = torch.zeros_like(mask, dtype=torch.bool)
+    dual_hit = torch.zeros_like(keep)
     if dual_clip is not None:
         pg3 = -adv * dual_clip
         dual_hit = (adv < 0) & (pg3 < pg)
@@ -496,28 +541,32 @@ def policy_loss_torch(
     loss_tok = pg
     kl = None
     if ref_logprob is not None:
-        kl = kl_penalty(lp, ref_logprob.float(), kl_type)
+        kl = kl_penalty(lp, safe(ref_logprob), kl_type)
         if kl_coef != 0.0:
             loss_tok = loss_tok + kl_coef * kl
+    on = mask > 0
     coef = aggregation_weights(mask, agg, cu_seqlens, seq_weights)
-    loss = (coef * loss_tok).sum()
+    loss = torch.where(on, coef * loss_tok, 0.0).sum()
 
     with torch.no_grad():
-        on = mask > 0
+
+        def msum(x: torch.Tensor) -> torch.Tensor:  # sum over the final mask, by selection
+            return torch.where(on, x.float() * mask, 0.0).sum()
+
         n_tok = mask.sum()
         den = n_tok.clamp_min(1e-30)
-        low = ((ratio < 1.0 - clip_low) & (adv < 0)).float()
-        high = ((ratio > 1.0 + clip_high) & (adv > 0)).float()
+        low = (ratio < 1.0 - clip_low) & (adv < 0)
+        high = (ratio > 1.0 + clip_high) & (adv > 0)
         r_det = ratio.detach()
         stats = {
-            "clip_frac_low": (low * mask).sum() / den,
-            "clip_frac_high": (high * mask).sum() / den,
-            "clip_frac_dual": (dual_hit.float() * mask).sum() / den,
-            "clip_frac": (torch.maximum(low, high) * mask).sum() / den,
-            "kl_mean": (kl.detach() * mask).sum() / den
+            "clip_frac_low": msum(low) / den,
+            "clip_frac_high": msum(high) / den,
+            "clip_frac_dual": msum(dual_hit) / den,
+            "clip_frac": msum(low | high) / den,
+            "kl_mean": msum(kl.detach()) / den
             if kl is not None
             else torch.zeros((), device=mask.device),
-            "ratio_mean": (r_det * mask).sum() / den,
+            "ratio_mean": msum(r_det) / den,
             "ratio_min": _masked_extreme(r_det, on, "min"),
             "ratio_max": _masked_extreme(r_det, on, "max"),
             "n_tokens": n_tok,
@@ -554,9 +603,11 @@ def policy_token_terms(
     """Per-token loss ``l``, its analytic derivative ``dl/dlogprob`` and the stat indicators.
 
     This is the element-wise half of the fused op (the Triton kernel computes the same
-    quantities); derivative of each term, with ``r = e^{lp - base}``:
-    ``d(-A r)/dlp = -A r`` (zero where the clipped branch wins or the dual bound binds),
-    ``dk1 = 1``, ``dk2 = lp - ref``, ``dk3 = 1 - e^{ref - lp}`` (zero where clamped).
+    quantities); derivative of each term, with ``r = e^{clamp(lp - base)}``:
+    ``d(-A r)/dlp = -A r`` (zero where the clipped branch wins, the dual bound binds or the
+    log-ratio is clamped), ``dk1 = 1``, ``dk2 = lp - ref``, ``dk3 = 1 - e^{ref - lp}`` (zero
+    where clamped). Values at masked tokens may be inf or NaN: callers select them away
+    (``on``), never multiply them by the mask.
     """
     mask = loss_mask.float()
     lp = logprob.float()
@@ -565,17 +616,18 @@ def policy_token_terms(
     capped = torch.zeros_like(mask, dtype=torch.bool)
     if prox_logprob is not None:
         base = prox_logprob.float()
-        behav = torch.exp(base - old)
+        behav = _exp_log_ratio(base - old)
         if behav_cap is not None:
             capped = (behav > behav_cap) & (mask > 0)
             behav = behav.clamp_max(behav_cap)
     else:
         base = old
         behav = torch.ones_like(mask)
-    ratio = torch.exp(lp - base)
+    d = lp - base
+    ratio = _exp_log_ratio(d)
     pg1 = -adv * ratio
     pg2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    unclipped = pg1 >= pg2
+    unclipped = (pg1 >= pg2) & (d >= -LOG_RATIO_CLAMP) & (d <= LOG_RATIO_CLAMP)
     pg = torch.maximum(pg1, pg2)
     dpg = torch.where(unclipped, pg1, 0.0)
     dual_hit = torch.zeros_like(capped)
@@ -595,16 +647,18 @@ def policy_token_terms(
         elif kl_type == "k2":
             dkl = lp - ref
         else:
-            d = ref - lp
-            inside = (d >= -K3_LOG_RATIO_CLAMP) & (d <= K3_LOG_RATIO_CLAMP)
+            dr = ref - lp
+            inside = (dr >= -K3_LOG_RATIO_CLAMP) & (dr <= K3_LOG_RATIO_CLAMP)
             dkl = torch.where(
-                inside, 1.0 - torch.exp(d.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)), 0.0
+                inside, 1.0 - torch.exp(dr.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)), 0.0
             )
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl
             dloss = dloss + kl_coef * dkl
+    m_eff = torch.where(capped, 0.0, mask)
     return {
-        "mask": torch.where(capped, 0.0, mask),
+        "mask": m_eff,
+        "on": m_eff > 0,
         "loss": loss,
         "dloss": dloss,
         "ratio": ratio,
@@ -642,6 +696,11 @@ def seq_coefficients(mass_s: torch.Tensor, w_s: torch.Tensor, agg: str) -> torch
 POLICY_TOKEN_CHUNK = 1 << 15
 
 
+def _select_weighted(on: torch.Tensor, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``m * x`` where ``on``, exactly 0 elsewhere (even where ``x`` is inf or NaN)."""
+    return torch.where(on, m * x.float(), 0.0)
+
+
 def policy_loss_fused_torch(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
@@ -658,13 +717,16 @@ def policy_loss_fused_torch(
     kl_coef: float,
     kl_type: str,
     agg: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused forward+backward in torch: ``(loss (), dloss/dlogprob (N,), stats (11,))``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused forward in torch: ``(loss (), gbuf (N,), coef (B,), stats (11,))``.
 
-    Same maths as ``policy_loss_torch`` but the gradient is formed analytically in the forward
-    pass (the backward is one multiply by the incoming scalar), token chunk by token chunk,
-    with per-sequence partial sums, like the Triton kernel. ``stats`` is packed in the order
-    of ``POLICY_STAT_NAMES``.
+    Same maths as ``policy_loss_torch``, token chunk by token chunk with per-sequence partial
+    sums, like the Triton kernel. The gradient is formed analytically but left unscaled:
+    ``gbuf_t = m_t dl_t/dlogprob`` (0 at masked tokens and outside ``cu_seqlens``), and
+    ``dloss/dlogprob_t = coef_s(t) gbuf_t`` is formed once, in the backward
+    (``policy_loss_grad_torch``), together with the incoming gradient. Without ``cu_seqlens``
+    the batch is one sequence (``B = 1``). ``stats`` is packed in the order of
+    ``POLICY_STAT_NAMES``.
     """
     n = logprob.numel()
     dev = logprob.device
@@ -675,9 +737,9 @@ def policy_loss_fused_torch(
         n_seq, sid = 1, None
     else:
         n_seq = cu_seqlens.numel() - 1
-        sid = seq_ids_from_cu_seqlens(cu_seqlens, n)
-    loss_s = torch.zeros(n_seq, **f32)
-    mass_s = torch.zeros(n_seq, **f32)
+        sid = seq_ids_from_cu_seqlens(cu_seqlens, n)  # id n_seq: outside every sequence
+    loss_s = torch.zeros(n_seq + 1, **f32)  # the last slot collects tokens of no sequence
+    mass_s = torch.zeros(n_seq + 1, **f32)
     gbuf = torch.empty(n, **f32)
     acc = torch.zeros(8, **f32)  # low, high, dual, any, kl, ratio, capped, masked_in
     rmin = torch.full((), float("inf"), **f32)
@@ -693,35 +755,36 @@ def policy_loss_fused_torch(
             sl(ref_logprob, a, b), sl(prox_logprob, a, b), clip_low, clip_high, dual_clip,
             behav_cap, kl_coef, kl_type,
         )  # fmt: skip
-        m = t["mask"]
-        torch.mul(m, t["dloss"], out=gbuf[a:b])
-        ml = m * t["loss"]
+        covered = torch.ones_like(t["on"]) if sid is None else sid[a:b] < n_seq
+        on = t["on"] & covered
+        m = torch.where(on, t["mask"], 0.0)
+        sel = functools.partial(_select_weighted, on, m)
+        gbuf[a:b] = sel(t["dloss"])
+        ml = sel(t["loss"])
         if sid is None:
-            loss_s += ml.sum()
-            mass_s += m.sum()
+            loss_s[0] += ml.sum()
+            mass_s[0] += m.sum()
         else:
             loss_s.index_add_(0, sid[a:b], ml)
             mass_s.index_add_(0, sid[a:b], m)
-        low, high = t["low"].float(), t["high"].float()
         acc += torch.stack(
             [
-                (low * m).sum(),
-                (high * m).sum(),
-                (t["dual"].float() * m).sum(),
-                (torch.maximum(low, high) * m).sum(),
-                (t["kl"] * m).sum(),
-                (t["ratio"] * m).sum(),
-                t["capped"].float().sum(),
-                t["masked_in"].float().sum(),
+                sel(t["low"]).sum(),
+                sel(t["high"]).sum(),
+                sel(t["dual"]).sum(),
+                sel(t["low"] | t["high"]).sum(),
+                sel(t["kl"]).sum(),
+                sel(t["ratio"]).sum(),
+                (t["capped"] & covered).float().sum(),
+                (t["masked_in"] & covered).float().sum(),
             ]
         )
-        on = m > 0
         rmin = torch.minimum(rmin, torch.where(on, t["ratio"], float("inf")).amin())
         rmax = torch.maximum(rmax, torch.where(on, t["ratio"], float("-inf")).amax())
+    loss_s, mass_s = loss_s[:n_seq], mass_s[:n_seq]
     w = seq_weights.float() if seq_weights is not None else torch.ones(n_seq, **f32)
     coef = seq_coefficients(mass_s, w, agg)
     loss = (coef * loss_s).sum()
-    grad = gbuf.mul_(coef[sid] if sid is not None else coef)
     n_tok = mass_s.sum()
     den = n_tok.clamp_min(1e-30)
     any_on = n_tok > 0
@@ -740,4 +803,23 @@ def policy_loss_fused_torch(
             acc[6],
         ]
     )
-    return loss, grad, stats
+    return loss, gbuf, coef, stats
+
+
+def policy_loss_grad_torch(
+    gbuf: torch.Tensor,
+    coef: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    grad_loss: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dloss/dlogprob (N,)`` in ``dtype``: ``grad_loss * coef_s(t) * gbuf_t`` in one pass.
+
+    Tokens outside ``[cu_seqlens[0], cu_seqlens[-1])`` get exactly 0.
+    """
+    c = coef.float() * grad_loss.float()
+    if cu_seqlens is None:
+        return (gbuf * c).to(dtype)
+    sid = seq_ids_from_cu_seqlens(cu_seqlens, gbuf.numel())
+    c_tok = torch.cat([c, torch.zeros(1, dtype=c.dtype, device=c.device)])[sid]
+    return (gbuf * c_tok).to(dtype)

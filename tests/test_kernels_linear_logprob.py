@@ -180,3 +180,49 @@ def test_errors_name_the_problem():
         linear_logprob(h, w, t, temperature=0.0)
     with pytest.raises(TypeError, match="hidden is torch.float32 but weight is torch.bfloat16"):
         linear_logprob(h, w.bfloat16(), t)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_nan_gradient_at_ignored_rows_stays_out_of_weight_grad(impl):
+    """An ignored row's log-prob is a constant 0: whatever gradient arrives for it (here NaN,
+    as from a loss that formed 0 * inf) must not reach the weight gradient of any row."""
+    h, w, b, t = _inputs(13, 59, 333, torch.float32, seed=8)
+    t[[2, 9]] = -100
+    g = torch.Generator().manual_seed(9)
+    g_lp, g_ent = torch.randn(13, generator=g), torch.randn(13, generator=g)
+    g_lp[[2, 9]] = 0.0
+    g_ent[[2, 9]] = 0.0
+    nan_lp, nan_ent = g_lp.clone(), g_ent.clone()
+    nan_lp[[2, 9]] = float("nan")
+    nan_ent[[2, 9]] = float("nan")
+    grads = {}
+    for name, gl, ge in (("clean", g_lp, g_ent), ("nan", nan_lp, nan_ent)):
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        lp, ent = linear_logprob(*leaves[:2], t, bias=leaves[2], return_entropy=True)
+        grads[name] = torch.autograd.grad((lp, ent), leaves, (gl, ge))
+    for name, got, want in zip(("hidden", "weight", "bias"), grads["nan"], grads["clean"]):
+        assert torch.isfinite(got).all(), f"NaN in the {name} gradient"
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed"
+)
+def test_low_precision_logits_never_fall_back_to_bf16_rounding():
+    """Where torch cannot emit fp32 logits from bf16 operands (mm out_dtype), the GPU path
+    raises instead of rounding the logits to bf16 (~0.05 error on every log-prob)."""
+    from paravt_kernels import linear_logprob_triton as llt
+
+    class LooksCuda(torch.Tensor):  # takes the CUDA branch; CPU has no aten::mm.dtype
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+    a = torch.randn(4, 8).bfloat16().as_subclass(LooksCuda)
+    b = torch.randn(8, 5).bfloat16().as_subclass(LooksCuda)
+    with pytest.raises(
+        RuntimeError,
+        match=r"hidden \(torch.bfloat16\) x weight \(torch.bfloat16\).*needs a matmul with "
+        r"float32 output.*error of ~0.05.*pass float32 hidden and weight",
+    ):
+        llt._mm_f32(a, b)

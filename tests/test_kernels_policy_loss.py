@@ -199,3 +199,109 @@ def test_torch_path_token_chunks_are_invisible(agg, monkeypatch):
     torch.testing.assert_close(grad, grad_r, atol=1e-7, rtol=1e-5)
     for k in POLICY_STAT_NAMES:
         torch.testing.assert_close(stats[k], stats_r[k].float(), atol=1e-6, rtol=1e-5, msg=k)
+
+
+# Values a masked token can carry in a real batch: an old log-prob of -1e4 (a pad), -inf from a
+# reference that gave the token zero probability, NaN from an uninitialised pad.
+# the interpreter computes the selected-away lanes in numpy, which warns about inf - inf
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("prox", [False, True], ids=["old", "prox"])
+def test_extreme_values_at_masked_tokens_change_nothing(impl, kl_type, prox):
+    b = _batch([6, 9, 4], seed=13)
+    b["loss_mask"] = torch.ones(19, dtype=torch.bool)
+    b["loss_mask"][[1, 7, 15]] = False
+    bad = {k: v.clone() for k, v in b.items()}
+    bad["old_logprob"][1], bad["prox_logprob"][1], bad["advantages"][1] = -1e4, -1e4, -1.0
+    bad["ref_logprob"][7] = float("-inf")
+    for k in ("logprob", "old_logprob", "advantages", "ref_logprob", "prox_logprob"):
+        bad[k][15] = float("nan")
+    cfg = {"kl_coef": 0.1, "kl_type": kl_type, "dual_clip": 3.0, "prox": prox}
+    if prox:
+        cfg["behav_cap"] = 1.2
+    for fn in (policy_loss, ref.policy_loss_torch):  # the fused op and the autograd oracle
+        loss, grad, stats = _run(fn, bad, cfg, "seq-mean-token-mean")
+        loss_c, grad_c, stats_c = _run(fn, b, cfg, "seq-mean-token-mean")
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), fn.__name__
+        torch.testing.assert_close(loss, loss_c, atol=0, rtol=0)
+        torch.testing.assert_close(grad, grad_c, atol=0, rtol=0)
+        assert (grad[[1, 7, 15]] == 0).all()
+        for k in POLICY_STAT_NAMES:
+            torch.testing.assert_close(stats[k], stats_c[k], atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_log_ratio_is_clamped_before_exp(impl):
+    """An unmasked token 1e4 nats off its old log-prob: ratio exp(20), not inf."""
+    lp = torch.tensor([-1.0, -1.0, -0.5], requires_grad=True)
+    old = torch.tensor([-1e4, -1.2, -0.5])
+    adv = torch.tensor([-1.0, 1.0, 0.5])
+    loss, stats = policy_loss(lp, old, adv, torch.ones(3))
+    (grad,) = torch.autograd.grad(loss, lp)
+    big = float(torch.exp(torch.tensor(ref.LOG_RATIO_CLAMP)))
+    # token 0: -A r = exp(20); token 1: r = e^0.2 > 1.2, A > 0, clipped: -1.2; token 2: -0.5
+    assert loss.item() == pytest.approx((big - 1.2 - 0.5) / 3, rel=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(big, rel=1e-6)
+    # the clamped token has no gradient (as torch.clamp), the others the usual one
+    torch.testing.assert_close(grad, torch.tensor([0.0, 0.0, -0.5 / 3]))
+    loss_r, stats_r = ref.policy_loss_torch(lp, old, adv, torch.ones(3))
+    (grad_r,) = torch.autograd.grad(loss_r, lp)
+    torch.testing.assert_close(loss.detach(), loss_r.detach())
+    torch.testing.assert_close(grad, grad_r)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("agg", AGGS)
+def test_rows_outside_cu_seqlens_get_zero_gradient(impl, agg):
+    """A fixed-size buffer: 2 rows before cu[0] and 5 after cu[-1] hold NaN and mask 1; they
+    belong to no sequence: zero gradient, and loss and stats as without them."""
+    b = _batch([6, 9, 4], seed=17)
+    padded = {}
+    for k, v in b.items():
+        if k == "cu_seqlens":
+            padded[k] = v + 2
+        elif k == "seq_weights":
+            padded[k] = v
+        elif k == "loss_mask":
+            padded[k] = torch.cat([torch.ones(2, dtype=v.dtype), v, torch.ones(5, dtype=v.dtype)])
+        else:
+            padded[k] = torch.cat([torch.full((2,), float("nan")), v, torch.full((5,), -1e4)])
+    cfg = {"prox": True, "behav_cap": 1.2, "kl_coef": 0.1, "kl_type": "k3", "seq_weights": True}
+    loss, grad, stats = _run(policy_loss, b, cfg, agg)
+    for _ in range(3):  # freed buffers of the gradient's size, full of NaN, for torch.empty
+        junk = torch.full((26,), float("nan"))
+        del junk
+        loss_p, grad_p, stats_p = _run(policy_loss, padded, cfg, agg)
+        assert (grad_p[:2] == 0).all() and (grad_p[-5:] == 0).all(), grad_p
+        # equal up to summation order (the padding shifts the rows within the blocks)
+        torch.testing.assert_close(grad_p[2:-5], grad, atol=1e-7, rtol=1e-5)
+        torch.testing.assert_close(loss_p, loss, atol=1e-6, rtol=1e-5)
+        for k in POLICY_STAT_NAMES:
+            torch.testing.assert_close(stats_p[k], stats[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_cu_seqlens_is_one_sequence(impl, dtype):
+    """cu_seqlens=None (no [0, N] tensor is built) gives what cu_seqlens=[0, N] gives; the
+    backward scales by the incoming gradient, writes the log-prob dtype and can run twice."""
+    b = _batch([83], seed=19)
+    b["logprob"] = b["logprob"].to(dtype)
+    cfg = {"prox": True, "behav_cap": 1.2, "kl_coef": 0.1, "kl_type": "k2", "dual_clip": 3.0}
+    loss, grad, stats = _run(policy_loss, b, cfg, "token-mean")
+    loss_n, grad_n, stats_n = _run(policy_loss, dict(b, cu_seqlens=None), cfg, "token-mean")
+    assert grad_n.dtype == dtype
+    # equal up to summation order (one running sum vs per-sequence partial sums)
+    torch.testing.assert_close(loss_n, loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad_n.float(), grad.float(), atol=1e-7, rtol=1e-5)
+    for k in POLICY_STAT_NAMES:
+        torch.testing.assert_close(stats_n[k], stats[k], atol=1e-6, rtol=1e-5, msg=k)
+    lp = b["logprob"].clone().requires_grad_()
+    kw = {"ref_logprob": b["ref_logprob"], "prox_logprob": b["prox_logprob"]}
+    kw.update({k: v for k, v in cfg.items() if k != "prox"})
+    out, _ = policy_loss(lp, b["old_logprob"], b["advantages"], b["loss_mask"], **kw)
+    (g3,) = torch.autograd.grad(3.0 * out, lp, retain_graph=True)
+    (g1,) = torch.autograd.grad(out, lp)
+    torch.testing.assert_close(g1, grad_n, atol=0, rtol=0)
+    torch.testing.assert_close(g3, (3.0 * grad_n.float()).to(dtype))

@@ -171,6 +171,9 @@ def _opcheck_cases(impl):
     yield ops.policy_loss_op, (lp, torch.randn(n, generator=g), torch.randn(n, generator=g), torch.ones(n),
                                torch.randn(n, generator=g), torch.randn(n, generator=g), cu, torch.rand(2, generator=g),
                                0.2, 0.28, 3.0, 2.0, 0.1, "k3", "seq-mean-token-mean", impl)  # fmt: skip
+    gbuf, coef, gl = torch.randn(n, generator=g), torch.rand(2, generator=g), torch.tensor(0.5)
+    yield ops.policy_loss_grad_op, (gbuf, coef, cu, gl, torch.bfloat16, impl)
+    yield ops.policy_loss_grad_op, (gbuf, coef[:1], None, gl, torch.float32, impl)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +188,7 @@ def test_opcheck_every_registered_op(impl, monkeypatch):
         torch.library.opcheck(op, args)
         checked.add(op._qualname if hasattr(op, "_qualname") else str(op))
     assert {"paravt::group_advantage", "paravt::linear_logprob_fwd", "paravt::linear_logprob_bwd",
-            "paravt::policy_loss"} <= checked  # fmt: skip
+            "paravt::policy_loss", "paravt::policy_loss_grad"} <= checked  # fmt: skip
 
 
 def test_torch_compile_traces_the_ops(monkeypatch):
