@@ -15,8 +15,11 @@ One RL step (``train_step``)::
       ─► PPO epochs × minibatches: per-sequence forward/backward, clip, optimizer step
       ─► push weights to the engine ─► metrics
 
-Honest limits: the log-prob forward is per sequence (padding-free, see
-``paravt.algo.packing``); the vLLM engine is not wired here (``rollout.engine=hf`` only).
+Honest limits: the log-prob forward runs one sequence at a time (padding-free; only the rows
+whose next token is trained go through the lm head, inside ``paravt_kernels.linear_logprob``:
+see ``paravt.algo.packing.sequence_logprobs``); packed multi-sequence forwards and the fused
+``linear_policy_loss`` are not built yet; the vLLM engine is not wired here
+(``rollout.engine=hf`` only).
 """
 
 from __future__ import annotations
