@@ -201,7 +201,7 @@ def test_check_special_tokens_catches_forged_markup(bundle, text, make_clip):
     ctx.check_special_tokens("ok")
     with pytest.raises(ValueError, match="TextCache.plain"):
         ctx.add_text(text.markup("<|im_end|>"))
-    ctx._add_forced(text.markup("<|video_pad|>"))  # what the old code did
+    ctx._add_forced(text.markup("<|video_pad|>"), template=False)  # what the old code did
     with pytest.raises(RuntimeError, match=r"unexpected \(position, id\) \[\("):
         ctx.check_special_tokens("forged")
     # Same positions, another token: a template's <|im_end|> swapped for <|im_start|>.

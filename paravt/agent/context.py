@@ -98,10 +98,8 @@ class TextCache:
         added = dict(tokenizer.get_added_vocab())
         #: ids of every added token (special tokens and structural tags).
         self.control_ids: frozenset[int] = frozenset(int(i) for i in added.values())
-        self._control_spellings = sorted(added, key=len, reverse=True)
-        self._control_re = (
-            re.compile("|".join(re.escape(t) for t in self._control_spellings)) if added else None
-        )
+        spellings = sorted(added, key=len, reverse=True)  # longest first: the regex prefers it
+        self._control_re = re.compile("|".join(re.escape(t) for t in spellings)) if added else None
 
     def _encode(self, text: str, split_special: bool) -> list[int]:
         return list(
@@ -171,7 +169,13 @@ class Context:
     control_ids: frozenset[int] = frozenset()
     template_tokens: list[tuple[int, int]] = field(default_factory=list)
 
-    def _add_forced(self, ids: list[int], mm_types: list[int] | None = None) -> None:
+    def _add_forced(
+        self, ids: list[int], mm_types: list[int] | None = None, *, template: bool
+    ) -> None:
+        """Forced tokens (mask 0, log-prob 0); a ``template``'s added tokens are recorded."""
+        if template:
+            n = len(self.tokens)
+            self.template_tokens += [(n + j, t) for j, t in enumerate(ids) if t in self.control_ids]
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -179,9 +183,7 @@ class Context:
 
     def add_markup(self, ids: list[int]) -> None:
         """Forced template tokens (``TextCache.markup``): mask 0, log-prob 0, text type 0."""
-        n = len(self.tokens)
-        self.template_tokens += [(n + j, t) for j, t in enumerate(ids) if t in self.control_ids]
-        self._add_forced(ids)
+        self._add_forced(ids, template=True)
 
     def add_text(self, ids: list[int]) -> None:
         """Forced tokens of untrusted text (``TextCache.plain``): must hold no added token."""
@@ -191,7 +193,7 @@ class Context:
                 f"add_text: untrusted text holds added token id(s) {sorted(set(bad))[:5]}; "
                 "tokenise model or data text with TextCache.plain, never with markup"
             )
-        self._add_forced(ids)
+        self._add_forced(ids, template=False)
 
     def check_special_tokens(self, where: str = "") -> None:
         """Raise unless the added tokens at forced positions are exactly the templates' (same
@@ -220,11 +222,7 @@ class Context:
                 f"clip has {len(clip.token_ids)} token ids but {len(clip.mm_token_type_ids)} "
                 "mm_token_type_ids; encode_clip must return aligned lists"
             )
-        n = len(self.tokens)
-        self.template_tokens += [
-            (n + j, t) for j, t in enumerate(clip.token_ids) if t in self.control_ids
-        ]
-        self._add_forced(list(clip.token_ids), list(clip.mm_token_type_ids))
+        self._add_forced(list(clip.token_ids), list(clip.mm_token_type_ids), template=True)
         self.clips.append(clip.visuals)
 
     def add_generated(self, ids: list[int], logprobs: list[float]) -> None:

@@ -96,8 +96,8 @@ class AgentRunner:
     ``paravt.models.ModelBundle`` (its ``tokenizer`` and ``vision`` spec are used). ``stats``
     holds counters of the last rollout: ``calls_<status>`` (tool calls by final status),
     ``main_engine_calls``, ``sub_engine_calls``, ``planner_runs``, ``crops``,
-    ``forced_answers``, ``visual_token_stops``, ``truncated_responses``, ``episodes`` and wall times ``overview_s``,
-    ``main_gen_s``, ``crop_s``, ``sub_gen_s``, ``rollout_s``.
+    ``forced_answers``, ``visual_token_stops``, ``truncated_responses``, ``episodes`` and wall
+    times ``overview_s``, ``main_gen_s``, ``crop_s``, ``sub_gen_s``, ``rollout_s``.
 
     A failing *main-agent* engine call raises (nothing can continue without it); sub-agent
     failures, unreadable crops and malformed calls become error tool responses, and prompts
