@@ -83,6 +83,7 @@ class DatasetReport:
 class _Row(NamedTuple):
     sample: Sample
     where: str  # "file:line" or "file row i", for errors
+    row: int  # the JSONL line number or the 0-based parquet row
     id_synthesized: bool
 
 
@@ -91,10 +92,7 @@ def _resolve_file(path: Path, split: str) -> Path:
         return path
     if not path.exists():
         raise DatasetError(f"dataset path {path} does not exist")
-    for name in (f"{split}.jsonl", f"{split}.parquet"):
-        if (path / name).is_file():
-            return path / name
-    cands = sorted(path.glob(f"*{split}*.parquet")) + sorted(path.glob(f"*{split}*.jsonl"))
+    cands = _split_candidates(path, split)
     if len(cands) == 1:
         return cands[0]
     raise DatasetError(
@@ -108,14 +106,16 @@ def has_split(path: str | Path, split: str) -> bool:
     split). Lets callers treat an absent split as optional while a malformed or ambiguous one
     (several candidates) still raises from :func:`load_samples`."""
     p = Path(path)
-    if p.is_file():
-        return True
-    if not p.is_dir():
-        return False
-    names = (f"{split}.jsonl", f"{split}.parquet")
-    return any((p / n).is_file() for n in names) or bool(
-        list(p.glob(f"*{split}*.parquet")) + list(p.glob(f"*{split}*.jsonl"))
-    )
+    return p.is_file() or (p.is_dir() and bool(_split_candidates(p, split)))
+
+
+def _split_candidates(path: Path, split: str) -> list[Path]:
+    """Files of directory ``path`` for ``split``: ``{split}.jsonl`` / ``{split}.parquet`` when
+    present (the first one), else every ``*{split}*`` parquet / JSONL file."""
+    for name in (f"{split}.jsonl", f"{split}.parquet"):
+        if (path / name).is_file():
+            return [path / name]
+    return sorted(path.glob(f"*{split}*.parquet")) + sorted(path.glob(f"*{split}*.jsonl"))
 
 
 def _video_path(raw: str, root: Path) -> str:
@@ -226,7 +226,7 @@ def _jsonl_samples(file: Path, root: Path) -> list[_Row]:
                 options=[str(o) for o in row.get("options") or []],
                 extra={k: v for k, v in row.items() if k not in known},
             )
-            out.append(_Row(_checked(sample, where), where, sid is None))
+            out.append(_Row(_checked(sample, where), where, lineno, sid is None))
     return out
 
 
@@ -288,14 +288,14 @@ def _parquet_samples(file: Path, root: Path) -> list[_Row]:
             question_type=qtype,
             extra=extra,
         )
-        out.append(_Row(_checked(sample, where), where, sid is None))
+        out.append(_Row(_checked(sample, where), where, i, sid is None))
     return out
 
 
 def _unique_ids(rows: list[_Row]) -> list[tuple[str, str, str]]:
     """Make ids unique in place: the first row keeps an id, later rows get ``"{id}#{row}"``
-    (``row`` = the JSONL line or parquet row number in ``where``). Returns
-    ``(old, new, where)`` per renamed row."""
+    (``_Row.row``: the JSONL line or parquet row number). Returns ``(old, new, where)`` per
+    renamed row."""
     seen = {r.sample.id for r in rows}
     first: set[str] = set()
     renamed = []
@@ -304,10 +304,9 @@ def _unique_ids(rows: list[_Row]) -> list[tuple[str, str, str]]:
         if sid not in first:
             first.add(sid)
             continue
-        row = r.where.rsplit(":", 1)[-1] if " row " not in r.where else r.where.rsplit(" ", 1)[-1]
-        new = f"{sid}#{row}"
+        new = f"{sid}#{r.row}"
         while new in seen:
-            new += f"#{row}"
+            new += f"#{r.row}"
         seen.add(new)
         r.sample.id = new
         renamed.append((sid, new, r.where))
