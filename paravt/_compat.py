@@ -8,11 +8,7 @@ environments without that hook (e.g. a plain ``pip install -e .``).
 
 from __future__ import annotations
 
-from paravt_startup import define_torchvision_ops, torchvision_is_cuda_build
-
-
-def _torchvision_is_cuda_build() -> bool:
-    return torchvision_is_cuda_build()
+from paravt_startup import define_torchvision_ops
 
 
 def fix_cuda_torchvision_on_cpu_torch() -> bool:

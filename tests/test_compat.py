@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from paravt import _compat
+import paravt_startup
 
-CUDA_TV_ON_CPU = _compat._torchvision_is_cuda_build() and torch.version.cuda is None
+CUDA_TV_ON_CPU = paravt_startup.torchvision_is_cuda_build() and torch.version.cuda is None
 needs_mismatch = pytest.mark.skipif(
     not CUDA_TV_ON_CPU, reason="needs a CUDA torchvision build on CPU torch (the case fixed)"
 )
@@ -65,8 +65,9 @@ def test_only_a_cuda_torchvision_build_is_patched(tmp_path, version, cuda_build)
             sys.executable,
             "-c",
             "import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import paravt_startup\n"
             "from paravt import _compat\n"
-            "print(_compat._torchvision_is_cuda_build(), "
+            "print(paravt_startup.torchvision_is_cuda_build(), "
             "_compat.fix_cuda_torchvision_on_cpu_torch())",
             str(tmp_path),
         ],
