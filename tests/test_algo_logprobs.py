@@ -22,9 +22,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from scripted_engine import ScriptedFirstTurn
 
 from paravt.config import load_config
-from paravt.rollout.engine import GenerationResult
 
 MAIN_T, SUB_T = 0.7, 0.3
 
@@ -73,42 +73,20 @@ def new_row(model, batch, i: int, with_entropy: bool = False):
     return row_logprobs(model, batch, i, with_entropy)
 
 
-class _ScriptedFirstTurn:
-    """The real engine, except each main agent's first turn is a fixed two-crop tool call
-    (sub-agents run although the model is untrained). Its behaviour log-probs are the model's
-    teacher-forced ones (old path) shifted by +-0.3 in turn, so the decoupled objective's
-    behaviour weights pi_prox / mu are not all 1."""
-
-    def __init__(self, real, text: str) -> None:
-        self.real, self.seen = real, set()
-        tok = real.tokenizer
-        self.ids = tok.encode(text, add_special_tokens=False) + [
-            tok.convert_tokens_to_ids("<|im_end|>")
-        ]
-
-    def generate(self, requests):
-        out = []
-        for r in requests:
-            if ":t" in r.request_id or r.request_id in self.seen:
-                out.extend(self.real.generate([r]))
-                continue
-            self.seen.add(r.request_id)
-            mm = list(r.extras["mm_token_type_ids"]) + [0] * len(self.ids)
-            ids = list(r.prompt_ids) + self.ids
-            with torch.no_grad():
-                lp, _ = old_sequence_logprobs(
-                    self.real.model, torch.tensor(ids), torch.tensor(mm), r.visuals,
-                    r.sampling.temperature, r.sampling.top_p,
-                )  # fmt: skip
-            lps = [
-                min(0.0, x + (0.3 if k % 2 else -0.3))
-                for k, x in enumerate(lp[len(r.prompt_ids) :].tolist())
-            ]
-            out.append(GenerationResult(list(self.ids), lps, "stop", r.request_id))
-        return out
-
-    def sync_weights(self, model) -> None:
-        self.real.sync_weights(model)
+def _shifted_old_score(model, r, ids) -> list[float]:
+    """Behaviour log-probs of the scripted turn: the model's teacher-forced ones (old path)
+    shifted by +-0.3 in turn, so the decoupled objective's behaviour weights pi_prox / mu are
+    not all 1."""
+    mm = list(r.extras["mm_token_type_ids"]) + [0] * (len(ids) - len(r.prompt_ids))
+    with torch.no_grad():
+        lp, _ = old_sequence_logprobs(
+            model, torch.tensor(ids), torch.tensor(mm), r.visuals,
+            r.sampling.temperature, r.sampling.top_p,
+        )  # fmt: skip
+    return [
+        min(0.0, x + (0.3 if k % 2 else -0.3))
+        for k, x in enumerate(lp[len(r.prompt_ids) :].tolist())
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +134,7 @@ def step(assets, tmp_path_factory):
         + "\n</tool_call>"
         for s, e in ((5, 9), (20, 26))
     )
-    tr.runner.engine = _ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls)
+    tr.runner.engine = ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls, _shifted_old_score)
 
     rec = {"in_pass": 0, "passes": 0, "head_in_pass": 0, "head_total": 0, "kernel": []}
     real_seq, real_kernel = packing.sequence_logprobs, paravt_kernels.linear_logprob

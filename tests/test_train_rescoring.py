@@ -13,9 +13,9 @@ import json
 
 import pytest
 import torch
+from scripted_engine import ScriptedFirstTurn
 
 from paravt.config import load_config
-from paravt.rollout.engine import GenerationResult
 
 MAIN_T, SUB_T = 0.7, 0.3
 # float32 CPU forwards, batched generate vs one teacher-forced forward (tests/test_hf_engine.py
@@ -23,40 +23,18 @@ MAIN_T, SUB_T = 0.7, 0.3
 ATOL = 2e-4
 
 
-class _ScriptedFirstTurn:
-    """The real HF engine, except that each main agent's first turn is a fixed parallel-crop
-    call (so sub-agents run with an untrained model) whose behaviour log-probs are the model's
-    own teacher-forced log-probs under the request's sampling parameters. Later main turns and
-    every sub-agent summary are sampled by the real engine."""
+def _own_score(model, r, ids) -> list[float]:
+    """Behaviour log-probs of the scripted turn: the model's own teacher-forced log-probs under
+    the request's sampling parameters."""
+    from paravt.algo.packing import sequence_logprobs
 
-    def __init__(self, real, text: str) -> None:
-        self.real, self.seen = real, set()
-        tok = real.tokenizer
-        self.ids = tok.encode(text, add_special_tokens=False) + [
-            tok.convert_tokens_to_ids("<|im_end|>")
-        ]
-
-    def generate(self, requests):
-        from paravt.algo.packing import sequence_logprobs
-
-        out = []
-        for r in requests:
-            if ":t" in r.request_id or r.request_id in self.seen:
-                out.extend(self.real.generate([r]))
-                continue
-            self.seen.add(r.request_id)
-            mm = list(r.extras["mm_token_type_ids"]) + [0] * len(self.ids)
-            with torch.no_grad():
-                lp, _ = sequence_logprobs(
-                    self.real.model, list(r.prompt_ids) + self.ids, mm, r.visuals,
-                    temperature=r.sampling.temperature, top_p=r.sampling.top_p,
-                )  # fmt: skip
-            lps = lp[len(r.prompt_ids) :].tolist()
-            out.append(GenerationResult(list(self.ids), lps, "stop", r.request_id))
-        return out
-
-    def sync_weights(self, model) -> None:
-        self.real.sync_weights(model)
+    mm = list(r.extras["mm_token_type_ids"]) + [0] * (len(ids) - len(r.prompt_ids))
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(
+            model, ids, mm, r.visuals,
+            temperature=r.sampling.temperature, top_p=r.sampling.top_p,
+        )  # fmt: skip
+    return lp[len(r.prompt_ids) :].tolist()
 
 
 def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, monkeypatch):
@@ -96,7 +74,7 @@ def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, 
         + "\n</tool_call>"
         for s, e in ((5, 9), (20, 26))
     )
-    tr.runner.engine = _ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls)
+    tr.runner.engine = ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls, _own_score)
 
     seen: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     real_backward = loss_mod.minibatch_backward
