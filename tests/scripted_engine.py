@@ -43,3 +43,52 @@ class ScriptedFirstTurn:
 
     def sync_weights(self, model) -> None:
         self.real.sync_weights(model)
+
+
+# Main and sub-agent sampling temperatures of the scripted runs (different on purpose: each row
+# must be re-scored at its own).
+MAIN_T, SUB_T = 0.7, 0.3
+
+
+def scripted_trainer(assets: dict[str, str], out_dir: str, score, **overrides: object):
+    """A tiny-model ``Trainer`` (1 tool turn, G=2, 2 prompts, main T=0.7, sub T=0.3) whose
+    engine makes every main agent's first turn two parallel crop calls (``ScriptedFirstTurn``
+    with ``score``). ``overrides``: extra ``key=value`` config items (e.g. the algo ones)."""
+    import json
+
+    from paravt.config import load_config
+    from paravt.distributed import init_distributed
+    from paravt.train import build_trainer
+
+    kv = {
+        "data.synth_dir": assets["data"],
+        "data.synth_num_videos": 2,
+        "model.tiny_dir": assets["model"],
+        "model.device": "cpu",
+        "train.out_dir": out_dir,
+        "train.prompts_per_step": 2,
+        "train.eval_prompts": 0,
+        "train.progress": False,
+        "train.log_trajectories": 0,
+        "sft.steps": 0,
+        "rollout.group_size": 2,
+        "rollout.temperature": MAIN_T,
+        "rollout.sub_temperature": SUB_T,
+        "rollout.max_new_tokens": 6,
+        "rollout.sub_max_new_tokens": 6,
+        "agent.max_turns": 1,
+        "agent.max_tool_response_tokens": 8,
+        "video.frame_budgets": json.dumps([2, 4]),
+        "video.crop_max_frames": 4,
+        **overrides,
+    }
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
+    tr = build_trainer(cfg, init_distributed("cpu"))
+    calls = "\n".join(
+        "<tool_call>\n"
+        + json.dumps({"name": "crop_video", "arguments": {"start_time": s, "end_time": e}})
+        + "\n</tool_call>"
+        for s, e in ((5, 9), (20, 26))
+    )
+    tr.runner.engine = ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls, score)
+    return tr

@@ -17,16 +17,11 @@ kept below as ``old_sequence_logprobs``, the reference of this test only).
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 
 import pytest
 import torch
-from scripted_engine import ScriptedFirstTurn
-
-from paravt.config import load_config
-
-MAIN_T, SUB_T = 0.7, 0.3
+from scripted_engine import MAIN_T, SUB_T, scripted_trainer
 
 
 def old_sequence_logprobs(
@@ -96,45 +91,21 @@ def step(assets, tmp_path_factory):
 
     import paravt.algo.loss as loss_mod
     import paravt.algo.packing as packing
-    from paravt.distributed import init_distributed
-    from paravt.train import build_trainer, train_step
+    from paravt.train import train_step
 
-    kv = {
-        "data.synth_dir": assets["data"],
-        "data.synth_num_videos": 2,
-        "model.tiny_dir": assets["model"],
-        "model.device": "cpu",
-        "train.out_dir": str(tmp_path_factory.mktemp("logprobs") / "run"),
-        "train.prompts_per_step": 2,
-        "train.eval_prompts": 0,
-        "train.progress": False,
-        "train.log_trajectories": 0,
-        "sft.steps": 0,
-        "rollout.group_size": 2,
-        "rollout.temperature": MAIN_T,
-        "rollout.sub_temperature": SUB_T,
-        "rollout.max_new_tokens": 6,
-        "rollout.sub_max_new_tokens": 6,
-        "agent.max_turns": 1,
-        "agent.max_tool_response_tokens": 8,
-        "video.frame_budgets": json.dumps([2, 4]),
-        "video.crop_max_frames": 4,
-        "algo.adv_bias": 0.1,  # non-zero advantages although the untrained group ties
-        "algo.loss": "decoupled",
-        "algo.behav_cap": 3.0,
-        "algo.kl_coef": 0.05,
-        "algo.kl_mode": "loss",
-    }
-    cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
-    tr = build_trainer(cfg, init_distributed("cpu"))
-    assert tr.engine.model is tr.policy and tr.reference is not None
-    calls = "\n".join(
-        "<tool_call>\n"
-        + json.dumps({"name": "crop_video", "arguments": {"start_time": s, "end_time": e}})
-        + "\n</tool_call>"
-        for s, e in ((5, 9), (20, 26))
+    tr = scripted_trainer(
+        assets,
+        str(tmp_path_factory.mktemp("logprobs") / "run"),
+        _shifted_old_score,
+        **{
+            "algo.adv_bias": 0.1,  # non-zero advantages although the untrained group ties
+            "algo.loss": "decoupled",
+            "algo.behav_cap": 3.0,
+            "algo.kl_coef": 0.05,
+            "algo.kl_mode": "loss",
+        },
     )
-    tr.runner.engine = ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls, _shifted_old_score)
+    assert tr.engine.model is tr.policy and tr.reference is not None
 
     rec = {"in_pass": 0, "passes": 0, "head_in_pass": 0, "head_total": 0, "kernel": []}
     real_seq, real_kernel = packing.sequence_logprobs, paravt_kernels.linear_logprob
@@ -173,7 +144,7 @@ def step(assets, tmp_path_factory):
     finally:
         for h in hooks:
             h.remove()
-    rec["metrics"], rec["cfg"] = metrics, cfg
+    rec["metrics"], rec["cfg"] = metrics, tr.cfg
     return rec
 
 

@@ -9,15 +9,10 @@ the main temperature (the old behaviour) put the sub-agent rows' ratios at 0.5-1
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from scripted_engine import ScriptedFirstTurn
+from scripted_engine import MAIN_T, SUB_T, scripted_trainer
 
-from paravt.config import load_config
-
-MAIN_T, SUB_T = 0.7, 0.3
 # float32 CPU forwards, batched generate vs one teacher-forced forward (tests/test_hf_engine.py
 # checks behaviour log-probs to 2e-4 the same way).
 ATOL = 2e-4
@@ -39,42 +34,18 @@ def _own_score(model, r, ids) -> list[float]:
 
 def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, monkeypatch):
     import paravt.algo.loss as loss_mod
-    from paravt.distributed import init_distributed
-    from paravt.train import build_trainer, train_step
+    from paravt.train import train_step
 
-    kv = {
-        "data.synth_dir": assets["data"],
-        "data.synth_num_videos": 2,
-        "model.tiny_dir": assets["model"],
-        "model.device": "cpu",
-        "train.out_dir": str(tmp_path / "run"),
-        "train.prompts_per_step": 2,
-        "train.eval_prompts": 0,
-        "train.progress": False,
-        "train.log_trajectories": 0,
-        "sft.steps": 0,
-        "rollout.group_size": 2,
-        "rollout.temperature": MAIN_T,
-        "rollout.sub_temperature": SUB_T,
-        "rollout.max_new_tokens": 6,
-        "rollout.sub_max_new_tokens": 6,
-        "agent.max_turns": 1,
-        "agent.max_tool_response_tokens": 8,
-        "video.frame_budgets": json.dumps([2, 4]),
-        "video.crop_max_frames": 4,
-        # Exercise all three passes: policy, proximal (decoupled) and reference (KL).
-        "algo.loss": "decoupled",
-        "algo.kl_coef": 0.01,
-    }
-    cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
-    tr = build_trainer(cfg, init_distributed("cpu"))
-    calls = "\n".join(
-        "<tool_call>\n"
-        + json.dumps({"name": "crop_video", "arguments": {"start_time": s, "end_time": e}})
-        + "\n</tool_call>"
-        for s, e in ((5, 9), (20, 26))
+    tr = scripted_trainer(
+        assets,
+        str(tmp_path / "run"),
+        _own_score,
+        **{
+            # Exercise all three passes: policy, proximal (decoupled) and reference (KL).
+            "algo.loss": "decoupled",
+            "algo.kl_coef": 0.01,
+        },
     )
-    tr.runner.engine = ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls, _own_score)
 
     seen: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     real_backward = loss_mod.minibatch_backward
