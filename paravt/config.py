@@ -75,6 +75,9 @@ class ModelConfig:
     # model into ``tiny_dir`` (if absent) and load it through the same code path.
     path: str = ""
     tiny_dir: str = "runs/models/tiny-qwen3vl"
+    # Embedding / lm_head rows of the tiny model (>= 4096, its tokenizer's size). 151936 is
+    # Qwen3-VL's real vocabulary: what the log-prob path costs at that size, on a CPU.
+    tiny_vocab: int = 4096
     # Parameter dtype for training and rollout: float32 | bfloat16 | float16.
     dtype: str = "float32"
     # Device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.
@@ -405,6 +408,11 @@ def validate(cfg: Config) -> None:
         )
     if cfg.video.crop_fps <= 0:
         errs.append(f"video.crop_fps={cfg.video.crop_fps} must be > 0")
+    if cfg.model.tiny_vocab < 4096:
+        errs.append(
+            f"model.tiny_vocab={cfg.model.tiny_vocab} is below the tiny tokenizer's 4096 ids; "
+            "use >= 4096 (151936 = Qwen3-VL's vocabulary)"
+        )
     if cfg.rollout.engine not in ("hf", "vllm"):
         errs.append(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")
     if cfg.rollout.group_size < 1:

@@ -156,7 +156,7 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
         if not cfg.model.path:
             from paravt.models import build_tiny_checkpoint
 
-            build_tiny_checkpoint(model_dir, seed=cfg.train.seed)
+            build_tiny_checkpoint(model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab)
     barrier(ctx)
     return data_dir, model_dir
 

@@ -134,6 +134,17 @@ def test_existing_checkpoint_is_reused_unless_overwrite(tmp_path):
     assert json.loads((d / "paravt_tiny.json").read_text())["seed"] == 3
 
 
+def test_vocab_resizes_the_embeddings_and_a_mismatch_rebuilds(tmp_path):
+    d = build_tiny_checkpoint(tmp_path / "t", seed=0)
+    big = build_tiny_checkpoint(d, seed=0, vocab=TINY_VOCAB + 1000)  # not reused: other vocab
+    assert json.loads((big / "paravt_tiny.json").read_text())["vocab"] == TINY_VOCAB + 1000
+    bundle = load_model(str(big), dtype="float32", device="cpu")
+    assert bundle.model.get_input_embeddings().weight.shape[0] == TINY_VOCAB + 1000
+    assert bundle.model.get_output_embeddings().weight.shape[0] == TINY_VOCAB + 1000
+    with pytest.raises(ValueError, match="vocab=100 is below"):
+        build_tiny_checkpoint(tmp_path / "u", vocab=100)
+
+
 def test_build_does_not_touch_global_rng(tmp_path):
     torch.manual_seed(123)
     expect = torch.rand(3)

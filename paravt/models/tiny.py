@@ -20,7 +20,7 @@ The tokenizer is a byte-level BPE (Qwen2 pre-tokenisation regex: digits split on
 learned from (a) a corpus generated from ``seed`` of agent prompts, ``<tool_call>`` JSON and
 timestamps, so tool calls tokenize compactly, and (b) ~400 KB of Python stdlib sources for
 general text — enough that the learned vocabulary fills every model id. Qwen's special tokens are appended after the learned vocabulary. Weights depend only on
-``seed`` (the model vocabulary is fixed at ``TINY_VOCAB``); the learned merges depend on the
+``seed`` and ``vocab`` (default ``TINY_VOCAB``); the learned merges depend on the
 stdlib sources of the running Python, so they are deterministic per installation.
 """
 
@@ -349,12 +349,24 @@ def _processor_configs(arch: str = "qwen3_vl") -> tuple[dict, dict]:
 
 
 def build_tiny_checkpoint(
-    out_dir: str | Path, *, seed: int = 0, overwrite: bool = False, arch: str = "qwen3_vl"
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    overwrite: bool = False,
+    arch: str = "qwen3_vl",
+    vocab: int = TINY_VOCAB,
 ) -> Path:
     """Write (if absent) a tiny random-weight Qwen3-VL checkpoint + tokenizer to ``out_dir``.
 
     ``arch='qwen2_5_vl'`` writes the Qwen2.5-VL variant instead (patch 14, CLIP normalisation,
     windowed vision attention) with the same tokenizer and text sizes.
+
+    ``vocab`` resizes the embeddings and the lm_head (default ``TINY_VOCAB`` = 4096; e.g.
+    Qwen3-VL's real 151,936 to measure what the vocabulary costs the trainer). The tokenizer is
+    the same: ids past it are rows that are never produced by tokenisation but are sampled and
+    scored like any other id. An existing directory built with another ``vocab`` or ``arch``
+    (``paravt_tiny.json``) is rebuilt, not silently reused; one with another ``seed`` is reused
+    (as before: runs with different seeds share one tiny model directory).
 
     Offline and fast (well under a second for the BPE, ~1 s for the model on 2 cores). The
     directory is complete when ``config.json`` and ``model.safetensors`` exist; an existing
@@ -371,9 +383,15 @@ def build_tiny_checkpoint(
     if arch not in archs:
         raise ValueError(f"build_tiny_checkpoint: arch='{arch}' is not one of {sorted(archs)}")
     make_config, cls_name = archs[arch]
+    if vocab < TINY_VOCAB:
+        raise ValueError(
+            f"build_tiny_checkpoint: vocab={vocab} is below the tokenizer's {TINY_VOCAB} ids; "
+            f"pass vocab >= {TINY_VOCAB}"
+        )
+    meta = {"seed": seed, "vocab": vocab, "arch": arch}
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        if not overwrite:
+        if not overwrite and _same_shape(_tiny_meta(out), meta):
             return out
     # A private temporary name: several processes (torchrun ranks) may build concurrently.
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -385,6 +403,7 @@ def build_tiny_checkpoint(
     if len(tokenizer) > TINY_VOCAB:  # cannot happen with the trainer cap; guard the invariant
         raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > TINY_VOCAB={TINY_VOCAB}")
     config = make_config(tokenizer)
+    config.text_config.vocab_size = vocab
     config.dtype = "float32"
     # Weights depend only on the seed: a private RNG state, restored afterwards so building a
     # checkpoint never perturbs the caller's random stream.
@@ -404,14 +423,36 @@ def build_tiny_checkpoint(
     image_cfg, video_cfg = _processor_configs(arch)
     (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
     (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
-    (tmp / "paravt_tiny.json").write_text(
-        json.dumps({"seed": seed, "vocab": TINY_VOCAB, "arch": arch})
-    )
+    (tmp / "paravt_tiny.json").write_text(json.dumps(meta))
 
-    if (out / "model.safetensors").is_file() and not overwrite:  # another process won
+    if (
+        (out / "model.safetensors").is_file()
+        and not overwrite
+        and _same_shape(_tiny_meta(out), meta)
+    ):
+        # another process won
         shutil.rmtree(tmp)
         return out
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
     return out
+
+
+def _tiny_meta(out: Path) -> dict | None:
+    """The ``{seed, vocab, arch}`` a tiny checkpoint was built with (``None``: not a tiny
+    checkpoint, e.g. a real model a user put there; it is never rebuilt)."""
+    try:
+        return json.loads((out / "paravt_tiny.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _same_shape(found: dict | None, want: dict) -> bool:
+    """An existing checkpoint serves the request: not a tiny one (never rebuilt), or a tiny
+    one of the same vocabulary and architecture (the seed may differ)."""
+    if found is None:
+        return True
+    return all(
+        found.get(k, TINY_VOCAB if k == "vocab" else None) == want[k] for k in ("vocab", "arch")
+    )

@@ -36,7 +36,9 @@ def resolve_model(cfg: Config) -> Any:
     """Load ``model.path``, or the tiny offline model (built into ``model.tiny_dir`` if absent)."""
     from paravt.models import build_tiny_checkpoint, load_model_from_config
 
-    path = cfg.model.path or str(build_tiny_checkpoint(cfg.model.tiny_dir, seed=cfg.train.seed))
+    path = cfg.model.path or str(
+        build_tiny_checkpoint(cfg.model.tiny_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab)
+    )
     return load_model_from_config(path, cfg.model)
 
 
