@@ -12,6 +12,10 @@ implementation per call, see ``dispatch.py``)::
                               agg="seq-mean-token-mean")
     loss.backward()
 
+    # or in one op from the hidden rows (gradients formed in the forward, no (N, V) logits):
+    loss, stats, logp, entropy = linear_policy_loss(hidden, lm_head.weight, targets, old_logp,
+                                                    adv_tok, mask, temperature=0.7)
+
 Every op is registered as ``paravt::<op>`` (``torch.ops.paravt``) with a fake kernel and
 autograd, so ``torch.compile`` can trace it.
 """

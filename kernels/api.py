@@ -6,15 +6,23 @@ import torch
 
 from . import ops as _ops
 from .dispatch import resolve_impl
-from .reference import AGG_MODES, KL_TYPES, POLICY_STAT_NAMES, broadcast_to_tokens
+from .reference import (
+    AGG_MODES,
+    KL_TYPES,
+    LINEAR_POLICY_STAT_NAMES,
+    POLICY_STAT_NAMES,
+    broadcast_to_tokens,
+)
 
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
+    "LINEAR_POLICY_STAT_NAMES",
     "POLICY_STAT_NAMES",
     "broadcast_to_tokens",
     "group_advantage",
     "linear_logprob",
+    "linear_policy_loss",
     "policy_loss",
     "resolve_impl",
 ]
@@ -113,6 +121,65 @@ def linear_logprob(
     return (logprob, entropy) if return_entropy else logprob
 
 
+def _check_policy_inputs(
+    n: int,
+    like: str,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ref_logprob: torch.Tensor | None,
+    prox_logprob: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    behav_cap: float | None,
+    kl_coef: float,
+    kl_type: str,
+    agg: str,
+    cu_seqlens: torch.Tensor | None,
+    seq_weights: torch.Tensor | None,
+) -> None:
+    """The checks shared by ``policy_loss`` and ``linear_policy_loss`` (``like``: the input
+    whose length ``n`` the per-token inputs must match)."""
+    for name, t in (
+        ("old_logprob", old_logprob),
+        ("advantages", advantages),
+        ("loss_mask", loss_mask),
+    ):
+        _check_1d(name, t, n, like)
+    for name, t in (("ref_logprob", ref_logprob), ("prox_logprob", prox_logprob)):
+        if t is not None:
+            _check_1d(name, t, n, like)
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type='{kl_type}' is not one of {'|'.join(KL_TYPES)}")
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None to disable)")
+    if behav_cap is not None and not behav_cap > 0:
+        raise ValueError(f"behav_cap={behav_cap} must be > 0 (or None to disable)")
+    if behav_cap is not None and prox_logprob is None:
+        raise ValueError(
+            f"behav_cap={behav_cap} caps the behaviour weight exp(prox - old) of the decoupled "
+            "objective: pass prox_logprob (N,) or set behav_cap=None"
+        )
+    if kl_coef != 0.0 and ref_logprob is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprob (N,); pass it or set kl_coef=0")
+    if cu_seqlens is None and (agg != "token-mean" or seq_weights is not None):
+        raise ValueError(
+            f"agg='{agg}'{' with seq_weights' if seq_weights is not None else ''} needs "
+            "cu_seqlens (B+1,) to find sequence boundaries"
+        )
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}: expected (B+1,)")
+        if seq_weights is not None and seq_weights.numel() != cu_seqlens.numel() - 1:
+            raise ValueError(
+                f"seq_weights has {seq_weights.numel()} entries but cu_seqlens describes "
+                f"{cu_seqlens.numel() - 1} sequences"
+            )
+
+
 def policy_loss(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
@@ -159,43 +226,10 @@ def policy_loss(
     """
     n = logprob.numel()
     _check_1d("logprob", logprob)
-    for name, t in (
-        ("old_logprob", old_logprob),
-        ("advantages", advantages),
-        ("loss_mask", loss_mask),
-    ):
-        _check_1d(name, t, n, "logprob")
-    for name, t in (("ref_logprob", ref_logprob), ("prox_logprob", prox_logprob)):
-        if t is not None:
-            _check_1d(name, t, n, "logprob")
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type='{kl_type}' is not one of {'|'.join(KL_TYPES)}")
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None to disable)")
-    if behav_cap is not None and not behav_cap > 0:
-        raise ValueError(f"behav_cap={behav_cap} must be > 0 (or None to disable)")
-    if behav_cap is not None and prox_logprob is None:
-        raise ValueError(
-            f"behav_cap={behav_cap} caps the behaviour weight exp(prox - old) of the decoupled "
-            "objective: pass prox_logprob (N,) or set behav_cap=None"
-        )
-    if kl_coef != 0.0 and ref_logprob is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprob (N,); pass it or set kl_coef=0")
-    if cu_seqlens is None and (agg != "token-mean" or seq_weights is not None):
-        raise ValueError(
-            f"agg='{agg}'{' with seq_weights' if seq_weights is not None else ''} needs "
-            "cu_seqlens (B+1,) to find sequence boundaries"
-        )
-    if cu_seqlens is not None:
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens has shape {tuple(cu_seqlens.shape)}: expected (B+1,)")
-        if seq_weights is not None and seq_weights.numel() != cu_seqlens.numel() - 1:
-            raise ValueError(
-                f"seq_weights has {seq_weights.numel()} entries but cu_seqlens describes "
-                f"{cu_seqlens.numel() - 1} sequences"
-            )
+    _check_policy_inputs(
+        n, "logprob", old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, clip_low,
+        clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, cu_seqlens, seq_weights,
+    )  # fmt: skip
     mask = loss_mask.float() if loss_mask.dtype == torch.bool else loss_mask
     impl = resolve_impl(logprob.device, "policy_loss")
 
@@ -210,3 +244,106 @@ def policy_loss(
         None if behav_cap is None else float(behav_cap), float(kl_coef), kl_type, agg, impl,
     )  # fmt: skip
     return loss, dict(zip(POLICY_STAT_NAMES, stats.detach().unbind(0)))
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    bias: torch.Tensor | None = None,
+    ref_logprob: torch.Tensor | None = None,
+    prox_logprob: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    behav_cap: float | None = None,
+    kl_coef: float = 0.0,
+    kl_type: str = "k3",
+    agg: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """PPO/GRPO policy loss straight from hidden rows and the lm_head weight.
+
+    hidden ``(n, d)`` and weight ``(V, d)`` (same dtype), targets ``(n,)`` int, bias ``(V,)``;
+    ``logprob = log_softmax((hidden @ weight.T + bias) / T)[targets]`` with ``temperature`` a
+    float or a ``(n,)`` tensor (one ``T > 0`` per row, e.g. main and sub-agent rows), then
+    exactly ``policy_loss(logprob, old_logprob, advantages, loss_mask, ...)`` (same arguments,
+    same semantics: clip, dual clip, decoupled behaviour weight and ``behav_cap``, KL k1/k2/k3,
+    ``agg`` with ``cu_seqlens``/``seq_weights``; masked tokens selected away, sequences of
+    ``cu_seqlens`` may be empty).
+
+    Returns ``(loss (), stats, logprob (n,), entropy (n,))``: ``stats`` maps each name in
+    ``LINEAR_POLICY_STAT_NAMES`` (``POLICY_STAT_NAMES`` + ``"entropy"``, the mean entropy of the
+    tempered distribution over the final mask, 0 if it is empty) to a 0-d float32 tensor;
+    ``logprob`` and ``entropy`` are float32 and detached (the entropy gets no gradient).
+
+    The ``(n, V)`` logits are never held. The gradient w.r.t. hidden, weight and bias is
+    formed in the FORWARD (``dloss/dlogprob`` is known once ``logprob`` is): pass 1 over
+    vocabulary tiles gives ``logprob``, the policy loss its per-token gradient, pass 2
+    recomputes each logits tile and forms ``dH``, ``dW``, ``db``: four GEMM-equivalents
+    (``8 n d V`` FLOP). The backward only scales the saved gradients by the incoming one, so
+    the forward holds a weight-sized gradient until then. Targets equal to -100 give
+    logprob 0 and no gradient (mask those rows).
+    """
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D: "
+            "hidden (tokens, d), weight (vocab, d); flatten packed/batched hidden states first"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden has d={hidden.shape[1]} but weight has d={weight.shape[1]}: weight must be "
+            "(vocab, d) as nn.Linear stores it (not its transpose)"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one so both match"
+        )
+    n = hidden.shape[0]
+    _check_1d("targets", targets, n, "hidden")
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError(f"targets has dtype {targets.dtype}: expected token ids (int)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"bias has shape {tuple(bias.shape)}, expected ({weight.shape[0]},): one per vocab row"
+        )
+    row_t = None
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() == 0:
+            temperature = float(temperature)
+        else:
+            _check_1d("temperature", temperature, n, "hidden")
+            if not bool((temperature > 0).all()):
+                raise ValueError(
+                    "temperature has entries <= 0 (or NaN): every row's temperature must be > 0"
+                )
+            row_t = temperature.to(device=hidden.device, dtype=torch.float32).contiguous()
+    if row_t is None and not float(temperature) > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    _check_policy_inputs(
+        n, "hidden", old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, clip_low,
+        clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, cu_seqlens, seq_weights,
+    )  # fmt: skip
+    mask = loss_mask.float() if loss_mask.dtype == torch.bool else loss_mask
+    impl = resolve_impl(hidden.device, "linear_policy_loss")
+
+    def c(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.contiguous()
+
+    loss, stats, logprob, entropy, _, _, _ = _ops.linear_policy_loss_op(
+        hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), c(old_logprob),
+        c(advantages), c(mask), c(bias), row_t, c(ref_logprob), c(prox_logprob),
+        None if cu_seqlens is None else cu_seqlens.long().contiguous(),
+        None if seq_weights is None else seq_weights.float().contiguous(),
+        1.0 if row_t is not None else float(temperature), float(clip_low), float(clip_high),
+        None if dual_clip is None else float(dual_clip),
+        None if behav_cap is None else float(behav_cap), float(kl_coef), kl_type, agg, impl,
+    )  # fmt: skip
+    stats_d = dict(zip(LINEAR_POLICY_STAT_NAMES, stats.detach().unbind(0)))
+    return loss, stats_d, logprob.detach(), entropy.detach()

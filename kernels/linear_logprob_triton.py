@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2
 from .dispatch import interpreting
+from .reference import inverse_temperature
 
 # GPU tile of the vocabulary: ~2^26 fp32 logits (256 MiB) per tile; at N = 8192 that is 8192
 # vocabulary rows, a matmul large enough to run at full tensor-core rate.
@@ -37,14 +38,19 @@ _GPU_BWD = {"BLOCK_M": 16, "BLOCK_N": 512, "num_warps": 4}
 
 @lazy_jit
 def _llp_fwd_tile_kernel(
-    z_ptr, stride_z, bias_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, zt_ptr,
+    z_ptr, stride_z, bias_ptr, tgt_ptr, m_ptr, s_ptr, u_ptr, zt_ptr, invt_ptr,
     n_rows, n_cols, v0, inv_t,
-    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, ROW_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     rows64 = rows.to(tl.int64)
+    if ROW_T:  # one inverse temperature per row
+        it = tl.load(invt_ptr + rows, mask=rmask, other=1.0)
+    else:
+        it = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t
     m = tl.load(m_ptr + rows, mask=rmask, other=float("-inf"))
     s = tl.load(s_ptr + rows, mask=rmask, other=0.0)
     if ENTROPY:
@@ -59,7 +65,7 @@ def _llp_fwd_tile_kernel(
         ).to(tl.float32)
         if HAS_BIAS:
             z += tl.load(bias_ptr + v0 + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(cmask[None, :], z * inv_t, float("-inf"))
+        z = tl.where(cmask[None, :], z * it[:, None], float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 1))
         # rows past the end stay at -inf; shift by 0 there so no (-inf) - (-inf) NaN appears.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -78,14 +84,15 @@ def _llp_fwd_tile_kernel(
     zt = tl.load(z_ptr + rows64 * stride_z + (t - v0), mask=inside, other=0.0).to(tl.float32)
     if HAS_BIAS:
         zt += tl.load(bias_ptr + t, mask=inside, other=0.0).to(tl.float32)
-    tl.store(zt_ptr + rows, zt * inv_t, mask=inside)
+    tl.store(zt_ptr + rows, zt * it, mask=inside)
 
 
 @lazy_jit
 def _llp_bwd_tile_kernel(
     z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, tgt_ptr, lse_ptr, g_ptr, k_ptr, ent_ptr,
-    n_rows, n_cols, v0, inv_t,
-    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    invt_ptr, n_rows, n_cols, v0, inv_t,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, ROW_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,7 +106,11 @@ def _llp_bwd_tile_kernel(
     z = z.to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + v0 + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    z = z * inv_t
+    if ROW_T:  # one inverse temperature per row
+        it = tl.load(invt_ptr + rows, mask=rmask, other=1.0)
+    else:
+        it = tl.full((BLOCK_M,), 1.0, tl.float32) * inv_t
+    z = z * it[:, None]
     lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
     g = tl.load(g_ptr + rows, mask=rmask, other=0.0)
     p = tl.exp(z - lse[:, None])
@@ -111,7 +122,7 @@ def _llp_bwd_tile_kernel(
         dz = -p * g[:, None]
     t = tl.load(tgt_ptr + rows, mask=rmask, other=-1)
     dz += tl.where((cols[None, :] + v0) == t[:, None], g[:, None], 0.0)
-    dz = dz * inv_t
+    dz = dz * it[:, None]
     tl.store(
         dz_ptr + rows64[:, None] * stride_dz + cols[None, :],
         dz.to(dz_ptr.dtype.element_ty),
@@ -171,11 +182,12 @@ def linear_logprob_fwd_triton(
     weight: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None,
-    temperature: float,
+    temperature: float | torch.Tensor,
     return_entropy: bool,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logprob (N,), entropy (N,) or (0,), lse (N,))``, all float32."""
+    """``(logprob (N,), entropy (N,) or (0,), lse (N,))``, all float32; ``temperature`` is a
+    float or a ``(N,)`` tensor (one per row)."""
     n_tok, _ = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
@@ -190,14 +202,15 @@ def linear_logprob_fwd_triton(
     bv = _vocab_tile(n_tok, vocab)
     cfg = _blocks(n_tok, bv, fwd=True)
     grid = (triton.cdiv(n_tok, cfg["BLOCK_M"]),)
-    inv_t = 1.0 / temperature
+    inv_t = inverse_temperature(temperature, dev)
+    row_t = isinstance(inv_t, torch.Tensor)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
         z = _mm_f32(hidden, weight[v0:v1].T)
         _llp_fwd_tile_kernel[grid](
             z, z.stride(0), hidden if bias is None else bias, targets, m, s, u, zt,
-            n_tok, v1 - v0, v0, inv_t,
-            HAS_BIAS=bias is not None, ENTROPY=bool(return_entropy), **cfg,
+            inv_t if row_t else m, n_tok, v1 - v0, v0, 1.0 if row_t else inv_t,
+            HAS_BIAS=bias is not None, ENTROPY=bool(return_entropy), ROW_T=row_t, **cfg,
         )  # fmt: skip
     lse = m + torch.log(s)
     valid = targets != ignore_index
@@ -218,7 +231,7 @@ def linear_logprob_bwd_triton(
     bias: torch.Tensor | None,
     lse: torch.Tensor,
     entropy: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(dhidden (N,d) fp32, dweight (V,d), dbias (V,) fp32 or None)`` by tile recomputation."""
@@ -246,7 +259,8 @@ def linear_logprob_bwd_triton(
     h_op = hidden if dev.type == "cuda" else hidden.float()
     bv = _vocab_tile(n_tok, vocab)
     cfg = _blocks(n_tok, bv, fwd=False)
-    inv_t = 1.0 / temperature
+    inv_t = inverse_temperature(temperature, dev)
+    row_t = isinstance(inv_t, torch.Tensor)
     dz_buf = torch.empty(n_tok, bv, dtype=dz_dtype, device=dev)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
@@ -256,8 +270,9 @@ def linear_logprob_bwd_triton(
         grid = (triton.cdiv(n_tok, cfg["BLOCK_M"]), triton.cdiv(v1 - v0, cfg["BLOCK_N"]))
         _llp_bwd_tile_kernel[grid](
             z, z.stride(0), dz, dz.stride(0), hidden if bias is None else bias, targets, lse,
-            g, k, entropy if use_ent else lse, n_tok, v1 - v0, v0, inv_t,
-            HAS_BIAS=bias is not None, ENTROPY=use_ent, **cfg,
+            g, k, entropy if use_ent else lse, inv_t if row_t else lse, n_tok, v1 - v0, v0,
+            1.0 if row_t else inv_t, HAS_BIAS=bias is not None, ENTROPY=use_ent, ROW_T=row_t,
+            **cfg,
         )  # fmt: skip
         del z
         w_op = w_j if dev.type == "cuda" else w_j.float()

@@ -17,6 +17,7 @@ __all__ = [
     "group_advantage_op",
     "linear_logprob_bwd_op",
     "linear_logprob_fwd_op",
+    "linear_policy_loss_op",
     "policy_loss_grad_op",
     "policy_loss_op",
 ]
@@ -255,3 +256,85 @@ def _pl_backward(ctx, grad_loss, _grad_gbuf, _grad_coef, _grad_stats):
 
 
 policy_loss_op.register_autograd(_pl_backward, setup_context=_pl_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_policy_loss
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("paravt::linear_policy_loss", mutates_args=())
+def linear_policy_loss_op(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    old_logprob: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    bias: Tensor | None,
+    row_temperature: Tensor | None,
+    ref_logprob: Tensor | None,
+    prox_logprob: Tensor | None,
+    cu_seqlens: Tensor | None,
+    seq_weights: Tensor | None,
+    temperature: float,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    behav_cap: float | None,
+    kl_coef: float,
+    kl_type: str,
+    agg: str,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(loss (), stats (12,), logprob (n,), entropy (n,), d hidden, d weight,
+    d bias or (0,))``: the gradients of ``loss`` are formed in the forward, the backward only
+    scales them. ``row_temperature`` ``(n,)``, when given, replaces ``temperature``."""
+    fn = (
+        _triton_module("linear_policy_loss_triton").linear_policy_loss_triton
+        if impl == "triton"
+        else ref.linear_policy_loss_torch
+    )
+    return fn(
+        hidden, weight, targets, old_logprob, advantages, loss_mask, bias,
+        temperature if row_temperature is None else row_temperature, ref_logprob,
+        prox_logprob, cu_seqlens, seq_weights, clip_low, clip_high, dual_clip, behav_cap,
+        kl_coef, kl_type, agg,
+    )  # fmt: skip
+
+
+@linear_policy_loss_op.register_fake
+def _(hidden, weight, targets, old_logprob, advantages, loss_mask, bias, row_temperature,
+      ref_logprob, prox_logprob, cu_seqlens, seq_weights, temperature, clip_low, clip_high,
+      dual_clip, behav_cap, kl_coef, kl_type, agg, impl):  # fmt: skip
+    n = hidden.shape[0]
+    f32 = {"dtype": torch.float32, "device": hidden.device}
+    gb_shape = (0,) if bias is None else tuple(bias.shape)
+    gb_dtype = weight.dtype if bias is None else bias.dtype
+    return (
+        torch.empty((), **f32),
+        torch.empty(len(ref.LINEAR_POLICY_STAT_NAMES), **f32),
+        torch.empty(n, **f32),
+        torch.empty(n, **f32),
+        torch.empty_like(hidden),
+        torch.empty_like(weight),
+        torch.empty(gb_shape, dtype=gb_dtype, device=weight.device),
+    )
+
+
+def _lpl_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*output[4:])
+    ctx.has_bias = inputs[6] is not None
+
+
+def _lpl_backward(ctx, grad_loss, *_unused):
+    gh, gw, gb = ctx.saved_tensors
+    none = [None] * 21
+    if grad_loss is None:
+        return tuple(none)
+    none[0] = (grad_loss * gh).to(gh.dtype)
+    none[1] = (grad_loss * gw).to(gw.dtype)
+    if ctx.has_bias:
+        none[6] = (grad_loss * gb).to(gb.dtype)
+    return tuple(none)
+
+
+linear_policy_loss_op.register_autograd(_lpl_backward, setup_context=_lpl_setup_context)

@@ -29,6 +29,8 @@ __all__ = [
     "group_advantage_torch",
     "kl_penalty",
     "linear_logprob_torch",
+    "linear_policy_loss_fused",
+    "linear_policy_loss_torch",
     "policy_loss_torch",
     "seq_ids_from_cu_seqlens",
 ]
@@ -49,6 +51,8 @@ POLICY_STAT_NAMES = (
     "n_masked",
     "n_capped",
 )
+# linear_policy_loss: POLICY_STAT_NAMES plus the mean entropy over the final mask.
+LINEAR_POLICY_STAT_NAMES = (*POLICY_STAT_NAMES, "entropy")
 # The k3 estimator exponentiates (ref - logprob); beyond +-20 the estimate is dominated by
 # numerical blow-up (exp(20) ~ 5e8), so the log-ratio is clamped there, as verl does.
 K3_LOG_RATIO_CLAMP = 20.0
@@ -167,10 +171,12 @@ def _tile_logits(
     h: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    inv_t: float,
+    inv_t: float | torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 ``(h @ w.T + b) * inv_t`` for one tile, written into ``out`` when given.
+
+    ``inv_t`` is a float, or a ``(rows,)`` float32 tensor (one inverse temperature per row).
 
     ``h`` must already be fp32; bf16/fp16 weight tiles are upcast (exact products). Writing
     into a reused buffer matters on CPU: a fresh 32 MiB result per tile is returned to the
@@ -183,9 +189,24 @@ def _tile_logits(
         z = torch.mm(h, wf.T, out=out)
     if b is not None:
         z.add_(b.float())
-    if inv_t != 1.0:
+    if isinstance(inv_t, torch.Tensor):
+        z.mul_(inv_t[:, None])
+    elif inv_t != 1.0:
         z.mul_(inv_t)
     return z
+
+
+def inverse_temperature(
+    temperature: float | torch.Tensor, device: torch.device
+) -> float | torch.Tensor:
+    """``1 / T`` as a float, or as a contiguous ``(N,)`` float32 tensor for per-row ``T``."""
+    if isinstance(temperature, torch.Tensor):
+        return (1.0 / temperature.to(device=device, dtype=torch.float32)).contiguous()
+    return 1.0 / float(temperature)
+
+
+def _rows(inv_t: float | torch.Tensor, c0: int, c1: int) -> float | torch.Tensor:
+    return inv_t[c0:c1] if isinstance(inv_t, torch.Tensor) else inv_t
 
 
 def linear_logprob_forward_torch(
@@ -193,13 +214,16 @@ def linear_logprob_forward_torch(
     weight: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None,
-    temperature: float,
+    temperature: float | torch.Tensor,
     return_entropy: bool,
     ignore_index: int,
     token_chunk: int | None = None,
     vocab_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward statistics without gradients: ``(logprob, entropy, lse)``, each ``(N,)`` float32.
+
+    ``temperature`` is a float or a ``(N,)`` tensor (one temperature per row); ``lse`` and
+    ``entropy`` are those of the tempered distribution ``softmax(z / T)``.
 
     Online log-sum-exp over vocabulary tiles, per token: running max ``m``, ``s = sum e^{z-m}``
     and (entropy only) ``u = sum e^{z-m} z``; then ``lse = m + log s``,
@@ -211,7 +235,7 @@ def linear_logprob_forward_torch(
     n_tok = hidden.shape[0]
     vocab = weight.shape[0]
     dev = hidden.device
-    inv_t = 1.0 / temperature
+    inv_t = inverse_temperature(temperature, dev)
     f32 = {"dtype": torch.float32, "device": dev}
     lse = torch.empty(n_tok, **f32)
     logprob = torch.empty(n_tok, **f32)
@@ -231,7 +255,8 @@ def linear_logprob_forward_torch(
         for v0 in range(0, vocab, vocab_tile):
             v1 = min(v0 + vocab_tile, vocab)
             out = zbuf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0)
-            z = _tile_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], inv_t, out)
+            b = None if bias is None else bias[v0:v1]
+            z = _tile_logits(h, weight[v0:v1], b, _rows(inv_t, c0, c1), out)
             inside = (t >= v0) & (t < v1)
             local = (t - v0).clamp(0, v1 - v0 - 1)
             zt = torch.where(inside, z.gather(1, local[:, None]).squeeze(1), zt)
@@ -262,7 +287,7 @@ def linear_logprob_backward_torch(
     bias: torch.Tensor | None,
     lse: torch.Tensor,
     entropy: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     ignore_index: int,
     token_chunk: int | None = None,
     vocab_tile: int | None = None,
@@ -280,7 +305,7 @@ def linear_logprob_backward_torch(
     vocab = weight.shape[0]
     dev = hidden.device
     f32 = {"dtype": torch.float32, "device": dev}
-    inv_t = 1.0 / temperature
+    inv_t = inverse_temperature(temperature, dev)
     tgt = targets.long()
     valid = tgt != ignore_index
     # select, never multiply by the mask: a NaN gradient arriving for an ignored row would
@@ -305,7 +330,8 @@ def linear_logprob_backward_torch(
         for c0 in range(0, n_tok, token_chunk):
             c1 = min(c0 + token_chunk, n_tok)
             out = zbuf[: (c1 - c0) * (v1 - v0)].view(c1 - c0, v1 - v0)
-            z = _tile_logits(hf[c0:c1], w, b, inv_t, out)
+            it = _rows(inv_t, c0, c1)
+            z = _tile_logits(hf[c0:c1], w, b, it, out)
             if k is None:
                 # in place on the tile: dz = -g p, p = exp(z - lse)
                 dz = z.sub_(lse[c0:c1, None]).exp_().mul_(-g[c0:c1, None])
@@ -317,8 +343,10 @@ def linear_logprob_backward_torch(
             inside = (t >= v0) & (t < v1)
             local = (t - v0).clamp(0, v1 - v0 - 1)
             dz.scatter_add_(1, local[:, None], torch.where(inside, g[c0:c1], 0.0)[:, None])
-            if inv_t != 1.0:
-                dz.mul_(inv_t)
+            if isinstance(it, torch.Tensor):
+                dz.mul_(it[:, None])
+            elif it != 1.0:
+                dz.mul_(it)
             grad_h[c0:c1].addmm_(dz, w)
             gw.addmm_(dz.T, hf[c0:c1])
             if gb is not None:
@@ -823,3 +851,99 @@ def policy_loss_grad_torch(
     sid = seq_ids_from_cu_seqlens(cu_seqlens, gbuf.numel())
     c_tok = torch.cat([c, torch.zeros(1, dtype=c.dtype, device=c.device)])[sid]
     return (gbuf * c_tok).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# linear_policy_loss: lm-head log-prob + policy loss, gradient formed in the forward
+# --------------------------------------------------------------------------------------------
+def linear_policy_loss_fused(
+    steps: dict,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ref_logprob: torch.Tensor | None,
+    prox_logprob: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    seq_weights: torch.Tensor | None,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    behav_cap: float | None,
+    kl_coef: float,
+    kl_type: str,
+    agg: str,
+) -> tuple[torch.Tensor, ...]:
+    """The one orchestration of ``linear_policy_loss``, shared by the torch and Triton paths.
+
+    ``steps`` holds the four building blocks of one implementation: ``lp_fwd``/``lp_bwd``
+    (``linear_logprob_forward_torch``/``_backward_torch`` or their Triton twins) and
+    ``pl_fwd``/``pl_grad`` (``policy_loss_fused_torch``/``policy_loss_grad_torch`` or twins).
+
+    1. pass 1 over vocabulary tiles (token chunks x vocab tiles): online log-sum-exp, target
+       logit, entropy -> ``logprob``, ``entropy``, ``lse`` (one GEMM-equivalent, ``2 n d V``);
+    2. the fused policy loss on ``logprob``: ``loss``, stats, and the per-token gradient
+       ``g_t = dloss/dlogprob_t`` (``pl_grad`` with an incoming gradient of 1): all the PPO
+       maths lives in ``policy_token_terms`` / ``seq_coefficients``, nowhere else;
+    3. pass 2 over vocabulary tiles (the vocabulary loop outer, so each weight-gradient tile is
+       written once): the logits tile is recomputed, ``dlogits = g (onehot - p) / T`` (the
+       entropy is detached: no entropy term), ``dH += dlogits W``, ``dW = dlogits^T H``,
+       ``db = sum dlogits``: three GEMM-equivalents.
+
+    So four GEMM-equivalents (``8 n d V`` FLOP, the logits are computed twice), against the
+    six counted ``6 n d V`` of an unfused forward + backward; no ``(n, V)`` tensor exists.
+    Returns ``(loss (), stats (12,), logprob (n,), entropy (n,), d hidden (n, d) in hidden's
+    dtype, d weight (V, d) in weight's dtype, d bias (V,) or (0,))``, the gradients being those
+    of ``loss`` (scale them by the incoming gradient in the backward).
+    """
+    dev = hidden.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    logprob, entropy, lse = steps["lp_fwd"](hidden, weight, targets, bias, temperature, True, -100)
+    loss, gbuf, coef, stats = steps["pl_fwd"](
+        logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
+        seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg,
+    )  # fmt: skip
+    g = steps["pl_grad"](gbuf, coef, cu_seqlens, torch.ones((), **f32), torch.float32)
+    # mean entropy over the final mask (capped tokens and rows outside cu_seqlens excluded):
+    # the mask is recomputed by the same per-token function the policy loss uses.
+    terms = policy_token_terms(
+        old_logprob, old_logprob, advantages, loss_mask, None, prox_logprob, clip_low,
+        clip_high, None, behav_cap, 0.0, kl_type,
+    )  # fmt: skip
+    on = terms["on"] & covered_tokens(cu_seqlens, logprob.numel(), dev)
+    ent_sum = torch.where(on, terms["mask"] * entropy, 0.0).sum()
+    n_tok = stats[POLICY_STAT_NAMES.index("n_tokens")]
+    ent_mean = torch.where(n_tok > 0, ent_sum / n_tok.clamp_min(1e-30), 0.0)
+    stats = torch.cat([stats, ent_mean.reshape(1)])
+    gh, gw, gb = steps["lp_bwd"](
+        g, None, hidden, weight, targets, bias, lse, entropy, temperature, -100
+    )
+    gb = torch.empty(0, **f32) if gb is None else gb
+    return (
+        loss,
+        stats,
+        logprob,
+        entropy,
+        gh.to(hidden.dtype),
+        gw.to(weight.dtype),
+        gb.to(weight.dtype if bias is None else bias.dtype),
+    )
+
+
+TORCH_STEPS = {
+    "lp_fwd": linear_logprob_forward_torch,
+    "lp_bwd": linear_logprob_backward_torch,
+    "pl_fwd": policy_loss_fused_torch,
+    "pl_grad": policy_loss_grad_torch,
+}
+
+
+def linear_policy_loss_torch(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    """Torch path of ``linear_policy_loss`` (CPU, and the test oracle of the Triton path):
+    ``linear_policy_loss_fused`` with the chunked torch building blocks (fp32 logits tiles of
+    ``TORCH_TOKEN_CHUNK x TORCH_VOCAB_TILE``)."""
+    return linear_policy_loss_fused(TORCH_STEPS, *args, **kwargs)

@@ -9,10 +9,11 @@
 #    5.17, no liger-kernel, maybe a setuptools older than 77) and builds paravt._C against the
 #    CUDA torch (CUDA ops included);
 # 2. runs the CUDA tests: CUDA pack_vision vs CPU pack (bitwise), the packed encoder on GPU
-#    vs CPU, the Triton kernels vs the torch reference on GPU;
+#    vs CPU, the Triton kernels vs the torch reference on GPU, linear_policy_loss (its tests
+#    use CPU tensors: torch path and Triton interpreter);
 # 3. runs the GPU benchmarks: bench/gpu_kernels.py (linear_logprob TFLOP/s and vs Liger,
-#    policy_loss bandwidth), the CUDA pack vs the CPU pack, the packed encoder vs a per-crop
-#    loop (target >= 3x at 64 small crops).
+#    linear_policy_loss TFLOP/s and vs Liger's fused linear GRPO loss, policy_loss
+#    bandwidth), the CUDA pack vs the CPU pack, the packed encoder vs a per-crop loop (target >= 3x at 64 small crops).
 # Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
 # recorded in summary.txt and the next step still runs. On a CPU-only machine every step
 # reports that it skipped.
@@ -48,7 +49,8 @@ step build 300 "$PY" -m pip install --no-deps --no-build-isolation -e .
 summary "native CUDA ops: $("$PY" -c 'from paravt.vision import pack; print(pack.native_has_cuda())' 2>&1 | tail -n 1)"
 
 step tests 180 "$PY" -m pytest -q -p no:cacheprovider -rs \
-  tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py
+  tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
+  tests/test_kernels_linear_policy_loss.py
 step gpu_kernels 240 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
 step bench_pack 180 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
   --benchmark-only -s -k cuda
