@@ -108,11 +108,17 @@ def test_batch_mixes_visual_and_text_only_rows_of_different_lengths(setup):
     assert {MAIN_T, SUB_T} <= set(round(t, 6) for t in batch.temperatures.tolist())
 
 
-def test_packed_hidden_states_equal_per_sequence_forwards(setup):
+@pytest.mark.parametrize("vision", ["packed", "hf"])
+def test_packed_hidden_states_equal_per_sequence_forwards(setup, vision):
+    """With the project's packed vision encoder (``model.packed_vision``, the default) and
+    with HF's own vision forward (several grids in one call there too)."""
     from paravt.algo.packing import packed_hidden_states
 
     model, batch = setup
-    with torch.no_grad():
+    assert "get_image_features" in model.model.__dict__  # use_packed_vision installed
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        if vision == "hf":
+            mp.delattr(model.model, "get_image_features")
         alone = {i: _alone(model, batch, i) for i in range(batch.cu_seqlens.numel() - 1)}
         for seqs in _packs(batch):
             h = packed_hidden_states(model, batch, seqs)
