@@ -131,7 +131,7 @@ def test_packed_hidden_states_equal_per_sequence_forwards(setup, vision):
 def test_packing_without_the_block_diagonal_mask_differs(setup):
     """The mask is necessary: the same packed row under plain causal attention (later
     sequences attend to earlier ones) is wrong from the second sequence on."""
-    from paravt.algo.packing import _packed_hidden, packed_attention_kwargs
+    from paravt.algo.packing import _packed_hidden, _packed_inputs, packed_attention_kwargs
 
     model, batch = setup
     seqs = _packs(batch)[1]
@@ -140,9 +140,14 @@ def test_packing_without_the_block_diagonal_mask_differs(setup):
         good = _packed_hidden(model, batch, seqs)
         bad = _packed_hidden(model, batch, seqs, isolate=False)
         ref = torch.cat([_alone(model, batch, i) for i in seqs])
+        # Not relied on, pinned: transformers' own packed-sequence detection (no mask; the
+        # restarting text row of the 4-row position ids) also isolates the sequences.
+        kwargs, _ = _packed_inputs(model, batch, seqs)
+        detected = model.model(**kwargs).last_hidden_state[0]
     assert float((bad[:n0] - ref[:n0]).abs().max()) <= 1e-5  # the first sequence is unaffected
     assert float((bad[n0:] - ref[n0:]).abs().max()) > 1e-2
     assert float((good - ref).abs().max()) <= 1e-5
+    assert float((detected - ref).abs().max()) <= 1e-5
     # The argument itself: block-diagonal causal for SDPA, cu_seqlens for flash-attn.
     m = packed_attention_kwargs([2, 3], "sdpa", torch.device("cpu"), torch.float32)
     want = torch.zeros(5, 5, dtype=torch.bool)

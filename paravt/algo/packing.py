@@ -48,7 +48,7 @@ Verified on transformers 5.19 / Qwen3-VL, fp32 CPU SDPA (tests/test_algo_packed_
 real scripted batches: main rows with video, sub-agent rows with crop clips, a text-only
 row): packed hidden states equal per-sequence ones to <= 1e-6; log-probs, entropy (also
 with ``top_p < 1``) and parameter gradients equal the per-sequence path's; the same packed
-row WITHOUT the mask (plain causal) is off by O(1) after the first sequence. Measured too,
+row WITHOUT the mask (plain causal) is off by O(1) after the first sequence. Pinned too,
 not relied on: transformers' own packed-sequence detection (``attention_mask=None`` with the
 restarting text row of the position ids) builds the same block-diagonal mask for Qwen3-VL;
 the explicit argument is used so that correctness does not hinge on that heuristic. With a
