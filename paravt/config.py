@@ -192,6 +192,12 @@ class AlgoConfig:
     # PPO epochs over each rollout batch and minibatches per epoch.
     ppo_epochs: int = 1
     minibatches: int = 1
+    # Token budget of one packed forward (several sequences in one row, no attention across
+    # them; paravt.algo.packing.microbatches): the proximal / reference log-prob passes run one
+    # forward per micro-batch of at most this many tokens (a longer sequence runs alone).
+    # Activation memory grows with it (the SDPA path also holds an N x N mask; flash-attn
+    # varlen does not); 16k fits a Qwen3-VL-8B bf16 no-grad forward on one 80 GB GPU.
+    max_tokens_per_microbatch: int = 16384
     # Gradient clipping (max global norm).
     max_grad_norm: float = 1.0
     # Train sub-agent trajectories with the main trajectory's advantage; each trajectory's
@@ -450,6 +456,10 @@ def validate(cfg: Config) -> None:
         )
     if cfg.algo.minibatches < 1 or cfg.algo.ppo_epochs < 1:
         errs.append("algo.minibatches and algo.ppo_epochs must be >= 1")
+    if cfg.algo.max_tokens_per_microbatch < 1:
+        errs.append(
+            f"algo.max_tokens_per_microbatch={cfg.algo.max_tokens_per_microbatch} must be > 0"
+        )
     n_seq = cfg.train.prompts_per_step * cfg.rollout.group_size
     if n_seq % cfg.algo.minibatches:
         errs.append(

@@ -397,7 +397,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     with torch.no_grad():
         for b in batches:
             if tr.reference is not None:
-                b.extras["ref_logprobs"] = tr.reference.logprobs(b)
+                b.extras["ref_logprobs"] = tr.reference.logprobs(
+                    b, max_tokens=algo.max_tokens_per_microbatch
+                )
             if tr.objective.needs_prox:
                 b.extras["prox_logprobs"] = proximal_logprobs(tr, b)
             pen = apply_kl_reward(b, algo)  # kl_mode=reward: KL penalty into the advantages
@@ -507,7 +509,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
 
 
 def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
-    """π_prox: the policy before this step's updates, one no-grad forward per sequence.
+    """π_prox: the policy before this step's updates, no-grad packed forwards (one per
+    micro-batch of ``algo.max_tokens_per_microbatch`` tokens; ``packed_logprobs``).
 
     It is computed on the engine's model: that model holds exactly the weights pushed at the
     end of the previous step (in one process it *is* the policy module; under FSDP it is the
@@ -517,7 +520,10 @@ def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
     tests/test_train_distributed.py)."""
     from paravt.algo.packing import packed_logprobs
 
-    lp, _ = packed_logprobs(tr.engine.model, batch)  # each row under its own sampling T / top-p
+    # Each row under its own sampling T / top-p; packed forwards (algo.max_tokens_per_microbatch).
+    lp, _ = packed_logprobs(
+        tr.engine.model, batch, max_tokens=tr.cfg.algo.max_tokens_per_microbatch
+    )
     return lp.float().cpu()
 
 

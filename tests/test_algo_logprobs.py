@@ -4,8 +4,10 @@ One ``train_step`` on the tiny model (fp32 CPU; main rows at T = 0.7 forced to c
 tool, so sub-agent rows at T = 0.3 exist; decoupled objective; KL to the reference in the
 loss) is run with counters on:
 
-* ``paravt_kernels.linear_logprob`` must be called once per sequence in each log-prob pass
-  (policy with grad, proximal, reference), on the gathered rows only (one per trained token);
+* ``paravt_kernels.linear_logprob`` must be called on the gathered rows only (one per trained
+  token): once per sequence in the policy pass (with grad, one forward per row), once per
+  sampling temperature in the proximal and reference passes (the packed path: the whole
+  batch in one forward);
 * the lm_head module's forward must never run inside those passes (it does run in rollouts).
 
 The first minibatch and the weights it was trained from are kept, and the PPO loss and every
@@ -107,17 +109,22 @@ def step(assets, tmp_path_factory):
     )
     assert tr.engine.model is tr.policy and tr.reference is not None
 
-    rec = {"in_pass": 0, "passes": 0, "head_in_pass": 0, "head_total": 0, "kernel": []}
+    rec = {"in_pass": 0, "passes": 0, "packed_passes": 0, "head_in_pass": 0, "head_total": 0}
+    rec["kernel"] = []
     real_seq, real_kernel = packing.sequence_logprobs, paravt_kernels.linear_logprob
+    real_packed = packing._packed_logprob_rows
     real_backward = loss_mod.minibatch_backward
 
-    def counting_seq(*a, **kw):
-        rec["passes"] += 1
-        rec["in_pass"] += 1
-        try:
-            return real_seq(*a, **kw)
-        finally:
-            rec["in_pass"] -= 1
+    def counting(real, key):
+        def run(*a, **kw):
+            rec[key] += 1
+            rec["in_pass"] += 1
+            try:
+                return real(*a, **kw)
+            finally:
+                rec["in_pass"] -= 1
+
+        return run
 
     def counting_kernel(hidden, *a, **kw):
         rec["kernel"].append((hidden.shape[0], hidden.requires_grad, bool(rec["in_pass"])))
@@ -132,12 +139,14 @@ def step(assets, tmp_path_factory):
             rec["batch"] = copy.deepcopy(batch)
             rec["model"] = copy.deepcopy(tr.policy)
             rec["passes_before_policy"] = rec["passes"]
+            rec["packed_before_policy"] = rec["packed_passes"]
         return real_backward(batch, objective, seq_logprobs, **kw)
 
     hooks = [m.lm_head.register_forward_hook(head_hook) for m in (tr.policy, tr.reference.model)]
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(packing, "sequence_logprobs", counting_seq)
+            mp.setattr(packing, "sequence_logprobs", counting(real_seq, "passes"))
+            mp.setattr(packing, "_packed_logprob_rows", counting(real_packed, "packed_passes"))
             mp.setattr(paravt_kernels, "linear_logprob", counting_kernel)
             mp.setattr(loss_mod, "minibatch_backward", capturing_backward)
             metrics = train_step(tr, 1)
@@ -154,17 +163,22 @@ def test_train_step_log_probs_go_through_linear_logprob_not_lm_head(step):
     roles = batch.extras["roles"]
     assert roles.count("main") == 4 and roles.count("sub") >= 2, roles
     assert sorted(set(batch.temperatures.tolist())) == pytest.approx([SUB_T, MAIN_T])
-    # Reference + proximal before the update, then one policy forward per row (1 epoch, 1 mb).
-    assert step["passes_before_policy"] == 2 * n_seq
-    assert step["passes"] == 3 * n_seq
+    # Reference + proximal before the update: the packed path, the whole batch in one forward
+    # each; then one policy forward per row (1 epoch, 1 minibatch).
+    assert step["packed_before_policy"] == step["packed_passes"] == 2
+    assert step["passes_before_policy"] == 0 and step["passes"] == n_seq
     kernel = step["kernel"]
-    assert len(kernel) == 3 * n_seq and all(in_pass for _, _, in_pass in kernel)
-    # Only the rows that predict a trained token are gathered: one row per loss-mask token.
+    assert all(in_pass for _, _, in_pass in kernel)
+    # Only the rows that predict a trained token are gathered: one row per loss-mask token;
+    # the packed passes make one fused call per sampling temperature (main, then sub rows).
     cu = batch.cu_seqlens.tolist()
     trained = [int(batch.loss_mask[cu[i] : cu[i + 1]].sum()) for i in range(n_seq)]
-    assert [n for n, _, _ in kernel] == trained * 3
+    temps = batch.temperatures.tolist()
+    per_t = [sum(n for n, t in zip(trained, temps) if t == tt) for tt in dict.fromkeys(temps)]
+    assert len(per_t) == 2
+    assert [n for n, _, _ in kernel] == per_t * 2 + trained
     assert sum(trained) < batch.input_ids.numel() / 2  # the prompt + video rows were skipped
-    assert [g for _, g, _ in kernel] == [False] * (2 * n_seq) + [True] * n_seq
+    assert [g for _, g, _ in kernel] == [False] * 4 + [True] * n_seq
     # The lm_head module ran in the rollouts (the hook works) but never in a log-prob pass.
     assert step["head_total"] > 0
     assert step["head_in_pass"] == 0
@@ -205,9 +219,10 @@ def test_ppo_minibatch_loss_and_gradients_match_the_materialised_path(step, agg)
     algo = replace(step["cfg"].algo, agg=agg)
     new_b, old_b = _with_passes(model, batch, new_row), _with_passes(model, batch, old_row)
     m = batch.loss_mask.bool()
-    # The trainer's own proximal / reference passes are the new path on these weights.
+    # The trainer's own proximal / reference passes are the packed path on these weights: the
+    # per-row path's values up to fp32 round-off (tests/test_algo_packed_forward.py).
     for k in ("prox_logprobs", "ref_logprobs"):
-        torch.testing.assert_close(batch.extras[k], new_b.extras[k], rtol=0, atol=1e-6)
+        torch.testing.assert_close(batch.extras[k], new_b.extras[k], rtol=0, atol=1e-5)
         torch.testing.assert_close(new_b.extras[k][m], old_b.extras[k][m], rtol=0, atol=1e-5)
         assert (new_b.extras[k][~m] == 0).all()  # not gathered -> 0
 

@@ -10,15 +10,57 @@ goes through ONE function, ``sequence_logprobs``: the model's backbone gives hid
 only the rows that predict a trained token go through the lm_head, inside
 ``paravt_kernels.linear_logprob`` (temperature inside the kernel): no ``(tokens, vocab)``
 logits for the prompt, the visual tokens or anything else (``top_p < 1`` materialises the
-logits of the gathered rows only).
+logits of the gathered rows only). The "gathered rows -> log-probs" step is one function,
+``_gathered_logprobs``, shared by both paths below.
 
-* **per-sequence path (now, every device)**: one forward per sequence (its own length, its own
-  visual inputs), the per-token outputs concatenated into the packed ``(N,)`` vector. HF
-  Qwen3-VL with SDPA cannot put several sequences in one row without attending across them,
-  so this is the padding-free option available here.
-* **varlen path (slot)**: with flash-attn varlen on GPU, one packed forward with
-  ``cu_seqlens`` / ``position_ids`` restarting per sequence computes the same vector. It
-  plugs in as another ``LogprobFn`` with the same signature; nothing else changes.
+Two log-prob paths (``LOGPROB_PATHS``) give the same values:
+
+* **per-sequence** (``per_sequence_logprobs``, ``row_logprobs``): one forward per sequence
+  (its own length, its own visual inputs). The trainer's policy forward still runs this way.
+* **packed** (``packed_sequence_logprobs``, the default of ``packed_logprobs``: proximal and
+  reference passes): sequences are grouped into micro-batches of at most
+  ``algo.max_tokens_per_microbatch`` tokens (``microbatches``, first-fit decreasing; a
+  longer sequence runs alone) and each micro-batch is ONE backbone forward over the row
+  ``(1, sum L_i)`` (``packed_hidden_states``); the trained rows of all its sequences are
+  gathered and scored in one fused lm_head call per distinct ``(T, top_p)``.
+
+A packed forward is exact because nothing of one sequence reaches another
+(``_packed_inputs``, ``packed_attention_kwargs``):
+
+* attention: SDPA gets a 4-D boolean block-diagonal causal mask ``(1, 1, N, N)``
+  (transformers' ``create_causal_mask`` returns a 4-D mask as is; eager gets the additive
+  form); flash_attention_2/3 gets no mask but ``cu_seq_lens_q/k`` + ``max_length_q/k``, which
+  transformers' flash integration hands to ``flash_attn_varlen_func``. That one argument is
+  the ONLY difference between the implementations; everything below is shared. The CUDA
+  varlen branch is written but untested here (no GPU in CI).
+* positions: Qwen3-VL's mrope ids from ``get_rope_index`` on each sequence ALONE (cheap, host
+  side), concatenated along the token axis, passed as ``(4, 1, N)`` position ids whose row 0
+  is each sequence's text position ``0..L_i-1`` (transformers reads a 4-row tensor as
+  ``text_position_ids`` + 3 mrope rows; the rotary embedding uses the mrope rows only).
+* visuals: the sequences' pixels and grids concatenated in sequence order and encoded in ONE
+  vision-tower call (its attention is per frame: ``cu_seqlens`` from ``grid_thw``; the
+  ``use_packed_vision`` override is per segment too), passed as ``mm_encoder_outputs``; the
+  backbone scatters the features, and the deepstack features, into the placeholders in
+  order, which is sequence order. Computing them outside the backbone call also keeps the
+  flash ``cu_seq_lens`` kwargs away from the vision tower (its attention passes its own).
+
+Verified on transformers 5.19 / Qwen3-VL, fp32 CPU SDPA (tests/test_algo_packed_forward.py,
+real scripted batches: main rows with video, sub-agent rows with crop clips, a text-only
+row): packed hidden states equal per-sequence ones to <= 1e-6; log-probs, entropy (also
+with ``top_p < 1``) and parameter gradients equal the per-sequence path's; the same packed
+row WITHOUT the mask (plain causal) is off by O(1) after the first sequence. Pinned too,
+not relied on: transformers' own packed-sequence detection (``attention_mask=None`` with the
+restarting text row of the position ids) builds the same block-diagonal mask for Qwen3-VL;
+the explicit argument is used so that correctness does not hinge on that heuristic. With a
+3-row (mrope only) position tensor there is no detection at all. Qwen2.5-VL has the same
+``get_rope_index`` / ``mm_encoder_outputs`` API but is not tested packed.
+
+Cost: the SDPA path attends over the full ``N x N`` (masked) and holds the mask: it is the
+CPU reference, not a fast path; on GPU flash-attn varlen costs ``sum L_i^2``. Under FSDP2
+every micro-batch is a root forward (``_as_root_forward``); ranks must run the same number
+of forwards (``microbatch_count``), a rank with fewer pads with zero-weight forwards.
+``balance_by_tokens`` assigns items to ranks by token count; the rollout's prompt split
+(``shard_list``) is not balanced (lengths are unknown before the rollout).
 
 Alignment: ``logprob[t]`` is the log-prob of token ``t`` given tokens ``< t`` (position 0 of
 each sequence is 0, never trained). ``Trajectory.loss_mask``/``logprobs`` use the same
@@ -45,9 +87,12 @@ import torch
 from paravt.algo.advantages import SequenceUnit
 from paravt.types import PackedBatch, Trajectory, VisualInputs
 
-# (model, batch, with_entropy) -> (logprob (N,), entropy (N,) or empty); each sequence under
-# its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``.
-LogprobFn = Callable[[torch.nn.Module, PackedBatch, bool], tuple[torch.Tensor, torch.Tensor]]
+# (model, batch, with_entropy, max_tokens) -> (logprob (N,), entropy (N,) or empty); each
+# sequence under its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``; ``max_tokens`` the
+# micro-batch token budget of a packed path (None: its default).
+LogprobFn = Callable[
+    [torch.nn.Module, PackedBatch, bool, "int | None"], tuple[torch.Tensor, torch.Tensor]
+]
 
 
 def _mm_types(traj: Trajectory) -> list[int]:
@@ -203,9 +248,6 @@ def _hidden_logprobs(
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sequence_logprobs`` body: backbone, gather the ``pos - 1`` rows, fused lm_head."""
-    from paravt_kernels import linear_logprob
-
-    from paravt.rollout.hf import sampling_logprobs
     from paravt.vision.preprocess import build_model_inputs
 
     p0 = next(model.parameters())
@@ -214,6 +256,23 @@ def _hidden_logprobs(
     inputs = build_model_inputs(
         tok.tolist(), mm_list, visuals, p0.device, merge_size=merge, dtype=p0.dtype
     )
+    backbone, head = _backbone_and_head(model)
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state[0]  # (L, d)
+    pos = pos.to(hidden.device)
+    h = hidden.index_select(0, pos - 1)  # (n, d): the rows that predict a target
+    tgt = inputs["input_ids"][0].index_select(0, pos)
+    lp_n, ent_n = _gathered_logprobs(head, h, tgt, temperature, top_p, with_entropy)
+    n_tok = tok.numel()
+    lp = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device).index_copy(
+        0, pos, lp_n.float()
+    )
+    if ent_n is None:
+        return lp, lp.new_zeros(0)
+    ent = torch.zeros_like(lp).index_copy(0, pos, ent_n.detach().float())
+    return lp, ent
+
+
+def _backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     backbone = getattr(model, "model", None)
     head = model.get_output_embeddings()
     if backbone is None or head is None:
@@ -221,10 +280,26 @@ def _hidden_logprobs(
             f"{type(model).__name__} has no .model backbone / output embeddings: "
             "sequence_logprobs needs an HF *ForConditionalGeneration (Qwen3-VL, Qwen2.5-VL)"
         )
-    hidden = backbone(**inputs, use_cache=False).last_hidden_state[0]  # (L, d)
-    pos = pos.to(hidden.device)
-    h = hidden.index_select(0, pos - 1)  # (n, d): the rows that predict a target
-    tgt = inputs["input_ids"][0].index_select(0, pos)
+    return backbone, head
+
+
+def _gathered_logprobs(
+    head: torch.nn.Module,
+    h: torch.Tensor,
+    tgt: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gathered hidden rows ``h (n, d)`` -> ``(n,)`` log-probs of ``tgt`` (and the ``(n,)``
+    detached entropy, else None) under ``log_softmax(top_p(logits / T))``, through the
+    lm_head weight inside ``paravt_kernels.linear_logprob``. ``top_p < 1`` materialises the
+    ``(n, V)`` logits of these rows only. Every log-prob path (per-sequence, packed) ends here.
+    """
+    from paravt_kernels import linear_logprob
+
+    from paravt.rollout.hf import sampling_logprobs
+
     t = temperature if temperature > 0 else 1.0  # greedy rows: the engine's T = 1 rule
     weight, bias = head.weight, head.bias
     if top_p < 1.0:
@@ -237,22 +312,10 @@ def _hidden_logprobs(
                 q = logp.exp()
                 # Tokens outside the nucleus have p = 0 and log p = -inf: they add 0, not NaN.
                 ent_n = -torch.where(q > 0, q * logp, torch.zeros_like(logp)).sum(-1)
-    elif with_entropy:
-        lp_n, ent_n = linear_logprob(h, weight, tgt, temperature=t, bias=bias, return_entropy=True)
-    else:
-        lp_n, ent_n = linear_logprob(h, weight, tgt, temperature=t, bias=bias), None
-    n_tok = tok.numel()
-    lp = torch.zeros(n_tok, dtype=torch.float32, device=hidden.device).index_copy(
-        0, pos, lp_n.float()
-    )
-    if ent_n is None:
-        return lp, lp.new_zeros(0)
-    ent = torch.zeros_like(lp).index_copy(0, pos, ent_n.detach().float())
-    return lp, ent
-
-
-# The method name under which ``sequence_logprobs`` runs as an FSDP2 root forward.
-_FSDP_METHOD = "_paravt_hidden_logprobs"
+        return lp_n, ent_n
+    if with_entropy:
+        return linear_logprob(h, weight, tgt, temperature=t, bias=bias, return_entropy=True)
+    return linear_logprob(h, weight, tgt, temperature=t, bias=bias), None
 
 
 def _as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
@@ -260,16 +323,18 @@ def _as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
 
     Calling ``model.model`` directly would skip the root's pre/post-forward hooks: its
     parameters (embeddings, lm_head, final norm) would stay sharded and their gradients would
-    not be reduced. ``register_fsdp_forward_method`` wraps a method in exactly those hooks.
+    not be reduced. ``register_fsdp_forward_method`` wraps a method in exactly those hooks;
+    each ``fn`` is registered once, under its own name (``_paravt_<fn name>``).
     """
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
     if not isinstance(model, FSDPModule):
         return fn(model, *args)
-    if _FSDP_METHOD not in model.__dict__:
-        model.__dict__[_FSDP_METHOD] = types.MethodType(fn, model)
-        register_fsdp_forward_method(model, _FSDP_METHOD)
-    return getattr(model, _FSDP_METHOD)(*args)
+    method = f"_paravt{fn.__name__}" if fn.__name__.startswith("_") else f"_paravt_{fn.__name__}"
+    if method not in model.__dict__:
+        model.__dict__[method] = types.MethodType(fn, model)
+        register_fsdp_forward_method(model, method)
+    return getattr(model, method)(*args)
 
 
 def row_sampling(batch: PackedBatch, i: int) -> tuple[float, float]:
@@ -301,10 +366,14 @@ def row_logprobs(
 
 
 def per_sequence_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    with_entropy: bool = False,
+    max_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padding-free packed log-probs ``(N,)`` (and entropy) from one forward per sequence;
-    0 where ``batch.loss_mask`` is 0 (``row_logprobs``)."""
+    0 where ``batch.loss_mask`` is 0 (``row_logprobs``). ``max_tokens`` is ignored (the
+    ``LogprobFn`` signature; every forward is one sequence)."""
     lps, ents = [], []
     for i in range(batch.cu_seqlens.numel() - 1):
         lp, ent = row_logprobs(model, batch, i, with_entropy)
@@ -315,21 +384,318 @@ def per_sequence_logprobs(
     return (torch.cat(lps) if lps else empty), (torch.cat(ents) if with_entropy else empty)
 
 
-# The log-prob path in use. A flash-attn varlen forward would be registered here on GPU.
-LOGPROB_PATHS: dict[str, LogprobFn] = {"per_sequence": per_sequence_logprobs}
+# --------------------------------------------------------------- packed multi-sequence forwards
+
+# Keys of ``build_model_inputs`` that carry one sequence's visual inputs, concatenated in
+# sequence order when several sequences share one forward.
+_VISUAL_KEYS = (
+    "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+    "second_per_grid_ts",
+)  # fmt: skip
+_ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def _language_attn_impl(backbone: torch.nn.Module) -> str:
+    lm = getattr(backbone, "language_model", backbone)
+    return str(getattr(lm.config, "_attn_implementation", None) or "sdpa")
+
+
+def packed_attention_kwargs(
+    lengths: Sequence[int], attn_impl: str, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The ONE argument that keeps sequences of a packed row ``(1, sum L_i)`` apart.
+
+    * ``flash_attention_2``/``_3`` (CUDA): no mask; ``cu_seq_lens_q/k`` + ``max_length_q/k``
+      go through the language model's ``**kwargs`` to transformers' flash-attn integration,
+      which then calls ``flash_attn_varlen_func`` over those boundaries (no ``N x N`` anything).
+    * ``sdpa``: a 4-D boolean ``(1, 1, N, N)`` block-diagonal causal mask (True = attend);
+      ``create_causal_mask`` returns a 4-D mask as is.
+    * ``eager``: the same mask, additive (0 / dtype min), as eager attention adds it.
+
+    Everything else of the packed forward (token ids, visual features, mrope position ids)
+    is the same for every implementation.
+    """
+    n = int(sum(lengths))
+    if attn_impl.startswith("flash_attention"):
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int32), 0)
+        cu = cu.to(device)
+        longest = int(max(lengths))
+        return {
+            "attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": longest, "max_length_k": longest,
+        }  # fmt: skip
+    if attn_impl not in ("sdpa", "eager"):
+        raise NotImplementedError(
+            f"packed forward: attn_implementation '{attn_impl}' (sdpa, eager and "
+            "flash_attention_2/3 are supported)"
+        )
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device),
+        torch.as_tensor(list(lengths), device=device),
+    )
+    idx = torch.arange(n, device=device)
+    allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
+    if attn_impl == "eager":
+        mask = torch.zeros(n, n, dtype=dtype, device=device)
+        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    else:
+        mask = allowed
+    return {"attention_mask": mask[None, None]}
+
+
+def _packed_inputs(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int]
+) -> tuple[dict[str, Any], list[int]]:
+    """Backbone keyword arguments for ONE forward over sequences ``seqs`` of ``batch``, and
+    their lengths. Token ids and ``mm_token_type_ids`` are concatenated into ``(1, N)``; the
+    visual features of all sequences come from ONE vision-tower call over their concatenated
+    pixels / grids (attention there is per frame, so a grid never sees another's patches), in
+    sequence order, which is the order of the placeholders in the packed row (the backbone
+    scatters them, and their deepstack features, by placeholder order). Position ids are
+    ``(4, 1, N)``: rows 1-3 the mrope ids of ``get_rope_index`` on each sequence ALONE (each
+    restarts at 0), row 0 the per-sequence text position ``0..L_i-1`` (what transformers
+    reads as ``text_position_ids``; the rotary embedding uses rows 1-3 only).
+    """
+    from paravt.vision.preprocess import build_model_inputs
+
+    backbone, _ = _backbone_and_head(model)
+    p0 = next(model.parameters())
+    dev = p0.device
+    merge = int(model.config.vision_config.spatial_merge_size)
+    mm_all = batch.extras["mm_token_type_ids"]
+    cu = batch.cu_seqlens
+    per, lengths = [], []
+    for i in seqs:
+        a, b = int(cu[i]), int(cu[i + 1])
+        per.append(
+            build_model_inputs(
+                batch.input_ids[a:b].tolist(), mm_all[a:b].tolist(), batch.visuals[i], dev,
+                merge_size=merge, dtype=p0.dtype,
+            )
+        )  # fmt: skip
+        lengths.append(b - a)
+    positions = []
+    for inp, n_i in zip(per, lengths):
+        rope = {k: inp[k] for k in _ROPE_KEYS if k in inp}
+        mrope, _ = backbone.get_rope_index(
+            inp["input_ids"], mm_token_type_ids=inp["mm_token_type_ids"], **rope
+        )  # (3, 1, L_i)
+        text = torch.arange(n_i, device=mrope.device, dtype=mrope.dtype).view(1, 1, -1)
+        positions.append(torch.cat([text, mrope], 0))
+    visual = {}
+    for k in _VISUAL_KEYS:
+        parts = [inp[k] for inp in per if k in inp]
+        if parts:
+            visual[k] = torch.cat(parts)
+    encoded: dict[str, Any] = {}
+    if "pixel_values" in visual:
+        encoded["image"] = backbone.get_image_features(
+            visual["pixel_values"], visual["image_grid_thw"], return_dict=True
+        )
+    if "pixel_values_videos" in visual:
+        encoded["video"] = backbone.get_video_features(
+            visual["pixel_values_videos"], visual["video_grid_thw"], return_dict=True
+        )
+    kwargs = {
+        "input_ids": torch.cat([inp["input_ids"] for inp in per], 1),
+        "mm_token_type_ids": torch.cat([inp["mm_token_type_ids"] for inp in per], 1),
+        "position_ids": torch.cat(positions, 2),
+        "mm_encoder_outputs": encoded or None,
+        "use_cache": False,
+    }
+    return kwargs, lengths
+
+
+def _packed_hidden(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int], isolate: bool = True
+) -> torch.Tensor:
+    """``packed_hidden_states`` body (no FSDP root wrapping). ``isolate=False`` drops the
+    sequence-separating argument (plain causal attention over the whole row): only the tests
+    use it, to show the mask is what makes the packed forward exact."""
+    backbone, _ = _backbone_and_head(model)
+    kwargs, lengths = _packed_inputs(model, batch, seqs)
+    if isolate:
+        kwargs.update(
+            packed_attention_kwargs(
+                lengths, _language_attn_impl(backbone), kwargs["input_ids"].device,
+                next(model.parameters()).dtype,
+            )
+        )  # fmt: skip
+    else:  # 3 mrope rows only: no text row, so transformers sees one plain causal sequence
+        kwargs["position_ids"] = kwargs["position_ids"][1:]
+    return backbone(**kwargs).last_hidden_state[0]
+
+
+def packed_hidden_states(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int]
+) -> torch.Tensor:
+    """Last hidden states ``(sum L_i, d)`` of sequences ``seqs`` of ``batch`` (in that order,
+    each sequence's rows contiguous) from ONE backbone forward over the packed row
+    ``(1, sum L_i)``; equal to running each sequence alone (fp32: to ~1e-5; tested).
+
+    No attention crosses a sequence boundary (``packed_attention_kwargs``: block-diagonal
+    causal mask for SDPA/eager, flash-attn varlen ``cu_seqlens`` for flash_attention_2); each
+    sequence keeps its own mrope positions and visual features (``_packed_inputs``).
+    Differentiable; runs as an FSDP2 root forward (``_as_root_forward``), like
+    ``sequence_logprobs``. Under FSDP2 the root's parameters (lm_head included) are resharded
+    when this returns: a caller that applies the lm_head to these rows must do it inside its
+    own root forward, ``_as_root_forward(model, fn, ...)`` with ``fn`` calling
+    ``_packed_hidden`` (as ``packed_sequence_logprobs`` does).
+    """
+    return _as_root_forward(model, _packed_hidden, batch, list(seqs))
+
+
+def _packed_logprob_rows(
+    model: torch.nn.Module, batch: PackedBatch, seqs: list[int], with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One packed forward over ``seqs``; returns ``(index, lp, ent)``: the positions in the
+    whole batch's ``(N,)`` layout of the trained tokens of ``seqs`` (``loss_mask != 0``, never
+    a sequence's first token) and their log-probs / entropies (``_gathered_logprobs``). Rows
+    are grouped by ``(T, top_p)``: one fused lm_head call per distinct sampling setting."""
+    _, head = _backbone_and_head(model)
+    hidden = _packed_hidden(model, batch, seqs)
+    dev = hidden.device
+    cu = batch.cu_seqlens
+    groups: dict[tuple[float, float], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    off = 0
+    for i in seqs:
+        a, b = int(cu[i]), int(cu[i + 1])
+        need = batch.loss_mask[a:b].detach().cpu() != 0
+        need[:1] = False
+        pos = need.nonzero().squeeze(-1)
+        rows, glob = groups.setdefault(row_sampling(batch, i), ([], []))
+        rows.append(pos - 1 + off)  # row t - 1 of this sequence predicts its token t
+        glob.append(pos + a)
+        off += b - a
+    index, lps, ents = [], [], []
+    for (temperature, top_p), (rows, glob) in groups.items():
+        g = torch.cat(glob)
+        lp_n, ent_n = _gathered_logprobs(
+            head, hidden.index_select(0, torch.cat(rows).to(dev)),
+            batch.input_ids.index_select(0, g).to(dev), temperature, top_p, with_entropy,
+        )  # fmt: skip
+        index.append(g)
+        lps.append(lp_n.float())
+        if ent_n is not None:
+            ents.append(ent_n.detach().float())
+    return torch.cat(index).to(dev), torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def microbatches(batch: PackedBatch | Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Group the sequences of ``batch`` (or a list of sequence lengths) into micro-batches of
+    at most ``max_tokens`` tokens each; a sequence longer than that goes alone.
+
+    First-fit decreasing: sequences by length, longest first (ties: lower index first), each
+    into the first micro-batch it fits in, else a new one. Deterministic; every sequence in
+    exactly one micro-batch; indices ascending inside a micro-batch, micro-batches in order of
+    creation (the longest sequence's first). Main and sub-agent rows are not kept together:
+    each row is scored on its own, so their grouping does not change any value.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    if isinstance(batch, PackedBatch):
+        lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    else:
+        lengths = [int(n) for n in batch]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        for k, load in enumerate(loads):
+            if load + lengths[i] <= max_tokens:
+                bins[k].append(i)
+                loads[k] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def microbatch_count(lengths_per_rank: Sequence[Sequence[int]], max_tokens: int) -> int:
+    """How many micro-batch forwards EVERY rank must run: the max over ranks of
+    ``len(microbatches(lengths, max_tokens))`` (``lengths_per_rank[r]``: rank ``r``'s sequence
+    lengths, e.g. from ``all_gather_objects``). FSDP's collectives need the same number of
+    forwards on every rank, so a rank with fewer micro-batches runs the difference as
+    zero-weight forwards (any of its micro-batches, loss multiplied by 0)."""
+    return max((len(microbatches(lengths, max_tokens)) for lengths in lengths_per_rank), default=0)
+
+
+def balance_by_tokens(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Assign items of token counts ``lengths`` to ``world`` ranks, balancing tokens: longest
+    first (ties: lower index), each to the rank with the fewest tokens so far (ties: lower
+    rank). Deterministic; indices ascending per rank.
+
+    Not wired into ``train_step``: prompts are split across ranks (``shard_list``) BEFORE the
+    rollout, when no length is known, and a group must stay on one rank for its advantages.
+    Balancing the rollout output would mean moving whole units (main + sub rows, pixels
+    included) between ranks after ``build_units``; this helper computes that assignment (pass
+    each unit's total token count) for whoever adds the transfer."""
+    if world < 1:
+        raise ValueError(f"world={world} must be >= 1")
+    ranks: list[list[int]] = [[] for _ in range(world)]
+    loads = [0] * world
+    for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        ranks[r].append(i)
+        loads[r] += int(lengths[i])
+    return [sorted(r) for r in ranks]
+
+
+def packed_sequence_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    with_entropy: bool = False,
+    max_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same ``(N,)`` log-probs (and entropy) as ``per_sequence_logprobs`` from packed forwards:
+    one backbone forward per micro-batch of at most ``max_tokens`` tokens (``microbatches``;
+    None: ``AlgoConfig``'s default), the trained rows gathered and scored under each row's
+    own ``T`` / ``top_p`` (``_gathered_logprobs``). Each micro-batch runs as one FSDP2 root
+    forward. Differentiable (no ``no_grad`` inside)."""
+    if max_tokens is None:
+        from paravt.config import AlgoConfig
+
+        max_tokens = AlgoConfig().max_tokens_per_microbatch
+    n = batch.input_ids.numel()
+    lp = ent = None
+    for seqs in microbatches(batch, max_tokens):
+        index, lp_n, ent_n = _as_root_forward(
+            model, _packed_logprob_rows, batch, seqs, bool(with_entropy)
+        )
+        if lp is None:
+            lp = torch.zeros(n, dtype=torch.float32, device=lp_n.device)
+            ent = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=lp_n.device)
+        lp = lp.index_copy(0, index, lp_n)
+        if ent_n is not None:
+            ent = ent.index_copy(0, index, ent_n)
+    if lp is None:  # no sequence
+        return torch.zeros(0), torch.zeros(0)
+    return lp, ent
+
+
+# The log-prob paths (same values; see the module docstring). "packed" is the default.
+LOGPROB_PATHS: dict[str, LogprobFn] = {
+    "per_sequence": per_sequence_logprobs,
+    "packed": packed_sequence_logprobs,
+}
 
 
 def packed_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
     with_entropy: bool = False,
-    path: str = "per_sequence",
+    path: str = "packed",
+    max_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to a registered ``LogprobFn`` (see the module docstring); each sequence is
-    scored under its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``."""
+    scored under its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``. ``max_tokens``: the
+    micro-batch token budget of the packed path (``algo.max_tokens_per_microbatch``; None: its
+    default); the per-sequence path runs one forward per sequence whatever it says."""
     if path not in LOGPROB_PATHS:
         raise ValueError(f"log-prob path '{path}' is not one of {sorted(LOGPROB_PATHS)}")
-    return LOGPROB_PATHS[path](model, batch, with_entropy)
+    return LOGPROB_PATHS[path](model, batch, with_entropy, max_tokens)
 
 
 def concat_packed(batches: Sequence[PackedBatch]) -> PackedBatch:

@@ -2,9 +2,10 @@
 
 π_ref is the policy RL starts from (after the SFT cold start). It never trains: parameters
 have ``requires_grad=False``, the module stays in eval mode, and its log-probs are computed
-under ``torch.no_grad`` with the same per-sequence path as the policy's, each sequence under
-its own sampling temperature / top-p (``PackedBatch.temperatures``), so
-``KL(π_θ || π_ref)`` is exactly 0 at step 0 on main and sub-agent rows alike.
+under ``torch.no_grad`` by the packed path (``packed_logprobs``: the per-sequence path's values
+to fp32 round-off), each sequence under its own sampling temperature / top-p
+(``PackedBatch.temperatures``), so ``KL(π_θ || π_ref)`` is 0 (to round-off) at step 0 on main
+and sub-agent rows alike.
 
 Memory: a full replica per rank (sharded with FSDP2 too when distributed, forward-only). With
 ``algo.kl_coef == 0`` the trainer never builds one.
@@ -34,8 +35,9 @@ class ReferencePolicy:
         return cls(copy.deepcopy(policy))
 
     @torch.no_grad()
-    def logprobs(self, batch: PackedBatch) -> torch.Tensor:
+    def logprobs(self, batch: PackedBatch, max_tokens: int | None = None) -> torch.Tensor:
         """``(N,)`` log π_ref of every trained token (``loss_mask != 0``; 0 elsewhere), each row
-        under its own sampling parameters (``packed_logprobs``)."""
-        lp, _ = packed_logprobs(self.model, batch)
+        under its own sampling parameters (``packed_logprobs``; packed forwards of at most
+        ``max_tokens`` tokens, None: ``algo.max_tokens_per_microbatch``'s default)."""
+        lp, _ = packed_logprobs(self.model, batch, max_tokens=max_tokens)
         return lp.float().cpu()
