@@ -12,14 +12,15 @@ One RL step (``train_step``)::
 
     prompts ─► K per prompt (gating) ─► rollouts (engine + tools + sub-agents) ─► rewards
       ─► group advantages ─► packed minibatches ─► π_ref / π_prox log-probs (no grad)
-      ─► PPO epochs × minibatches: per-sequence forward/backward, clip, optimizer step
+      ─► PPO epochs × minibatches × micro-batches (``algo.max_tokens_per_microbatch``):
+         one packed forward per micro-batch, the trained rows' hidden states through the
+         fused ``paravt_kernels.linear_policy_loss`` (``paravt.algo.loss.policy_part_loss``),
+         backward; clip, optimizer step per minibatch
       ─► push weights to the engine ─► metrics
 
-Honest limits: the log-prob forward runs one sequence at a time (padding-free; only the rows
-whose next token is trained go through the lm head, inside ``paravt_kernels.linear_logprob``:
-see ``paravt.algo.packing.sequence_logprobs``); packed multi-sequence forwards and the fused
-``linear_policy_loss`` are not built yet; the vLLM engine is not wired here
-(``rollout.engine=hf`` only).
+No ``(tokens, vocab)`` logits exist anywhere in a step's log-prob passes: only the rows whose
+next token is trained meet the lm_head weight, inside the fused kernels. Honest limit: the
+vLLM engine is not wired here (``rollout.engine=hf`` only).
 """
 
 from __future__ import annotations
@@ -341,8 +342,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     from paravt.algo.advantages import apply_kl_reward, build_units
     from paravt.algo.gating import frame_budget
     from paravt.algo.guard import NonFiniteGuard
-    from paravt.algo.loss import agg_denominator, minibatch_backward
-    from paravt.algo.packing import pack_units, row_logprobs, split_units
+    from paravt.algo.loss import agg_denominator, policy_minibatch_backward
+    from paravt.algo.packing import microbatches, pack_units, split_units
     from paravt.distributed import (
         all_gather_objects,
         all_reduce_sum,
@@ -412,7 +413,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         dump.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
 
-    # 5. PPO epochs × minibatches: per-sequence forward/backward, one optimizer step each.
+    # 5. PPO epochs × minibatches: packed micro-batch forward/backward, one optimizer step each.
     t0 = time.perf_counter()
     acc: dict[str, float] = {"loss_num": 0.0, "den": 0.0, "ent": 0.0, "ent_n": 0.0}
     stat_sums: dict[str, float] = {}
@@ -428,18 +429,15 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     for _ in range(epochs):
         for b in batches:
             local_den = agg_denominator(tr.objective.effective_mask(b), b, algo.agg)
-            n_seq = b.cu_seqlens.numel() - 1
-            red = all_reduce_sum(torch.tensor([local_den, float(n_seq)]), ctx)
-            global_den = float(red[0])
-            # FSDP: every rank runs the same number of forwards (max over ranks).
-            n_fwd = int(max(all_gather_objects(n_seq, ctx)))
-
-            def seq_lp(i: int, b=b) -> tuple[torch.Tensor, torch.Tensor]:
-                return row_logprobs(tr.policy, b, i, with_entropy=True)  # row's own T / top-p
-
-            res = minibatch_backward(
-                b, tr.objective, seq_lp, global_den=global_den, world=ctx.world_size,
-                num_forwards=n_fwd,
+            global_den = float(all_reduce_sum(torch.tensor([local_den]), ctx)[0])
+            # Micro-batches by token budget, one packed forward + fused loss each; under FSDP
+            # every rank runs the same number of forwards (max over ranks).
+            parts = microbatches(b, algo.max_tokens_per_microbatch)
+            n_parts = int(max(all_gather_objects(len(parts), ctx)))
+            res = policy_minibatch_backward(
+                tr.policy, b, tr.objective, global_den=global_den,
+                max_tokens=algo.max_tokens_per_microbatch, world=ctx.world_size, parts=parts,
+                num_parts=n_parts,
             )  # fmt: skip
             grad_norm = clip_grad_norm(params, algo.max_grad_norm)
             finite = guard.update_is_finite(res.loss_num, grad_norm, b.uids)

@@ -176,8 +176,10 @@ def test_unknown_objective_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("agg", AGGS)
-def test_per_sequence_accumulation_equals_packed_gradient(agg: str) -> None:
+@pytest.mark.parametrize("grouping", ["one_per_part", "mixed_parts"])
+def test_part_accumulation_equals_packed_gradient(agg: str, grouping: str) -> None:
     from paravt.algo.loss import minibatch_backward
+    from paravt.algo.packing import select_sequences
 
     cfg = AlgoConfig(agg=agg, kl_coef=0.02, loss="decoupled", behav_cap=1.8)
     batch = pack_units(_units(seed=7))
@@ -193,19 +195,29 @@ def test_per_sequence_accumulation_equals_packed_gradient(agg: str) -> None:
 
     leaf = theta.clone().requires_grad_(True)
     cu = batch.cu_seqlens.tolist()
+    n_seq = len(cu) - 1
+    if grouping == "one_per_part":
+        parts = [[i] for i in range(n_seq)]
+    else:  # out of order, uneven
+        order = list(range(n_seq))[::-1]
+        parts = [order[:1], order[1:4], order[4:]]
     calls = []
 
-    def seq_lp(i: int):
-        calls.append(i)
-        lp = leaf[cu[i] : cu[i + 1]] * 1.0
-        return lp, torch.zeros(0)
+    def part_loss(seqs):
+        calls.append(list(seqs))
+        lp = torch.cat([leaf[cu[i] : cu[i + 1]] for i in seqs]) * 1.0
+        loss, _ = obj(lp, select_sequences(batch, seqs))
+        return loss, lp.detach(), torch.zeros(0)
 
     den = agg_denominator(obj.effective_mask(batch), batch, agg)
-    res = minibatch_backward(batch, obj, seq_lp, global_den=den, num_forwards=len(cu) + 2)
+    res = minibatch_backward(batch, obj, part_loss, parts, global_den=den, num_parts=len(parts) + 2)
     torch.testing.assert_close(leaf.grad, packed.grad, rtol=1e-5, atol=1e-7)
     assert res.loss_num / den == pytest.approx(loss_full.item(), rel=1e-5)
     assert res.stats["clip_frac"] == pytest.approx(st_full["clip_frac"].item())
-    assert len(calls) == len(cu) + 2  # padded forwards for FSDP rank balance
+    torch.testing.assert_close(res.logprobs, theta)  # scattered back into batch order
+    assert calls == [list(p) for p in parts] + [list(parts[0])] * 2  # padded for FSDP balance
+    with pytest.raises(ValueError, match="cover each sequence exactly once"):
+        minibatch_backward(batch, obj, part_loss, parts[1:], global_den=den)
 
 
 def _with_ref(batch, seed: int):

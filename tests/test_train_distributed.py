@@ -57,8 +57,8 @@ def _overrides(assets: dict[str, str], out: Path) -> list[str]:
 
 
 def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
-    from paravt.algo.loss import agg_denominator, make_objective, minibatch_backward
-    from paravt.algo.packing import concat_packed, row_logprobs
+    from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
+    from paravt.algo.packing import concat_packed
     from paravt.checkpoint import load_model_state
     from paravt.config import load_config
     from paravt.models import load_model
@@ -89,10 +89,9 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
     obj = make_objective(cfg.algo)
     den = agg_denominator(obj.effective_mask(batch), batch, cfg.algo.agg)
 
-    def seq_lp(i: int):
-        return row_logprobs(model, batch, i, with_entropy=True)
-
-    res = minibatch_backward(batch, obj, seq_lp, global_den=den)
+    res = policy_minibatch_backward(
+        model, batch, obj, global_den=den, max_tokens=cfg.algo.max_tokens_per_microbatch
+    )
     assert res.loss_num / den == pytest.approx(rows[1]["loss"], rel=1e-4)
     params = [p for p in model.parameters()]
     gnorm = float(torch.nn.utils.clip_grad_norm_(params, cfg.algo.max_grad_norm))

@@ -50,26 +50,25 @@ def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, 
     seen: dict[str, list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     real_backward = loss_mod.minibatch_backward
 
-    def checking_backward(batch, objective, seq_logprobs, **kw):
-        if not seen:  # the first minibatch, before any optimizer step
+    def checking_backward(batch, objective, part_loss, parts, **kw):
+        res = real_backward(batch, objective, part_loss, parts, **kw)
+        if not seen:  # the first minibatch: its log-probs come from the pre-update weights
             cu = batch.cu_seqlens.tolist()
             for i, role in enumerate(batch.extras["roles"]):
                 a, e = cu[i], cu[i + 1]
-                with torch.no_grad():
-                    lp, _ = seq_logprobs(i)
                 m = batch.loss_mask[a:e].bool()
                 old = batch.old_logprobs[a:e][m]
                 seen.setdefault(role, []).append(
                     (
                         batch.uids[i],
-                        (lp.cpu()[m] - old).exp(),
+                        (res.logprobs[a:e][m] - old).exp(),
                         (batch.extras["prox_logprobs"][a:e][m] - old).exp(),
                         (batch.extras["ref_logprobs"][a:e][m] - old).exp(),
                     )
                 )
             temps = dict(zip(batch.extras["roles"], batch.temperatures.tolist()))
             assert temps == pytest.approx({"main": MAIN_T, "sub": SUB_T})
-        return real_backward(batch, objective, seq_logprobs, **kw)
+        return res
 
     monkeypatch.setattr(loss_mod, "minibatch_backward", checking_backward)
     train_step(tr, 1)

@@ -32,12 +32,13 @@ then the averaged gradient equals the single-process gradient of the global mini
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from paravt.algo.packing import select_sequences, trained_rows
 from paravt.config import AlgoConfig
 from paravt.types import PackedBatch
 
@@ -93,6 +94,27 @@ class PolicyObjective:
             batch.loss_mask.to(d),
             **self._kwargs(batch, d),
         )
+
+    def fused(
+        self,
+        hidden: torch.Tensor,
+        head: torch.nn.Module,
+        rows: PackedBatch,
+        temperatures: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The objective straight from the hidden rows that predict ``rows``' tokens
+        (``trained_rows``), through ``paravt_kernels.linear_policy_loss`` (lm_head inside,
+        ``temperatures`` ``(n,)`` per row): ``(loss, logprob (n,), entropy (n,))``, the last
+        two detached. The same inputs as ``__call__`` feeds ``policy_loss``."""
+        from paravt_kernels import linear_policy_loss
+
+        d = hidden.device
+        loss, _, lp, ent = linear_policy_loss(
+            hidden, head.weight, rows.input_ids.to(d), rows.old_logprobs.to(d),
+            rows.advantages.to(d), rows.loss_mask.to(d), temperature=temperatures.to(d),
+            bias=head.bias, **self._kwargs(rows, d),
+        )  # fmt: skip
+        return loss, lp, ent
 
 
 class PPOClip(PolicyObjective):
@@ -161,77 +183,141 @@ class MinibatchResult:
     stats: dict[str, float]  # policy_loss stats over the whole local minibatch (no grad)
 
 
+# part_loss(seqs) -> (loss, logprob, entropy): the objective aggregated over the sequences
+# ``seqs`` of the minibatch ALONE (with grad), and their per-token log-probs / entropy
+# ``(sum_i L_i,)`` in the order of ``seqs`` (detached, 0 off the trained tokens).
+PartLossFn = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def minibatch_backward(
     batch: PackedBatch,
     objective: PolicyObjective,
-    seq_logprobs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    part_loss: PartLossFn,
+    parts: Sequence[Sequence[int]],
     *,
     global_den: float,
     world: int = 1,
-    num_forwards: int = 0,
+    num_parts: int = 0,
 ) -> MinibatchResult:
-    """Accumulate the minibatch's policy gradient one sequence at a time.
+    """Accumulate the minibatch's policy gradient one part (micro-batch) at a time.
 
     The aggregated loss is a sum over sequences, ``L = sum_s (d_s / D) L_s`` with ``L_s`` the
     objective on sequence ``s`` alone and ``d_s`` its share of the normaliser
-    (``sequence_denominators``), so each sequence is forwarded, scaled and back-propagated on
-    its own: peak memory is one sequence's activations (gradient accumulation), and the sum
-    of the gradients equals the gradient of the packed loss exactly. ``D`` is the *global*
-    normaliser (summed over ranks) and the factor ``world`` undoes FSDP's gradient averaging.
+    (``sequence_denominators``). The objective over a part ``P`` alone is
+    ``L_P = sum_{s in P} d_s L_s / D_P`` with ``D_P = sum_{s in P} d_s``, so each part is
+    forwarded, scaled by ``D_P / D`` and back-propagated on its own: peak memory is one part's
+    activations (gradient accumulation), and the sum of the gradients equals the gradient of
+    the whole minibatch's loss exactly. ``D`` is the *global* normaliser (summed over ranks)
+    and the factor ``world`` undoes FSDP's gradient averaging.
 
-    ``seq_logprobs(i)`` returns sequence ``i``'s ``(L_i,)`` log-probs (with grad) and entropy.
-    ``num_forwards`` > B pads with zero-weight forward/backward passes over sequence 0: under
-    FSDP every rank must run the same number of forwards (each one all-gathers parameters).
+    ``parts`` covers every sequence once (``paravt.algo.packing.microbatches``: a token budget
+    per part on the trainer's path; one sequence per part in the materialised reference,
+    ``paravt.algo.naive``). ``num_parts`` > ``len(parts)`` pads with zero-weight
+    forward/backward passes over part 0: under FSDP every rank must run the same number of
+    forwards (each one all-gathers parameters).
     """
     cu = batch.cu_seqlens.tolist()
-    n_seq = len(cu) - 1
     eff = objective.effective_mask(batch)
     dens = sequence_denominators(eff, batch, objective.algo.agg)
-    lps: list[torch.Tensor] = []
-    loss_num, ent_sum = 0.0, 0.0
-    for i in range(max(n_seq, num_forwards)):
-        real = i < n_seq
-        j = i if real else 0
-        lp, ent = seq_logprobs(j)
-        part = sequence_view(batch, j)
-        loss_s, _ = objective(lp, part)
-        coef = world * float(dens[j]) / global_den if (real and global_den > 0) else 0.0
-        (loss_s * coef).backward()
-        if real:
-            lps.append(lp.detach())
-            loss_num += float(loss_s.detach()) * float(dens[j])
+    covered = sorted(i for p in parts for i in p)
+    if covered != list(range(len(cu) - 1)):
+        raise ValueError(f"parts {list(map(list, parts))} must cover each sequence exactly once")
+    logprobs = torch.zeros(batch.input_ids.numel())
+    entropy = torch.zeros(batch.input_ids.numel())
+    loss_num = 0.0
+    for k in range(max(len(parts), num_parts)):
+        real = k < len(parts)
+        seqs = list(parts[k if real else 0])
+        loss_p, lp, ent = part_loss(seqs)
+        d_p = float(dens[seqs].sum())
+        coef = world * d_p / global_den if (real and global_den > 0) else 0.0
+        (loss_p * coef).backward()
+        if not real:
+            continue
+        loss_num += float(loss_p.detach()) * d_p
+        o = 0
+        for i in seqs:
+            n = cu[i + 1] - cu[i]
+            logprobs[cu[i] : cu[i + 1]] = lp[o : o + n].detach().float().cpu()
             if ent.numel():
-                ent_sum += float((ent.detach().cpu() * eff[cu[j] : cu[j + 1]]).sum())
-    logprobs = torch.cat(lps).cpu() if lps else torch.zeros(0)
+                entropy[cu[i] : cu[i + 1]] = ent[o : o + n].detach().float().cpu()
+            o += n
     with torch.no_grad():
         _, st = objective(logprobs, batch)
     return MinibatchResult(
         loss_num=loss_num,
         logprobs=logprobs,
-        entropy_sum=ent_sum,
+        entropy_sum=float((entropy * eff).sum()),
         entropy_count=float(eff.sum()),
         stats={k: float(v) for k, v in st.items()},
     )
 
 
-def sequence_view(batch: PackedBatch, i: int) -> PackedBatch:
-    """Sequence ``i`` of a packed batch as a one-sequence ``PackedBatch`` (tensor slices)."""
-    cu = batch.cu_seqlens
-    a, b = int(cu[i]), int(cu[i + 1])
-    extras = {}
-    for k, v in batch.extras.items():
-        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == batch.input_ids.numel():
-            extras[k] = v[a:b]
-    return PackedBatch(
-        input_ids=batch.input_ids[a:b],
-        cu_seqlens=torch.tensor([0, b - a], dtype=cu.dtype),
-        loss_mask=batch.loss_mask[a:b],
-        old_logprobs=batch.old_logprobs[a:b],
-        advantages=batch.advantages[a:b],
-        seq_weights=batch.seq_weights[i : i + 1],
-        temperatures=None if batch.temperatures is None else batch.temperatures[i : i + 1],
-        top_ps=None if batch.top_ps is None else batch.top_ps[i : i + 1],
-        uids=batch.uids[i : i + 1],
-        visuals=batch.visuals[i : i + 1],
-        extras=extras,
-    )
+def policy_part_loss(
+    model: torch.nn.Module, batch: PackedBatch, objective: PolicyObjective, seqs: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """THE trainer's policy loss of the sequences ``seqs`` of ``batch`` (a ``PartLossFn``):
+    one packed backbone forward over them (``paravt.algo.packing``: no attention across
+    sequences, each its own mrope positions and visual features), the hidden rows that predict
+    a trained token gathered (``trained_rows``), and the objective from those rows through
+    the fused ``paravt_kernels.linear_policy_loss`` (``PolicyObjective.fused``): no
+    ``(tokens, vocab)`` logits, no lm_head forward, each row under its sequence's sampling
+    temperature. A part with a ``top_p < 1`` sequence needs the nucleus, which the fused op
+    does not do: its rows' log-probs come from ``paravt.algo.packing`` on the gathered rows
+    (``(n, V)`` logits of those rows only) and the objective from ``policy_loss``.
+    Under FSDP2 it runs as a forward of the root unit (lm_head weight gathered). Returns
+    ``(loss, logprob, entropy)`` with the last two ``(sum_i L_i,)`` in ``seqs`` order, detached,
+    0 off the trained tokens."""
+    from paravt.algo.packing import _as_root_forward
+
+    return _as_root_forward(model, _policy_part_loss, batch, objective, list(seqs))
+
+
+def _policy_part_loss(
+    model: torch.nn.Module, batch: PackedBatch, objective: PolicyObjective, seqs: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from paravt.algo.packing import _backbone_and_head, _packed_hidden, gathered_logprobs
+
+    view = select_sequences(batch, seqs)
+    rows, index = trained_rows(view)
+    hidden = _packed_hidden(model, batch, seqs)  # (sum L_i, d)
+    dev = hidden.device
+    h = hidden.index_select(0, (index - 1).to(dev))  # row t - 1 predicts token t
+    _, head = _backbone_and_head(model)
+    counts = (rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]).long()
+    assert rows.temperatures is not None and rows.top_ps is not None
+    temps = torch.where(rows.temperatures > 0, rows.temperatures, 1.0)  # greedy: T = 1
+    if bool((rows.top_ps >= 1.0).all()):
+        loss, lp_n, ent_n = objective.fused(h, head, rows, temps.repeat_interleave(counts))
+    else:
+        lp_n, ent_n = gathered_logprobs(head, h, rows, with_entropy=True)
+        loss, _ = objective(lp_n, rows)
+    n = view.input_ids.numel()
+    lp = torch.zeros(n).index_copy(0, index, lp_n.detach().float().cpu())
+    ent = torch.zeros(n).index_copy(0, index, ent_n.detach().float().cpu())
+    return loss, lp, ent
+
+
+def policy_minibatch_backward(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    objective: PolicyObjective,
+    *,
+    global_den: float,
+    max_tokens: int,
+    world: int = 1,
+    parts: Sequence[Sequence[int]] | None = None,
+    num_parts: int = 0,
+) -> MinibatchResult:
+    """The trainer's policy update of one minibatch (``paravt.train.train_step``):
+    ``minibatch_backward`` over micro-batches of at most ``max_tokens`` tokens
+    (``paravt.algo.packing.microbatches``, or the given ``parts``), each through
+    ``policy_part_loss``."""
+    from paravt.algo.packing import microbatches
+
+    if parts is None:
+        parts = microbatches(batch, max_tokens)
+    return minibatch_backward(
+        batch, objective, lambda seqs: policy_part_loss(model, batch, objective, seqs), parts,
+        global_den=global_den, world=world, num_parts=num_parts,
+    )  # fmt: skip

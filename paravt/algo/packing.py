@@ -550,36 +550,120 @@ def _packed_logprob_rows(
     model: torch.nn.Module, batch: PackedBatch, seqs: list[int], with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One packed forward over ``seqs``; returns ``(index, lp, ent)``: the positions in the
-    whole batch's ``(N,)`` layout of the trained tokens of ``seqs`` (``loss_mask != 0``, never
-    a sequence's first token) and their log-probs / entropies (``_gathered_logprobs``). Rows
-    are grouped by ``(T, top_p)``: one fused lm_head call per distinct sampling setting."""
+    whole batch's ``(N,)`` layout of the trained tokens of ``seqs`` (``trained_rows``) and
+    their log-probs / entropies (``gathered_logprobs``)."""
     _, head = _backbone_and_head(model)
     hidden = _packed_hidden(model, batch, seqs)
     dev = hidden.device
-    cu = batch.cu_seqlens
-    groups: dict[tuple[float, float], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    off = 0
-    for i in seqs:
-        a, b = int(cu[i]), int(cu[i + 1])
-        need = batch.loss_mask[a:b].detach().cpu() != 0
-        need[:1] = False
-        pos = need.nonzero().squeeze(-1)
-        rows, glob = groups.setdefault(row_sampling(batch, i), ([], []))
-        rows.append(pos - 1 + off)  # row t - 1 of this sequence predicts its token t
-        glob.append(pos + a)
-        off += b - a
-    index, lps, ents = [], [], []
-    for (temperature, top_p), (rows, glob) in groups.items():
-        g = torch.cat(glob)
-        lp_n, ent_n = _gathered_logprobs(
-            head, hidden.index_select(0, torch.cat(rows).to(dev)),
-            batch.input_ids.index_select(0, g).to(dev), temperature, top_p, with_entropy,
+    rows, index = trained_rows(select_sequences(batch, seqs))
+    h = hidden.index_select(0, (index - 1).to(dev))  # row t - 1 predicts token t
+    lp_n, ent_n = gathered_logprobs(head, h, rows, with_entropy)
+    cu = batch.cu_seqlens.tolist()
+    glob = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs])[index]
+    return glob.to(dev), lp_n.float(), (ent_n.detach().float() if with_entropy else None)
+
+
+def gathered_logprobs(
+    head: torch.nn.Module, h: torch.Tensor, rows: PackedBatch, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``(n,)`` (and detached entropies, else None) of the trained tokens ``rows``
+    (``trained_rows``) from the hidden rows ``h`` ``(n, d)`` that predict them, each row
+    under its sequence's own ``(T, top_p)``: one ``_gathered_logprobs`` call per distinct
+    sampling setting. The packed log-prob passes and the policy loss's ``top_p < 1``
+    fallback (``paravt.algo.loss.policy_part_loss``) use it."""
+    cu = rows.cu_seqlens.tolist()
+    groups: dict[tuple[float, float], list[torch.Tensor]] = {}
+    for i in range(len(cu) - 1):
+        if cu[i + 1] > cu[i]:
+            groups.setdefault(row_sampling(rows, i), []).append(torch.arange(cu[i], cu[i + 1]))
+    n = h.shape[0]
+    lp = torch.zeros(n, dtype=torch.float32, device=h.device)
+    ent = torch.zeros(n if with_entropy else 0, dtype=torch.float32, device=h.device)
+    tgt = rows.input_ids.to(h.device)
+    for (temperature, top_p), parts in groups.items():
+        sel = torch.cat(parts).to(h.device)
+        lp_g, ent_g = _gathered_logprobs(
+            head, h.index_select(0, sel), tgt.index_select(0, sel), temperature, top_p,
+            with_entropy,
         )  # fmt: skip
-        index.append(g)
-        lps.append(lp_n.float())
-        if ent_n is not None:
-            ents.append(ent_n.detach().float())
-    return torch.cat(index).to(dev), torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+        lp = lp.index_copy(0, sel, lp_g.float())
+        if ent_g is not None:
+            ent = ent.index_copy(0, sel, ent_g.detach().float())
+    return lp, (ent if with_entropy else None)
+
+
+def select_sequences(batch: PackedBatch, seqs: Sequence[int]) -> PackedBatch:
+    """Sequences ``seqs`` of a packed batch, in that order, as a packed batch of their own
+    (per-token tensors and per-token ``extras`` sliced, ``cu_seqlens`` rebuilt)."""
+    cu = batch.cu_seqlens.tolist()
+    n_tok = batch.input_ids.numel()
+    idx = (
+        torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs])
+        if seqs
+        else torch.zeros(0, dtype=torch.long)
+    )
+    lengths = torch.tensor([cu[i + 1] - cu[i] for i in seqs], dtype=torch.int64)
+    new_cu = torch.zeros(len(seqs) + 1, dtype=batch.cu_seqlens.dtype)
+    new_cu[1:] = torch.cumsum(lengths, 0)
+    s = torch.tensor(list(seqs), dtype=torch.long)
+    extras: dict = {}
+    for k, v in batch.extras.items():
+        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n_tok:
+            extras[k] = v[idx]
+        elif k == "roles":
+            extras[k] = [v[i] for i in seqs]
+    return PackedBatch(
+        input_ids=batch.input_ids[idx],
+        cu_seqlens=new_cu,
+        loss_mask=batch.loss_mask[idx],
+        old_logprobs=batch.old_logprobs[idx],
+        advantages=batch.advantages[idx],
+        seq_weights=batch.seq_weights[s],
+        temperatures=None if batch.temperatures is None else batch.temperatures[s],
+        top_ps=None if batch.top_ps is None else batch.top_ps[s],
+        uids=[batch.uids[i] for i in seqs],
+        visuals=[batch.visuals[i] for i in seqs],
+        extras=extras,
+    )
+
+
+def trained_rows(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
+    """The trained tokens of ``batch`` only: ``(rows, index)`` with ``index`` ``(n,)`` the
+    positions ``t`` (``loss_mask[t] != 0``, never a sequence's first token) and ``rows`` a
+    packed batch over those ``n`` tokens (``input_ids`` = the targets, per-token fields and
+    extras gathered, ``cu_seqlens`` counting each sequence's trained tokens; a sequence with
+    none is an empty segment). The hidden state that predicts ``rows`` token ``j`` is row
+    ``index[j] - 1`` of the sequence-concatenated forward."""
+    cu = batch.cu_seqlens.long()
+    n_tok = batch.input_ids.numel()
+    need = batch.loss_mask.detach().cpu() != 0
+    need[cu[:-1][cu[:-1] < cu[1:]]] = False  # a sequence's first token has no predecessor
+    index = need.nonzero().squeeze(-1)
+    counts = torch.zeros(cu.numel() - 1, dtype=torch.int64)
+    if index.numel():
+        sid = torch.bucketize(index, cu[1:], right=True)
+        counts = torch.bincount(sid, minlength=cu.numel() - 1)
+    new_cu = torch.zeros(cu.numel(), dtype=batch.cu_seqlens.dtype)
+    new_cu[1:] = torch.cumsum(counts, 0)
+    extras = {
+        k: v[index]
+        for k, v in batch.extras.items()
+        if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n_tok
+    }
+    rows = PackedBatch(
+        input_ids=batch.input_ids[index],
+        cu_seqlens=new_cu,
+        loss_mask=batch.loss_mask[index],
+        old_logprobs=batch.old_logprobs[index],
+        advantages=batch.advantages[index],
+        seq_weights=batch.seq_weights,
+        temperatures=batch.temperatures,
+        top_ps=batch.top_ps,
+        uids=list(batch.uids),
+        visuals=[],
+        extras=extras,
+    )
+    return rows, index
 
 
 def microbatches(batch: PackedBatch | Sequence[int], max_tokens: int) -> list[list[int]]:
