@@ -148,15 +148,17 @@ def test_packing_without_the_block_diagonal_mask_differs(setup):
     assert float((bad[n0:] - ref[n0:]).abs().max()) > 1e-2
     assert float((good - ref).abs().max()) <= 1e-5
     assert float((detected - ref).abs().max()) <= 1e-5
-    # The argument itself: block-diagonal causal for SDPA, cu_seqlens for flash-attn.
-    m = packed_attention_kwargs([2, 3], "sdpa", torch.device("cpu"), torch.float32)
-    want = torch.zeros(5, 5, dtype=torch.bool)
-    want[:2, :2] = torch.tril(torch.ones(2, 2, dtype=torch.bool))
-    want[2:, 2:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
-    assert torch.equal(m["attention_mask"], want[None, None])
-    fa = packed_attention_kwargs([2, 3], "flash_attention_2", torch.device("cpu"), torch.float32)
-    assert fa["attention_mask"] is None and fa["cu_seq_lens_q"].tolist() == [0, 2, 5]
-    assert fa["max_length_q"] == 3
+    # The argument itself: an additive block-diagonal causal mask for eager, cu_seqlens for
+    # SDPA (per-sequence attention, varlen_sdpa_attention) and flash-attn.
+    m = packed_attention_kwargs([2, 3], "eager", torch.device("cpu"), torch.float32)
+    allowed = torch.zeros(5, 5, dtype=torch.bool)
+    allowed[:2, :2] = torch.tril(torch.ones(2, 2, dtype=torch.bool))
+    allowed[2:, 2:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    assert torch.equal(m["attention_mask"][0, 0] == 0, allowed)
+    for impl in ("sdpa", "flash_attention_2"):
+        fa = packed_attention_kwargs([2, 3], impl, torch.device("cpu"), torch.float32)
+        assert fa["attention_mask"] is None and fa["cu_seq_lens_q"].tolist() == [0, 2, 5]
+        assert fa["max_length_q"] == 3
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.7])
@@ -255,3 +257,40 @@ def test_rank_microbatch_count_and_token_balance():
     loads = [sum(lengths[i] for i in r) for r in ranks]
     assert max(loads) - min(loads) <= 1
     assert balance_by_tokens(lengths, 2) == ranks
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup, impl):
+    """SDPA (CPU): the language model's attention runs once per sequence (query lengths
+    ``L_i``, never ``N``, no mask tensor): ``sum L_i^2`` work, no ``N x N`` anything. Eager
+    (the additive 4-D mask) gives the same hidden states."""
+    from paravt.algo.packing import _packed_hidden
+
+    model, batch = setup
+    seqs = _packs(batch)[2]
+    lengths = [int(batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) for i in seqs]
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        calls.append((q.shape[-2], attn_mask is None, kw.get("is_causal")))
+        return real(q, k, v, attn_mask, *a, **kw)
+
+    lm_cfg = model.model.language_model.config
+    old = lm_cfg._attn_implementation
+    lm_cfg._attn_implementation = impl
+    try:
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+            h = _packed_hidden(model, batch, seqs)
+    finally:
+        lm_cfg._attn_implementation = old
+    assert lm_cfg._attn_implementation == old  # restored after the packed forward
+    with torch.no_grad():
+        ref = torch.cat([_alone(model, batch, i) for i in seqs])
+    assert float((h - ref).abs().max()) <= 1e-5
+    text_calls = [c for c in calls if c[0] in lengths]
+    if impl == "sdpa":
+        layers = model.config.text_config.num_hidden_layers
+        assert sorted(text_calls) == sorted((n, True, True) for n in lengths * layers)
+    assert all(c[0] != sum(lengths) for c in calls)

@@ -78,8 +78,9 @@ temperature. Scoring a ``T = 0.3`` sub-agent row at the main ``T = 0.7`` put its
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -405,18 +406,21 @@ def packed_attention_kwargs(
 ) -> dict[str, Any]:
     """The ONE argument that keeps sequences of a packed row ``(1, sum L_i)`` apart.
 
-    * ``flash_attention_2``/``_3`` (CUDA): no mask; ``cu_seq_lens_q/k`` + ``max_length_q/k``
-      go through the language model's ``**kwargs`` to transformers' flash-attn integration,
-      which then calls ``flash_attn_varlen_func`` over those boundaries (no ``N x N`` anything).
-    * ``sdpa``: a 4-D boolean ``(1, 1, N, N)`` block-diagonal causal mask (True = attend);
-      ``create_causal_mask`` returns a 4-D mask as is.
-    * ``eager``: the same mask, additive (0 / dtype min), as eager attention adds it.
+    * ``flash_attention_2``/``_3`` (CUDA) and ``sdpa``: no mask; ``cu_seq_lens_q/k`` +
+      ``max_length_q/k`` go through the language model's ``**kwargs`` to its attention
+      function. flash-attn: transformers' integration calls ``flash_attn_varlen_func`` over
+      those boundaries. SDPA: ``_packed_hidden`` runs the language model under
+      ``VARLEN_SDPA`` (``varlen_sdpa_attention``: one causal SDPA per sequence). Neither holds
+      anything ``N x N``, and attention costs ``sum L_i^2``, not ``N^2``.
+    * ``eager`` (debugging): a 4-D additive block-diagonal causal mask ``(1, 1, N, N)``
+      (0 / dtype min), as eager attention adds it; ``create_causal_mask`` returns a 4-D mask
+      as is.
 
     Everything else of the packed forward (token ids, visual features, mrope position ids)
     is the same for every implementation.
     """
     n = int(sum(lengths))
-    if attn_impl.startswith("flash_attention"):
+    if attn_impl.startswith("flash_attention") or attn_impl in ("sdpa", VARLEN_SDPA):
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int32), 0)
         cu = cu.to(device)
@@ -425,7 +429,7 @@ def packed_attention_kwargs(
             "attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
             "max_length_q": longest, "max_length_k": longest,
         }  # fmt: skip
-    if attn_impl not in ("sdpa", "eager"):
+    if attn_impl != "eager":
         raise NotImplementedError(
             f"packed forward: attn_implementation '{attn_impl}' (sdpa, eager and "
             "flash_attention_2/3 are supported)"
@@ -436,12 +440,80 @@ def packed_attention_kwargs(
     )
     idx = torch.arange(n, device=device)
     allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
-    if attn_impl == "eager":
-        mask = torch.zeros(n, n, dtype=dtype, device=device)
-        mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
-    else:
-        mask = allowed
+    mask = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
     return {"attention_mask": mask[None, None]}
+
+
+# The attention implementation the language model runs under for a packed SDPA forward.
+VARLEN_SDPA = "paravt_varlen_sdpa"
+
+
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: one causal ``scaled_dot_product_attention`` per
+    sequence of a packed row (boundaries ``cu_seq_lens_q``), the CPU/SDPA twin of
+    flash-attn varlen. ``query`` ``(1, H, N, D)``, ``key``/``value`` ``(1, H_kv, N, D)``
+    (grouped-query heads repeated) -> ``(1, N, H, D)``. Without ``cu_seq_lens_q`` (not a
+    packed forward) it is transformers' own SDPA attention."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    bounds = cu_seq_lens_q.tolist()
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+        )  # fmt: skip
+        for a, b in zip(bounds[:-1], bounds[1:])
+        if b > a
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """``VARLEN_SDPA``'s mask function: the boundaries travel as ``cu_seq_lens_q``."""
+    return None
+
+
+@contextlib.contextmanager
+def _language_attn(backbone: torch.nn.Module, impl: str) -> Iterator[None]:
+    """Run the language model (not the vision tower) under attention implementation
+    ``impl`` (registered with transformers on first use) for the duration of the block."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if impl == VARLEN_SDPA and VARLEN_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+        AttentionMaskInterface.register(VARLEN_SDPA, _no_mask)
+    cfg = getattr(backbone, "language_model", backbone).config
+    old = cfg._attn_implementation
+    cfg._attn_implementation = impl
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
 
 
 def _packed_inputs(
@@ -515,16 +587,17 @@ def _packed_hidden(
     use it, to show the mask is what makes the packed forward exact."""
     backbone, _ = _backbone_and_head(model)
     kwargs, lengths = _packed_inputs(model, batch, seqs)
-    if isolate:
-        kwargs.update(
-            packed_attention_kwargs(
-                lengths, _language_attn_impl(backbone), kwargs["input_ids"].device,
-                next(model.parameters()).dtype,
-            )
-        )  # fmt: skip
-    else:  # 3 mrope rows only: no text row, so transformers sees one plain causal sequence
+    impl = _language_attn_impl(backbone)
+    if not isolate:  # 3 mrope rows only: no text row, so transformers sees one causal sequence
         kwargs["position_ids"] = kwargs["position_ids"][1:]
-    return backbone(**kwargs).last_hidden_state[0]
+        return backbone(**kwargs).last_hidden_state[0]
+    kwargs.update(
+        packed_attention_kwargs(
+            lengths, impl, kwargs["input_ids"].device, next(model.parameters()).dtype
+        )
+    )
+    with _language_attn(backbone, VARLEN_SDPA if impl == "sdpa" else impl):
+        return backbone(**kwargs).last_hidden_state[0]
 
 
 def packed_hidden_states(
