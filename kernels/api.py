@@ -284,10 +284,11 @@ def linear_policy_loss(
     ``logprob`` and ``entropy`` are float32 and detached (the entropy gets no gradient).
 
     The ``(n, V)`` logits are never held. The gradient w.r.t. hidden, weight and bias is
-    formed in the FORWARD (``dloss/dlogprob`` is known once ``logprob`` is): pass 1 over
-    vocabulary tiles gives ``logprob``, the policy loss its per-token gradient, pass 2
-    recomputes each logits tile and forms ``dH``, ``dW``, ``db``: four GEMM-equivalents
-    (``8 n d V`` FLOP). The backward only scales the saved gradients by the incoming one, so
+    formed in the FORWARD, row chunk by row chunk: the final mask and the per-sequence
+    aggregation coefficients need no logits, so ``dloss/dlogprob`` is token-local; each
+    chunk's full-vocabulary fp32 logits (a bounded ``(c, V)`` buffer) give ``logprob``, the
+    per-token gradient and ``dlogits`` in place, then ``dH``, ``dW``, ``db``: three
+    GEMM-equivalents (``6 n d V`` FLOP), nothing recomputed. The backward only scales the saved gradients by the incoming one, so
     the forward holds a weight-sized gradient until then. Targets equal to -100 give
     logprob 0 and no gradient (mask those rows).
     """

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2
 from .dispatch import interpreting
-from .reference import inverse_temperature
+from .reference import inverse_temperature, row_stats
 
 # GPU tile of the vocabulary: ~2^26 fp32 logits (256 MiB) per tile; at N = 8192 that is 8192
 # vocabulary rows, a matmul large enough to run at full tensor-core rate.
@@ -194,32 +194,49 @@ def linear_logprob_fwd_triton(
     f32 = {"dtype": torch.float32, "device": dev}
     m = torch.full((n_tok,), float("-inf"), **f32)
     s = torch.zeros(n_tok, **f32)
-    u = torch.zeros(n_tok if return_entropy else 1, **f32)
+    u = torch.zeros(n_tok, **f32) if return_entropy else None
     zt = torch.zeros(n_tok, **f32)
     if n_tok == 0:
         e = torch.empty(0, **f32)
         return e, e.clone(), e.clone()
     bv = _vocab_tile(n_tok, vocab)
-    cfg = _blocks(n_tok, bv, fwd=True)
-    grid = (triton.cdiv(n_tok, cfg["BLOCK_M"]),)
     inv_t = inverse_temperature(temperature, dev)
-    row_t = isinstance(inv_t, torch.Tensor)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
         z = _mm_f32(hidden, weight[v0:v1].T)
-        _llp_fwd_tile_kernel[grid](
-            z, z.stride(0), hidden if bias is None else bias, targets, m, s, u, zt,
-            inv_t if row_t else m, n_tok, v1 - v0, v0, 1.0 if row_t else inv_t,
-            HAS_BIAS=bias is not None, ENTROPY=bool(return_entropy), ROW_T=row_t, **cfg,
-        )  # fmt: skip
-    lse = m + torch.log(s)
-    valid = targets != ignore_index
-    logprob = torch.where(valid, (zt - lse).clamp_max(0.0), 0.0)
-    if return_entropy:
-        entropy = torch.where(valid, lse - u / s, 0.0)
-    else:
-        entropy = torch.empty(0, **f32)
-    return logprob, entropy, lse
+        fwd_tile(z, v0, bias, targets, m, s, u, zt, inv_t)
+    logprob, entropy, lse = row_stats(m, s, u, zt, targets != ignore_index)
+    return logprob, torch.empty(0, **f32) if entropy is None else entropy, lse
+
+
+def fwd_tile(z, v0, bias, targets, m, s, u, zt, inv_t) -> None:
+    """Update the online log-sum-exp state ``(m, s, u, zt)`` of ``z``'s rows with the raw
+    logits tile ``z`` (columns ``v0 ..``; bias and ``1/T`` applied on load; ``u is None``:
+    no entropy). ``targets`` and the state have ``z``'s rows."""
+    n_rows, n_cols = z.shape
+    cfg = _blocks(n_rows, n_cols, fwd=True)
+    row_t = isinstance(inv_t, torch.Tensor)
+    _llp_fwd_tile_kernel[(triton.cdiv(n_rows, cfg["BLOCK_M"]),)](
+        z, z.stride(0), z if bias is None else bias, targets, m, s, m if u is None else u, zt,
+        inv_t if row_t else m, n_rows, n_cols, v0, 1.0 if row_t else inv_t,
+        HAS_BIAS=bias is not None, ENTROPY=u is not None, ROW_T=row_t, **cfg,
+    )  # fmt: skip
+
+
+def bwd_tile(z, dz, v0, bias, targets, lse, g, k, entropy, inv_t) -> None:
+    """Write ``dz = (g (1[j=t] - p) - k p (z - lse + H)) / T`` of the raw logits tile ``z``
+    (columns ``v0 ..``) in ``dz``'s dtype; ``k is None``: no entropy term. ``dz`` may be
+    ``z`` itself (each element is read, then written, by the same program)."""
+    n_rows, n_cols = z.shape
+    cfg = _blocks(n_rows, n_cols, fwd=False)
+    row_t = isinstance(inv_t, torch.Tensor)
+    grid = (triton.cdiv(n_rows, cfg["BLOCK_M"]), triton.cdiv(n_cols, cfg["BLOCK_N"]))
+    _llp_bwd_tile_kernel[grid](
+        z, z.stride(0), dz, dz.stride(0), z if bias is None else bias, targets, lse, g,
+        g if k is None else k, lse if entropy is None else entropy, inv_t if row_t else lse,
+        n_rows, n_cols, v0, 1.0 if row_t else inv_t, HAS_BIAS=bias is not None,
+        ENTROPY=k is not None, ROW_T=row_t, **cfg,
+    )  # fmt: skip
 
 
 def linear_logprob_bwd_triton(
@@ -258,22 +275,15 @@ def linear_logprob_bwd_triton(
     dz_dtype = hidden.dtype if dev.type == "cuda" else torch.float32
     h_op = hidden if dev.type == "cuda" else hidden.float()
     bv = _vocab_tile(n_tok, vocab)
-    cfg = _blocks(n_tok, bv, fwd=False)
     inv_t = inverse_temperature(temperature, dev)
-    row_t = isinstance(inv_t, torch.Tensor)
     dz_buf = torch.empty(n_tok, bv, dtype=dz_dtype, device=dev)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
         w_j = weight[v0:v1]
         z = _mm_f32(hidden, w_j.T)
         dz = dz_buf[:, : v1 - v0]
-        grid = (triton.cdiv(n_tok, cfg["BLOCK_M"]), triton.cdiv(v1 - v0, cfg["BLOCK_N"]))
-        _llp_bwd_tile_kernel[grid](
-            z, z.stride(0), dz, dz.stride(0), hidden if bias is None else bias, targets, lse,
-            g, k, entropy if use_ent else lse, inv_t if row_t else lse, n_tok, v1 - v0, v0,
-            1.0 if row_t else inv_t, HAS_BIAS=bias is not None, ENTROPY=use_ent, ROW_T=row_t,
-            **cfg,
-        )  # fmt: skip
+        bwd_tile(z, dz, v0, bias, targets, lse, g, k if use_ent else None,
+                 entropy if use_ent else None, inv_t)  # fmt: skip
         del z
         w_op = w_j if dev.type == "cuda" else w_j.float()
         torch.mm(dz.T, h_op, out=grad_w[v0:v1])

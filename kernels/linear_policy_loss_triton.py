@@ -1,40 +1,83 @@
-"""Triton path of ``linear_policy_loss``: lm-head log-prob + PPO loss with the gradient formed
-in the forward.
+"""Triton path of ``linear_policy_loss``: lm-head log-prob + PPO loss, row chunk by row chunk,
+three GEMM-equivalents and no recompute.
 
-No new kernel is needed: the orchestration is ``reference.linear_policy_loss_fused`` (shared
-with the torch path) and the building blocks are the Triton ones that already exist:
+The orchestration is ``reference.linear_policy_loss_fused`` (shared with the torch path,
+which also holds all the PPO maths: ``policy_token_scale`` / ``policy_token_grad``); this
+module supplies its per-chunk steps, ``TritonRowChunks``:
 
-* pass 1: ``linear_logprob_fwd_triton`` -- per vocabulary tile a cuBLAS matmul with fp32
-  output (``torch.mm(..., out_dtype=torch.float32)`` for bf16 operands, an error instead of
-  bf16 logits when torch refuses it), then ``_llp_fwd_tile_kernel`` updates the online
-  log-sum-exp / target logit / entropy state of each row;
-* the policy loss: ``policy_loss_fused_triton`` + ``policy_loss_grad_triton`` (grad 1) give
-  ``loss``, the stats and ``g = dloss/dlogprob`` (n,);
-* pass 2: ``linear_logprob_bwd_triton`` -- per vocabulary tile the logits are recomputed,
-  ``_llp_bwd_tile_kernel`` writes ``dZ = g (onehot - p) / T`` (bf16 on GPU), ``dW_tile =
-  dZ^T H`` is written once (cuBLAS accumulates in fp32 and rounds once to the weight dtype)
-  and ``dH += dZ W_tile`` accumulates in fp32.
+* GEMM 1: the chunk's full-vocabulary logits ``(c, V)`` in fp32 from one cuBLAS matmul
+  (``torch.mm(..., out_dtype=torch.float32)`` for bf16/fp16 operands; an error instead of
+  bf16 logits when torch refuses it, see ``linear_logprob_triton._mm_lowp_out_f32``);
+* sweep 1, ``_llp_fwd_tile_kernel`` over the whole row (grid: row blocks, online over vocab
+  blocks): ``lse``, target logit, entropy -> ``logprob``; then ``g = dloss/dlogprob`` of the
+  chunk's rows (``policy_token_grad``, O(c) element-wise);
+* sweep 2, ``_llp_bwd_tile_kernel``: ``dlogits = g (onehot - p) / T``, written in place in
+  the fp32 buffer (fp32 operands) or into a ``(c, V)`` buffer of the operand dtype (bf16 on
+  GPU: the tensor-core operand of the next two matmuls);
+* GEMM 2 ``dH[chunk] = dlogits W`` and GEMM 3 ``dW += dlogits^T H[chunk]`` (cuBLAS with fp32
+  output, accumulated in an fp32 ``(V, d)`` buffer), ``db += sum dlogits``.
 
-Per-row temperatures ride along as a ``(n,)`` inverse-temperature vector read by both tile
-kernels. GEMM count: four ``2 n d V`` matmuls (logits twice, dH, dW).
+Chunk rows: ``_GPU_CHUNK_BYTES`` (2 GiB of fp32 logits: 3533 rows at V = 151936) on GPU,
+``reference.LPL_CHUNK_BYTES_CPU`` in the interpreter.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .linear_logprob_triton import linear_logprob_bwd_triton, linear_logprob_fwd_triton
-from .policy_loss_triton import policy_loss_fused_triton, policy_loss_grad_triton
-from .reference import linear_policy_loss_fused
+from . import reference as ref
+from .dispatch import interpreting
+from .linear_logprob_triton import _mm_f32, bwd_tile, fwd_tile
+from .policy_loss_triton import policy_loss_fused_triton
 
-TRITON_STEPS = {
-    "lp_fwd": linear_logprob_fwd_triton,
-    "lp_bwd": linear_logprob_bwd_triton,
-    "pl_fwd": policy_loss_fused_triton,
-    "pl_grad": policy_loss_grad_triton,
-}
+# (c, V) fp32 logits of one row chunk on GPU; bf16 operands add a (c, V) bf16 dlogits buffer.
+_GPU_CHUNK_BYTES = 2 << 30
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 (the products of low-precision operands are formed
+    with an fp32 output, never rounded to the operand dtype)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        acc.addmm_(a, b)
+    else:
+        acc += _mm_f32(a, b)
+
+
+class TritonRowChunks:
+    """Triton steps of ``reference.linear_policy_loss_fused`` (see the module docstring)."""
+
+    def __init__(self, hidden, weight, bias, inv_t):
+        self.hidden, self.weight, self.bias, self.inv_t = hidden, weight, bias, inv_t
+        gpu = hidden.is_cuda and not interpreting()
+        budget = _GPU_CHUNK_BYTES if gpu else ref.LPL_CHUNK_BYTES_CPU
+        self.rows = ref.lpl_row_chunk(weight.shape[0], budget)
+        # dlogits feed two matmuls: the operand dtype on GPU (tensor cores), fp32 on CPU.
+        self.dz_dtype = hidden.dtype if hidden.is_cuda else torch.float32
+        self.h_op = hidden if hidden.is_cuda else hidden.float()
+        self.w_op = weight if weight.is_cuda else weight.float()
+
+    def _it(self, r0: int, r1: int):
+        return self.inv_t[r0:r1] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
+
+    def forward(self, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
+        z = _mm_f32(self.hidden[r0:r1], self.weight.T)  # GEMM 1, (c, V) fp32
+        f32 = {"dtype": torch.float32, "device": z.device}
+        m = torch.full((r1 - r0,), float("-inf"), **f32)
+        s, u, zt = (torch.zeros(r1 - r0, **f32) for _ in range(3))
+        fwd_tile(z, 0, self.bias, t, m, s, u, zt, self._it(r0, r1))
+        logprob, entropy, lse = ref.row_stats(m, s, u, zt, valid)
+        return z, logprob, entropy, lse
+
+    def backward(self, z, r0, r1, t, lse, g, grad_h, grad_w, grad_b) -> None:
+        dz = z if self.dz_dtype == torch.float32 else torch.empty_like(z, dtype=self.dz_dtype)
+        bwd_tile(z, dz, 0, self.bias, t, lse.contiguous(), g.contiguous(), None, None,
+                 self._it(r0, r1))  # fmt: skip
+        grad_h[r0:r1] = _mm_f32(dz, self.w_op)  # GEMM 2
+        _addmm_f32(grad_w, dz.T, self.h_op[r0:r1])  # GEMM 3
+        if grad_b is not None:
+            grad_b += dz.sum(dim=0, dtype=torch.float32)
 
 
 def linear_policy_loss_triton(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    """``reference.linear_policy_loss_fused`` with the Triton building blocks."""
-    return linear_policy_loss_fused(TRITON_STEPS, *args, **kwargs)
+    """``reference.linear_policy_loss_fused`` with the Triton steps."""
+    return ref.linear_policy_loss_fused(TritonRowChunks, policy_loss_fused_triton, *args, **kwargs)
