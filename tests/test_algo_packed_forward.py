@@ -262,19 +262,29 @@ def test_rank_microbatch_count_and_token_balance():
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup, impl):
     """SDPA (CPU): the language model's attention runs once per sequence (query lengths
-    ``L_i``, never ``N``, no mask tensor): ``sum L_i^2`` work, no ``N x N`` anything. Eager
-    (the additive 4-D mask) gives the same hidden states."""
-    from paravt.algo.packing import _packed_hidden
+    ``L_i``, never ``N``, no mask tensor anywhere): ``sum L_i^2`` work, no ``N x N`` anything.
+    Eager (the additive 4-D mask) gives the same hidden states."""
+    from paravt.algo.packing import VARLEN_SDPA, _packed_hidden
 
     model, batch = setup
     seqs = _packs(batch)[2]
     lengths = [int(batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]) for i in seqs]
-    calls = []
+    calls, masks = [], []
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, *a, **kw):
         calls.append((q.shape[-2], attn_mask is None, kw.get("is_causal")))
         return real(q, k, v, attn_mask, *a, **kw)
+
+    import paravt.algo.packing as packing
+
+    real_varlen = packing.varlen_sdpa_attention
+
+    def mask_spy(module, q, k, v, attention_mask, *a, **kw):
+        masks.append(attention_mask)
+        return real_varlen(module, q, k, v, attention_mask, *a, **kw)
+
+    from transformers import AttentionInterface
 
     lm_cfg = model.model.language_model.config
     old = lm_cfg._attn_implementation
@@ -282,10 +292,16 @@ def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup
     try:
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+            if impl == "sdpa":
+                _packed_hidden(model, batch, seqs[:1])  # registers VARLEN_SDPA
+                mp.setitem(AttentionInterface._global_mapping, VARLEN_SDPA, mask_spy)
+                calls.clear()
             h = _packed_hidden(model, batch, seqs)
+        after = lm_cfg._attn_implementation
     finally:
         lm_cfg._attn_implementation = old
-    assert lm_cfg._attn_implementation == old  # restored after the packed forward
+    # SDPA is switched to its varlen twin for good (checkpoint recomputation must match).
+    assert after == (VARLEN_SDPA if impl == "sdpa" else "eager")
     with torch.no_grad():
         ref = torch.cat([_alone(model, batch, i) for i in seqs])
     assert float((h - ref).abs().max()) <= 1e-5
@@ -293,4 +309,28 @@ def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup
     if impl == "sdpa":
         layers = model.config.text_config.num_hidden_layers
         assert sorted(text_calls) == sorted((n, True, True) for n in lengths * layers)
+        assert masks == [None] * layers  # create_causal_mask built nothing
     assert all(c[0] != sum(lengths) for c in calls)
+
+
+def test_packed_forward_under_gradient_checkpointing(setup):
+    """Gradient checkpointing re-runs each layer in the backward: the re-run takes the same
+    per-sequence attention, and the gradients equal those without checkpointing."""
+    from paravt.algo.packing import _packed_hidden
+
+    model, batch = setup
+    model = copy.deepcopy(model).train()
+    seqs = _packs(batch)[2]
+    w = torch.randn(
+        model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    grads = []
+    for ckpt in (False, True):
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        model.zero_grad(set_to_none=True)
+        (_packed_hidden(model, batch, seqs) @ w).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-5, atol=1e-6, msg=n)

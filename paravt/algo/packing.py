@@ -78,9 +78,8 @@ temperature. Scoring a ``T = 0.3`` sub-agent row at the main ``T = 0.7`` put its
 
 from __future__ import annotations
 
-import contextlib
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -396,11 +395,6 @@ _VISUAL_KEYS = (
 _ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
-def _language_attn_impl(backbone: torch.nn.Module) -> str:
-    lm = getattr(backbone, "language_model", backbone)
-    return str(getattr(lm.config, "_attn_implementation", None) or "sdpa")
-
-
 def packed_attention_kwargs(
     lengths: Sequence[int], attn_impl: str, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
@@ -409,9 +403,9 @@ def packed_attention_kwargs(
     * ``flash_attention_2``/``_3`` (CUDA) and ``sdpa``: no mask; ``cu_seq_lens_q/k`` +
       ``max_length_q/k`` go through the language model's ``**kwargs`` to its attention
       function. flash-attn: transformers' integration calls ``flash_attn_varlen_func`` over
-      those boundaries. SDPA: ``_packed_hidden`` runs the language model under
-      ``VARLEN_SDPA`` (``varlen_sdpa_attention``: one causal SDPA per sequence). Neither holds
-      anything ``N x N``, and attention costs ``sum L_i^2``, not ``N^2``.
+      those boundaries. SDPA: the language model runs ``VARLEN_SDPA``
+      (``_varlen_language_model``; ``varlen_sdpa_attention``: one causal SDPA per sequence).
+      Neither holds anything ``N x N``, and attention costs ``sum L_i^2``, not ``N^2``.
     * ``eager`` (debugging): a 4-D additive block-diagonal causal mask ``(1, 1, N, N)``
       (0 / dtype min), as eager attention adds it; ``create_causal_mask`` returns a 4-D mask
       as is.
@@ -492,28 +486,26 @@ def varlen_sdpa_attention(
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """``VARLEN_SDPA``'s mask function: the boundaries travel as ``cu_seq_lens_q``."""
-    return None
-
-
-@contextlib.contextmanager
-def _language_attn(backbone: torch.nn.Module, impl: str) -> Iterator[None]:
-    """Run the language model (not the vision tower) under attention implementation
-    ``impl`` (registered with transformers on first use) for the duration of the block."""
+def _varlen_language_model(backbone: torch.nn.Module) -> str:
+    """The language model's attention implementation for packed forwards; an ``sdpa`` one is
+    switched to ``VARLEN_SDPA`` for good (registered with transformers on first use, with
+    SDPA's own mask function). The switch is permanent, not scoped to the packed forward:
+    gradient checkpointing re-runs each layer during the backward, and the re-run must take
+    the same attention path. Every call without ``cu_seq_lens_q`` (generation, padded
+    batches, single sequences) is transformers' SDPA, mask and all, so nothing else changes.
+    The vision tower keeps its own implementation (its own config)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if impl == VARLEN_SDPA and VARLEN_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
-        AttentionMaskInterface.register(VARLEN_SDPA, _no_mask)
     cfg = getattr(backbone, "language_model", backbone).config
-    old = cfg._attn_implementation
-    cfg._attn_implementation = impl
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = old
+    impl = str(getattr(cfg, "_attn_implementation", None) or "sdpa")
+    if impl != "sdpa":
+        return impl
+    if VARLEN_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+        AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
+    cfg._attn_implementation = VARLEN_SDPA
+    return VARLEN_SDPA
 
 
 def _packed_inputs(
@@ -587,17 +579,18 @@ def _packed_hidden(
     use it, to show the mask is what makes the packed forward exact."""
     backbone, _ = _backbone_and_head(model)
     kwargs, lengths = _packed_inputs(model, batch, seqs)
-    impl = _language_attn_impl(backbone)
     if not isolate:  # 3 mrope rows only: no text row, so transformers sees one causal sequence
         kwargs["position_ids"] = kwargs["position_ids"][1:]
         return backbone(**kwargs).last_hidden_state[0]
+    impl = _varlen_language_model(backbone)
     kwargs.update(
         packed_attention_kwargs(
             lengths, impl, kwargs["input_ids"].device, next(model.parameters()).dtype
         )
     )
-    with _language_attn(backbone, VARLEN_SDPA if impl == "sdpa" else impl):
-        return backbone(**kwargs).last_hidden_state[0]
+    if impl == VARLEN_SDPA:  # no text row: no N x N packed-sequence mask is built
+        kwargs["position_ids"] = kwargs["position_ids"][1:]
+    return backbone(**kwargs).last_hidden_state[0]
 
 
 def packed_hidden_states(
