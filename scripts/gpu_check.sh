@@ -15,14 +15,15 @@
 #    linear_policy_loss TFLOP/s and vs Liger's fused linear GRPO loss, policy_loss
 #    bandwidth), the CUDA pack vs the CPU pack, the packed encoder vs a per-crop loop (target >= 3x at 64 small crops).
 # Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
-# recorded in summary.txt and the next step still runs. On a CPU-only machine every step
-# reports that it skipped.
+# recorded in summary.txt and the next step still runs; the script exits 1 if any step failed.
+# On a CPU-only machine every step reports that it skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
+FAILED=""
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.txt
   local name=$1 limit=$2
@@ -31,6 +32,7 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.tx
   timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
   local rc=$?
   summary "$name: rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || FAILED="$FAILED $name"
   tail -n 15 "$OUT/$name.txt"
   return 0
 }
@@ -45,8 +47,15 @@ cat "$OUT/env.txt"
 if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
   step wheels 120 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
 fi
-step build 300 "$PY" -m pip install --no-deps --no-build-isolation -e .
-summary "native CUDA ops: $("$PY" -c 'from paravt.vision import pack; print(pack.native_has_cuda())' 2>&1 | tail -n 1)"
+# PARAVT_FORCE_EXT=1: a CUDA build of paravt._C that fails fails this step (and the script),
+# instead of setup.py's warning + pure-torch fallback.
+step build 300 env PARAVT_FORCE_EXT=1 "$PY" -m pip install --no-deps --no-build-isolation -e .
+# With a GPU, paravt._C must have come out WITH its CUDA ops (e.g. not a CPU-only build for
+# want of CUDA_HOME); a CPU-only machine only reports.
+step native_cuda 60 "$PY" -c 'import torch; from paravt.vision import pack
+ok = pack.native_has_cuda(); print("native CUDA ops:", ok)
+assert ok or not torch.cuda.is_available(), "paravt._C has no CUDA ops on a CUDA machine"'
+tail -n 1 "$OUT/native_cuda.txt" | tee -a "$OUT/summary.txt"
 
 step tests 180 "$PY" -m pytest -q -p no:cacheprovider -rs \
   tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
@@ -55,3 +64,8 @@ step gpu_kernels 240 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
 step bench_pack 180 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
   --benchmark-only -s -k cuda
 grep -h "^\[" "$OUT/bench_pack.txt" | tee -a "$OUT/summary.txt" || true
+if [ -n "${FAILED:-}" ]; then
+  summary "FAILED steps:$FAILED"
+  exit 1
+fi
+summary "all steps passed"

@@ -246,19 +246,6 @@ def test_microbatches_budget_coverage_and_long_sequences():
         microbatches(lengths, 0)
 
 
-def test_rank_microbatch_count_and_token_balance():
-    from paravt.algo.packing import balance_by_tokens, microbatch_count
-
-    assert microbatch_count([[10, 10, 10], [25], []], 20) == 2
-    assert microbatch_count([[], []], 20) == 0
-    lengths = [9, 1, 8, 2, 7, 3]
-    ranks = balance_by_tokens(lengths, 2)
-    assert sorted(i for r in ranks for i in r) == list(range(len(lengths)))
-    loads = [sum(lengths[i] for i in r) for r in ranks]
-    assert max(loads) - min(loads) <= 1
-    assert balance_by_tokens(lengths, 2) == ranks
-
-
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup, impl):
     """SDPA (CPU): the language model's attention runs once per sequence (query lengths

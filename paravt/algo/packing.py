@@ -5,62 +5,62 @@ sub-agent rows) into one ``(N,)`` layout with ``cu_seqlens (B+1,)``: there is no
 anywhere, so no compute and no normalisation is spent on padding.
 
 ``packed_logprobs`` fills that layout with ``log p_θ(x_t | x_<t)`` under each row's sampling
-distribution, for the trained tokens (``loss_mask != 0``) only, 0 elsewhere. Every log-prob
-goes through ONE function, ``sequence_logprobs``: the model's backbone gives hidden states,
-only the rows that predict a trained token go through the lm_head, inside
-``paravt_kernels.linear_logprob`` (temperature inside the kernel): no ``(tokens, vocab)``
-logits for the prompt, the visual tokens or anything else (``top_p < 1`` materialises the
-logits of the gathered rows only). The "gathered rows -> log-probs" step is one function,
-``_gathered_logprobs``, shared by both paths below.
+distribution, for the trained tokens (``loss_mask != 0``) only, 0 elsewhere: the model's
+backbone gives hidden states, only the rows that predict a trained token
+(``trained_rows``) meet the lm_head weight, inside ``paravt_kernels`` (temperature inside
+the kernel): no ``(tokens, vocab)`` logits for the prompt, the visual tokens or anything else
+(``top_p < 1`` materialises the logits of the gathered rows only). The "gathered rows ->
+log-probs" step is one function, ``_gathered_logprobs`` (``gathered_logprobs`` groups rows
+by sampling setting), shared by every path; the policy loss takes the same gathered rows
+into the fused ``linear_policy_loss`` instead (``paravt.algo.loss.policy_part_loss``).
 
-Two log-prob paths (``LOGPROB_PATHS``) give the same values:
+Forwards:
 
-* **per-sequence** (``per_sequence_logprobs``, ``row_logprobs``): one forward per sequence
-  (its own length, its own visual inputs). The trainer's policy forward still runs this way.
-* **packed** (``packed_sequence_logprobs``, the default of ``packed_logprobs``: proximal and
-  reference passes): sequences are grouped into micro-batches of at most
-  ``algo.max_tokens_per_microbatch`` tokens (``microbatches``, first-fit decreasing; a
-  longer sequence runs alone) and each micro-batch is ONE backbone forward over the row
-  ``(1, sum L_i)`` (``packed_hidden_states``); the trained rows of all its sequences are
-  gathered and scored in one fused lm_head call per distinct ``(T, top_p)``.
+* **packed** (the trainer: proximal and reference passes through ``packed_logprobs``, the
+  policy update through ``paravt.algo.loss.policy_minibatch_backward``): sequences are
+  grouped into micro-batches of at most ``algo.max_tokens_per_microbatch`` tokens
+  (``microbatches``, first-fit decreasing; a longer sequence runs alone) and each
+  micro-batch is ONE backbone forward over the row ``(1, sum L_i)`` (``_packed_hidden``);
+* **per-sequence** (``sequence_logprobs``, ``row_logprobs``): one forward per sequence, for
+  callers holding one sequence (SFT, tests teacher-forcing the engine's samples).
 
 A packed forward is exact because nothing of one sequence reaches another
 (``_packed_inputs``, ``packed_attention_kwargs``):
 
-* attention: SDPA gets a 4-D boolean block-diagonal causal mask ``(1, 1, N, N)``
-  (transformers' ``create_causal_mask`` returns a 4-D mask as is; eager gets the additive
-  form); flash_attention_2/3 gets no mask but ``cu_seq_lens_q/k`` + ``max_length_q/k``, which
-  transformers' flash integration hands to ``flash_attn_varlen_func``. That one argument is
-  the ONLY difference between the implementations; everything below is shared. The CUDA
-  varlen branch is written but untested here (no GPU in CI).
+* attention: SDPA runs ``varlen_sdpa_attention`` (one causal SDPA per sequence, boundaries
+  ``cu_seq_lens_q``; the language model is switched to it for good by
+  ``_varlen_language_model``, so gradient checkpointing recomputes the same path);
+  flash_attention_2/3 gets the same ``cu_seq_lens_q/k`` + ``max_length_q/k``, which
+  transformers' flash integration hands to ``flash_attn_varlen_func``; eager (debugging)
+  gets an additive 4-D block-diagonal mask. Neither SDPA nor flash holds anything
+  ``N x N``: attention costs ``sum L_i^2``. The CUDA flash branch is written but untested
+  here (no GPU in CI, no flash-attn in the GPU image).
 * positions: Qwen3-VL's mrope ids from ``get_rope_index`` on each sequence ALONE (cheap, host
-  side), concatenated along the token axis, passed as ``(4, 1, N)`` position ids whose row 0
-  is each sequence's text position ``0..L_i-1`` (transformers reads a 4-row tensor as
-  ``text_position_ids`` + 3 mrope rows; the rotary embedding uses the mrope rows only).
+  side), concatenated along the token axis. transformers reads a 4-row position tensor as
+  ``text_position_ids`` + 3 mrope rows (the rotary embedding uses the mrope rows only); row 0
+  is each sequence's text position ``0..L_i-1``. The SDPA path passes the 3 mrope rows only,
+  so that ``create_causal_mask`` sees no packed sequences and builds no mask.
 * visuals: the sequences' pixels and grids concatenated in sequence order and encoded in ONE
   vision-tower call (its attention is per frame: ``cu_seqlens`` from ``grid_thw``; the
   ``use_packed_vision`` override is per segment too), passed as ``mm_encoder_outputs``; the
   backbone scatters the features, and the deepstack features, into the placeholders in
   order, which is sequence order. Computing them outside the backbone call also keeps the
-  flash ``cu_seq_lens`` kwargs away from the vision tower (its attention passes its own).
+  ``cu_seq_lens`` kwargs away from the vision tower (its attention passes its own).
 
-Verified on transformers 5.19 / Qwen3-VL, fp32 CPU SDPA (tests/test_algo_packed_forward.py,
-real scripted batches: main rows with video, sub-agent rows with crop clips, a text-only
-row): packed hidden states equal per-sequence ones to <= 1e-6; log-probs, entropy (also
-with ``top_p < 1``) and parameter gradients equal the per-sequence path's; the same packed
-row WITHOUT the mask (plain causal) is off by O(1) after the first sequence. Pinned too,
-not relied on: transformers' own packed-sequence detection (``attention_mask=None`` with the
-restarting text row of the position ids) builds the same block-diagonal mask for Qwen3-VL;
-the explicit argument is used so that correctness does not hinge on that heuristic. With a
-3-row (mrope only) position tensor there is no detection at all. Qwen2.5-VL has the same
-``get_rope_index`` / ``mm_encoder_outputs`` API but is not tested packed.
+Verified on transformers 5.19 / Qwen3-VL, fp32 CPU (tests/test_algo_packed_forward.py, real
+scripted batches: main rows with video, sub-agent rows with crop clips, a text-only row):
+packed hidden states equal per-sequence ones to <= 1e-6; log-probs, entropy (also with
+``top_p < 1``) and parameter gradients (also under gradient checkpointing) equal the
+per-sequence path's; the same packed row WITHOUT the separation (plain causal) is off by O(1)
+after the first sequence. Pinned too, not relied on: transformers' own packed-sequence
+detection (``attention_mask=None`` with the restarting text row) builds a correct
+block-diagonal mask for Qwen3-VL. Qwen2.5-VL has the same ``get_rope_index`` /
+``mm_encoder_outputs`` API but is not tested packed.
 
-Cost: the SDPA path attends over the full ``N x N`` (masked) and holds the mask: it is the
-CPU reference, not a fast path; on GPU flash-attn varlen costs ``sum L_i^2``. Under FSDP2
-every micro-batch is a root forward (``_as_root_forward``); ranks must run the same number
-of forwards (``microbatch_count``), a rank with fewer pads with zero-weight forwards.
-``balance_by_tokens`` assigns items to ranks by token count; the rollout's prompt split
-(``shard_list``) is not balanced (lengths are unknown before the rollout).
+Under FSDP2 every micro-batch is a root forward (``_as_root_forward``); in the policy update
+ranks run the same number of micro-batches (the trainer takes the max over ranks and pads
+with zero-weight forwards). Sequences are not moved between ranks to balance tokens: a
+rank's rollouts (and their visual inputs) stay where they were generated.
 
 Alignment: ``logprob[t]`` is the log-prob of token ``t`` given tokens ``< t`` (position 0 of
 each sequence is 0, never trained). ``Trajectory.loss_mask``/``logprobs`` use the same
@@ -600,14 +600,17 @@ def packed_hidden_states(
     each sequence's rows contiguous) from ONE backbone forward over the packed row
     ``(1, sum L_i)``; equal to running each sequence alone (fp32: to ~1e-5; tested).
 
-    No attention crosses a sequence boundary (``packed_attention_kwargs``: block-diagonal
-    causal mask for SDPA/eager, flash-attn varlen ``cu_seqlens`` for flash_attention_2); each
-    sequence keeps its own mrope positions and visual features (``_packed_inputs``).
+    No attention crosses a sequence boundary (``packed_attention_kwargs``: per-sequence
+    attention for SDPA, flash-attn varlen ``cu_seqlens`` for flash_attention_2, an additive
+    block-diagonal mask for eager); each sequence keeps its own mrope positions and visual
+    features (``_packed_inputs``). For callers outside the trainer (which runs
+    ``_packed_hidden`` inside its own root forwards).
     Differentiable; runs as an FSDP2 root forward (``_as_root_forward``), like
     ``sequence_logprobs``. Under FSDP2 the root's parameters (lm_head included) are resharded
     when this returns: a caller that applies the lm_head to these rows must do it inside its
     own root forward, ``_as_root_forward(model, fn, ...)`` with ``fn`` calling
-    ``_packed_hidden`` (as ``packed_sequence_logprobs`` does).
+    ``_packed_hidden`` (as ``packed_sequence_logprobs`` and
+    ``paravt.algo.loss.policy_part_loss`` do).
     """
     return _as_root_forward(model, _packed_hidden, batch, list(seqs))
 
@@ -761,36 +764,6 @@ def microbatches(batch: PackedBatch | Sequence[int], max_tokens: int) -> list[li
             bins.append([i])
             loads.append(lengths[i])
     return [sorted(b) for b in bins]
-
-
-def microbatch_count(lengths_per_rank: Sequence[Sequence[int]], max_tokens: int) -> int:
-    """How many micro-batch forwards EVERY rank must run: the max over ranks of
-    ``len(microbatches(lengths, max_tokens))`` (``lengths_per_rank[r]``: rank ``r``'s sequence
-    lengths, e.g. from ``all_gather_objects``). FSDP's collectives need the same number of
-    forwards on every rank, so a rank with fewer micro-batches runs the difference as
-    zero-weight forwards (any of its micro-batches, loss multiplied by 0)."""
-    return max((len(microbatches(lengths, max_tokens)) for lengths in lengths_per_rank), default=0)
-
-
-def balance_by_tokens(lengths: Sequence[int], world: int) -> list[list[int]]:
-    """Assign items of token counts ``lengths`` to ``world`` ranks, balancing tokens: longest
-    first (ties: lower index), each to the rank with the fewest tokens so far (ties: lower
-    rank). Deterministic; indices ascending per rank.
-
-    Not wired into ``train_step``: prompts are split across ranks (``shard_list``) BEFORE the
-    rollout, when no length is known, and a group must stay on one rank for its advantages.
-    Balancing the rollout output would mean moving whole units (main + sub rows, pixels
-    included) between ranks after ``build_units``; this helper computes that assignment (pass
-    each unit's total token count) for whoever adds the transfer."""
-    if world < 1:
-        raise ValueError(f"world={world} must be >= 1")
-    ranks: list[list[int]] = [[] for _ in range(world)]
-    loads = [0] * world
-    for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
-        r = min(range(world), key=lambda r: (loads[r], r))
-        ranks[r].append(i)
-        loads[r] += int(lengths[i])
-    return [sorted(r) for r in ranks]
 
 
 def packed_sequence_logprobs(
