@@ -303,3 +303,35 @@ def test_target_mask_of_the_wrong_length_is_refused(step):
             step["model"], batch.input_ids[:n], batch.extras["mm_token_type_ids"][:n],
             batch.visuals[0], target_mask=batch.loss_mask[: n - 1],
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_micro_batches_without_trained_tokens_still_run_their_backward(step, top_p):
+    """Rows with an empty loss mask (every other one here) alone in their micro-batch: the
+    fused op and the ``top_p < 1`` fallback both return a loss connected to the graph (under
+    FSDP the backward's collectives must run), and the minibatch still matches the
+    materialised path."""
+    from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
+
+    model, batch = step["model"], copy.copy(step["batch"])
+    model.train()
+    n_seq = batch.cu_seqlens.numel() - 1
+    cu = batch.cu_seqlens.tolist()
+    mask = batch.loss_mask.clone()
+    for i in range(0, n_seq, 2):
+        mask[cu[i] : cu[i + 1]] = 0
+    batch.loss_mask, batch.top_ps = mask, torch.full((n_seq,), top_p)
+    with torch.no_grad():
+        own = torch.cat([materialised_row_logprobs(model, batch, i)[0] for i in range(n_seq)])
+    batch.old_logprobs = torch.where(torch.isfinite(own), own - 0.1, -30.0) * mask
+    algo = replace(step["cfg"].algo, loss="ppo", behav_cap=None, kl_coef=0.0)
+    obj = make_objective(algo)
+    den = agg_denominator(obj.effective_mask(batch), batch, algo.agg)
+    model.zero_grad(set_to_none=True)
+    res = policy_minibatch_backward(
+        model, batch, obj, global_den=den, max_tokens=1, parts=[[i] for i in range(n_seq)]
+    )
+    g_new = _grads(model)
+    res_old, g_old = _old_path(model, batch, algo)
+    assert res.loss_num == pytest.approx(res_old.loss_num, rel=1e-6)
+    _assert_same_grads(g_new, g_old)

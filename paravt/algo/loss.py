@@ -292,6 +292,8 @@ def _policy_part_loss(
     else:
         lp_n, ent_n = gathered_logprobs(head, h, rows, with_entropy=True)
         loss, _ = objective(lp_n, rows)
+        if not loss.requires_grad:  # no trained row: keep the backward (FSDP collectives)
+            loss = loss + 0.0 * h.sum()
     n = view.input_ids.numel()
     lp = torch.zeros(n).index_copy(0, index, lp_n.detach().float().cpu())
     ent = torch.zeros(n).index_copy(0, index, ent_n.detach().float().cpu())
