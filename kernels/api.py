@@ -320,10 +320,12 @@ def linear_policy_loss(
             temperature = float(temperature)
         else:
             _check_1d("temperature", temperature, n, "hidden")
-            if not bool((temperature > 0).all()):
-                raise ValueError(
-                    "temperature has entries <= 0 (or NaN): every row's temperature must be > 0"
-                )
+            msg = "temperature has entries <= 0 (or NaN): every row's temperature must be > 0"
+            if temperature.device.type == "cpu":
+                if not bool((temperature > 0).all()):
+                    raise ValueError(msg)
+            else:  # checked on the device, without a host sync before the loss GEMMs
+                torch._assert_async((temperature > 0).all(), msg)
             row_t = temperature.to(device=hidden.device, dtype=torch.float32).contiguous()
     if row_t is None and not float(temperature) > 0:
         raise ValueError(f"temperature={temperature} must be > 0")

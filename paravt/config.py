@@ -193,10 +193,11 @@ class AlgoConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     # Token budget of one packed forward (several sequences in one row, no attention across
-    # them; paravt.algo.packing.microbatches): the proximal / reference log-prob passes run one
-    # forward per micro-batch of at most this many tokens (a longer sequence runs alone).
-    # Activation memory grows with it (the SDPA path also holds an N x N mask; flash-attn
-    # varlen does not); 16k fits a Qwen3-VL-8B bf16 no-grad forward on one 80 GB GPU.
+    # them; paravt.algo.packing.microbatches): the proximal / reference log-prob passes and the
+    # policy update (forward + backward, gradients accumulated) run one forward per
+    # micro-batch of at most this many tokens (a longer sequence runs alone). Activation
+    # memory grows with it (attention itself is per sequence: nothing N x N); for the policy
+    # update of Qwen3-VL-8B bf16 at 16k, use model.gradient_checkpointing (as its presets do).
     max_tokens_per_microbatch: int = 16384
     # Gradient clipping (max global norm).
     max_grad_norm: float = 1.0

@@ -3,7 +3,7 @@
 # time in all, start-up included; this script aims at ~8 minutes on an H100/H200):
 #
 #   here:   make gpu-wheels          # transformers + liger-kernel wheels into .gpu_wheels/
-#   device: run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=540)
+#   device: run(command="bash scripts/gpu_check.sh", carry=[".gpu_wheels"], timeout_s=590)
 #
 # 1. installs the carried wheels (the device image has torch/triton/pytest but transformers
 #    5.17, no liger-kernel, maybe a setuptools older than 77) and builds paravt._C against the
@@ -14,6 +14,7 @@
 # 3. runs the GPU benchmarks: bench/gpu_kernels.py (linear_logprob TFLOP/s and vs Liger,
 #    linear_policy_loss TFLOP/s and vs Liger's fused linear GRPO loss, policy_loss
 #    bandwidth), the CUDA pack vs the CPU pack, the packed encoder vs a per-crop loop (target >= 3x at 64 small crops).
+# Step limits sum to 560 s (under the 590 s above).
 # Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
 # recorded in summary.txt and the next step still runs; the script exits 1 if any step failed.
 # On a CPU-only machine every step reports that it skipped.
@@ -45,23 +46,23 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.tx
 cat "$OUT/env.txt"
 
 if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
-  step wheels 120 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
+  step wheels 40 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
 fi
 # PARAVT_FORCE_EXT=1: a CUDA build of paravt._C that fails fails this step (and the script),
 # instead of setup.py's warning + pure-torch fallback.
-step build 300 env PARAVT_FORCE_EXT=1 "$PY" -m pip install --no-deps --no-build-isolation -e .
+step build 170 env PARAVT_FORCE_EXT=1 "$PY" -m pip install --no-deps --no-build-isolation -e .
 # With a GPU, paravt._C must have come out WITH its CUDA ops (e.g. not a CPU-only build for
 # want of CUDA_HOME); a CPU-only machine only reports.
-step native_cuda 60 "$PY" -c 'import torch; from paravt.vision import pack
+step native_cuda 20 "$PY" -c 'import torch; from paravt.vision import pack
 ok = pack.native_has_cuda(); print("native CUDA ops:", ok)
 assert ok or not torch.cuda.is_available(), "paravt._C has no CUDA ops on a CUDA machine"'
 tail -n 1 "$OUT/native_cuda.txt" | tee -a "$OUT/summary.txt"
 
-step tests 180 "$PY" -m pytest -q -p no:cacheprovider -rs \
+step tests 120 "$PY" -m pytest -q -p no:cacheprovider -rs \
   tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
   tests/test_kernels_linear_policy_loss.py
-step gpu_kernels 240 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
-step bench_pack 180 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
+step gpu_kernels 150 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
+step bench_pack 60 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
   --benchmark-only -s -k cuda
 grep -h "^\[" "$OUT/bench_pack.txt" | tee -a "$OUT/summary.txt" || true
 if [ -n "${FAILED:-}" ]; then

@@ -42,6 +42,17 @@ def _units(seed: int = 0, n_units: int = 6) -> list[SequenceUnit]:
     return units
 
 
+def test_pack_units_never_trains_a_sequence_first_token() -> None:
+    """Position 0 has no predecessor: no forward scores it, so it must not count in the loss
+    normaliser either; pack_units drops it from the mask even if a trajectory set it."""
+    units = _units(seed=3, n_units=2)
+    units[0].main.loss_mask[0] = 1
+    batch = pack_units(units)
+    starts = batch.cu_seqlens[:-1].long()
+    assert (batch.loss_mask[starts] == 0).all()
+    assert batch.loss_mask.sum() == sum(sum(t.loss_mask) for u in units for t in u.sequences) - 1
+
+
 def _policy_lp(batch) -> torch.Tensor:
     # A deterministic function of each token's content, so identical rows get identical values.
     noise = 0.3 * torch.sin(7.0 * batch.old_logprobs + batch.input_ids.float())

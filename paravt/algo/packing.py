@@ -147,7 +147,7 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
     return PackedBatch(
         input_ids=torch.tensor(cat_i, dtype=torch.int64),
         cu_seqlens=cu,
-        loss_mask=torch.tensor([x for t in seqs for x in t.loss_mask], dtype=torch.float32),
+        loss_mask=_loss_mask(seqs),
         old_logprobs=torch.tensor([x for t in seqs for x in t.logprobs], dtype=torch.float32),
         advantages=adv.float(),
         seq_weights=torch.tensor(weights, dtype=torch.float32),
@@ -163,6 +163,18 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
             "roles": [t.role for t in seqs],
         },
     )
+
+
+def _loss_mask(seqs: Sequence[Trajectory]) -> torch.Tensor:
+    """The packed loss mask, with each sequence's first token forced to 0: it has no
+    predecessor, so no forward can score it (``trained_rows`` skips it); left in the mask it
+    would count in the loss's normaliser with a log-prob of 0."""
+    parts = []
+    for t in seqs:
+        m = torch.tensor(list(t.loss_mask), dtype=torch.float32)
+        m[:1] = 0.0
+        parts.append(m)
+    return torch.cat(parts) if parts else torch.zeros(0)
 
 
 def split_units(units: Sequence[SequenceUnit], n: int) -> list[list[SequenceUnit]]:
@@ -212,10 +224,12 @@ def sequence_logprobs(
     (``register_fsdp_forward_method``), so the root's parameters (embeddings, lm_head, norm)
     are gathered and their gradients reduced as in a normal forward.
 
-    Callers — every log-prob in the project goes through here: the trainer's policy forward
-    (``train_step`` via ``row_logprobs``), the proximal and reference passes
-    (``packed_logprobs``, ``ReferencePolicy``), cold-start SFT (``paravt.sft.sft_loss``,
-    targets = the loss mask) and the tests that teacher-force the HF engine's samples.
+    Callers: cold-start SFT (``paravt.sft.sft_loss``, targets = the loss mask), the
+    per-sequence reference path of the packed passes (``per_sequence_logprobs``) and the tests
+    that teacher-force the HF engine's samples. The trainer's passes run packed forwards of
+    several sequences (``packed_logprobs``; the policy update through
+    ``paravt.algo.loss.policy_part_loss``) and share the gathered-rows step
+    (``_gathered_logprobs``) with this function.
     """
     tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
     n_tok = tok.numel()
@@ -353,8 +367,7 @@ def row_logprobs(
     """``sequence_logprobs`` of sequence ``i`` of ``batch`` under its own sampling parameters
     (``row_sampling``), ``(L_i,)``: the log-prob of each token with ``loss_mask != 0``, 0 at
     every other position (prompt, visual and tool-result tokens are never scored). The
-    trainer's per-sequence policy forward (``train_step``) and every packed pass
-    (``packed_logprobs``: proximal, reference) go through here."""
+    per-sequence path (``per_sequence_logprobs``) goes through here."""
     cu = batch.cu_seqlens
     a, b = int(cu[i]), int(cu[i + 1])
     temperature, top_p = row_sampling(batch, i)
@@ -417,7 +430,8 @@ def packed_attention_kwargs(
     if attn_impl.startswith("flash_attention") or attn_impl in ("sdpa", VARLEN_SDPA):
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int32), 0)
-        cu = cu.to(device)
+        if attn_impl.startswith("flash_attention"):  # the kernel reads them on the device;
+            cu = cu.to(device)  # varlen SDPA slices on the host (no sync per layer)
         longest = int(max(lengths))
         return {
             "attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
@@ -458,7 +472,7 @@ def varlen_sdpa_attention(
     """A transformers attention function: one causal ``scaled_dot_product_attention`` per
     sequence of a packed row (boundaries ``cu_seq_lens_q``), the CPU/SDPA twin of
     flash-attn varlen. ``query`` ``(1, H, N, D)``, ``key``/``value`` ``(1, H_kv, N, D)``
-    (grouped-query heads repeated) -> ``(1, N, H, D)``. Without ``cu_seq_lens_q`` (not a
+    (grouped-query heads broadcast by SDPA) -> ``(1, N, H, D)``. Without ``cu_seq_lens_q`` (not a
     packed forward) it is transformers' own SDPA attention."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -466,11 +480,10 @@ def varlen_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    bounds = cu_seq_lens_q.tolist()
+    # Grouped-query heads: SDPA broadcasts them (enable_gqa) instead of a repeated K/V copy
+    # of the whole row that the backward would keep.
+    gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+    bounds = cu_seq_lens_q.tolist()  # a host tensor (packed_attention_kwargs): no sync
     outs = [
         torch.nn.functional.scaled_dot_product_attention(
             query[:, :, a:b],
@@ -479,7 +492,8 @@ def varlen_sdpa_attention(
             dropout_p=dropout,
             is_causal=True,
             scale=scaling,
-        )  # fmt: skip
+            **gqa,
+        )
         for a, b in zip(bounds[:-1], bounds[1:])
         if b > a
     ]

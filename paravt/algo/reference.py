@@ -7,8 +7,8 @@ to fp32 round-off), each sequence under its own sampling temperature / top-p
 (``PackedBatch.temperatures``), so ``KL(π_θ || π_ref)`` is 0 (to round-off) at step 0 on main
 and sub-agent rows alike.
 
-Memory: a full replica per rank (sharded with FSDP2 too when distributed, forward-only). With
-``algo.kl_coef == 0`` the trainer never builds one.
+Memory: a full, unsharded replica per rank (forward-only, no gradients, no optimizer
+state). With ``algo.kl_coef == 0`` the trainer never builds one.
 """
 
 from __future__ import annotations
