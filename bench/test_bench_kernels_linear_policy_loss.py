@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paravt_kernels import linear_logprob, linear_policy_loss, policy_loss
-from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes
+from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes, report_ratios
 
 TOKENS, D, VOCAB, SEQS = 2048, 256, 32768, 16
 ROUNDS = 3
@@ -49,22 +49,14 @@ def _policy(lp, kw):
 
 
 def _report(benchmark, name, t_ours, t_base, m_ours, m_base):
-    info = {
-        "shape": f"tokens={TOKENS} d={D} vocab={VOCAB} fp32",
-        "baseline": name,
-        "ours_s": t_ours,
-        "baseline_s": t_base,
-        "time_ratio": t_ours / t_base,
-        "ours_peak_mib": m_ours / 2**20,
-        "baseline_peak_mib": m_base / 2**20,
-        "mem_ratio": m_ours / m_base,
-    }
-    benchmark.extra_info.update(info)
-    print(
-        f"\nlinear_policy_loss vs {name}: "
-        + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
+    return report_ratios(
+        benchmark,
+        "linear_policy_loss",
+        f"tokens={TOKENS} d={D} vocab={VOCAB} fp32",
+        name,
+        (t_ours, t_base),
+        (m_ours, m_base),
     )
-    return info
 
 
 def test_bench_linear_policy_loss(benchmark, inputs):

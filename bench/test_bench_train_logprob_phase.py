@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes
+from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes, report_ratios
 
 from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
 from paravt.algo.naive import materialised_minibatch_backward
@@ -126,21 +126,14 @@ def test_bench_logprob_loss_backward_phase_vs_materialised(benchmark):
     m_ours = peak_cpu_alloc_bytes(ours)
     model.zero_grad(set_to_none=True)
     m_base = peak_cpu_alloc_bytes(baseline)
-    info = {
-        "shape": f"{ROLLOUTS} rollouts x {LENGTH} tokens ({GENERATED:.0%} trained), "
-        f"hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}, fp32",
-        "baseline": "materialised per-sequence (full logits, log_softmax, gather)",
-        "ours_s": t_ours,
-        "baseline_s": t_base,
-        "time_ratio": t_ours / t_base,
-        "ours_peak_mib": m_ours / 2**20,
-        "baseline_peak_mib": m_base / 2**20,
-        "mem_ratio": m_ours / m_base,
-    }
-    benchmark.extra_info.update(info)
-    print(
-        "\nlog-prob + loss + backward phase: "
-        + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
+    info = report_ratios(
+        benchmark,
+        "log-prob + loss + backward phase",
+        f"{ROLLOUTS} rollouts x {LENGTH} tokens ({GENERATED:.0%} trained), hidden {HIDDEN}, "
+        f"{LAYERS} layers, vocab {VOCAB}, fp32, gradient checkpointing",
+        "materialised per-sequence (full logits, log_softmax, gather)",
+        (t_ours, t_base),
+        (m_ours, m_base),
     )
     assert info["mem_ratio"] <= 0.15, info
     assert info["time_ratio"] <= 0.6, info

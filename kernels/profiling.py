@@ -46,3 +46,34 @@ def median_seconds(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) 
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]
+
+
+def report_ratios(
+    benchmark: object,
+    title: str,
+    shape: str,
+    baseline: str,
+    seconds: tuple[float, float],
+    peak_bytes: tuple[int, int],
+) -> dict[str, object]:
+    """The benchmarks' one report of ours against a baseline measured in the same run:
+    ``seconds`` / ``peak_bytes`` are ``(ours, baseline)``. Puts the times, peaks and their
+    ratios (ours / baseline, lower is better) in ``benchmark.extra_info`` (pytest-benchmark's
+    JSON) and prints them; returns them."""
+    (t_ours, t_base), (m_ours, m_base) = seconds, peak_bytes
+    info: dict[str, object] = {
+        "shape": shape,
+        "baseline": baseline,
+        "ours_s": t_ours,
+        "baseline_s": t_base,
+        "time_ratio": t_ours / t_base,
+        "ours_peak_mib": m_ours / 2**20,
+        "baseline_peak_mib": m_base / 2**20,
+        "mem_ratio": m_ours / m_base,
+    }
+    benchmark.extra_info.update(info)  # type: ignore[attr-defined]
+    print(
+        f"\n{title} vs {baseline}: "
+        + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
+    )
+    return info
