@@ -78,6 +78,19 @@ def _peak_mem(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def _vs_liger(res: dict, liger, flops: float, t_ours: float) -> None:
+    """Time Liger's ``liger()`` fwd+bwd on the same inputs; its TFLOP/s, peak memory and our
+    time / memory ratios against it go into ``res``."""
+    t_liger = _time_cuda(liger)
+    res.update(
+        liger_seconds=t_liger,
+        liger_tflops=flops / t_liger / 1e12,
+        liger_peak_mem_bytes=_peak_mem(liger),
+        time_ratio_vs_liger=t_ours / t_liger,
+    )
+    res["mem_ratio_vs_liger"] = res["peak_mem_bytes"] / max(res["liger_peak_mem_bytes"], 1)
+
+
 def bench_linear_logprob(quick: bool) -> dict:
     from paravt_kernels import linear_logprob
 
@@ -112,14 +125,7 @@ def bench_linear_logprob(quick: bool) -> dict:
             h.grad = w.grad = None
             lce(w, h, t).backward()
 
-        t_liger = _time_cuda(liger)
-        res.update(
-            liger_seconds=t_liger,
-            liger_tflops=flops / t_liger / 1e12,
-            liger_peak_mem_bytes=_peak_mem(liger),
-            time_ratio_vs_liger=t_ours / t_liger,
-        )
-        res["mem_ratio_vs_liger"] = res["peak_mem_bytes"] / max(res["liger_peak_mem_bytes"], 1)
+        _vs_liger(res, liger, flops, t_ours)
     except Exception as e:  # liger missing or failing: report, keep going
         res["liger_error"] = f"{type(e).__name__}: {e}"
     return res
@@ -166,14 +172,7 @@ def bench_linear_policy_loss(quick: bool) -> dict:
                                             mask.view(b, n // b), adv_seq,
                                             old_per_token_logps=old.view(b, n // b))[0])
             )  # fmt: skip
-        t_liger = _time_cuda(liger)
-        res.update(
-            liger_seconds=t_liger,
-            liger_tflops=flops / t_liger / 1e12,
-            liger_peak_mem_bytes=_peak_mem(liger),
-            time_ratio_vs_liger=t_ours / t_liger,
-        )
-        res["mem_ratio_vs_liger"] = res["peak_mem_bytes"] / max(res["liger_peak_mem_bytes"], 1)
+        _vs_liger(res, liger, flops, t_ours)
     except Exception as e:  # liger missing or failing: report, keep going
         res["liger_error"] = f"{type(e).__name__}: {e}"
     return res

@@ -24,7 +24,7 @@ from paravt.algo.loss import (
     agg_denominator,
     minibatch_backward,
 )
-from paravt.algo.packing import select_sequences
+from paravt.algo.packing import row_sampling, select_sequences
 from paravt.types import PackedBatch, VisualInputs
 
 
@@ -65,10 +65,10 @@ def materialised_row_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``materialised_sequence_logprobs`` of sequence ``i`` under its own T / top-p."""
     a, b = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-    assert batch.temperatures is not None and batch.top_ps is not None
+    temperature, top_p = row_sampling(batch, i)
     return materialised_sequence_logprobs(
         model, batch.input_ids[a:b], batch.extras["mm_token_type_ids"][a:b], batch.visuals[i],
-        float(batch.temperatures[i]), float(batch.top_ps[i]), with_entropy,
+        temperature, top_p, with_entropy,
     )  # fmt: skip
 
 
