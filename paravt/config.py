@@ -128,6 +128,11 @@ class AgentConfig:
     max_tool_response_tokens: int = 512
     # Text appended to force an answer after max_turns.
     force_answer_text: str = "\nI must answer now.\n</think>\n<answer>"
+    # What a crop_video call returns: 'subagent' (a sub-agent with the same weights watches
+    # the crop and its summary is the tool response: how PARA-GRPO trains) or 'frames' (the
+    # crop's frames go into the main context inside the tool response, no sub-agent: the
+    # reference evaluation's protocol, for comparing numbers with the paper).
+    crop_mode: str = "subagent"
 
 
 @dataclass
@@ -432,6 +437,8 @@ def validate(cfg: Config) -> None:
         errs.append(f"agent.max_turns={cfg.agent.max_turns} must be >= 0")
     if cfg.agent.max_parallel < 1:
         errs.append(f"agent.max_parallel={cfg.agent.max_parallel} must be >= 1")
+    if cfg.agent.crop_mode not in ("subagent", "frames"):
+        errs.append(f"agent.crop_mode='{cfg.agent.crop_mode}' is not one of subagent|frames")
     if cfg.reward.oe_metric not in ("f1", "exact"):
         errs.append(f"reward.oe_metric='{cfg.reward.oe_metric}' is not one of f1|exact")
     if cfg.algo.kl_type not in ("k1", "k2", "k3"):

@@ -7,6 +7,7 @@ each finished trajectory reproduces the engine's behaviour log-probs on every ge
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -143,3 +144,59 @@ def test_oracle_sft_rows_encode(tiny, synth_dir):
         b = score(traj, samples[rec["sample_id"]], cfg.reward)
         assert b["acc"] == 1.0 and b["fmt_base"] == 1.0 and b["flow"] == 1.0
         assert b["tool"] == cfg.reward.tool_bonus
+
+
+def test_frames_crop_mode_puts_the_crops_in_the_main_context(tiny, synth_dir):
+    """``agent.crop_mode=frames`` (the reference evaluation's protocol): each crop's frames go
+    into the main agent's tool response, no sub-agent runs, and the next main turn, sampled by
+    the real model over three video segments, is token-exact under teacher forcing."""
+    from scripted_engine import ScriptedFirstTurn
+
+    cfg = load_config(
+        "tiny_cpu",
+        overrides=[
+            "rollout.max_new_tokens=12",
+            "agent.max_turns=1",
+            "video.crop_max_frames=4",
+            "agent.crop_mode=frames",
+        ],
+    )
+    (sample,) = load_samples(synth_dir, split="train")[:1]
+    calls = "\n".join(
+        "<tool_call>\n"
+        + json.dumps({"name": "crop_video", "arguments": {"start_time": s, "end_time": e}})
+        + "\n</tool_call>"
+        for s, e in ((5, 9), (20, 26))
+    )
+    eng = ScriptedFirstTurn(
+        HFEngine(tiny, seed=0),
+        "x\n</think>\n" + calls,
+        lambda model, req, ids: [0.0] * (len(ids) - len(req.prompt_ids)),
+    )
+    runner = AgentRunner(eng, tiny, cfg)
+    (g,) = runner.rollout([sample], [4], group_size=1, seed=0)
+    (t,) = g.trajectories
+    assert g.sub_trajectories == [] and runner.stats["sub_engine_calls"] == 0
+    assert runner.stats["crops"] == 2
+    assert [c.status for c in t.turns[0].calls] == ["ok", "ok"]
+    assert all(c.response == "4 frames of this window are shown above." for c in t.turns[0].calls)
+    assert len(t.turns) == 2 and t.visuals is not None and t.visuals.num_segments == 3
+    check_visual_tokens(t.extras["mm_token_type_ids"], t.visuals, 2)
+    text = tiny.tokenizer.decode(t.tokens, skip_special_tokens=False)
+    # Qwen3-VL's video layout: "<t seconds>" text before each temporal patch's vision block.
+    assert len(re.findall(r"<tool_response>\n<[\d.]+ seconds><\|vision_start\|>", text)) == 2
+    assert "[5.0-9.0 s] 4 frames of this window are shown above.\n</tool_response>" in text
+    # The second turn was sampled over the overview AND both crops: teacher forcing agrees.
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(
+            tiny.model,
+            t.tokens,
+            t.extras["mm_token_type_ids"],
+            t.visuals,
+            temperature=cfg.rollout.temperature,
+        )
+    last = max(i for i, m in enumerate(t.extras["mm_token_type_ids"]) if m)
+    m = torch.tensor(t.loss_mask, dtype=torch.bool)
+    m[:last] = False
+    assert m.any()
+    torch.testing.assert_close(lp[m], torch.tensor(t.logprobs)[m], atol=2e-4, rtol=0)

@@ -331,18 +331,31 @@ def response_ids(text: TextCache, content: str, max_tokens: int) -> tuple[list[i
 
 
 def add_tool_turn(
-    ctx: Context, text: TextCache, contents: Iterable[str], max_tokens: int
+    ctx: Context,
+    text: TextCache,
+    contents: Iterable[str],
+    max_tokens: int,
+    clips: Iterable[Clip | None] | None = None,
 ) -> list[bool]:
     """Append the forced text after a main turn that called tools, up to the next assistant
     header: ``\\n<|im_start|>user\\n`` + one ``<tool_response>\\n{content}\\n</tool_response>``
     per call (joined by ``\\n``) + ``<|im_end|>\\n<|im_start|>assistant\\n``.
 
     The tags are markup; every content (a summary, an error quoting the model's call) is
-    plain text cut to ``max_tokens`` (:func:`response_ids`). Returns which were cut."""
+    plain text cut to ``max_tokens`` (:func:`response_ids`). ``clips`` (``agent.crop_mode=
+    frames``): per call, a crop clip spliced in right after ``<tool_response>\\n`` and
+    followed by ``\\n`` (None for a call without frames). Returns which contents were cut."""
     cut: list[bool] = []
+    contents = list(contents)
+    per_call = list(clips) if clips is not None else [None] * len(contents)
+    if len(per_call) != len(contents):
+        raise ValueError(f"add_tool_turn: {len(contents)} contents but {len(per_call)} clips")
     ctx.add_markup(text.markup("\n" + header("user")))
-    for j, content in enumerate(contents):
+    for j, (content, clip) in enumerate(zip(contents, per_call)):
         ctx.add_markup(text.markup(("\n" if j else "") + prompts.TOOL_RESPONSE_OPEN))
+        if clip is not None:
+            ctx.add_clip(clip)
+            ctx.add_markup(text.markup("\n"))
         ids, was_cut = response_ids(text, content, max_tokens)
         ctx.add_text(ids)
         cut.append(was_cut)

@@ -5,7 +5,9 @@ Per turn, for ALL active main agents of ALL groups::
     1. one engine.generate   — main agents continue after their forced "<think>\\n"
     2. parse                 — each <tool_call> judged on its own (paravt.agent.parser)
     3. one DecodePlanner.run — every crop window of every rollout, one pass per file
-    4. one engine.generate   — every sub-agent summary (paravt.agent.subagent)
+    4. one engine.generate   — every sub-agent summary (paravt.agent.subagent); with
+                               ``agent.crop_mode=frames`` none: the crop's frames themselves
+                               go into the tool response (the reference evaluation's protocol)
     5. append                — one <tool_response> per call (errors too), next assistant header
 
 After ``agent.max_turns`` tool turns the answer is forced: ``think_prefix + force_answer_text``
@@ -389,6 +391,21 @@ class AgentRunner:
                 ok.append((i, fb))
         # ONE pixel pack for every crop of every rollout in this turn.
         clips = encode_frames_batch(self.bundle, [(fb.frames, _times(fb)) for _, fb in ok])
+        if acfg.crop_mode == "frames":  # the crop itself is the tool response: no sub-agent
+            shown: dict[tuple[str, int], Clip] = {}
+            for (i, fb), clip in zip(ok, clips):
+                e, k, c = jobs[i]
+                c.response = f"{int(fb.frames.shape[0])} frames of this window are shown above."
+                shown[(e.uid, k)] = clip
+            st["crops"] += len(ok)
+            dt_tool = time.perf_counter() - t0
+            st["crop_s"] += dt_tool
+            for e in calling:
+                _add_time(e, "tool_s", dt_tool)
+                self._add_responses(
+                    e, [shown.get((e.uid, k)) for k in range(len(e.turns[-1].calls))], st
+                )
+            return
         sub_ctx: list[tuple[int, Context, int]] = [  # (job index, context, frames)
             (i, self.sub_context(jobs[i][0].sample, jobs[i][2], clip), int(fb.frames.shape[0]))
             for (i, fb), clip in zip(ok, clips)
@@ -451,16 +468,22 @@ class AgentRunner:
                 )
         for e in calling:
             _add_time(e, "tool_s", dt_tool + dt_sub)
-            t = e.turns[-1]
-            if not (t.finish_reason == "stop" and e.ctx.tokens[-1] == self.im_end):
-                e.ctx.add_markup([self.im_end])  # close the turn the length cap cut off
-            cut = add_tool_turn(
-                e.ctx,
-                self.text,
-                [prompts.tool_response_text(c) for c in t.calls],
-                acfg.max_tool_response_tokens,
-            )
-            st["truncated_responses"] += sum(cut)
+            self._add_responses(e, None, st)
+
+    def _add_responses(self, e: _Episode, clips: list[Clip | None] | None, st: dict) -> None:
+        """Close the episode's last turn and append one tool response per call (with the
+        crop's frames in ``agent.crop_mode=frames``)."""
+        t = e.turns[-1]
+        if not (t.finish_reason == "stop" and e.ctx.tokens[-1] == self.im_end):
+            e.ctx.add_markup([self.im_end])  # close the turn the length cap cut off
+        cut = add_tool_turn(
+            e.ctx,
+            self.text,
+            [prompts.tool_response_text(c) for c in t.calls],
+            self.cfg.agent.max_tool_response_tokens,
+            clips,
+        )
+        st["truncated_responses"] += sum(cut)
 
     def _collect(self, episodes: list[_Episode], groups: dict[int, Group]) -> list[Group]:
         for e in episodes:

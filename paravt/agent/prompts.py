@@ -69,8 +69,14 @@ def system_prompt(max_parallel: int) -> str:
 
 
 def question_text(sample: Sample, duration: float) -> str:
-    """The user's text after the overview frames: duration, question, options, answer form."""
-    parts = [f"The video is {duration:.1f} seconds long.", f"Question: {sample.question}"]
+    """The user's text after the overview frames: duration, subtitles (when the sample has
+    them: ``Sample.extra['subtitles']``, e.g. Video-MME with subtitles), question, options,
+    answer form."""
+    parts = [f"The video is {duration:.1f} seconds long."]
+    subtitles = str(sample.extra.get("subtitles") or "").strip()
+    if subtitles:
+        parts.append(f"The video's subtitles are listed below:\n{subtitles}")
+    parts.append(f"Question: {sample.question}")
     q = sample.question
     if sample.question_type == "mcq" and sample.options:
         lettered = [
