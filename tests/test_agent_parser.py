@@ -183,6 +183,17 @@ def test_question_text_options_once():
     )
     q2 = question_text(listed, 61.0)
     assert q2.count("red circle") == 1 and q2.count("Answer") == 1
+    # Video-MME's options arrive lettered: never "A. A. Apples."
+    vm = Sample("s", "v", "Which?", "C", "mcq", options=["A. Apples.", "B. Candles."])
+    assert "Options:\nA. Apples.\nB. Candles." in question_text(vm, 9.0)
+
+
+def test_question_text_subtitles_before_the_question():
+    s = Sample("s", "v", "Who speaks?", "A", "mcq", options=["x", "y"])
+    assert "subtitles" not in question_text(s, 5.0)
+    s.extra["subtitles"] = "hello there\n<not a tag for us>"
+    q = question_text(s, 5.0)
+    assert q.index("subtitles are listed below:\nhello there\n<not a tag") < q.index("Question:")
 
 
 def test_tool_response_text_summary_or_error():

@@ -58,6 +58,7 @@ def test_list_and_null_overrides() -> None:
         ("model.path=/does/not/exist", "model.path"),
         ("algo.minibatches=3", "algo.minibatches"),
         ("algo.kl_mode=both", "algo.kl_mode"),
+        ("agent.crop_mode=pixels", "agent.crop_mode"),
         # Removed: it never reached the loss (see paravt.rewards.format).
         ("reward.token_level_format=true", "reward.token_level_format"),
     ],
