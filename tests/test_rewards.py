@@ -53,6 +53,8 @@ def test_answer_is_last_complete_block_never_last_line():
         ("B", "B"),
         ("(B)", "B"),
         ("B.", "B"),
+        ("**B**", "B"),
+        ("_(b)_", "B"),
         ("b) red square", "B"),
         ("B. red square", "B"),
         ("The answer is (B)", "B"),

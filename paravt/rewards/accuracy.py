@@ -111,7 +111,7 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     Tried in order; the first rule that names a letter decides (a letter outside the options,
     e.g. "E" of four, then gives None rather than falling through to a weaker rule):
 
-    1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``;
+    1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``, ``"**B**"`` (markdown bold);
     2. an explicit phrase, the *last* one wins: ``the answer is (B)``, ``Answer: C``,
        ``correct option is D`` — so "option C is wrong, the answer is D" is D;
     3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``;
@@ -134,7 +134,7 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     def decide(letter: str) -> str | None:
         return letter.upper() if letter.upper() in valid else None
 
-    m = re.fullmatch(r"[\(\[]?([A-Za-z])[\)\]]?[.:]?", s)
+    m = re.fullmatch(r"[\*_]*[\(\[]?([A-Za-z])[\)\]]?[.:]?[\*_]*", s)
     if m:
         return decide(m.group(1))
     phrases = list(_ANSWER_PHRASE.finditer(s))
