@@ -96,6 +96,9 @@ def test_choice_beyond_options_rejected():
         # Hedging over several parenthesised letters or option mentions names none.
         ("It is (A) or maybe (C)", None),
         ("option B or option D", None),
+        ("(A) (B)", None),
+        ("B. red square, not (c)", None),
+        ("(B) red square (b)", "B"),
         # Common spellings of the explicit phrase.
         ("The answer is: B", "B"),
         ("Answer is: C", "C"),

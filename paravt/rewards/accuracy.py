@@ -114,7 +114,8 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``, ``"**B**"`` (markdown bold);
     2. an explicit phrase, the *last* one wins: ``the answer is (B)``, ``Answer: C``,
        ``correct option is D`` — so "option C is wrong, the answer is D" is D;
-    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``;
+    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``
+       — unless a parenthesised letter elsewhere names another one (``"(A) (B)"``: hedging);
     4. ``option D`` / ``choice D`` mentions, and then 5. parenthesised letters ``(c)``
        anywhere: if these name different letters (hedging: "(A) or (B)") the answer is None;
     6. the answer equal to one option's text (normalised).
@@ -142,7 +143,8 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
         return decide(phrases[-1].group("l"))
     m = re.match(r"^[\(\[]?([A-Za-z])(?:[\)\]]|[.:](?=\s|$))", s)
     if m:
-        return decide(m.group(1))
+        hedged = {c.upper() for c in _PAREN.findall(s)} - {m.group(1).upper()}
+        return None if hedged else decide(m.group(1))
     for found in ([m.group("l") for m in _MENTION.finditer(s)], _PAREN.findall(s)):
         named = {c.upper() for c in found}
         if len(named) == 1:
