@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from paravt.config import RewardConfig
@@ -38,6 +40,10 @@ def test_answer_is_last_complete_block_never_last_line():
     assert extract_answer("<answer>B</answer> <answer>D") == "B"
     # No block: no answer, even if the last line looks like one.
     assert extract_answer("reasoning...\nThe answer is B") is None
+    # Blocks run from an <answer> to the next </answer>, left to right.
+    assert extract_answer("<answer>A<answer>B</answer>") == "A<answer>B"
+    assert extract_answer("<answer>A</answer></answer>") == "A"
+    assert extract_answer("<answer></answer>") == ""
     assert accuracy("I think\nB", MCQ)["acc"] == 0.0
 
 
@@ -47,6 +53,8 @@ def test_answer_is_last_complete_block_never_last_line():
         ("B", "B"),
         ("(B)", "B"),
         ("B.", "B"),
+        ("**B**", "B"),
+        ("_(b)_", "B"),
         ("b) red square", "B"),
         ("B. red square", "B"),
         ("The answer is (B)", "B"),
@@ -88,6 +96,9 @@ def test_choice_beyond_options_rejected():
         # Hedging over several parenthesised letters or option mentions names none.
         ("It is (A) or maybe (C)", None),
         ("option B or option D", None),
+        ("(A) (B)", None),
+        ("B. red square, not (c)", None),
+        ("(B) red square (b)", "B"),
         # Common spellings of the explicit phrase.
         ("The answer is: B", "B"),
         ("Answer is: C", "C"),
@@ -152,10 +163,37 @@ def test_oe_exact_and_partial():
         ("12.5s - 18s", (12.5, 18.0)),
         ("18-12", None),
         ("no window", None),
+        # Charades-style answers (the lmms-eval prompt's own example) and other phrasings.
+        ("The event happens in the 24.3 - 30.4 seconds.", (24.3, 30.4)),
+        ("between 3 and 4.5 s", (3.0, 4.5)),
+        ("starts at 5 and ends at 9", (5.0, 9.0)),
+        ("start time: 5, end time: 9", (5.0, 9.0)),
+        ("12.5~18", (12.5, 18.0)),
+        # Clock times: MM:SS and HH:MM:SS, fractional seconds.
+        ("<time>00:19.7 - 00:25.6</time>", (19.7, 25.6)),
+        ("1:05 - 1:20", (65.0, 80.0)),
+        ("from 1:02:03 to 1:02:10", (3723.0, 3730.0)),
+        ("1:75 - 2:00", None),  # not a clock
+        # A number never starts inside another token: "1e400-2" holds no "400-2".
+        ("1e400-2", None),
+        ("nan-5", None),
+        ("5-5", None),
+        ("-5 - 10", (-5.0, 10.0)),
+        ("在24.3-30.4秒", (24.3, 30.4)),
     ],
 )
 def test_parse_window(text, want):
     assert parse_window(text) == want
+
+
+@pytest.mark.parametrize(
+    "text", ["1" * 100_000, "1" + " " * 100_000, "<answer>" * 12_500, "start 1 " * 12_500]
+)
+def test_extraction_linear_on_huge_text(text):
+    # The former patterns backtracked quadratically: 25 s on 20 KB of digits.
+    t0 = time.perf_counter()
+    parse_window(text), extract_answer(text), extract_choice(text, OPTS)
+    assert time.perf_counter() - t0 < 1.0
 
 
 def test_temporal_iou():

@@ -13,8 +13,9 @@ scores 0). Scoring by ``Sample.question_type``:
   partial credit otherwise, a denser signal for group-relative advantages than 0/1 exact match.
   ``RewardConfig.oe_metric='exact'`` switches to strict 0/1.
 * ``tvg`` — temporal IoU of the predicted window (``"12.5-18"``, ``"from 12.5 to 18 seconds"``,
-  ``"[12.5, 18]"``) with the ground-truth window (``Sample.event_start/end``, else parsed from
-  ``Sample.answer``). A non-finite window scores 0; the readers reject such rows at load.
+  ``"[12.5, 18]"``, ``"00:19.7 - 00:25.6"``; :func:`parse_window`) with the ground-truth
+  window (``Sample.event_start/end``, else parsed from ``Sample.answer``). A non-finite window
+  scores 0; the readers reject such rows at load.
 
 Shortcuts of the reference implementation that are closed here: ``\\b([A-D])\\b`` matched the
 article "A" in "A red square appears"; token F1 over *sets* rewarded "red red red" for "red";
@@ -30,15 +31,26 @@ from collections import Counter
 
 from paravt.types import Sample
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN_ANSWER, _CLOSE_ANSWER = "<answer>", "</answer>"
 
 
 def extract_answer(text: str) -> str | None:
-    """Content of the last complete ``<answer>…</answer>`` block (stripped), or None."""
-    blocks = _ANSWER_RE.findall(text)
-    if not blocks:
-        return None
-    return blocks[-1].strip()
+    """Content of the last complete ``<answer>…</answer>`` block (stripped), or None.
+
+    Blocks are read left to right, each from an ``<answer>`` to the next ``</answer>`` (so
+    ``<answer>A<answer>B</answer>`` is one block, ``A<answer>B``). Written with ``str.find``
+    rather than a lazy regex: ``findall`` rescans to the end from every unclosed ``<answer>``,
+    quadratic in the text (seconds on 100 KB of repeated tags); this is one pass.
+    """
+    last: str | None = None
+    pos = 0
+    while (i := text.find(_OPEN_ANSWER, pos)) >= 0:
+        j = text.find(_CLOSE_ANSWER, i + len(_OPEN_ANSWER))
+        if j < 0:
+            break
+        last = text[i + len(_OPEN_ANSWER) : j]
+        pos = j + len(_CLOSE_ANSWER)
+    return None if last is None else last.strip()
 
 
 # ----------------------------------------------------------------------------------- mcq
@@ -99,10 +111,11 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     Tried in order; the first rule that names a letter decides (a letter outside the options,
     e.g. "E" of four, then gives None rather than falling through to a weaker rule):
 
-    1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``;
+    1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``, ``"**B**"`` (markdown bold);
     2. an explicit phrase, the *last* one wins: ``the answer is (B)``, ``Answer: C``,
        ``correct option is D`` — so "option C is wrong, the answer is D" is D;
-    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``;
+    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``
+       — unless a parenthesised letter elsewhere names another one (``"(A) (B)"``: hedging);
     4. ``option D`` / ``choice D`` mentions, and then 5. parenthesised letters ``(c)``
        anywhere: if these name different letters (hedging: "(A) or (B)") the answer is None;
     6. the answer equal to one option's text (normalised).
@@ -122,7 +135,7 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     def decide(letter: str) -> str | None:
         return letter.upper() if letter.upper() in valid else None
 
-    m = re.fullmatch(r"[\(\[]?([A-Za-z])[\)\]]?[.:]?", s)
+    m = re.fullmatch(r"[\*_]*[\(\[]?([A-Za-z])[\)\]]?[.:]?[\*_]*", s)
     if m:
         return decide(m.group(1))
     phrases = list(_ANSWER_PHRASE.finditer(s))
@@ -130,7 +143,8 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
         return decide(phrases[-1].group("l"))
     m = re.match(r"^[\(\[]?([A-Za-z])(?:[\)\]]|[.:](?=\s|$))", s)
     if m:
-        return decide(m.group(1))
+        hedged = {c.upper() for c in _PAREN.findall(s)} - {m.group(1).upper()}
+        return None if hedged else decide(m.group(1))
     for found in ([m.group("l") for m in _MENTION.finditer(s)], _PAREN.findall(s)):
         named = {c.upper() for c in found}
         if len(named) == 1:
@@ -146,12 +160,17 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     return None
 
 
+def gold_choice(sample: Sample) -> str:
+    """The ground-truth letter of an mcq sample: ``Sample.answer`` read as a choice against its
+    options (``"B"``, ``"(B)"``, or an option's text), else the answer upper-cased as is (a
+    letter outside the options then matches no prediction)."""
+    return extract_choice(sample.answer, sample_options(sample)) or sample.answer.strip().upper()
+
+
 def mcq_accuracy(pred: str, sample: Sample) -> float:
     """1 if ``pred`` names the ground-truth letter, else 0 (options: :func:`sample_options`)."""
-    options = sample_options(sample)
-    gt = extract_choice(sample.answer, options) or sample.answer.strip().upper()
-    got = extract_choice(pred, options)
-    return 1.0 if got is not None and got == gt else 0.0
+    got = extract_choice(pred, sample_options(sample))
+    return 1.0 if got is not None and got == gold_choice(sample) else 0.0
 
 
 # ------------------------------------------------------------------------------- open-ended
@@ -188,21 +207,54 @@ def token_f1(pred: str, gold: str) -> float:
 
 
 # -------------------------------------------------------------------------------- temporal
-_NUM = r"(-?\d+(?:\.\d+)?)"
+# A time: seconds ("12.5") or a clock ("1:05", "00:01:05.5"), optionally negative. It may not
+# start inside a number or a word ("1e400-2" holds no "400"), so a run of digits offers one start
+# and the patterns stay linear in the text (the former pattern took 25 s on 20 KB of digits).
+_T = r"(?<![0-9A-Za-z.:])(-?(?:[0-9]+:){0,2}[0-9]+(?:\.[0-9]+)?)"
+# An optional unit after a time; the blank before the separator only after a unit, so two
+# optional blanks never compete for the same spaces (quadratic backtracking otherwise).
+_U = r"\s*(?:(?:seconds?|secs?|s)\b\s*)?"
+_CUE = r"\s*(?:time)?\s*(?:at|is|of|=|:)?\s*"
 _WINDOW_RES = [
-    re.compile(rf"from\s+{_NUM}\s*(?:s|sec|secs|seconds?)?\s+to\s+{_NUM}", re.IGNORECASE),
-    re.compile(rf"{_NUM}\s*(?:s|sec|secs|seconds?)?\s*(?:-|–|—|to|,)\s*{_NUM}", re.IGNORECASE),
+    re.compile(rf"\bfrom\s+{_T}{_U}to\s+{_T}", re.IGNORECASE),
+    re.compile(rf"\bbetween\s+{_T}{_U}and\s+{_T}", re.IGNORECASE),
+    re.compile(rf"{_T}{_U}(?:-|–|—|~|\bto\b|,)\s*{_T}", re.IGNORECASE),
+    re.compile(
+        rf"\bstart(?:s|ing)?\b{_CUE}{_T}[^0-9]{{0,40}}?\bend(?:s|ing)?\b{_CUE}{_T}",
+        re.IGNORECASE,
+    ),
 ]
 
 
+def _seconds(t: str) -> float:
+    """Seconds of a matched time; NaN for a clock with a field of 60 or more ("1:75")."""
+    sign = -1.0 if t.startswith("-") else 1.0
+    parts = t.lstrip("-").split(":")
+    if any(float(p) >= 60 for p in parts[1:]):
+        return math.nan
+    value = 0.0
+    for p in parts:  # float, not int: 5000 digits overflow to inf instead of raising
+        value = value * 60 + float(p)
+    return sign * value
+
+
 def parse_window(text: str) -> tuple[float, float] | None:
-    """A time window ``(start, end)`` in seconds from '12.5-18', 'from 12.5 to 18 seconds',
-    '[12.5, 18]', '12.5 s to 18 s'; None if none found, ``end <= start``, or a bound is not
-    finite (400 digits parse to ``inf``)."""
+    """A time window ``(start, end)`` in seconds, or None.
+
+    Read forms, the first that occurs in the text decides (in this order of patterns):
+    ``from 12.5 to 18 seconds``; ``between 12.5 and 18``; ``12.5-18``, ``12.5 - 18``, ``[12.5,
+    18]``, ``12.5 s to 18 s``, ``12.5~18`` (also "The event happens in the 24.3 - 30.4
+    seconds."); ``starts at 5 and ends at 9`` / ``start time: 5, end time: 9``. Each time is
+    seconds or a clock, ``MM:SS`` or ``HH:MM:SS`` (fractional seconds allowed): ``00:19.7 -
+    00:25.6``, ``1:02:03 - 1:02:10``. None when the deciding window has ``end <= start``
+    (reversed or empty windows are not swapped: a reversed answer is a wrong answer), a bound
+    that is not finite (400 digits parse to inf), or a clock field of 60 or more. Negative
+    times are read as written; their IoU with a window inside the video is accordingly low.
+    """
     for rx in _WINDOW_RES:
         m = rx.search(text)
         if m:
-            a, b = float(m.group(1)), float(m.group(2))
+            a, b = _seconds(m.group(1)), _seconds(m.group(2))
             return (a, b) if math.isfinite(a) and math.isfinite(b) and b > a else None
     return None
 
@@ -218,16 +270,22 @@ def temporal_iou(pred: tuple[float, float], gold: tuple[float, float]) -> float:
     return inter / union if union > 0 and inter > 0 else 0.0
 
 
-def tvg_accuracy(pred: str, sample: Sample) -> float:
+def gold_window(sample: Sample) -> tuple[float, float]:
+    """The ground-truth window of a tvg sample: ``event_start/end``, else parsed from
+    ``Sample.answer``; ValueError naming the sample when it has neither."""
     if sample.event_start is not None and sample.event_end is not None:
-        gold: tuple[float, float] | None = (float(sample.event_start), float(sample.event_end))
-    else:
-        gold = parse_window(sample.answer)
+        return (float(sample.event_start), float(sample.event_end))
+    gold = parse_window(sample.answer)
     if gold is None:
         raise ValueError(
             f"sample {sample.id}: tvg question has no ground-truth window (event_start/end unset "
             f"and answer {sample.answer!r} is not 'start-end'); fix the dataset row"
         )
+    return gold
+
+
+def tvg_accuracy(pred: str, sample: Sample) -> float:
+    gold = gold_window(sample)
     got = parse_window(pred)
     return temporal_iou(got, gold) if got is not None else 0.0
 
