@@ -314,9 +314,18 @@ def _unique_ids(rows: list[_Row]) -> list[tuple[str, str, str]]:
 
 
 def read_samples(
-    path: str | Path, *, video_root: str = "", split: str = "train", max_samples: int = 0
+    path: str | Path,
+    *,
+    video_root: str = "",
+    split: str = "train",
+    max_samples: int = 0,
+    keep_missing_videos: bool = False,
 ) -> tuple[list[Sample], DatasetReport]:
-    """Like ``load_samples`` but silent; returns ``(samples, report)``."""
+    """Like ``load_samples`` but silent; returns ``(samples, report)``.
+
+    ``keep_missing_videos=True`` keeps rows whose video is missing (still listed in
+    ``report.missing_videos``): the evaluation reads the synthetic task this way and counts
+    such rows as errors instead of shrinking the benchmark."""
     file = _resolve_file(Path(path), split)
     root = Path(video_root) if video_root else file.parent
     if file.suffix == ".parquet":
@@ -336,6 +345,8 @@ def read_samples(
             kept.append(s)
         else:
             report.missing_videos.append(s.video)
+            if keep_missing_videos:
+                kept.append(s)
     if max_samples > 0:
         kept = kept[:max_samples]
     return kept, report
