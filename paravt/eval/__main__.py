@@ -1,0 +1,190 @@
+"""``python -m paravt.eval`` — score a checkpoint on a long-video benchmark with the agent loop
+it was trained with.
+
+    python -m paravt.eval --benchmark NAME --data-root DIR [--model PATH] [--engine hf|vllm]
+        [--limit N] [--out DIR] [--crop-mode subagent|frames] [--frames K] [--batch-size B]
+        [--preset P] [--config F.yaml ...] [key=value ...]
+    torchrun --nproc-per-node N -m paravt.eval ...      (samples split across ranks, merged)
+
+NAME: videomme, videomme_sub, longvideobench, lvbench, mlvu, mmvu, charades_sta, synth
+(``paravt.eval.benchmarks`` documents each one's expected layout under ``--data-root``).
+``synth`` without ``--data-root`` is the embedded synthetic task's validation split.
+
+Greedy by default (``rollout.temperature=0``, ``rollout.sub_temperature=0``; a ``key=value``
+override wins), with the reference protocol's 3 tool rounds and at most 5 parallel calls.
+``--model`` defaults to ``model.path``, else the newest checkpoint of ``train.out_dir`` (what
+``make train`` wrote). A checkpoint of a paravt run is evaluated with that run's
+``config.yaml`` (pixel budgets, prompts, token caps: what it trained with) unless ``--config``
+is given; any other model with ``--preset`` (default ``tiny_cpu``: pass
+``--preset qwen3vl_8b_paragrpo`` for Qwen3-VL-8B). Results go to ``--out`` (default
+``runs/eval/<benchmark>``): ``results.jsonl``, ``summary.json`` and a markdown table; a rerun
+into the same folder resumes (``paravt.eval.runner``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from paravt.config import PRESETS, ConfigError, load_config
+
+# Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
+# calls per turn), unless the user overrides them (their key=value items come after these).
+EVAL_DEFAULTS = (
+    "rollout.temperature=0",
+    "rollout.sub_temperature=0",
+    "agent.max_turns=3",
+    "agent.max_parallel=5",
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from paravt.eval.benchmarks import BENCHMARKS
+
+    ap = argparse.ArgumentParser(prog="python -m paravt.eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--benchmark", required=True, choices=BENCHMARKS)
+    ap.add_argument("--data-root", default="", help="the benchmark as distributed (see docs)")
+    ap.add_argument("--model", default="", help="HF model dir or paravt checkpoint dir")
+    ap.add_argument("--engine", choices=("hf", "vllm"), default=None, help="rollout.engine")
+    ap.add_argument("--limit", type=int, default=None, help="first N samples only")
+    ap.add_argument("--out", default="", help="results folder (default runs/eval/<benchmark>)")
+    ap.add_argument("--crop-mode", choices=("subagent", "frames"), default=None)
+    ap.add_argument("--frames", type=int, default=64, help="overview frames K (default 64)")
+    ap.add_argument("--batch-size", type=int, default=8, help="samples per rollout call")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--preset", default="tiny_cpu", choices=sorted(PRESETS))
+    ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
+    return ap.parse_args(argv)
+
+
+def resolve_model_path(cfg: Any, given: str) -> str:
+    """``--model``, else ``model.path``, else the newest checkpoint of ``train.out_dir``."""
+    from paravt.checkpoint import latest_checkpoint
+
+    path = given or cfg.model.path
+    if path:
+        if not Path(path).is_dir():
+            raise ConfigError(f"--model {path!r} is not a directory (an HF model or checkpoint)")
+        return str(path)
+    ckpt = latest_checkpoint(cfg.train.out_dir)
+    if ckpt is None:
+        raise ConfigError(
+            f"no --model given and no checkpoint under {cfg.train.out_dir}/checkpoints: the "
+            "model is untrained. Train one with `make train` (or python -m paravt.train), or "
+            "pass --model PATH"
+        )
+    return str(ckpt)
+
+
+def run_config(model_path: str) -> Path | None:
+    """The ``config.yaml`` of the training run a checkpoint ``<run>/checkpoints/step_N`` came
+    from (its pixel budgets, prompts and caps are what the model learned with), or None."""
+    p = Path(model_path).resolve()
+    if p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file():
+        return p.parent.parent / "config.yaml"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    overrides = list(EVAL_DEFAULTS)
+    if a.engine:
+        overrides.append(f"rollout.engine={a.engine}")
+    if a.crop_mode:
+        overrides.append(f"agent.crop_mode={a.crop_mode}")
+    overrides += list(a.overrides)
+    try:
+        cfg = load_config(a.preset, a.config, overrides)
+        model_path = resolve_model_path(cfg, a.model)
+        trained_with = None if a.config else run_config(model_path)
+        if trained_with is not None:  # evaluate with the settings the checkpoint trained with
+            cfg = load_config(a.preset, [str(trained_with)], overrides)
+        if a.frames < 1:
+            raise ConfigError(f"--frames {a.frames} must be >= 1")
+        if a.batch_size < 1:
+            raise ConfigError(f"--batch-size {a.batch_size} must be >= 1")
+        if a.limit is not None and a.limit < 1:
+            raise ConfigError(f"--limit {a.limit} must be >= 1")
+        data_root = a.data_root
+        if not data_root:
+            if a.benchmark != "synth":
+                raise ConfigError(f"--data-root is required for --benchmark {a.benchmark}")
+            from paravt.rollout.__main__ import resolve_data
+
+            data_root = str(resolve_data(cfg))
+        if not Path(data_root).is_dir():
+            raise ConfigError(f"--data-root {data_root!r} is not a directory")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from paravt.agent import AgentRunner
+    from paravt.distributed import cleanup, init_distributed
+    from paravt.eval.benchmarks import BenchmarkFormatError, load_benchmark
+    from paravt.eval.runner import EvalError, EvalSettings, run_eval
+    from paravt.models import load_model_from_config
+    from paravt.rollout.__main__ import make_engine
+
+    try:
+        samples = load_benchmark(a.benchmark, data_root, limit=a.limit)
+    except (BenchmarkFormatError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not samples:
+        print(f"error: no samples in {data_root} for {a.benchmark}", file=sys.stderr)
+        return 1
+    ctx = init_distributed(cfg.model.device)
+    if ctx.is_main:
+        v = cfg.video
+        print(
+            f"[eval] {a.benchmark}: {len(samples)} samples, model {model_path}, config "
+            f"{trained_with or ('preset ' + a.preset)} (overview <= {v.overview_max_pixels} px "
+            f"per frame, K={a.frames}, crops <= {v.crop_max_frames} frames of "
+            f"<= {v.crop_max_pixels} px, crop mode {cfg.agent.crop_mode})",
+            flush=True,
+        )
+    bundle = load_model_from_config(model_path, cfg.model, device=str(ctx.device))
+    runner = AgentRunner(make_engine(cfg, bundle), bundle, cfg)
+    r = cfg.rollout
+    settings = EvalSettings(
+        benchmark=a.benchmark,
+        data_root=str(Path(data_root).resolve()),
+        model=str(Path(model_path).resolve()),
+        engine=r.engine,
+        frames=a.frames,
+        crop_mode=cfg.agent.crop_mode,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        sub_temperature=r.sub_temperature,
+        max_turns=cfg.agent.max_turns,
+        max_parallel=cfg.agent.max_parallel,
+        max_new_tokens=r.max_new_tokens,
+    )
+    out = a.out or f"runs/eval/{a.benchmark}"
+    try:
+        run_eval(
+            samples,
+            runner,
+            out,
+            settings,
+            batch_size=a.batch_size,
+            seed=a.seed,
+            ctx=ctx,
+            show_progress=not a.no_progress,
+        )
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        cleanup(ctx)
+    if ctx.is_main:
+        print(f"[eval] results in {out}/ (results.jsonl, summary.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

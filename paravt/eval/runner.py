@@ -1,0 +1,402 @@
+"""The evaluation loop behind ``python -m paravt.eval``: the training agent loop, greedy, on a
+benchmark's samples, one result line per sample, resumable, split across ``torchrun`` ranks.
+
+Per batch of ``batch_size`` samples: ONE ``AgentRunner.rollout`` (G = 1) at the overview budget
+K = ``frames`` — overview, parallel ``crop_video`` calls (at most ``agent.max_parallel`` per
+turn, ``agent.max_turns`` tool rounds, then the forced answer), each crop examined by a
+sub-agent with the same weights (``agent.crop_mode=subagent``) or shown to the main agent as
+frames (``frames``, the reference evaluation's protocol) — then ``paravt.eval.scoring``.
+
+Files in ``out``:
+
+* ``results.jsonl`` — one line per sample (:func:`result_row`): id, prediction (the main
+  agent's full text), parsed answer, correct / IoU / score, turns, calls, timings, error, and
+  the trace (each turn's text and its calls' windows and responses) that the viewer renders.
+  Written as each batch finishes (``results.rank{r}.jsonl`` per rank under ``torchrun``, merged
+  into ``results.jsonl`` in dataset order at the end).
+* ``run.json`` — what the numbers depend on (benchmark, model, frames, crop mode, engine,
+  sampling). A rerun with the same settings skips every id already in the results (a killed
+  run loses at most the batch in flight); a rerun with different settings into the same folder
+  is refused, naming what differs, rather than mixing two protocols in one summary.
+* ``summary.json`` — :func:`paravt.eval.scoring.summarize` of all rows; the markdown table
+  (:func:`paravt.eval.scoring.markdown_table`) is printed at the end.
+
+Errors never stop a run: a sample whose video is missing or unreadable becomes an error row
+(counted in the summary, scored wrong / IoU 0); a batch whose engine call raises becomes error
+rows with ``error_kind="engine"``, which a rerun retries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from paravt.types import Group, Sample, Trajectory
+
+log = logging.getLogger("paravt.eval")
+
+RESULTS = "results.jsonl"
+SUMMARY = "summary.json"
+RUN_FILE = "run.json"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What a result depends on (``run.json``); a resumed run must match it exactly."""
+
+    benchmark: str
+    data_root: str
+    model: str
+    engine: str
+    frames: int
+    crop_mode: str
+    temperature: float
+    top_p: float
+    sub_temperature: float
+    max_turns: int
+    max_parallel: int
+    max_new_tokens: int
+
+
+class EvalError(RuntimeError):
+    """An evaluation cannot start (bad settings, mismatched resume); the message says why."""
+
+
+# ------------------------------------------------------------------------------ results
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if not path.is_file():
+        return rows
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            # A run killed mid-write leaves a torn last line: drop it (that sample reruns).
+            log.warning("%s:%d: unreadable line dropped (a killed run's last write?)", path, n)
+    return rows
+
+
+def result_files(out: Path) -> list[Path]:
+    """``results.jsonl`` and any per-rank parts of an unfinished distributed run."""
+    return [out / RESULTS, *sorted(out.glob("results.rank*.jsonl"))]
+
+
+def load_results(out: Path) -> dict[str, dict[str, Any]]:
+    """Every finished row in ``out`` by id (a later line for the same id wins)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for f in result_files(out):
+        for r in _read_jsonl(f):
+            rows[str(r["id"])] = r
+    return rows
+
+
+def is_done(row: dict[str, Any]) -> bool:
+    """A row a rerun keeps: everything except engine failures (transient: retried)."""
+    return row.get("error_kind") != "engine"
+
+
+def _call_record(c: Any) -> dict[str, Any]:
+    return {
+        "status": c.status,
+        "start": c.start,
+        "end": c.end,
+        "response": c.response,
+        "error": c.error,
+        "raw": c.raw[:500],
+    }
+
+
+def result_row(
+    sample: Sample, traj: Trajectory | None, *, frames: int, error: str = "", kind: str = ""
+) -> dict[str, Any]:
+    """The ``results.jsonl`` line of one sample (scored; an error row when ``traj`` is None)."""
+    from paravt.eval.scoring import call_fields, score_answer
+
+    extra = sample.extra or {}
+    row: dict[str, Any] = {
+        "id": sample.id,
+        "benchmark": extra.get("benchmark", ""),
+        "question_type": sample.question_type,
+        "categories": extra.get("categories", {}),
+        "answer": sample.answer,
+        "frames": frames,
+    }
+    if traj is None:
+        row.update(
+            prediction="",
+            parsed=None,
+            source="none",
+            correct=False if sample.question_type != "tvg" else None,
+            iou=0.0 if sample.question_type == "tvg" else None,
+            score=0.0,
+            unparseable=False,
+            turns=0,
+            calls=0,
+            calls_ok=0,
+            call_format_errors=0,
+            timings={},
+            error=error,
+            error_kind=kind,
+            trace=[],
+        )
+        return row
+    text = traj.answer_text
+    row.update(
+        prediction=text,
+        **score_answer(sample, text),
+        **call_fields(traj),
+        timings={k: round(v, 4) for k, v in traj.timings.items()},
+        error=None,
+        error_kind="",
+        trace=[
+            {
+                "text": t.prefix + t.text,
+                "finish_reason": t.finish_reason,
+                "forced_answer": t.forced_answer,
+                "calls": [_call_record(c) for c in t.calls],
+            }
+            for t in traj.turns
+        ],
+    )
+    return row
+
+
+# --------------------------------------------------------------------------------- loop
+def _missing_video(sample: Sample) -> bool:
+    return bool((sample.extra or {}).get("video_missing")) or not Path(sample.video).is_file()
+
+
+def evaluate_samples(
+    samples: Sequence[Sample],
+    runner: Any,
+    *,
+    frames: int,
+    batch_size: int,
+    seed: int,
+    write: Callable[[dict[str, Any]], None],
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Run ``samples`` through ``runner`` (an ``AgentRunner``) in batches; ``write`` each row
+    as soon as its batch finishes; returns the rows in sample order."""
+    from paravt.agent.loop import stable_seed
+
+    rows: list[dict[str, Any]] = []
+    todo: list[Sample] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        write(row)
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+
+    def flush() -> None:
+        if not todo:
+            return
+        batch = list(todo)
+        todo.clear()
+        t0 = time.perf_counter()
+        try:
+            groups: list[Group] = runner.rollout(
+                batch, [frames] * len(batch), group_size=1, seed=stable_seed("eval", seed)
+            )
+        except Exception as e:  # noqa: BLE001 - recorded per sample, retried on resume
+            log.warning("engine failure on a batch of %d samples: %s", len(batch), e)
+            for s in batch:
+                emit(
+                    result_row(
+                        s, None, frames=frames, error=f"{type(e).__name__}: {e}", kind="engine"
+                    )
+                )
+            return
+        dt = time.perf_counter() - t0
+        by_id = {g.sample.id: g for g in groups}
+        for s in batch:
+            g = by_id.get(s.id)
+            if g is None or not g.trajectories:
+                said = [m for m in runner.errors if m.startswith(f"sample {s.id}: ")]
+                msg = said[0] if said else f"sample {s.id}: no rollout came back"
+                emit(result_row(s, None, frames=frames, error=msg, kind="video"))
+                continue
+            row = result_row(s, g.trajectories[0], frames=frames)
+            row["timings"]["batch_s"] = round(dt, 4)
+            row["timings"]["batch_size"] = len(batch)
+            emit(row)
+
+    for s in samples:
+        if _missing_video(s):
+            emit(
+                result_row(
+                    s, None, frames=frames, error=f"video not found: {s.video}", kind="missing"
+                )
+            )
+            continue
+        todo.append(s)
+        if len(todo) >= batch_size:
+            flush()
+    flush()
+    return rows
+
+
+class _Appender:
+    """Appends JSON lines and flushes each batch to disk (a kill loses at most one line)."""
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> None:
+    """Write ``run.json``, or refuse a resume whose settings differ from the saved ones."""
+    f = out / RUN_FILE
+    new = asdict(settings)
+    if f.is_file() and has_results:
+        old = json.loads(f.read_text())
+        diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
+        if diff:
+            lines = "\n".join(f"  {k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise EvalError(
+                f"{out} holds results of a run with other settings:\n{lines}\n"
+                "use another --out, or delete that folder to start over"
+            )
+    f.write_text(json.dumps(new, indent=2) + "\n")
+
+
+def merge_results(out: Path, samples: Iterable[Sample]) -> list[dict[str, Any]]:
+    """Rewrite ``results.jsonl`` as one row per sample in dataset order (per-rank parts and
+    retried rows folded in, atomically); returns the rows."""
+    done = load_results(out)
+    rows = [done[s.id] for s in samples if s.id in done]
+    tmp = out / (RESULTS + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, out / RESULTS)
+    for part in out.glob("results.rank*.jsonl"):
+        part.unlink()
+    return rows
+
+
+class RunningScore:
+    """The progress bar's running metric over every finished row (resumed ones included)."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]]) -> None:
+        self.n, self.total = 0, 0.0
+        for r in rows:
+            self.add(r)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.n += 1
+        self.total += float(row.get("score") or 0.0)
+
+    @property
+    def value(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+
+def run_eval(
+    samples: Sequence[Sample],
+    runner: Any,
+    out: str | Path,
+    settings: EvalSettings,
+    *,
+    batch_size: int = 8,
+    seed: int = 0,
+    ctx: Any = None,
+    show_progress: bool = True,
+    stream: Any = None,
+) -> dict[str, Any]:
+    """Evaluate ``samples`` with ``runner`` into ``out``; returns the summary.
+
+    ``ctx`` (``paravt.distributed.DistContext``): rank ``r`` of ``W`` runs the pending samples
+    ``r, r+W, …`` and writes ``results.rank{r}.jsonl``; after a barrier rank 0 merges, writes
+    ``summary.json`` and prints the table (the other ranks return the same summary).
+    """
+    from paravt.distributed import DistContext, barrier, broadcast_object
+    from paravt.eval.scoring import markdown_table, summarize
+    from paravt.metrics import progress_bar
+
+    ctx = ctx or DistContext()
+    out = Path(out)
+    ids = [s.id for s in samples]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})[:5]
+        raise EvalError(f"sample ids are not unique ({dup}); results are keyed by id")
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        prev = load_results(out)
+        check_settings(out, settings, has_results=bool(prev))
+    barrier(ctx)
+    prev = load_results(out)
+    done = {i for i, r in prev.items() if is_done(r)}
+    pending = [s for s in samples if s.id not in done]
+    mine = pending[ctx.rank :: ctx.world_size]
+    if ctx.is_main and done:
+        print(
+            f"[eval] resuming in {out}: {len(done & set(ids))} of {len(ids)} samples already "
+            f"done, {len(pending)} to run",
+            file=stream or sys.stdout,
+            flush=True,
+        )
+    path = out / (RESULTS if not ctx.distributed else f"results.rank{ctx.rank}.jsonl")
+    score = RunningScore(r for i, r in prev.items() if i in done and i in set(ids))
+    bar = progress_bar(
+        len(ids),
+        initial=score.n,
+        enabled=show_progress and ctx.is_main,
+        desc=f"eval {settings.benchmark}",
+    )
+
+    def tick(row: dict[str, Any]) -> None:
+        score.add(row)
+        bar.set_postfix({settings_metric(settings.benchmark): f"{score.value:.3f}"})
+        bar.update(ctx.world_size)
+
+    writer = _Appender(path)
+
+    def write(row: dict[str, Any]) -> None:
+        row["rank"] = ctx.rank
+        writer(row)
+
+    try:
+        evaluate_samples(
+            mine,
+            runner,
+            frames=settings.frames,
+            batch_size=batch_size,
+            seed=seed,
+            write=write,
+            progress=tick,
+        )
+    finally:
+        writer.close()
+        bar.close()
+    barrier(ctx)
+    summary: dict[str, Any] = {}
+    if ctx.is_main:
+        rows = merge_results(out, samples)
+        summary = summarize(settings.benchmark, rows)
+        summary["settings"] = asdict(settings)
+        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        print(markdown_table(summary), file=stream or sys.stdout, flush=True)
+    return broadcast_object(summary, ctx)
+
+
+def settings_metric(benchmark: str) -> str:
+    """The progress bar's label for the running mean score."""
+    return "mIoU" if benchmark == "charades_sta" else "acc"

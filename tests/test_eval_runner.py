@@ -1,0 +1,273 @@
+"""``python -m paravt.eval`` end to end: the real tiny Qwen3-VL through the HF engine on the
+synthetic task (both crop modes), resume after a kill, error rows, refused mixed settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paravt.agent import AgentRunner
+from paravt.config import load_config
+from paravt.eval.__main__ import main
+from paravt.eval.benchmarks import load_benchmark
+from paravt.eval.runner import EvalSettings, load_results, run_eval
+from paravt.models import load_model
+from paravt.rollout.__main__ import OracleMainEngine, load_oracle
+from paravt.rollout.hf import HFEngine
+
+FAST = ["rollout.max_new_tokens=24", "rollout.sub_max_new_tokens=8", "video.crop_max_frames=4"]
+
+
+@pytest.fixture(scope="module")
+def tiny(assets):
+    return load_model(assets["model"], dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def oracle_task(synth_dir, tmp_path_factory) -> Path:
+    """The synthetic task with its TRAIN rows as the evaluated split, so that the oracle turns
+    of ``sft.jsonl`` (train rows only) can play the main agent: real crops, real sub-agents."""
+    d = tmp_path_factory.mktemp("oracle_task")
+    (d / "videos").symlink_to(Path(synth_dir) / "videos")
+    shutil.copy(Path(synth_dir) / "sft.jsonl", d / "sft.jsonl")
+    shutil.copy(Path(synth_dir) / "train.jsonl", d / "val.jsonl")
+    return d
+
+
+def _settings(**kw) -> EvalSettings:
+    base = dict(
+        benchmark="synth",
+        data_root="x",
+        model="m",
+        engine="hf",
+        frames=4,
+        crop_mode="subagent",
+        temperature=0.0,
+        top_p=1.0,
+        sub_temperature=0.0,
+        max_turns=3,
+        max_parallel=5,
+        max_new_tokens=24,
+    )
+    base.update(kw)
+    return EvalSettings(**base)
+
+
+@pytest.mark.parametrize("crop_mode", ["subagent", "frames"])
+def test_oracle_main_agent_crops_for_real_and_scores(tiny, oracle_task, tmp_path, crop_mode):
+    """The oracle's tool calls run through the real planner, decoder and (subagent mode) the
+    real tiny model's sub-agents, or (frames mode) into the main context; its answers are the
+    ground truth, so mcq/oe accuracy and tvg IoU are known exactly."""
+    cfg = load_config("tiny_cpu", overrides=[*FAST, f"agent.crop_mode={crop_mode}"])
+    samples = load_benchmark("synth", oracle_task)
+    assert {s.question_type for s in samples} == {"mcq", "oe", "tvg"}
+    records = load_oracle(oracle_task)
+    engine = OracleMainEngine(
+        HFEngine(tiny, seed=0), tiny.tokenizer, records, cfg.agent.think_prefix
+    )
+    runner = AgentRunner(engine, tiny, cfg)
+    summary = run_eval(
+        samples,
+        runner,
+        tmp_path,
+        _settings(crop_mode=crop_mode),
+        batch_size=4,
+        show_progress=False,
+    )
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [s.id for s in samples]
+    assert summary["n"] == len(samples) and summary["n_errors"] == 0
+    assert summary["n_unparseable"] == 0
+    assert all(r["score"] == pytest.approx(1.0) for r in rows), [
+        (r["id"], r["parsed"], r["answer"]) for r in rows if r["score"] < 0.999
+    ]
+    assert summary["tools"]["tool_call_rate"] == 1.0
+    assert all(r["calls"] >= 1 and r["calls_ok"] == r["calls"] for r in rows)
+    responses = [c["response"] for r in rows for t in r["trace"] for c in t["calls"]]
+    if crop_mode == "frames":
+        assert all(x.endswith("frames of this window are shown above.") for x in responses)
+        assert runner.stats["sub_engine_calls"] == 0
+    else:
+        assert not any("frames of this window" in x for x in responses)
+        assert runner.stats["sub_engine_calls"] >= 1
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["settings"]["crop_mode"] == crop_mode and saved["n"] == summary["n"]
+
+
+def _cli(synth_dir, model, out, *extra):
+    return [
+        "--benchmark",
+        "synth",
+        "--data-root",
+        str(synth_dir),
+        "--model",
+        str(model),
+        "--frames",
+        "4",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+        *FAST,
+    ]
+
+
+@pytest.mark.parametrize("crop_mode", ["subagent", "frames"])
+def test_cli_tiny_model_hf_engine(assets, synth_dir, tmp_path, capsys, crop_mode):
+    out = tmp_path / "out"
+    assert (
+        main(_cli(synth_dir, assets["model"], out, "--crop-mode", crop_mode, "--limit", "3")) == 0
+    )
+    printed = capsys.readouterr().out
+    rows = load_results(out)
+    assert len(rows) == 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 3 and summary["settings"]["crop_mode"] == crop_mode
+    assert summary["settings"]["temperature"] == 0.0  # greedy by default
+    assert "| synth |" in printed and f"results in {out}" in printed
+    for r in rows.values():
+        assert r["error"] is None and r["turns"] >= 1 and r["prediction"]
+
+
+def test_resume_after_kill_matches_uninterrupted_run(assets, oracle_task, tmp_path):
+    """A subprocess killed (SIGKILL) after some samples, then rerun, gives the uninterrupted
+    run's summary and does not redo the finished samples."""
+    args = ["--batch-size", "1"]
+    full = tmp_path / "full"
+    assert main(_cli(oracle_task, assets["model"], full, *args)) == 0
+    assert len(load_results(full)) == 6
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "paravt.eval", *_cli(oracle_task, assets["model"], killed, *args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    results = killed / "results.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if results.is_file() and len(results.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the run finished before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    n_before = len(load_results(killed))
+    assert 2 <= n_before < 6
+    first = {i: r for i, r in load_results(killed).items()}
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"{n_before} of 6 samples already done, {6 - n_before} to run" in rerun.stdout
+    after = load_results(killed)
+    for i, r in first.items():  # finished samples were not redone (same timings)
+        assert after[i]["timings"] == r["timings"]
+    a = json.loads((full / "summary.json").read_text())
+    b = json.loads((killed / "summary.json").read_text())
+    a.pop("settings"), b.pop("settings")
+    assert a == b
+    assert [json.loads(x)["id"] for x in results.read_text().splitlines()] == list(
+        load_results(full)
+    )
+
+
+def test_changed_settings_are_refused(assets, synth_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(_cli(synth_dir, assets["model"], out, "--limit", "1")) == 0
+    assert main(_cli(synth_dir, assets["model"], out, "--limit", "1", "--frames", "8")) == 2
+    err = capsys.readouterr().err
+    assert "frames: saved 4, now 8" in err and "another --out" in err
+
+
+class _Boom:
+    def generate(self, requests):
+        raise RuntimeError("device lost")
+
+    def sync_weights(self, model):
+        return None
+
+
+def test_missing_video_and_engine_failure_become_counted_error_rows(tiny, synth_dir, tmp_path):
+    cfg = load_config("tiny_cpu", overrides=FAST)
+    samples = load_benchmark("synth", synth_dir)[:3]
+    samples[0].video = str(tmp_path / "nope.mp4")
+    summary = run_eval(
+        samples, AgentRunner(_Boom(), tiny, cfg), tmp_path, _settings(), show_progress=False
+    )
+    rows = load_results(tmp_path)
+    assert rows[samples[0].id]["error"].startswith("video not found: ")
+    assert rows[samples[0].id]["error_kind"] == "missing"
+    assert all(rows[s.id]["error_kind"] == "engine" for s in samples[1:])
+    assert "device lost" in rows[samples[1].id]["error"]
+    assert summary["n"] == 3 and summary["n_errors"] == 3
+    # A rerun retries the engine failures (not the missing video).
+    runner = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
+    summary = run_eval(samples, runner, tmp_path, _settings(), show_progress=False)
+    rows = load_results(tmp_path)
+    assert summary["n"] == 3 and summary["n_errors"] == 1
+    assert rows[samples[1].id]["error"] is None and rows[samples[0].id]["error_kind"] == "missing"
+
+
+def test_torchrun_two_ranks_split_and_merge(assets, oracle_task, tmp_path):
+    """``torchrun --nproc-per-node 2``: each rank runs every other pending sample, rank 0
+    merges one ``results.jsonl`` in dataset order; the predictions equal a 1-process run's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    args = ["--batch-size", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    cmd = [sys.executable, "-m", "paravt.eval", *_cli(oracle_task, assets["model"], one, *args)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        "-m", "paravt.eval", *_cli(oracle_task, assets["model"], two, *args),
+    ]  # fmt: skip
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("| synth |") == 1  # rank 0 prints the table once
+    assert not list(two.glob("results.rank*.jsonl"))  # parts merged away
+    rows = [json.loads(x) for x in (two / "results.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (one / "results.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [r["id"] for r in ref] and len(rows) == 6
+    assert [r["rank"] for r in rows] == [0, 1, 0, 1, 0, 1]
+    assert [r["prediction"] for r in rows] == [r["prediction"] for r in ref]
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    a.pop("settings"), b.pop("settings")
+    assert a == b
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    assert main(["--benchmark", "synth", f"train.out_dir={tmp_path / 'none'}"]) == 2
+    err = capsys.readouterr().err
+    assert "model is untrained" in err and "make train" in err
+    assert main(["--benchmark", "mmvu", "--model", str(tmp_path)]) == 2
+    assert "--data-root is required for --benchmark mmvu" in capsys.readouterr().err
+    assert main(["--benchmark", "lvbench", "--model", str(tmp_path), "--data-root", "/nope"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "lvb").mkdir()
+    args = ["--benchmark", "lvbench", "--model", str(tmp_path), "--data-root"]
+    assert main([*args, str(tmp_path / "lvb")]) == 2
+    assert "train-00000-of-00001.parquet" in capsys.readouterr().err  # names the missing file
+    assert main([*args, str(tmp_path / "lvb"), "--frames", "0"]) == 2
+    assert "--frames 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_a_run_checkpoint_is_evaluated_with_its_run_config(assets, synth_dir, tmp_path, capsys):
+    from paravt.config import to_yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(assets["model"], run / "checkpoints" / "step_000003")
+    trained = load_config("tiny_cpu", overrides=["video.overview_max_pixels=2048"])
+    (run / "config.yaml").write_text(to_yaml(trained))
+    model = run / "checkpoints" / "step_000003"
+    assert main(_cli(synth_dir, model, tmp_path / "out", "--limit", "1")) == 0
+    out = capsys.readouterr().out
+    assert f"config {run / 'config.yaml'}" in out and "overview <= 2048 px" in out
+    # --config wins over the run's own file.
+    other = tmp_path / "other.yaml"
+    other.write_text("video:\n  overview_max_pixels: 1536\n")
+    args = ["--limit", "1", "--config", str(other)]
+    assert main(_cli(synth_dir, model, tmp_path / "out2", *args)) == 0
+    assert "overview <= 1536 px" in capsys.readouterr().out
