@@ -199,3 +199,39 @@ def test_every_benchmark_scores_a_gold_script(tiny, tmp_path, name):
         ]
         assert {k: g["n"] for k, g in groups.items()} == {k: labels.count(k) for k in set(labels)}
     assert summary["tools"]["calls_ok_per_sample"] == round(1 / n, 6)
+
+
+def test_a_forced_answer_is_scored_with_its_forced_tag(tiny, tmp_path):
+    """After the last tool round the loop forces "...</think>\\n<answer>" (mask 0): the answer
+    block spans forced and generated text and must score (tvg: from the answer block only)."""
+    write_benchmark("charades_sta", tmp_path / "data")
+    crop = call_then("")[0]
+    script = {"3MSZA#0": [crop, crop, "1.2998046875-4.69921875</answer>"], "3MSZA#1": [crop]}
+    summary, rows, _ = _run(tiny, "charades_sta", tmp_path / "data", script, tmp_path / "out")
+    (r0, r1) = rows["3MSZA#0"], rows["3MSZA#1"]
+    assert r0["trace"][-1]["forced_answer"] and r0["turns"] == 3 and r0["calls_ok"] == 2
+    assert r0["iou"] == 1.0 and r0["source"] == "answer_block"
+    assert "<answer>1.2998046875-4.69921875</answer>" in r0["prediction"]
+    # The other sample calls a crop every turn and then repeats it in the forced answer.
+    assert r1["trace"][-1]["forced_answer"] and r1["unparseable"] and r1["iou"] == 0.0
+    assert summary["mIoU"] == round(1 / 3, 6)
+
+
+def test_a_limited_rerun_keeps_the_other_rows(tiny, tmp_path):
+    write_benchmark("videomme", tmp_path / "data")
+    script = {"001-1": direct("C"), "001-2": direct("B"), "002-1": direct("A")}
+    out = tmp_path / "out"
+    full, _, _ = _run(tiny, "videomme", tmp_path / "data", script, out)
+    assert full["n"] == 4
+    cfg = load_config("tiny_cpu")
+    settings = EvalSettings("videomme", str(tmp_path / "data"), "tiny", "hf", 4, "subagent", 0.0, 1.0, 0.0, 3, 5, 256)  # fmt: skip
+    samples = load_benchmark("videomme", tmp_path / "data")[:2]
+
+    class Never:
+        def generate(self, requests):
+            raise AssertionError("finished samples must not run again")
+
+    summary = run_eval(samples, AgentRunner(Never(), tiny, cfg), out, settings, show_progress=False)
+    assert summary["n"] == 2 and summary["accuracy"] == 1.0
+    kept = [json.loads(x)["id"] for x in (out / "results.jsonl").read_text().splitlines()]
+    assert kept == ["001-1", "001-2", "002-1", "003-1"]  # this run's first, then the others

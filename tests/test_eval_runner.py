@@ -271,3 +271,48 @@ def test_a_run_checkpoint_is_evaluated_with_its_run_config(assets, synth_dir, tm
     args = ["--limit", "1", "--config", str(other)]
     assert main(_cli(synth_dir, model, tmp_path / "out2", *args)) == 0
     assert "overview <= 1536 px" in capsys.readouterr().out
+
+
+def test_result_files_survive_stale_failures_and_torn_lines(tmp_path):
+    from paravt.eval.runner import _Appender
+
+    done = {"id": "x", "score": 1.0, "error_kind": ""}
+    failed = {"id": "x", "score": 0.0, "error_kind": "engine"}
+    (tmp_path / "results.jsonl").write_text(json.dumps(done) + "\n")
+    (tmp_path / "results.rank1.jsonl").write_text(json.dumps(failed) + "\n")
+    assert load_results(tmp_path)["x"]["score"] == 1.0  # a stale failure never wins
+    # A killed run's torn last line: the next row starts on its own line and is kept.
+    (tmp_path / "results.jsonl").write_text(json.dumps(done) + "\n" + '{"id": "y", "sco')
+    w = _Appender(tmp_path / "results.jsonl")
+    w({"id": "z", "score": 1.0, "error_kind": ""})
+    w.close()
+    assert sorted(load_results(tmp_path)) == ["x", "z"]
+
+
+class _FailsOn:
+    """The real engine, except that any call holding ``bad``'s request raises."""
+
+    def __init__(self, real, bad: str) -> None:
+        self.real, self.bad, self.calls = real, bad, 0
+
+    def generate(self, requests):
+        self.calls += 1
+        if any(f":{self.bad}:" in r.request_id for r in requests):
+            raise RuntimeError("context too long")
+        return self.real.generate(requests)
+
+    def sync_weights(self, model):
+        return None
+
+
+def test_one_failing_sample_does_not_sink_its_batch(tiny, synth_dir, tmp_path):
+    cfg = load_config("tiny_cpu", overrides=FAST)
+    samples = load_benchmark("synth", synth_dir)[:3]
+    engine = _FailsOn(HFEngine(tiny, seed=0), samples[1].id)
+    summary = run_eval(
+        samples, AgentRunner(engine, tiny, cfg), tmp_path, _settings(), show_progress=False
+    )
+    rows = load_results(tmp_path)
+    assert summary["n_errors"] == 1 and rows[samples[1].id]["error_kind"] == "engine"
+    assert "context too long" in rows[samples[1].id]["error"]
+    assert rows[samples[0].id]["error"] is None and rows[samples[2].id]["error"] is None

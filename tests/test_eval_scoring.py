@@ -171,6 +171,12 @@ def test_tvg_without_gold_window_names_the_sample():
         ),
         ("red", "word " * 25 + "red", False),  # a paragraph naming the gold somewhere
         ("red", "red blue green", True),  # the honest limit: a short list passes
+        # Negations and alternatives are not the gold (unless the gold holds them).
+        ("5", "5 or 6", False),
+        ("mitosis", "meiosis, not mitosis", False),
+        ("Dolly Zoom", "not a dolly zoom, a tracking shot", False),
+        ("Dolly Zoom", "a dolly zoom", True),
+        ("not applicable", "it is not applicable", True),
         # Numbers: single numbers within 1 % of the gold; decimals and signs stay numbers.
         ("100", "100.5", True),
         ("100", "102", False),

@@ -163,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         max_turns=cfg.agent.max_turns,
         max_parallel=cfg.agent.max_parallel,
         max_new_tokens=r.max_new_tokens,
+        sub_max_new_tokens=r.sub_max_new_tokens,
+        max_tool_response_tokens=cfg.agent.max_tool_response_tokens,
+        overview_max_pixels=cfg.video.overview_max_pixels,
+        crop_max_pixels=cfg.video.crop_max_pixels,
+        crop_max_frames=cfg.video.crop_max_frames,
+        crop_fps=cfg.video.crop_fps,
+        seed=a.seed,
     )
     out = a.out or f"runs/eval/{a.benchmark}"
     try:

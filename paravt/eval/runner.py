@@ -63,6 +63,13 @@ class EvalSettings:
     max_turns: int
     max_parallel: int
     max_new_tokens: int
+    sub_max_new_tokens: int = 0
+    max_tool_response_tokens: int = 0
+    overview_max_pixels: int = 0
+    crop_max_pixels: int = 0
+    crop_max_frames: int = 0
+    crop_fps: float = 0.0
+    seed: int = 0
 
 
 class EvalError(RuntimeError):
@@ -91,11 +98,15 @@ def result_files(out: Path) -> list[Path]:
 
 
 def load_results(out: Path) -> dict[str, dict[str, Any]]:
-    """Every finished row in ``out`` by id (a later line for the same id wins)."""
+    """Every row in ``out`` by id. A finished row is never replaced by an engine failure of
+    the same id (the files are not in time order: a stale failure in a rank's part must not
+    undo its successful retry); otherwise a later line wins."""
     rows: dict[str, dict[str, Any]] = {}
     for f in result_files(out):
         for r in _read_jsonl(f):
-            rows[str(r["id"])] = r
+            i = str(r["id"])
+            if i not in rows or is_done(r) or not is_done(rows[i]):
+                rows[i] = r
     return rows
 
 
@@ -120,6 +131,7 @@ def result_row(
 ) -> dict[str, Any]:
     """The ``results.jsonl`` line of one sample (scored; an error row when ``traj`` is None)."""
     from paravt.eval.scoring import call_fields, score_answer
+    from paravt.rewards.compose import full_text
 
     extra = sample.extra or {}
     row: dict[str, Any] = {
@@ -149,7 +161,7 @@ def result_row(
             trace=[],
         )
         return row
-    text = traj.answer_text
+    text = full_text(traj)  # forced text included: a forced answer's "<answer>" is forced
     row.update(
         prediction=text,
         **score_answer(sample, text),
@@ -209,13 +221,15 @@ def evaluate_samples(
                 batch, [frames] * len(batch), group_size=1, seed=stable_seed("eval", seed)
             )
         except Exception as e:  # noqa: BLE001 - recorded per sample, retried on resume
-            log.warning("engine failure on a batch of %d samples: %s", len(batch), e)
-            for s in batch:
-                emit(
-                    result_row(
-                        s, None, frames=frames, error=f"{type(e).__name__}: {e}", kind="engine"
-                    )
-                )
+            if len(batch) > 1:  # find the sample that fails: the others must not pay for it
+                log.warning("engine failure on a batch of %d (%s); one by one", len(batch), e)
+                for s in batch:
+                    todo.append(s)
+                    flush()
+                return
+            log.warning("engine failure on sample %s: %s", batch[0].id, e)
+            err = f"{type(e).__name__}: {e}"
+            emit(result_row(batch[0], None, frames=frames, error=err, kind="engine"))
             return
         dt = time.perf_counter() - t0
         by_id = {g.sample.id: g for g in groups}
@@ -250,7 +264,10 @@ class _Appender:
     """Appends JSON lines and flushes each batch to disk (a kill loses at most one line)."""
 
     def __init__(self, path: Path) -> None:
+        torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
         self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        if torn:  # a killed run's half-written last line: never glue the next row onto it
+            self.f.write("\n")
 
     def __call__(self, row: dict[str, Any]) -> None:
         self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -261,8 +278,9 @@ class _Appender:
         self.f.close()
 
 
-def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> None:
-    """Write ``run.json``, or refuse a resume whose settings differ from the saved ones."""
+def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> str:
+    """Write ``run.json``; or, for a resume whose settings differ from the saved ones, write
+    nothing and return the message that refuses it ("" when fine)."""
     f = out / RUN_FILE
     new = asdict(settings)
     if f.is_file() and has_results:
@@ -270,25 +288,35 @@ def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> N
         diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
         if diff:
             lines = "\n".join(f"  {k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise EvalError(
+            return (
                 f"{out} holds results of a run with other settings:\n{lines}\n"
                 "use another --out, or delete that folder to start over"
             )
     f.write_text(json.dumps(new, indent=2) + "\n")
+    return ""
 
 
-def merge_results(out: Path, samples: Iterable[Sample]) -> list[dict[str, Any]]:
-    """Rewrite ``results.jsonl`` as one row per sample in dataset order (per-rank parts and
-    retried rows folded in, atomically); returns the rows."""
+def merge_results(out: Path, samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """Rewrite ``results.jsonl`` (atomically) with one row per id: this run's samples in
+    dataset order, then the rows of samples outside it (an earlier run without ``--limit``:
+    kept, not deleted); per-rank parts and retried rows are folded in. Returns this run's rows
+    and raises if one of its samples has none."""
     done = load_results(out)
+    mine = {s.id for s in samples}
     rows = [done[s.id] for s in samples if s.id in done]
+    lost = [s.id for s in samples if s.id not in done]
     tmp = out / (RESULTS + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
+        for r in rows + [r for i, r in done.items() if i not in mine]:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     os.replace(tmp, out / RESULTS)
     for part in out.glob("results.rank*.jsonl"):
         part.unlink()
+    if lost:
+        raise EvalError(
+            f"{len(lost)} sample(s) have no result in {out} (first: {lost[:3]}); run the same "
+            "command again to complete them"
+        )
     return rows
 
 
@@ -337,24 +365,31 @@ def run_eval(
     if len(set(ids)) != len(ids):
         dup = sorted({i for i in ids if ids.count(i) > 1})[:5]
         raise EvalError(f"sample ids are not unique ({dup}); results are keyed by id")
+    # Rank 0 alone reads the folder and decides; every rank gets the same refusal or the same
+    # pending list (ranks reading on their own could see another rank's first rows).
+    plan: tuple[str, list[str]] = ("", [])
+    prev: dict[str, dict[str, Any]] = {}
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         prev = load_results(out)
-        check_settings(out, settings, has_results=bool(prev))
-    barrier(ctx)
-    prev = load_results(out)
-    done = {i for i, r in prev.items() if is_done(r)}
-    pending = [s for s in samples if s.id not in done]
+        refused = check_settings(out, settings, has_results=bool(prev))
+        plan = (refused, [i for i in ids if i not in prev or not is_done(prev[i])])
+    refused, pending_ids = broadcast_object(plan, ctx)
+    if refused:
+        raise EvalError(refused)
+    todo_ids = set(pending_ids)
+    pending = [s for s in samples if s.id in todo_ids]
     mine = pending[ctx.rank :: ctx.world_size]
+    done = set(ids) - todo_ids
     if ctx.is_main and done:
         print(
-            f"[eval] resuming in {out}: {len(done & set(ids))} of {len(ids)} samples already "
+            f"[eval] resuming in {out}: {len(done)} of {len(ids)} samples already "
             f"done, {len(pending)} to run",
             file=stream or sys.stdout,
             flush=True,
         )
     path = out / (RESULTS if not ctx.distributed else f"results.rank{ctx.rank}.jsonl")
-    score = RunningScore(r for i, r in prev.items() if i in done and i in set(ids))
+    score = RunningScore(prev[i] for i in done if i in prev)
     bar = progress_bar(
         len(ids),
         initial=score.n,
@@ -388,13 +423,21 @@ def run_eval(
         bar.close()
     barrier(ctx)
     summary: dict[str, Any] = {}
+    lost = ""
     if ctx.is_main:
-        rows = merge_results(out, samples)
-        summary = summarize(settings.benchmark, rows)
-        summary["settings"] = asdict(settings)
-        (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-        print(markdown_table(summary), file=stream or sys.stdout, flush=True)
-    return broadcast_object(summary, ctx)
+        try:
+            rows = merge_results(out, samples)
+        except EvalError as e:
+            lost = str(e)
+        else:
+            summary = summarize(settings.benchmark, rows)
+            summary["settings"] = asdict(settings)
+            (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+            print(markdown_table(summary), file=stream or sys.stdout, flush=True)
+    summary, lost = broadcast_object((summary, lost), ctx)
+    if lost:
+        raise EvalError(lost)
+    return summary
 
 
 def settings_metric(benchmark: str) -> str:

@@ -18,7 +18,8 @@ Where this departs from the reference evaluations (``shared/research/benchmarks.
   Charades error rows from the denominator (§7.7) and counted API errors as silent wrongs;
 * open-ended MMVU rows are judged as open-ended (ParaVT scored them as letters, capping the
   benchmark at 62.5 %, §5.5) by a :class:`Judge`, by default the offline :class:`RuleJudge`;
-  the official metric uses a GPT-4o judge (§5.3), so RuleJudge numbers are a lower bound;
+  the official metric uses a GPT-4o judge (§5.3), so RuleJudge numbers are not the official
+  ones (a heuristic: see :class:`RuleJudge`);
 * MLVU's headline is M-Avg, the mean of per-task accuracies (§4.3), not micro accuracy;
 * LVBench rows count once in every category of their multi-label ``question_type`` (§3.3);
 * a letter is read by :func:`paravt.rewards.accuracy.extract_choice`, which does not take the
@@ -92,6 +93,12 @@ def _contains(tokens: list[str], part: list[str]) -> bool:
     return any(tokens[i : i + k] == part for i in range(len(tokens) - k + 1))
 
 
+# Words that turn "the gold appears in the prediction" into a hedge or a denial.
+HEDGE_WORDS = frozenset(
+    {"not", "no", "or", "nor", "neither", "never", "instead", "rather", "unlike", "except", "but"}
+)
+
+
 @dataclass(frozen=True)
 class RuleJudge:
     """The offline open-ended judge: no network, deterministic.
@@ -108,9 +115,15 @@ class RuleJudge:
        the prediction has at most ``max_pred_tokens`` tokens (None: no limit). The limit keeps
        a paragraph or a list of guesses ("red blue green") from passing by naming the gold
        somewhere; answer blocks and the short answers the prompts ask for are well under it.
+       A prediction holding a negation or an alternative the gold does not ("not", "or",
+       "instead", … :data:`HEDGE_WORDS`) never passes this way: "meiosis, not mitosis" and
+       "5 or 6" are not "mitosis" and "5".
 
-    An empty gold matches nothing. The official MMVU judge is GPT-4o (benchmarks.md §5.3): it
-    also accepts paraphrases and equivalent forms that these rules reject.
+    An empty gold matches nothing. A heuristic, neither a lower nor an upper bound of the
+    official MMVU judge (GPT-4o, benchmarks.md §5.3): that judge also accepts paraphrases and
+    equivalent forms these rules reject, and rule 3 can still accept an answer that names the
+    gold among other words ("red blue green" for "red"; "O(n^2)" for "O(n)", as punctuation
+    is dropped). Plug a model judge in through :class:`Judge` where that matters.
     """
 
     rel_tol: float = 0.01
@@ -127,6 +140,8 @@ class RuleJudge:
         if g == p:
             return True
         if self.max_pred_tokens is not None and len(p) > self.max_pred_tokens:
+            return False
+        if HEDGE_WORDS.intersection(p) - set(g):
             return False
         return len(g) <= self.max_gold_tokens and _contains(p, g)
 
