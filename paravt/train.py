@@ -99,7 +99,9 @@ def validate_run(cfg: Config, world_size: int) -> None:
     if t.resume and not Path(t.out_dir).is_dir():
         errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
     # The largest K must fit the model's context: estimate its prompt from the pixel budget.
-    model_dir = Path(cfg.model.path or cfg.model.tiny_dir)
+    from paravt.models.tiny import tiny_checkpoint_args
+
+    model_dir = Path(cfg.model.path or tiny_checkpoint_args(cfg)[0])
     if (model_dir / "config.json").is_file():
         errs += _context_budget_errors(cfg, model_dir)
     if errs:
@@ -148,7 +150,10 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
     from paravt.distributed import barrier
 
     data_dir = cfg.data.path or cfg.data.synth_dir
-    model_dir = cfg.model.path or cfg.model.tiny_dir
+    from paravt.models.tiny import tiny_checkpoint_args
+
+    tiny_dir, head_dim = tiny_checkpoint_args(cfg)
+    model_dir = cfg.model.path or tiny_dir
     if ctx.is_main:
         if not cfg.data.path:
             from paravt.data.synth import generate
@@ -157,7 +162,9 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
         if not cfg.model.path:
             from paravt.models import build_tiny_checkpoint
 
-            build_tiny_checkpoint(model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab)
+            build_tiny_checkpoint(
+                model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
+            )
     barrier(ctx)
     return data_dir, model_dir
 

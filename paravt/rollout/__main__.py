@@ -34,11 +34,16 @@ def resolve_data(cfg: Config) -> Path:
 
 def resolve_model(cfg: Config) -> Any:
     """Load ``model.path``, or the tiny offline model (built into ``model.tiny_dir`` if absent)."""
-    from paravt.models import build_tiny_checkpoint, load_model_from_config
+    from paravt.models import build_tiny_checkpoint, load_model_from_config, tiny_checkpoint_args
 
-    path = cfg.model.path or str(
-        build_tiny_checkpoint(cfg.model.tiny_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab)
-    )
+    path = cfg.model.path
+    if not path:
+        tiny_dir, head_dim = tiny_checkpoint_args(cfg)
+        path = str(
+            build_tiny_checkpoint(
+                tiny_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
+            )
+        )
     return load_model_from_config(path, cfg.model)
 
 
