@@ -48,18 +48,10 @@ def resolve_model(cfg: Config) -> Any:
 
 
 def make_engine(cfg: Config, bundle: Any) -> Any:
-    """The rollout engine named by ``rollout.engine``."""
-    if cfg.rollout.engine == "hf":
-        from paravt.rollout.hf import HFEngine
+    """The rollout engine named by ``rollout.engine`` (``paravt.rollout.make_engine``)."""
+    from paravt.rollout import make_engine as make
 
-        return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
-    try:
-        from paravt.rollout.vllm import VLLMEngine  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise SystemExit(
-            f"rollout.engine=vllm needs vLLM and paravt.rollout.vllm ({e}); use rollout.engine=hf"
-        ) from None
-    return VLLMEngine(bundle, cfg)
+    return make(cfg, bundle)
 
 
 class OracleMainEngine:
