@@ -76,7 +76,9 @@ def agent_requests(bundle, **sampling) -> list[GenerationRequest]:
         bundle,
         [
             (_frames(8, 64, 64, 1), [0.0, 7.5, 15.0, 22.5, 30.0, 37.5, 45.0, 52.5]),
-            (_frames(4, 32, 96, 2), [12.3, 13.3, 14.3, 15.3]),
+            # Frame times of a 30 fps video whose patch midpoint is 0.15 s (printed to 0.1 s):
+            # they pin down how sample times reach vLLM (integer indices at fps 1e6 printed 0.2).
+            (_frames(4, 32, 96, 2), [2 / 30, 7 / 30, 12 / 30, 17 / 30]),
             (_frames(3, 64, 32, 3), [40.05, 41.05, 42.05]),  # odd T: last frame repeated
         ],
     )

@@ -18,10 +18,10 @@ times (``VisualInputs.frames`` / ``.timestamps``) go in ``multi_modal_data``; vL
 model's processor on them. The span is located from the clip's own layout and must match it
 token for token, and the ids vLLM expanded (``RequestOutput.prompt_token_ids``) must equal the
 request's ``prompt_ids``: any difference raises, naming the request — never a silent
-re-expansion. Sample times reach vLLM as ``frames_indices / fps`` with ``fps = 1e6`` (vLLM
-prints ``(t_i + t_{i+1}) / 2`` to 0.1 s; the 5e-7 s rounding of the indices could flip a
-printed digit only for a time within 5e-7 s of a rounding edge, and the id check would catch
-it).
+re-expansion. Sample times reach vLLM as ``frames_indices / fps`` with ``fps = 1`` and the
+float times as the "indices": vLLM's ``(t_i + t_{i+1}) / 2`` printed to 0.1 s is then bit for
+bit ``patch_timestamps`` (integer indices at a high fps flipped the printed digit of midpoints
+on .x5, e.g. 20.05 s: caught by the id check).
 
 Weights (``sync_weights``): the policy's full state dict goes through vLLM's in-place reload
 path (``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``:
@@ -63,9 +63,6 @@ from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens, pa
 # vLLM runs in the calling process (the trainer's): weights can be handed over as tensors and
 # nothing is pickled. Must be set before vLLM is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-# frames_indices / _FPS are the clip's sample times (see the module docstring).
-_FPS = 1_000_000.0
 
 
 def _row_seed(engine_seed: int, call: int, row: int) -> int:
@@ -377,12 +374,13 @@ class VLLMEngine:
             pos = start + len(span)
             frames = v.frames[k]
             ts = v.timestamps[k]
-            idx = [round(float(t) * _FPS) for t in ts]
             meta = {
-                "fps": _FPS,
+                # vLLM prints (idx_a / fps + idx_b / fps) / 2: with fps 1 and the sample times
+                # themselves as "indices" that is bit for bit paravt's patch_timestamps.
+                "fps": 1.0,
                 "duration": float(ts[-1]) if ts else 0.0,
-                "total_num_frames": (idx[-1] + 1) if idx else 0,
-                "frames_indices": idx,
+                "total_num_frames": len(ts),
+                "frames_indices": [float(t) for t in ts],
                 "video_backend": "paravt",
                 "do_sample_frames": False,
             }
