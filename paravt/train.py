@@ -19,8 +19,9 @@ One RL step (``train_step``)::
       ─► push weights to the engine ─► metrics
 
 No ``(tokens, vocab)`` logits exist anywhere in a step's log-prob passes: only the rows whose
-next token is trained meet the lm_head weight, inside the fused kernels. Honest limit: the
-vLLM engine is not wired here (``rollout.engine=hf`` only).
+next token is trained meet the lm_head weight, inside the fused kernels. ``rollout.engine``:
+``hf`` (paravt's decode loop) or ``vllm`` (an in-process vLLM engine, ``paravt.rollout.vllm``;
+its weights are pushed after every step; on a GPU it sleeps during the update).
 """
 
 from __future__ import annotations
@@ -79,10 +80,6 @@ def validate_run(cfg: Config, world_size: int) -> None:
         errs.append(
             f"sft.batch_size={cfg.sft.batch_size} is smaller than the world size {world_size}"
         )
-    if r.engine != "hf":
-        errs.append(
-            f"rollout.engine='{r.engine}' is not wired into paravt.train yet; use rollout.engine=hf"
-        )
     if r.temperature <= 0:
         errs.append(
             f"rollout.temperature={r.temperature}: RL needs sampling (> 0); greedy rollouts "
@@ -99,7 +96,9 @@ def validate_run(cfg: Config, world_size: int) -> None:
     if t.resume and not Path(t.out_dir).is_dir():
         errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
     # The largest K must fit the model's context: estimate its prompt from the pixel budget.
-    model_dir = Path(cfg.model.path or cfg.model.tiny_dir)
+    from paravt.models.tiny import tiny_checkpoint_args
+
+    model_dir = Path(cfg.model.path or tiny_checkpoint_args(cfg)[0])
     if (model_dir / "config.json").is_file():
         errs += _context_budget_errors(cfg, model_dir)
     if errs:
@@ -148,7 +147,10 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
     from paravt.distributed import barrier
 
     data_dir = cfg.data.path or cfg.data.synth_dir
-    model_dir = cfg.model.path or cfg.model.tiny_dir
+    from paravt.models.tiny import tiny_checkpoint_args
+
+    tiny_dir, head_dim = tiny_checkpoint_args(cfg)
+    model_dir = cfg.model.path or tiny_dir
     if ctx.is_main:
         if not cfg.data.path:
             from paravt.data.synth import generate
@@ -157,7 +159,9 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
         if not cfg.model.path:
             from paravt.models import build_tiny_checkpoint
 
-            build_tiny_checkpoint(model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab)
+            build_tiny_checkpoint(
+                model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
+            )
     barrier(ctx)
     return data_dir, model_dir
 
@@ -238,7 +242,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     from paravt.distributed import load_full_optimizer_state, shard_model
     from paravt.metrics import MetricsLogger
     from paravt.models import load_model_from_config
-    from paravt.rollout.hf import HFEngine
+    from paravt.rollout import make_engine
     from paravt.sft import run_sft
     from paravt.video import DecodePlanner
 
@@ -280,7 +284,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         shard_model(policy, ctx)
     else:
         engine_bundle = bundle  # colocated: the engine reads the policy's weights directly
-    engine = HFEngine(engine_bundle, max_batch_size=cfg.rollout.max_batch_size, seed=t.seed)
+    engine = make_engine(cfg, engine_bundle)
     planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
     runner = AgentRunner(engine, engine_bundle, cfg, planner=planner)
 
@@ -379,6 +383,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         samples, budgets, group_size=cfg.rollout.group_size, seed=stable_seed(cfg.train.seed, step)
     )
     times["time/rollout"] = time.perf_counter() - t0
+    # GPU vLLM: free the device for the update (weights to host, KV cache dropped); the weight
+    # push of step 6 wakes it. A no-op for the HF engine and on the CPU.
+    getattr(tr.engine, "sleep", lambda: None)()
 
     # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
     # rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite loss

@@ -98,6 +98,12 @@ class VisualInputs:
     # Qwen2.5-VL videos only: seconds per temporal patch, one per segment (its M-RoPE spaces
     # temporal positions by this); None for Qwen3-VL, whose timestamps are text tokens.
     second_per_grid_ts: torch.Tensor | None = None  # (n_segments,) float32
+    # The source of each segment, for engines that run their own preprocessing (vLLM expands
+    # one collapsed placeholder per segment from these): uint8 ``(T, H, W, 3)`` frames at the
+    # size they were patchified at, and their ``T`` sample times in seconds. Set by
+    # ``paravt.vision.preprocess.encode_clip(s)``; None where a producer only had pixels.
+    frames: list[torch.Tensor] | None = None
+    timestamps: list[list[float]] | None = None
 
     @property
     def num_segments(self) -> int:
@@ -112,11 +118,14 @@ class VisualInputs:
         if len(kinds) != 1:
             raise ValueError(f"cannot concatenate visual inputs of kinds {sorted(kinds)}")
         spg = [p.second_per_grid_ts for p in parts]
+        has_src = all(p.frames is not None and p.timestamps is not None for p in parts)
         return VisualInputs(
             torch.cat([p.pixel_values for p in parts]),
             torch.cat([p.grid_thw for p in parts]),
             parts[0].kind,
             None if any(s is None for s in spg) else torch.cat(spg),  # type: ignore[arg-type]
+            [f for p in parts for f in p.frames] if has_src else None,  # type: ignore[union-attr]
+            [t for p in parts for t in p.timestamps] if has_src else None,  # type: ignore[union-attr]
         )
 
 

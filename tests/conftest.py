@@ -60,3 +60,17 @@ def make_clip(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
         return made[key]
 
     return _make
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say it at the end, loudly, when the vLLM engine tests could not run."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        terminalreporter.write_sep(
+            "!",
+            "vLLM NOT INSTALLED: tests/test_vllm_engine.py and tests/test_train_vllm.py were "
+            "SKIPPED (make install-vllm)",
+            red=True,
+            bold=True,
+        )

@@ -182,3 +182,31 @@ def test_tiny_qwen2_5_vl_variant(tmp_path):
     assert b.model.config.video_token_id == b.special.video_pad
     with pytest.raises(ValueError, match="arch='llava'"):
         build_tiny_checkpoint(tmp_path / "x", arch="llava")
+
+
+def test_head_dim_32_variant_for_vllm(tmp_path, tiny_dir):
+    """vLLM's CPU attention needs head_dim >= 32: the variant keeps every other size, its
+    M-RoPE sections sum to head_dim / 2, it is rebuilt (not reused) over a head-16 directory,
+    and the default model's config is unchanged (head 16, sections [4, 2, 2])."""
+    from paravt.config import load_config
+    from paravt.models.tiny import TINY_VLLM_HEAD_DIM, tiny_checkpoint_args
+
+    base = json.loads((tiny_dir / "config.json").read_text())["text_config"]
+    assert base["head_dim"] == 16 and base["rope_parameters"]["mrope_section"] == [4, 2, 2]
+    d = build_tiny_checkpoint(tmp_path / "t", seed=0)
+    assert build_tiny_checkpoint(d, seed=0, head_dim=TINY_VLLM_HEAD_DIM) == d
+    text = json.loads((d / "config.json").read_text())["text_config"]
+    assert text["head_dim"] == 32 and text["rope_parameters"]["mrope_section"] == [8, 4, 4]
+    assert text["hidden_size"] == base["hidden_size"]
+    assert json.loads((d / "paravt_tiny.json").read_text())["head_dim"] == 32
+    b = load_model(d, device="cpu")
+    assert b.model.model.language_model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    with pytest.raises(ValueError, match="head_dim=32 needs arch='qwen3_vl'"):
+        build_tiny_checkpoint(tmp_path / "q", arch="qwen2_5_vl", head_dim=32)
+    # Runs pick the variant (in its own directory) for rollout.engine=vllm only.
+    cfg = load_config("tiny_cpu", [], ["model.tiny_dir=/x/tiny"])
+    assert tiny_checkpoint_args(cfg) == ("/x/tiny", 16)
+    cfg = load_config("tiny_cpu", [], ["model.tiny_dir=/x/tiny", "rollout.engine=vllm"])
+    assert tiny_checkpoint_args(cfg) == ("/x/tiny-hd32", 32)
+    cfg = load_config("tiny_cpu", [], ["model.tiny_dir=/x/tiny", "model.tiny_head_dim=64"])
+    assert tiny_checkpoint_args(cfg) == ("/x/tiny-hd64", 64)

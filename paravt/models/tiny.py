@@ -32,6 +32,7 @@ import random
 import shutil
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ import torch
 # tokens; unused rows stay as never-produced ids.
 TINY_VOCAB = 4096
 TINY_TEXT = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+# vLLM's CPU attention supports head sizes >= 32 only: the tiny variant the vLLM engine uses.
+TINY_VLLM_HEAD_DIM = 32
 TINY_VISION = dict(depth=2, hidden=64, heads=4, intermediate=128, patch=16, merge=2, tpatch=2)
 
 # Qwen's special tokens (``special=True``: skipped by decode(skip_special_tokens=True)) ...
@@ -212,11 +215,12 @@ def build_tiny_tokenizer(seed: int = 0):
     return fast
 
 
-def _tiny_config(tokenizer):
+def _tiny_config(tokenizer, head_dim: int = TINY_TEXT["head_dim"]):
     from transformers import Qwen3VLConfig
 
-    t, v = TINY_TEXT, TINY_VISION
-    mrope_section = [4, 2, 2]  # T, H, W rotary pairs; Qwen3-VL interleaves them
+    t, v = {**TINY_TEXT, "head_dim": head_dim}, TINY_VISION
+    # T, H, W rotary pairs (Qwen3-VL interleaves them): [4, 2, 2] at head_dim 16, [8, 4, 4] at 32.
+    mrope_section = [head_dim // 4, head_dim // 8, head_dim // 8]
     assert sum(mrope_section) == t["head_dim"] // 2
     num_pos = 64  # an 8x8 learned position grid, bilinearly interpolated to any frame size
     assert int(num_pos**0.5) ** 2 == num_pos
@@ -355,6 +359,7 @@ def build_tiny_checkpoint(
     overwrite: bool = False,
     arch: str = "qwen3_vl",
     vocab: int = TINY_VOCAB,
+    head_dim: int = TINY_TEXT["head_dim"],
 ) -> Path:
     """Write (if absent) a tiny random-weight Qwen3-VL checkpoint + tokenizer to ``out_dir``.
 
@@ -367,6 +372,12 @@ def build_tiny_checkpoint(
     scored like any other id. An existing directory built with another ``vocab`` or ``arch``
     (``paravt_tiny.json``) is rebuilt, not silently reused; one with another ``seed`` is reused
     (as before: runs with different seeds share one tiny model directory).
+
+    ``head_dim`` sets the text attention head size (Qwen3-VL only; default 16). vLLM's CPU
+    attention supports head sizes >= 32 only, so the vLLM engine's tests and
+    ``rollout.engine=vllm`` on the tiny model use ``head_dim=32`` (``TINY_VLLM_HEAD_DIM``):
+    the same hidden size and head count, wider query/key/value projections and
+    ``mrope_section`` [8, 4, 4]. Another ``head_dim`` is another model, rebuilt like ``vocab``.
 
     Offline and fast (well under a second for the BPE, ~1 s for the model on 2 cores). The
     directory is complete when ``config.json`` and ``model.safetensors`` exist; an existing
@@ -383,12 +394,17 @@ def build_tiny_checkpoint(
     if arch not in archs:
         raise ValueError(f"build_tiny_checkpoint: arch='{arch}' is not one of {sorted(archs)}")
     make_config, cls_name = archs[arch]
+    if head_dim != TINY_TEXT["head_dim"] and (arch != "qwen3_vl" or head_dim % 8):
+        raise ValueError(
+            f"build_tiny_checkpoint: head_dim={head_dim} needs arch='qwen3_vl' and a multiple "
+            f"of 8 (got arch='{arch}'); Qwen2.5-VL derives head_dim from the hidden size"
+        )
     if vocab < TINY_VOCAB:
         raise ValueError(
             f"build_tiny_checkpoint: vocab={vocab} is below the tokenizer's {TINY_VOCAB} ids; "
             f"pass vocab >= {TINY_VOCAB}"
         )
-    meta = {"seed": seed, "vocab": vocab, "arch": arch}
+    meta = {"seed": seed, "vocab": vocab, "arch": arch, "head_dim": head_dim}
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         if not overwrite and _same_shape(_tiny_meta(out), meta):
@@ -402,7 +418,7 @@ def build_tiny_checkpoint(
     tokenizer = build_tiny_tokenizer(seed)
     if len(tokenizer) > TINY_VOCAB:  # cannot happen with the trainer cap; guard the invariant
         raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens > TINY_VOCAB={TINY_VOCAB}")
-    config = make_config(tokenizer)
+    config = make_config(tokenizer, head_dim) if arch == "qwen3_vl" else make_config(tokenizer)
     config.text_config.vocab_size = vocab
     config.dtype = "float32"
     # Weights depend only on the seed: a private RNG state, restored afterwards so building a
@@ -440,7 +456,7 @@ def build_tiny_checkpoint(
 
 
 def _tiny_meta(out: Path) -> dict | None:
-    """The ``{seed, vocab, arch}`` a tiny checkpoint was built with (``None``: not a tiny
+    """The ``{seed, vocab, arch, head_dim}`` a tiny checkpoint was built with (``None``: not a tiny
     checkpoint, e.g. a real model a user put there; it is never rebuilt)."""
     try:
         return json.loads((out / "paravt_tiny.json").read_text())
@@ -450,9 +466,25 @@ def _tiny_meta(out: Path) -> dict | None:
 
 def _same_shape(found: dict | None, want: dict) -> bool:
     """An existing checkpoint serves the request: not a tiny one (never rebuilt), or a tiny
-    one of the same vocabulary and architecture (the seed may differ)."""
+    one of the same vocabulary, architecture and head size (the seed may differ)."""
     if found is None:
         return True
-    return all(
-        found.get(k, TINY_VOCAB if k == "vocab" else None) == want[k] for k in ("vocab", "arch")
+    # Directories written before a key existed hold the then-only value (4096 ids, head 16).
+    default = {"vocab": TINY_VOCAB, "head_dim": TINY_TEXT["head_dim"]}
+    return all(found.get(k, default.get(k)) == want[k] for k in ("vocab", "arch", "head_dim"))
+
+
+def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
+    """``(directory, head_dim)`` of the tiny model a run with ``cfg`` (a ``paravt.config.
+    Config``) uses when ``model.path`` is empty.
+
+    ``model.tiny_head_dim = 0`` means 16, or ``TINY_VLLM_HEAD_DIM`` (32) with
+    ``rollout.engine=vllm`` (vLLM's CPU attention needs head sizes >= 32). A head size other
+    than 16 gets its own directory, ``model.tiny_dir + '-hd{N}'``, so that vLLM runs and HF
+    runs sharing one ``tiny_dir`` never rebuild each other's model.
+    """
+    hd = int(cfg.model.tiny_head_dim) or (
+        TINY_VLLM_HEAD_DIM if cfg.rollout.engine == "vllm" else TINY_TEXT["head_dim"]
     )
+    d = str(cfg.model.tiny_dir)
+    return (d if hd == TINY_TEXT["head_dim"] else f"{d.rstrip('/')}-hd{hd}"), hd

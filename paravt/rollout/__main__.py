@@ -34,27 +34,24 @@ def resolve_data(cfg: Config) -> Path:
 
 def resolve_model(cfg: Config) -> Any:
     """Load ``model.path``, or the tiny offline model (built into ``model.tiny_dir`` if absent)."""
-    from paravt.models import build_tiny_checkpoint, load_model_from_config
+    from paravt.models import build_tiny_checkpoint, load_model_from_config, tiny_checkpoint_args
 
-    path = cfg.model.path or str(
-        build_tiny_checkpoint(cfg.model.tiny_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab)
-    )
+    path = cfg.model.path
+    if not path:
+        tiny_dir, head_dim = tiny_checkpoint_args(cfg)
+        path = str(
+            build_tiny_checkpoint(
+                tiny_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
+            )
+        )
     return load_model_from_config(path, cfg.model)
 
 
 def make_engine(cfg: Config, bundle: Any) -> Any:
-    """The rollout engine named by ``rollout.engine``."""
-    if cfg.rollout.engine == "hf":
-        from paravt.rollout.hf import HFEngine
+    """The rollout engine named by ``rollout.engine`` (``paravt.rollout.make_engine``)."""
+    from paravt.rollout import make_engine as make
 
-        return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
-    try:
-        from paravt.rollout.vllm import VLLMEngine  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise SystemExit(
-            f"rollout.engine=vllm needs vLLM and paravt.rollout.vllm ({e}); use rollout.engine=hf"
-        ) from None
-    return VLLMEngine(bundle, cfg)
+    return make(cfg, bundle)
 
 
 class OracleMainEngine:

@@ -3,7 +3,8 @@
 An engine turns prompt token ids (+ visual inputs) into new token ids and the log-prob of each
 under the *sampling* distribution (after temperature / top-p), which is what the PPO ratio's
 behaviour term needs. Implementations: ``paravt.rollout.hf.HFEngine`` (transformers, CPU/GPU)
-and, later, a vLLM engine behind the same protocol. Requests are independent; an engine may
+and ``paravt.rollout.vllm.VLLMEngine`` (an in-process vLLM engine; ``paravt.rollout.make_engine``
+picks one by ``rollout.engine``). Requests are independent; an engine may
 reorder internally but returns results in request order.
 """
 

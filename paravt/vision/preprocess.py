@@ -127,7 +127,7 @@ def encode_clip(
     spec, tokenizer = _resolve(spec, tokenizer, "encode_clip")
     timestamps = _check_times(frames, timestamps, "encode_clip")
     pixel_values, grid = patchify_frames(frames, spec)
-    return _layout(pixel_values, grid, timestamps, spec, tokenizer)
+    return _layout(pixel_values, grid, timestamps, spec, tokenizer, frames)
 
 
 def encode_clips(
@@ -150,8 +150,8 @@ def encode_clips(
     pixels, grid = pack_pixels([f for f, _ in clips], spec, impl=impl)
     parts = torch.split(pixels, [t * h * w for t, h, w in grid])
     return [
-        _layout(pv, torch.tensor(g, dtype=torch.int64), ts, spec, tokenizer)
-        for pv, g, ts in zip(parts, grid, times)
+        _layout(pv, torch.tensor(g, dtype=torch.int64), ts, spec, tokenizer, f)
+        for pv, g, ts, (f, _) in zip(parts, grid, times, clips)
     ]
 
 
@@ -161,8 +161,12 @@ def _layout(
     timestamps: list[float],
     spec: VisionSpec,
     tokenizer: Any,
+    frames: torch.Tensor | None = None,
 ) -> EncodedClip:
-    """The token span of one clip around its patchified pixels (``grid`` = ``(t, h, w)``)."""
+    """The token span of one clip around its patchified pixels (``grid`` = ``(t, h, w)``).
+
+    ``frames`` (uint8, what was patchified) and ``timestamps`` are kept on the visuals for
+    engines that preprocess themselves (``paravt.rollout.vllm``)."""
     t, h, w = (int(x) for x in grid)
     per_patch = h * w // spec.merge_size**2
     vs = _token_id(tokenizer, "<|vision_start|>")
@@ -170,15 +174,18 @@ def _layout(
     vp = _token_id(tokenizer, "<|video_pad|>")
     stamps = patch_timestamps(timestamps, spec.temporal_patch_size)
     assert len(stamps) == t
+    src = ([frames], [list(timestamps)]) if frames is not None else (None, None)
     if spec.model_type == "qwen2_5_vl":
-        return _encode_qwen2_5(pixel_values, grid, timestamps, stamps, spec, (vs, vp, ve))
+        enc = _encode_qwen2_5(pixel_values, grid, timestamps, stamps, spec, (vs, vp, ve))
+        enc.visuals.frames, enc.visuals.timestamps = src
+        return enc
     ids: list[int] = []
     mm: list[int] = []
     for ts in stamps:
         text = tokenizer.encode(f"<{ts:.1f} seconds>", add_special_tokens=False)
         ids += text + [vs] + [vp] * per_patch + [ve]
         mm += [MM_TEXT] * (len(text) + 1) + [MM_VIDEO] * per_patch + [MM_TEXT]
-    visuals = VisualInputs(pixel_values, grid.view(1, 3), "video")
+    visuals = VisualInputs(pixel_values, grid.view(1, 3), "video", None, *src)
     return EncodedClip(ids, mm, visuals, stamps)
 
 

