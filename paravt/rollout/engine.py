@@ -10,10 +10,18 @@ reorder internally but returns results in request order.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from paravt.types import VisualInputs
+
+
+def row_seed(engine_seed: int, call: int, row: int, salt: str = "") -> int:
+    """A stable 63-bit seed for an unseeded request from (engine seed, call counter, row),
+    the same in every process; ``salt`` keeps two engines' streams apart."""
+    h = hashlib.blake2b(f"{salt}{engine_seed}:{call}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)

@@ -27,26 +27,19 @@ with and without visuals, with any prompt lengths and patch counts.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from paravt.models.loader import ModelBundle
-from paravt.rollout.engine import GenerationRequest, GenerationResult
+from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens
 
 # Tokens decoded to look for a stop string: enough to span any stop string the agent uses
 # (``</tool_call>``-length) even when byte-level tokens are single characters.
 _STOP_TAIL_TOKENS = 24
-
-
-def _row_seed(engine_seed: int, call: int, row: int) -> int:
-    """A stable 63-bit seed from (engine seed, call counter, row): same in every process."""
-    h = hashlib.blake2b(f"{engine_seed}:{call}:{row}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
@@ -168,7 +161,7 @@ class HFEngine:
                     f"request {i} ({r.request_id!r}): max_new_tokens="
                     f"{r.sampling.max_new_tokens} must be >= 1"
                 )
-            s = r.sampling.seed if r.sampling.seed is not None else _row_seed(self.seed, call, i)
+            s = r.sampling.seed if r.sampling.seed is not None else row_seed(self.seed, call, i)
             g = torch.Generator(device=dev)
             g.manual_seed(int(s) & ((1 << 63) - 1))
             gens.append(g)

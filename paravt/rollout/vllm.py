@@ -48,7 +48,6 @@ Where it runs and what is tested:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -57,7 +56,7 @@ from typing import Any
 import torch
 
 from paravt.models.loader import ModelBundle
-from paravt.rollout.engine import GenerationRequest, GenerationResult
+from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens, patch_timestamps
 
@@ -66,12 +65,6 @@ log = logging.getLogger(__name__)
 # vLLM runs in the calling process (the trainer's): weights can be handed over as tensors and
 # nothing is pickled. Must be set before vLLM is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-def _row_seed(engine_seed: int, call: int, row: int) -> int:
-    """A stable 63-bit seed from (engine seed, call counter, row): HFEngine's rule."""
-    h = hashlib.blake2b(f"vllm:{engine_seed}:{call}:{row}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
 class _Catch(logging.Handler):
@@ -300,7 +293,7 @@ class VLLMEngine:
             if mm_data:
                 p["multi_modal_data"] = mm_data
             prompts.append(TokensPrompt(**p))  # type: ignore[typeddict-item]
-            seed = s.seed if s.seed is not None else _row_seed(self.seed, call, i)
+            seed = s.seed if s.seed is not None else row_seed(self.seed, call, i, salt="vllm:")
             params.append(
                 VSP(
                     n=1,
