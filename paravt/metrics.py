@@ -101,7 +101,8 @@ def _json_safe(v: Any) -> Any:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a ``metrics.jsonl`` (skips a torn last line left by a killed process)."""
+    """All rows of a JSONL file written a line at a time (``metrics.jsonl``, the evaluation's
+    ``results.jsonl``); skips a torn line left by a killed process."""
     rows: list[dict[str, Any]] = []
     p = Path(path)
     if not p.is_file():

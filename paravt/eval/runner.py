@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from paravt.metrics import read_metrics
 from paravt.types import Group, Sample, Trajectory
 
 log = logging.getLogger("paravt.eval")
@@ -77,21 +78,6 @@ class EvalError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ results
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if not path.is_file():
-        return rows
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            # A run killed mid-write leaves a torn last line: drop it (that sample reruns).
-            log.warning("%s:%d: unreadable line dropped (a killed run's last write?)", path, n)
-    return rows
-
-
 def result_files(out: Path) -> list[Path]:
     """``results.jsonl`` and any per-rank parts of an unfinished distributed run."""
     return [out / RESULTS, *sorted(out.glob("results.rank*.jsonl"))]
@@ -103,7 +89,7 @@ def load_results(out: Path) -> dict[str, dict[str, Any]]:
     undo its successful retry); otherwise a later line wins."""
     rows: dict[str, dict[str, Any]] = {}
     for f in result_files(out):
-        for r in _read_jsonl(f):
+        for r in read_metrics(f):  # any JSONL written line by line; skips a torn line
             i = str(r["id"])
             if i not in rows or is_done(r) or not is_done(rows[i]):
                 rows[i] = r
