@@ -268,6 +268,23 @@ class TrainConfig:
     eval_frames: int = 0
     # Show the tqdm progress bar (rank 0 only).
     progress: bool = True
+    # Collapse alarms (paravt.alarms): printed, logged to metrics.jsonl as kind "alarm" rows and
+    # shown by `python -m paravt.view`. Rates are averaged over the last `alarm_window` steps
+    # and compared with their mean over the first `alarm_window` steps (the starting level).
+    alarm_window: int = 5
+    # Alarm when the tool-call rate (overall, and per K) falls below this fraction of its
+    # starting level (0 = off). Vanilla GRPO drives it to 0 within a few dozen steps.
+    alarm_tool_frac: float = 0.5
+    # Alarm when </think> closure falls below this fraction of its starting level (0 = off).
+    alarm_closure_frac: float = 0.5
+    # Alarm when the parse-error rate rises more than this above its starting level (absolute;
+    # > 1 never fires).
+    alarm_parse_rise: float = 0.25
+    # Cap on the overview-frame thumbnails written to out_dir/thumbs/ for the viewer (MB); once
+    # reached, later trajectories are logged without thumbnails (their frame times are kept).
+    viewer_max_mb: float = 20.0
+    # Longest side of those thumbnails in pixels (JPEG).
+    viewer_thumb_px: int = 96
     # Debug: save each step's packed batches per rank to out_dir/debug/ (distributed parity
     # tests recompute the single-process loss from them). Large on real runs.
     dump_batches: bool = False
@@ -505,6 +522,26 @@ def validate(cfg: Config) -> None:
         errs.append(f"model.path='{cfg.model.path}' is not a directory (a local HF checkpoint)")
     if cfg.data.path and not Path(cfg.data.path).exists():
         errs.append(f"data.path='{cfg.data.path}' does not exist")
+    if cfg.train.alarm_window < 1:
+        errs.append(f"train.alarm_window={cfg.train.alarm_window} must be >= 1 (steps)")
+    for key in ("alarm_tool_frac", "alarm_closure_frac"):
+        v = getattr(cfg.train, key)
+        if not 0 <= v < 1:
+            errs.append(
+                f"train.{key}={v} must be in [0, 1): the alarm fires below this fraction of the "
+                "starting level (0 disables it)"
+            )
+    if cfg.train.alarm_parse_rise <= 0:
+        errs.append(
+            f"train.alarm_parse_rise={cfg.train.alarm_parse_rise} must be > 0 (a rise of the "
+            "parse-error rate above its start; > 1 never fires)"
+        )
+    if cfg.train.viewer_max_mb < 0:
+        errs.append(
+            f"train.viewer_max_mb={cfg.train.viewer_max_mb} must be >= 0 (0 = no thumbnails)"
+        )
+    if cfg.train.viewer_thumb_px < 8:
+        errs.append(f"train.viewer_thumb_px={cfg.train.viewer_thumb_px} must be >= 8")
     if errs:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
 

@@ -643,6 +643,7 @@ def save(tr: Trainer, step: int) -> None:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``."""
+    from paravt.alarms import CollapseDetector
     from paravt.distributed import cleanup, init_distributed, world_size_from_env
     from paravt.metrics import format_table, plot_summary, postfix, progress_bar, read_metrics
 
@@ -669,10 +670,18 @@ def run(cfg: Config) -> dict[str, Any]:
     bar = progress_bar(
         t.steps, initial=tr.start_step, enabled=ctx.is_main and t.progress, desc="PARA-GRPO"
     )
+    # Collapse alarms; on --resume the kept rows restore starting levels and armed states.
+    alarms = CollapseDetector.from_config(t)
+    if tr.start_step > 0:
+        alarms.replay(read_metrics(out / "metrics.jsonl"))
     last: dict[str, float] = {}
     for step in range(tr.start_step + 1, t.steps + 1):
         last = train_step(tr, step)
         tr.logger.log(step, last)
+        for a in alarms.update(step, last):
+            tr.logger.log(step, a.row(), kind="alarm")
+            if ctx.is_main:
+                bar.write(f"[alarm] step {step}: {a.message}")
         bar.set_postfix(postfix(last))
         bar.update(1)
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
