@@ -5,7 +5,9 @@ A run folder looks like::
     out_dir/
       config.yaml            resolved configuration (written before anything heavy loads)
       metrics.jsonl          one JSON object per step (and one per evaluation), append-only
-      trajectories.jsonl     a few sample trajectories per step (decoded text, reward breakdown)
+      trajectories.jsonl     a few sample trajectories per step (decoded text, tool calls with
+                             their windows and sub-agent summaries, frame times, reward breakdown)
+      thumbs/                small JPEGs of those trajectories' overview frames (ThumbnailStore)
       tb/                    TensorBoard event files (every scalar of metrics.jsonl)
       summary.png            the main curves (reward, format, tool-call rate, accuracy, KL, ...)
       checkpoints/step_N/    see paravt.checkpoint
@@ -201,6 +203,57 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class ThumbnailStore:
+    """Small JPEGs of the overview frames a logged trajectory's model saw, for ``paravt.view``.
+
+    Files go to ``out_dir/thumbs/`` named by sample, K and frame index, so the trajectories of
+    one group (and a prompt drawn again later at the same K) share them. The total size is
+    capped at ``max_bytes``: the store counts the bytes already under ``thumbs/`` (a resumed
+    run included) and, once the next frame would pass the cap, writes nothing more; those
+    trajectories keep their frame times and are shown without pictures. A 96 px JPEG is
+    ~1-3 KB, so the default 20 MB holds ~10k frames.
+    """
+
+    def __init__(self, out_dir: str | Path, *, max_bytes: int, max_px: int = 96) -> None:
+        self.dir = Path(out_dir) / "thumbs"
+        self.max_bytes = int(max_bytes)
+        self.max_px = int(max_px)
+        self.used = (
+            sum(f.stat().st_size for f in self.dir.glob("*.jpg")) if self.dir.is_dir() else 0
+        )
+        self.full = False
+
+    def save(self, key: str, frames: Any) -> list[str] | None:
+        """Write ``frames`` (uint8 ``(T, H, W, 3)``) as ``thumbs/{key}_{i}.jpg``; returns their
+        paths relative to ``out_dir``, or None when the cap is reached (nothing partial kept)."""
+        import io
+
+        from PIL import Image
+
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)[:120]
+        names = [f"thumbs/{safe}_{i:03d}.jpg" for i in range(len(frames))]
+        if all((self.dir.parent / n).is_file() for n in names):
+            return names
+        if self.full:
+            return None
+        blobs = []
+        for f in frames:
+            img = Image.fromarray(f.cpu().numpy() if hasattr(f, "cpu") else f)
+            img.thumbnail((self.max_px, self.max_px))
+            buf = io.BytesIO()
+            img.save(buf, format="JPEG", quality=70)
+            blobs.append(buf.getvalue())
+        size = sum(len(b) for b in blobs)
+        if self.used + size > self.max_bytes:
+            self.full = True
+            return None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for n, b in zip(names, blobs):
+            (self.dir.parent / n).write_bytes(b)
+        self.used += size
+        return names
 
 
 def plot_summary(

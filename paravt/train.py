@@ -231,6 +231,7 @@ class Trainer:
     logger: Any
     init_dir: str
     start_step: int = 0
+    thumbs: Any = None  # ThumbnailStore of the viewer's overview thumbnails (rank 0)
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
@@ -240,7 +241,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     from paravt.checkpoint import latest_checkpoint, load_trainer_state, set_rng_state
     from paravt.data.readers import has_split, load_samples
     from paravt.distributed import load_full_optimizer_state, shard_model
-    from paravt.metrics import MetricsLogger
+    from paravt.metrics import MetricsLogger, ThumbnailStore
     from paravt.models import load_model_from_config
     from paravt.rollout import make_engine
     from paravt.sft import run_sft
@@ -318,6 +319,11 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         cfg, ctx, policy, bundle, engine, runner, reference, objective, optimizer, scheduler,
         sampler, val_samples, logger, init_dir,
     )  # fmt: skip
+
+    if ctx.is_main:
+        trainer.thumbs = ThumbnailStore(
+            out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px
+        )
 
     # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if ckpt is not None:
@@ -546,12 +552,23 @@ def sync_engine(tr: Trainer) -> None:
 
 
 def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str, Any]]:
-    """A few decoded trajectories for ``trajectories.jsonl`` (what the model actually wrote)."""
+    """A few decoded trajectories for ``trajectories.jsonl``: what the model saw and wrote.
+
+    Per trajectory: question, gold answer, K, the video's duration, the overview frames' times
+    and thumbnails (``thumbs``: paths relative to the run folder, None past the
+    ``train.viewer_max_mb`` cap; ``ThumbnailStore``), each turn's text and its calls (status,
+    clamped window, the sub-agent's summary, the parse error), reward and breakdown. This is
+    what ``python -m paravt.view`` renders."""
     out = []
     for g in groups:
         for t in g.trajectories:
             if len(out) >= n:
                 return out
+            vis = t.visuals
+            times = [float(x) for x in vis.timestamps[0]] if vis and vis.timestamps else []
+            thumbs = None
+            if vis is not None and vis.frames and tr.thumbs is not None:
+                thumbs = tr.thumbs.save(f"{g.sample.id}_K{g.num_frames}", vis.frames[0])
             out.append(
                 {
                     "uid": t.uid,
@@ -559,11 +576,24 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
                     "K": g.num_frames,
                     "question": g.sample.question,
                     "answer": g.sample.answer,
+                    "duration": float(tr.runner.meta(g.sample.video).duration),
+                    "frame_times": times,
+                    "thumbs": thumbs,
                     "turns": [
                         {
                             "prefix": x.prefix,
                             "text": x.text,
-                            "calls": [[c.status, c.start, c.end] for c in x.calls],
+                            "forced_answer": x.forced_answer,
+                            "calls": [
+                                {
+                                    "status": c.status,
+                                    "start": c.start,
+                                    "end": c.end,
+                                    "response": c.response,
+                                    "error": c.error,
+                                }
+                                for c in x.calls
+                            ],
                         }
                         for x in t.turns
                     ],
