@@ -45,6 +45,22 @@ class ScriptedFirstTurn:
         self.real.sync_weights(model)
 
 
+def own_score(model, r, ids) -> list[float]:
+    """Behaviour log-probs of a scripted turn: the model's own teacher-forced log-probs under
+    the request's sampling parameters."""
+    import torch
+
+    from paravt.algo.packing import sequence_logprobs
+
+    mm = list(r.extras["mm_token_type_ids"]) + [0] * (len(ids) - len(r.prompt_ids))
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(
+            model, ids, mm, r.visuals,
+            temperature=r.sampling.temperature, top_p=r.sampling.top_p,
+        )  # fmt: skip
+    return lp[len(r.prompt_ids) :].tolist()
+
+
 # Main and sub-agent sampling temperatures of the scripted runs (different on purpose: each row
 # must be re-scored at its own).
 MAIN_T, SUB_T = 0.7, 0.3

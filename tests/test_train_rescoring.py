@@ -11,25 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scripted_engine import MAIN_T, SUB_T, scripted_trainer
+from scripted_engine import MAIN_T, SUB_T, own_score, scripted_trainer
 
 # float32 CPU forwards, batched generate vs one teacher-forced forward (tests/test_hf_engine.py
 # checks behaviour log-probs to 2e-4 the same way).
 ATOL = 2e-4
-
-
-def _own_score(model, r, ids) -> list[float]:
-    """Behaviour log-probs of the scripted turn: the model's own teacher-forced log-probs under
-    the request's sampling parameters."""
-    from paravt.algo.packing import sequence_logprobs
-
-    mm = list(r.extras["mm_token_type_ids"]) + [0] * (len(ids) - len(r.prompt_ids))
-    with torch.no_grad():
-        lp, _ = sequence_logprobs(
-            model, ids, mm, r.visuals,
-            temperature=r.sampling.temperature, top_p=r.sampling.top_p,
-        )  # fmt: skip
-    return lp[len(r.prompt_ids) :].tolist()
 
 
 def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, monkeypatch):
@@ -39,7 +25,7 @@ def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, 
     tr = scripted_trainer(
         assets,
         str(tmp_path / "run"),
-        _own_score,
+        own_score,
         **{
             # Exercise all three passes: policy, proximal (decoupled) and reference (KL).
             "algo.loss": "decoupled",

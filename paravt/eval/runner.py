@@ -9,7 +9,8 @@ frames (``frames``, the reference evaluation's protocol) — then ``paravt.eval.
 
 Files in ``out``:
 
-* ``results.jsonl`` — one line per sample (:func:`result_row`): id, prediction (the main
+* ``results.jsonl`` — one line per sample (:func:`result_row`): id, question, the video's
+  duration, prediction (the main
   agent's full text), parsed answer, correct / IoU / score, turns, calls, timings, error, and
   the trace (each turn's text and its calls' windows and responses) that the viewer renders.
   Written as each batch finishes (``results.rank{r}.jsonl`` per rank under ``torchrun``, merged
@@ -125,6 +126,7 @@ def result_row(
         "benchmark": extra.get("benchmark", ""),
         "question_type": sample.question_type,
         "categories": extra.get("categories", {}),
+        "question": sample.question,
         "answer": sample.answer,
         "frames": frames,
     }
@@ -227,6 +229,7 @@ def evaluate_samples(
                 emit(result_row(s, None, frames=frames, error=msg, kind="video"))
                 continue
             row = result_row(s, g.trajectories[0], frames=frames)
+            row["duration"] = float(runner.meta(s.video).duration)  # the viewer's time axis
             row["timings"]["batch_s"] = round(dt, 4)
             row["timings"]["batch_size"] = len(batch)
             emit(row)

@@ -1,0 +1,608 @@
+"""``python -m paravt.view RUN_DIR [--out DIR] [--serve PORT]`` — a static HTML report of a run.
+
+RUN_DIR is a training run folder (``metrics.jsonl``; ``python -m paravt.train`` / ``make
+train``) or an evaluation folder (``results.jsonl``; ``python -m paravt.eval --out DIR``). The
+report goes to ``--out`` (default ``RUN_DIR/view``) and needs no server, no network and no
+JavaScript library: open ``index.html`` in a browser, or pass ``--serve PORT`` to serve it
+with the standard library's ``http.server``.
+
+* ``index.html``: the alarms (``paravt.alarms``, the ``kind: "alarm"`` rows), the main curves
+  as inline SVG drawn here (reward and its parts, format, ``</think>`` closure, tool-call rate
+  overall and per K, parse errors, accuracy, KL, entropy: whichever keys the run logged), the
+  before/after evaluation, and the resolved ``config.yaml`` (for an evaluation: its
+  ``summary.json`` and ``run.json``).
+* ``trajectories.html``: every logged trajectory (``trajectories.jsonl``, or each row of
+  ``results.jsonl``): question and gold answer, K, the overview frames as thumbnails on a time
+  axis spanning the video, each crop window as a bar at its [start, end] with its sub-agent's
+  summary, each main turn with its ``<think>`` / ``<tool_call>`` / ``<answer>`` spans
+  highlighted, failed calls, the reward breakdown; filters (wrong answers, parse errors, no
+  tool use, per K) are a few lines of vanilla JS toggling a class.
+
+Model output is hostile text: every string from a run is HTML-escaped (``html.escape``) and
+none is placed inside a ``<script>``; the filters read ``data-*`` attributes only.
+Thumbnails (``thumbs/``, see ``paravt.metrics.ThumbnailStore``) are copied next to the pages so
+the folder is self-contained; a missing one is drawn as a bare tick, never a broken image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paravt.metrics import read_metrics
+
+# Curve panels of the run page: (title, keys or a key prefix ending in "/K"). A panel is drawn
+# when at least one of its keys was logged.
+CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward/total",)),
+    ("reward parts", ("reward/acc", "reward/fmt", "reward/anchor", "reward/tool")),
+    ("format compliance", ("format_compliance",)),
+    ("</think> closure", ("think_closure_rate",)),
+    ("tool-call rate", ("tool_call_rate",)),
+    ("tool-call rate per K", ("tool_rate/K",)),
+    ("tool calls / rollout", ("tool_calls_per_rollout",)),
+    ("parse-error rate", ("parse_error_rate",)),
+    ("accuracy", ("accuracy",)),
+    ("accuracy per K", ("acc/K",)),
+    ("KL to reference", ("kl",)),
+    ("entropy", ("entropy",)),
+    ("loss", ("loss",)),
+    ("grad norm", ("grad_norm",)),
+)
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+TAGS = re.compile(r"</?(?:think|tool_call|answer)>")
+
+
+class ViewError(ValueError):
+    """A folder the viewer cannot render (the message says what is missing and how to make it)."""
+
+
+# ------------------------------------------------------------------------------- records
+@dataclass
+class CallView:
+    status: str
+    start: float | None
+    end: float | None
+    response: str = ""
+    error: str = ""
+
+
+@dataclass
+class TurnView:
+    prefix: str  # forced text (the think prefix, a forced answer's prompt); "" when unknown
+    text: str  # generated text
+    calls: list[CallView] = field(default_factory=list)
+    forced_answer: bool = False
+
+
+@dataclass
+class TrajView:
+    """One trajectory as the pages show it (from ``trajectories.jsonl`` or ``results.jsonl``)."""
+
+    name: str
+    step: int | None
+    K: int
+    question: str
+    answer: str
+    turns: list[TurnView]
+    reward: float | None
+    breakdown: dict[str, Any]
+    correct: bool
+    duration: float | None = None
+    frame_times: list[float] = field(default_factory=list)
+    thumbs: list[str] | None = None  # paths relative to the run folder
+
+    @property
+    def calls(self) -> list[CallView]:
+        return [c for t in self.turns for c in t.calls]
+
+    @property
+    def parse_errors(self) -> int:
+        return sum(c.status != "ok" for c in self.calls)
+
+    @property
+    def used_tool(self) -> bool:
+        return any(c.status == "ok" for c in self.calls)
+
+    def axis_seconds(self) -> float:
+        """The time axis' length: the video's duration, else the latest time it mentions."""
+        if self.duration:
+            return float(self.duration)
+        ends = [c.end for c in self.calls if c.end is not None] + list(self.frame_times)
+        return max([1.0, *ends])
+
+
+@dataclass
+class Report:
+    kind: str  # "train" | "eval"
+    run_dir: Path
+    metrics: list[dict[str, Any]]
+    alarms: list[dict[str, Any]]
+    config_text: str
+    trajectories: list[TrajView]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def _call(c: Any) -> CallView:
+    if isinstance(c, (list, tuple)):  # runs before the viewer: [status, start, end]
+        return CallView(str(c[0]), c[1], c[2])
+    return CallView(
+        str(c.get("status", "")),
+        c.get("start"),
+        c.get("end"),
+        str(c.get("response") or ""),
+        str(c.get("error") or ""),
+    )
+
+
+def _train_traj(r: dict[str, Any]) -> TrajView:
+    b = r.get("breakdown") or {}
+    return TrajView(
+        name=str(r.get("uid", "")),
+        step=r.get("step"),
+        K=int(r.get("K", 0)),
+        question=str(r.get("question", "")),
+        answer=str(r.get("answer", "")),
+        turns=[
+            TurnView(
+                str(t.get("prefix", "")),
+                str(t.get("text", "")),
+                [_call(c) for c in t.get("calls", [])],
+                bool(t.get("forced_answer", False)),
+            )
+            for t in r.get("turns", [])
+        ],
+        reward=r.get("reward"),
+        breakdown=b,
+        correct=float(b.get("acc") or 0.0) >= 1.0,
+        duration=r.get("duration"),
+        frame_times=[float(x) for x in r.get("frame_times", [])],
+        thumbs=r.get("thumbs"),
+    )
+
+
+def _eval_traj(r: dict[str, Any]) -> TrajView:
+    keys = ("score", "correct", "iou", "parsed", "source", "calls", "calls_ok", "error")
+    correct = r.get("correct")
+    return TrajView(
+        name=str(r.get("id", "")),
+        step=None,
+        K=int(r.get("frames", 0)),
+        question=str(r.get("question", "")),
+        answer=str(r.get("answer", "")),
+        turns=[
+            TurnView(
+                "",
+                str(t.get("text", "")),
+                [_call(c) for c in t.get("calls", [])],
+                bool(t.get("forced_answer", False)),
+            )
+            for t in r.get("trace", [])
+        ],
+        reward=r.get("score"),
+        breakdown={k: r.get(k) for k in keys if r.get(k) is not None},
+        correct=bool(correct) if correct is not None else float(r.get("score") or 0) >= 1.0,
+        duration=r.get("duration"),
+    )
+
+
+def load_report(run_dir: str | Path) -> Report:
+    """Read a training run folder (``metrics.jsonl``) or an evaluation folder
+    (``results.jsonl``); raises :class:`ViewError` for anything else."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise ViewError(f"{d} is not a directory (pass a training run or evaluation folder)")
+    if (d / "metrics.jsonl").is_file():
+        rows = read_metrics(d / "metrics.jsonl")
+        cfg = d / "config.yaml"
+        return Report(
+            "train",
+            d,
+            [r for r in rows if r.get("kind") != "alarm"],
+            [r for r in rows if r.get("kind") == "alarm"],
+            cfg.read_text() if cfg.is_file() else "(no config.yaml in the run folder)",
+            [_train_traj(r) for r in read_metrics(d / "trajectories.jsonl")],
+        )
+    if (d / "results.jsonl").is_file():
+        summary = d / "summary.json"
+        run = d / "run.json"
+        return Report(
+            "eval",
+            d,
+            [],
+            [],
+            run.read_text() if run.is_file() else "(no run.json in the evaluation folder)",
+            [_eval_traj(r) for r in read_metrics(d / "results.jsonl")],
+            json.loads(summary.read_text()) if summary.is_file() else {},
+        )
+    raise ViewError(
+        f"{d} has neither metrics.jsonl (a training run: `make train` or `python -m paravt.train "
+        "train.out_dir=DIR` writes it) nor results.jsonl (an evaluation: `python -m paravt.eval "
+        "--benchmark NAME --out DIR` writes it)"
+    )
+
+
+# ------------------------------------------------------------------------------- curves
+def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, list[tuple]]:
+    names: list[str] = []
+    for k in keys:
+        if k.endswith("/K"):
+            found = {x for r in rows for x in r if x.startswith(k) and x[len(k) :].isdigit()}
+            names += sorted(found, key=lambda x: int(x[len(k) :]))
+        elif any(k in r for r in rows):
+            names.append(k)
+    out = {}
+    for n in names:
+        pts = [(r["step"], r[n]) for r in rows if isinstance(r.get(n), (int, float))]
+        if pts:
+            out[n] = pts
+    return out
+
+
+def svg_curve(
+    title: str,
+    series: dict[str, list[tuple]],
+    marks: Sequence[int] = (),
+    w: int = 300,
+    h: int = 170,
+) -> str:
+    """One panel: each series a polyline over step, y from its min to max; ``marks`` are alarm
+    steps drawn as red vertical lines."""
+    pad_l, pad_r, pad_t, pad_b = 40, 8, 22, 34
+    xs = [x for pts in series.values() for x, _ in pts] + list(marks)
+    ys = [y for pts in series.values() for _, y in pts]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    pw, ph = w - pad_l - pad_r, h - pad_t - pad_b
+
+    def px(x: float) -> float:
+        return pad_l + (x - x0) / (x1 - x0) * pw
+
+    def py(y: float) -> float:
+        return pad_t + (1 - (y - y0) / (y1 - y0)) * ph
+
+    e = html.escape
+    parts = [
+        f'<svg class="curve" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
+        f'aria-label="{e(title)}">',
+        f'<text x="{w / 2}" y="14" text-anchor="middle" class="ttl">{e(title)}</text>',
+        f'<rect x="{pad_l}" y="{pad_t}" width="{pw}" height="{ph}" class="frame"/>',
+        f'<text x="{pad_l - 3}" y="{pad_t + 8}" text-anchor="end">{y1:.3g}</text>',
+        f'<text x="{pad_l - 3}" y="{pad_t + ph}" text-anchor="end">{y0:.3g}</text>',
+        f'<text x="{pad_l}" y="{h - pad_b + 12}">{x0:g}</text>',
+        f'<text x="{pad_l + pw}" y="{h - pad_b + 12}" text-anchor="end">{x1:g}</text>',
+    ]
+    for s in marks:
+        parts.append(
+            f'<line class="alarm-mark" x1="{px(s):.1f}" x2="{px(s):.1f}" y1="{pad_t}" '
+            f'y2="{pad_t + ph}"><title>alarm at step {s}</title></line>'
+        )
+    for i, (name, pts) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
+        parts.append(
+            f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{coords}">'
+            f"<title>{e(name)}</title></polyline>"
+        )
+        if len(pts) == 1:
+            parts.append(f'<circle cx="{px(pts[0][0]):.1f}" cy="{py(pts[0][1]):.1f}" r="2.5" '
+                         f'fill="{color}"/>')  # fmt: skip
+        if len(series) > 1:
+            lx = pad_l + (i % 3) * (pw / 3)
+            ly = h - 12 + (i // 3) * 10  # rows of three; a 7th+ series overflows the panel
+            parts.append(f'<text x="{lx:.0f}" y="{ly}" fill="{color}">{e(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# ------------------------------------------------------------------------------- text
+_SPAN = {"think": "think", "tool_call": "call", "answer": "answer"}
+
+
+def highlight(prefix: str, text: str) -> str:
+    """``prefix + text`` as escaped HTML with ``<think>``, ``<tool_call>`` and ``<answer>``
+    spans (tags included) wrapped in ``<span class="think|call|answer">``; the forced prefix
+    is also marked ``forced``. Unclosed spans run to the end; stray closers close nothing."""
+    full = prefix + text
+    cuts = sorted({0, len(prefix), len(full)} | {p for m in TAGS.finditer(full) for p in m.span()})
+    out: list[str] = []
+    open_tag: str | None = None
+    for a, b in zip(cuts, cuts[1:]):
+        seg = full[a:b]
+        m = TAGS.fullmatch(seg)
+        if m and not seg.startswith("</"):
+            open_tag = seg[1:-1]
+        classes = [_SPAN[open_tag]] if open_tag else []
+        if m:
+            classes.append("tag")
+        if b <= len(prefix):
+            classes.append("forced")
+        body = html.escape(seg)
+        out.append(f'<span class="{" ".join(classes)}">{body}</span>' if classes else body)
+        if m and seg.startswith("</") and open_tag == seg[2:-1]:
+            open_tag = None
+    return "".join(out)
+
+
+# ------------------------------------------------------------------------------- pages
+CSS = """
+body{font:14px/1.4 system-ui,sans-serif;margin:16px;color:#222;background:#fafafa}
+h1{font-size:20px}h2{font-size:16px;margin-top:24px}
+nav a{margin-right:12px}
+.curves{display:flex;flex-wrap:wrap;gap:8px}
+svg.curve{background:#fff;border:1px solid #ddd;font-size:10px}
+svg.curve .ttl{font-size:12px;font-weight:600}
+svg.curve .frame{fill:none;stroke:#ccc}
+svg.curve .alarm-mark{stroke:#d00;stroke-dasharray:3 2}
+.alarm{background:#fee;border:1px solid #d00;padding:4px 8px;margin:4px 0}
+.ok{background:#efe;border:1px solid #6a6;padding:4px 8px}
+pre{background:#fff;border:1px solid #ddd;padding:8px;overflow:auto;max-height:400px}
+table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:2px 6px;text-align:left}
+.filters{position:sticky;top:0;background:#fafafa;padding:6px 0;border-bottom:1px solid #ccc;z-index:5}
+.traj{background:#fff;border:1px solid #ccc;margin:12px 0;padding:8px 12px}
+.traj.hidden{display:none}
+.traj h3{font-size:14px;margin:0 0 4px}
+.badge{display:inline-block;padding:0 6px;border-radius:8px;font-size:12px;margin-left:4px}
+.b-wrong{background:#fdd}.b-right{background:#dfd}.b-perr{background:#fc8}.b-notool{background:#ddd}
+.timeline{position:relative;margin:8px 0 4px}
+.frames{position:relative;height:60px}
+.frames .fr{position:absolute;top:0;transform:translateX(-50%);text-align:center;font-size:9px}
+.frames img{display:block;height:44px;border:1px solid #999}
+.frames .tick{width:1px;height:44px;background:#999;margin:0 auto}
+.axis{position:relative;height:18px;border-top:2px solid #333;font-size:10px}
+.axis span{position:absolute;top:2px;transform:translateX(-50%)}
+.lanes{position:relative}
+.crop{position:absolute;height:14px;background:#1f77b4;opacity:.8;border-radius:2px}
+.lane{position:relative;height:18px}
+ol.summaries{font-size:12px;margin:4px 0}
+.turn{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:12px;background:#f6f6f6;
+ border:1px solid #e0e0e0;padding:6px;margin:4px 0}
+.think{background:#eef3ff}.call{background:#fff3d6}.answer{background:#dff5df}
+.tag{font-weight:700;color:#555}.forced{color:#888;font-style:italic}
+.perr{color:#b00}
+"""
+
+JS = """
+function applyFilters(){
+  var wrong=document.getElementById('f-wrong').checked,
+      perr=document.getElementById('f-perr').checked,
+      notool=document.getElementById('f-notool').checked,
+      k=document.getElementById('f-k').value, shown=0;
+  document.querySelectorAll('.traj').forEach(function(el){
+    var hide=(wrong&&el.dataset.wrong!=='1')||(perr&&el.dataset.perr==='0')||
+             (notool&&el.dataset.tool!=='0')||(k&&el.dataset.k!==k);
+    el.classList.toggle('hidden',hide); if(!hide) shown++;
+  });
+  document.getElementById('shown').textContent=shown;
+}
+document.querySelectorAll('.filters input,.filters select').forEach(function(el){
+  el.addEventListener('change',applyFilters);});
+applyFilters();
+"""
+
+
+def _page(title: str, body: str, script: str = "") -> str:
+    js = f"<script>{script}</script>" if script else ""
+    return (
+        f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}'
+        f'</title><style>{CSS}</style></head><body><nav><a href="index.html">run</a>'
+        f'<a href="trajectories.html">trajectories</a></nav>{body}{js}</body></html>'
+    )
+
+
+def _alarm_steps(alarms: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[int]:
+    return [
+        int(a["step"])
+        for a in alarms
+        if any(a.get("metric") == k or str(a.get("metric", "")).startswith(k) for k in keys)
+    ]
+
+
+def render_index(rep: Report) -> str:
+    e = html.escape
+    b = [f"<h1>{e(rep.kind)} run: {e(str(rep.run_dir))}</h1>"]
+    b.append(f'<p><a href="trajectories.html">{len(rep.trajectories)} trajectories</a></p>')
+    if rep.kind == "train":
+        b.append("<h2>Alarms</h2>")
+        if rep.alarms:
+            b += [
+                f'<div class="alarm">step {int(a["step"])}: {e(str(a.get("message", "")))}</div>'
+                for a in rep.alarms
+            ]
+        else:
+            b.append('<div class="ok">no collapse alarm</div>')
+        train = [r for r in rep.metrics if r.get("kind", "train") == "train"]
+        b.append(f"<h2>Curves ({len(train)} steps)</h2><div class='curves'>")
+        for title, keys in CURVES:
+            series = _series(train, keys)
+            if series:
+                b.append(svg_curve(title, series, _alarm_steps(rep.alarms, keys)))
+        b.append("</div>")
+        evals = [r for r in rep.metrics if str(r.get("kind", "")).startswith("eval")]
+        if evals:
+            keys = ["accuracy", "reward/total", "format_compliance", "tool_call_rate",
+                    "think_closure_rate", "parse_error_rate"]  # fmt: skip
+            b.append("<h2>Evaluation</h2><table><tr><th>kind</th><th>step</th>")
+            b += [f"<th>{e(k)}</th>" for k in keys]
+            b.append("</tr>")
+            for r in evals:
+                cells = "".join(
+                    f"<td>{r[k]:.3f}</td>" if isinstance(r.get(k), (int, float)) else "<td></td>"
+                    for k in keys
+                )
+                b.append(f"<tr><td>{e(str(r['kind']))}</td><td>{r['step']}</td>{cells}</tr>")
+            b.append("</table>")
+        b.append(f"<h2>Config (config.yaml)</h2><pre>{e(rep.config_text)}</pre>")
+    else:
+        b.append("<h2>Summary (summary.json)</h2>")
+        b.append(f"<pre>{e(json.dumps(rep.summary, indent=1)[:20000])}</pre>")
+        b.append(f"<h2>Settings (run.json)</h2><pre>{e(rep.config_text)}</pre>")
+    return _page(f"paravt {rep.kind} run", "".join(b))
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def render_trajectory(i: int, t: TrajView, thumbs: dict[str, str]) -> str:
+    """One ``<section class="traj">``: header, timeline (frames, axis, crop bars), turns,
+    calls, reward breakdown. ``thumbs`` maps a record's thumbnail path to the copied file
+    (absent: not available, drawn as a tick)."""
+    e = html.escape
+    dur = t.axis_seconds()
+    pct = lambda s: f"{min(max(float(s) / dur, 0.0), 1.0) * 100:.4f}%"  # noqa: E731
+    flags = (
+        f'data-k="{t.K}" data-wrong="{int(not t.correct)}" data-perr="{t.parse_errors}" '
+        f'data-tool="{int(t.used_tool)}"'
+    )
+    head = f"#{i} {t.name}" + (f" (step {t.step})" if t.step is not None else "")
+    badges = ('<span class="badge b-right">correct</span>' if t.correct
+              else '<span class="badge b-wrong">wrong</span>')  # fmt: skip
+    if t.parse_errors:
+        badges += f'<span class="badge b-perr">{t.parse_errors} parse error(s)</span>'
+    if not t.used_tool:
+        badges += '<span class="badge b-notool">no tool use</span>'
+    p = [f'<section class="traj" id="t{i}" {flags}><h3>{e(head)} K={t.K}{badges}</h3>']
+    p.append(f'<div class="q"><b>Q:</b> {e(t.question) or "<i>(question not recorded)</i>"}</div>')
+    p.append(f'<div><b>gold:</b> <span class="gold">{e(t.answer)}</span>')
+    if t.reward is not None:
+        p.append(f" &nbsp; <b>reward:</b> {_fmt(t.reward)}")
+    p.append("</div>")
+    # Timeline: frames above the axis, crop bars below, all in % of the axis' width.
+    p.append(f'<div class="timeline" data-duration="{dur}"><div class="frames">')
+    srcs = t.thumbs or []
+    for k, ts in enumerate(t.frame_times):
+        src = thumbs.get(srcs[k]) if k < len(srcs) else None
+        pic = (f'<img src="{e(src)}" alt="frame at {ts:.1f} s">' if src
+               else '<div class="tick"></div>')  # fmt: skip
+        p.append(f'<div class="fr" style="left:{pct(ts)}" data-t="{ts}">{pic}{ts:.0f}s</div>')
+    p.append('</div><div class="axis">')
+    for q in range(5):
+        s = dur * q / 4
+        p.append(f'<span style="left:{pct(s)}">{s:.0f}s</span>')
+    p.append('</div><div class="lanes">')
+    ok = [c for c in t.calls if c.status == "ok" and c.start is not None and c.end is not None]
+    for n, c in enumerate(ok):
+        assert c.start is not None and c.end is not None
+        w = f"{max(min(c.end, dur) - max(c.start, 0.0), 0.0) / dur * 100:.4f}%"
+        p.append(
+            f'<div class="lane"><div class="crop" data-start="{c.start}" data-end="{c.end}" '
+            f'style="left:{pct(c.start)};width:{w}" title="crop {n + 1}: {c.start:.1f}-'
+            f'{c.end:.1f} s"></div></div>'
+        )
+    p.append("</div></div>")
+    if ok:
+        p.append('<ol class="summaries">')
+        p += [
+            f"<li>[{c.start:.1f}, {c.end:.1f}] s: <span class='summary'>{e(c.response)}</span></li>"
+            for c in ok
+        ]
+        p.append("</ol>")
+    for j, turn in enumerate(t.turns):
+        tag = " (forced answer)" if turn.forced_answer else ""
+        p.append(f"<div><b>turn {j}{tag}</b></div>")
+        p.append(f'<div class="turn">{highlight(turn.prefix, turn.text)}</div>')
+        bad = [c for c in turn.calls if c.status != "ok"]
+        for c in bad:
+            p.append(f'<div class="perr">call failed: {e(c.status)}: {e(c.error)}</div>')
+    if t.breakdown:
+        p.append("<table class='breakdown'><tr>")
+        p += [f"<th>{e(str(k))}</th>" for k in t.breakdown]
+        p.append("</tr><tr>")
+        p += [f"<td>{e(_fmt(v))}</td>" for v in t.breakdown.values()]
+        p.append("</tr></table>")
+    p.append("</section>")
+    return "".join(p)
+
+
+def render_trajectories(rep: Report, thumbs: dict[str, str]) -> str:
+    ks = sorted({t.K for t in rep.trajectories})
+    opts = "".join(f'<option value="{k}">K={k}</option>' for k in ks)
+    b = [
+        f"<h1>Trajectories ({len(rep.trajectories)})</h1>",
+        '<div class="filters"><label><input type="checkbox" id="f-wrong"> wrong answers</label> '
+        '<label><input type="checkbox" id="f-perr"> parse errors</label> '
+        '<label><input type="checkbox" id="f-notool"> no tool use</label> '
+        f'<select id="f-k"><option value="">every K</option>{opts}</select> '
+        '&nbsp; showing <span id="shown"></span></div>',
+    ]
+    if not rep.trajectories:
+        b.append("<p>No trajectory logged (train.log_trajectories=0?).</p>")
+    b += [render_trajectory(i, t, thumbs) for i, t in enumerate(rep.trajectories)]
+    return _page("paravt trajectories", "".join(b), JS)
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Render ``run_dir`` into ``out`` (default ``run_dir/view``); returns ``out/index.html``.
+
+    Copies the thumbnails the trajectories reference into ``out/thumbs/`` (the report is then
+    a self-contained folder); their size is bounded by ``train.viewer_max_mb`` at write time.
+    """
+    rep = load_report(run_dir)
+    dst = Path(out) if out else Path(run_dir) / "view"
+    dst.mkdir(parents=True, exist_ok=True)
+    thumbs: dict[str, str] = {}
+    for t in rep.trajectories:
+        for rel in t.thumbs or []:
+            if rel in thumbs:
+                continue
+            src = (rep.run_dir / rel).resolve()
+            # Only files inside the run folder: a record never makes the viewer read elsewhere.
+            if not src.is_file() or rep.run_dir.resolve() not in src.parents:
+                continue
+            name = "thumbs/" + src.name
+            target = dst / name
+            if target.resolve() != src:
+                target.parent.mkdir(exist_ok=True)
+                shutil.copyfile(src, target)
+            thumbs[rel] = name
+    (dst / "index.html").write_text(render_index(rep), encoding="utf-8")
+    (dst / "trajectories.html").write_text(render_trajectories(rep, thumbs), encoding="utf-8")
+    return dst / "index.html"
+
+
+def serve(directory: Path, port: int) -> None:
+    """Serve ``directory`` on ``http://127.0.0.1:port/`` until interrupted (stdlib only)."""
+    import functools
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(directory))
+    with ThreadingHTTPServer(("127.0.0.1", port), handler) as srv:
+        print(f"serving {directory} at http://127.0.0.1:{srv.server_address[1]}/ (Ctrl-C stops)")
+        try:
+            srv.serve_forever()
+        except KeyboardInterrupt:
+            pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m paravt.view", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", help="training run folder (metrics.jsonl) or eval folder")
+    ap.add_argument("--out", default="", help="report folder (default RUN_DIR/view)")
+    ap.add_argument("--serve", type=int, default=None, metavar="PORT", help="serve it after")
+    a = ap.parse_args(argv)
+    try:
+        index = write_report(a.run_dir, a.out or None)
+    except ViewError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {index} and {index.parent / 'trajectories.html'}")
+    if a.serve is not None:
+        serve(index.parent, a.serve)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,368 @@
+"""``python -m paravt.view``: a real tiny training run and a real evaluation rendered to HTML and
+loaded in a real headless Chromium (Debian's ``chromium``, driven by Playwright for Python;
+``make test`` installs the browser when missing).
+
+The training run is ``paravt.train.run`` on the tiny model whose main agents' first turn is
+scripted (``tests/scripted_engine.py``): an untrained model never writes a well-formed tool
+call, and the viewer's crop bars need some. The scripted turn carries hostile text (a
+``<script>`` and an ``<img onerror>`` inside the think span and a bad call's arguments); crops,
+sub-agent summaries, the forced answer turn, rewards, the update and the run folder are real.
+
+Set ``PARAVT_VIEWER_SCREENSHOT=docs/viewer.png`` to also save the README's screenshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from scripted_engine import ScriptedFirstTurn, own_score
+
+from paravt.config import load_config
+from paravt.metrics import read_metrics
+from paravt.view import main, write_report
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HOSTILE_THINK = "look <script>alert(1)</script> here"
+HOSTILE_ARG = "</answer><img src=x onerror=alert(2)>"
+WINDOWS = ((5.0, 9.0), (20.0, 26.0))
+STEPS, PROMPTS, G = 2, 2, 2
+
+
+def _scripted_text() -> str:
+    calls = [
+        {"name": "crop_video", "arguments": {"start_time": s, "end_time": e}} for s, e in WINDOWS
+    ]
+    calls.append({"name": "crop_video", "arguments": {"start_time": HOSTILE_ARG, "end_time": 3}})
+    body = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    return f"{HOSTILE_THINK}\n</think>\n{body}"
+
+
+@pytest.fixture(scope="module")
+def run_dir(assets, tmp_path_factory) -> Path:
+    """A 2-step ``paravt.train.run`` (2 prompts x G=2, K in {2, 4}, every trajectory logged)."""
+    import paravt.train as train
+
+    out = tmp_path_factory.mktemp("view") / "run"
+    kv = {
+        "data.synth_dir": assets["data"],
+        "data.synth_num_videos": 2,
+        "model.tiny_dir": assets["model"],
+        "train.out_dir": str(out),
+        "train.steps": STEPS,
+        "train.prompts_per_step": PROMPTS,
+        "train.save_every": 0,
+        "train.eval_prompts": 0,
+        "train.progress": "false",
+        "train.log_trajectories": PROMPTS * G,
+        "rollout.group_size": G,
+        "rollout.max_new_tokens": 6,
+        "rollout.sub_max_new_tokens": 6,
+        "agent.max_turns": 1,
+        "agent.max_tool_response_tokens": 8,
+        "video.frame_budgets": "[2,4]",
+        "video.crop_max_frames": 4,
+        "sft.steps": 0,
+        "algo.adv_bias": 0.1,
+    }
+    cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
+    build = train.build_trainer
+
+    def scripted(cfg, ctx):
+        tr = build(cfg, ctx)
+        engine = ScriptedFirstTurn(tr.engine, _scripted_text(), own_score)
+        tr.runner.engine = engine
+        rollout = tr.runner.rollout
+
+        def every_step(*a, **kw):  # main uids repeat across steps: script each step's turn 0
+            engine.seen.clear()
+            return rollout(*a, **kw)
+
+        tr.runner.rollout = every_step
+        return tr
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "build_trainer", scripted)
+        train.run(cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (make test installs it: apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -r requirements.txt")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+class Page:
+    """A Chromium page that records console errors, page errors, failed requests and dialogs."""
+
+    def __init__(self, browser, width: int = 1280) -> None:
+        self.page = browser.new_page(viewport={"width": width, "height": 900})
+        self.problems: list[str] = []
+        self.dialogs: list[str] = []
+        pg = self.page
+        pg.on("console", lambda m: m.type == "error" and self.problems.append(f"console: {m.text}"))
+        pg.on("pageerror", lambda e: self.problems.append(f"pageerror: {e}"))
+        pg.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url}"))
+        pg.on(
+            "response", lambda r: r.status >= 400 and self.problems.append(f"{r.status}: {r.url}")
+        )
+
+        def dialog(d):
+            self.dialogs.append(d.message)
+            d.dismiss()
+
+        pg.on("dialog", dialog)
+
+    def open(self, path: Path) -> float:
+        """Load ``path``; returns the navigation's load time in ms (navigation start to the end
+        of the load event: HTML parsed, every image decoded)."""
+        self.page.goto(path.as_uri(), wait_until="load")
+        return self.page.evaluate(
+            "() => { const n = performance.getEntriesByType('navigation')[0];"
+            " return n.loadEventEnd - n.startTime; }"
+        )
+
+    def images_ok(self) -> tuple[int, list[str]]:
+        res = self.page.evaluate(
+            "() => Array.from(document.images).map(i => [i.complete && i.naturalWidth > 0, i.src])"
+        )
+        return len(res), [src for ok, src in res if not ok]
+
+
+def test_real_run_report_in_chromium(run_dir, browser, tmp_path) -> None:
+    trajs = read_metrics(run_dir / "trajectories.jsonl")
+    assert len(trajs) == STEPS * PROMPTS * G
+    # The record carries what the pages need.
+    t0 = trajs[0]
+    assert t0["duration"] > 26 and len(t0["frame_times"]) == t0["K"] == len(t0["thumbs"])
+    calls = t0["turns"][0]["calls"]
+    assert [(c["start"], c["end"]) for c in calls if c["status"] == "ok"] == list(WINDOWS)
+    assert all(c["response"] for c in calls if c["status"] == "ok")  # sub-agent summaries
+    assert [c["status"] for c in calls][-1] != "ok"
+    assert all((run_dir / p).is_file() for t in trajs for p in t["thumbs"])
+
+    out = tmp_path / "report"
+    assert main([str(run_dir), "--out", str(out)]) == 0
+    pg = Page(browser)
+
+    # Run page: curves, config, alarms section.
+    pg.open(out / "index.html")
+    titles = pg.page.eval_on_selector_all("svg.curve", "els => els.map(e => e.ariaLabel)")
+    for want in ("reward", "</think> closure", "tool-call rate", "tool-call rate per K",
+                 "parse-error rate", "accuracy", "KL to reference", "entropy"):  # fmt: skip
+        assert want in titles
+    per_k = pg.page.eval_on_selector_all(
+        'svg.curve[aria-label="tool-call rate per K"] polyline title',
+        "e => e.map(x => x.textContent)",
+    )
+    assert set(per_k) == {f"tool_rate/K{t['K']}" for t in trajs}
+    assert f"log_trajectories: {PROMPTS * G}" in pg.page.inner_text("pre")
+    pg.page.screenshot(path=str(tmp_path / "index.png"), full_page=True)
+
+    # Trajectory page.
+    pg.open(out / "trajectories.html")
+    p = pg.page
+    sections = p.query_selector_all("section.traj")
+    assert len(sections) == len(trajs)
+    text = p.inner_text("body")
+    for t in trajs:
+        assert t["uid"] in text
+    n_img, broken = pg.images_ok()
+    assert n_img == sum(len(t["thumbs"]) for t in trajs) and not broken
+
+    # Each crop bar sits at its window on the axis' pixel scale, and frames at their times.
+    n_bars = 0
+    for sec, t in zip(sections, trajs):
+        dur = float(sec.query_selector(".timeline").get_attribute("data-duration"))
+        assert dur == pytest.approx(t["duration"])
+        ax = sec.query_selector(".axis").bounding_box()
+        ok = [c for turn in t["turns"] for c in turn["calls"] if c["status"] == "ok"]
+        bars = sec.query_selector_all(".crop")
+        assert len(bars) == len(ok) == len(WINDOWS)
+        for bar, c in zip(bars, ok):
+            bb = bar.bounding_box()
+            x0 = ax["x"] + c["start"] / dur * ax["width"]
+            x1 = ax["x"] + c["end"] / dur * ax["width"]
+            assert bb["x"] == pytest.approx(x0, abs=1.0) and bb["x"] + bb["width"] == pytest.approx(
+                x1, abs=1.0
+            )
+            n_bars += 1
+        for fr, ts in zip(sec.query_selector_all(".fr"), t["frame_times"]):
+            fb = fr.bounding_box()
+            assert fb["x"] + fb["width"] / 2 == pytest.approx(
+                ax["x"] + ts / dur * ax["width"], abs=1.0
+            )
+        summaries = [x.text_content() for x in sec.query_selector_all(".summary")]
+        assert summaries == [c["response"] for c in ok]
+        assert sec.query_selector(".perr") is not None  # the bad call is shown as a failure
+    assert n_bars == len(trajs) * len(WINDOWS)
+
+    # Hostile text stays text: no injected element, no dialog, the characters are visible.
+    assert p.evaluate("() => document.scripts.length") == 1  # the page's own filter script
+    assert p.query_selector_all('img[src="x"]') == [] and not pg.dialogs
+    assert "<script>alert(1)</script>" in text and "<img src=x onerror=alert(2)>" in text
+    assert p.query_selector_all(".think.tag")  # spans highlighted
+    assert p.query_selector_all(".call") and p.query_selector_all(".answer")
+
+    # Filters.
+    def shown() -> int:
+        return int(p.inner_text("#shown"))
+
+    assert shown() == len(trajs)
+    p.check("#f-perr")
+    assert shown() == sum(any(c["status"] != "ok" for u in t["turns"] for c in u["calls"])
+                          for t in trajs)  # fmt: skip
+    p.uncheck("#f-perr")
+    p.check("#f-notool")
+    assert shown() == 0  # every scripted trajectory cropped
+    p.uncheck("#f-notool")
+    p.check("#f-wrong")
+    assert shown() == sum(t["breakdown"]["acc"] < 1 for t in trajs)
+    p.uncheck("#f-wrong")
+    k = min(t["K"] for t in trajs)
+    p.select_option("#f-k", str(k))
+    assert shown() == sum(t["K"] == k for t in trajs)
+    assert len(p.query_selector_all("section.traj:not(.hidden)")) == shown()
+    p.select_option("#f-k", "")
+
+    p.screenshot(path=str(tmp_path / "trajectories.png"), full_page=False)
+    if os.environ.get("PARAVT_VIEWER_SCREENSHOT"):
+        dst = Path(os.environ["PARAVT_VIEWER_SCREENSHOT"])
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tmp_path / "trajectories.png", dst)
+        shutil.copyfile(tmp_path / "index.png", dst.with_name(dst.stem + "_run.png"))
+    assert not pg.problems, pg.problems
+
+
+def _hundred(run_dir: Path, data: str, dst: Path, n: int = 100, k: int = 32) -> Path:
+    """A run folder with ``n`` logged trajectories: the real run's records, each given ``k``
+    overview thumbnails decoded from its real video at 448 px (the 8B preset's overview
+    size) and written by the trainer's ThumbnailStore (96 px JPEGs), 4 trajectories a group."""
+    from paravt.agent.loop import _times
+    from paravt.metrics import ThumbnailStore
+    from paravt.types import FrameRequest
+    from paravt.video import DecodePlanner, overview_timestamps, probe
+
+    shutil.copytree(run_dir, dst, ignore=shutil.ignore_patterns("checkpoints", "tb", "view"))
+    src = read_metrics(run_dir / "trajectories.jsonl")
+    vids = sorted((Path(data) / "videos").glob("*.mp4"))
+    assert vids
+    store = ThumbnailStore(dst, max_bytes=20_000_000)
+    planner = DecodePlanner("pyav")
+    rows = []
+    for i in range(n):
+        r = dict(src[i % len(src)], step=i // 4 + 1, uid=f"{i // 4}:{src[i % len(src)]['uid']}")
+        v = vids[(i // 4) % len(vids)]
+        meta = probe(str(v))
+        ts = overview_timestamps(meta, k)
+        if i % 4 == 0:
+            fb = planner.run([FrameRequest(str(v), tuple(ts), (448, 448))])[0]
+            thumbs = store.save(f"g{i // 4}_K{k}", fb.frames)
+            times = _times(fb)
+        r.update(K=k, duration=meta.duration, frame_times=times, thumbs=thumbs)
+        rows.append(r)
+    (dst / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return dst
+
+
+def test_hundred_trajectories_open_fast_and_stay_small(run_dir, assets, browser, tmp_path):
+    big = _hundred(run_dir, assets["data"], tmp_path / "big")
+    index = write_report(big)
+    size = sum(f.stat().st_size for f in index.parent.rglob("*") if f.is_file())
+    assert size < 20e6, f"report assets {size / 1e6:.1f} MB"
+    pg = Page(browser)
+    times = [pg.open(index.parent / "trajectories.html") for _ in range(3)]
+    n_img, broken = pg.images_ok()
+    assert len(pg.page.query_selector_all("section.traj")) == 100
+    assert n_img == 100 * 32 and not broken and not pg.problems
+    print(f"\n100 trajectories x 32 thumbnails: load {min(times):.0f} ms (best of 3: "
+          f"{', '.join(f'{t:.0f}' for t in times)}), report {size / 1e6:.2f} MB")  # fmt: skip
+    assert min(times) < 2000, times
+
+
+def test_eval_folder_renders(assets, browser, tmp_path) -> None:
+    """A real ``paravt.eval`` folder (oracle main agent: real crops and sub-agents)."""
+    from paravt.agent import AgentRunner
+    from paravt.eval.benchmarks import load_benchmark
+    from paravt.eval.runner import EvalSettings, run_eval
+    from paravt.models import load_model
+    from paravt.rollout.__main__ import OracleMainEngine, load_oracle
+    from paravt.rollout.hf import HFEngine
+
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "videos").symlink_to(Path(assets["data"]) / "videos")
+    shutil.copy(Path(assets["data"]) / "sft.jsonl", task / "sft.jsonl")
+    shutil.copy(Path(assets["data"]) / "train.jsonl", task / "val.jsonl")
+    cfg = load_config(
+        "tiny_cpu", overrides=["rollout.sub_max_new_tokens=6", "video.crop_max_frames=4"]
+    )
+    samples = load_benchmark("synth", task, limit=3)
+    tiny = load_model(assets["model"], device="cpu")
+    engine = OracleMainEngine(
+        HFEngine(tiny, seed=0), tiny.tokenizer, load_oracle(task), cfg.agent.think_prefix
+    )
+    settings = EvalSettings(
+        benchmark="synth", data_root=str(task), model="tiny", engine="hf", frames=4,
+        crop_mode="subagent", temperature=0.0, top_p=1.0, sub_temperature=0.0, max_turns=3,
+        max_parallel=5, max_new_tokens=cfg.rollout.max_new_tokens,
+    )  # fmt: skip
+    ev = tmp_path / "eval"
+    run_eval(samples, AgentRunner(engine, tiny, cfg), ev, settings, show_progress=False)
+    rows = read_metrics(ev / "results.jsonl")
+    index = write_report(ev)
+    assert index == ev / "view" / "index.html"
+    pg = Page(browser)
+    pg.open(index)
+    assert '"n": 3' in pg.page.inner_text("pre")
+    pg.open(index.parent / "trajectories.html")
+    secs = pg.page.query_selector_all("section.traj")
+    assert len(secs) == len(rows) == 3
+    for sec, r in zip(secs, rows):
+        assert r["question"] and r["question"].splitlines()[0] in sec.inner_text()
+        ok = [c for t in r["trace"] for c in t["calls"] if c["status"] == "ok"]
+        bars = sec.query_selector_all(".crop")
+        assert len(bars) == len(ok) >= 1
+        ax = sec.query_selector(".axis").bounding_box()
+        for bar, c in zip(bars, ok):
+            x0 = ax["x"] + c["start"] / r["duration"] * ax["width"]
+            assert bar.bounding_box()["x"] == pytest.approx(x0, abs=1.0)
+    assert not pg.problems, pg.problems
+
+
+def test_bad_folder_says_what_is_missing(tmp_path, capsys) -> None:
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "neither metrics.jsonl" in err and "results.jsonl" in err and "make train" in err
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_thumbnail_store_cap(tmp_path) -> None:
+    import torch
+
+    from paravt.metrics import ThumbnailStore
+
+    g = torch.Generator().manual_seed(0)
+    frames = torch.randint(0, 256, (4, 64, 80, 3), dtype=torch.uint8, generator=g)
+    store = ThumbnailStore(tmp_path, max_bytes=30_000, max_px=48)
+    first = store.save("a", frames)
+    assert first == [f"thumbs/a_{i:03d}.jpg" for i in range(4)]
+    from PIL import Image
+
+    assert max(Image.open(tmp_path / first[0]).size) == 48
+    assert store.save("a", frames) == first  # shared, not rewritten
+    saved = [store.save(f"s{i}", frames) for i in range(40)]
+    used = sum(f.stat().st_size for f in (tmp_path / "thumbs").iterdir())
+    assert None in saved and used == store.used <= 30_000
+    # A resumed run counts what is there.
+    assert ThumbnailStore(tmp_path, max_bytes=30_000).used == used
