@@ -6,7 +6,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip --disable-pip-version-check
 
-.PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels
+.PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels browser
 
 # `python -m paravt_startup` writes paravt_startup.pth into the venv's site-packages: every
 # process started from the venv (not only those that import paravt) can then import PyPI's CUDA
@@ -78,7 +78,12 @@ native-check:
 	  cmake --build build/cmake -j2 && ctest --test-dir build/cmake --output-on-failure; \
 	fi
 
-test: install ext native-check install-vllm
+# The viewer's browser test (tests/test_view.py) loads the report in a real headless Chromium:
+# Debian's package, driven by Playwright (requirements.txt) through its executable path.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium; }
+
+test: install ext native-check install-vllm browser
 	$(VPY) -m pytest tests -q
 
 lint: install

@@ -215,3 +215,33 @@ def load_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def resolve_model_path(cfg: Any, given: str) -> str:
+    """``--model``, else ``model.path``, else the newest checkpoint of ``train.out_dir``
+    (``python -m paravt.eval`` and ``python -m paravt.rollout``); raises ``ConfigError``
+    when a given path is not a directory or there is no checkpoint (the model is untrained)."""
+    from paravt.config import ConfigError
+
+    path = given or cfg.model.path
+    if path:
+        if not Path(path).is_dir():
+            raise ConfigError(f"--model {path!r} is not a directory (an HF model or checkpoint)")
+        return str(path)
+    ckpt = latest_checkpoint(cfg.train.out_dir)
+    if ckpt is None:
+        raise ConfigError(
+            f"no --model given and no checkpoint under {cfg.train.out_dir}/checkpoints: the "
+            "model is untrained. Train one with `make train` (or python -m paravt.train), or "
+            "pass --model PATH"
+        )
+    return str(ckpt)
+
+
+def run_config(model_path: str) -> Path | None:
+    """The ``config.yaml`` of the training run a checkpoint ``<run>/checkpoints/step_N`` came
+    from (its pixel budgets, prompts and caps are what the model learned with), or None."""
+    p = Path(model_path).resolve()
+    if p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file():
+        return p.parent.parent / "config.yaml"
+    return None

@@ -49,3 +49,44 @@ def test_oracle_engine_request_ids():
     assert OracleMainEngine.sample_id("3:synth-s0-vid_0001-mcq:r7") == "synth-s0-vid_0001-mcq"
     assert OracleMainEngine.sample_id("3:a:b:r0") == "a:b"
     assert OracleMainEngine.sample_id("3:x:r0:t1:c2") is None  # a sub-agent request
+
+
+ROLL = ["--num-prompts", "1", "--group-size", "1", "--show", "1", "rollout.max_new_tokens=8",
+        "rollout.sub_max_new_tokens=4", "video.crop_max_frames=4"]  # fmt: skip
+
+
+def test_cli_uses_the_newest_checkpoint_of_train_out_dir(assets, synth_dir, tmp_path, capsys):
+    """No --model: the newest checkpoint of train.out_dir is loaded (with its run's config);
+    --model picks any other."""
+    from paravt.checkpoint import save_checkpoint
+    from paravt.config import load_config, to_yaml
+    from paravt.models import load_model
+
+    run = tmp_path / "run"
+    bundle = load_model(assets["model"], device="cpu")
+    ckpts = [
+        save_checkpoint(run, step, model=bundle.model, model_state=bundle.model.state_dict(),
+                        trainer_state={}, tokenizer=bundle.tokenizer,
+                        source_dir=assets["model"], keep_last=0)
+        for step in (2, 4)
+    ]  # fmt: skip
+    # The run's config: its 2 overview frames are what the rollout must then use.
+    (run / "config.yaml").write_text(to_yaml(load_config(overrides=["video.fixed_frames=2"])))
+    args = [*ROLL, f"data.path={synth_dir}", f"train.out_dir={run}", "video.gating=false"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"model: {ckpts[-1]}\n" in out and "untrained" not in out
+    assert "K=2 overview frames" in out  # the run's config.yaml was applied
+    assert main([*args, "--model", str(ckpts[0])]) == 0
+    assert f"model: {ckpts[0]}\n" in capsys.readouterr().out
+
+
+def test_cli_without_a_checkpoint_says_the_model_is_untrained(assets, synth_dir, tmp_path, capsys):
+    args = [*ROLL, f"data.path={synth_dir}", f"train.out_dir={tmp_path / 'none'}",
+            f"model.tiny_dir={assets['model']}"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the model is untrained" in out and "`make train`" in out
+    assert "model: untrained tiny model" in out and "episode " in out
+    assert main([*args, "--model", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
+from paravt.checkpoint import resolve_model_path, run_config
 from paravt.config import PRESETS, ConfigError, load_config
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
@@ -59,34 +59,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     return ap.parse_args(argv)
-
-
-def resolve_model_path(cfg: Any, given: str) -> str:
-    """``--model``, else ``model.path``, else the newest checkpoint of ``train.out_dir``."""
-    from paravt.checkpoint import latest_checkpoint
-
-    path = given or cfg.model.path
-    if path:
-        if not Path(path).is_dir():
-            raise ConfigError(f"--model {path!r} is not a directory (an HF model or checkpoint)")
-        return str(path)
-    ckpt = latest_checkpoint(cfg.train.out_dir)
-    if ckpt is None:
-        raise ConfigError(
-            f"no --model given and no checkpoint under {cfg.train.out_dir}/checkpoints: the "
-            "model is untrained. Train one with `make train` (or python -m paravt.train), or "
-            "pass --model PATH"
-        )
-    return str(ckpt)
-
-
-def run_config(model_path: str) -> Path | None:
-    """The ``config.yaml`` of the training run a checkpoint ``<run>/checkpoints/step_N`` came
-    from (its pixel budgets, prompts and caps are what the model learned with), or None."""
-    p = Path(model_path).resolve()
-    if p.parent.name == "checkpoints" and (p.parent.parent / "config.yaml").is_file():
-        return p.parent.parent / "config.yaml"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,16 @@
 """``python -m paravt.rollout`` — roll out a few prompts and print what the agents did.
 
-    python -m paravt.rollout [--preset P] [--config F.yaml ...] [key=value ...] --num-prompts N
+    python -m paravt.rollout [--model PATH] [--preset P] [--config F.yaml ...] [key=value ...]
+        --num-prompts N
 
-With no data or model configured (the embedded default) it generates the synthetic long-video
-task into ``data.synth_dir`` and the tiny offline Qwen3-VL into ``model.tiny_dir`` if they are
-absent, then runs ``N`` prompts × ``rollout.group_size`` episodes through the same
+The model is ``--model``, else ``model.path``, else the newest checkpoint of
+``train.out_dir`` (what ``make train`` wrote; a checkpoint of a paravt run rolls out with that
+run's ``config.yaml`` unless ``--config`` is given). With none, it says the model is untrained
+and how to train it, and rolls out the untrained tiny model.
+
+With no data configured (the embedded default) it generates the synthetic long-video task
+into ``data.synth_dir`` (and, without a model, the tiny offline Qwen3-VL into
+``model.tiny_dir``) if absent, then runs ``N`` prompts × ``rollout.group_size`` episodes through the same
 ``AgentRunner`` and reward code the trainer uses, and prints each episode's turns, tool calls
 (status, clamped window, the sub-agent's summary), crops and reward breakdown.
 """
@@ -18,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paravt.checkpoint import run_config
 from paravt.config import PRESETS, Config, ConfigError, load_config
 
 _WRAP = 100
@@ -32,11 +39,11 @@ def resolve_data(cfg: Config) -> Path:
     return generate(cfg.data.synth_dir, cfg.data.synth_num_videos, seed=cfg.data.synth_seed)
 
 
-def resolve_model(cfg: Config) -> Any:
-    """Load ``model.path``, or the tiny offline model (built into ``model.tiny_dir`` if absent)."""
+def resolve_model(cfg: Config, path: str = "") -> Any:
+    """Load ``path`` (:func:`model_path`'s answer), or, when it is empty, the tiny offline
+    model (built into ``model.tiny_dir`` if absent)."""
     from paravt.models import build_tiny_checkpoint, load_model_from_config, tiny_checkpoint_args
 
-    path = cfg.model.path
     if not path:
         tiny_dir, head_dim = tiny_checkpoint_args(cfg)
         path = str(
@@ -45,6 +52,23 @@ def resolve_model(cfg: Config) -> Any:
             )
         )
     return load_model_from_config(path, cfg.model)
+
+
+def model_path(cfg: Config, given: str = "", out: Any = None) -> str:
+    """``--model``, else ``model.path``, else the newest checkpoint of ``train.out_dir`` (the
+    run ``make train`` writes; ``paravt.checkpoint.resolve_model_path``, as ``paravt.eval``). With none of
+    them, says that the model is untrained and how to train it, and returns "" (the caller
+    then rolls out the untrained tiny model). A given path that is not a directory raises
+    ``ConfigError``."""
+    from paravt.checkpoint import resolve_model_path
+
+    if given or cfg.model.path:
+        return resolve_model_path(cfg, given)
+    try:
+        return resolve_model_path(cfg, "")
+    except ConfigError as e:
+        print(f"note: {e}. Rolling out the untrained tiny model instead.", file=out or sys.stdout)
+        return ""
 
 
 def make_engine(cfg: Config, bundle: Any) -> Any:
@@ -128,8 +152,10 @@ def _short(text: str, limit: int = 600) -> str:
     return textwrap.indent(text.rstrip(), "      | ")
 
 
-def print_groups(groups: list[Any], show: int, out: Any = sys.stdout) -> None:
-    """Human-readable dump of the first ``show`` episodes of each group."""
+def print_groups(groups: list[Any], show: int, out: Any = None) -> None:
+    """Human-readable dump of the first ``show`` episodes of each group (to ``out``, default
+    the current ``sys.stdout``)."""
+    out = out or sys.stdout
     p = lambda *a: print(*a, file=out)  # noqa: E731
     for g in groups:
         s = g.sample
@@ -195,10 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         help="main agents: the model, or the oracle turns of sft.jsonl (sub-agents stay the "
         "model; shows real crops and sub-agents with an untrained model)",
     )
+    ap.add_argument(
+        "--model",
+        default="",
+        help="HF model dir or paravt checkpoint dir (default: model.path, else the newest "
+        "checkpoint of train.out_dir, else the untrained tiny model)",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.preset, args.config, args.overrides)
+        path = model_path(cfg, args.model)
+        trained_with = run_config(path) if path and not args.config else None
+        if trained_with is not None:  # roll out with the settings the checkpoint trained with
+            cfg = load_config(args.preset, [str(trained_with)], args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -221,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if not samples:
         print(f"error: no usable samples in {data} (split {args.split})", file=sys.stderr)
         return 1
-    bundle = resolve_model(cfg)
+    print(f"model: {path or 'untrained tiny model'}", flush=True)
+    bundle = resolve_model(cfg, path)
     engine = make_engine(cfg, bundle)
     if args.main == "oracle":
         records = load_oracle(Path(data))
