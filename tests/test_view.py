@@ -13,9 +13,12 @@ Set ``PARAVT_VIEWER_SCREENSHOT=docs/viewer.png`` to also save the README's scree
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,9 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE_THINK = "look <script>alert(1)</script> here"
 HOSTILE_ARG = "</answer><img src=x onerror=alert(2)>"
 WINDOWS = ((5.0, 9.0), (20.0, 26.0))
-STEPS, PROMPTS, G = 2, 2, 2
+# Steps 1-2 are scripted (two crops + a bad call each); step 3's first turn is the untrained
+# model's (no tool use, no </think>): a collapse, which the alarms (window 1) must report.
+STEPS, SCRIPTED, PROMPTS, G = 3, 2, 2, 2
 
 
 def _scripted_text() -> str:
@@ -43,7 +48,8 @@ def _scripted_text() -> str:
 
 @pytest.fixture(scope="module")
 def run_dir(assets, tmp_path_factory) -> Path:
-    """A 2-step ``paravt.train.run`` (2 prompts x G=2, K in {2, 4}, every trajectory logged)."""
+    """A 3-step ``paravt.train.run`` (2 prompts x G=2, K in {2, 4}, every trajectory logged);
+    its stdout is kept in ``out/stdout.txt``."""
     import paravt.train as train
 
     out = tmp_path_factory.mktemp("view") / "run"
@@ -67,6 +73,7 @@ def run_dir(assets, tmp_path_factory) -> Path:
         "video.crop_max_frames": 4,
         "sft.steps": 0,
         "algo.adv_bias": 0.1,
+        "train.alarm_window": 1,
     }
     cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
     build = train.build_trainer
@@ -77,8 +84,12 @@ def run_dir(assets, tmp_path_factory) -> Path:
         tr.runner.engine = engine
         rollout = tr.runner.rollout
 
+        steps = [0]
+
         def every_step(*a, **kw):  # main uids repeat across steps: script each step's turn 0
+            steps[0] += 1
             engine.seen.clear()
+            tr.runner.engine = engine if steps[0] <= SCRIPTED else engine.real
             return rollout(*a, **kw)
 
         tr.runner.rollout = every_step
@@ -86,7 +97,10 @@ def run_dir(assets, tmp_path_factory) -> Path:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "build_trainer", scripted)
-        train.run(cfg)
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            train.run(cfg)
+    (out / "stdout.txt").write_text(log.getvalue())
     return out
 
 
@@ -132,6 +146,15 @@ class Page:
         )
 
     def images_ok(self) -> tuple[int, list[str]]:
+        """Scroll through the page (thumbnails load lazily), wait for every image; returns
+        their count and the sources of those that did not decode."""
+        self.page.evaluate(
+            "async () => { for (let y = 0; y < document.body.scrollHeight; y += innerHeight / 2)"
+            " { scrollTo(0, y); await new Promise(r => setTimeout(r, 10)); } scrollTo(0, 0); }"
+        )
+        self.page.wait_for_function(
+            "() => Array.from(document.images).every(i => i.complete)", timeout=30_000
+        )
         res = self.page.evaluate(
             "() => Array.from(document.images).map(i => [i.complete && i.naturalWidth > 0, i.src])"
         )
@@ -166,6 +189,20 @@ def test_real_run_report_in_chromium(run_dir, browser, tmp_path) -> None:
     )
     assert set(per_k) == {f"tool_rate/K{t['K']}" for t in trajs}
     assert f"log_trajectories: {PROMPTS * G}" in pg.page.inner_text("pre")
+
+    # The collapse of step 3: printed, logged as alarm rows, shown with a mark on its curve.
+    alarms = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "alarm"]
+    assert {(a["step"], a["metric"]) for a in alarms} >= {
+        (SCRIPTED + 1, "tool_call_rate"),
+        (SCRIPTED + 1, "think_closure_rate"),
+    }
+    printed = (run_dir / "stdout.txt").read_text()
+    assert all(f"[alarm] step {a['step']}: {a['message']}" in printed for a in alarms)
+    shown_alarms = pg.page.eval_on_selector_all(".alarm", "e => e.map(x => x.textContent)")
+    assert shown_alarms == [f"step {a['step']}: {a['message']}" for a in alarms]
+    box = pg.page.query_selector('svg.curve[aria-label="tool-call rate"] rect').bounding_box()
+    mark = pg.page.query_selector('svg.curve[aria-label="tool-call rate"] .alarm-mark')
+    assert mark.bounding_box()["x"] == pytest.approx(box["x"] + box["width"], abs=1.5)  # step 3
     pg.page.screenshot(path=str(tmp_path / "index.png"), full_page=True)
 
     # Trajectory page.
@@ -187,7 +224,7 @@ def test_real_run_report_in_chromium(run_dir, browser, tmp_path) -> None:
         ax = sec.query_selector(".axis").bounding_box()
         ok = [c for turn in t["turns"] for c in turn["calls"] if c["status"] == "ok"]
         bars = sec.query_selector_all(".crop")
-        assert len(bars) == len(ok) == len(WINDOWS)
+        assert len(bars) == len(ok) == (len(WINDOWS) if t["step"] <= SCRIPTED else 0)
         for bar, c in zip(bars, ok):
             bb = bar.bounding_box()
             x0 = ax["x"] + c["start"] / dur * ax["width"]
@@ -203,8 +240,10 @@ def test_real_run_report_in_chromium(run_dir, browser, tmp_path) -> None:
             )
         summaries = [x.text_content() for x in sec.query_selector_all(".summary")]
         assert summaries == [c["response"] for c in ok]
-        assert sec.query_selector(".perr") is not None  # the bad call is shown as a failure
-    assert n_bars == len(trajs) * len(WINDOWS)
+        bad = [c for u in t["turns"] for c in u["calls"] if c["status"] != "ok"]
+        assert len(sec.query_selector_all(".perr")) == len(bad)  # failed calls are shown
+        assert len(bad) == (t["step"] <= SCRIPTED)
+    assert n_bars == SCRIPTED * PROMPTS * G * len(WINDOWS)
 
     # Hostile text stays text: no injected element, no dialog, the characters are visible.
     assert p.evaluate("() => document.scripts.length") == 1  # the page's own filter script
@@ -223,7 +262,8 @@ def test_real_run_report_in_chromium(run_dir, browser, tmp_path) -> None:
                           for t in trajs)  # fmt: skip
     p.uncheck("#f-perr")
     p.check("#f-notool")
-    assert shown() == 0  # every scripted trajectory cropped
+    assert shown() == sum(not any(c["status"] == "ok" for u in t["turns"] for c in u["calls"])
+                          for t in trajs) == PROMPTS * G  # fmt: skip
     p.uncheck("#f-notool")
     p.check("#f-wrong")
     assert shown() == sum(t["breakdown"]["acc"] < 1 for t in trajs)
@@ -281,11 +321,14 @@ def test_hundred_trajectories_open_fast_and_stay_small(run_dir, assets, browser,
     assert size < 20e6, f"report assets {size / 1e6:.1f} MB"
     pg = Page(browser)
     times = [pg.open(index.parent / "trajectories.html") for _ in range(3)]
+    t0 = time.perf_counter()
     n_img, broken = pg.images_ok()
+    scroll_s = time.perf_counter() - t0
     assert len(pg.page.query_selector_all("section.traj")) == 100
     assert n_img == 100 * 32 and not broken and not pg.problems
     print(f"\n100 trajectories x 32 thumbnails: load {min(times):.0f} ms (best of 3: "
-          f"{', '.join(f'{t:.0f}' for t in times)}), report {size / 1e6:.2f} MB")  # fmt: skip
+          f"{', '.join(f'{t:.0f}' for t in times)}), report {size / 1e6:.2f} MB, scrolling "
+          f"through every thumbnail {scroll_s:.1f} s")  # fmt: skip
     assert min(times) < 2000, times
 
 
