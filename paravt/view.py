@@ -275,13 +275,16 @@ def svg_curve(
         return pad_t + (1 - (y - y0) / (y1 - y0)) * ph
 
     e = html.escape
+    n = 3  # significant digits: enough for the two y labels to differ
+    while n < 8 and f"{y0:.{n}g}" == f"{y1:.{n}g}":
+        n += 1
     parts = [
         f'<svg class="curve" width="{w}" height="{h}" viewBox="0 0 {w} {h}" role="img" '
         f'aria-label="{e(title)}">',
         f'<text x="{w / 2}" y="14" text-anchor="middle" class="ttl">{e(title)}</text>',
         f'<rect x="{pad_l}" y="{pad_t}" width="{pw}" height="{ph}" class="frame"/>',
-        f'<text x="{pad_l - 3}" y="{pad_t + 8}" text-anchor="end">{y1:.3g}</text>',
-        f'<text x="{pad_l - 3}" y="{pad_t + ph}" text-anchor="end">{y0:.3g}</text>',
+        f'<text x="{pad_l - 3}" y="{pad_t + 8}" text-anchor="end">{y1:.{n}g}</text>',
+        f'<text x="{pad_l - 3}" y="{pad_t + ph}" text-anchor="end">{y0:.{n}g}</text>',
         f'<text x="{pad_l}" y="{h - pad_b + 12}">{x0:g}</text>',
         f'<text x="{pad_l + pw}" y="{h - pad_b + 12}" text-anchor="end">{x1:g}</text>',
     ]
