@@ -559,13 +559,19 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
     ``train.viewer_max_mb`` cap; ``ThumbnailStore``), each turn's text and its calls (status,
     clamped window, the sub-agent's summary, the parse error), reward and breakdown. This is
     what ``python -m paravt.view`` renders."""
+    from paravt.video import overview_timestamps
+
     out = []
     for g in groups:
         for t in g.trajectories:
             if len(out) >= n:
                 return out
             vis = t.visuals
-            times = [float(x) for x in vis.timestamps[0]] if vis and vis.timestamps else []
+            meta = tr.runner.meta(g.sample.video)
+            if vis is not None and vis.timestamps:
+                times = [float(x) for x in vis.timestamps[0]]
+            else:  # visuals without their source frames: the times the loop sampled
+                times = overview_timestamps(meta, g.num_frames)
             thumbs = None
             if vis is not None and vis.frames and tr.thumbs is not None:
                 thumbs = tr.thumbs.save(f"{g.sample.id}_K{g.num_frames}", vis.frames[0])
@@ -576,7 +582,7 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
                     "K": g.num_frames,
                     "question": g.sample.question,
                     "answer": g.sample.answer,
-                    "duration": float(tr.runner.meta(g.sample.video).duration),
+                    "duration": float(meta.duration),
                     "frame_times": times,
                     "thumbs": thumbs,
                     "turns": [
