@@ -409,3 +409,22 @@ def test_thumbnail_store_cap(tmp_path) -> None:
     assert None in saved and used == store.used <= 30_000
     # A resumed run counts what is there.
     assert ThumbnailStore(tmp_path, max_bytes=30_000).used == used
+
+
+def test_highlight_spans_and_escaping() -> None:
+    from paravt.view import highlight
+
+    got = highlight("<think>\n", "a<b & </think><answer>x</answer></think>tail<tool_call>{")
+    assert got == (
+        '<span class="think tag forced">&lt;think&gt;</span>'
+        '<span class="think forced">\n</span>'
+        '<span class="think">a&lt;b &amp; </span>'
+        '<span class="think tag">&lt;/think&gt;</span>'
+        '<span class="answer tag">&lt;answer&gt;</span>'
+        '<span class="answer">x</span>'
+        '<span class="answer tag">&lt;/answer&gt;</span>'
+        '<span class="tag">&lt;/think&gt;</span>'  # a stray closer closes nothing
+        "tail"
+        '<span class="call tag">&lt;tool_call&gt;</span>'
+        '<span class="call">{</span>'  # unclosed: runs to the end
+    )
