@@ -239,6 +239,11 @@ class SFTConfig:
     batch_size: int = 8
     # SFT data file (JSONL of oracle trajectories / ParaVT SFT messages). Empty = synthetic.
     data: str = ""
+    # Also train the sub-agent role: each tool summary of a record becomes a sub-agent target
+    # (the crop's frames -> the summary), so the sub-agents that answer crops are taught too.
+    sub_agents: bool = True
+    # Learning rate of the vision tower (0 = sft.lr). See paravt.sft.param_groups.
+    vision_lr: float = 0.0
 
 
 @dataclass
@@ -266,6 +271,11 @@ class TrainConfig:
     # Overview frames K of those evaluation rollouts (0 = video.fixed_frames). Keep it equal
     # across runs you compare: K changes what the model sees, hence its behaviour.
     eval_frames: int = 0
+    # Evaluation conditions "K:tools" / "K:notools" (e.g. "4:tools", "32:notools"): each is
+    # rolled out on the same prompts and reported with a 95% interval; "notools" forces the
+    # answer in the first turn (agent.max_turns = 0). The first condition also fills the
+    # table's unprefixed rows. Empty = one condition, "eval_frames:tools".
+    eval_conditions: list[str] = field(default_factory=list)
     # Show the tqdm progress bar (rank 0 only).
     progress: bool = True
     # Collapse alarms (paravt.alarms): printed, logged to metrics.jsonl as kind "alarm" rows and
@@ -312,13 +322,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout.group_size": 4,
         # The oracle's first turn (think + 2-3 tool calls) is up to ~150 tiny-BPE tokens and a
         # crop summary ~30: shorter caps cut every tool call off before </tool_call>.
-        "rollout.max_new_tokens": 160,
-        "rollout.sub_max_new_tokens": 40,
+        "rollout.max_new_tokens": 224,
+        "rollout.sub_max_new_tokens": 104,
         # The reference recipe's 0.7: at 1.0 the tiny SFT model's tool calls are mostly
         # malformed JSON, at 0.7 enough are well-formed for the group to disagree.
         "rollout.temperature": 0.7,
         "rollout.sub_temperature": 0.7,
-        "agent.max_tool_response_tokens": 64,
+        "agent.max_tool_response_tokens": 104,
         "agent.max_turns": 2,
         "algo.lr": 1e-4,
         # SFT cold start from random weights: 250 x 4 oracle trajectories bring the NLL from
@@ -334,10 +344,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         # The synthetic val split of 12 videos has 6 prompts; 4 samples each for the table.
         "train.eval_prompts": 6,
         "train.eval_samples": 4,
+        "train.eval_conditions": ["4:tools", "4:notools", "32:notools"],
         "video.frame_budgets": [4, 8, 16, 32],
         "video.overview_max_pixels": 32 * 32,
         "video.crop_max_pixels": 32 * 32,
-        "video.crop_max_frames": 8,
+        # 32 crop frames: the oracle's widest crop (K=4) still samples every 2 s target.
+        "video.crop_max_frames": 32,
+        "data.synth_num_videos": 40,
     },
     # The reference recipe (ParaVT paper): Qwen3-VL-8B, PARA-GRPO.
     "qwen3vl_8b_paragrpo": {
@@ -439,9 +452,33 @@ def load_config(
     return out
 
 
+def eval_conditions(cfg: Config) -> list[tuple[str, int, bool]]:
+    """``train.eval_conditions`` as ``(name, K, tools)``, e.g. ``("K4_tools", 4, True)``.
+
+    Raises ``ConfigError`` naming a malformed entry."""
+    t = cfg.train
+    raw = list(t.eval_conditions) or [f"{t.eval_frames or cfg.video.fixed_frames}:tools"]
+    out: list[tuple[str, int, bool]] = []
+    for c in raw:
+        k, _, mode = str(c).partition(":")
+        if not k.strip().isdigit() or int(k) < 1 or mode not in ("tools", "notools"):
+            raise ConfigError(
+                f"train.eval_conditions entry {c!r} is not 'K:tools' or 'K:notools' with K >= 1 "
+                "(e.g. ['4:tools', '4:notools', '32:notools'])"
+            )
+        out.append((f"K{int(k)}_{mode}", int(k), mode == "tools"))
+    if len({n for n, _, _ in out}) != len(out):
+        raise ConfigError(f"train.eval_conditions={raw} repeats a condition")
+    return out
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that must fail before anything heavy loads."""
     errs: list[str] = []
+    try:
+        eval_conditions(cfg)
+    except ConfigError as e:
+        errs.append(str(e))
     if cfg.video.backend not in ("pyav", "dali"):
         errs.append(f"video.backend='{cfg.video.backend}' is not one of pyav|dali")
     if not cfg.video.frame_budgets or any(k < 1 for k in cfg.video.frame_budgets):

@@ -361,6 +361,23 @@ def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
     }
 
 
+def clustered_mean_ci95(values: Sequence[float], clusters: Sequence[Any]) -> tuple[float, float]:
+    """Mean of ``values`` and the half-width of its 95% interval, with the samples of one
+    cluster (the rollouts of one prompt) averaged first: they are not independent, so the
+    interval is ``1.96 * sd(cluster means) / sqrt(n_clusters)`` (nan with < 2 clusters)."""
+    groups: dict[Any, list[float]] = {}
+    for v, c in zip(values, clusters):
+        groups.setdefault(c, []).append(float(v))
+    means = [_mean(g) for g in groups.values()]
+    if not means:
+        return float("nan"), float("nan")
+    mu = _mean(means)
+    if len(means) < 2:
+        return mu, float("nan")
+    sd = math.sqrt(sum((m - mu) ** 2 for m in means) / (len(means) - 1))
+    return mu, 1.96 * sd / math.sqrt(len(means))
+
+
 def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Behaviour metrics of one step's main-agent rollouts (``trajectory_record`` rows).
 

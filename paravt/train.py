@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +153,14 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
     model_dir = cfg.model.path or tiny_dir
     if ctx.is_main:
         if not cfg.data.path:
-            from paravt.data.synth import generate
+            from paravt.data.synth import generate, oracle_settings
 
-            generate(data_dir, cfg.data.synth_num_videos, seed=cfg.data.synth_seed)
+            generate(
+                data_dir,
+                cfg.data.synth_num_videos,
+                seed=cfg.data.synth_seed,
+                oracle=oracle_settings(cfg),
+            )
         if not cfg.model.path:
             from paravt.models import build_tiny_checkpoint
 
@@ -614,14 +619,51 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
 # ---------------------------------------------------------------------------- evaluation
 
 
+#: Per-condition metrics of :func:`evaluate` (``{condition}/{key}``), besides the interval.
+EVAL_CONDITION_KEYS = (
+    "accuracy",
+    "format_compliance",
+    "parse_error_rate",
+    "tool_calls_per_rollout",
+    "tool_call_rate",
+    "summary_accuracy",
+)
+
+
+def table_rows(cfg: Config) -> list[tuple[str, str]]:
+    """The final table's rows: the first evaluation condition's (and the last step's)
+    behaviour metrics, then accuracy with its 95% interval and the summary accuracy of each
+    ``train.eval_conditions`` entry."""
+    from paravt.config import eval_conditions
+    from paravt.metrics import TABLE_ROWS
+
+    rows = list(TABLE_ROWS)
+    for name, _, tools in eval_conditions(cfg):
+        rows.append((f"{name}/accuracy", f"accuracy {name}"))
+        rows.append((f"{name}/accuracy_ci95", "  +/- (95% interval)"))
+        if tools:
+            rows.append((f"{name}/summary_accuracy", f"summary accuracy {name}"))
+    return rows
+
+
 @torch.no_grad()
 def evaluate(tr: Trainer, seed: int) -> dict[str, float]:
-    """Roll out the validation prompts (``eval_samples`` each, K = ``train.eval_frames`` or
-    ``video.fixed_frames``, rollout temperature, fixed seed) and score them: the before/after
-    numbers of the final table."""
+    """Roll out the validation prompts under each ``train.eval_conditions`` entry
+    (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
+    them: the before/after numbers of the final table.
+
+    Per condition ``{name}/accuracy`` with ``{name}/accuracy_ci95`` (the half-width of its 95%
+    interval, rollouts of one prompt averaged first), format compliance, parse-error rate, tool
+    calls per rollout and ``summary_accuracy`` — the share of executed crops whose sub-agent
+    summary is right about the target (``paravt.data.synth.summary_correct``; synthetic task
+    only). The first condition's metrics are also reported unprefixed (``rollout_metrics``).
+    """
+    from paravt.agent import AgentRunner
     from paravt.agent.loop import stable_seed
+    from paravt.config import eval_conditions
+    from paravt.data.synth import summary_correct
     from paravt.distributed import all_gather_objects, shard_list
-    from paravt.metrics import rollout_metrics, trajectory_record
+    from paravt.metrics import clustered_mean_ci95, rollout_metrics, trajectory_record
     from paravt.rewards import score_groups
 
     cfg = tr.cfg
@@ -629,14 +671,42 @@ def evaluate(tr: Trainer, seed: int) -> dict[str, float]:
         return {}
     n = len(tr.val_samples) - len(tr.val_samples) % tr.ctx.world_size
     mine = shard_list(tr.val_samples[:n], tr.ctx)
-    k = [cfg.train.eval_frames or cfg.video.fixed_frames] * len(mine)
     tr.policy.eval()
-    groups = tr.runner.rollout(
-        mine, k, group_size=cfg.train.eval_samples, seed=stable_seed("eval", seed)
-    )
-    score_groups(groups, cfg.reward)
-    recs = [trajectory_record(t, g.num_frames) for g in groups for t in g.trajectories]
-    return rollout_metrics([r for part in all_gather_objects(recs, tr.ctx) for r in part])
+    out: dict[str, float] = {}
+    for i, (name, k, tools) in enumerate(eval_conditions(cfg)):
+        runner = tr.runner
+        if not tools:  # the answer is forced in the first turn: no tool round
+            no_tools = replace(cfg, agent=replace(cfg.agent, max_turns=0))
+            runner = AgentRunner(runner.engine, runner.bundle, no_tools, planner=runner.planner)
+        groups = runner.rollout(
+            mine, [k] * len(mine), group_size=cfg.train.eval_samples, seed=stable_seed("eval", seed)
+        )
+        score_groups(groups, cfg.reward)
+        recs = []
+        for g in groups:
+            for t in g.trajectories:
+                r = trajectory_record(t, g.num_frames)
+                r["prompt"] = g.sample.id
+                checks = [
+                    summary_correct(c.response, c.start, c.end, g.sample)
+                    for turn in t.turns
+                    for c in turn.calls
+                    if c.status == "ok" and c.start is not None and c.end is not None
+                ]
+                r["summary_ok"] = [float(x) for x in checks if x is not None]
+                recs.append(r)
+        recs = [r for part in all_gather_objects(recs, tr.ctx) for r in part]
+        m = rollout_metrics(recs)
+        acc = [r["breakdown"].get("acc", 0.0) for r in recs]
+        m["accuracy"], m["accuracy_ci95"] = clustered_mean_ci95(acc, [r["prompt"] for r in recs])
+        oks = [x for r in recs for x in r["summary_ok"]]
+        m["summary_accuracy"] = sum(oks) / len(oks) if oks else float("nan")
+        m["prompts"] = float(len({r["prompt"] for r in recs}))
+        if i == 0:
+            out.update(m)
+        for key in (*EVAL_CONDITION_KEYS, "accuracy_ci95", "prompts"):
+            out[f"{name}/{key}"] = m[key]
+    return out
 
 
 # ---------------------------------------------------------------------------- checkpoint
@@ -730,7 +800,11 @@ def run(cfg: Config) -> dict[str, Any]:
     if ctx.is_main:
         plot_summary(out / "metrics.jsonl", out / "summary.png")
         print()
-        print(format_table({"before RL": before, "after RL": after, "last step": last}))
+        print(
+            format_table(
+                {"before RL": before, "after RL": after, "last step": last}, table_rows(cfg)
+            )
+        )
         print(
             f"\n[train] {t.steps} steps in {time.perf_counter() - t_run:.0f} s; run folder: "
             f"{out} (metrics.jsonl, tb/, trajectories.jsonl, summary.png, checkpoints/)"

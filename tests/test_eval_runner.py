@@ -37,7 +37,10 @@ def oracle_task(synth_dir, tmp_path_factory) -> Path:
     of ``sft.jsonl`` (train rows only) can play the main agent: real crops, real sub-agents."""
     d = tmp_path_factory.mktemp("oracle_task")
     (d / "videos").symlink_to(Path(synth_dir) / "videos")
-    shutil.copy(Path(synth_dir) / "sft.jsonl", d / "sft.jsonl")
+    rows = (Path(synth_dir) / "sft.jsonl").read_text().splitlines()  # one K per sample: 4
+    (d / "sft.jsonl").write_text(
+        "".join(x + "\n" for x in rows if json.loads(x)["num_frames"] == 4)
+    )
     shutil.copy(Path(synth_dir) / "train.jsonl", d / "val.jsonl")
     return d
 
@@ -86,11 +89,19 @@ def test_oracle_main_agent_crops_for_real_and_scores(tiny, oracle_task, tmp_path
     assert [r["id"] for r in rows] == [s.id for s in samples]
     assert summary["n"] == len(samples) and summary["n_errors"] == 0
     assert summary["n_unparseable"] == 0
-    assert all(r["score"] == pytest.approx(1.0) for r in rows), [
+    # mcq/oe answers are the ground truth; a tvg answer is the window the crops showed (the
+    # oracle writes only times printed in its input), so it overlaps the truth.
+    assert all(r["score"] == pytest.approx(1.0) for r in rows if "-tvg" not in r["id"]), [
         (r["id"], r["parsed"], r["answer"]) for r in rows if r["score"] < 0.999
     ]
-    assert summary["tools"]["tool_call_rate"] == 1.0
-    assert all(r["calls"] >= 1 and r["calls_ok"] == r["calls"] for r in rows)
+    assert all(r["score"] > 0.2 for r in rows if "-tvg" in r["id"])
+    with_tools = {sid for sid, rec in records.items() if len(rec["turns"]) == 3}
+    assert with_tools and summary["tools"]["tool_call_rate"] == pytest.approx(
+        len(with_tools) / len(rows)
+    )
+    assert all(
+        r["calls"] >= 1 and r["calls_ok"] == r["calls"] for r in rows if r["id"] in with_tools
+    )
     responses = [c["response"] for r in rows for t in r["trace"] for c in t["calls"]]
     if crop_mode == "frames":
         assert all(x.endswith("frames of this window are shown above.") for x in responses)

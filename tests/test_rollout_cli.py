@@ -15,7 +15,7 @@ def test_cli_prints_turns_calls_crops_rewards(synth_dir, tmp_path):
         "-m",
         "paravt.rollout",
         "--num-prompts",
-        "2",
+        "3",  # the third is temporal grounding: the oracle always crops for it
         "--group-size",
         "2",
         "--show",
@@ -30,13 +30,13 @@ def test_cli_prints_turns_calls_crops_rewards(synth_dir, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     out = p.stdout
-    assert out.count("prompt ") >= 2 and "turn 0, finish=stop" in out
+    assert out.count("prompt ") >= 3 and "turn 0, finish=stop" in out
     assert re.search(r"call 0: crop_video \[\d+\.\d, \d+\.\d\] s -> ok", out)
     assert "summary: " in out and "crops: " in out
     # The oracle answers correctly: the accuracy reward must say so.
     assert re.search(r"reward: total=\S+  acc=1\.000", out)
-    assert re.search(r"2 prompt\(s\) x G=2: 4 episodes in .* episodes/s", out)
-    assert "engine calls: main 2, sub 1; planner runs 2" in out
+    assert re.search(r"3 prompt\(s\) x G=2: 6 episodes in .* episodes/s", out)
+    assert "engine calls: main 2, sub 1; planner runs 2" in out  # 2 turns: 1 of crops
     assert (tmp_path / "model" / "config.json").is_file()  # tiny model built on demand
 
 

@@ -587,7 +587,7 @@ def encode_oracle_trajectory(
     if not turns:
         raise ValueError(f"SFT record {sid} has no assistant turns")
     return ctx.to_trajectory(
-        uid=f"sft:{sid}",
+        uid=f"sft:{sid}:K{k}",  # one sample may have a record per budget
         role="main",
         sample_id=sample.id,
         group_id=0,

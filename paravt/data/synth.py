@@ -25,16 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
 import torch
+
+from paravt.types import Sample, VideoMeta
 
 # Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS
 # equal blocks (MSB first). At 160x128 a block is 10x16 px: at crf 15 H.264 keeps its mean
@@ -301,6 +306,7 @@ def _rows(plan: VideoPlan, rel_video: str, rng: random.Random, seed: int) -> lis
         "video": rel_video,
         "event_start": plan.target.start,
         "event_end": plan.target.end,
+        "target": plan.target.name,  # Sample.extra["target"]: scores sub-agent summaries
     }
     vid = f"synth-s{seed}-{plan.name}"
     others = sorted({e.name for e in plan.distractors} - {plan.target.name})
@@ -351,32 +357,163 @@ def _tool_call(start: float, end: float) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def _sft(row: dict, plan: VideoPlan, rng: random.Random, num_frames: int) -> dict:
-    n_crops = rng.choice((2, 3))
-    a, b = plan.cue_start, plan.cue_end
-    edges = [round(a + (b - a) * j / n_crops, 1) for j in range(n_crops + 1)]
-    windows = list(zip(edges[:-1], edges[1:]))
-    tgt = plan.target
-    summaries, hit = [], None
-    for j, (s, e) in enumerate(windows):
-        if tgt.start < e and tgt.end > s:
-            vis_s, vis_e = max(tgt.start, s), min(tgt.end, e)
-            summaries.append(
-                f"The background is {plan.cue}. A {tgt.name} is visible from "
-                f"{_fmt(vis_s)} s to {_fmt(vis_e)} s."
+@dataclass(frozen=True)
+class OracleSettings:
+    """What the SFT oracle must know about the run to write only what the model can see: the
+    overview budgets it writes rows for, the crop sampling (``video.crop_*``), the parallel-call
+    cap and the vision tower's temporal patch (timestamps are printed once per patch)."""
+
+    budgets: tuple[int, ...] = (4, 16)
+    crop_fps: float = 1.0
+    crop_max_frames: int = 16
+    crop_min_frames: int = 2
+    max_parallel: int = 5
+    temporal_patch: int = 2
+
+
+def oracle_settings(cfg: Any) -> OracleSettings:
+    """The oracle settings of a run config (``paravt.config.Config``)."""
+    v = cfg.video
+    return OracleSettings(
+        budgets=tuple(sorted(set(v.frame_budgets if v.gating else [v.fixed_frames]))),
+        crop_fps=float(v.crop_fps),
+        crop_max_frames=int(v.crop_max_frames),
+        crop_min_frames=int(v.crop_min_frames),
+        max_parallel=int(cfg.agent.max_parallel),
+    )
+
+
+class _Seen:
+    """What a model sees of a video at given sample times: one entry per temporal patch, with
+    its printed timestamp (``<t seconds>``, one decimal) and what any of its frames shows."""
+
+    def __init__(self, plan: VideoPlan, fps: float, times: Sequence[float], tp: int) -> None:
+        from paravt.vision.preprocess import patch_timestamps
+
+        ts = [float(t) for t in times]
+        ts += [ts[-1]] * (-len(ts) % tp)
+        # The decoder returns the last frame with pts <= t; frame i shows the scene at i / fps.
+        shown = [math.floor(t * fps + 1e-6) / fps for t in ts]
+        self.stamps = [round(x, 1) for x in patch_timestamps(ts, tp)]
+        self.patches = [shown[i : i + tp] for i in range(0, len(shown), tp)]
+        self.plan = plan
+
+    def cue(self) -> list[float]:
+        p = self.plan
+        return [
+            s
+            for s, f in zip(self.stamps, self.patches)
+            if any(p.cue_start <= t < p.cue_end for t in f)
+        ]
+
+    def event(self, e: Event) -> list[float]:
+        return [
+            s for s, f in zip(self.stamps, self.patches) if any(e.start <= t < e.end for t in f)
+        ]
+
+
+def _visible(seen: _Seen, e: Event, end: float) -> tuple[float, float] | None:
+    """When ``e`` is seen during the cue colour: from the first printed timestamp showing it to
+    the next printed one after the last (or the crop's end, printed in the sub-agent's
+    instruction) — a window of times the sub-agent can read. ``None`` when not seen so."""
+    cue = seen.cue()
+    during = [t for t in seen.event(e) if t in cue]
+    if not during:
+        return None
+    i = seen.stamps.index(during[-1])
+    stop = seen.stamps[i + 1] if i + 1 < len(seen.stamps) else round(end, 1)
+    return during[0], stop
+
+
+def _summary(plan: VideoPlan, seen: _Seen, end: float) -> str:
+    """The sub-agent's oracle summary of one crop ending at ``end``: only what its frames show.
+    Numbers only for the shape seen during the cue colour (:func:`_visible`), because copying
+    digits is the hardest thing for a small model; other shapes are named without times."""
+    parts = []
+    cue = seen.cue()
+    if cue:
+        parts.append(f"The background turns {plan.cue}.")
+    for e in sorted([plan.target, *plan.distractors], key=lambda e: e.start):
+        span = _visible(seen, e, end)
+        if span:
+            parts.append(
+                f"A {e.name} appears at {span[0]:.1f}-{span[1]:.1f} s while it is {plan.cue}."
             )
-            hit = j if hit is None else hit
-        else:
-            summaries.append(f"The background is {plan.cue}. Nothing else notable happens.")
-    first = (
-        f"<think>\nThe background turns {plan.cue} around {a:.0f}-{b:.0f} s; the shape should "
-        f"appear in that part, so I will look closer at {n_crops} pieces of it.\n</think>\n"
-        + "\n".join(_tool_call(s, e) for s, e in windows)
-    )
-    final = (
-        f"<think>\nCrop {hit + 1} shows a {tgt.name} from {_fmt(tgt.start)} s to "
-        f"{_fmt(tgt.end)} s.\n</think>\n<answer>{row['answer']}</answer>"
-    )
+        elif seen.event(e):
+            parts.append(f"A {e.name} appears outside it." if cue else f"A {e.name} appears.")
+    return " ".join(parts) or "Nothing notable happens."
+
+
+def _windows(bounds: list[float], max_parallel: int) -> list[tuple[float, float]]:
+    """Consecutive windows between ``bounds``; merged pairwise down to ``max_parallel``."""
+    edges = sorted(set(bounds))
+    while len(edges) - 1 > max_parallel:
+        edges = edges[::2] + ([edges[-1]] if (len(edges) - 1) % 2 else [])
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings) -> dict:
+    """An oracle trajectory that writes only what the model can see.
+
+    Every number it writes is printed in the model's own input: crop windows run between the
+    overview's printed patch timestamps (around those showing the cue colour, or over the whole
+    video when none does), sub-agent summaries give the crop's printed timestamps of what its
+    frames show, and the final answer quotes a summary. When an overview patch already shows the
+    target during the cue (large K), the oracle answers without calling the tool (not for
+    temporal-grounding questions, which need the crop's times). So SFT never teaches the model
+    to write a number it could not have read.
+    """
+    from paravt.video import crop_timestamps, overview_timestamps
+
+    meta = VideoMeta(
+        path="", duration=plan.duration, fps=fps, num_frames=round(plan.duration * fps),
+        width=0, height=0, codec="",
+    )  # fmt: skip
+    tgt = plan.target
+    over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
+    seen_tgt = [s for s in over.event(tgt) if s in over.cue()]
+    if seen_tgt and row["question_type"] != "tvg":
+        answer = (
+            f"<think>\nA {tgt.name} is visible while the background is {plan.cue}.\n</think>\n"
+            f"<answer>{row['answer']}</answer>"
+        )
+        return {
+            "sample_id": row["id"],
+            "num_frames": num_frames,
+            "turns": [{"role": "assistant", "content": answer}],
+        }
+    cue = over.cue()
+    stamps = over.stamps
+    if cue:
+        i0, i1 = stamps.index(cue[0]), stamps.index(cue[-1])
+        lo = stamps[i0 - 1] if i0 > 0 else 0.0
+        hi = stamps[i1 + 1] if i1 + 1 < len(stamps) else plan.duration
+        bounds = [lo, *stamps[i0 : i1 + 1], hi]
+        plan_text = f"The background is {plan.cue} in the overview; I will look around it."
+    else:
+        bounds = [0.0, *stamps, plan.duration]
+        plan_text = f"No overview frame shows the {plan.cue} background; I will look everywhere."
+    windows = _windows(bounds, st.max_parallel)
+    summaries, hits = [], []
+    for j, (a, b) in enumerate(windows):
+        times = crop_timestamps(
+            meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames,
+            min_frames=st.crop_min_frames,
+        )  # fmt: skip
+        crop = _Seen(plan, fps, times, st.temporal_patch)
+        summaries.append(_summary(plan, crop, b))
+        at = _visible(crop, tgt, b)
+        if at:
+            hits.append((j, at))
+    first = f"<think>\n{plan_text}\n</think>\n" + "\n".join(_tool_call(a, b) for a, b in windows)
+    if hits:
+        j, at = hits[0]
+        found = f"Crop {j + 1} shows a {tgt.name} while the background is {plan.cue}."
+        ans = f"{at[0]:.1f}-{at[-1]:.1f}" if row["question_type"] == "tvg" else row["answer"]
+    else:  # the crops' frames missed the target: the oracle still answers (rare)
+        found = f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
+        ans = row["answer"]
+    final = f"<think>\n{found}\n</think>\n<answer>{ans}</answer>"
     return {
         "sample_id": row["id"],
         "num_frames": num_frames,
@@ -386,6 +523,25 @@ def _sft(row: dict, plan: VideoPlan, rng: random.Random, num_frames: int) -> dic
             {"role": "assistant", "content": final},
         ],
     }
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def summary_correct(summary: str, start: float, end: float, sample: Sample) -> bool | None:
+    """Whether a sub-agent's summary of the crop ``[start, end]`` is right about the target:
+    when the window overlaps the target's interval it must name the target (colour and shape)
+    and a time within 2 s of that interval; otherwise it must not name the target. ``None``
+    for samples that do not record a target (not from this generator)."""
+    target = str(sample.extra.get("target") or "")
+    a, b = sample.event_start, sample.event_end
+    if not target or a is None or b is None:
+        return None
+    named = target in summary.lower()
+    if not (start < b and end > a):
+        return not named
+    times = [float(x) for x in _NUMBER.findall(summary)]
+    return named and any(a - 2 <= t <= b + 2 for t in times)
 
 
 def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
@@ -408,13 +564,15 @@ def generate(
     gop: int = DEFAULT_GOP,
     size: tuple[int, int] = DEFAULT_SIZE,
     val_fraction: float = 0.2,
-    sft_frames: int = 16,
+    oracle: OracleSettings | None = None,
 ) -> Path:
     """Write the synthetic task into ``out_dir`` and return it (see the module docstring).
 
     Videos ``v >= num_videos - round(val_fraction * num_videos)`` (at least one when
     ``num_videos >= 2``) form the validation split; each video yields one mcq, one oe and one
-    tvg row. If ``out_dir/manifest.json`` records the same parameters and every file exists,
+    tvg row, and each train row one SFT trajectory per overview budget of ``oracle`` (see
+    :func:`_sft`; pass :func:`oracle_settings` of the run's config so that the oracle's crops
+    are sampled as the run samples them). If ``out_dir/manifest.json`` records the same parameters and every file exists,
     nothing is rewritten.
     """
     if num_videos < 1:
@@ -426,9 +584,10 @@ def generate(
             f"generate: need 30 <= min_duration ({min_duration}) <= max_duration "
             f"({max_duration}) seconds (the cue window alone is 20-30 s)"
         )
+    oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
-        "version": 1,
+        "version": 2,
         "num_videos": num_videos,
         "seed": seed,
         "codec": codec,
@@ -438,7 +597,7 @@ def generate(
         "gop": gop,
         "size": list(size),
         "val_fraction": val_fraction,
-        "sft_frames": sft_frames,
+        "oracle": json.loads(json.dumps(asdict(oracle))),  # tuples as JSON lists
     }
     manifest = out / "manifest.json"
     ext = ENCODERS[codec][1]
@@ -468,7 +627,7 @@ def generate(
         rows = _rows(plan, rel, rng, seed)
         if v < num_videos - n_val:
             train.extend(rows)
-            sft.extend(_sft(r, plan, rng, sft_frames) for r in rows)
+            sft.extend(_sft(r, plan, fps, k, oracle) for r in rows for k in oracle.budgets)
         else:
             val.extend(rows)
     _write_jsonl(out / "train.jsonl", train)
@@ -490,7 +649,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-duration", type=float, default=180)
     p.add_argument("--fps", type=float, default=DEFAULT_FPS)
     p.add_argument("--gop", type=int, default=DEFAULT_GOP)
-    p.add_argument("--sft-frames", type=int, default=16, help="overview K of the SFT rows")
+    p.add_argument(
+        "--sft-budgets", default="4,16", help="overview budgets K of the SFT rows (comma list)"
+    )
     a = p.parse_args(argv)
     out = generate(
         a.out,
@@ -501,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_duration=a.max_duration,
         fps=a.fps,
         gop=a.gop,
-        sft_frames=a.sft_frames,
+        oracle=OracleSettings(budgets=tuple(int(k) for k in a.sft_budgets.split(","))),
     )
     n = {s: sum(1 for _ in open(out / f"{s}.jsonl")) for s in ("train", "val", "sft")}
     print(

@@ -34,9 +34,14 @@ def resolve_data(cfg: Config) -> Path:
     """The dataset location: ``data.path``, or the synthetic task (generated if absent)."""
     if cfg.data.path:
         return Path(cfg.data.path)
-    from paravt.data.synth import generate
+    from paravt.data.synth import generate, oracle_settings
 
-    return generate(cfg.data.synth_dir, cfg.data.synth_num_videos, seed=cfg.data.synth_seed)
+    return generate(
+        cfg.data.synth_dir,
+        cfg.data.synth_num_videos,
+        seed=cfg.data.synth_seed,
+        oracle=oracle_settings(cfg),
+    )
 
 
 def resolve_model(cfg: Config, path: str = "") -> Any:
@@ -137,14 +142,24 @@ class OracleMainEngine:
 
 
 def load_oracle(data: Path) -> dict[str, dict]:
-    """``sft.jsonl`` rows of a dataset directory, by sample id ({} if there is none)."""
+    """``sft.jsonl`` rows of a dataset directory, one per sample id ({} if there is none).
+
+    A sample may have one row per overview budget; the first row that calls the tool is kept
+    (the oracle main agent is there to show real crops and sub-agents), else the first row."""
     import json
 
     f = data / "sft.jsonl" if data.is_dir() else data.parent / "sft.jsonl"
     if not f.is_file():
         return {}
-    rows = (json.loads(x) for x in f.read_text().splitlines() if x.strip())
-    return {r["sample_id"]: r for r in rows}
+    out: dict[str, dict] = {}
+    for x in f.read_text().splitlines():
+        if not x.strip():
+            continue
+        r = json.loads(x)
+        old = out.get(r["sample_id"])
+        if old is None or (len(old["turns"]) < 2 <= len(r["turns"])):
+            out[r["sample_id"]] = r
+    return out
 
 
 def _short(text: str, limit: int = 600) -> str:
