@@ -228,7 +228,7 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip):
             raise TimeoutError("sub-agent timed out")
         if r.request_id.endswith(":c1"):
             return "  "  # blank summary
-        return "Long summary " * 40 + LEN  # cut by the length cap, truncated to 64 tokens
+        return "Long summary " * 40 + LEN  # cut by the length cap (agent.max_tool_response_tokens)
 
     eng = ScriptedEngine(
         bundle.tokenizer, lambda u, t: [turn0, "ok\n</think>\n<answer>A</answer>"][t], sub
@@ -249,7 +249,10 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip):
     assert len(starts) == len(ends) == 3
     shown = t.tokens[starts[2] + 1 : ends[2]]
     assert len(shown) - 2 == runner.cfg.agent.max_tool_response_tokens  # minus the 2 "\n"
-    assert tok.decode(shown).rstrip().endswith(" Long [truncated]")
+    text = tok.decode(shown).strip()
+    head = text.removesuffix(" [truncated]")
+    assert head != text and head.startswith("[10.0-14.0 s] Long summary")
+    assert ("[10.0-14.0 s] " + c2.response).startswith(head)  # a prefix of the summary, cut
     assert runner.stats["truncated_responses"] == 1
     # The batch raised, so each request was retried alone (3 single calls).
     assert [len(b) for b in eng.requests] == [1, 3, 1, 1, 1, 1]

@@ -56,11 +56,22 @@ def test_only_assistant_generations_are_trained(assets, tmp_path) -> None:
 
     cfg = _cfg(assets, tmp_path)
     bundle = load_model(assets["model"], device="cpu")
-    recs = read_sft_records(Path(assets["data"]) / "sft.jsonl")[:2]
+    # Two oracle episodes with crop calls (the oracle answers directly when the overview
+    # already shows the target).
+    recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r["turns"]) > 1]
+    recs = recs[:2]
     trajs = encode_records(recs, load_samples(assets["data"]), bundle, cfg)
-    assert len(trajs) == 2
+    mains = [t for t in trajs if t.role == "main"]
+    assert len(mains) == 2
+    # sft.sub_agents: one sub-agent row per oracle summary, the summary as its only target.
+    summaries = [s for rec in recs for s in rec["turns"][1]["content"]]
+    subs = [t for t in trajs if t.role != "main"]
+    assert cfg.sft.sub_agents and len(subs) == len(summaries)
     tok = bundle.tokenizer
-    for t, rec in zip(trajs, recs):
+    for t, text in zip(subs, summaries):
+        trained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m])
+        assert trained.replace("<|im_end|>", "").strip() == text.strip()
+    for t, rec in zip(mains, recs):
         trained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if m])
         untrained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if not m])
         # Tool responses, the prompt and the forced <think> prefix are never targets.

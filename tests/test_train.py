@@ -176,3 +176,39 @@ def test_vanilla_preset_differs_only_in_anchoring_and_gating() -> None:
     assert van["train"]["eval_frames"] == para["video"]["fixed_frames"]  # same eval K
     assert van["reward"]["lambda_anchor"] == 0.0 and not van["video"]["gating"]
     assert van["video"]["fixed_frames"] == max(para["video"]["frame_budgets"])
+
+
+def test_evaluation_conditions_report_intervals_and_forbid_tools(assets, tmp_path, capsys):
+    """``train.eval_conditions``: every condition is scored before and after RL with its 95%
+    interval; a ``notools`` condition forces the answer in the first turn (no tool call at all,
+    even from a model that calls tools), and the final table carries one row per condition."""
+    from paravt.train import run
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        overrides=small_overrides(
+            assets,
+            out,
+            **{
+                "train.steps": 1,
+                "train.eval_prompts": 2,
+                "train.eval_samples": 2,
+                "train.eval_conditions": ["2:tools", "4:notools"],
+            },
+        )
+    )
+    res = run(cfg)
+    for phase in ("before", "after"):
+        m = res[phase]
+        for name in ("K2_tools", "K4_notools"):
+            for key in ("accuracy", "accuracy_ci95", "format_compliance", "tool_call_rate"):
+                assert f"{name}/{key}" in m, f"{phase} lacks {name}/{key}"
+            assert m[f"{name}/prompts"] == 2.0
+            assert 0.0 <= m[f"{name}/accuracy"] <= 1.0 and m[f"{name}/accuracy_ci95"] >= 0.0
+        assert m["K4_notools/tool_calls_per_rollout"] == 0.0
+        assert m["accuracy"] == m["K2_tools/accuracy"]  # the first condition, unprefixed
+    evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval_before"]
+    assert evals and "K4_notools/accuracy" in evals[-1]
+    table = capsys.readouterr().out
+    assert "accuracy K2_tools" in table and "accuracy K4_notools" in table
+    assert "summary accuracy K2_tools" in table and "summary accuracy K4_notools" not in table
