@@ -292,7 +292,8 @@ class TrainConfig:
     alarm_parse_rise: float = 0.25
     # Cap on the overview-frame thumbnails written to out_dir/thumbs/ for the viewer (MB); once
     # reached, later trajectories are logged without thumbnails (their frame times are kept).
-    viewer_max_mb: float = 20.0
+    # 18 leaves room under 20 MB for the report's two HTML pages (the report links thumbs/).
+    viewer_max_mb: float = 18.0
     # Longest side of those thumbnails in pixels (JPEG).
     viewer_thumb_px: int = 96
     # Debug: save each step's packed batches per rank to out_dir/debug/ (distributed parity

@@ -21,6 +21,7 @@ Only rank 0 writes (``enabled=False`` on other ranks makes every method a no-op)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -109,7 +110,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         return rows
-    for line in p.read_text().splitlines():
+    # split("\n"), not splitlines(): JSON leaves U+2028/U+2029/U+0085 unescaped inside strings
+    # (results.jsonl is written with ensure_ascii=False) and splitlines() would cut rows there.
+    for line in p.read_text(encoding="utf-8").split("\n"):
         line = line.strip()
         if not line:
             continue
@@ -213,7 +216,7 @@ class ThumbnailStore:
     capped at ``max_bytes``: the store counts the bytes already under ``thumbs/`` (a resumed
     run included) and, once the next frame would pass the cap, writes nothing more; those
     trajectories keep their frame times and are shown without pictures. A 96 px JPEG is
-    ~1-3 KB, so the default 20 MB holds ~10k frames.
+    ~1-3 KB, so the default 18 MB holds ~10k frames.
     """
 
     def __init__(self, out_dir: str | Path, *, max_bytes: int, max_px: int = 96) -> None:
@@ -232,7 +235,9 @@ class ThumbnailStore:
 
         from PIL import Image
 
-        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)[:120]
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in key)[:100]
+        # + a hash of the whole key: "a/b" and "a_b" (or two long ids) never share thumbnails.
+        safe += "-" + hashlib.sha1(key.encode()).hexdigest()[:8]
         names = [f"thumbs/{safe}_{i:03d}.jpg" for i in range(len(frames))]
         if all((self.dir.parent / n).is_file() for n in names):
             return names

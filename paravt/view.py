@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import os
 import re
 import shutil
 import sys
@@ -132,13 +133,23 @@ class Report:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+def _num(v: Any) -> float | None:
+    """A finite number from a record, else None: every number the pages print or put in an
+    attribute goes through here, so a hand-edited record cannot inject markup through one."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if x == x and abs(x) != float("inf") else None
+
+
 def _call(c: Any) -> CallView:
     if isinstance(c, (list, tuple)):  # runs before the viewer: [status, start, end]
-        return CallView(str(c[0]), c[1], c[2])
+        return CallView(str(c[0]), _num(c[1]), _num(c[2]))
     return CallView(
         str(c.get("status", "")),
-        c.get("start"),
-        c.get("end"),
+        _num(c.get("start")),
+        _num(c.get("end")),
         str(c.get("response") or ""),
         str(c.get("error") or ""),
     )
@@ -148,8 +159,8 @@ def _train_traj(r: dict[str, Any]) -> TrajView:
     b = r.get("breakdown") or {}
     return TrajView(
         name=str(r.get("uid", "")),
-        step=r.get("step"),
-        K=int(r.get("K", 0)),
+        step=None if _num(r.get("step")) is None else int(_num(r.get("step"))),
+        K=int(_num(r.get("K")) or 0),
         question=str(r.get("question", "")),
         answer=str(r.get("answer", "")),
         turns=[
@@ -161,13 +172,23 @@ def _train_traj(r: dict[str, Any]) -> TrajView:
             )
             for t in r.get("turns", [])
         ],
-        reward=r.get("reward"),
+        reward=_num(r.get("reward")),
         breakdown=b,
-        correct=float(b.get("acc") or 0.0) >= 1.0,
-        duration=r.get("duration"),
-        frame_times=[float(x) for x in r.get("frame_times", [])],
+        correct=_correct(b.get("acc"), r.get("task")),
+        duration=_num(r.get("duration")),
+        frame_times=[x for x in map(_num, r.get("frame_times") or []) if x is not None],
         thumbs=r.get("thumbs"),
     )
+
+
+def _correct(acc: Any, task: Any) -> bool:
+    """Right answer: accuracy 1 (MCQ, open-ended), or a temporal IoU >= 0.5 for grounding
+    (``tvg``: R@1 at IoU 0.5, the usual threshold)."""
+    try:
+        a = float(acc or 0.0)
+    except (TypeError, ValueError):
+        return False
+    return a >= 0.5 if task == "tvg" else a >= 1.0
 
 
 def _eval_traj(r: dict[str, Any]) -> TrajView:
@@ -176,7 +197,7 @@ def _eval_traj(r: dict[str, Any]) -> TrajView:
     return TrajView(
         name=str(r.get("id", "")),
         step=None,
-        K=int(r.get("frames", 0)),
+        K=int(_num(r.get("frames")) or 0),
         question=str(r.get("question", "")),
         answer=str(r.get("answer", "")),
         turns=[
@@ -188,10 +209,10 @@ def _eval_traj(r: dict[str, Any]) -> TrajView:
             )
             for t in r.get("trace", [])
         ],
-        reward=r.get("score"),
+        reward=_num(r.get("score")),
         breakdown={k: r.get(k) for k in keys if r.get(k) is not None},
-        correct=bool(correct) if correct is not None else float(r.get("score") or 0) >= 1.0,
-        duration=r.get("duration"),
+        correct=bool(correct) if correct is not None else _correct(r.get("iou"), "tvg"),
+        duration=_num(r.get("duration")),
     )
 
 
@@ -553,12 +574,16 @@ def render_trajectories(rep: Report, thumbs: dict[str, str]) -> str:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Render ``run_dir`` into ``out`` (default ``run_dir/view``); returns ``out/index.html``.
 
-    Copies the thumbnails the trajectories reference into ``out/thumbs/`` (the report is then
-    a self-contained folder); their size is bounded by ``train.viewer_max_mb`` at write time.
+    Inside the run folder (the default) the pages link the run's own ``thumbs/`` (nothing is
+    copied: the run's viewer assets are its thumbnails, capped by ``train.viewer_max_mb``, and
+    two HTML pages); elsewhere the thumbnails are copied into ``out/thumbs/`` so that the report
+    is a self-contained folder.
     """
     rep = load_report(run_dir)
+    root = rep.run_dir.resolve()
     dst = Path(out) if out else Path(run_dir) / "view"
     dst.mkdir(parents=True, exist_ok=True)
+    inside = root == dst.resolve() or root in dst.resolve().parents
     thumbs: dict[str, str] = {}
     for t in rep.trajectories:
         for rel in t.thumbs or []:
@@ -566,13 +591,15 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 continue
             src = (rep.run_dir / rel).resolve()
             # Only files inside the run folder: a record never makes the viewer read elsewhere.
-            if not src.is_file() or rep.run_dir.resolve() not in src.parents:
+            if not src.is_file() or root not in src.parents:
                 continue
-            name = "thumbs/" + src.name
+            if inside:
+                thumbs[rel] = Path(os.path.relpath(src, dst.resolve())).as_posix()
+                continue
+            name = "thumbs/" + src.relative_to(root).as_posix().replace("/", "_")
             target = dst / name
-            if target.resolve() != src:
-                target.parent.mkdir(exist_ok=True)
-                shutil.copyfile(src, target)
+            target.parent.mkdir(exist_ok=True)
+            shutil.copyfile(src, target)
             thumbs[rel] = name
     (dst / "index.html").write_text(render_index(rep), encoding="utf-8")
     (dst / "trajectories.html").write_text(render_trajectories(rep, thumbs), encoding="utf-8")

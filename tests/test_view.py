@@ -317,7 +317,7 @@ def _hundred(run_dir: Path, data: str, dst: Path, n: int = 100, k: int = 32) -> 
 def test_hundred_trajectories_open_fast_and_stay_small(run_dir, assets, browser, tmp_path):
     big = _hundred(run_dir, assets["data"], tmp_path / "big")
     index = write_report(big)
-    size = sum(f.stat().st_size for f in index.parent.rglob("*") if f.is_file())
+    size = sum(f.stat().st_size for d in ("view", "thumbs") for f in (big / d).rglob("*"))
     assert size < 20e6, f"report assets {size / 1e6:.1f} MB"
     pg = Page(browser)
     times = [pg.open(index.parent / "trajectories.html") for _ in range(3)]
@@ -330,6 +330,38 @@ def test_hundred_trajectories_open_fast_and_stay_small(run_dir, assets, browser,
           f"{', '.join(f'{t:.0f}' for t in times)}), report {size / 1e6:.2f} MB, scrolling "
           f"through every thumbnail {scroll_s:.1f} s")  # fmt: skip
     assert min(times) < 2000, times
+
+
+def test_viewer_assets_at_the_cap_stay_under_20_mb(run_dir, tmp_path) -> None:
+    """A run whose thumbnail store is full at the default ``train.viewer_max_mb``: the report
+    written into the run folder links ``thumbs/`` (no second copy), so thumbnails + pages stay
+    under 20 MB; a report written elsewhere copies exactly the referenced files."""
+    import torch
+
+    from paravt.config import load_config
+    from paravt.metrics import ThumbnailStore
+
+    dst = tmp_path / "full"
+    shutil.copytree(run_dir, dst, ignore=shutil.ignore_patterns("checkpoints", "tb", "view"))
+    store = ThumbnailStore(dst, max_bytes=int(load_config().train.viewer_max_mb * 1e6))
+    g = torch.Generator().manual_seed(0)
+    src = read_metrics(run_dir / "trajectories.jsonl")
+    rows, i = [], 0
+    while not store.full:  # noise JPEGs: the worst case per frame
+        frames = torch.randint(0, 256, (32, 96, 96, 3), dtype=torch.uint8, generator=g)
+        rows.append(dict(src[i % len(src)], uid=f"u{i}", thumbs=store.save(f"g{i}", frames)))
+        i += 1
+    (dst / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert store.used > 0.95 * store.max_bytes and rows[-1]["thumbs"] is None
+    index = write_report(dst)
+    html = (index.parent / "trajectories.html").read_text()
+    assert 'src="../thumbs/' in html and not (index.parent / "thumbs").exists()
+    size = sum(f.stat().st_size for d in ("view", "thumbs") for f in (dst / d).rglob("*"))
+    assert size < 20e6, f"viewer assets {size / 1e6:.1f} MB"
+    # --out elsewhere: a self-contained copy of the referenced thumbnails.
+    other = write_report(dst, tmp_path / "elsewhere")
+    copied = list((other.parent / "thumbs").iterdir())
+    assert len(copied) == sum(len(r["thumbs"] or []) for r in rows)
 
 
 def test_eval_folder_renders(assets, browser, tmp_path) -> None:
@@ -399,12 +431,13 @@ def test_thumbnail_store_cap(tmp_path) -> None:
     frames = torch.randint(0, 256, (4, 64, 80, 3), dtype=torch.uint8, generator=g)
     store = ThumbnailStore(tmp_path, max_bytes=30_000, max_px=48)
     first = store.save("a", frames)
-    assert first == [f"thumbs/a_{i:03d}.jpg" for i in range(4)]
+    assert len(first) == 4 and all(n.startswith("thumbs/a-") for n in first)
+    assert store.save("a/b", frames[:1]) != store.save("a_b", frames[:1])  # never shared
     from PIL import Image
 
     assert max(Image.open(tmp_path / first[0]).size) == 48
     assert store.save("a", frames) == first  # shared, not rewritten
-    saved = [store.save(f"s{i}", frames) for i in range(40)]
+    saved = [store.save(f"s{i}", frames) for i in range(60)]
     used = sum(f.stat().st_size for f in (tmp_path / "thumbs").iterdir())
     assert None in saved and used == store.used <= 30_000
     # A resumed run counts what is there.
@@ -428,3 +461,28 @@ def test_highlight_spans_and_escaping() -> None:
         '<span class="call tag">&lt;tool_call&gt;</span>'
         '<span class="call">{</span>'  # unclosed: runs to the end
     )
+
+
+def test_records_are_coerced_and_judged_by_task(tmp_path) -> None:
+    """Numbers from a record go into the page only as numbers (a string reward cannot carry
+    markup); grounding is right at IoU >= 0.5, not at 1; a row holding U+2028 survives."""
+    from paravt.view import load_report, render_trajectory
+
+    row = {"uid": "x", "step": 1, "K": 4, "question": "when\u2028?", "task": "tvg",
+           "breakdown": {"acc": 0.6}, "reward": '<img src=x onerror="alert(1)">',
+           "duration": "9<b>", "frame_times": [1.0, "<i>"],
+           "turns": [{"text": "t", "calls": [{"status": "ok", "start": "1'><b>", "end": 3.0}]}]}  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "kind": "train"}) + "\n")
+    (tmp_path / "trajectories.jsonl").write_text(
+        json.dumps(row, ensure_ascii=False)
+        + "\n"
+        + json.dumps(dict(row, uid="y", task="mcq"))
+        + "\n"
+    )
+    rep = load_report(tmp_path)
+    tvg, mcq = rep.trajectories
+    assert tvg.question == "when\u2028?" and tvg.correct and not mcq.correct
+    assert tvg.reward is None and tvg.duration is None and tvg.frame_times == [1.0]
+    assert tvg.calls[0].start is None
+    page = render_trajectory(0, tvg, {})
+    assert "onerror" not in page and "9<b>" not in page and "'><b>" not in page
