@@ -244,6 +244,9 @@ class SFTConfig:
     sub_agents: bool = True
     # Learning rate of the vision tower (0 = sft.lr). See paravt.sft.param_groups.
     vision_lr: float = 0.0
+    # Freeze the vision tower's patch embedding, position table and ViT blocks during SFT (its
+    # mergers, which project into the language model, still train). See paravt.sft.freeze_vit.
+    freeze_vision_tower: bool = False
 
 
 @dataclass
@@ -339,6 +342,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sft.steps": 250,
         "sft.batch_size": 4,
         "sft.lr": 3e-3,
+        "sft.freeze_vision_tower": True,
         "train.steps": 30,
         "train.prompts_per_step": 4,
         "train.save_every": 10,
@@ -391,8 +395,8 @@ PRESETS["tiny_cpu_vanilla"] = {
     "reward.lambda_anchor": 0.0,
     "video.gating": False,
     "video.fixed_frames": 32,
-    # Evaluate at the PARA-GRPO preset's K (its fixed_frames, 16) so the tables compare.
-    "train.eval_frames": 16,
+    # It inherits train.eval_conditions (and the SFT data: paravt.data.synth.oracle_settings),
+    # so the two runs' tables compare.
     "train.out_dir": "runs/train/vanilla",
 }
 # Vanilla GRPO on the same recipe: no anchoring, no gating.

@@ -151,11 +151,32 @@ def sft_loss(
     return nll_sum, count
 
 
+def freeze_vit(model: torch.nn.Module) -> list[str]:
+    """Freeze the vision tower except its mergers (``sft.freeze_vision_tower``; run_sft calls
+    it before sharding); returns the frozen parameter names.
+
+    Why (tiny model, random init, SFT lr 3e-3, measured on the synthetic task's real sub-agent
+    rows, 300 steps): training the ViT *blocks* makes the input-independent part of every
+    visual token grow from norm 0.44 to 110 while the input-dependent part grows to 6; the
+    language model reads visual tokens through RMSNorm, so every crop looks the same (cosine
+    0.9999) and a held-out clip's colour is guessed ("blue" for all: 4-way accuracy 0.31, NLL
+    with real frames = with grey frames). Rescaling the tower's output does not help (it is
+    the direction, not the norm); freezing the patch embedding alone does not either. The
+    random tower already separates the cue colours (token cosine 0.25-0.76): frozen blocks
+    with trainable mergers reach held-out colour accuracy 0.89-1.00 (2 seeds), NLL 0.02 with
+    the real frames against 3.4 with grey ones."""
+    frozen = []
+    for n, p in model.named_parameters():
+        if ".visual." in f".{n}" and "merger" not in n and p.requires_grad:
+            p.requires_grad_(False)
+            frozen.append(n)
+    return frozen
+
+
 def param_groups(model: torch.nn.Module, lr: float, vision_lr: float) -> list[dict[str, Any]]:
-    """AdamW groups: the vision tower (``.visual.`` parameters) at ``vision_lr`` (0 = ``lr``),
-    the rest at ``lr``. Measured on the tiny model: at one shared lr of 3e-3 the vision tower's
-    outputs grow ~400x within a few hundred steps and collapse onto one direction (cosine
-    0.9997 between crops of different colours), and the language model stops reading them."""
+    """AdamW groups: the vision tower's trainable parameters (``.visual.``) at ``vision_lr``
+    (0 = ``lr``), the rest at ``lr``. See :func:`freeze_vit` for what one shared lr of 3e-3
+    does to the tiny model's tower."""
     vis = [p for n, p in model.named_parameters() if p.requires_grad and ".visual." in f".{n}"]
     ids = {id(p) for p in vis}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
@@ -213,6 +234,10 @@ def run_sft(
     model.train()  # no dropout in Qwen-VL by default; train mode enables grad checkpointing
     if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
+    if s.freeze_vision_tower:
+        frozen = freeze_vit(model)
+        if ctx.is_main:
+            log(f"[sft] vision tower frozen except its mergers ({len(frozen)} tensors)")
     shard_model(model, ctx)
     opt = torch.optim.AdamW(param_groups(model, s.lr, s.vision_lr), lr=s.lr, weight_decay=0.0)
     rng = random.Random(f"paravt-sft:{cfg.train.seed}:{ctx.rank}")

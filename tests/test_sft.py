@@ -98,3 +98,21 @@ def test_sft_steps_lower_the_nll_and_write_a_checkpoint(assets, tmp_path) -> Non
     assert sum(not torch.equal(before[k], after[k]) for k in before) > len(before) // 2
     Qwen3VLForConditionalGeneration.from_pretrained(out, local_files_only=True)
     assert (out / "tokenizer.json").is_file() and not Path(str(out) + ".tmp").exists()
+
+
+def test_frozen_vision_tower_keeps_its_blocks_and_trains_its_mergers(assets, tmp_path) -> None:
+    """sft.freeze_vision_tower (on in the tiny preset): the ViT's patch embedding, position
+    table and blocks stay bit-equal, its mergers (and the language model) move."""
+    from paravt.checkpoint import load_model_state
+    from paravt.sft import run_sft
+
+    cfg = _cfg(assets, tmp_path, **{"sft.steps": 2, "sft.freeze_vision_tower": True})
+    out = tmp_path / "sft"
+    run_sft(cfg, model_dir=assets["model"], data_dir=assets["data"], out_dir=out)
+    before, after = load_model_state(assets["model"]), load_model_state(out)
+    vis = [k for k in before if ".visual." in f".{k}"]
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    frozen = [k for k in vis if "merger" not in k]
+    assert frozen and any("blocks" in k for k in frozen) and any("patch_embed" in k for k in frozen)
+    assert not moved & set(frozen)
+    assert any("merger" in k for k in moved) and any(".visual." not in f".{k}" for k in moved)

@@ -151,3 +151,12 @@ def test_eval_conditions_parse_and_fail_clearly() -> None:
     assert eval_conditions(cfg) == [("K8_tools", 8, True)]
     with pytest.raises(ConfigError, match="train.eval_conditions entry '4:maybe'"):
         load_config("tiny_cpu", overrides=["train.eval_conditions=[4:tools, 4:maybe]"])
+
+
+def test_vanilla_comparison_shares_the_sft_data() -> None:
+    """The default and its vanilla comparison train from the same oracle rows: running one
+    never regenerates (overwrites) the other's data folder."""
+    a, b = load_config("tiny_cpu"), load_config("tiny_cpu_vanilla")
+    assert a.video.gating and not b.video.gating
+    assert oracle_settings(a) == oracle_settings(b)
+    assert oracle_settings(a).budgets == (4, 8, 16, 32)

@@ -170,10 +170,9 @@ def test_vanilla_preset_differs_only_in_anchoring_and_gating() -> None:
         "reward.lambda_anchor",
         "video.gating",
         "video.fixed_frames",
-        "train.eval_frames",
         "train.out_dir",
     }
-    assert van["train"]["eval_frames"] == para["video"]["fixed_frames"]  # same eval K
+    assert van["train"]["eval_conditions"] == para["train"]["eval_conditions"]  # same eval
     assert van["reward"]["lambda_anchor"] == 0.0 and not van["video"]["gating"]
     assert van["video"]["fixed_frames"] == max(para["video"]["frame_budgets"])
 

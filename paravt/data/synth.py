@@ -372,10 +372,13 @@ class OracleSettings:
 
 
 def oracle_settings(cfg: Any) -> OracleSettings:
-    """The oracle settings of a run config (``paravt.config.Config``)."""
+    """The oracle settings of a run config (``paravt.config.Config``). The budgets are every
+    ``video.frame_budgets`` entry and ``video.fixed_frames`` whether gating is on or not: the
+    SFT cold start (and the data folder) is then the same for a gated run and its vanilla
+    comparison, which differ only in RL (``tiny_cpu`` and ``tiny_cpu_vanilla``)."""
     v = cfg.video
     return OracleSettings(
-        budgets=tuple(sorted(set(v.frame_budgets if v.gating else [v.fixed_frames]))),
+        budgets=tuple(sorted({*v.frame_budgets, v.fixed_frames})),
         crop_fps=float(v.crop_fps),
         crop_max_frames=int(v.crop_max_frames),
         crop_min_frames=int(v.crop_min_frames),
