@@ -219,14 +219,25 @@ def load_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def resolve_model_path(cfg: Any, given: str) -> str:
     """``--model``, else ``model.path``, else the newest checkpoint of ``train.out_dir``
-    (``python -m paravt.eval`` and ``python -m paravt.rollout``); raises ``ConfigError``
-    when a given path is not a directory or there is no checkpoint (the model is untrained)."""
+    (``python -m paravt.eval`` and ``python -m paravt.rollout``). A given training run folder
+    (``runs/train/default``) means its newest checkpoint. Raises ``ConfigError`` when a given
+    path is not a directory, is neither an HF model nor a run with checkpoints, or there is no
+    checkpoint (the model is untrained)."""
     from paravt.config import ConfigError
 
     path = given or cfg.model.path
     if path:
         if not Path(path).is_dir():
             raise ConfigError(f"--model {path!r} is not a directory (an HF model or checkpoint)")
+        if not (Path(path) / "config.json").is_file():
+            ckpt = latest_checkpoint(path)
+            if ckpt is None:
+                raise ConfigError(
+                    f"--model {path!r} has no config.json (not an HF model or checkpoint) and "
+                    "no checkpoints/step_* (not a training run folder): pass a checkpoint "
+                    "such as runs/train/default/checkpoints/step_000030, or its run folder"
+                )
+            return str(ckpt)
         return str(path)
     ckpt = latest_checkpoint(cfg.train.out_dir)
     if ckpt is None:

@@ -79,6 +79,11 @@ def test_cli_uses_the_newest_checkpoint_of_train_out_dir(assets, synth_dir, tmp_
     assert "K=2 overview frames" in out  # the run's config.yaml was applied
     assert main([*args, "--model", str(ckpts[0])]) == 0
     assert f"model: {ckpts[0]}\n" in capsys.readouterr().out
+    # A run folder stands for its newest checkpoint; a folder that is neither is refused.
+    assert main([*args, "--model", str(run)]) == 0
+    assert f"model: {ckpts[-1]}\n" in capsys.readouterr().out
+    assert main([*args, "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_cli_without_a_checkpoint_says_the_model_is_untrained(assets, synth_dir, tmp_path, capsys):
