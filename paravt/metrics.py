@@ -339,6 +339,20 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
+def call_record(c: Any) -> dict[str, Any]:
+    """One tool call as the run's ``trajectories.jsonl`` and the evaluation's ``results.jsonl``
+    keep it (and ``paravt.view`` reads it): status, window, sub-agent summary, error, and the
+    first 500 characters of the raw call text."""
+    return {
+        "status": c.status,
+        "start": c.start,
+        "end": c.end,
+        "response": c.response,
+        "error": c.error,
+        "raw": c.raw[:500],
+    }
+
+
 def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
     """A light, picklable summary of one scored main trajectory (gathered across ranks)."""
     from paravt.rewards.format import analyse_turn

@@ -562,8 +562,9 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
     Per trajectory: question, gold answer, K, the video's duration, the overview frames' times
     and thumbnails (``thumbs``: paths relative to the run folder, None past the
     ``train.viewer_max_mb`` cap; ``ThumbnailStore``), each turn's text and its calls (status,
-    clamped window, the sub-agent's summary, the parse error), reward and breakdown. This is
+    clamped window, the sub-agent's summary, the parse error, the raw call text), reward and breakdown. This is
     what ``python -m paravt.view`` renders."""
+    from paravt.metrics import call_record
     from paravt.video import overview_timestamps
 
     out = []
@@ -596,16 +597,7 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
                             "prefix": x.prefix,
                             "text": x.text,
                             "forced_answer": x.forced_answer,
-                            "calls": [
-                                {
-                                    "status": c.status,
-                                    "start": c.start,
-                                    "end": c.end,
-                                    "response": c.response,
-                                    "error": c.error,
-                                }
-                                for c in x.calls
-                            ],
+                            "calls": [call_record(c) for c in x.calls],
                         }
                         for x in t.turns
                     ],

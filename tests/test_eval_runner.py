@@ -254,11 +254,16 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model is untrained" in err and "make train" in err
     assert main(["--benchmark", "mmvu", "--model", str(tmp_path)]) == 2
+    assert "no config.json (not an HF model" in capsys.readouterr().err
+    mdl = tmp_path / "model"  # looks like an HF model directory: the other inputs are checked
+    mdl.mkdir()
+    (mdl / "config.json").write_text("{}")
+    assert main(["--benchmark", "mmvu", "--model", str(mdl)]) == 2
     assert "--data-root is required for --benchmark mmvu" in capsys.readouterr().err
-    assert main(["--benchmark", "lvbench", "--model", str(tmp_path), "--data-root", "/nope"]) == 2
+    assert main(["--benchmark", "lvbench", "--model", str(mdl), "--data-root", "/nope"]) == 2
     assert "is not a directory" in capsys.readouterr().err
     (tmp_path / "lvb").mkdir()
-    args = ["--benchmark", "lvbench", "--model", str(tmp_path), "--data-root"]
+    args = ["--benchmark", "lvbench", "--model", str(mdl), "--data-root"]
     assert main([*args, str(tmp_path / "lvb")]) == 2
     assert "train-00000-of-00001.parquet" in capsys.readouterr().err  # names the missing file
     assert main([*args, str(tmp_path / "lvb"), "--frames", "0"]) == 2

@@ -102,22 +102,12 @@ def is_done(row: dict[str, Any]) -> bool:
     return row.get("error_kind") != "engine"
 
 
-def _call_record(c: Any) -> dict[str, Any]:
-    return {
-        "status": c.status,
-        "start": c.start,
-        "end": c.end,
-        "response": c.response,
-        "error": c.error,
-        "raw": c.raw[:500],
-    }
-
-
 def result_row(
     sample: Sample, traj: Trajectory | None, *, frames: int, error: str = "", kind: str = ""
 ) -> dict[str, Any]:
     """The ``results.jsonl`` line of one sample (scored; an error row when ``traj`` is None)."""
     from paravt.eval.scoring import call_fields, score_answer
+    from paravt.metrics import call_record
     from paravt.rewards.compose import full_text
 
     extra = sample.extra or {}
@@ -162,7 +152,7 @@ def result_row(
                 "text": t.prefix + t.text,
                 "finish_reason": t.finish_reason,
                 "forced_answer": t.forced_answer,
-                "calls": [_call_record(c) for c in t.calls],
+                "calls": [call_record(c) for c in t.calls],
             }
             for t in traj.turns
         ],
