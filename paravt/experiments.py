@@ -1,0 +1,344 @@
+"""``python -m paravt.experiments ablation`` — the PARA-GRPO ablation, every arm from one SFT.
+
+    python -m paravt.experiments ablation [--seeds 3] [--arms a,b,...] [--out runs/ablation]
+        [--preset tiny_cpu] [--config F.yaml ...] [--eval-k 4,32] [key=value ...]
+
+1. One SFT cold start (``sft.*`` of the config) into ``OUT/sft``.
+2. Every arm × seed is one ``python -m paravt.train`` run from that checkpoint (``model.path``,
+   ``sft.steps=0``, ``train.seed``) into ``OUT/ARM/seedN`` (its log in ``train.log``), with the
+   arm's overrides on top of the config:
+
+   - ``vanilla``: no anchoring, no gating (every prompt sees the largest budget);
+   - ``anchoring``: anchoring only (no gating);
+   - ``gating``: gating only (no anchoring);
+   - ``paragrpo``: both (the config as given);
+   - ``paragrpo_no_rtool``: both, without the tool reward R_tool (``reward.tool_bonus=0``).
+
+   Each run evaluates the held-out prompts at ``K:tools`` for each ``--eval-k``.
+3. ``OUT/ablation.md`` (printed), ``OUT/ablation.json`` (per seed and aggregated) and
+   ``OUT/ablation.png`` (per-step curves, mean over seeds): per arm, mean ± std over seeds of the
+   training format reward (the base part, the same definition in every arm; the anchoring
+   term differs by arm), `</think>` closure, tool calls per rollout, the tool-call rate per K
+   (means over the training steps), and held-out accuracy after RL at each ``--eval-k``.
+
+A rerun into the same ``--out`` skips the runs that finished (their ``metrics.jsonl`` holds the
+after-RL evaluation) and redoes the others from scratch; a failed run stops the command with
+its log's tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from paravt.config import Config, ConfigError, load_config
+from paravt.metrics import read_metrics
+
+ARMS: dict[str, str] = {
+    "vanilla": "GRPO: no anchoring, no gating",
+    "anchoring": "anchoring only",
+    "gating": "gating only",
+    "paragrpo": "PARA-GRPO (anchoring + gating)",
+    "paragrpo_no_rtool": "PARA-GRPO without R_tool",
+}
+
+
+def arm_overrides(arm: str, cfg: Config) -> list[str]:
+    """The ``key=value`` overrides that turn ``cfg`` (PARA-GRPO) into ``arm``."""
+    k_max = max(cfg.video.frame_budgets)
+    no_anchor = ["reward.lambda_anchor=0.0"]
+    no_gating = ["video.gating=false", f"video.fixed_frames={k_max}"]
+    table = {
+        "vanilla": no_anchor + no_gating,
+        "anchoring": no_gating,
+        "gating": no_anchor,
+        "paragrpo": [],
+        "paragrpo_no_rtool": ["reward.tool_bonus=0.0"],
+    }
+    if arm not in table:
+        raise ConfigError(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
+    return table[arm]
+
+
+def _finished(run_dir: Path) -> bool:
+    return any(r.get("kind") == "eval_after" for r in read_metrics(run_dir / "metrics.jsonl"))
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _std(xs: Sequence[float]) -> float:
+    """Sample standard deviation (ddof 1); 0 for one value."""
+    if len(xs) < 2:
+        return 0.0 if xs else float("nan")
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def run_metrics(run_dir: Path, budgets: Sequence[int], eval_k: Sequence[int]) -> dict[str, float]:
+    """One run's row of the table from its ``metrics.jsonl`` (NaN where it has no value, e.g.
+    the tool-call rate at a K an ungated arm never draws)."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in rows if r.get("kind") == "train"]
+    after = next((r for r in reversed(rows) if r.get("kind") == "eval_after"), {})
+
+    def over_steps(key: str) -> float:
+        return _mean([float(r[key]) for r in train if isinstance(r.get(key), (int, float))])
+
+    out = {
+        "format_reward": over_steps("reward/fmt_base"),
+        "think_closure": over_steps("think_closure_rate"),
+        "tool_calls_per_rollout": over_steps("tool_calls_per_rollout"),
+        "tool_call_rate": over_steps("tool_call_rate"),
+    }
+    for k in budgets:
+        out[f"tool_rate/K{k}"] = over_steps(f"tool_rate/K{k}")
+    for k in eval_k:
+        v = after.get(f"K{k}_tools/accuracy")
+        out[f"accuracy/K{k}"] = float(v) if isinstance(v, (int, float)) else float("nan")
+    return out
+
+
+def aggregate(per_seed: Sequence[dict[str, float]]) -> dict[str, tuple[float, float]]:
+    """``key -> (mean, std)`` over seeds, NaN values left out."""
+    keys = list(per_seed[0]) if per_seed else []
+    agg = {}
+    for k in keys:
+        xs = [r[k] for r in per_seed if r[k] == r[k]]
+        agg[k] = (_mean(xs), _std(xs))
+    return agg
+
+
+def _json_safe(v: Any) -> Any:
+    """NaN (no value) as null: ``ablation.json`` is strict JSON."""
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return None if isinstance(v, float) and v != v else v
+
+
+def _cell(ms: tuple[float, float]) -> str:
+    m, s = ms
+    return "n/a" if m != m else f"{m:.3f} ± {s:.3f}"
+
+
+def format_table(results: dict[str, dict[str, tuple[float, float]]], seeds: int) -> str:
+    """The paper-style markdown table: one row per arm, mean ± std over ``seeds`` seeds."""
+    keys = list(next(iter(results.values())))
+    labels = {
+        "format_reward": "format reward (base)",
+        "think_closure": "</think> closure",
+        "tool_calls_per_rollout": "tool calls / rollout",
+        "tool_call_rate": "tool-call rate",
+    }
+    head = ["arm"] + [
+        labels.get(k, k.replace("tool_rate/", "tool rate ").replace("accuracy/", "held-out acc "))
+        for k in keys
+    ]
+    lines = [
+        f"mean ± std over {seeds} seed(s); training metrics are means over the RL steps; "
+        "held-out accuracy after RL, with tools",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for arm, agg in results.items():
+        lines.append(f"| {arm} | " + " | ".join(_cell(agg[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def plot_curves(runs: dict[str, list[Path]], out_png: Path) -> Path:
+    """Per-step curves (mean over an arm's seeds) of the format reward, `</think>` closure,
+    tool-call rate and tool calls per rollout, one line per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("reward/fmt_base", "format reward (base)"),
+        ("think_closure_rate", "</think> closure"),
+        ("tool_call_rate", "tool-call rate"),
+        ("tool_calls_per_rollout", "tool calls / rollout"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, panels):
+        for arm, dirs in runs.items():
+            by_step: dict[int, list[float]] = {}
+            for d in dirs:
+                for r in read_metrics(d / "metrics.jsonl"):
+                    if r.get("kind") == "train" and isinstance(r.get(key), (int, float)):
+                        by_step.setdefault(int(r["step"]), []).append(float(r[key]))
+            if by_step:
+                xs = sorted(by_step)
+                ax.plot(xs, [_mean(by_step[x]) for x in xs], label=arm)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return out_png
+
+
+def _sft(cfg: Config, out: Path) -> Path:
+    """The shared SFT checkpoint ``out/sft`` (made once; a rerun reuses it)."""
+    from paravt.distributed import DistContext
+    from paravt.sft import run_sft
+    from paravt.train import prepare_assets
+
+    dst = out / "sft"
+    if (dst / "config.json").is_file():
+        print(f"[ablation] SFT checkpoint {dst} exists: reused", flush=True)
+        return dst
+    if cfg.sft.steps < 1:
+        raise ConfigError("sft.steps must be >= 1: every arm starts from the shared SFT")
+    ctx = DistContext()
+    data_dir, model_dir = prepare_assets(cfg, ctx)
+    res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
+    print(
+        f"[ablation] SFT {cfg.sft.steps} steps: nll/token {res['sft/loss_first']:.3f} -> "
+        f"{res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s) -> {dst}",
+        flush=True,
+    )
+    return dst
+
+
+def ablation(
+    cfg: Config,
+    *,
+    out: Path,
+    arms: Sequence[str],
+    seeds: int,
+    eval_k: Sequence[int],
+    base_args: Sequence[str],
+) -> dict[str, Any]:
+    """Run the ablation (see the module docstring); returns ``{"table", "results", "runs"}``.
+    ``base_args`` are the ``paravt.train`` arguments (preset, configs, overrides) of ``cfg``."""
+    for a in arms:
+        arm_overrides(a, cfg)  # unknown arms fail before anything runs
+    out.mkdir(parents=True, exist_ok=True)
+    sft = _sft(cfg, out)
+    conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
+    runs: dict[str, list[Path]] = {a: [] for a in arms}
+    jobs = [(a, s) for a in arms for s in range(seeds)]
+    t0 = time.perf_counter()
+    for i, (arm, seed) in enumerate(jobs, 1):
+        run_dir = out / arm / f"seed{seed}"
+        runs[arm].append(run_dir)
+        if _finished(run_dir):
+            print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
+            continue
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
+        run_dir.mkdir(parents=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "paravt.train",
+            *base_args,
+            *arm_overrides(arm, cfg),
+            f"model.path={sft}",
+            "sft.steps=0",
+            f"train.seed={seed}",
+            f"train.out_dir={run_dir}",
+            f"train.eval_conditions={conds}",
+            "train.progress=false",
+            "train.save_every=0",
+            "train.keep_last=1",
+        ]
+        t = time.perf_counter()
+        with open(run_dir / "train.log", "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            tail = (run_dir / "train.log").read_text().splitlines()[-25:]
+            raise RuntimeError(
+                f"ablation run {arm} seed {seed} failed (exit {rc}); log {run_dir}/train.log:\n"
+                + "\n".join(tail)
+            )
+        done = time.perf_counter() - t0
+        print(
+            f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: {time.perf_counter() - t:.0f} s "
+            f"(elapsed {done / 60:.1f} min)",
+            flush=True,
+        )
+    budgets = sorted(set(cfg.video.frame_budgets))
+    per_seed = {a: [run_metrics(d, budgets, eval_k) for d in runs[a]] for a in arms}
+    results = {a: aggregate(per_seed[a]) for a in arms}
+    table = format_table(results, seeds)
+    (out / "ablation.md").write_text(table + "\n")
+    (out / "ablation.json").write_text(
+        json.dumps(
+            _json_safe(
+                {
+                    "arms": {a: ARMS[a] for a in arms},
+                    "seeds": seeds,
+                    "per_seed": per_seed,
+                    "mean_std": {a: {k: list(v) for k, v in r.items()} for a, r in results.items()},
+                }
+            ),
+            indent=1,
+            allow_nan=False,
+        )
+    )
+    plot_curves(runs, out / "ablation.png")
+    return {"table": table, "results": results, "runs": runs}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paravt.experiments", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("ablation", help="every arm x seed from one SFT checkpoint")
+    a.add_argument("--seeds", type=int, default=3)
+    a.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    a.add_argument("--out", default="runs/ablation")
+    a.add_argument("--eval-k", default="4,32", help="held-out accuracy at these K (with tools)")
+    a.add_argument("--preset", default="tiny_cpu")
+    a.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    a.add_argument("overrides", nargs="*", help="dotted key=value for every run")
+    args = p.parse_args(argv)
+    try:
+        if args.seeds < 1:
+            raise ConfigError(f"--seeds {args.seeds} must be >= 1")
+        try:
+            eval_k = [int(k) for k in args.eval_k.split(",") if k.strip()]
+        except ValueError:
+            raise ConfigError(f"--eval-k {args.eval_k!r} is not a comma list of K") from None
+        if not eval_k or min(eval_k) < 1:
+            raise ConfigError(f"--eval-k {args.eval_k!r}: give K >= 1, e.g. 4,32")
+        cfg = load_config(args.preset, args.config, args.overrides)
+        base = ["--preset", args.preset]
+        for c in args.config:
+            base += ["--config", c]
+        res = ablation(
+            cfg,
+            out=Path(args.out),
+            arms=[x.strip() for x in args.arms.split(",") if x.strip()],
+            seeds=args.seeds,
+            eval_k=eval_k,
+            base_args=[*base, *args.overrides],
+        )
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(res["table"])
+    print(f"[ablation] {args.out}/ablation.md, ablation.json, ablation.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

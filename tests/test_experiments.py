@@ -1,0 +1,99 @@
+"""``python -m paravt.experiments ablation``: arms from one SFT checkpoint, the table, the
+curves, and a rerun that keeps finished runs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from paravt.experiments import ARMS, aggregate, arm_overrides, main
+from paravt.metrics import read_metrics
+
+
+def _args(assets: dict[str, str], out: Path) -> list[str]:
+    kv = {
+        "data.synth_dir": assets["data"],
+        "data.synth_num_videos": 2,
+        "model.tiny_dir": assets["model"],
+        "train.prompts_per_step": 2,
+        "train.steps": 2,
+        "train.eval_prompts": 2,
+        "train.eval_samples": 1,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 8,
+        "rollout.sub_max_new_tokens": 4,
+        "agent.max_turns": 1,
+        "agent.max_tool_response_tokens": 8,
+        "video.frame_budgets": "[2,4]",
+        "video.fixed_frames": 2,
+        "sft.steps": 2,
+        "sft.batch_size": 2,
+    }
+    return ["--out", str(out), "--eval-k", "2,4", *[f"{k}={v}" for k, v in kv.items()]]
+
+
+def test_arms_differ_from_the_config_only_where_they_should() -> None:
+    from paravt.config import ConfigError, load_config
+
+    cfg = load_config("tiny_cpu")
+    assert arm_overrides("paragrpo", cfg) == []
+    assert set(arm_overrides("vanilla", cfg)) == {
+        "reward.lambda_anchor=0.0",
+        "video.gating=false",
+        "video.fixed_frames=32",
+    }
+    assert arm_overrides("paragrpo_no_rtool", cfg) == ["reward.tool_bonus=0.0"]
+    assert "video.gating=false" in arm_overrides("anchoring", cfg)
+    assert arm_overrides("gating", cfg) == ["reward.lambda_anchor=0.0"]
+    with pytest.raises(ConfigError, match="unknown arm 'nope'"):
+        arm_overrides("nope", cfg)
+    agg = aggregate([{"a": 1.0, "b": float("nan")}, {"a": 3.0, "b": float("nan")}])
+    assert agg["a"] == (2.0, math.sqrt(2.0)) and math.isnan(agg["b"][0])
+
+
+def test_ablation_runs_every_arm_from_one_sft_and_resumes(assets, tmp_path, capsys) -> None:
+    out = tmp_path / "abl"
+    args = ["ablation", "--arms", "vanilla,paragrpo", "--seeds", "1", *_args(assets, out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| vanilla |" in printed and "| paragrpo |" in printed
+    res = json.loads((out / "ablation.json").read_text())
+    assert set(res["per_seed"]) == {"vanilla", "paragrpo"} and res["seeds"] == 1
+    for arm in ("vanilla", "paragrpo"):
+        for seed in (0,):
+            run = out / arm / f"seed{seed}"
+            cfg_text = (run / "config.yaml").read_text()
+            # Every run starts from the shared SFT checkpoint and trains no SFT of its own.
+            assert f"path: {out / 'sft'}" in cfg_text and not (run / "sft").exists()
+            assert f"seed: {seed}" in cfg_text
+            after = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval_after"]
+            assert "K2_tools/accuracy" in after[0] and "K4_tools/accuracy" in after[0]
+        row = res["per_seed"][arm][0]
+        assert 0.0 <= row["accuracy/K2"] <= 1.0 and row["tool_calls_per_rollout"] >= 0.0
+    # Ungated vanilla draws only the largest budget: no tool rate at K2 (null in the JSON).
+    van, para = res["per_seed"]["vanilla"][0], res["per_seed"]["paragrpo"][0]
+    assert van["tool_rate/K2"] is None and van["tool_rate/K4"] is not None
+    assert para["tool_rate/K2"] is not None or para["tool_rate/K4"] is not None
+    assert (out / "ablation.png").stat().st_size > 1000
+    table = (out / "ablation.md").read_text()
+    assert "mean ± std over 1 seed(s)" in table and "| vanilla | " in table
+
+    # A rerun keeps what finished and redoes a run cut short.
+    logs = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/train.log")}
+    (out / "paragrpo" / "seed0" / "metrics.jsonl").write_text("")  # as if killed mid-run
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("finished before, kept") == 1 and "SFT checkpoint" in printed
+    redone = [p for p, t in logs.items() if p.stat().st_mtime_ns != t]
+    assert redone == [out / "paragrpo" / "seed0" / "train.log"]
+
+
+def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
+    assert main(["ablation", "--arms", "vanilla,nope", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown arm 'nope'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["ablation", "--seeds", "0"]) == 2
+    assert "--seeds 0 must be >= 1" in capsys.readouterr().err
+    assert set(ARMS) >= {"vanilla", "paragrpo"}
