@@ -255,6 +255,7 @@ def ablation(
             f"train.out_dir={run_dir}",
             f"train.eval_conditions={conds}",
             "train.progress=false",
+            "train.eval_before=false",  # one start checkpoint: only after RL differs
             "train.save_every=0",
             "train.keep_last=1",
         ]

@@ -758,7 +758,7 @@ def run(cfg: Config) -> dict[str, Any]:
     t = cfg.train
 
     before: dict[str, float] = {}
-    if t.eval_prompts:
+    if t.eval_prompts and t.eval_before:
         prev = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "eval_before"]
         if prev and tr.start_step > 0:
             before = prev[-1]

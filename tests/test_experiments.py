@@ -69,8 +69,10 @@ def test_ablation_runs_every_arm_from_one_sft_and_resumes(assets, tmp_path, caps
             # Every run starts from the shared SFT checkpoint and trains no SFT of its own.
             assert f"path: {out / 'sft'}" in cfg_text and not (run / "sft").exists()
             assert f"seed: {seed}" in cfg_text
-            after = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval_after"]
+            rows = read_metrics(run / "metrics.jsonl")
+            after = [r for r in rows if r["kind"] == "eval_after"]
             assert "K2_tools/accuracy" in after[0] and "K4_tools/accuracy" in after[0]
+            assert not [r for r in rows if r["kind"] == "eval_before"]  # train.eval_before
         row = res["per_seed"][arm][0]
         assert 0.0 <= row["accuracy/K2"] <= 1.0 and row["tool_calls_per_rollout"] >= 0.0
     # Ungated vanilla draws only the largest budget: no tool rate at K2 (null in the JSON).
