@@ -518,6 +518,11 @@ def validate(cfg: Config) -> None:
         errs.append(f"rollout.group_size={cfg.rollout.group_size} must be >= 1")
     if cfg.rollout.temperature < 0:
         errs.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0")
+    if cfg.rollout.sub_temperature < 0:
+        errs.append(
+            f"rollout.sub_temperature={cfg.rollout.sub_temperature} must be >= 0 (0 = greedy "
+            "sub-agent summaries)"
+        )
     if not 0 < cfg.rollout.top_p <= 1:
         errs.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
     if cfg.agent.max_turns < 0:

@@ -59,6 +59,7 @@ def test_list_and_null_overrides() -> None:
         ("algo.minibatches=3", "algo.minibatches"),
         ("algo.kl_mode=both", "algo.kl_mode"),
         ("agent.crop_mode=pixels", "agent.crop_mode"),
+        ("rollout.sub_temperature=-0.1", "rollout.sub_temperature"),
         # Removed: it never reached the loss (see paravt.rewards.format).
         ("reward.token_level_format=true", "reward.token_level_format"),
     ],
