@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError, load_config
-from paravt.metrics import read_metrics
+from paravt.metrics import json_safe, read_metrics
 
 ARMS: dict[str, str] = {
     "vanilla": "GRPO: no anchoring, no gating",
@@ -116,15 +116,6 @@ def aggregate(per_seed: Sequence[dict[str, float]]) -> dict[str, tuple[float, fl
         xs = [r[k] for r in per_seed if r[k] == r[k]]
         agg[k] = (_mean(xs), _std(xs))
     return agg
-
-
-def _json_safe(v: Any) -> Any:
-    """NaN (no value) as null: ``ablation.json`` is strict JSON."""
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return None if isinstance(v, float) and v != v else v
 
 
 def _cell(ms: tuple[float, float]) -> str:
@@ -281,7 +272,7 @@ def ablation(
     (out / "ablation.md").write_text(table + "\n")
     (out / "ablation.json").write_text(
         json.dumps(
-            _json_safe(
+            json_safe(
                 {
                     "arms": {a: ARMS[a] for a in arms},
                     "seeds": seeds,

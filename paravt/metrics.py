@@ -94,12 +94,13 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def _json_safe(v: Any) -> Any:
-    """``_clean`` applied through dicts and lists (trajectory records nest their rewards)."""
+def json_safe(v: Any) -> Any:
+    """``_clean`` applied through dicts and lists (trajectory records nest their rewards;
+    ``paravt.experiments`` writes its ablation.json with it)."""
     if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     return _clean(v)
 
 
@@ -197,7 +198,7 @@ class MetricsLogger:
             return
         with open(self.traj_path, "a") as f:
             for r in records:
-                f.write(json.dumps(_json_safe({"step": int(step), **r})) + "\n")
+                f.write(json.dumps(json_safe({"step": int(step), **r})) + "\n")
 
     def close(self) -> None:
         if self._tb is not None:
