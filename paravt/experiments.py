@@ -84,10 +84,11 @@ def _std(xs: Sequence[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def run_metrics(run_dir: Path, budgets: Sequence[int], eval_k: Sequence[int]) -> dict[str, float]:
-    """One run's row of the table from its ``metrics.jsonl`` (NaN where it has no value, e.g.
-    the tool-call rate at a K an ungated arm never draws)."""
-    rows = read_metrics(run_dir / "metrics.jsonl")
+def run_metrics(
+    rows: Sequence[dict[str, Any]], budgets: Sequence[int], eval_k: Sequence[int]
+) -> dict[str, float]:
+    """One run's row of the table from its ``metrics.jsonl`` rows (NaN where it has no value,
+    e.g. the tool-call rate at a K an ungated arm never draws)."""
     train = [r for r in rows if r.get("kind") == "train"]
     after = next((r for r in reversed(rows) if r.get("kind") == "eval_after"), {})
 
@@ -148,9 +149,10 @@ def format_table(results: dict[str, dict[str, tuple[float, float]]], seeds: int)
     return "\n".join(lines)
 
 
-def plot_curves(runs: dict[str, list[Path]], out_png: Path) -> Path:
+def plot_curves(runs: dict[str, list[list[dict[str, Any]]]], out_png: Path) -> Path:
     """Per-step curves (mean over an arm's seeds) of the format reward, `</think>` closure,
-    tool-call rate and tool calls per rollout, one line per arm."""
+    tool-call rate and tool calls per rollout, one line per arm; ``runs`` maps an arm to the
+    ``metrics.jsonl`` rows of each of its seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -164,10 +166,10 @@ def plot_curves(runs: dict[str, list[Path]], out_png: Path) -> Path:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3), squeeze=False)
     for ax, (key, title) in zip(axes.flat, panels):
-        for arm, dirs in runs.items():
+        for arm, seeds in runs.items():
             by_step: dict[int, list[float]] = {}
-            for d in dirs:
-                for r in read_metrics(d / "metrics.jsonl"):
+            for rows in seeds:
+                for r in rows:
                     if r.get("kind") == "train" and isinstance(r.get(key), (int, float)):
                         by_step.setdefault(int(r["step"]), []).append(float(r[key]))
             if by_step:
@@ -266,7 +268,8 @@ def ablation(
             flush=True,
         )
     budgets = sorted(set(cfg.video.frame_budgets))
-    per_seed = {a: [run_metrics(d, budgets, eval_k) for d in runs[a]] for a in arms}
+    rows = {a: [read_metrics(d / "metrics.jsonl") for d in runs[a]] for a in arms}  # read once
+    per_seed = {a: [run_metrics(r, budgets, eval_k) for r in rows[a]] for a in arms}
     results = {a: aggregate(per_seed[a]) for a in arms}
     table = format_table(results, seeds)
     (out / "ablation.md").write_text(table + "\n")
@@ -284,7 +287,7 @@ def ablation(
             allow_nan=False,
         )
     )
-    plot_curves(runs, out / "ablation.png")
+    plot_curves(rows, out / "ablation.png")
     return {"table": table, "results": results, "runs": runs}
 
 

@@ -562,8 +562,8 @@ def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str,
     Per trajectory: question, gold answer, K, the video's duration, the overview frames' times
     and thumbnails (``thumbs``: paths relative to the run folder, None past the
     ``train.viewer_max_mb`` cap; ``ThumbnailStore``), each turn's text and its calls (status,
-    clamped window, the sub-agent's summary, the parse error, the raw call text), reward and breakdown. This is
-    what ``python -m paravt.view`` renders."""
+    clamped window, the sub-agent's summary, the parse error, the raw call text), reward and
+    breakdown. This is what ``python -m paravt.view`` renders."""
     from paravt.metrics import call_record
     from paravt.video import overview_timestamps
 
