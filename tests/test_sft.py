@@ -116,3 +116,54 @@ def test_frozen_vision_tower_keeps_its_blocks_and_trains_its_mergers(assets, tmp
     assert frozen and any("blocks" in k for k in frozen) and any("patch_embed" in k for k in frozen)
     assert not moved & set(frozen)
     assert any("merger" in k for k in moved) and any(".visual." not in f".{k}" for k in moved)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 700])
+def test_packed_sft_loss_equals_one_forward_per_sequence(assets, tmp_path, max_tokens) -> None:
+    """sft_loss packs the batch (main and sub-agent rows) into micro-batches of one forward
+    each: the same NLL and the same gradient of every parameter as one ``sequence_logprobs``
+    forward per sequence (fp32), with one micro-batch and with a 700-token budget (several)."""
+    from paravt.algo.advantages import SequenceUnit
+    from paravt.algo.packing import microbatches, pack_units, sequence_logprobs
+    from paravt.data.readers import load_samples
+    from paravt.models import load_model
+    from paravt.sft import encode_records, sft_loss
+
+    cfg = _cfg(assets, tmp_path)
+    bundle = load_model(assets["model"], device="cpu")
+    model = bundle.model
+    recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r["turns"]) > 1]
+    trajs = encode_records(recs[:2], load_samples(assets["data"]), bundle, cfg)
+    assert {t.role for t in trajs} == {"main", "sub"} and len(trajs) >= 4
+    tokens = float(sum(sum(t.loss_mask) for t in trajs))
+    if max_tokens:  # the budget really splits the batch
+        assert len(microbatches(pack_units([SequenceUnit(t, [], 0.0, 0) for t in trajs]), 700)) > 2
+    assert sum(len(t.tokens) for t in trajs) <= 16384  # the default budget: one forward
+
+    model.zero_grad(set_to_none=True)
+    ref = torch.zeros(())
+    for t in trajs:
+        mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+        mm = t.extras["mm_token_type_ids"]
+        lp, _ = sequence_logprobs(model, t.tokens, list(mm), t.visuals, target_mask=mask)
+        ref = ref - (lp * mask).sum()
+    (ref / tokens).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    calls: list[int] = []
+    hook = model.model.language_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        nll, count = sft_loss(model, trajs, global_tokens=tokens, max_tokens=max_tokens)
+    finally:
+        hook.remove()
+    # One language-model forward per micro-batch, not one per sequence.
+    packed = pack_units([SequenceUnit(t, [], 0.0, 0) for t in trajs])
+    assert len(calls) == len(microbatches(packed, max_tokens or 16384)) < len(trajs)
+    assert count == tokens
+    assert nll == pytest.approx(float(ref.detach()), rel=1e-6)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and len(got) > 10
+    for n, g in want.items():
+        err = float((got[n] - g).norm() / g.norm().clamp_min(1e-12))
+        assert err <= 1e-5, f"{n}: relative gradient error {err:.2e}"
