@@ -134,6 +134,23 @@ def test_existing_checkpoint_is_reused_unless_overwrite(tmp_path):
     assert json.loads((d / "paravt_tiny.json").read_text())["seed"] == 3
 
 
+def test_a_checkpoint_with_the_old_rotary_base_is_rebuilt(tmp_path):
+    """Tiny checkpoints written before TINY_ROPE_THETA (rotary base 5e6, no key in
+    paravt_tiny.json) are another model: rebuilt with the current base, not reused."""
+    from paravt.models.tiny import TINY_ROPE_THETA
+
+    d = build_tiny_checkpoint(tmp_path / "t", seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["text_config"]["rope_parameters"]["rope_theta"] == TINY_ROPE_THETA == 1e4
+    meta = json.loads((d / "paravt_tiny.json").read_text())
+    del meta["rope_theta"]
+    (d / "paravt_tiny.json").write_text(json.dumps(meta))
+    mtime = (d / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_checkpoint(d, seed=0) == d
+    assert (d / "model.safetensors").stat().st_mtime_ns != mtime
+    assert json.loads((d / "paravt_tiny.json").read_text())["rope_theta"] == TINY_ROPE_THETA
+
+
 def test_vocab_resizes_the_embeddings_and_a_mismatch_rebuilds(tmp_path):
     d = build_tiny_checkpoint(tmp_path / "t", seed=0)
     big = build_tiny_checkpoint(d, seed=0, vocab=TINY_VOCAB + 1000)  # not reused: other vocab

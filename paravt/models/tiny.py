@@ -43,6 +43,14 @@ TINY_TEXT = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermed
 # vLLM's CPU attention supports head sizes >= 32 only: the tiny variant the vLLM engine uses.
 TINY_VLLM_HEAD_DIM = 32
 TINY_VISION = dict(depth=2, hidden=64, heads=4, intermediate=128, patch=16, merge=2, tpatch=2)
+# Text rotary base. Qwen3-VL's 5e6 suits head_dim 128 (64 rotary pairs); with the tiny model's
+# 8 pairs it leaves ~2 that turn by more than a radian over a few hundred tokens, too little
+# positional resolution to learn to copy. Measured on the synthetic task after SFT
+# (teacher-forced, held-out videos): at 5e6 the model miscopies the previous crop's end time
+# into the next call's start time (a number ~15 tokens back) in most calls, at 1e4 it copies
+# them exactly.
+TINY_ROPE_THETA = 10_000.0
+QWEN2_5_ROPE_THETA = 1_000_000.0  # the Qwen2.5-VL variant (tests only) keeps its base
 
 # Qwen's special tokens (``special=True``: skipped by decode(skip_special_tokens=True)) ...
 QWEN_SPECIAL = [
@@ -239,7 +247,7 @@ def _tiny_config(tokenizer, head_dim: int = TINY_TEXT["head_dim"]):
             max_position_embeddings=8192,
             rope_parameters={
                 "rope_type": "default",
-                "rope_theta": 5_000_000.0,
+                "rope_theta": TINY_ROPE_THETA,
                 "mrope_section": mrope_section,
                 "mrope_interleaved": True,
             },
@@ -285,7 +293,7 @@ def _tiny_config_qwen2_5(tokenizer):
             max_position_embeddings=8192,
             rope_parameters={
                 "rope_type": "default",
-                "rope_theta": 1_000_000.0,
+                "rope_theta": QWEN2_5_ROPE_THETA,
                 "mrope_section": [4, 2, 2],  # sums to head_dim / 2
             },
             tie_word_embeddings=False,
@@ -377,7 +385,8 @@ def build_tiny_checkpoint(
     attention supports head sizes >= 32 only, so the vLLM engine's tests and
     ``rollout.engine=vllm`` on the tiny model use ``head_dim=32`` (``TINY_VLLM_HEAD_DIM``):
     the same hidden size and head count, wider query/key/value projections and
-    ``mrope_section`` [8, 4, 4]. Another ``head_dim`` is another model, rebuilt like ``vocab``.
+    ``mrope_section`` [8, 4, 4]. Another ``head_dim`` is another model, rebuilt like ``vocab``;
+    so is a directory built with another rotary base (``TINY_ROPE_THETA``, 5e6 before).
 
     Offline and fast (well under a second for the BPE, ~1 s for the model on 2 cores). The
     directory is complete when ``config.json`` and ``model.safetensors`` exist; an existing
@@ -404,7 +413,8 @@ def build_tiny_checkpoint(
             f"build_tiny_checkpoint: vocab={vocab} is below the tokenizer's {TINY_VOCAB} ids; "
             f"pass vocab >= {TINY_VOCAB}"
         )
-    meta = {"seed": seed, "vocab": vocab, "arch": arch, "head_dim": head_dim}
+    theta = TINY_ROPE_THETA if arch == "qwen3_vl" else QWEN2_5_ROPE_THETA
+    meta = {"seed": seed, "vocab": vocab, "arch": arch, "head_dim": head_dim, "rope_theta": theta}
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         if not overwrite and _same_shape(_tiny_meta(out), meta):
@@ -466,12 +476,15 @@ def _tiny_meta(out: Path) -> dict | None:
 
 def _same_shape(found: dict | None, want: dict) -> bool:
     """An existing checkpoint serves the request: not a tiny one (never rebuilt), or a tiny
-    one of the same vocabulary, architecture and head size (the seed may differ)."""
+    one of the same vocabulary, architecture, head size and rotary base (the seed may
+    differ)."""
     if found is None:
         return True
-    # Directories written before a key existed hold the then-only value (4096 ids, head 16).
-    default = {"vocab": TINY_VOCAB, "head_dim": TINY_TEXT["head_dim"]}
-    return all(found.get(k, default.get(k)) == want[k] for k in ("vocab", "arch", "head_dim"))
+    # Directories written before a key existed hold the then-only value (4096 ids, head 16,
+    # rotary base 5e6).
+    default = {"vocab": TINY_VOCAB, "head_dim": TINY_TEXT["head_dim"], "rope_theta": 5e6}
+    keys = ("vocab", "arch", "head_dim", "rope_theta")
+    return all(found.get(k, default.get(k)) == want[k] for k in keys)
 
 
 def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
