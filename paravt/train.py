@@ -153,14 +153,9 @@ def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
     model_dir = cfg.model.path or tiny_dir
     if ctx.is_main:
         if not cfg.data.path:
-            from paravt.data.synth import generate, oracle_settings
+            from paravt.data.synth import generate_from_config
 
-            generate(
-                data_dir,
-                cfg.data.synth_num_videos,
-                seed=cfg.data.synth_seed,
-                oracle=oracle_settings(cfg),
-            )
+            generate_from_config(cfg, data_dir)
         if not cfg.model.path:
             from paravt.models import build_tiny_checkpoint
 

@@ -69,6 +69,8 @@ def test_every_number_the_oracle_writes_is_in_the_model_input(encoded) -> None:
         for a, b in _segments(t.loss_mask):
             seen = tok.decode(t.tokens[:a])
             for n in NUM.findall(tok.decode(t.tokens[a:b])):
+                if n == "0.0":  # the start of every video: a constant, nothing to read
+                    continue
                 assert n in seen, f"{t.uid}: writes {n}, which its input never shows"
                 checked += 1
     assert checked > 20
@@ -160,3 +162,28 @@ def test_vanilla_comparison_shares_the_sft_data() -> None:
     assert a.video.gating and not b.video.gating
     assert oracle_settings(a) == oracle_settings(b)
     assert oracle_settings(a).budgets == (4, 8, 16, 32)
+
+
+def test_mcq_variants_reorder_the_options_of_training_videos_only(tmp_path) -> None:
+    d = generate(tmp_path, 5, seed=1, min_duration=40, max_duration=40, mcq_variants=3)
+    train = [json.loads(x) for x in (d / "train.jsonl").read_text().splitlines()]
+    val = [json.loads(x) for x in (d / "val.jsonl").read_text().splitlines()]
+    assert len(train) == 4 * 5 and len(val) == 3  # 4 train videos x (3 mcq + oe + tvg)
+    letters = []
+    for v in range(4):
+        mine = [r for r in train if r["video"].endswith(f"vid_{v:04d}.mp4")]
+        mcq = [r for r in mine if r["question_type"] == "mcq"]
+        assert [r["id"].rsplit("-", 1)[1] for r in mcq] == ["mcq", "mcq2", "mcq3"]
+        assert len({r["target"] for r in mcq}) == 1
+        for r in mcq:
+            assert r["options"]["ABCD".index(r["answer"])] == r["target"]
+            assert f"{r['answer']}. {r['target']}" in r["question"]
+        assert len({tuple(r["options"]) for r in mcq}) > 1
+        letters += [r["answer"] for r in mcq]
+    assert len(set(letters)) >= 3
+    # One variant is the old layout: the rows of a default generate are a prefix of these.
+    d1 = generate(tmp_path / "one", 5, seed=1, min_duration=40, max_duration=40)
+    one = [json.loads(x) for x in (d1 / "train.jsonl").read_text().splitlines()]
+    assert all(r in train for r in one)
+    with pytest.raises(ValueError, match="mcq_variants"):
+        generate(tmp_path / "bad", 2, mcq_variants=0)

@@ -301,14 +301,9 @@ def _fmt(t: float) -> str:
     return f"{t:.1f}"
 
 
-def _rows(plan: VideoPlan, rel_video: str, rng: random.Random, seed: int) -> list[dict]:
-    base = {
-        "video": rel_video,
-        "event_start": plan.target.start,
-        "event_end": plan.target.end,
-        "target": plan.target.name,  # Sample.extra["target"]: scores sub-agent summaries
-    }
-    vid = f"synth-s{seed}-{plan.name}"
+def _mcq(plan: VideoPlan, base: dict, vid: str, rng: random.Random, suffix: str) -> dict:
+    """One multiple-choice row: the target, the video's distractors and random other shapes as
+    four options in a random order."""
     others = sorted({e.name for e in plan.distractors} - {plan.target.name})
     pool = [f"{c} {s}" for c in SHAPE_COLOURS for s in SHAPES]
     fill = [p for p in pool if p != plan.target.name and p not in others]
@@ -317,18 +312,35 @@ def _rows(plan: VideoPlan, rel_video: str, rng: random.Random, seed: int) -> lis
     rng.shuffle(options)
     letter = "ABCD"[options.index(plan.target.name)]
     lettered = "\n".join(f"{'ABCD'[j]}. {o}" for j, o in enumerate(options))
-    return [
-        {
-            "id": f"{vid}-mcq",
-            **base,
-            "question": (
-                f"While the background is {plan.cue}, a coloured shape briefly appears. "
-                f"Which one is it?\n{lettered}\nAnswer with the option's letter."
-            ),
-            "answer": letter,
-            "question_type": "mcq",
-            "options": options,
-        },
+    return {
+        "id": f"{vid}-mcq{suffix}",
+        **base,
+        "question": (
+            f"While the background is {plan.cue}, a coloured shape briefly appears. "
+            f"Which one is it?\n{lettered}\nAnswer with the option's letter."
+        ),
+        "answer": letter,
+        "question_type": "mcq",
+        "options": options,
+    }
+
+
+def _rows(
+    plan: VideoPlan, rel_video: str, rng: random.Random, seed: int, mcq_variants: int = 1
+) -> list[dict]:
+    """The video's questions: an mcq, an oe and a tvg row, then ``mcq_variants - 1`` more mcq
+    rows with the options drawn and ordered anew (ids ``-mcq2``, ``-mcq3``, ...): the same
+    video, other letters, so the answer letter cannot be learnt per video, only by reading
+    the options."""
+    base = {
+        "video": rel_video,
+        "event_start": plan.target.start,
+        "event_end": plan.target.end,
+        "target": plan.target.name,  # Sample.extra["target"]: scores sub-agent summaries
+    }
+    vid = f"synth-s{seed}-{plan.name}"
+    rows = [
+        _mcq(plan, base, vid, rng, ""),
         {
             "id": f"{vid}-oe",
             **base,
@@ -350,6 +362,8 @@ def _rows(plan: VideoPlan, rel_video: str, rng: random.Random, seed: int) -> lis
             "question_type": "tvg",
         },
     ]
+    rows += [_mcq(plan, base, vid, rng, str(j)) for j in range(2, mcq_variants + 1)]
+    return rows
 
 
 def _tool_call(start: float, end: float) -> str:
@@ -431,7 +445,13 @@ def _visible(seen: _Seen, e: Event, end: float) -> tuple[float, float] | None:
 def _summary(plan: VideoPlan, seen: _Seen, end: float) -> str:
     """The sub-agent's oracle summary of one crop ending at ``end``: only what its frames show.
     Numbers only for the shape seen during the cue colour (:func:`_visible`), because copying
-    digits is the hardest thing for a small model; other shapes are named without times."""
+    digits is the hardest thing for a small model; other shapes are named without times.
+
+    The cue-time sentence opens with its marker, ``While it is <cue>, a <shape> appears at
+    <a>-<b> s.``, and the main agent's final thought repeats that opening (:func:`_sft`): a
+    model then finds the shape by matching the same words earlier in its context and copying
+    what followed them (an induction copy), instead of choosing among the shapes the
+    summaries name by a marker written after them."""
     parts = []
     cue = seen.cue()
     if cue:
@@ -439,12 +459,14 @@ def _summary(plan: VideoPlan, seen: _Seen, end: float) -> str:
     for e in sorted([plan.target, *plan.distractors], key=lambda e: e.start):
         span = _visible(seen, e, end)
         if span:
-            parts.append(
-                f"A {e.name} appears at {span[0]:.1f}-{span[1]:.1f} s while it is {plan.cue}."
-            )
+            parts.append(f"{_while(plan)} a {e.name} appears at {span[0]:.1f}-{span[1]:.1f} s.")
         elif seen.event(e):
-            parts.append(f"A {e.name} appears outside it." if cue else f"A {e.name} appears.")
+            parts.append(f"A {e.name} appears.")
     return " ".join(parts) or "Nothing notable happens."
+
+
+def _while(plan: VideoPlan) -> str:
+    return f"While it is {plan.cue},"
 
 
 def _windows(bounds: list[float], max_parallel: int) -> list[tuple[float, float]]:
@@ -458,13 +480,22 @@ def _windows(bounds: list[float], max_parallel: int) -> list[tuple[float, float]
 def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings) -> dict:
     """An oracle trajectory that writes only what the model can see.
 
-    Every number it writes is printed in the model's own input: crop windows run between the
-    overview's printed patch timestamps (around those showing the cue colour, or over the whole
-    video when none does), sub-agent summaries give the crop's printed timestamps of what its
-    frames show, and the final answer quotes a summary. When an overview patch already shows the
-    target during the cue (large K), the oracle answers without calling the tool (not for
-    temporal-grounding questions, which need the crop's times). So SFT never teaches the model
-    to write a number it could not have read.
+    Every number it writes is printed in the model's own input, and every choice it makes is
+    one a small model can learn to copy:
+
+    * the overview already shows the target during the cue (large K): answer directly (not
+      for temporal-grounding questions, which need the crop's times);
+    * the overview's printed timestamps give at most ``max_parallel - 1`` cut points (K <= 8
+      at the defaults): crop the whole video, cut at every printed timestamp — ``0``, each
+      stamp in order, then the duration the prompt prints; the calls depend on no visual
+      judgement, only on copying the numbers in order;
+    * more timestamps (K >= 16): crop around the overview patches that show the cue colour (or
+      the whole video, merged down to ``max_parallel`` windows, when none does).
+
+    Sub-agent summaries give the crop's printed timestamps of what its frames show
+    (:func:`_summary`); the final thought repeats the opening of the cue-time sentence of the
+    summary that saw the target (``While it is <cue>, a <shape> appears``), so SFT never
+    teaches the model to write a number or a shape it could not have read.
     """
     from paravt.video import crop_timestamps, overview_timestamps
 
@@ -477,7 +508,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     seen_tgt = [s for s in over.event(tgt) if s in over.cue()]
     if seen_tgt and row["question_type"] != "tvg":
         answer = (
-            f"<think>\nA {tgt.name} is visible while the background is {plan.cue}.\n</think>\n"
+            f"<think>\n{_while(plan)} a {tgt.name} is visible in the overview.\n</think>\n"
             f"<answer>{row['answer']}</answer>"
         )
         return {
@@ -487,7 +518,10 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
         }
     cue = over.cue()
     stamps = over.stamps
-    if cue:
+    if len(stamps) + 1 <= st.max_parallel:
+        bounds = [0.0, *stamps, plan.duration]
+        plan_text = "I will look at the whole video, cut at the overview's timestamps."
+    elif cue:
         i0, i1 = stamps.index(cue[0]), stamps.index(cue[-1])
         lo = stamps[i0 - 1] if i0 > 0 else 0.0
         hi = stamps[i1 + 1] if i1 + 1 < len(stamps) else plan.duration
@@ -510,8 +544,9 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
             hits.append((j, at))
     first = f"<think>\n{plan_text}\n</think>\n" + "\n".join(_tool_call(a, b) for a, b in windows)
     if hits:
-        j, at = hits[0]
-        found = f"Crop {j + 1} shows a {tgt.name} while the background is {plan.cue}."
+        at = hits[0][1]
+        span = f" at {at[0]:.1f}-{at[-1]:.1f} s" if row["question_type"] == "tvg" else ""
+        found = f"{_while(plan)} a {tgt.name} appears{span}."
         ans = f"{at[0]:.1f}-{at[-1]:.1f}" if row["question_type"] == "tvg" else row["answer"]
     else:  # the crops' frames missed the target: the oracle still answers (rare)
         found = f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
@@ -568,18 +603,22 @@ def generate(
     size: tuple[int, int] = DEFAULT_SIZE,
     val_fraction: float = 0.2,
     oracle: OracleSettings | None = None,
+    mcq_variants: int = 1,
 ) -> Path:
     """Write the synthetic task into ``out_dir`` and return it (see the module docstring).
 
     Videos ``v >= num_videos - round(val_fraction * num_videos)`` (at least one when
     ``num_videos >= 2``) form the validation split; each video yields one mcq, one oe and one
-    tvg row, and each train row one SFT trajectory per overview budget of ``oracle`` (see
-    :func:`_sft`; pass :func:`oracle_settings` of the run's config so that the oracle's crops
-    are sampled as the run samples them). If ``out_dir/manifest.json`` records the same parameters and every file exists,
-    nothing is rewritten.
+    tvg row (a training video ``mcq_variants`` mcq rows, see :func:`_rows`), and each train row
+    one SFT trajectory per overview budget of ``oracle`` (see :func:`_sft`; pass
+    :func:`oracle_settings` of the run's config so that the oracle's crops are sampled as the
+    run samples them). If ``out_dir/manifest.json`` records the same parameters and every file
+    exists, nothing is rewritten.
     """
     if num_videos < 1:
         raise ValueError(f"generate: num_videos={num_videos} must be >= 1")
+    if mcq_variants < 1:
+        raise ValueError(f"generate: mcq_variants={mcq_variants} must be >= 1")
     if codec not in ENCODERS:
         raise ValueError(f"generate: codec '{codec}' is not one of {sorted(ENCODERS)}")
     if not 30 <= min_duration <= max_duration:
@@ -590,7 +629,7 @@ def generate(
     oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
-        "version": 2,
+        "version": 3,
         "num_videos": num_videos,
         "seed": seed,
         "codec": codec,
@@ -601,6 +640,7 @@ def generate(
         "size": list(size),
         "val_fraction": val_fraction,
         "oracle": json.loads(json.dumps(asdict(oracle))),  # tuples as JSON lists
+        "mcq_variants": mcq_variants,
     }
     manifest = out / "manifest.json"
     ext = ENCODERS[codec][1]
@@ -627,8 +667,10 @@ def generate(
         tmp = out / "videos" / f".{name}.{os.getpid()}.tmp{ext}"
         write_video(tmp, _render(plan, fps, size), fps=fps, gop=gop, codec=codec)
         os.replace(tmp, out / rel)
-        rows = _rows(plan, rel, rng, seed)
-        if v < num_videos - n_val:
+        train_video = v < num_videos - n_val
+        # Held-out videos keep one mcq row each (the evaluation's 3 questions per video).
+        rows = _rows(plan, rel, rng, seed, mcq_variants if train_video else 1)
+        if train_video:
             train.extend(rows)
             sft.extend(_sft(r, plan, fps, k, oracle) for r in rows for k in oracle.budgets)
         else:
@@ -638,6 +680,21 @@ def generate(
     _write_jsonl(out / "sft.jsonl", sft)
     manifest.write_text(json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
     return out
+
+
+def generate_from_config(cfg: Any, out_dir: str | Path | None = None) -> Path:
+    """The embedded task of a run config (``paravt.config.Config``): ``data.synth_*`` and the
+    oracle settings of its video and agent sections, into ``out_dir`` (default
+    ``data.synth_dir``). Every command that needs the task (train, rollout) calls this, so
+    they agree on the parameters and never regenerate each other's folder."""
+    d = cfg.data
+    return generate(
+        d.synth_dir if out_dir is None else out_dir,
+        d.synth_num_videos,
+        seed=d.synth_seed,
+        oracle=oracle_settings(cfg),
+        mcq_variants=d.synth_mcq_variants,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -34,14 +34,9 @@ def resolve_data(cfg: Config) -> Path:
     """The dataset location: ``data.path``, or the synthetic task (generated if absent)."""
     if cfg.data.path:
         return Path(cfg.data.path)
-    from paravt.data.synth import generate, oracle_settings
+    from paravt.data.synth import generate_from_config
 
-    return generate(
-        cfg.data.synth_dir,
-        cfg.data.synth_num_videos,
-        seed=cfg.data.synth_seed,
-        oracle=oracle_settings(cfg),
-    )
+    return generate_from_config(cfg)
 
 
 def resolve_model(cfg: Config, path: str = "") -> Any:
