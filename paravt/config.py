@@ -352,7 +352,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.steps": 30,
         "train.prompts_per_step": 4,
         "train.save_every": 10,
-        # Every held-out prompt (8 videos x 3 questions), 2 samples each, per condition.
+        # The first 24 held-out prompts (8 of the 32 held-out videos x 3 questions), 2 samples
+        # each, per condition.
         "train.eval_prompts": 24,
         "train.eval_samples": 2,
         "train.eval_conditions": ["4:tools", "4:notools", "32:notools"],
