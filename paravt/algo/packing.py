@@ -17,12 +17,14 @@ into the fused ``linear_policy_loss`` instead (``paravt.algo.loss.policy_part_lo
 Forwards:
 
 * **packed** (the trainer: proximal and reference passes through ``packed_logprobs``, the
-  policy update through ``paravt.algo.loss.policy_minibatch_backward``): sequences are
+  policy update through ``paravt.algo.loss.policy_minibatch_backward``; cold-start SFT
+  through ``_packed_logprob_rows`` in ``paravt.sft.sft_loss``): sequences are
   grouped into micro-batches of at most ``algo.max_tokens_per_microbatch`` tokens
   (``microbatches``, first-fit decreasing; a longer sequence runs alone) and each
   micro-batch is ONE backbone forward over the row ``(1, sum L_i)`` (``_packed_hidden``);
 * **per-sequence** (``sequence_logprobs``, ``row_logprobs``): one forward per sequence, for
-  callers holding one sequence (SFT, tests teacher-forcing the engine's samples).
+  callers holding one sequence (tests teacher-forcing the engine's samples) and as the
+  reference the packed paths are tested against.
 
 A packed forward is exact because nothing of one sequence reaches another
 (``_packed_inputs``, ``packed_attention_kwargs``):
@@ -224,12 +226,12 @@ def sequence_logprobs(
     (``register_fsdp_forward_method``), so the root's parameters (embeddings, lm_head, norm)
     are gathered and their gradients reduced as in a normal forward.
 
-    Callers: cold-start SFT (``paravt.sft.sft_loss``, targets = the loss mask), the
-    per-sequence reference path of the packed passes (``per_sequence_logprobs``) and the tests
-    that teacher-force the HF engine's samples. The trainer's passes run packed forwards of
-    several sequences (``packed_logprobs``; the policy update through
-    ``paravt.algo.loss.policy_part_loss``) and share the gathered-rows step
-    (``_gathered_logprobs``) with this function.
+    Callers: the per-sequence reference path of the packed passes
+    (``per_sequence_logprobs``) and the tests that teacher-force the HF engine's samples (and
+    the reference of the packed SFT loss). The trainer's passes and cold-start SFT run packed
+    forwards of several sequences (``packed_logprobs``; the policy update through
+    ``paravt.algo.loss.policy_part_loss``; ``paravt.sft.sft_loss``) and share the
+    gathered-rows step (``_gathered_logprobs``) with this function.
     """
     tok = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
     n_tok = tok.numel()
