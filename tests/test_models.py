@@ -149,6 +149,14 @@ def test_a_checkpoint_with_the_old_rotary_base_is_rebuilt(tmp_path):
     assert build_tiny_checkpoint(d, seed=0) == d
     assert (d / "model.safetensors").stat().st_mtime_ns != mtime
     assert json.loads((d / "paravt_tiny.json").read_text())["rope_theta"] == TINY_ROPE_THETA
+    # The Qwen2.5-VL variant kept its base: an old directory of it is reused, not rebuilt.
+    q = build_tiny_checkpoint(tmp_path / "q", seed=0, arch="qwen2_5_vl")
+    meta = json.loads((q / "paravt_tiny.json").read_text())
+    del meta["rope_theta"]
+    (q / "paravt_tiny.json").write_text(json.dumps(meta))
+    mtime = (q / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_checkpoint(q, seed=0, arch="qwen2_5_vl") == q
+    assert (q / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_vocab_resizes_the_embeddings_and_a_mismatch_rebuilds(tmp_path):

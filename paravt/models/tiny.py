@@ -481,8 +481,9 @@ def _same_shape(found: dict | None, want: dict) -> bool:
     if found is None:
         return True
     # Directories written before a key existed hold the then-only value (4096 ids, head 16,
-    # rotary base 5e6).
-    default = {"vocab": TINY_VOCAB, "head_dim": TINY_TEXT["head_dim"], "rope_theta": 5e6}
+    # rotary base 5e6 for Qwen3-VL; the Qwen2.5-VL variant's base never changed).
+    legacy_theta = 5e6 if found.get("arch") == "qwen3_vl" else QWEN2_5_ROPE_THETA
+    default = {"vocab": TINY_VOCAB, "head_dim": TINY_TEXT["head_dim"], "rope_theta": legacy_theta}
     keys = ("vocab", "arch", "head_dim", "rope_theta")
     return all(found.get(k, default.get(k)) == want[k] for k in keys)
 
