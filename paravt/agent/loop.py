@@ -521,6 +521,9 @@ def encode_oracle_trajectory(
     {"role": "tool", "content": [summary per call]}, ...]}``. Assistant contents start with
     ``agent.think_prefix`` (forced, mask 0; added if missing); the rest of each assistant turn
     plus its ``<|im_end|>`` is the target (mask 1, log-probs 0: there is no behaviour policy).
+    An assistant turn with ``"forced": true`` is a forced answer, as the agent loop forces it
+    after ``agent.max_turns`` (and as ``K:notools`` evaluation does at once): its prefix is
+    ``think_prefix + force_answer_text`` (mask 0) and its content the rest, e.g. ``"B</answer>"``.
     Tool summaries are rendered through the same ``<tool_response>`` code as in RL (truncated
     to ``agent.max_tool_response_tokens``), paired in order with the calls of the preceding
     assistant turn that parse as valid. Raises ``ValueError`` (naming the sample) for a
@@ -541,17 +544,15 @@ def encode_oracle_trajectory(
         if role == "assistant":
             if not isinstance(content, str):
                 raise ValueError(f"SFT record {sid} turn {j}: assistant content must be a string")
-            gen = (
-                content[len(acfg.think_prefix) :]
-                if content.startswith(acfg.think_prefix)
-                else content
-            )
-            ctx.add_markup(runner.text.markup(acfg.think_prefix))
+            forced = bool(msg.get("forced"))
+            prefix = acfg.think_prefix + (acfg.force_answer_text if forced else "")
+            gen = content[len(prefix) :] if content.startswith(prefix) else content
+            ctx.add_markup(runner.text.markup(prefix))
             if not turns:
                 prompt_len = len(ctx.tokens)
             ids = runner.text.target(gen) + [runner.im_end]
             ctx.add_generated(ids, [0.0] * len(ids))
-            t = Turn(text=gen, finish_reason="stop", prefix=acfg.think_prefix)
+            t = Turn(text=gen, finish_reason="stop", prefix=prefix, forced_answer=forced)
             t.calls = parse_tool_calls(
                 gen,
                 duration=meta.duration,
