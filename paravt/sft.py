@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -170,6 +171,16 @@ def sft_loss(
     return nll_sum, float(batch.loss_mask.sum())
 
 
+def lr_factor(schedule: str, step: int, steps: int) -> float:
+    """The SFT learning-rate multiplier at ``step`` of ``steps`` (``sft.schedule``):
+    ``constant`` 1, or ``cosine`` from 1 down to 0.1 over the run."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(step, steps) / max(1, steps)))
+    raise ValueError(f"sft.schedule='{schedule}' is not one of constant|cosine")
+
+
 def freeze_vit(model: torch.nn.Module) -> list[str]:
     """Freeze the vision tower except its mergers (``sft.freeze_vision_tower``; run_sft calls
     it before sharding); returns the frozen parameter names.
@@ -259,6 +270,7 @@ def run_sft(
             log(f"[sft] vision tower frozen except its mergers ({len(frozen)} tensors)")
     shard_model(model, ctx)
     opt = torch.optim.AdamW(param_groups(model, s.lr, s.vision_lr), lr=s.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(s.schedule, i, s.steps))
     rng = random.Random(f"paravt-sft:{cfg.train.seed}:{ctx.rank}")
     per_rank = max(1, s.batch_size // ctx.world_size)
     losses: list[float] = []
@@ -278,6 +290,7 @@ def run_sft(
         )  # fmt: skip
         clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         loss = float(all_reduce_sum(nll, ctx).sum()) / max(global_tok, 1.0)
         losses.append(loss)

@@ -273,6 +273,10 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
 
     bundle = load(ckpt or init_dir)
     policy = bundle.model
+    if cfg.algo.freeze_vision_tower:
+        from paravt.sft import freeze_vit
+
+        freeze_vit(policy)  # before sharding and the optimizer: frozen tensors never train
     if cfg.model.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
         policy.gradient_checkpointing_enable()
     objective = make_objective(cfg.algo)

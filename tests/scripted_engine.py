@@ -78,6 +78,10 @@ def scripted_trainer(assets: dict[str, str], out_dir: str, score, **overrides: o
 
     kv = {
         "data.synth_dir": assets["data"],
+        # The shared task folder as conftest writes it (see test_train_resume.tiny_overrides).
+        "data.synth_task": "cue",
+        "data.synth_min_duration": 40,
+        "data.synth_max_duration": 50,
         "data.synth_num_videos": 2,
         "model.tiny_dir": assets["model"],
         "model.device": "cpu",

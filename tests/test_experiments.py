@@ -15,7 +15,9 @@ from paravt.metrics import read_metrics
 
 def _args(assets: dict[str, str], out: Path) -> list[str]:
     kv = {
-        "data.synth_dir": assets["data"],
+        # Its own task folder (the default task, at these settings): the session's shared
+        # assets["data"] is never regenerated under other tests.
+        "data.synth_dir": str(out.parent / f"{out.name}-synth"),
         "data.synth_num_videos": 2,
         "model.tiny_dir": assets["model"],
         "train.prompts_per_step": 2,

@@ -16,7 +16,9 @@ from paravt.metrics import STEP_METRICS, read_metrics
 def small_overrides(assets: dict[str, str], out: Path, **extra: object) -> list[str]:
     """Tiny shapes: 2 prompts x G=2, few tokens, K in {2, 4}, one tool turn."""
     kv = {
-        "data.synth_dir": assets["data"],
+        # Its own task folder (the default task, at these settings): the session's shared
+        # assets["data"] is never regenerated under other tests.
+        "data.synth_dir": str(out.parent / f"{out.name}-synth"),
         "data.synth_num_videos": 2,
         "model.tiny_dir": assets["model"],
         "train.out_dir": str(out),
@@ -65,8 +67,15 @@ def test_default_preset_two_steps_updates_parameters_and_logs_every_metric(asset
     start = load_model_state(out / "sft")
     end = load_model_state(latest_checkpoint(out))
     assert latest_checkpoint(out).name == "step_000002"
+    # The preset freezes the vision tower's blocks in RL (algo.freeze_vision_tower), not its
+    # mergers.
+    assert cfg.algo.freeze_vision_tower
+    frozen = [k for k in start if ".visual." in f".{k}" and "merger" not in k]
+    assert frozen and all(torch.equal(start[k], end[k]) for k in frozen)
     changed = [k for k in start if not torch.equal(start[k], end[k])]
-    assert len(changed) > len(start) // 2, f"only {len(changed)}/{len(start)} tensors moved"
+    trainable = len(start) - len(frozen)
+    assert len(changed) > trainable // 2, f"only {len(changed)}/{trainable} tensors moved"
+    assert any(".merger." in k for k in changed)
 
     # The run folder.
     assert (out / "config.yaml").read_text().count("prompts_per_step: 2") == 1
@@ -190,6 +199,8 @@ def test_evaluation_conditions_report_intervals_and_forbid_tools(assets, tmp_pat
             out,
             **{
                 "train.steps": 1,
+                # 10 videos: 2 held out, one question each in the default (spot) task.
+                "data.synth_num_videos": 10,
                 "train.eval_prompts": 2,
                 "train.eval_samples": 2,
                 "train.eval_conditions": ["2:tools", "4:notools"],

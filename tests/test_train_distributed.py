@@ -28,6 +28,10 @@ LR = 1e-4
 def _overrides(assets: dict[str, str], out: Path) -> list[str]:
     return [
         f"data.synth_dir={assets['data']}",
+        # The shared task folder as conftest writes it (see test_train_resume.tiny_overrides).
+        "data.synth_task=cue",
+        "data.synth_min_duration=40",
+        "data.synth_max_duration=50",
         "data.synth_num_videos=2",
         f"model.tiny_dir={assets['model']}",
         f"train.out_dir={out}",
@@ -86,6 +90,10 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
     cfg = load_config(overrides=_overrides(assets, out))
     batch = concat_packed([d["batches"][0] for d in dumps])
     model = load_model(out / "sft", device="cpu").model  # the RL starting point
+    if cfg.algo.freeze_vision_tower:  # as the trainer does (the tiny preset freezes it)
+        from paravt.sft import freeze_vit
+
+        freeze_vit(model)
     obj = make_objective(cfg.algo)
     den = agg_denominator(obj.effective_mask(batch), batch, cfg.algo.agg)
 

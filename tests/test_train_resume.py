@@ -22,6 +22,11 @@ def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
     train-loop tests (test_train_nonfinite.py, test_train_kill.py) use it too."""
     return [
         f"data.synth_dir={assets['data']}",
+        # The session's shared task folder as conftest writes it (the cue task): another
+        # task or duration here would regenerate it under the tests that read it.
+        "data.synth_task=cue",
+        "data.synth_min_duration=40",
+        "data.synth_max_duration=50",
         "data.synth_num_videos=2",
         f"model.tiny_dir={assets['model']}",
         f"train.out_dir={out}",

@@ -50,6 +50,10 @@ def _run(assets: dict[str, str], root: Path, vocab: int) -> tuple[int, Path]:
     model = build_tiny_checkpoint(root / f"tiny{vocab}", seed=0, vocab=vocab)
     overrides = {
         "data.synth_dir": assets["data"],
+        # The shared task folder as conftest writes it (see test_train_resume.tiny_overrides).
+        "data.synth_task": "cue",
+        "data.synth_min_duration": 40,
+        "data.synth_max_duration": 50,
         "data.synth_num_videos": 2,
         "model.tiny_dir": str(model),
         "model.tiny_vocab": vocab,

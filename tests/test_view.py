@@ -54,7 +54,9 @@ def run_dir(assets, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("view") / "run"
     kv = {
-        "data.synth_dir": assets["data"],
+        # Its own task folder (the default task, at these settings): the session's shared
+        # assets["data"] is never regenerated under other tests.
+        "data.synth_dir": str(out.parent / f"{out.name}-synth"),
         "data.synth_num_videos": 2,
         "model.tiny_dir": assets["model"],
         "train.out_dir": str(out),

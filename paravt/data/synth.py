@@ -1,6 +1,7 @@
 """The synthetic long-video task: real encoded videos where cropping pays.
 
-``python -m paravt.data.synth --out DIR --num-videos N --seed S [--codec h264|vp9]`` writes::
+``python -m paravt.data.synth --out DIR --num-videos N --seed S [--codec h264|vp9]
+[--task cue|spot]`` writes::
 
     DIR/videos/vid_0000.mp4 ...   real H.264 (libx264) or VP9 (libvpx) files
     DIR/train.jsonl DIR/val.jsonl  one question per row (mcq | oe | tvg), paths relative to DIR
@@ -13,9 +14,17 @@ colour (blue, green, purple or brown); inside that cue window a coloured shape (
 appears for 2–4 s. Distractor shapes (other colour/shape pairs) appear outside the cue window.
 A 4-frame overview usually misses the 2–4 s target, a 64-frame overview (spacing <= 2.9 s at
 180 s) catches it, and even a sparse overview usually sees the 20–30 s cue, so an agent can
-localise the cue and crop it. Every frame carries its display index as a strip of 16
-black/white blocks across the top (``read_frame_index``), large enough to survive the encoder
-at the quality used here, so tests can check decoded frames exactly.
+localise the cue and crop it.
+
+The "spot" task (``--task spot``; the embedded default's, preset ``tiny_cpu``) is the smallest
+version of the same idea: one large coloured square for 4-6 s on a dark background, one
+fixed-option question (its colour), and an oracle whose crop calls are the same for every video
+of one duration, because a 2-layer model does not learn to copy digits from an arbitrary place
+in its context within minutes (see :func:`generate`).
+
+Every frame carries its display index as a strip of 16 black/white blocks across the top
+(``read_frame_index``), large enough to survive the encoder at the quality used here, so
+tests can check decoded frames exactly.
 
 Everything derives from ``seed``: the same seed gives byte-identical JSONL files (and
 byte-identical videos: the encoders run single-threaded).
@@ -66,6 +75,19 @@ SHAPE_COLOURS = {
     "orange": (250, 140, 20),
 }
 SHAPES = ("square", "circle", "triangle")
+# The "spot" task (:func:`_plan_spot`): one square per video, its colour asked about with these
+# options in this order (the RGB corners most apart at a tiny pixel budget). One shape only: at
+# the tiny default's 32x32 px per frame (one visual token per 2 frames) the frozen random tower
+# does not tell squares, circles and triangles apart (measured: 0.20-0.35 teacher-forced on 3
+# shapes), while colours are read without error.
+SPOT_COLOURS = ("red", "yellow", "cyan", "magenta")
+SPOT_SHAPE = "square"
+TASKS = ("cue", "spot")
+# How long the square shows, in seconds: 2-3 s squares fall in one of a crop's 2 s temporal
+# patches, and the tiny model learnt to find that one visual token among six in some SFT runs
+# and not in others (teacher-forced colour accuracy 0.23-1.0); at 4-6 s they fill 2-3 of them.
+SPOT_EVENT = (4.0, 6.0)
+SPOT_SIDE = 0.75  # the shape's side, as a fraction of the frame's shorter side
 ENCODERS = {"h264": ("libx264", ".mp4"), "vp9": ("libvpx-vp9", ".webm")}
 
 
@@ -221,11 +243,12 @@ class Event:
 class VideoPlan:
     name: str
     duration: float
-    cue: str
+    cue: str | None  # None: no cue window (the "spot" task)
     cue_start: float
     cue_end: float
     target: Event
     distractors: list[Event]
+    side: int = 0  # shape side in px (0: a third of the frame's shorter side)
 
 
 def _half(x: float) -> float:
@@ -266,6 +289,23 @@ def _plan_video(
     return VideoPlan(name, duration, cue, cue_start, cue_end, target, distractors)
 
 
+def _plan_spot(
+    rng: random.Random, name: str, min_d: float, max_d: float, size: tuple[int, int]
+) -> VideoPlan:
+    """A "spot" video: a dark background and ONE large square (``SPOT_SIDE``) of a
+    ``SPOT_COLOURS`` colour for ``SPOT_EVENT`` seconds at a random time; no cue window, no
+    distractors."""
+    h, w = size
+    duration = _half(rng.uniform(min_d, max_d))
+    ev_len = _half(rng.uniform(*SPOT_EVENT))
+    ev_start = _half(rng.uniform(1, duration - ev_len - 1))
+    side = max(8, round(min(h, w) * SPOT_SIDE))
+    top = round(h * STRIP_FRAC) + 2
+    x, y = rng.randrange(2, w - side - 1), rng.randrange(top, h - side - 1)
+    target = Event(rng.choice(SPOT_COLOURS), SPOT_SHAPE, ev_start, ev_start + ev_len, x, y)
+    return VideoPlan(name, duration, None, 0.0, 0.0, target, [], side)
+
+
 def _shape_mask(shape: str, side: int) -> np.ndarray:
     yy, xx = np.mgrid[0:side, 0:side]
     if shape == "square":
@@ -279,13 +319,13 @@ def _shape_mask(shape: str, side: int) -> np.ndarray:
 
 def _render(plan: VideoPlan, fps: float, size: tuple[int, int]) -> Iterable[np.ndarray]:
     h, w = size
-    side = max(8, min(h, w) // 3)
+    side = plan.side or max(8, min(h, w) // 3)
     masks = {s: _shape_mask(s, side) for s in SHAPES}
     events = [plan.target, *plan.distractors]
     for i in range(round(plan.duration * fps)):
         t = i / fps
         f = np.empty((h, w, 3), np.uint8)
-        in_cue = plan.cue_start <= t < plan.cue_end
+        in_cue = plan.cue is not None and plan.cue_start <= t < plan.cue_end
         f[:] = CUE_COLOURS[plan.cue] if in_cue else BACKGROUND
         x = (i * 2) % max(1, w - 6)
         f[h - 10 : h - 4, x : x + 6] = 160
@@ -311,13 +351,14 @@ def _mcq(plan: VideoPlan, base: dict, vid: str, rng: random.Random, suffix: str)
     options = [plan.target.name, *others[:3], *fill][:4]
     rng.shuffle(options)
     letter = "ABCD"[options.index(plan.target.name)]
-    lettered = "\n".join(f"{'ABCD'[j]}. {o}" for j, o in enumerate(options))
     return {
         "id": f"{vid}-mcq{suffix}",
         **base,
+        # The stem only: the prompt lists ``options`` (paravt.agent.prompts.question_text), in
+        # training and in ``python -m paravt.eval --benchmark synth`` alike.
         "question": (
             f"While the background is {plan.cue}, a coloured shape briefly appears. "
-            f"Which one is it?\n{lettered}\nAnswer with the option's letter."
+            "Which one is it?"
         ),
         "answer": letter,
         "question_type": "mcq",
@@ -430,16 +471,21 @@ class _Seen:
 
 
 def _visible(seen: _Seen, e: Event, end: float) -> tuple[float, float] | None:
-    """When ``e`` is seen during the cue colour: from the first printed timestamp showing it to
-    the next printed one after the last (or the crop's end, printed in the sub-agent's
-    instruction) — a window of times the sub-agent can read. ``None`` when not seen so."""
+    """When ``e`` is seen during the cue colour (:func:`_span` of those timestamps); ``None``
+    when not seen so."""
     cue = seen.cue()
-    during = [t for t in seen.event(e) if t in cue]
-    if not during:
+    return _span(seen, [t for t in seen.event(e) if t in cue], end)
+
+
+def _span(seen: _Seen, stamps: list[float], end: float) -> tuple[float, float] | None:
+    """From the first of ``stamps`` (printed timestamps of ``seen``) to the printed one after
+    the last (or the crop's end, printed in the sub-agent's instruction): a window of times the
+    sub-agent can read. ``None`` for no stamps."""
+    if not stamps:
         return None
-    i = seen.stamps.index(during[-1])
+    i = seen.stamps.index(stamps[-1])
     stop = seen.stamps[i + 1] if i + 1 < len(seen.stamps) else round(end, 1)
-    return during[0], stop
+    return stamps[0], stop
 
 
 def _summary(plan: VideoPlan, seen: _Seen, end: float) -> str:
@@ -563,6 +609,102 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     }
 
 
+def _spot_rows(plan: VideoPlan, rel_video: str, seed: int) -> list[dict]:
+    """A "spot" video's multiple-choice row: the square's colour, with the fixed options
+    ``SPOT_COLOURS`` in that order. The letter is a fixed function of the colour, so what must
+    be learnt is to see the square (the overview's frames or a crop's) and to carry the
+    sub-agents' colour word to the answer."""
+    tgt = plan.target
+    return [
+        {
+            "id": f"synth-s{seed}-{plan.name}-colour",
+            "video": rel_video,
+            "event_start": tgt.start,
+            "event_end": tgt.end,
+            "target": tgt.name,
+            # The stem only: the prompt lists the options (see _mcq).
+            "question": "A coloured square briefly appears in the video. What colour is it?",
+            "answer": "ABCD"[SPOT_COLOURS.index(tgt.colour)],
+            "question_type": "mcq",
+            # In capitals: then the lower-case colour word of a sub-agent's summary appears
+            # nowhere else in the main agent's context, and carrying it to the final thought
+            # is a match on the word alone, not on where it stands.
+            "options": [o.upper() for o in SPOT_COLOURS],
+        }
+    ]
+
+
+def _spot_sft(
+    row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings
+) -> list[dict]:
+    """The "spot" oracle's records for one row and overview budget. When an overview patch
+    shows the shape: answer from it, and a second record answers the same in a forced answer
+    turn (``"forced": true``: the prefix ``agent.force_answer_text`` ends in ``<answer>``, as
+    after the last tool turn and in ``K:notools`` evaluation), so that a forced answer also
+    reads the overview instead of guessing a letter. Otherwise
+    crop the whole video in ``max_parallel`` equal windows — the same calls for every video of
+    one duration, so the calls need no copying — and answer from the summary that names the
+    shape (``A <colour> <shape> appears at <a>-<b> s.``, or ``Nothing notable happens.``),
+    repeating its ``A <colour> <shape> appears`` in the final thought."""
+    from paravt.video import crop_timestamps, overview_timestamps
+
+    meta = VideoMeta(
+        path="", duration=plan.duration, fps=fps, num_frames=round(plan.duration * fps),
+        width=0, height=0, codec="",
+    )  # fmt: skip
+    tgt = plan.target
+    over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
+    if over.event(tgt):
+        answer = (
+            f"<think>\nThe overview shows a {tgt.name}.\n</think>\n<answer>{row['answer']}</answer>"
+        )
+        forced = {"role": "assistant", "content": f"{row['answer']}</answer>", "forced": True}
+        return [
+            {
+                "sample_id": row["id"],
+                "num_frames": num_frames,
+                "turns": [{"role": "assistant", "content": answer}],
+            },
+            {"sample_id": row["id"], "num_frames": num_frames, "turns": [forced]},
+        ]
+    n = max(1, st.max_parallel)
+    edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
+    windows = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+    summaries, seen = [], False
+    for a, b in windows:
+        times = crop_timestamps(
+            meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames,
+            min_frames=st.crop_min_frames,
+        )  # fmt: skip
+        crop = _Seen(plan, fps, times, st.temporal_patch)
+        span = _span(crop, crop.event(tgt), b)
+        seen = seen or span is not None
+        summaries.append(
+            f"A {tgt.name} appears at {span[0]:.1f}-{span[1]:.1f} s."
+            if span
+            else "Nothing notable happens."
+        )
+    plan_text = "The overview shows no shape; I will look at the whole video."
+    first = f"<think>\n{plan_text}\n</think>\n" + "\n".join(_tool_call(a, b) for a, b in windows)
+    found = (
+        f"A {tgt.name} appears."
+        if seen
+        else f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
+    )
+    final = f"<think>\n{found}\n</think>\n<answer>{row['answer']}</answer>"
+    return [
+        {
+            "sample_id": row["id"],
+            "num_frames": num_frames,
+            "turns": [
+                {"role": "assistant", "content": first},
+                {"role": "tool", "content": summaries},
+                {"role": "assistant", "content": final},
+            ],
+        }
+    ]
+
+
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
 
@@ -604,6 +746,7 @@ def generate(
     val_fraction: float = 0.2,
     oracle: OracleSettings | None = None,
     mcq_variants: int = 1,
+    task: str = "cue",
 ) -> Path:
     """Write the synthetic task into ``out_dir`` and return it (see the module docstring).
 
@@ -614,14 +757,29 @@ def generate(
     :func:`oracle_settings` of the run's config so that the oracle's crops are sampled as the
     run samples them). If ``out_dir/manifest.json`` records the same parameters and every file
     exists, nothing is rewritten.
+
+    ``task='spot'`` writes the "spot" task instead (:func:`_plan_spot`, :func:`_spot_rows`,
+    :func:`_spot_sft`): one shape per video, two fixed-option mcq rows per video (colour and
+    shape; ``mcq_variants`` does not apply), and an oracle that crops the whole video in equal
+    windows whenever the overview misses the shape. It is the embedded default's task (preset
+    ``tiny_cpu``): every step of it is seeing or a content match, none a copy of digits from an
+    arbitrary place, which a 2-layer model does not learn within minutes (measured, see
+    ``paravt/models/tiny.py``).
     """
+    if task not in TASKS:
+        raise ValueError(f"generate: task '{task}' is not one of {list(TASKS)}")
     if num_videos < 1:
         raise ValueError(f"generate: num_videos={num_videos} must be >= 1")
     if mcq_variants < 1:
         raise ValueError(f"generate: mcq_variants={mcq_variants} must be >= 1")
     if codec not in ENCODERS:
         raise ValueError(f"generate: codec '{codec}' is not one of {sorted(ENCODERS)}")
-    if not 30 <= min_duration <= max_duration:
+    if task == "spot" and not 10 <= min_duration <= max_duration:
+        raise ValueError(
+            f"generate: need 10 <= min_duration ({min_duration}) <= max_duration "
+            f"({max_duration}) seconds for task 'spot'"
+        )
+    if task == "cue" and not 30 <= min_duration <= max_duration:
         raise ValueError(
             f"generate: need 30 <= min_duration ({min_duration}) <= max_duration "
             f"({max_duration}) seconds (the cue window alone is 20-30 s)"
@@ -629,7 +787,8 @@ def generate(
     oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
-        "version": 3,
+        "version": 4,
+        "task": task,
         "num_videos": num_videos,
         "seed": seed,
         "codec": codec,
@@ -659,7 +818,8 @@ def generate(
     for v, name in enumerate(names):
         # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
         rng = random.Random(f"paravt-synth:{seed}:{v}")
-        plan = _plan_video(rng, name, min_duration, max_duration, size)
+        make_plan = _plan_spot if task == "spot" else _plan_video
+        plan = make_plan(rng, name, min_duration, max_duration, size)
         plans.append(asdict(plan))
         rel = f"videos/{name}{ext}"
         # Write-then-rename: a crashed or concurrent (multi-rank) run never leaves a
@@ -669,10 +829,18 @@ def generate(
         os.replace(tmp, out / rel)
         train_video = v < num_videos - n_val
         # Held-out videos keep one mcq row each (the evaluation's 3 questions per video).
-        rows = _rows(plan, rel, rng, seed, mcq_variants if train_video else 1)
+        if task == "spot":
+            rows = _spot_rows(plan, rel, seed)
+        else:
+            rows = _rows(plan, rel, rng, seed, mcq_variants if train_video else 1)
         if train_video:
             train.extend(rows)
-            sft.extend(_sft(r, plan, fps, k, oracle) for r in rows for k in oracle.budgets)
+            for r in rows:
+                for k in oracle.budgets:
+                    if task == "spot":
+                        sft.extend(_spot_sft(r, plan, fps, k, oracle))
+                    else:
+                        sft.append(_sft(r, plan, fps, k, oracle))
         else:
             val.extend(rows)
     _write_jsonl(out / "train.jsonl", train)
@@ -692,8 +860,11 @@ def generate_from_config(cfg: Any, out_dir: str | Path | None = None) -> Path:
         d.synth_dir if out_dir is None else out_dir,
         d.synth_num_videos,
         seed=d.synth_seed,
+        min_duration=float(d.synth_min_duration),
+        max_duration=float(d.synth_max_duration),
         oracle=oracle_settings(cfg),
         mcq_variants=d.synth_mcq_variants,
+        task=d.synth_task,
     )
 
 
@@ -703,6 +874,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--num-videos", type=int, default=12)
+    p.add_argument("--task", choices=TASKS, default="cue", help="cue (default) | spot")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", choices=sorted(ENCODERS), default="h264")
     p.add_argument("--min-duration", type=float, default=60)
@@ -723,6 +895,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         fps=a.fps,
         gop=a.gop,
         oracle=OracleSettings(budgets=tuple(int(k) for k in a.sft_budgets.split(","))),
+        task=a.task,
     )
     n = {s: sum(1 for _ in open(out / f"{s}.jsonl")) for s in ("train", "val", "sft")}
     print(

@@ -40,8 +40,10 @@ Conventions the runner and the scorer rely on:
   (``extra["video_missing"] = True``) so the runner counts them as error results.
 * ``Sample.question`` is the question stem only: options embedded in the text (LVBench, MLVU:
   ``"(A) ..."`` lines at its end) are split off, and it carries no instruction. The synthetic
-  task's mcq rows lose their embedded options and the instruction after them; its oe and tvg
-  questions keep their answer-format sentence, which is part of that task's question.
+  task's mcq rows carry the stem and the options apart, so the evaluated prompt is the one the
+  model trained on (``tests/test_synth_spot.py``; folders written before that lose their
+  embedded options and the instruction after them); its oe and tvg questions keep their
+  answer-format sentence, which is part of that task's question.
 * ``Sample.options`` are ``"A. text"`` strings, lettered by position, exactly one prefix
   (Video-MME's own ``"A. "`` prefixes are stripped first); ``[]`` for open-ended and tvg rows.
 * ``Sample.answer``: mcq — the upper-case ground-truth letter, checked to name an option;

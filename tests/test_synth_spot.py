@@ -1,0 +1,129 @@
+"""The "spot" task (the embedded default's): one coloured square per video, a fixed-option
+colour question, an oracle that answers from the overview when it shows the square (also as a
+forced answer) and otherwise crops the whole video in the same equal windows for every video;
+its rows encode through the SFT path and score right."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from paravt.agent.prompts import question_text
+from paravt.config import ConfigError, load_config
+from paravt.data.readers import load_samples
+from paravt.data.synth import SPOT_COLOURS, generate, oracle_settings, summary_correct
+from paravt.eval.benchmarks import load_benchmark
+from paravt.models import load_model
+from paravt.rewards import score
+from paravt.sft import encode_records, lr_factor, read_sft_records
+from paravt.video import DecodePlanner
+
+
+def _cfg(**kv: object) -> object:
+    base = {"video.frame_budgets": "[4,32]", "video.fixed_frames": 32}
+    base.update(kv)
+    return load_config("tiny_cpu", overrides=[f"{k}={v}" for k, v in base.items()])
+
+
+@pytest.fixture(scope="module")
+def spot(tmp_path_factory: pytest.TempPathFactory, assets):
+    cfg = _cfg()
+    root = tmp_path_factory.mktemp("spot")
+    data = generate(
+        root, 5, seed=4, min_duration=40, max_duration=40, oracle=oracle_settings(cfg), task="spot"
+    )
+    bundle = load_model(assets["model"], dtype="float32", device="cpu")
+    samples = load_samples(data, split="train")
+    records = read_sft_records(data / "sft.jsonl")
+    trajs = encode_records(records, samples, bundle, cfg, DecodePlanner())
+    return data, cfg, bundle, {s.id: s for s in samples}, records, trajs
+
+
+def test_spot_rows_ask_the_colour_with_fixed_capital_options(spot) -> None:
+    data, *_ = spot
+    train = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+    val = [json.loads(x) for x in (data / "val.jsonl").read_text().splitlines()]
+    assert len(train) == 4 and len(val) == 1  # one question per video, 1 of 5 held out
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["params"]["task"] == "spot"
+    for r, plan in zip(train + val, manifest["videos"]):
+        assert plan["cue"] is None and plan["distractors"] == []
+        colour = plan["target"]["colour"]
+        assert r["answer"] == "ABCD"[SPOT_COLOURS.index(colour)]
+        assert r["options"] == [c.upper() for c in SPOT_COLOURS]
+        assert r["target"] == f"{colour} square"
+    # The prompt lists the options once, and no lower-case colour word: the only one the main
+    # agent reads is a sub-agent's. `python -m paravt.eval --benchmark synth` asks exactly what
+    # training asked (a tiny model answers another wording with garbage).
+    (s,) = load_samples(data, split="val")
+    (b,) = load_benchmark("synth", data)
+    text = question_text(s, 40.0)
+    assert text == question_text(b, 40.0)
+    assert text.count("A. RED") == 1
+    assert not any(f" {c}" in text for c in SPOT_COLOURS)
+
+
+def test_spot_oracle_is_right_and_crops_the_same_windows_for_every_video(spot) -> None:
+    _, cfg, bundle, samples, records, trajs = spot
+    mains = [t for t in trajs if t.role == "main"]
+    assert len(mains) == len(records)
+    windows: set = set()
+    by_k: dict[int, dict[str, int]] = {}
+    for t in mains:
+        s = samples[t.sample_id]
+        b = score(t, s, cfg.reward)
+        assert b["acc"] == 1.0, t.uid
+        calls = [c for turn in t.turns for c in turn.calls]
+        assert all(c.status == "ok" for c in calls)
+        if calls:
+            windows.add(tuple((c.start, c.end) for c in calls))
+        kind = "forced" if t.turns[0].forced_answer else "tool" if calls else "direct"
+        by_k.setdefault(t.num_frames, {"forced": 0, "tool": 0, "direct": 0})[kind] += 1
+        if kind == "forced":
+            # The forced prefix is the agent loop's own, and never a target.
+            assert t.turns[0].prefix == cfg.agent.think_prefix + cfg.agent.force_answer_text
+            assert t.answer_text == f"{s.answer}</answer>"
+            target = [x for x, m in zip(t.tokens, t.loss_mask) if m]
+            assert bundle.tokenizer.decode(target) == f"{s.answer}</answer><|im_end|>"
+        else:
+            assert b["fmt_base"] == 1.0, t.uid
+    n = cfg.agent.max_parallel
+    assert windows == {tuple((40.0 * j / n, 40.0 * (j + 1) / n) for j in range(n))}
+    # 32 overview frames (1.25 s apart) always show the 4-6 s square: no crop, and a forced
+    # twin of every direct answer; 4 frames (10 s apart) mostly miss it.
+    assert by_k[32] == {"forced": 5 - 1, "tool": 0, "direct": 4}
+    assert by_k[4]["forced"] == by_k[4]["direct"] and by_k[4]["tool"] >= 2
+    for t in trajs:
+        if t.role == "sub":
+            parent = next(m for m in mains if m.uid == t.parent)
+            call = next(
+                c for turn in parent.turns for c in turn.calls if c.response == t.answer_text
+            )
+            assert summary_correct(t.answer_text, call.start, call.end, samples[t.sample_id])
+
+
+def test_spot_config_is_validated() -> None:
+    cfg = load_config("tiny_cpu")
+    assert cfg.data.synth_task == "spot" and cfg.sft.schedule == "cosine"
+    with pytest.raises(ConfigError, match="data.synth_task='clue'"):
+        load_config("tiny_cpu", overrides=["data.synth_task=clue"])
+    with pytest.raises(ConfigError, match="synth_min_duration=5"):
+        load_config("tiny_cpu", overrides=["data.synth_min_duration=5"])
+    with pytest.raises(ConfigError, match="task 'cue'"):
+        load_config("tiny_cpu", overrides=["data.synth_task=cue", "data.synth_min_duration=20"])
+    with pytest.raises(ValueError, match="task 'dot'"):
+        generate(Path("/nonexistent"), 1, task="dot")
+
+
+def test_sft_lr_schedule() -> None:
+    assert lr_factor("constant", 7, 10) == 1.0
+    assert lr_factor("cosine", 0, 10) == pytest.approx(1.0)
+    assert lr_factor("cosine", 5, 10) == pytest.approx(0.55)
+    assert lr_factor("cosine", 10, 10) == pytest.approx(0.1)
+    assert all(lr_factor("cosine", i, 9) >= lr_factor("cosine", i + 1, 9) for i in range(9))
+    assert not math.isnan(lr_factor("cosine", 0, 0))
+    with pytest.raises(ValueError, match="sft.schedule='step'"):
+        lr_factor("step", 0, 1)
