@@ -100,9 +100,16 @@ def test_oracle_is_right_and_uses_the_tool_only_when_the_overview_is_not_enough(
     rate = {k: sum(v) / len(v) for k, v in by_k.items()}
     assert rate[4] > 0.5 and rate[4] > rate[16], rate
     # Every crop summary the sub-agents learn is right about the target.
+    assert_sub_summaries_right(trajs, samples)
+
+
+def assert_sub_summaries_right(trajs: list, samples: dict) -> None:
+    """Every sub-agent row's summary is right about the target of its crop (the call of its
+    parent main trajectory that it answers)."""
+    mains = {t.uid: t for t in trajs if t.role == "main"}
     for t in trajs:
         if t.role == "sub":
-            parent = next(m for m in mains if m.uid == t.parent)
+            parent = mains[t.parent]
             call = next(
                 c for turn in parent.turns for c in turn.calls if c.response == t.answer_text
             )

@@ -10,11 +10,12 @@ import math
 from pathlib import Path
 
 import pytest
+from test_synth_oracle import assert_sub_summaries_right
 
 from paravt.agent.prompts import question_text
 from paravt.config import ConfigError, load_config
 from paravt.data.readers import load_samples
-from paravt.data.synth import SPOT_COLOURS, generate, oracle_settings, summary_correct
+from paravt.data.synth import SPOT_COLOURS, generate, oracle_settings
 from paravt.eval.benchmarks import load_benchmark
 from paravt.models import load_model
 from paravt.rewards import score
@@ -96,13 +97,7 @@ def test_spot_oracle_is_right_and_crops_the_same_windows_for_every_video(spot) -
     # twin of every direct answer; 4 frames (10 s apart) mostly miss it.
     assert by_k[32] == {"forced": 5 - 1, "tool": 0, "direct": 4}
     assert by_k[4]["forced"] == by_k[4]["direct"] and by_k[4]["tool"] >= 2
-    for t in trajs:
-        if t.role == "sub":
-            parent = next(m for m in mains if m.uid == t.parent)
-            call = next(
-                c for turn in parent.turns for c in turn.calls if c.response == t.answer_text
-            )
-            assert summary_correct(t.answer_text, call.start, call.end, samples[t.sample_id])
+    assert_sub_summaries_right(trajs, samples)
 
 
 def test_spot_config_is_validated() -> None:

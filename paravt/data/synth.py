@@ -523,6 +523,41 @@ def _windows(bounds: list[float], max_parallel: int) -> list[tuple[float, float]
     return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
+def _meta(plan: VideoPlan, fps: float) -> VideoMeta:
+    """What the decoder would report for ``plan``'s video (the oracle samples frame times the
+    way the run does, from this)."""
+    return VideoMeta(
+        path="", duration=plan.duration, fps=fps, num_frames=round(plan.duration * fps),
+        width=0, height=0, codec="",
+    )  # fmt: skip
+
+
+def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleSettings) -> _Seen:
+    """What a crop ``[a, b]`` shows, sampled as ``video.crop_*`` samples it."""
+    from paravt.video import crop_timestamps
+
+    times = crop_timestamps(
+        meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames, min_frames=st.crop_min_frames
+    )
+    return _Seen(plan, meta.fps, times, st.temporal_patch)
+
+
+def _record(row: dict, num_frames: int, *turns: dict) -> dict:
+    """One SFT record (``sft.jsonl`` line; ``paravt.agent.loop.encode_oracle_trajectory``)."""
+    return {"sample_id": row["id"], "num_frames": num_frames, "turns": list(turns)}
+
+
+def _tool_record(row: dict, num_frames: int, first: str, summaries: list, final: str) -> dict:
+    """A record of one tool round: calls, the sub-agents' summaries, the answer."""
+    return _record(
+        row,
+        num_frames,
+        {"role": "assistant", "content": first},
+        {"role": "tool", "content": summaries},
+        {"role": "assistant", "content": final},
+    )
+
+
 def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings) -> dict:
     """An oracle trajectory that writes only what the model can see.
 
@@ -543,12 +578,9 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     summary that saw the target (``While it is <cue>, a <shape> appears``), so SFT never
     teaches the model to write a number or a shape it could not have read.
     """
-    from paravt.video import crop_timestamps, overview_timestamps
+    from paravt.video import overview_timestamps
 
-    meta = VideoMeta(
-        path="", duration=plan.duration, fps=fps, num_frames=round(plan.duration * fps),
-        width=0, height=0, codec="",
-    )  # fmt: skip
+    meta = _meta(plan, fps)
     tgt = plan.target
     over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
     seen_tgt = [s for s in over.event(tgt) if s in over.cue()]
@@ -557,11 +589,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
             f"<think>\n{_while(plan)} a {tgt.name} is visible in the overview.\n</think>\n"
             f"<answer>{row['answer']}</answer>"
         )
-        return {
-            "sample_id": row["id"],
-            "num_frames": num_frames,
-            "turns": [{"role": "assistant", "content": answer}],
-        }
+        return _record(row, num_frames, {"role": "assistant", "content": answer})
     cue = over.cue()
     stamps = over.stamps
     if len(stamps) + 1 <= st.max_parallel:
@@ -579,11 +607,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     windows = _windows(bounds, st.max_parallel)
     summaries, hits = [], []
     for j, (a, b) in enumerate(windows):
-        times = crop_timestamps(
-            meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames,
-            min_frames=st.crop_min_frames,
-        )  # fmt: skip
-        crop = _Seen(plan, fps, times, st.temporal_patch)
+        crop = _crop_seen(plan, meta, a, b, st)
         summaries.append(_summary(plan, crop, b))
         at = _visible(crop, tgt, b)
         if at:
@@ -598,15 +622,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
         found = f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
         ans = row["answer"]
     final = f"<think>\n{found}\n</think>\n<answer>{ans}</answer>"
-    return {
-        "sample_id": row["id"],
-        "num_frames": num_frames,
-        "turns": [
-            {"role": "assistant", "content": first},
-            {"role": "tool", "content": summaries},
-            {"role": "assistant", "content": final},
-        ],
-    }
+    return _tool_record(row, num_frames, first, summaries, final)
 
 
 def _spot_rows(plan: VideoPlan, rel_video: str, seed: int) -> list[dict]:
@@ -646,12 +662,9 @@ def _spot_sft(
     one duration, so the calls need no copying — and answer from the summary that names the
     shape (``A <colour> <shape> appears at <a>-<b> s.``, or ``Nothing notable happens.``),
     repeating its ``A <colour> <shape> appears`` in the final thought."""
-    from paravt.video import crop_timestamps, overview_timestamps
+    from paravt.video import overview_timestamps
 
-    meta = VideoMeta(
-        path="", duration=plan.duration, fps=fps, num_frames=round(plan.duration * fps),
-        width=0, height=0, codec="",
-    )  # fmt: skip
+    meta = _meta(plan, fps)
     tgt = plan.target
     over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
     if over.event(tgt):
@@ -660,23 +673,15 @@ def _spot_sft(
         )
         forced = {"role": "assistant", "content": f"{row['answer']}</answer>", "forced": True}
         return [
-            {
-                "sample_id": row["id"],
-                "num_frames": num_frames,
-                "turns": [{"role": "assistant", "content": answer}],
-            },
-            {"sample_id": row["id"], "num_frames": num_frames, "turns": [forced]},
+            _record(row, num_frames, {"role": "assistant", "content": answer}),
+            _record(row, num_frames, forced),
         ]
     n = max(1, st.max_parallel)
     edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
     windows = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
     summaries, seen = [], False
     for a, b in windows:
-        times = crop_timestamps(
-            meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames,
-            min_frames=st.crop_min_frames,
-        )  # fmt: skip
-        crop = _Seen(plan, fps, times, st.temporal_patch)
+        crop = _crop_seen(plan, meta, a, b, st)
         span = _span(crop, crop.event(tgt), b)
         seen = seen or span is not None
         summaries.append(
@@ -692,17 +697,7 @@ def _spot_sft(
         else f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
     )
     final = f"<think>\n{found}\n</think>\n<answer>{row['answer']}</answer>"
-    return [
-        {
-            "sample_id": row["id"],
-            "num_frames": num_frames,
-            "turns": [
-                {"role": "assistant", "content": first},
-                {"role": "tool", "content": summaries},
-                {"role": "assistant", "content": final},
-            ],
-        }
-    ]
+    return [_tool_record(row, num_frames, first, summaries, final)]
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
