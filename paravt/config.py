@@ -43,7 +43,7 @@ class DataConfig:
     # ordered anew (held-out videos keep one): the letter cannot be learnt per video.
     synth_mcq_variants: int = 1
     # The synthetic task: 'cue' (a cue colour window, distractor shapes, mcq/oe/tvg rows) or
-    # 'spot' (one shape per video, fixed-option colour and shape mcq rows; the tiny default's,
+    # 'spot' (one square per video, a fixed-option question on its colour; the tiny default's,
     # see paravt.data.synth.generate), and its video durations in seconds.
     synth_task: str = "cue"
     synth_min_duration: float = 60.0
@@ -341,8 +341,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The embedded default: a tiny model on the synthetic task, minutes on a 2-core CPU.
     "tiny_cpu": {
         "rollout.group_size": 4,
-        # The oracle's first turn (think + 2-3 tool calls) is up to ~150 tiny-BPE tokens and a
-        # crop summary ~30: shorter caps cut every tool call off before </tool_call>.
+        # The spot oracle's first turn (think + 5 tool calls) is up to 187 tiny-BPE tokens and
+        # a crop summary 22 (the cue task's ~150 and ~30): shorter caps cut calls off.
         "rollout.max_new_tokens": 224,
         "rollout.sub_max_new_tokens": 104,
         # The reference recipe's 0.7: at 1.0 the tiny SFT model's tool calls are mostly
@@ -376,9 +376,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "video.frame_budgets": [4, 8, 16, 32],
         "video.overview_max_pixels": 32 * 32,
         "video.crop_max_pixels": 32 * 32,
-        # 32 crop frames: the oracle's widest crop (K=4) still samples every 2 s target.
+        # 32 crop frames: the cue oracle's widest crop (K=4) still samples every 2 s target
+        # (the spot oracle's crops are 12 s).
         "video.crop_max_frames": 32,
-        # The "spot" task, 60 s videos: 160 videos (128 train, 32 held-out x 2 questions).
+        # The "spot" task, 60 s videos: 160 videos (128 train, 32 held-out, a question each).
         "data.synth_task": "spot",
         "data.synth_min_duration": 60.0,
         "data.synth_max_duration": 60.0,
