@@ -547,14 +547,24 @@ def _record(row: dict, num_frames: int, *turns: dict) -> dict:
     return {"sample_id": row["id"], "num_frames": num_frames, "turns": list(turns)}
 
 
-def _tool_record(row: dict, num_frames: int, first: str, summaries: list, final: str) -> dict:
-    """A record of one tool round: calls, the sub-agents' summaries, the answer."""
+def _tool_record(
+    row: dict,
+    num_frames: int,
+    plan_text: str,
+    windows: list[tuple[float, float]],
+    summaries: list[str],
+    found: str,
+    answer: str,
+) -> dict:
+    """A record of one tool round: a thought (``plan_text``) and a ``crop_video`` call per
+    window, the sub-agents' summaries, then a thought (``found``) and the answer."""
+    calls = "\n".join(_tool_call(a, b) for a, b in windows)
     return _record(
         row,
         num_frames,
-        {"role": "assistant", "content": first},
+        {"role": "assistant", "content": f"<think>\n{plan_text}\n</think>\n{calls}"},
         {"role": "tool", "content": summaries},
-        {"role": "assistant", "content": final},
+        {"role": "assistant", "content": f"<think>\n{found}\n</think>\n<answer>{answer}</answer>"},
     )
 
 
@@ -612,7 +622,6 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
         at = _visible(crop, tgt, b)
         if at:
             hits.append((j, at))
-    first = f"<think>\n{plan_text}\n</think>\n" + "\n".join(_tool_call(a, b) for a, b in windows)
     if hits:
         at = hits[0][1]
         span = f" at {at[0]:.1f}-{at[-1]:.1f} s" if row["question_type"] == "tvg" else ""
@@ -621,8 +630,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     else:  # the crops' frames missed the target: the oracle still answers (rare)
         found = f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
         ans = row["answer"]
-    final = f"<think>\n{found}\n</think>\n<answer>{ans}</answer>"
-    return _tool_record(row, num_frames, first, summaries, final)
+    return _tool_record(row, num_frames, plan_text, windows, summaries, found, ans)
 
 
 def _spot_rows(plan: VideoPlan, rel_video: str, seed: int) -> list[dict]:
@@ -690,14 +698,12 @@ def _spot_sft(
             else "Nothing notable happens."
         )
     plan_text = "The overview shows no shape; I will look at the whole video."
-    first = f"<think>\n{plan_text}\n</think>\n" + "\n".join(_tool_call(a, b) for a, b in windows)
     found = (
         f"A {tgt.name} appears."
         if seen
         else f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
     )
-    final = f"<think>\n{found}\n</think>\n<answer>{row['answer']}</answer>"
-    return [_tool_record(row, num_frames, first, summaries, final)]
+    return [_tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])]
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -754,9 +760,9 @@ def generate(
     exists, nothing is rewritten.
 
     ``task='spot'`` writes the "spot" task instead (:func:`_plan_spot`, :func:`_spot_rows`,
-    :func:`_spot_sft`): one shape per video, two fixed-option mcq rows per video (colour and
-    shape; ``mcq_variants`` does not apply), and an oracle that crops the whole video in equal
-    windows whenever the overview misses the shape. It is the embedded default's task (preset
+    :func:`_spot_sft`): one square per video, one fixed-option mcq row per video (its colour;
+    ``mcq_variants`` does not apply), an oracle that crops the whole video in equal windows
+    whenever the overview misses the square, and a forced-answer twin of every direct answer. It is the embedded default's task (preset
     ``tiny_cpu``): every step of it is seeing or a content match, none a copy of digits from an
     arbitrary place, which a 2-layer model does not learn within minutes (measured, see
     ``paravt/models/tiny.py``).
