@@ -28,11 +28,20 @@ def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from assets_task import ASSETS_TASK
+
     from paravt.data.synth import generate
     from paravt.models import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("assets")
-    data = generate(root / "synth", 2, seed=0, min_duration=40, max_duration=50)
+    data = generate(
+        root / "synth",
+        2,
+        seed=0,
+        task=ASSETS_TASK["data.synth_task"],
+        min_duration=ASSETS_TASK["data.synth_min_duration"],
+        max_duration=ASSETS_TASK["data.synth_max_duration"],
+    )
     return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0))}
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from assets_task import ASSETS_TASK
+
 from paravt.rollout.engine import GenerationRequest, GenerationResult
 
 
@@ -78,10 +80,7 @@ def scripted_trainer(assets: dict[str, str], out_dir: str, score, **overrides: o
 
     kv = {
         "data.synth_dir": assets["data"],
-        # The shared task folder as conftest writes it (see test_train_resume.tiny_overrides).
-        "data.synth_task": "cue",
-        "data.synth_min_duration": 40,
-        "data.synth_max_duration": 50,
+        **ASSETS_TASK,  # that folder's own task
         "data.synth_num_videos": 2,
         "model.tiny_dir": assets["model"],
         "model.device": "cpu",

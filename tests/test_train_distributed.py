@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from assets_task import ASSETS_TASK
 
 from paravt.metrics import read_metrics
 
@@ -28,10 +29,7 @@ LR = 1e-4
 def _overrides(assets: dict[str, str], out: Path) -> list[str]:
     return [
         f"data.synth_dir={assets['data']}",
-        # The shared task folder as conftest writes it (see test_train_resume.tiny_overrides).
-        "data.synth_task=cue",
-        "data.synth_min_duration=40",
-        "data.synth_max_duration=50",
+        *(f"{k}={v}" for k, v in ASSETS_TASK.items()),  # that folder's own task
         "data.synth_num_videos=2",
         f"model.tiny_dir={assets['model']}",
         f"train.out_dir={out}",

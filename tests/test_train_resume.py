@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from assets_task import ASSETS_TASK
+
 from paravt.config import load_config
 from paravt.metrics import read_metrics
 
@@ -22,11 +24,7 @@ def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
     train-loop tests (test_train_nonfinite.py, test_train_kill.py) use it too."""
     return [
         f"data.synth_dir={assets['data']}",
-        # The session's shared task folder as conftest writes it (the cue task): another
-        # task or duration here would regenerate it under the tests that read it.
-        "data.synth_task=cue",
-        "data.synth_min_duration=40",
-        "data.synth_max_duration=50",
+        *(f"{k}={v}" for k, v in ASSETS_TASK.items()),  # that folder's own task
         "data.synth_num_videos=2",
         f"model.tiny_dir={assets['model']}",
         f"train.out_dir={out}",

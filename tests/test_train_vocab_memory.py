@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from assets_task import ASSETS_TASK
 from safetensors import safe_open
 
 from paravt.metrics import read_metrics
@@ -50,10 +51,7 @@ def _run(assets: dict[str, str], root: Path, vocab: int) -> tuple[int, Path]:
     model = build_tiny_checkpoint(root / f"tiny{vocab}", seed=0, vocab=vocab)
     overrides = {
         "data.synth_dir": assets["data"],
-        # The shared task folder as conftest writes it (see test_train_resume.tiny_overrides).
-        "data.synth_task": "cue",
-        "data.synth_min_duration": 40,
-        "data.synth_max_duration": 50,
+        **ASSETS_TASK,  # that folder's own task
         "data.synth_num_videos": 2,
         "model.tiny_dir": str(model),
         "model.tiny_vocab": vocab,
