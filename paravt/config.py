@@ -236,6 +236,11 @@ class AlgoConfig:
     # memory grows with it (attention itself is per sequence: nothing N x N); for the policy
     # update of Qwen3-VL-8B bf16 at 16k, use model.gradient_checkpointing (as its presets do).
     max_tokens_per_microbatch: int = 16384
+    # Under torchrun: before the update, move whole units (a main row with its sub-agent rows)
+    # between ranks so each rank's share of every minibatch has about the same number of
+    # tokens (paravt.distributed.balance_buckets); the global minibatches, and so the
+    # updates, are unchanged. Off: each rank trains on the rollouts it generated.
+    balance_ranks: bool = True
     # Gradient clipping (max global norm).
     max_grad_norm: float = 1.0
     # Train sub-agent trajectories with the main trajectory's advantage; each trajectory's

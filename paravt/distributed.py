@@ -10,6 +10,9 @@
   normalisers to equal the single-process loss (see ``paravt.algo.loss``);
 * prompts of a step are split across ranks (``shard_list``) — each rank rolls out its own
   prompts' groups (a group never straddles ranks, so group-relative advantages stay local);
+* after advantages are known, whole units (a main row and its sub-agent rows) move between
+  ranks so that every rank's share of each minibatch has about the same number of tokens
+  (``balance_buckets``; ``algo.balance_ranks``);
 * metrics are reduced on rank 0 from gathered per-trajectory records.
 
 Single-process runs use the same code with ``world_size == 1`` and no process group.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -139,6 +143,104 @@ def broadcast_object(obj: T, ctx: DistContext, src: int = 0) -> T:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def balanced_assignment(costs: Sequence[Sequence[float]]) -> list[list[int]]:
+    """Where each item should train: ``out[r][i]`` is the destination rank of item ``i`` of
+    rank ``r``, given every rank's item costs (``costs[r][i]`` > 0).
+
+    Longest-processing-time greedy: items by decreasing cost (ties: lower origin rank, then
+    index), each to the least-loaded rank (ties: its own rank, then the lowest). Its largest
+    load is at most 4/3 of the optimum (Graham 1969). The current placement is kept when LPT
+    does not lower the largest load (nothing moves for nothing), or when some rank would be
+    left without an item. Deterministic: every rank computes the same answer from the same
+    gathered costs.
+    """
+    world = len(costs)
+    stay = [[r] * len(c) for r, c in enumerate(costs)]
+    before = max((sum(c) for c in costs), default=0.0)
+    items = sorted(
+        ((float(c), r, i) for r, cs in enumerate(costs) for i, c in enumerate(cs)),
+        key=lambda x: (-x[0], x[1], x[2]),
+    )
+    if len(items) < world:
+        return stay
+    load = [0.0] * world
+    count = [0] * world
+    out = [[r] * len(c) for r, c in enumerate(costs)]
+    for c, r, i in items:
+        dest = min(range(world), key=lambda d: (load[d], d != r, d))
+        out[r][i] = dest
+        load[dest] += c
+        count[dest] += 1
+    if max(load) >= before or min(count) == 0:
+        return stay
+    return out
+
+
+def balance_buckets(
+    buckets: list[list[T]], cost: Callable[[T], float], ctx: DistContext
+) -> tuple[list[list[T]], dict[str, float]]:
+    """Move items between ranks so that, bucket by bucket, every rank holds about the same
+    total ``cost`` (``balanced_assignment``).
+
+    The trainer's path (``paravt.train.train_step``, ``algo.balance_ranks``): the buckets are a
+    rank's minibatches of ``SequenceUnit`` (a main row and its sub-agent rows, advantages
+    already computed) and the cost is their token count. Rollouts differ in length (tool
+    calls, sub-agents, answers), so without this the rank with the longest rollouts sets the
+    pace of every optimizer step while the others wait in FSDP's collectives. A bucket's set
+    of items over all ranks is unchanged (the same global minibatch, so the same optimizer
+    step: the loss is normalised globally); only where each item trains changes. Items that
+    move are pickled with everything they carry (token ids, log-probs, pixels) and sent to
+    their rank in one scatter per source rank; items that stay are not copied. A rank's
+    bucket comes back ordered by (origin rank, origin index).
+
+    Nothing moves when the ranks hold different numbers of buckets or an empty bucket (a rank
+    whose rollouts all failed; the trainer then skips the update). Returns the new buckets
+    and ``balance/*`` metrics (none on one rank): the largest rank's cost over the mean,
+    before and after, and the number of items that moved (over all ranks).
+    """
+    if not ctx.distributed:
+        return buckets, {}
+    stats = {"balance/max_over_mean_before": 1.0, "balance/max_over_mean_after": 1.0}
+    costs = [[float(cost(x)) for x in b] for b in buckets]
+    every = all_gather_objects(costs, ctx)  # every[rank][bucket][item]
+    shapes = {len(c) for c in every}
+    if len(shapes) != 1 or any(not b for c in every for b in c):
+        return buckets, {**stats, "balance/moved": 0.0}
+    plans = [balanced_assignment([c[j] for c in every]) for j in range(len(buckets))]
+
+    def imbalance(loads: list[float]) -> float:
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean > 0 else 1.0
+
+    before = [sum(sum(b) for b in c) for c in every]
+    after = [0.0] * ctx.world_size
+    for j, plan in enumerate(plans):
+        for r, dests in enumerate(plan):
+            for i, d in enumerate(dests):
+                after[d] += every[r][j][i]
+    outbox: list[list[tuple[int, int, int, T]]] = [[] for _ in range(ctx.world_size)]
+    kept: list[list[tuple[int, int, T]]] = [[] for _ in buckets]
+    for j, b in enumerate(buckets):
+        for i, (item, d) in enumerate(zip(b, plans[j][ctx.rank])):
+            if d == ctx.rank:
+                kept[j].append((ctx.rank, i, item))
+            else:
+                outbox[d].append((j, ctx.rank, i, item))
+    moved = sum(d != r for plan in plans for r, ds in enumerate(plan) for d in ds)
+    if moved:
+        for src in range(ctx.world_size):
+            box: list[Any] = [None]
+            dist.scatter_object_list(box, outbox if ctx.rank == src else None, src=src)
+            for j, r, i, item in box[0]:
+                kept[j].append((r, i, item))
+    out = [[item for _, _, item in sorted(k, key=lambda x: (x[0], x[1]))] for k in kept]
+    return out, {
+        "balance/max_over_mean_before": imbalance(before),
+        "balance/max_over_mean_after": imbalance(after),
+        "balance/moved": float(moved),
+    }
 
 
 def all_reduce_sum(x: float | torch.Tensor, ctx: DistContext) -> torch.Tensor:

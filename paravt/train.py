@@ -361,6 +361,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     from paravt.distributed import (
         all_gather_objects,
         all_reduce_sum,
+        balance_buckets,
         clip_grad_norm,
         shard_list,
     )
@@ -410,7 +411,13 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     units = build_units(groups, algo)
     guard.check_advantages(units)
-    batches = [pack_units(mb) for mb in split_units(units, algo.minibatches)]
+    buckets = split_units(units, algo.minibatches)
+    if algo.balance_ranks:  # the same global minibatches, each rank about the same tokens
+        buckets, shaping = balance_buckets(buckets, lambda u: u.num_tokens, ctx)
+        units = [u for b in buckets for u in b]
+    else:
+        shaping: dict[str, float] = {}
+    batches = [pack_units(mb) for mb in buckets]
     kl_pen = torch.zeros(2, dtype=torch.float64)  # sum of per-row KL penalties, rows
     with torch.no_grad():
         for b in batches:
@@ -423,7 +430,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             pen = apply_kl_reward(b, algo)  # kl_mode=reward: KL penalty into the advantages
             kl_pen += torch.tensor([float(pen.sum()), float(pen.numel())], dtype=torch.float64)
     kl_pen = all_reduce_sum(kl_pen, ctx)
-    shaping = {"kl_penalty": float(kl_pen[0] / kl_pen[1]) if kl_pen[1] > 0 else 0.0}
+    shaping["kl_penalty"] = float(kl_pen[0] / kl_pen[1]) if kl_pen[1] > 0 else 0.0
     times["time/logprobs"] = time.perf_counter() - t0
     if cfg.train.dump_batches:
         dump = Path(cfg.train.out_dir) / "debug" / f"step{step}_rank{ctx.rank}.pt"

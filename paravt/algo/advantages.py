@@ -53,6 +53,11 @@ class SequenceUnit:
     def sequences(self) -> list[Trajectory]:
         return [self.main, *self.subs]
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of all its rows (the cost ``paravt.distributed.balance_buckets`` evens out)."""
+        return sum(len(t.tokens) for t in self.sequences)
+
 
 def group_advantages(groups: list[Group], algo: AlgoConfig) -> torch.Tensor:
     """``(sum_g G_g,)`` float32 advantages of every main trajectory, groups in order."""

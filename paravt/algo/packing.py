@@ -61,8 +61,10 @@ block-diagonal mask for Qwen3-VL. Qwen2.5-VL has the same ``get_rope_index`` /
 
 Under FSDP2 every micro-batch is a root forward (``_as_root_forward``); in the policy update
 ranks run the same number of micro-batches (the trainer takes the max over ranks and pads
-with zero-weight forwards). Sequences are not moved between ranks to balance tokens: a
-rank's rollouts (and their visual inputs) stay where they were generated.
+with zero-weight forwards). Before that, whole units (a main row and its sub-agent rows,
+with their visual inputs) move between ranks so that each rank's share of every minibatch
+has about the same number of tokens (``paravt.distributed.balance_buckets``,
+``algo.balance_ranks``).
 
 Alignment: ``logprob[t]`` is the log-prob of token ``t`` given tokens ``< t`` (position 0 of
 each sequence is 0, never trained). ``Trajectory.loss_mask``/``logprobs`` use the same
