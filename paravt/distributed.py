@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,8 +93,14 @@ def init_distributed(device: str = "auto") -> DistContext:
     )
 
 
-def cleanup(ctx: DistContext) -> None:
+def cleanup(ctx: DistContext, *closers: Callable[[], None]) -> None:
     """Leave the process group so that the process can exit cleanly.
+
+    ``closers`` (e.g. the rollout engine's ``close``) run after the last collective and before
+    the group is destroyed: an in-process vLLM engine tears down its own groups, which are
+    sub-groups of this one, and then destroys the default group itself (so it may already be
+    gone afterwards). Left to its exit-time finalizer, that teardown would find the groups
+    destroyed and print a traceback on every rank.
 
     Gloo's worker threads drop each finished collective's work object a moment after the
     caller sees it complete; the last reference to a tensor that Python has seen needs the GIL
@@ -107,7 +113,11 @@ def cleanup(ctx: DistContext) -> None:
     """
     if ctx.distributed and dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    for close in closers:
+        close()
+    if ctx.distributed:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         gc.collect()
         time.sleep(_EXIT_GRACE_S)
 
@@ -290,6 +300,20 @@ def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=opts)
+
+
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full (unsharded) state dict, one ``(name, tensor)`` at a time, on the rank's
+    device: what the trainer streams into each rank's rollout engine after an update
+    (``paravt.train.sync_engine``). Under FSDP2 each sharded entry is all-gathered only when
+    the consumer asks for it (``DTensor.full_tensor``), so the extra memory is one tensor, not
+    a second full copy of the model; every rank must consume the stream to its end, in the
+    same order (each entry is a collective). On one rank: the detached state dict entries.
+    """
+    for name, t in model.state_dict().items():
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        yield name, t.detach()
 
 
 def full_optimizer_state(

@@ -283,12 +283,15 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     reference = None
     if objective.needs_ref:
         reference = ReferencePolicy(load(init_dir).model)
-    if ctx.distributed:
-        # The engine decodes with its own full replica; sharded parameters cannot generate.
+    if ctx.distributed and cfg.rollout.engine == "hf":
+        # The HF engine decodes with its own full replica: sharded parameters cannot generate
+        # (every decode step would be a collective over ranks that stop at different times).
         engine_bundle = load(ckpt or init_dir)
-        shard_model(policy, ctx)
     else:
-        engine_bundle = bundle  # colocated: the engine reads the policy's weights directly
+        # Colocated: one process, or vLLM (which loads its own copy from the checkpoint, and
+        # gets the policy's weights streamed after each update: no HF replica anywhere).
+        engine_bundle = bundle
+    shard_model(policy, ctx)  # a no-op on one rank
     engine = make_engine(cfg, engine_bundle)
     planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
     runner = AgentRunner(engine, engine_bundle, cfg, planner=planner)
@@ -532,34 +535,27 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
 
 def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
     """π_prox: the policy before this step's updates, no-grad packed forwards (one per
-    micro-batch of ``algo.max_tokens_per_microbatch`` tokens; ``packed_logprobs``).
-
-    It is computed on the engine's model: that model holds exactly the weights pushed at the
-    end of the previous step (in one process it *is* the policy module; under FSDP it is the
-    rank's full replica). Under FSDP2 this also avoids no-grad forwards through the sharded
-    policy, which on torch 2.13/gloo left the following backward's gradients wrong (measured:
-    grad norm off by 2x against the single-process recomputation in
-    tests/test_train_distributed.py)."""
+    micro-batch of ``algo.max_tokens_per_microbatch`` tokens; ``packed_logprobs``) through
+    the policy itself (under FSDP2 the sharded policy: no replica is needed for it; the
+    root is resharded after each no-grad forward, see ``paravt.algo.packing._as_root_forward``).
+    """
     from paravt.algo.packing import packed_logprobs
 
     # Each row under its own sampling T / top-p; packed forwards (algo.max_tokens_per_microbatch).
-    lp, _ = packed_logprobs(
-        tr.engine.model, batch, max_tokens=tr.cfg.algo.max_tokens_per_microbatch
-    )
+    lp, _ = packed_logprobs(tr.policy, batch, max_tokens=tr.cfg.algo.max_tokens_per_microbatch)
     return lp.float().cpu()
 
 
 def sync_engine(tr: Trainer) -> None:
-    """Colocated single process: the engine shares the policy module (nothing to copy).
-    FSDP: all-gather the full weights and load them into the engine's replica."""
-    if not tr.ctx.distributed:
-        tr.engine.sync_weights(tr.policy)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    """Push the updated policy into the rollout engine.
 
-    # Without cpu_offload every rank receives the full tensors (each rank's engine needs them).
-    state = get_model_state_dict(tr.policy, options=StateDictOptions(full_state_dict=True))
-    tr.engine.sync_weights(state)
+    One process: the HF engine shares the policy module (nothing to copy); vLLM gets its state
+    dict. FSDP2: the full weights are streamed (``paravt.distributed.full_weights``: one
+    entry all-gathered at a time, never a full state dict) into the rank's engine: vLLM's
+    reload path, or the HF engine's replica, copied in place."""
+    from paravt.distributed import full_weights
+
+    tr.engine.sync_weights(full_weights(tr.policy) if tr.ctx.distributed else tr.policy)
 
 
 def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str, Any]]:
@@ -809,7 +805,7 @@ def run(cfg: Config) -> dict[str, Any]:
             f"{out} (metrics.jsonl, tb/, trajectories.jsonl, summary.png, checkpoints/)"
         )
     tr.logger.close()
-    cleanup(ctx)
+    cleanup(ctx, getattr(tr.engine, "close", lambda: None))
     return {"before": before, "after": after, "last": last, "out_dir": str(out)}
 
 

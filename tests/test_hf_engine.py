@@ -217,6 +217,15 @@ def test_eos_stops_by_default_and_sync_weights(tiny_dir):
     eng.sync_weights(eng.model)
     with pytest.raises(ValueError, match="policy and rollout model differ"):
         eng.sync_weights({"not.a.weight": torch.zeros(1)})
+    # Streamed (name, tensor) pairs, as the trainer pushes them under FSDP2, copied in place;
+    # a stream that leaves an entry out is an error too.
+    with torch.no_grad():
+        policy.lm_head.weight[eos] = 0.0
+    eng.sync_weights((k, v) for k, v in policy.state_dict().items())
+    torch.testing.assert_close(eng.model.lm_head.weight, policy.lm_head.weight)
+    assert eng.generate([r])[0].token_ids == free.token_ids  # EOS no longer wins
+    with pytest.raises(ValueError, match="missing"):
+        eng.sync_weights((k, v) for k, v in policy.state_dict().items() if "lm_head" not in k)
 
 
 def test_request_errors(bundle):

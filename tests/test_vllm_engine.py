@@ -285,14 +285,16 @@ def test_weight_sync_and_stale_cache_regression(bundle, engine):
         assert err_new <= TOL
         assert err_old > 100 * TOL  # the log-probs did change with the weights
         assert engine.stats["weight_syncs"] >= 1
-        torch.testing.assert_close(engine.model.lm_head.weight, new_policy.lm_head.weight)
+        # engine.model is the module it was built from (the trainer's policy): never written.
+        torch.testing.assert_close(engine.model.lm_head.weight, old_policy.lm_head.weight)
 
-        # Negative control: the same kind of push with the cache resets disabled.
+        # Negative control: the same kind of push with the cache resets disabled; streamed as
+        # (name, tensor) pairs, as the trainer does under FSDP2 (paravt.distributed.full_weights).
         newer = _perturbed(new_policy, seed=2)
         reset = engine.reset_caches
         engine.reset_caches = lambda: None  # type: ignore[method-assign]
         try:
-            engine.sync_weights(newer)
+            engine.sync_weights((k, v) for k, v in newer.state_dict().items())
             try:
                 stale = engine.generate([req])[0]
                 stale_err = _max_err(newer, req, stale)
@@ -319,6 +321,26 @@ def test_a_push_that_misses_a_parameter_raises(bundle, engine):
     with pytest.raises(RuntimeError, match="did not load every parameter"):
         engine.push_weights(partial.items())
     engine.push_weights(state.items())  # the full state loads without complaint
+
+
+def test_a_failed_push_still_drains_the_stream(bundle, engine):
+    """Under FSDP2 every entry of the weight stream is a collective: a rank whose vLLM stops
+    reading (here: an unknown name makes it raise) must still run the stream to its end, or
+    the other ranks hang. The engine then reloads normally."""
+    state = dict(bundle.model.state_dict())
+    items = list(state.items())
+    items.insert(3, ("model.no_such.weight", torch.zeros(1)))
+    read: list[str] = []
+
+    def stream():
+        for k, v in items:
+            read.append(k)
+            yield k, v
+
+    with pytest.raises(Exception):  # noqa: B017 - whatever vLLM raises for an unknown name
+        engine.push_weights(stream())
+    assert read == [k for k, _ in items]
+    engine.push_weights(state.items())
 
 
 @pytest.mark.parametrize(

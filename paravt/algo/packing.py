@@ -343,6 +343,14 @@ def _as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
     parameters (embeddings, lm_head, final norm) would stay sharded and their gradients would
     not be reduced. ``register_fsdp_forward_method`` wraps a method in exactly those hooks;
     each ``fn`` is registered once, under its own name (``_paravt_<fn name>``).
+
+    A no-grad root forward (the proximal and reference passes) is followed by
+    ``model.reshard()``: FSDP2 keeps the ROOT unit's parameters unsharded after its forward
+    (``reshard_after_forward`` is off for the root), and the next forward WITH grad then reuses
+    those no-grad tensors, so the root's gradients (embeddings, lm_head, final norm) are not
+    reduced across ranks as they should be. Measured on torch 2.13 / gloo, two ranks: the
+    step's gradient norm 0.163 against 0.344 recomputed in one process
+    (tests/test_train_distributed.py, whose proximal pass runs on the sharded policy).
     """
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
@@ -352,7 +360,10 @@ def _as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
     if method not in model.__dict__:
         model.__dict__[method] = types.MethodType(fn, model)
         register_fsdp_forward_method(model, method)
-    return getattr(model, method)(*args)
+    out = getattr(model, method)(*args)
+    if not torch.is_grad_enabled():
+        model.reshard()
+    return out
 
 
 def row_sampling(batch: PackedBatch, i: int) -> tuple[float, float]:

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     bundle = load_model_from_config(model_path, cfg.model, device=str(ctx.device))
-    runner = AgentRunner(make_engine(cfg, bundle), bundle, cfg)
+    engine = make_engine(cfg, bundle)
+    runner = AgentRunner(engine, bundle, cfg)
     r = cfg.rollout
     settings = EvalSettings(
         benchmark=a.benchmark,
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        cleanup(ctx)
+        cleanup(ctx, getattr(engine, "close", lambda: None))
     if ctx.is_main:
         print(f"[eval] results in {out}/ (results.jsonl, summary.json)")
     return 0

@@ -117,7 +117,11 @@ class HFEngine:
         """Use ``model``'s weights from now on.
 
         ``model`` may be the same module (CPU, colocated: nothing to do), another module with
-        the same parameter names (DDP/compiled wrappers are unwrapped), or a state dict.
+        the same parameter names (DDP/compiled wrappers are unwrapped), a state dict, or an
+        iterable of ``(name, tensor)`` pairs (under FSDP2 the trainer streams
+        ``paravt.distributed.full_weights`` into this engine's replica, copied in place one
+        tensor at a time). Every entry of the engine's state dict must be given; a name it
+        does not have raises.
         """
         src = model
         for attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers
@@ -125,12 +129,23 @@ class HFEngine:
                 src = getattr(src, attr)
         if src is self.model:
             return
-        state = src if isinstance(src, dict) else src.state_dict()
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if isinstance(src, torch.nn.Module):
+            src = src.state_dict()
+        own = self.model.state_dict()
+        seen: set[str] = set()
+        unexpected: list[str] = []
+        with torch.no_grad():
+            for name, t in src.items() if isinstance(src, dict) else src:
+                if name not in own:
+                    unexpected.append(name)
+                    continue
+                own[name].copy_(t)
+                seen.add(name)
+        missing = [k for k in own if k not in seen]
         if missing or unexpected:
             raise ValueError(
-                f"sync_weights: policy and rollout model differ: missing {list(missing)[:5]}, "
-                f"unexpected {list(unexpected)[:5]}; pass the unwrapped policy module"
+                f"sync_weights: policy and rollout model differ: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}; pass the unwrapped policy module"
             )
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

