@@ -124,7 +124,8 @@ class RolloutConfig:
     sub_temperature: float = 0.7
     # Max sequences in one engine.generate call (0 = all at once).
     max_batch_size: int = 0
-    # rollout.engine=vllm (paravt.rollout.vllm). Context length (0: the model's, <= 32768).
+    # rollout.engine=vllm (paravt.rollout.vllm). Context length (0: the model's, capped at
+    # VLLM_DEFAULT_MAX_MODEL_LEN); the frame budgets must fit it (checked before a run).
     vllm_max_model_len: int = 0
     # Sequences vLLM schedules at once; a larger turn is queued inside the same call.
     vllm_max_num_seqs: int = 64
@@ -510,6 +511,30 @@ def eval_conditions(cfg: Config) -> list[tuple[str, int, bool]]:
     return out
 
 
+# rollout.engine=vllm with vllm_max_model_len=0: the model's context, at most this many tokens
+# (a KV cache sized for Qwen3-VL's 262,144 positions would not fit next to the trainer).
+VLLM_DEFAULT_MAX_MODEL_LEN = 32768
+
+
+# The synthetic tasks (paravt.data.synth) and the shortest video each allows, in seconds: the
+# cue window alone is 20-30 s; a spot square lasts 4-6 s. Here, not in synth (which imports av
+# and torch), so that a config is checked before anything heavy loads; synth checks the same.
+SYNTH_TASK_MIN_SECONDS = {"cue": 30.0, "spot": 10.0}
+
+
+def synth_task_error(task: str, min_duration: float, max_duration: float) -> str | None:
+    """Why ``task`` with these video durations cannot be generated, or None."""
+    if task not in SYNTH_TASK_MIN_SECONDS:
+        return f"task '{task}' is not one of {'|'.join(SYNTH_TASK_MIN_SECONDS)}"
+    floor = SYNTH_TASK_MIN_SECONDS[task]
+    if not floor <= min_duration <= max_duration:
+        return (
+            f"need {floor:g} <= min_duration ({min_duration}) <= max_duration ({max_duration}) "
+            f"seconds for task '{task}'"
+        )
+    return None
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that must fail before anything heavy loads."""
     errs: list[str] = []
@@ -524,14 +549,15 @@ def validate(cfg: Config) -> None:
         )
     if cfg.sft.schedule not in ("constant", "cosine"):
         errs.append(f"sft.schedule='{cfg.sft.schedule}' is not one of constant|cosine")
-    if cfg.data.synth_task not in ("cue", "spot"):
-        errs.append(f"data.synth_task='{cfg.data.synth_task}' is not one of cue|spot")
-    lo, hi = cfg.data.synth_min_duration, cfg.data.synth_max_duration
-    floor = 10 if cfg.data.synth_task == "spot" else 30
-    if not floor <= lo <= hi:
+    d = cfg.data
+    if d.synth_task not in SYNTH_TASK_MIN_SECONDS:
         errs.append(
-            f"data.synth_min_duration={lo} / synth_max_duration={hi}: need {floor} <= min <= max "
-            f"seconds for task '{cfg.data.synth_task}'"
+            f"data.synth_task='{d.synth_task}' is not one of {'|'.join(SYNTH_TASK_MIN_SECONDS)}"
+        )
+    elif err := synth_task_error(d.synth_task, d.synth_min_duration, d.synth_max_duration):
+        errs.append(
+            f"data.synth_min_duration={d.synth_min_duration} / synth_max_duration="
+            f"{d.synth_max_duration}: {err}"
         )
     if cfg.video.backend not in ("pyav", "dali"):
         errs.append(f"video.backend='{cfg.video.backend}' is not one of pyav|dali")

@@ -48,6 +48,7 @@ import av
 import numpy as np
 import torch
 
+from paravt.config import SYNTH_TASK_MIN_SECONDS, synth_task_error
 from paravt.types import Sample, VideoMeta
 
 # Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS
@@ -82,7 +83,7 @@ SHAPES = ("square", "circle", "triangle")
 # shapes), while colours are read without error.
 SPOT_COLOURS = ("red", "yellow", "cyan", "magenta")
 SPOT_SHAPE = "square"
-TASKS = ("cue", "spot")
+TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot")
 # How long the square shows, in seconds: 2-3 s squares fall in one of a crop's 2 s temporal
 # patches, and the tiny model learnt to find that one visual token among six in some SFT runs
 # and not in others (teacher-forced colour accuracy 0.23-1.0); at 4-6 s they fill 2-3 of them.
@@ -767,24 +768,15 @@ def generate(
     arbitrary place, which a 2-layer model does not learn within minutes (measured, see
     ``paravt/models/tiny.py``).
     """
-    if task not in TASKS:
-        raise ValueError(f"generate: task '{task}' is not one of {list(TASKS)}")
+    err = synth_task_error(task, min_duration, max_duration)
+    if err:
+        raise ValueError(f"generate: {err}")
     if num_videos < 1:
         raise ValueError(f"generate: num_videos={num_videos} must be >= 1")
     if mcq_variants < 1:
         raise ValueError(f"generate: mcq_variants={mcq_variants} must be >= 1")
     if codec not in ENCODERS:
         raise ValueError(f"generate: codec '{codec}' is not one of {sorted(ENCODERS)}")
-    if task == "spot" and not 10 <= min_duration <= max_duration:
-        raise ValueError(
-            f"generate: need 10 <= min_duration ({min_duration}) <= max_duration "
-            f"({max_duration}) seconds for task 'spot'"
-        )
-    if task == "cue" and not 30 <= min_duration <= max_duration:
-        raise ValueError(
-            f"generate: need 30 <= min_duration ({min_duration}) <= max_duration "
-            f"({max_duration}) seconds (the cue window alone is 20-30 s)"
-        )
     oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
