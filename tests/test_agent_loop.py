@@ -219,7 +219,7 @@ def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip, monkeyp
     assert ga.sub_trajectories[0].reward == ga.trajectories[0].reward
 
 
-def test_sub_agent_failures_become_error_responses(bundle, make_clip):
+def test_sub_agent_failures_become_error_responses(bundle, make_clip, caplog):
     video = make_clip(duration=20.0)
     turn0 = "Look.\n</think>\n" + _call(1, 5) + "\n" + _call(6, 9) + "\n" + _call(10, 14)
 
@@ -234,7 +234,10 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip):
         bundle.tokenizer, lambda u, t: [turn0, "ok\n</think>\n<answer>A</answer>"][t], sub
     )
     runner = AgentRunner(eng, bundle, _cfg())
-    (g,) = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    with caplog.at_level("WARNING", logger="paravt.agent.subagent"):
+        (g,) = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    # The batch's own error is reported once, before the one-by-one retries.
+    assert "a batch of 3 sub-agent requests failed (TimeoutError" in caplog.text
     (t,) = g.trajectories
     c0, c1, c2 = t.turns[0].calls
     assert c0.status == "sub_agent_error" and "TimeoutError: sub-agent timed out" in c0.error

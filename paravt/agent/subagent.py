@@ -14,10 +14,13 @@ tokens, or decodes to blank text becomes a ``sub_agent_error`` tool response.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from paravt.rollout.engine import Engine, GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,7 +43,12 @@ def _generate_isolated(
         if len(res) != len(requests):
             raise RuntimeError(f"engine returned {len(res)} results for {len(requests)} requests")
         return list(res)
-    except Exception:  # noqa: BLE001 — isolate below; the per-request errors are reported
+    except Exception as batch_error:  # noqa: BLE001 — isolate below, request by request
+        # Said once here: when every retry succeeds the batch's error would leave no trace.
+        log.warning(
+            "a batch of %d sub-agent requests failed (%s: %s); retrying them one by one",
+            len(requests), type(batch_error).__name__, batch_error,
+        )  # fmt: skip
         out: list[GenerationResult | Exception] = []
         for r in requests:
             try:
