@@ -106,12 +106,17 @@ def validate_run(cfg: Config, world_size: int) -> None:
 
 
 def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
-    """K (frames) × visual tokens per frame + generation must fit max_position_embeddings.
+    """K (frames) × visual tokens per frame + generation must fit the context: the model's
+    max_position_embeddings, or with ``rollout.engine=vllm`` the engine's ``max_model_len``
+    (``rollout.vllm_max_model_len``, 0: the model's capped at ``VLLM_DEFAULT_MAX_MODEL_LEN``),
+    which vLLM would otherwise enforce by failing every over-long request mid-run.
 
     Reads only ``config.json`` (no weights). Visual tokens per frame pair (temporal patch 2)
     are at most ``overview_max_pixels / (patch · merge)^2``.
     """
     import json
+
+    from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
 
     c = json.loads((model_dir / "config.json").read_text())
     text = c.get("text_config", c)
@@ -129,11 +134,15 @@ def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
         cfg.rollout.max_new_tokens
         + cfg.agent.max_parallel * (cfg.agent.max_tool_response_tokens + 16)
     )
-    if visual + gen + 512 > max_pos:
+    limit, what = max_pos, f"the model's max_position_embeddings={max_pos}"
+    if cfg.rollout.engine == "vllm":
+        limit = cfg.rollout.vllm_max_model_len or min(max_pos, VLLM_DEFAULT_MAX_MODEL_LEN)
+        what = f"vLLM's context (rollout.vllm_max_model_len -> {limit})"
+    if visual + gen + 512 > limit:
         return [
             f"frame budget K={k_max} needs about {visual} visual tokens plus up to {gen} "
-            f"generated/tool tokens, over the model's max_position_embeddings={max_pos}; "
-            "lower video.frame_budgets / video.overview_max_pixels or agent.max_turns"
+            f"generated/tool tokens, over {what}; lower video.frame_budgets / "
+            "video.overview_max_pixels or agent.max_turns"
         ]
     return []
 

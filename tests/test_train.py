@@ -158,6 +158,18 @@ def test_k_too_large_for_the_model_context(assets, tmp_path) -> None:
         validate_run(cfg, world_size=1)
 
 
+def test_k_too_large_for_the_vllm_context(assets) -> None:
+    """vLLM serves at most rollout.vllm_max_model_len tokens (0: the model's, capped): a budget
+    the model itself could hold must still fit that, checked before anything loads."""
+    from paravt.train import validate_run
+
+    fits = [f"model.path={assets['model']}", "video.frame_budgets=[4,64]"]
+    validate_run(load_config(overrides=fits), world_size=1)  # the HF engine: fits
+    cfg = load_config(overrides=[*fits, "rollout.engine=vllm", "rollout.vllm_max_model_len=1024"])
+    with pytest.raises(ConfigError, match=r"K=64 .*rollout.vllm_max_model_len -> 1024"):
+        validate_run(cfg, world_size=1)
+
+
 def test_cli_rejects_bad_config_before_loading(tmp_path, monkeypatch, capsys) -> None:
     from paravt.train import main
 

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.models.loader import ModelBundle
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed
 from paravt.types import VisualInputs
@@ -116,7 +117,7 @@ class VLLMEngine:
             ``train.seed``); None for the defaults below.
         dtype: vLLM's parameter dtype (default ``model.dtype``, else the bundle's).
         max_model_len: context length (0: the model's ``max_position_embeddings``, capped at
-            32768).
+            ``paravt.config.VLLM_DEFAULT_MAX_MODEL_LEN``).
         max_num_seqs: sequences vLLM schedules at once (a turn larger than this is queued
             inside the same call).
         seed: engine seed (default ``train.seed``).
@@ -189,7 +190,8 @@ class VLLMEngine:
                 "rollout.engine=vllm on the embedded default) or rollout.engine=hf"
             )
         mml = pick(max_model_len, "vllm_max_model_len", 0) or min(
-            int(getattr(text_cfg, "max_position_embeddings", 32768)), 32768
+            int(getattr(text_cfg, "max_position_embeddings", 0) or VLLM_DEFAULT_MAX_MODEL_LEN),
+            VLLM_DEFAULT_MAX_MODEL_LEN,
         )
         self.sleep_enabled = bool(on_cuda and pick(sleep, "vllm_sleep", True))
         self.tensor_parallel = int(pick(tensor_parallel_size, "vllm_tensor_parallel", 1))
