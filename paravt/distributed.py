@@ -189,7 +189,10 @@ def balanced_assignment(costs: Sequence[Sequence[float]]) -> list[list[int]]:
 
 
 def balance_buckets(
-    buckets: list[list[T]], cost: Callable[[T], float], ctx: DistContext
+    buckets: list[list[T]],
+    cost: Callable[[T], float],
+    ctx: DistContext,
+    portable: Callable[[T], T] | None = None,
 ) -> tuple[list[list[T]], dict[str, float]]:
     """Move items between ranks so that, bucket by bucket, every rank holds about the same
     total ``cost`` (``balanced_assignment``).
@@ -202,8 +205,10 @@ def balance_buckets(
     of items over all ranks is unchanged (the same global minibatch, so the same optimizer
     step: the loss is normalised globally); only where each item trains changes. Items that
     move are pickled with everything they carry (token ids, log-probs, pixels) and sent to
-    their rank in one scatter per source rank; items that stay are not copied. A rank's
-    bucket comes back ordered by (origin rank, origin index).
+    their rank in one scatter per source rank, after ``portable`` (the trainer's:
+    ``SequenceUnit.portable``, CPU tensors in storage of their own; pickling a view would send
+    the whole batch it views); items that stay are not copied. A rank's bucket comes back
+    ordered by (origin rank, origin index).
 
     Nothing moves when the ranks hold different numbers of buckets or an empty bucket (a rank
     whose rollouts all failed; the trainer then skips the update). Returns the new buckets
@@ -237,7 +242,7 @@ def balance_buckets(
             if d == ctx.rank:
                 kept[j].append((ctx.rank, i, item))
             else:
-                outbox[d].append((j, ctx.rank, i, item))
+                outbox[d].append((j, ctx.rank, i, portable(item) if portable else item))
     moved = sum(d != r for plan in plans for r, ds in enumerate(plan) for d in ds)
     if moved:
         for src in range(ctx.world_size):

@@ -425,7 +425,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     guard.check_advantages(units)
     buckets = split_units(units, algo.minibatches)
     if algo.balance_ranks:  # the same global minibatches, each rank about the same tokens
-        buckets, shaping = balance_buckets(buckets, lambda u: u.num_tokens, ctx)
+        buckets, shaping = balance_buckets(
+            buckets, lambda u: u.num_tokens, ctx, portable=lambda u: u.portable()
+        )
         units = [u for b in buckets for u in b]
     else:
         shaping: dict[str, float] = {}

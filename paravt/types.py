@@ -5,7 +5,7 @@ Shapes are written ``(dim, ...)``. Tensors are CPU tensors unless a field says o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -83,6 +83,11 @@ class Sample:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def own_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU, in storage of its own (never a view of a larger tensor)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
 # ---------------------------------------------------------------------------------- visuals
 @dataclass
 class VisualInputs:
@@ -108,6 +113,21 @@ class VisualInputs:
     @property
     def num_segments(self) -> int:
         return int(self.grid_thw.shape[0])
+
+    def compact(self) -> VisualInputs:
+        """A copy whose tensors are on the CPU, each with its own storage. A clip encoded in a
+        batch holds a VIEW of the batch's packed pixels, and pickling a view sends the whole
+        storage: ``paravt.distributed.balance_buckets`` compacts what it moves between ranks."""
+        frames = None if self.frames is None else [own_tensor(f) for f in self.frames]
+        spg = None if self.second_per_grid_ts is None else own_tensor(self.second_per_grid_ts)
+        return replace(
+            self,
+            pixel_values=own_tensor(self.pixel_values),
+            grid_thw=own_tensor(self.grid_thw),
+            second_per_grid_ts=spg,
+            frames=frames,
+            timestamps=None if self.timestamps is None else [list(t) for t in self.timestamps],
+        )
 
     @staticmethod
     def concat(parts: list[VisualInputs]) -> VisualInputs | None:

@@ -1,7 +1,8 @@
 """Token balancing across ranks (``paravt.distributed.balance_buckets``, ``algo.balance_ranks``):
 the assignment (largest load lowered, within Graham's 4/3 of the optimum, every rank keeps an
 item, nothing moves for nothing) and a 3-rank gloo exchange of real ``SequenceUnit``s with
-pixels, whose contents must arrive intact and whose global minibatches must not change."""
+pixels, whose contents must arrive intact (and compact: a unit's pixels are a view of a larger
+batch tensor, which must not travel with it) and whose global minibatches must not change."""
 
 from __future__ import annotations
 
@@ -89,13 +90,19 @@ WORKER = textwrap.dedent(
     # even units) with visuals whose pixels encode the unit's identity.
     LENGTHS = {0: [[900, 700], [800, 50]], 1: [[60, 40], [30, 20]], 2: [[100, 80], [90, 70]]}
 
+    # Every clip's pixels are a VIEW of one batch tensor, as encode_clips makes them.
+    BATCH = torch.randn(4000, 6)
+    views = iter(range(0, 4000, 4))
+
     def traj(uid, role, n, parent=None):
         g = torch.Generator().manual_seed(hash(uid) % 2**31)
+        k = next(views)
+        BATCH[k : k + 4] = torch.randn(4, 6, generator=g)
         return Trajectory(
             uid=uid, role=role, sample_id="s", group_id=0, tokens=list(range(n)),
             loss_mask=[0] * (n // 2) + [1] * (n - n // 2),
             logprobs=torch.randn(n, generator=g).tolist(), prompt_len=n // 2,
-            visuals=VisualInputs(torch.randn(4, 6, generator=g),
+            visuals=VisualInputs(BATCH[k : k + 4],
                                  torch.tensor([[1, 2, 2]]), frames=[torch.zeros(1, 2, 2, 3,
                                  dtype=torch.uint8)], timestamps=[[0.5]]),
             parent=parent, extras={"mm_token_type_ids": [0] * n},
@@ -110,10 +117,11 @@ WORKER = textwrap.dedent(
             b.append(SequenceUnit(traj(uid, "main", n), subs, advantage=0.1 * i - j, group_id=j))
         buckets.append(b)
     sent = {u.main.uid: u for b in buckets for u in b}
-    new, stats = balance_buckets(buckets, lambda u: u.num_tokens, ctx)
+    new, stats = balance_buckets(buckets, lambda u: u.num_tokens, ctx, lambda u: u.portable())
     got = [[(u.main.uid, u.num_tokens, u.advantage, [s.uid for s in u.subs],
              float(u.main.visuals.pixel_values.sum()), u.main.logprobs[:3],
-             u.subs[0].visuals.pixel_values.shape if u.subs else None) for u in b] for b in new]
+             u.subs[0].visuals.pixel_values.shape if u.subs else None,
+             u.main.visuals.pixel_values.untyped_storage().nbytes()) for u in b] for b in new]
     # The same contents rebuilt locally for the units that did not move (the test compares).
     mine = {k: (u.num_tokens, float(u.main.visuals.pixel_values.sum())) for k, u in sent.items()}
     torch.save({"got": got, "stats": stats, "mine": mine}, f"{out}.{ctx.rank}")
@@ -143,8 +151,11 @@ def test_three_ranks_exchange_units_intact_and_balance_tokens(tmp_path: Path) ->
         assert uids == sorted(k for k in original if f"b{j}" in k)
         for r in res:
             assert r["got"][j], "every rank keeps a unit in every minibatch"
-            for uid, n, adv, subs, pix, _, sub_shape in r["got"][j]:
+            for uid, n, adv, subs, pix, _, sub_shape, nbytes in r["got"][j]:
                 assert (n, pix) == original[uid]
+                # A unit that moved arrives with its own 4 x 6 pixels, not the sender's batch.
+                moved = not uid.startswith(f"r{res.index(r)}")
+                assert nbytes == (4 * 6 * 4 if moved else 4000 * 6 * 4)
                 assert adv == pytest.approx(0.1 * int(uid[-1]) - j)
                 assert subs == ([uid + "s"] if int(uid[-1]) % 2 == 0 else [])
                 assert (sub_shape is not None) == bool(subs)

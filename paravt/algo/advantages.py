@@ -23,12 +23,12 @@ task rewards are all equal keeps a small, KL-only advantage instead of one ampli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from paravt.config import AlgoConfig
-from paravt.types import Group, PackedBatch, Trajectory
+from paravt.types import Group, PackedBatch, Trajectory, own_tensor
 
 
 @dataclass
@@ -57,6 +57,17 @@ class SequenceUnit:
     def num_tokens(self) -> int:
         """Tokens of all its rows (the cost ``paravt.distributed.balance_buckets`` evens out)."""
         return sum(len(t.tokens) for t in self.sequences)
+
+    def portable(self) -> SequenceUnit:
+        """A copy to send to another rank (``paravt.distributed.balance_buckets``): every tensor
+        it carries (pixels, source frames, extras) on the CPU in storage of its own."""
+
+        def own(t: Trajectory) -> Trajectory:
+            extras = {k: own_tensor(v) if torch.is_tensor(v) else v for k, v in t.extras.items()}
+            vis = None if t.visuals is None else t.visuals.compact()
+            return replace(t, visuals=vis, extras=extras)
+
+        return replace(self, main=own(self.main), subs=[own(s) for s in self.subs])
 
 
 def group_advantages(groups: list[Group], algo: AlgoConfig) -> torch.Tensor:
