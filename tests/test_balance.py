@@ -7,15 +7,13 @@ batch tensor, which must not travel with it) and whose global minibatches must n
 from __future__ import annotations
 
 import itertools
-import os
 import random
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun import run_worker
 
 from paravt.distributed import DistContext, balance_buckets, balanced_assignment
 
@@ -131,16 +129,8 @@ WORKER = textwrap.dedent(
 
 
 def test_three_ranks_exchange_units_intact_and_balance_tokens(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
     out = tmp_path / "res"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3",
-        "--standalone", str(script), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker(tmp_path, WORKER, 3, str(out))
     res = [torch.load(f"{out}.{r}", weights_only=False) for r in range(3)]
     original = {k: v for r in res for k, v in r["mine"].items()}
 

@@ -3,14 +3,12 @@ normalisation, full state-dict gather for checkpoints, optimizer-state reload, h
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun import run_worker
 
 from paravt.distributed import DistContext, all_gather_objects, all_reduce_sum, shard_list
 
@@ -64,16 +62,8 @@ WORKER = textwrap.dedent(
 
 
 def test_fsdp2_two_ranks_equal_single_process_step(tmp_path: Path) -> None:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
     out = tmp_path / "state.pt"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--standalone", str(script), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_worker(tmp_path, WORKER, 2, str(out))
     assert "RELOAD_OK" in proc.stdout
     got = torch.load(out, weights_only=False)
     assert got["n"] == [3, 3]

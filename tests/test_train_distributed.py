@@ -12,14 +12,12 @@ we require max |Δ| <= 2·lr and fewer than 1% of elements off by more than 1e-6
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from assets_task import ASSETS_TASK
+from torchrun import torchrun
 
 from paravt.metrics import read_metrics
 
@@ -66,13 +64,7 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path) -> None:
     from paravt.models import load_model
 
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--standalone",
-        "-m", "paravt.train", *_overrides(assets, out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(2, "-m", "paravt.train", *_overrides(assets, out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}

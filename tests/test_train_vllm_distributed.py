@@ -16,13 +16,11 @@ Skipped loudly only where vLLM cannot be imported (see tests/vllm_required.py).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from assets_task import ASSETS_TASK
+from torchrun import torchrun
 from vllm_required import skip_without_vllm
 
 from paravt.metrics import read_metrics
@@ -59,12 +57,7 @@ def test_torchrun_vllm_engine_per_rank_follows_the_sharded_policy(
         "algo.lr=1e-3",
         "algo.loss=decoupled",  # the proximal pass: the trainer's own log-probs, dumped
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--standalone", "-m", "paravt.train", *overrides,
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = torchrun(2, "-m", "paravt.train", *overrides, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]  # vLLM's teardown included
 
