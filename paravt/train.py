@@ -424,13 +424,12 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     units = build_units(groups, algo)
     guard.check_advantages(units)
     buckets = split_units(units, algo.minibatches)
+    shaping: dict[str, float] = {}
     if algo.balance_ranks:  # the same global minibatches, each rank about the same tokens
         buckets, shaping = balance_buckets(
             buckets, lambda u: u.num_tokens, ctx, portable=lambda u: u.portable()
         )
         units = [u for b in buckets for u in b]
-    else:
-        shaping: dict[str, float] = {}
     batches = [pack_units(mb) for mb in buckets]
     kl_pen = torch.zeros(2, dtype=torch.float64)  # sum of per-row KL penalties, rows
     with torch.no_grad():
