@@ -217,19 +217,24 @@ def balance_buckets(
     """
     if not ctx.distributed:
         return buckets, {}
-    stats = {"balance/max_over_mean_before": 1.0, "balance/max_over_mean_after": 1.0}
     costs = [[float(cost(x)) for x in b] for b in buckets]
     every = all_gather_objects(costs, ctx)  # every[rank][bucket][item]
-    shapes = {len(c) for c in every}
-    if len(shapes) != 1 or any(not b for c in every for b in c):
-        return buckets, {**stats, "balance/moved": 0.0}
-    plans = [balanced_assignment([c[j] for c in every]) for j in range(len(buckets))]
 
-    def imbalance(loads: list[float]) -> float:
-        mean = sum(loads) / len(loads)
-        return max(loads) / mean if mean > 0 else 1.0
+    def stats(after: list[float], moved: int) -> dict[str, float]:
+        def imbalance(loads: list[float]) -> float:
+            mean = sum(loads) / len(loads)
+            return max(loads) / mean if mean > 0 else 1.0
+
+        return {
+            "balance/max_over_mean_before": imbalance(before),
+            "balance/max_over_mean_after": imbalance(after),
+            "balance/moved": float(moved),
+        }
 
     before = [sum(sum(b) for b in c) for c in every]
+    if len({len(c) for c in every}) != 1 or any(not b for c in every for b in c):
+        return buckets, stats(before, 0)
+    plans = [balanced_assignment([c[j] for c in every]) for j in range(len(buckets))]
     after = [0.0] * ctx.world_size
     for j, plan in enumerate(plans):
         for r, dests in enumerate(plan):
@@ -251,11 +256,7 @@ def balance_buckets(
             for j, r, i, item in box[0]:
                 kept[j].append((r, i, item))
     out = [[item for _, _, item in sorted(k, key=lambda x: (x[0], x[1]))] for k in kept]
-    return out, {
-        "balance/max_over_mean_before": imbalance(before),
-        "balance/max_over_mean_after": imbalance(after),
-        "balance/moved": float(moved),
-    }
+    return out, stats(after, moved)
 
 
 def all_reduce_sum(x: float | torch.Tensor, ctx: DistContext) -> torch.Tensor:

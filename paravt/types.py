@@ -126,7 +126,6 @@ class VisualInputs:
             grid_thw=own_tensor(self.grid_thw),
             second_per_grid_ts=spg,
             frames=frames,
-            timestamps=None if self.timestamps is None else [list(t) for t in self.timestamps],
         )
 
     @staticmethod

@@ -12,9 +12,20 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
 
 from paravt.types import VisualInputs
+
+
+def unwrap_module(model: Any) -> Any:
+    """``model`` without its DDP / ``torch.compile`` wrappers (anything else as given): what an
+    engine's ``sync_weights`` reads weights from."""
+    for attr in ("module", "_orig_mod"):
+        while hasattr(model, attr) and isinstance(getattr(model, attr), torch.nn.Module):
+            model = getattr(model, attr)
+    return model
 
 
 def row_seed(engine_seed: int, call: int, row: int, salt: str = "") -> int:

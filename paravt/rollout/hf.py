@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from paravt.models.loader import ModelBundle
-from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed
+from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens
 
@@ -123,10 +123,7 @@ class HFEngine:
         tensor at a time). Every entry of the engine's state dict must be given; a name it
         does not have raises.
         """
-        src = model
-        for attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers
-            while hasattr(src, attr) and isinstance(getattr(src, attr), torch.nn.Module):
-                src = getattr(src, attr)
+        src = unwrap_module(model)
         if src is self.model:
             return
         if isinstance(src, torch.nn.Module):

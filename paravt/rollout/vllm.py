@@ -62,7 +62,7 @@ import torch
 
 from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.models.loader import ModelBundle
-from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed
+from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens, patch_timestamps
 
@@ -97,13 +97,6 @@ def vllm_available() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - any import failure means "no vLLM here"
         return False, f"{type(e).__name__}: {e}"
     return True, str(getattr(vllm, "__version__", "?"))
-
-
-def _unwrap(model: Any) -> Any:
-    for attr in ("module", "_orig_mod"):  # DDP / torch.compile wrappers
-        while hasattr(model, attr) and isinstance(getattr(model, attr), torch.nn.Module):
-            model = getattr(model, attr)
-    return model
 
 
 class VLLMEngine:
@@ -365,7 +358,7 @@ class VLLMEngine:
         policy (colocated, sharded or not) and is never written here.
         """
         self.wake_up()
-        src = _unwrap(model)
+        src = unwrap_module(model)
         if isinstance(src, torch.nn.Module):
             src = src.state_dict()
         self.push_weights(src.items() if isinstance(src, dict) else src)
