@@ -9,16 +9,17 @@
 #    5.17, no liger-kernel, maybe a setuptools older than 77) and builds paravt._C against the
 #    CUDA torch (CUDA ops included);
 # 2. runs the CUDA tests: CUDA pack_vision vs CPU pack (bitwise), the packed encoder on GPU
-#    vs CPU, the Triton kernels vs the torch reference on GPU, linear_policy_loss (its tests
-#    use CPU tensors: torch path and Triton interpreter);
+#    vs CPU, and every Triton kernel test (compiled on the GPU, not interpreted) vs the torch
+#    reference;
 # 3. runs the GPU benchmarks: bench/gpu_kernels.py (linear_logprob TFLOP/s and vs Liger,
 #    linear_policy_loss TFLOP/s and vs Liger's fused linear GRPO loss, policy_loss
-#    bandwidth), the CUDA pack vs the CPU pack, the packed encoder vs a per-crop loop (target >= 3x at 64 small crops).
-# 4. where vllm imports (the device image seen so far has none: the step only reports), the
-#    vLLM-vs-HF engine rollout bench (tiny model; the >= 5x target with a larger model is not
-#    measured yet).
-# Step limits sum to 560 s (under the 590 s above) without vllm; 680 s with it (then raise
-# timeout_s or skip a step).
+#    bandwidth), the CUDA pack vs the CPU pack and the HF path, the packed encoder vs a
+#    per-crop loop (target >= 3x at 64 small crops).
+# 4. where nvidia.dali and av import, the NVDEC tests; where vllm imports, the vLLM-vs-HF
+#    engine rollout bench (tiny model; the >= 5x target with a larger model is not measured
+#    yet). The device image seen so far has neither: those steps only report.
+# Step limits sum to 590 s without vllm and DALI; 800 s with both (then raise timeout_s or
+# skip a step). Typical total on an H200: see docs/gpu/.
 # Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
 # recorded in summary.txt and the next step still runs; the script exits 1 if any step failed.
 # On a CPU-only machine every step reports that it skipped.
@@ -54,7 +55,9 @@ if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
 fi
 # PARAVT_FORCE_EXT=1: a CUDA build of paravt._C that fails fails this step (and the script),
 # instead of setup.py's warning + pure-torch fallback.
-step build 170 env PARAVT_FORCE_EXT=1 "$PY" -m pip install --no-deps --no-build-isolation -e .
+# One architecture (the H100/H200's sm_90) and every core: the extension builds in about a minute.
+step build 170 env PARAVT_FORCE_EXT=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
+  MAX_JOBS="${MAX_JOBS:-16}" "$PY" -m pip install --no-deps --no-build-isolation -e .
 # With a GPU, paravt._C must have come out WITH its CUDA ops (e.g. not a CPU-only build for
 # want of CUDA_HOME); a CPU-only machine only reports.
 step native_cuda 20 "$PY" -c 'import torch; from paravt.vision import pack
@@ -62,13 +65,38 @@ ok = pack.native_has_cuda(); print("native CUDA ops:", ok)
 assert ok or not torch.cuda.is_available(), "paravt._C has no CUDA ops on a CUDA machine"'
 tail -n 1 "$OUT/native_cuda.txt" | tee -a "$OUT/summary.txt"
 
-step tests 120 "$PY" -m pytest -q -p no:cacheprovider -rs \
+# Every kernel test runs compiled Triton on the GPU here (the interpreter only on CPU); xdist
+# (in the image) spreads the ~100 kernel compilations over the cores.
+XDIST=""
+"$PY" -c "import xdist" >/dev/null 2>&1 && XDIST="-n 8"
+step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST \
   tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
-  tests/test_kernels_linear_policy_loss.py
+  tests/test_kernels_linear_policy_loss.py tests/test_kernels_linear_logprob.py \
+  tests/test_kernels_policy_loss.py tests/test_kernels_group_advantage.py
+grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$OUT/tests.txt" | tee -a "$OUT/summary.txt" || true
 step gpu_kernels 150 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
+"$PY" - "$OUT/gpu_kernels.json" <<'PYEOF' | tee -a "$OUT/summary.txt" || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+for k in ("linear_logprob", "linear_policy_loss", "policy_loss"):
+    v = r.get(k, {})
+    keep = ("tflops", "time_ratio_vs_liger", "mem_ratio_vs_liger", "liger_tflops",
+            "fraction_of_peak", "max_abs_diff_vs_naive_bf16", "loss_abs_diff_vs_liger",
+            "error", "liger_error")
+    print(k + ":", ", ".join(f"{n}={v[n]:.4g}" if isinstance(v[n], float) else f"{n}={v[n]}"
+                              for n in keep if n in v))
+PYEOF
 step bench_pack 60 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
   --benchmark-only -s -k cuda
 grep -h "^\[" "$OUT/bench_pack.txt" | tee -a "$OUT/summary.txt" || true
+# NVDEC decode (DALI's mixed backend) vs PyAV on CPU: needs nvidia-dali (a 199 MB wheel, over
+# the device tool's 64 MiB per call) and PyAV to write the H.264 clips; both absent from the
+# image seen so far, so the step only reports there.
+if "$PY" -c "import nvidia.dali, av" >/dev/null 2>&1; then
+  step nvdec 90 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_video_dali.py
+else
+  summary "nvdec: SKIPPED (nvidia.dali or av is not importable in this image)"
+fi
 # The vLLM engine vs the HF engine (episodes/s, same prompts, K, G). The device image seen so
 # far has NO vllm: the step then only reports. Honest limit: the bench uses the tiny model;
 # the issue's GPU target (>= 5x the HF engine with a larger model) is not measured yet.
