@@ -89,7 +89,9 @@ def linear_logprob(
     ``(N,)`` float32, if ``return_entropy``). The ``(N, V)`` logits are never held in memory:
     the vocabulary is walked tile by tile with an online log-sum-exp and the backward
     recomputes each tile. Differentiable w.r.t. hidden, weight and bias. Tokens whose target
-    is ``ignore_index`` get logprob 0, entropy 0 and no gradient.
+    is ``ignore_index`` get logprob 0, entropy 0 and no gradient. A row whose incoming
+    gradients are 0 (a token the loss masks) contributes nothing even when its hidden state
+    holds NaN/inf (zeroed in the backward; else ``0 * NaN`` reaches every row of dW).
     """
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
@@ -208,10 +210,13 @@ def policy_loss(
 
     Decoupled objective: ``w_b = exp(prox - old)`` (1 without ``prox_logprob``); tokens with
     ``w_b > behav_cap`` are removed from the mask (counted in ``stats["n_capped"]``).
-    KL: k1 ``lp - ref``, k2 ``(lp - ref)^2 / 2``, k3 ``e^{ref-lp} - (ref-lp) - 1`` (log-ratio
-    clamped to +-20). Aggregation over the final mask ``m`` with per-sequence weights
-    ``seq_weights`` ``(B,)`` (default 1; e.g. 1/num_sub for sub-agent sequences), each weight
-    counting as a fractional sequence (or token) in numerator and denominator alike:
+    KL: k1 ``lp - ref``, k2 ``(lp - ref)^2 / 2``, k3 ``e^{ref-lp} - (ref-lp) - 1`` with the
+    log-ratio clamped to +-20 and the result to +-10, exactly verl's ``low_var_kl`` (a token
+    with ``pi_ref/pi > ~12.6`` gets 10 and no KL gradient, instead of a penalty that grows
+    without bound; TRL's unclamped k3 is identical below 10). Aggregation over the final
+    mask ``m`` with per-sequence weights ``seq_weights`` ``(B,)`` (default 1; e.g. 1/num_sub
+    for sub-agent sequences), each weight counting as a fractional sequence (or token) in
+    numerator and denominator alike:
 
         token-mean            sum_t w m l / sum_t w m                    (TRL bnpo/dapo)
         seq-mean-token-mean   sum_s w_s (sum_t m l / sum_t m) / sum_s w_s  (TRL grpo)
@@ -290,7 +295,9 @@ def linear_policy_loss(
     per-token gradient and ``dlogits`` in place, then ``dH``, ``dW``, ``db``: three
     GEMM-equivalents (``6 n d V`` FLOP), nothing recomputed. The backward only scales the saved gradients by the incoming one, so
     the forward holds a weight-sized gradient until then. Targets equal to -100 give
-    logprob 0 and no gradient (mask those rows).
+    logprob 0 and no gradient (mask those rows). Masked rows contribute exactly nothing,
+    even with a NaN/inf hidden state (zeroed before the GEMMs; their ``logprob`` and
+    ``entropy`` are then NaN); a NaN in an unmasked row still makes the loss NaN.
     """
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(

@@ -27,7 +27,12 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2
 from .dispatch import interpreting
-from .reference import inverse_temperature, row_stats
+from .reference import (
+    inverse_temperature,
+    row_stats,
+    void_row_stand_ins,
+    zero_nonfinite_dead_rows,
+)
 
 # GPU tile of the vocabulary: ~2^26 fp32 logits (256 MiB) per tile; at N = 8192 that is 8192
 # vocabulary rows, a matmul large enough to run at full tensor-core rate.
@@ -261,6 +266,13 @@ def linear_logprob_bwd_triton(
     g = torch.where(valid, grad_logprob.float(), 0.0).contiguous()
     use_ent = grad_entropy is not None and entropy.numel() == n_tok
     k = torch.where(valid, grad_entropy.float(), 0.0).contiguous() if use_ent else g
+    # rows with no incoming gradient (masked by the loss, ignored) and a NaN/inf hidden state
+    # would still reach dW through 0 * NaN: zeroed (a copy of hidden, O(N d), no host sync)
+    live = (g != 0) | (k != 0) if use_ent else g != 0
+    hidden, void = zero_nonfinite_dead_rows(hidden, live)
+    inv_t = inverse_temperature(temperature, dev)
+    lse, entropy = void_row_stand_ins(void, lse, entropy, bias, inv_t)
+    lse = lse.contiguous()
     grad_h = torch.zeros(n_tok, d, dtype=torch.float32, device=dev)
     # dW is written once per vocabulary tile, in the weight's dtype on GPU (as cuBLAS emits).
     gw_dtype = weight.dtype if dev.type == "cuda" else torch.float32
@@ -275,7 +287,6 @@ def linear_logprob_bwd_triton(
     dz_dtype = hidden.dtype if dev.type == "cuda" else torch.float32
     h_op = hidden if dev.type == "cuda" else hidden.float()
     bv = _vocab_tile(n_tok, vocab)
-    inv_t = inverse_temperature(temperature, dev)
     dz_buf = torch.empty(n_tok, bv, dtype=dz_dtype, device=dev)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)

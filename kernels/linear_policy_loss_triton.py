@@ -47,20 +47,19 @@ class TritonRowChunks:
     """Triton steps of ``reference.linear_policy_loss_fused`` (see the module docstring)."""
 
     def __init__(self, hidden, weight, bias, inv_t):
-        self.hidden, self.weight, self.bias, self.inv_t = hidden, weight, bias, inv_t
+        self.weight, self.bias, self.inv_t = weight, bias, inv_t
         gpu = hidden.is_cuda and not interpreting()
         budget = _GPU_CHUNK_BYTES if gpu else ref.LPL_CHUNK_BYTES_CPU
         self.rows = ref.lpl_row_chunk(weight.shape[0], budget)
         # dlogits feed two matmuls: the operand dtype on GPU (tensor cores), fp32 on CPU.
         self.dz_dtype = hidden.dtype if hidden.is_cuda else torch.float32
-        self.h_op = hidden if hidden.is_cuda else hidden.float()
         self.w_op = weight if weight.is_cuda else weight.float()
 
     def _it(self, r0: int, r1: int):
         return self.inv_t[r0:r1] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
 
-    def forward(self, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
-        z = _mm_f32(self.hidden[r0:r1], self.weight.T)  # GEMM 1, (c, V) fp32
+    def forward(self, h: torch.Tensor, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
+        z = _mm_f32(h, self.weight.T)  # GEMM 1, (c, V) fp32
         f32 = {"dtype": torch.float32, "device": z.device}
         m = torch.full((r1 - r0,), float("-inf"), **f32)
         s, u, zt = (torch.zeros(r1 - r0, **f32) for _ in range(3))
@@ -68,12 +67,12 @@ class TritonRowChunks:
         logprob, entropy, lse = ref.row_stats(m, s, u, zt, valid)
         return z, logprob, entropy, lse
 
-    def backward(self, z, r0, r1, t, lse, g, grad_h, grad_w, grad_b) -> None:
+    def backward(self, z, h, r0, r1, t, lse, g, grad_h, grad_w, grad_b) -> None:
         dz = z if self.dz_dtype == torch.float32 else torch.empty_like(z, dtype=self.dz_dtype)
         bwd_tile(z, dz, 0, self.bias, t, lse.contiguous(), g.contiguous(), None, None,
                  self._it(r0, r1))  # fmt: skip
         grad_h[r0:r1] = _mm_f32(dz, self.w_op)  # GEMM 2
-        _addmm_f32(grad_w, dz.T, self.h_op[r0:r1])  # GEMM 3
+        _addmm_f32(grad_w, dz.T, h if h.is_cuda else h.float())  # GEMM 3
         if grad_b is not None:
             grad_b += dz.sum(dim=0, dtype=torch.float32)
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2, num_sms
 from .dispatch import interpreting
-from .reference import K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, seq_coefficients
+from .reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, seq_coefficients
 
 # Partial-sum slots written per (sequence, slice) program.
 _P_LOSS, _P_MASS, _P_KL, _P_LOW, _P_HIGH, _P_DUAL, _P_ANY, _P_RATIO = range(8)
@@ -45,7 +45,7 @@ _GPU_BLOCK = 1024
 def _policy_loss_fwd_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, ref_ptr, prox_ptr, cu_ptr, gbuf_ptr, part_ptr,
     n_slots, n_seq, n_total, clip_low, clip_high, dual_clip, behav_cap, kl_coef, k3_clamp,
-    lr_clamp,
+    k3_kl_clamp, lr_clamp,
     SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_CU: tl.constexpr, HAS_REF: tl.constexpr,
     HAS_PROX: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_CAP: tl.constexpr,
     KL_TYPE: tl.constexpr,
@@ -123,8 +123,11 @@ def _policy_loss_fwd_kernel(
                 dr = ref - lp
                 dc = tl.minimum(tl.maximum(dr, -k3_clamp), k3_clamp)
                 e = tl.exp(dc)
-                kl = e - dc - 1.0
-                dkl = tl.where((dr >= -k3_clamp) & (dr <= k3_clamp), 1.0 - e, 0.0)
+                raw = e - dc - 1.0
+                kl = tl.minimum(tl.maximum(raw, -k3_kl_clamp), k3_kl_clamp)  # verl low_var_kl
+                inside = (dr >= -k3_clamp) & (dr <= k3_clamp)
+                inside = inside & (raw >= -k3_kl_clamp) & (raw <= k3_kl_clamp)
+                dkl = tl.where(inside, 1.0 - e, 0.0)
             loss = loss + kl_coef * kl
             dloss = dloss + kl_coef * dkl
         # select, never multiply by the mask: values at masked tokens may be inf or NaN
@@ -235,7 +238,7 @@ def policy_loss_fused_triton(
             dummy if prox_logprob is None else prox_logprob,
             cu, gbuf, part, n_slots, n_seq, n, float(clip_low), float(clip_high),
             float(dual_clip or 0.0), float(behav_cap or 0.0), float(kl_coef),
-            float(K3_LOG_RATIO_CLAMP), float(LOG_RATIO_CLAMP),
+            float(K3_LOG_RATIO_CLAMP), float(K3_KL_CLAMP), float(LOG_RATIO_CLAMP),
             SPLIT=split, BLOCK=block, HAS_CU=has_cu, HAS_REF=ref_logprob is not None,
             HAS_PROX=prox_logprob is not None, HAS_DUAL=dual_clip is not None,
             HAS_CAP=behav_cap is not None and prox_logprob is not None,

@@ -56,6 +56,11 @@ LINEAR_POLICY_STAT_NAMES = (*POLICY_STAT_NAMES, "entropy")
 # The k3 estimator exponentiates (ref - logprob); beyond +-20 the estimate is dominated by
 # numerical blow-up (exp(20) ~ 5e8), so the log-ratio is clamped there, as verl does.
 K3_LOG_RATIO_CLAMP = 20.0
+# ... and the estimate itself is clamped to +-10, as verl's low_var_kl: k3 = r - log r - 1
+# (r = pi_ref/pi) reaches 10 at r ~ 12.6 (or r ~ e^-11), where one token's penalty already
+# equals ~1000 typical ones (k3 ~ 0.01) and its gradient 1 - r keeps growing with r. Beyond
+# the clamp the token's KL gradient is 0 (torch.clamp's, as in verl).
+K3_KL_CLAMP = 10.0
 # The importance ratio exp(logprob - base) and the behaviour weight exp(prox - old) are
 # exponentiated from a log-ratio clamped to +-20 (verl clamps its log-ratio at +-20 too).
 # Ordinary tokens never get near it: the trust region is 1 +- 0.3 (dual clip ~3, behaviour cap
@@ -310,6 +315,47 @@ def row_stats(
     return logprob, entropy, lse
 
 
+def zero_nonfinite_dead_rows(
+    hidden: torch.Tensor, live: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden with each dead row that holds a NaN/inf replaced by zeros, those rows (N,))``.
+
+    ``live`` ``(N,)`` bool marks the rows that take a gradient. A dead row (masked, ignored
+    target, zero incoming gradient) must contribute exactly nothing, but ``0 * NaN = NaN``:
+    a non-finite hidden value makes the row's logits, hence its ``dlogits = g (onehot - p)``
+    row, NaN even though ``g = 0`` there, and ``dW = dlogits^T H`` then spreads it over EVERY
+    row of the weight gradient (and ``db`` over every entry). Zeroing such rows before the
+    GEMMs gives finite logits, an exactly-0 ``dlogits`` row (``-p * 0``), so ``dH = 0`` for
+    the row and nothing in ``dW``/``db``: the result of the row replaced by zeros. A select,
+    not a multiply; ``O(N d)`` beside the ``O(N d V)`` GEMMs, no host sync. Live rows are
+    never touched: a NaN there still shows in the loss.
+    """
+    void = ~(live | torch.isfinite(hidden).all(dim=1))
+    return torch.where(void[:, None], 0.0, hidden), void
+
+
+def void_row_stand_ins(
+    void: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    bias: torch.Tensor | None,
+    inv_t: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse, entropy)`` of ``linear_logprob``'s backward with stand-ins at the ``void`` rows.
+
+    Those rows were zeroed after the forward (``zero_nonfinite_dead_rows``), whose ``lse`` and
+    entropy there are NaN; ``dlogits = -p (g + k (z - lse + H))`` with ``g = k = 0`` is exactly
+    0 only if ``p = e^{z - lse}`` and ``z - lse`` are finite. A zero row has logits
+    ``z_j = b_j / T``, so ``lse := max_j b_j / T`` (0 without bias) bounds them (``p <= 1``);
+    entropy ``:= 0``. ``O(N + V)``, no host sync.
+    """
+    top = 0.0 if bias is None else bias.float().amax() * inv_t
+    lse = torch.where(void, top, lse)
+    if entropy.numel() == void.numel():
+        entropy = torch.where(void, 0.0, entropy)
+    return lse, entropy
+
+
 def linear_logprob_backward_torch(
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -351,7 +397,11 @@ def linear_logprob_backward_torch(
     grad_h = torch.zeros(n_tok, d, **f32)
     grad_w = torch.empty(vocab, d, **f32)
     grad_b = torch.empty(vocab, **f32) if bias is not None else None
-    hf = hidden.float()
+    # rows with no incoming gradient (masked by the loss, ignored) and a NaN/inf hidden state
+    # would still reach dW through 0 * NaN: zeroed (see zero_nonfinite_dead_rows)
+    live = g != 0 if k is None else (g != 0) | (k != 0)
+    hf, void = zero_nonfinite_dead_rows(hidden.float(), live)
+    lse, entropy = void_row_stand_ins(void, lse, entropy, bias, inv_t)
     zbuf = torch.empty(min(token_chunk, n_tok) * min(vocab_tile, vocab), **f32)
     for v0 in range(0, vocab, vocab_tile):
         v1 = min(v0 + vocab_tile, vocab)
@@ -470,8 +520,12 @@ def linear_logprob_torch(
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimators (Schulman, "Approximating KL divergence").
 
-    ``k1 = lp - ref``; ``k2 = (lp - ref)^2 / 2``; ``k3 = e^{ref-lp} - (ref - lp) - 1`` with
-    ``ref - lp`` clamped to +-20 (verl's ``low_var_kl``; TRL's formula, identical inside).
+    ``k1 = lp - ref``; ``k2 = (lp - ref)^2 / 2``;
+    ``k3 = clamp(e^d - d - 1, -10, 10)`` with ``d = clamp(ref - lp, -20, 20)``: exactly verl's
+    ``low_var_kl``, value and gradient (0 where a clamp binds). The clamp to 10 keeps one
+    outlier token (``pi_ref/pi > ~12.6``, or ``< e^-11``) from dominating the loss with a
+    penalty, and a gradient ``1 - pi_ref/pi``, that grow without bound (``K3_KL_CLAMP``).
+    TRL's k3 is not clamped: identical where ``k3 <= 10``.
     """
     if kl_type == "k1":
         return logprob - ref_logprob
@@ -479,7 +533,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_type: str) -
         return 0.5 * (logprob - ref_logprob) ** 2
     if kl_type == "k3":
         d = (ref_logprob - logprob).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-        return torch.exp(d) - d - 1.0
+        return (torch.exp(d) - d - 1.0).clamp(-K3_KL_CLAMP, K3_KL_CLAMP)
     raise ValueError(f"kl_type='{kl_type}' is not one of {'|'.join(KL_TYPES)}")
 
 
@@ -685,8 +739,8 @@ def policy_token_terms(
     quantities); derivative of each term, with ``r = e^{clamp(lp - base)}``:
     ``d(-A r)/dlp = -A r`` (zero where the clipped branch wins, the dual bound binds or the
     log-ratio is clamped), ``dk1 = 1``, ``dk2 = lp - ref``, ``dk3 = 1 - e^{ref - lp}`` (zero
-    where clamped). Values at masked tokens may be inf or NaN: callers select them away
-    (``on``), never multiply them by the mask.
+    where either k3 clamp binds, as verl's low_var_kl). Values at masked tokens may be inf
+    or NaN: callers select them away (``on``), never multiply them by the mask.
     """
     mask = loss_mask.float()
     lp = logprob.float()
@@ -727,10 +781,13 @@ def policy_token_terms(
             dkl = lp - ref
         else:
             dr = ref - lp
+            dc = dr.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+            e = torch.exp(dc)
+            raw = e - dc - 1.0  # k3 before its clamp to +-K3_KL_CLAMP
+            # 0 where either clamp binds (torch.clamp's derivative, as verl's autograd gives)
             inside = (dr >= -K3_LOG_RATIO_CLAMP) & (dr <= K3_LOG_RATIO_CLAMP)
-            dkl = torch.where(
-                inside, 1.0 - torch.exp(dr.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)), 0.0
-            )
+            inside &= (raw >= -K3_KL_CLAMP) & (raw <= K3_KL_CLAMP)
+            dkl = torch.where(inside, 1.0 - e, 0.0)
         if kl_coef != 0.0:
             loss = loss + kl_coef * kl
             dloss = dloss + kl_coef * dkl
@@ -998,7 +1055,6 @@ class TorchRowChunks:
     """
 
     def __init__(self, hidden, weight, bias, inv_t):
-        self.hf = hidden.float()
         self.weight, self.bias, self.inv_t = weight, bias, inv_t
         vocab = weight.shape[0]
         self.rows = lpl_row_chunk(vocab, LPL_CHUNK_BYTES_CPU)
@@ -1010,19 +1066,20 @@ class TorchRowChunks:
     def _w(self, v0: int, v1: int) -> torch.Tensor:
         return self.weight[v0:v1].float()  # a view when the weight is already fp32
 
-    def forward(self, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
-        """GEMM 1 into the chunk buffer, then the row statistics: ``(z, logprob, entropy,
-        lse)``. The whole row is in memory, so no online rescaling: the row maximum ``m``
-        (one sweep), then ``s = sum e^{z-m}`` and ``u = sum e^{z-m} z`` over
+    def forward(self, h: torch.Tensor, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
+        """GEMM 1 of the chunk's hidden rows ``h`` (rows ``r0:r1``) into the chunk buffer, then
+        the row statistics: ``(z, logprob, entropy, lse)``. The whole row is in memory, so
+        no online rescaling: the row maximum ``m`` (one sweep), then ``s = sum e^{z-m}`` and ``u = sum e^{z-m} z`` over
         ``TORCH_VOCAB_TILE`` columns at a time through one reused tile-sized buffer
         (measured on 2 cores at 512 x 32768: 14x faster than the online update per tile,
         whose fresh temporaries are page-faulted on every tile)."""
         vocab = self.weight.shape[0]
         z = self.zbuf[: (r1 - r0) * vocab].view(r1 - r0, vocab)
         it = _rows(self.inv_t, r0, r1)
+        hf = h.float()  # a view when hidden is fp32
         for v0, v1 in self.tiles:
             b = None if self.bias is None else self.bias[v0:v1]
-            _tile_logits(self.hf[r0:r1], self._w(v0, v1), b, it, z[:, v0:v1])
+            _tile_logits(hf, self._w(v0, v1), b, it, z[:, v0:v1])
         m = z.amax(dim=1)
         zt = z.gather(1, t.clamp(0, vocab - 1)[:, None]).squeeze(1)
         s = torch.zeros_like(m)
@@ -1036,11 +1093,11 @@ class TorchRowChunks:
         logprob, entropy, lse = row_stats(m, s, u, zt, valid)
         return z, logprob, entropy, lse
 
-    def backward(self, z, r0, r1, t, lse, g, grad_h, grad_w, grad_b) -> None:
+    def backward(self, z, h, r0, r1, t, lse, g, grad_h, grad_w, grad_b) -> None:
         """``dlogits`` in place in the chunk buffer (second sweep), then GEMM 2
-        (``grad_h[r0:r1] = dlogits W``) and GEMM 3 (``grad_w += dlogits^T H``, fp32)."""
+        (``grad_h[r0:r1] = dlogits W``) and GEMM 3 (``grad_w += dlogits^T h``, fp32)."""
         dz = _dlogits(z, t, 0, lse, g, None, None, _rows(self.inv_t, r0, r1))
-        h = self.hf[r0:r1]
+        h = h.float()
         gh = grad_h[r0:r1].zero_()
         for v0, v1 in self.tiles:
             w = self._w(v0, v1)
@@ -1076,8 +1133,8 @@ def linear_policy_loss_fused(
     """The one orchestration of ``linear_policy_loss``, shared by the torch and Triton paths.
 
     ``steps`` is ``TorchRowChunks`` or its Triton twin (``steps(hidden, weight, bias, inv_t)``
-    has ``rows``, ``forward`` and ``backward``), ``pl_fwd`` the fused policy-loss forward
-    (``policy_loss_fused_torch`` or ``policy_loss_fused_triton``).
+    has ``rows``, and ``forward``/``backward`` of one chunk's hidden rows), ``pl_fwd`` the
+    fused policy-loss forward (``policy_loss_fused_torch`` or ``policy_loss_fused_triton``).
 
     0. ``policy_token_scale``: final mask and aggregation coefficients, which need no logits;
     1. per row chunk of ``c = steps.rows`` rows: the chunk's full-vocabulary fp32 logits
@@ -1087,6 +1144,10 @@ def linear_policy_loss_fused(
        ``dW += dlogits^T H[chunk]`` (GEMM 3, fp32 accumulator), ``db += sum dlogits``;
     2. loss and statistics from the ``(n,)`` log-probs with ``pl_fwd`` (O(n)); the mean
        entropy over the final mask.
+
+    Rows off the final mask contribute exactly nothing, even with a NaN/inf hidden state:
+    such rows are replaced by zeros for the three GEMMs (``zero_nonfinite_dead_rows``, per
+    chunk) and their ``logprob``/``entropy`` reported as NaN, not as a zero row's values.
 
     Three GEMM-equivalents (``6 n d V`` FLOP, nothing recomputed) and one ``(c, V)`` fp32
     buffer; the entropy is detached (no entropy term in ``dlogits``). Returns ``(loss (),
@@ -1117,14 +1178,20 @@ def linear_policy_loss_fused(
     for r0 in range(0, n, run.rows):
         r1 = min(r0 + run.rows, n)
         t, ok = tgt[r0:r1], valid[r0:r1]
-        z, lp, ent, lse = run.forward(r0, r1, t, ok)
-        logprob[r0:r1], entropy[r0:r1] = lp, ent
+        # g = 0 off the mask (a select below), but 0 * NaN = NaN: a NaN/inf hidden value in
+        # such a row would make its dlogits row NaN and, through dW = dlogits^T H, every row
+        # of dW. Zeroed for all three GEMMs (an O(c d) select, no host sync); the row's
+        # reported log-prob/entropy stay NaN (ignored targets keep their 0).
+        h, void = zero_nonfinite_dead_rows(hidden[r0:r1], on[r0:r1] & ok)
+        z, lp, ent, lse = run.forward(h, r0, r1, t, ok)
+        logprob[r0:r1] = torch.where(void & ok, float("nan"), lp)
+        entropy[r0:r1] = torch.where(void & ok, float("nan"), ent)
         g = policy_token_grad(
             lp, old_logprob[r0:r1], advantages[r0:r1], loss_mask[r0:r1],
             sl(ref_logprob, r0, r1), sl(prox_logprob, r0, r1), on[r0:r1], scale[r0:r1],
             clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type,
         )  # fmt: skip
-        run.backward(z, r0, r1, t, lse, torch.where(ok, g, 0.0), grad_h, grad_w, grad_b)
+        run.backward(z, h, r0, r1, t, lse, torch.where(ok, g, 0.0), grad_h, grad_w, grad_b)
     loss, _, _, stats = pl_fwd(
         logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
         seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg,

@@ -205,6 +205,38 @@ def test_nan_gradient_at_ignored_rows_stays_out_of_weight_grad(impl):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
 
 
+# the interpreter computes the forward of the NaN rows in numpy, which warns
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_nonfinite_hidden_at_rows_without_gradient_stays_out_of_weight_grad(impl):
+    """A row whose log-prob and entropy get zero gradient (a token the loss masks) may hold
+    a NaN/inf hidden state: its gradients equal those of the row replaced by zeros (0 for
+    its own dH, nothing in dW/db), entropy term and temperature included; it was 0 * NaN =
+    NaN in every row of dW. A row that does get a gradient still shows its NaN."""
+    h, w, b, t = _inputs(11, 59, 333, torch.float32, seed=10)
+    g = torch.Generator().manual_seed(11)
+    g_lp, g_ent = torch.randn(11, generator=g), torch.randn(11, generator=g)
+    dead = [1, 7]
+    g_lp[dead], g_ent[dead] = 0.0, 0.0
+    zeroed, dirty = h.clone(), h.clone()
+    zeroed[dead] = 0.0
+    dirty[1] = float("nan")
+    dirty[7, 4] = float("-inf")
+
+    def grads(hidden, gl):
+        leaves = [x.clone().requires_grad_() for x in (hidden, w, b)]
+        lp, ent = linear_logprob(*leaves[:2], t, bias=leaves[2], temperature=0.7,
+                                 return_entropy=True)  # fmt: skip
+        return torch.autograd.grad((lp, ent), leaves, (gl, g_ent))
+
+    for name, got, want in zip(("hidden", "weight", "bias"), grads(dirty, g_lp),
+                               grads(zeroed, g_lp)):  # fmt: skip
+        assert torch.isfinite(got).all(), f"non-finite {name} gradient"
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+    g_lp[1] = 1.0
+    assert not torch.isfinite(grads(dirty, g_lp)[1]).all()
+
+
 @pytest.mark.skipif(
     __import__("importlib").util.find_spec("triton") is None, reason="triton not installed"
 )

@@ -14,7 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from paravt_kernels import LINEAR_POLICY_STAT_NAMES, linear_policy_loss, ops  # noqa: E402
+from paravt_kernels import (  # noqa: E402
+    LINEAR_POLICY_STAT_NAMES,
+    linear_logprob,
+    linear_policy_loss,
+    ops,
+    policy_loss,
+)
 from paravt_kernels import reference as ref  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -245,6 +251,64 @@ def test_masked_nan_inf_olds_change_nothing_and_empty_sequences(impl, agg):
     for name, a, c in zip(("hidden", "weight"), dirty[4], clean[4]):
         assert torch.isfinite(a).all(), name
         torch.testing.assert_close(a, c, msg=name)
+
+
+def _pair(h, w, b, t, kw):
+    """The unfused pair ``linear_logprob`` + ``policy_loss``, returned like ``_ours`` (no
+    entropy)."""
+    leaves = [x.clone().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    lp = linear_logprob(leaves[0], leaves[1], t, temperature=kw["temperature"],
+                        bias=leaves[2] if b is not None else None)  # fmt: skip
+    pk = {k: x for k, x in kw.items() if k != "temperature"}
+    loss, stats = policy_loss(
+        lp, pk.pop("old_logprob"), pk.pop("advantages"), pk.pop("loss_mask"), **pk
+    )
+    grads = torch.autograd.grad(loss, leaves)
+    return loss.detach(), stats, lp.detach(), None, grads
+
+
+# the interpreter computes the forward of the NaN rows in numpy, which warns
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+@pytest.mark.parametrize("path", ["fused", "fused-chunks-of-5", "pair"])
+def test_nonfinite_hidden_at_masked_rows_contributes_nothing(impl, path, monkeypatch):
+    """A masked row's hidden state may be NaN/inf (e.g. a pad position whose bf16 activations
+    overflowed). It must contribute exactly nothing: loss, stats, the other rows' log-probs
+    and every gradient equal those with the row replaced by zeros, and its own dH is 0 (it
+    was: 0 * NaN = NaN in the dW GEMM made every row of the weight gradient NaN). Its
+    log-prob stays non-finite (no made-up value), and an UNmasked non-finite row still gives
+    a non-finite loss (nothing is hidden from the trainer's guard)."""
+    n, d, v = 13, 59, 133
+    if path == "fused-chunks-of-5":
+        _budget_rows(monkeypatch, 5, v)
+    cfg = {"kl_coef": 0.1, "kl_type": "k3", "dual_clip": 3.0, "agg": "seq-mean-token-mean",
+           "bias": True}  # fmt: skip
+    h, w, b, t, kw = _case(n, d, v, seed=12, cfg=cfg, temperature=0.7)
+    masked = [0, 6, 12]
+    kw["loss_mask"] = torch.ones(n, dtype=torch.bool)
+    kw["loss_mask"][masked] = False
+    zeroed, dirty = h.clone(), h.clone()
+    zeroed[masked] = 0.0
+    dirty[0] = float("nan")
+    dirty[6, 3] = float("inf")
+    dirty[12, 1], dirty[12, 40] = float("-inf"), float("nan")
+    run = _pair if path == "pair" else _ours
+    want = run(zeroed, w, b, t, kw)
+    got = run(dirty, w, b, t, kw)
+    assert torch.isfinite(got[0]), "loss"
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    for k, x in want[1].items():
+        torch.testing.assert_close(got[1][k], x, atol=0, rtol=0, msg=k)
+    kept = torch.ones(n, dtype=torch.bool)
+    kept[masked] = False
+    torch.testing.assert_close(got[2][kept], want[2][kept], atol=0, rtol=0)
+    assert not torch.isfinite(got[2][masked]).any(), "log-prob of a non-finite hidden row"
+    for name, a, c in zip(("hidden", "weight", "bias"), got[4], want[4]):
+        assert torch.isfinite(a).all(), f"non-finite {name} gradient"
+        torch.testing.assert_close(a, c, atol=0, rtol=0, msg=name)
+    assert (got[4][0][masked] == 0).all(), "dH of the masked rows"
+    kw["loss_mask"][0] = True  # the NaN row is trained: the loss must show it
+    assert not torch.isfinite(run(dirty, w, b, t, kw)[0])
 
 
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)

@@ -251,6 +251,39 @@ def test_log_ratio_is_clamped_before_exp(impl):
     torch.testing.assert_close(grad, grad_r)
 
 
+def _verl_low_var_kl(lp, ref_lp):
+    """verl ``kl_penalty(..., "low_var_kl")`` (core_algos.py), from its published code."""
+    kl = torch.clamp(ref_lp - lp, min=-20, max=20)
+    ratio = torch.exp(kl)
+    kld = ratio - kl - 1
+    return torch.clamp(kld, min=-10, max=10)
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_k3_is_clamped_to_ten_as_verl_low_var_kl(impl):
+    """k3 is clamped to [-10, 10] as verl's low_var_kl: ref - lp = 5 (pi_ref/pi = e^5 ~ 148)
+    gives 10, not e^5 - 6 ~ 142, and no gradient (torch.clamp's, as in verl); ref - lp = -12
+    gives 10, not 11; inside the range (0.5, 2) the usual value and gradient 1 - e^(ref-lp).
+    Advantages are 0 and the ratio 1: the loss is the KL term alone. Checked on the op (this
+    path), the autograd oracle and ``kl_penalty`` (also the reward-mode KL)."""
+    lp = torch.tensor([-6.0, -0.5, -2.0, -3.0])
+    ref_lp = lp + torch.tensor([5.0, -12.0, 0.5, 2.0])
+    kl_want = _verl_low_var_kl(lp, ref_lp)
+    assert kl_want[0] == 10.0 and kl_want[1] == 10.0  # the case this test is about
+    lp_t = lp.clone().requires_grad_()
+    (g_want,) = torch.autograd.grad(0.1 * _verl_low_var_kl(lp_t, ref_lp).mean(), lp_t)
+    assert g_want[0] == 0.0 and g_want[1] == 0.0
+    torch.testing.assert_close(ref.kl_penalty(lp, ref_lp, "k3"), kl_want)
+    for fn in (policy_loss, ref.policy_loss_torch):
+        x = lp.clone().requires_grad_()
+        loss, stats = fn(x, lp, torch.zeros(4), torch.ones(4), ref_logprob=ref_lp,
+                         kl_coef=0.1, kl_type="k3")  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, x)
+        torch.testing.assert_close(loss.detach(), 0.1 * kl_want.mean(), msg=fn.__name__)
+        torch.testing.assert_close(stats["kl_mean"], kl_want.mean(), msg=fn.__name__)
+        torch.testing.assert_close(grad, g_want, msg=fn.__name__)
+
+
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("agg", AGGS)
 def test_rows_outside_cu_seqlens_get_zero_gradient(impl, agg):
