@@ -116,6 +116,16 @@ def bench_linear_logprob(quick: bool) -> dict:
         lp = linear_logprob(h[:m], w, t[:m])
         naive = torch.log_softmax((h[:m] @ w.T).float(), -1).gather(1, t[:m, None]).squeeze(1)
         res["max_abs_diff_vs_naive_bf16"] = (lp - naive).abs().max().item()
+    # gradients on a slice of rows against the naive path (fp32 logits, autograd)
+    m = 256
+    hs, ws = h[:m].detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (linear_logprob(hs, ws, t[:m]) * gout[:m]).sum().backward()
+    hn, wn = h[:m].detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    lpn = torch.log_softmax((hn.float() @ wn.float().T), -1).gather(1, t[:m, None]).squeeze(1)
+    (lpn * gout[:m]).sum().backward()
+    res["grad_rel_err_vs_naive_fp32"] = {"hidden": _rel(hs.grad, hn.grad),
+                                         "weight": _rel(ws.grad, wn.grad)}  # fmt: skip
+    del hs, ws, hn, wn, lpn
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -173,9 +183,19 @@ def bench_linear_policy_loss(quick: bool) -> dict:
                                             old_per_token_logps=old.view(b, n // b))[0])
             )  # fmt: skip
         _vs_liger(res, liger, flops, t_ours)
+        ours()
+        gh, gw = h.grad.clone(), w.grad.clone()
+        liger()
+        res["grad_rel_err_vs_liger"] = {"hidden": _rel(gh, h.grad), "weight": _rel(gw, w.grad)}
     except Exception as e:  # liger missing or failing: report, keep going
         res["liger_error"] = f"{type(e).__name__}: {e}"
     return res
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp32 (NaN stays NaN)."""
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def bench_policy_loss(quick: bool) -> dict:

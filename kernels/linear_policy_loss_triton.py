@@ -36,11 +36,23 @@ _GPU_CHUNK_BYTES = 2 << 30
 
 def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32 (the products of low-precision operands are formed
-    with an fp32 output, never rounded to the operand dtype)."""
+    with an fp32 output, never rounded to the operand dtype).
+
+    On CUDA the low-precision product is accumulated by cuBLAS itself (``addmm`` with
+    ``out_dtype=float32``, beta 1, into ``acc``): no ``(V, d)`` fp32 temporary per row chunk.
+    At V = 151936, d = 4096 that temporary is 2.5 GB written, read and added each chunk
+    (~1.6 ms of HBM traffic per chunk on an H200). Where torch lacks that overload, the
+    temporary path gives the same fp32 sums."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         acc.addmm_(a, b)
-    else:
-        acc += _mm_f32(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc += _mm_f32(a, b)
 
 
 class TritonRowChunks:
@@ -51,6 +63,9 @@ class TritonRowChunks:
         gpu = hidden.is_cuda and not interpreting()
         budget = _GPU_CHUNK_BYTES if gpu else ref.LPL_CHUNK_BYTES_CPU
         self.rows = ref.lpl_row_chunk(weight.shape[0], budget)
+        if gpu:  # equal chunks: no small last chunk whose GEMMs run below the tensor-core peak
+            n, k = hidden.shape[0], -(-hidden.shape[0] // self.rows)
+            self.rows = max(1, -(-n // max(k, 1)))
         # dlogits feed two matmuls: the operand dtype on GPU (tensor cores), fp32 on CPU.
         self.dz_dtype = hidden.dtype if hidden.is_cuda else torch.float32
         self.w_op = weight if weight.is_cuda else weight.float()

@@ -55,7 +55,12 @@ if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
 fi
 # PARAVT_FORCE_EXT=1: a CUDA build of paravt._C that fails fails this step (and the script),
 # instead of setup.py's warning + pure-torch fallback.
-# One architecture (the H100/H200's sm_90) and every core: the extension builds in about a minute.
+# One architecture (the H100/H200's sm_90) and every core: the extension builds in about 40 s.
+# The system g++: on the device image seen on 2026-12-04 the g++ that torch picks up
+# (/opt/gcc/bin/g++, a wrapper of the same GCC 13.3) builds a paravt._C in which formatting
+# any TORCH_CHECK message segfaults (std::ostream << size_t), so every error path of the op
+# killed the process; /usr/bin/g++ builds one that raises (docs/gpu/README.md).
+[ -x /usr/bin/g++ ] && export CXX="${CXX:-/usr/bin/g++}"
 step build 170 env PARAVT_FORCE_EXT=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
   MAX_JOBS="${MAX_JOBS:-16}" "$PY" -m pip install --no-deps --no-build-isolation -e .
 # With a GPU, paravt._C must have come out WITH its CUDA ops (e.g. not a CPU-only build for
@@ -69,7 +74,17 @@ tail -n 1 "$OUT/native_cuda.txt" | tee -a "$OUT/summary.txt"
 # (in the image) spreads the ~100 kernel compilations over the cores.
 XDIST=""
 "$PY" -c "import xdist" >/dev/null 2>&1 && XDIST="-n 8"
-step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST \
+# The kernel tests' CPU-tensor cases run the Triton interpreter, which in Triton < 3.7 calls
+# int() on a 1-element array, an error from numpy 2.5 on (Triton 3.7 squeezes first): there
+# they are deselected (CI runs them on CPU with the pinned Triton), the GPU cases still run.
+KSEL=()
+if "$PY" -c 'import sys, numpy, triton
+v = lambda s: tuple(int(x) for x in s.split(".")[:2])
+sys.exit(0 if v(triton.__version__) < (3, 7) and v(numpy.__version__) >= (2, 5) else 1)'; then
+  KSEL=(-k "cuda or not triton")
+  summary "tests: Triton-interpreter cases deselected (Triton < 3.7 with numpy >= 2.5)"
+fi
+step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST "${KSEL[@]}" \
   tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
   tests/test_kernels_linear_policy_loss.py tests/test_kernels_linear_logprob.py \
   tests/test_kernels_policy_loss.py tests/test_kernels_group_advantage.py

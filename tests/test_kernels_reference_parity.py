@@ -309,11 +309,18 @@ def test_cuda_triton_matches_torch_reference(monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA + triton")
-def test_cuda_linear_policy_loss_matches_torch_reference(monkeypatch):
+@pytest.mark.parametrize("chunk_rows", [None, 700])
+def test_cuda_linear_policy_loss_matches_torch_reference(monkeypatch, chunk_rows):
     """On a GPU: the fused ``linear_policy_loss`` (cuBLAS fp32-output logits chunks + Triton
     row kernels) against its torch path, bf16 operands, per-row temperatures, decoupled
-    objective with KL, several sequences across chunk boundaries."""
+    objective with KL, several sequences across chunk boundaries. ``chunk_rows=700``: 5 equal
+    chunks of 600 rows, so dW is accumulated in place by cuBLAS (``addmm`` with an fp32
+    output) across chunks, as at V = 151936 with more than 3533 tokens."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if chunk_rows is not None:
+        from paravt_kernels import linear_policy_loss_triton as lplt
+
+        monkeypatch.setattr(lplt, "_GPU_CHUNK_BYTES", chunk_rows * 4 * 50000)
     g = torch.Generator(device="cuda").manual_seed(1)
     n, d, v = 3000, 256, 50000
     h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
