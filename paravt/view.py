@@ -4,7 +4,8 @@ RUN_DIR is a training run folder (``metrics.jsonl``; ``python -m paravt.train`` 
 train``) or an evaluation folder (``results.jsonl``; ``python -m paravt.eval --out DIR``). The
 report goes to ``--out`` (default ``RUN_DIR/view``) and needs no server, no network and no
 JavaScript library: open ``index.html`` in a browser, or pass ``--serve PORT`` to serve it
-with the standard library's ``http.server``.
+with the standard library's ``http.server`` (127.0.0.1 only; the report and its thumbnails,
+nothing else of the run: :func:`make_server`).
 
 * ``index.html``: the alarms (``paravt.alarms``, the ``kind: "alarm"`` rows), the main curves
   as inline SVG drawn here (reward and its parts, format, ``</think>`` closure, tool-call rate
@@ -263,7 +264,10 @@ def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, li
             names.append(k)
     out = {}
     for n in names:
-        pts = [(r["step"], r[n]) for r in rows if isinstance(r.get(n), (int, float))]
+        # Finite (step, value) pairs only: a NaN logged by a diverging run, or a hand-edited
+        # step, would otherwise make the panel's scale NaN (or crash it).
+        pts = [(_num(r.get("step")), _num(r[n])) for r in rows if n in r]
+        pts = [(x, y) for x, y in pts if x is not None and y is not None]
         if pts:
             out[n] = pts
     return out
@@ -428,11 +432,19 @@ def _page(title: str, body: str, script: str = "") -> str:
     )
 
 
+def _step(r: dict[str, Any]) -> int | None:
+    """A record's step as an int, None when it has none usable (missing, NaN, text)."""
+    x = _num(r.get("step"))
+    return None if x is None else int(x)
+
+
 def _alarm_steps(alarms: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[int]:
+    """Steps of the alarms on ``keys`` (an alarm without a usable step draws no mark)."""
     return [
-        int(a["step"])
+        s
         for a in alarms
         if any(a.get("metric") == k or str(a.get("metric", "")).startswith(k) for k in keys)
+        and (s := _step(a)) is not None
     ]
 
 
@@ -443,10 +455,12 @@ def render_index(rep: Report) -> str:
     if rep.kind == "train":
         b.append("<h2>Alarms</h2>")
         if rep.alarms:
-            b += [
-                f'<div class="alarm">step {int(a["step"])}: {e(str(a.get("message", "")))}</div>'
-                for a in rep.alarms
-            ]
+            for a in rep.alarms:
+                s = _step(a)
+                b.append(
+                    f'<div class="alarm">step {"?" if s is None else s}: '
+                    f"{e(str(a.get('message', '')))}</div>"
+                )
         else:
             b.append('<div class="ok">no collapse alarm</div>')
         train = [r for r in rep.metrics if r.get("kind", "train") == "train"]
@@ -465,10 +479,11 @@ def render_index(rep: Report) -> str:
             b.append("</tr>")
             for r in evals:
                 cells = "".join(
-                    f"<td>{r[k]:.3f}</td>" if isinstance(r.get(k), (int, float)) else "<td></td>"
+                    f"<td>{x:.3f}</td>" if (x := _num(r.get(k))) is not None else "<td></td>"
                     for k in keys
                 )
-                b.append(f"<tr><td>{e(str(r['kind']))}</td><td>{r['step']}</td>{cells}</tr>")
+                step = e(str(r.get("step", "")))  # as logged, escaped: a record is hostile text
+                b.append(f"<tr><td>{e(str(r['kind']))}</td><td>{step}</td>{cells}</tr>")
             b.append("</table>")
         b.append(f"<h2>Config (config.yaml)</h2><pre>{e(rep.config_text)}</pre>")
     else:
@@ -606,14 +621,64 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return dst / "index.html"
 
 
-def serve(directory: Path, port: int) -> None:
-    """Serve ``directory`` on ``http://127.0.0.1:port/`` until interrupted (stdlib only)."""
-    import functools
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+def make_server(index: Path, run_dir: Path, port: int) -> tuple[Any, str]:
+    """An HTTP server (stdlib ``http.server``, 127.0.0.1 only) for the report whose first page
+    is ``index``, and the URL of that page; ``port`` 0 lets the system pick one.
 
-    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(directory))
-    with ThreadingHTTPServer(("127.0.0.1", port), handler) as srv:
-        print(f"serving {directory} at http://127.0.0.1:{srv.server_address[1]}/ (Ctrl-C stops)")
+    A report inside its run folder (the default ``RUN_DIR/view``) links the run's own
+    ``thumbs/`` as ``../thumbs/…``, so the server's root is the run folder; a report elsewhere
+    is self-contained and is the root itself. Only the report's two pages and the thumbnail
+    folders are served: the rest of the run (checkpoints, config, metrics) and anything above
+    the root answer 404, whatever ``..`` or symlink a request holds. Raises :class:`ViewError`
+    when the port cannot be bound (in use, privileged, out of range)."""
+    import errno
+    import functools
+    from http import HTTPStatus
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import quote, urlsplit
+
+    report, run = index.parent.resolve(), run_dir.resolve()
+    root = run if run == report or run in report.parents else report
+    allowed = (report / "index.html", report / "trajectories.html", report / "thumbs")
+    allowed += (root / "thumbs",)
+    start = "/" + quote(index.resolve().relative_to(root).as_posix())
+
+    class Handler(SimpleHTTPRequestHandler):
+        def send_head(self):  # type: ignore[no-untyped-def]  # GET and HEAD
+            if urlsplit(self.path).path == "/":  # the root is no page: go to the report
+                self.send_response(HTTPStatus.FOUND)
+                self.send_header("Location", start)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            # translate_path already drops ".." (and the query); resolve() catches symlinks.
+            p = Path(self.translate_path(self.path)).resolve()
+            if not any(p == a or a in p.parents for a in allowed):
+                self.send_error(HTTPStatus.NOT_FOUND, "File not found")
+                return None
+            return super().send_head()
+
+    if not 0 <= port <= 65535:
+        raise ViewError(f"--serve {port} is not a TCP port; pass one in 1-65535 (0: any free)")
+    try:
+        srv = ThreadingHTTPServer(("127.0.0.1", port), functools.partial(Handler, directory=root))
+    except OSError as e:
+        why = {
+            errno.EADDRINUSE: "is in use (another server, or an earlier --serve still running)",
+            errno.EACCES: "needs privileges (ports below 1024)",
+        }.get(e.errno or 0, f"cannot be bound ({e.strerror or e})")
+        raise ViewError(
+            f"port {port} {why}; the report is written ({index}): serve it on a free port, "
+            f"e.g. --serve {port + 1 if port < 65535 else 8000}, or --serve 0 for any free one"
+        ) from None
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}{start}"
+
+
+def serve(index: Path, run_dir: Path, port: int) -> None:
+    """Serve the report (see :func:`make_server`) until interrupted."""
+    srv, url = make_server(index, run_dir, port)
+    with srv:
+        print(f"serving {index.parent} at {url} (Ctrl-C stops)", flush=True)
         try:
             srv.serve_forever()
         except KeyboardInterrupt:
@@ -628,12 +693,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         index = write_report(a.run_dir, a.out or None)
+        print(f"wrote {index} and {index.parent / 'trajectories.html'}", flush=True)
+        if a.serve is not None:
+            serve(index, Path(a.run_dir), a.serve)
     except ViewError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {index} and {index.parent / 'trajectories.html'}")
-    if a.serve is not None:
-        serve(index.parent, a.serve)
     return 0
 
 

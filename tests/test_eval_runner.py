@@ -214,7 +214,7 @@ def test_missing_video_and_engine_failure_become_counted_error_rows(tiny, synth_
     assert all(rows[s.id]["error_kind"] == "engine" for s in samples[1:])
     assert "device lost" in rows[samples[1].id]["error"]
     assert summary["n"] == 3 and summary["n_errors"] == 3
-    # A rerun retries the engine failures (not the missing video).
+    # A rerun retries the engine failures and the missing video (still missing: one row).
     runner = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
     summary = run_eval(samples, runner, tmp_path, _settings(), show_progress=False)
     rows = load_results(tmp_path)
@@ -332,3 +332,141 @@ def test_one_failing_sample_does_not_sink_its_batch(tiny, synth_dir, tmp_path):
     assert summary["n_errors"] == 1 and rows[samples[1].id]["error_kind"] == "engine"
     assert "context too long" in rows[samples[1].id]["error"]
     assert rows[samples[0].id]["error"] is None and rows[samples[2].id]["error"] is None
+
+
+class _NoModel:
+    """``load_model_from_config`` replaced: a run that reaches the model load fails the test
+    (refusals must come before anything heavy loads)."""
+
+    def __call__(self, *a, **k):
+        raise AssertionError("the model was loaded: the run should have been refused before")
+
+
+def test_resume_refuses_any_other_resolved_setting(
+    assets, synth_dir, tmp_path, capsys, monkeypatch
+):
+    """run.json fingerprints the whole resolved config, the preset and the weights' files: a
+    resume with another prompt text, crop size, dtype, preset or checkpoint is refused before
+    the model loads, naming each key (saved -> now) and the fix."""
+    model = tmp_path / "model"
+    shutil.copytree(assets["model"], model)  # a copy whose files this test may touch
+    out = tmp_path / "out"
+    assert main(_cli(synth_dir, model, out, "--limit", "1")) == 0
+    capsys.readouterr()
+    saved = json.loads((out / "run.json").read_text())
+    assert saved["preset"] == "tiny_cpu" and saved["weights"]
+    assert saved["config"]["agent"]["think_prefix"] == "<think>\n"
+    assert saved["config"]["model"]["dtype"] == "float32"
+    import paravt.models
+
+    monkeypatch.setattr(paravt.models, "load_model_from_config", _NoModel())
+    changed = {
+        "agent.force_answer_text=Now.": "agent.force_answer_text: saved '\\nI must answer now.",
+        "agent.think_prefix=<think>": "agent.think_prefix: saved '<think>\\n', now '<think>'",
+        "agent.sub_agent_include_question=false": (
+            "agent.sub_agent_include_question: saved True, now False"
+        ),
+        "video.crop_min_frames=3": "video.crop_min_frames: saved 2, now 3",
+        "agent.allow_unclosed_final_call=true": (
+            "agent.allow_unclosed_final_call: saved False, now True"
+        ),
+        "model.dtype=bfloat16": "model.dtype: saved 'float32', now 'bfloat16'",
+    }
+    for item, said in changed.items():
+        assert main(_cli(synth_dir, model, out, "--limit", "1", item)) == 2, item
+        err = capsys.readouterr().err
+        assert said in err, err
+        assert "another --out" in err and "same settings" in err
+    assert main(_cli(synth_dir, model, out, "--limit", "1", "--preset", "tiny_cpu_vanilla")) == 2
+    err = capsys.readouterr().err
+    assert "preset: saved 'tiny_cpu', now 'tiny_cpu_vanilla'" in err
+    # Other weights in the same folder (a checkpoint rewritten in place): refused too.
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert main(_cli(synth_dir, model, out, "--limit", "1")) == 2
+    assert "weights: saved " in capsys.readouterr().err
+    assert json.loads((out / "run.json").read_text()) == saved  # refusals write nothing
+
+
+def test_restored_video_is_redone_on_resume(tiny, synth_dir, tmp_path):
+    """A missing or unreadable video's error row is retried by a resume: once the file is
+    back, the sample is evaluated and the summary counts it once."""
+    cfg = load_config("tiny_cpu", overrides=FAST)
+    samples = load_benchmark("synth", synth_dir)[:3]
+    real = [s.video for s in samples]
+    samples[0].video = str(tmp_path / "gone.mp4")  # missing
+    samples[1].video = str(tmp_path / "torn.mp4")  # unreadable
+    (tmp_path / "torn.mp4").write_bytes(b"\x00not a video" * 64)
+    out = tmp_path / "out"
+    runner = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
+    summary = run_eval(samples, runner, out, _settings(), show_progress=False)
+    rows = load_results(out)
+    assert rows[samples[0].id]["error_kind"] == "missing"
+    assert rows[samples[1].id]["error_kind"] == "video"
+    assert summary["n"] == 3 and summary["n_errors"] == 2
+    shutil.copy(real[0], tmp_path / "gone.mp4")
+    shutil.copy(real[1], tmp_path / "torn.mp4")
+    kept = rows[samples[2].id]["timings"]
+    runner = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
+    summary = run_eval(samples, runner, out, _settings(), show_progress=False)
+    rows = load_results(out)
+    assert summary["n"] == 3 and summary["n_errors"] == 0
+    assert rows[samples[0].id]["error"] is None and rows[samples[1].id]["error"] is None
+    assert rows[samples[2].id]["timings"] == kept  # the finished sample was not redone
+    ids = [json.loads(x)["id"] for x in (out / "results.jsonl").read_text().splitlines()]
+    assert ids == [s.id for s in samples]  # one row per sample after the merge
+
+
+def test_greedy_with_top_p_is_refused(assets, synth_dir, tmp_path, capsys, monkeypatch):
+    """top_p < 1 with greedy decoding (the eval default) is a contradiction: refused before
+    the model loads. A checkpoint trained with top_p < 1 is still evaluated greedy."""
+    import paravt.models
+
+    real = paravt.models.load_model_from_config
+    monkeypatch.setattr(paravt.models, "load_model_from_config", _NoModel())
+    out = tmp_path / "out"
+    for engine in ("hf", "vllm"):
+        args = ["--limit", "1", "--engine", engine, "rollout.top_p=0.5"]
+        assert main(_cli(synth_dir, assets["model"], out, *args)) == 2, engine
+        err = capsys.readouterr().err
+        assert "rollout.top_p=0.5" in err and "rollout.temperature=0" in err, err
+        assert "rollout.top_p=1" in err  # the fix
+    # vLLM refuses every greedy row with top_p < 1, the sub-agents' too.
+    args = ["--engine", "vllm", "rollout.top_p=0.5", "rollout.temperature=0.7"]
+    assert main(_cli(synth_dir, assets["model"], out, *args)) == 2
+    assert "rollout.sub_temperature=0" in capsys.readouterr().err
+    assert not out.exists()
+    monkeypatch.setattr(paravt.models, "load_model_from_config", real)
+    trained = tmp_path / "top_p.yaml"
+    trained.write_text("rollout:\n  top_p: 0.9\n")
+    args = ["--limit", "1", "--config", str(trained)]
+    assert main(_cli(synth_dir, assets["model"], out, *args)) == 0
+    assert json.loads((out / "run.json").read_text())["top_p"] == 1.0
+
+
+def test_frames_over_the_context_are_refused_before_any_sample(
+    assets, synth_dir, tmp_path, capsys, monkeypatch
+):
+    import paravt.models
+
+    monkeypatch.setattr(paravt.models, "load_model_from_config", _NoModel())
+    out = tmp_path / "out"
+    assert main(_cli(synth_dir, assets["model"], out, "--frames", "100000")) == 2
+    err = capsys.readouterr().err
+    assert "--frames 100000" in err and "K=100000" in err
+    assert "max_position_embeddings=8192" in err and "lower --frames" in err
+    assert not out.exists()
+
+
+def test_an_eval_of_only_engine_errors_exits_nonzero(
+    assets, synth_dir, tmp_path, capsys, monkeypatch
+):
+    import paravt.rollout.__main__ as rollout_cli
+
+    monkeypatch.setattr(rollout_cli, "make_engine", lambda cfg, bundle: _Boom())
+    out = tmp_path / "out"
+    assert main(_cli(synth_dir, assets["model"], out, "--limit", "2")) == 1
+    err = capsys.readouterr().err
+    assert "all 2 samples failed" in err and "engine: 2" in err and "device lost" in err
+    assert "rerun the same command" in err
+    assert json.loads((out / "summary.json").read_text())["n_errors"] == 2  # still written

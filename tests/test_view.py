@@ -494,3 +494,107 @@ def test_records_are_coerced_and_judged_by_task(tmp_path) -> None:
     assert tvg.calls[0].start is None
     page = render_trajectory(0, tvg, {})
     assert "onerror" not in page and "9<b>" not in page and "'><b>" not in page
+
+
+def _tiny_train_folder(d: Path, rows: list[dict]) -> Path:
+    """A hand-made training run folder: ``rows`` as metrics.jsonl, one trajectory whose two
+    overview frames have thumbnails under ``thumbs/``."""
+    from PIL import Image
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "thumbs").mkdir(exist_ok=True)
+    for i in range(2):
+        Image.new("RGB", (16, 12), (40 * i, 90, 200)).save(d / "thumbs" / f"u-{i}.jpg")
+    traj = {"uid": "u", "step": 1, "K": 2, "question": "q", "answer": "A", "duration": 10.0,
+            "frame_times": [2.0, 7.0], "thumbs": ["thumbs/u-0.jpg", "thumbs/u-1.jpg"],
+            "turns": [{"text": "<answer>A</answer>", "calls": []}], "breakdown": {"acc": 1.0}}  # fmt: skip
+    (d / "trajectories.jsonl").write_text(json.dumps(traj) + "\n")
+    (d / "config.yaml").write_text("secret: run config\n")
+    return d
+
+
+def test_eval_table_step_is_escaped(tmp_path) -> None:
+    """The ``step`` of an evaluation row is hostile text like any other string of a run."""
+    rows = [
+        {"step": 1, "kind": "train", "tool_call_rate": 0.5},
+        {"step": "<script>alert(3)</script>", "kind": "eval_after", "accuracy": 0.5},
+    ]
+    index = write_report(_tiny_train_folder(tmp_path / "run", rows)).read_text()
+    assert "<script>alert(3)" not in index
+    assert "<td>&lt;script&gt;alert(3)&lt;/script&gt;</td>" in index
+
+
+def test_alarm_with_a_nan_or_missing_step_renders(tmp_path) -> None:
+    rows = [
+        {"step": 1, "kind": "train", "tool_call_rate": 0.5},
+        {"step": 2, "kind": "train", "tool_call_rate": float("nan")},
+        {"step": float("nan"), "kind": "alarm", "metric": "tool_call_rate", "message": "fell"},
+        {"kind": "alarm", "metric": "tool_call_rate", "message": "fell again"},
+        {"step": 2, "kind": "alarm", "metric": "tool_call_rate", "message": "at two"},
+    ]
+    index = write_report(_tiny_train_folder(tmp_path / "run", rows)).read_text()
+    assert "step ?: fell</div>" in index and "step ?: fell again</div>" in index
+    assert "step 2: at two</div>" in index
+    assert index.count("alarm at step") == 1  # only the alarm with a step is marked
+    svg = index[index.index("<svg") : index.rindex("</svg>")]
+    assert "nan" not in svg.lower()  # the NaN rate is left out of the curve, not drawn
+
+
+def test_serve_on_a_busy_port_is_a_one_line_error(tmp_path, capsys) -> None:
+    import socket
+
+    run = _tiny_train_folder(tmp_path / "run", [{"step": 1, "kind": "train"}])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main([str(run), "--serve", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"port {port} is in use" in err and f"--serve {port + 1}" in err
+
+
+def test_serve_of_a_training_run_resolves_its_thumbnails(tmp_path) -> None:
+    """``--serve`` of a report inside the run folder serves the run folder, so the pages'
+    ``../thumbs/`` links resolve; nothing else of the run (or above it) is served."""
+    import http.client
+    import re
+    import subprocess
+    import sys
+    from urllib.parse import urljoin, urlparse
+    from urllib.request import urlopen
+
+    run = _tiny_train_folder(tmp_path / "run", [{"step": 1, "kind": "train"}])
+    (tmp_path / "outside.txt").write_text("not the run's")
+    cmd = [sys.executable, "-m", "paravt.view", str(run), "--serve", "0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = ""
+        deadline = time.time() + 60
+        while not url and time.time() < deadline:
+            line = p.stdout.readline()
+            assert line or p.poll() is None, p.stderr.read()
+            m = re.search(r"http://127\.0\.0\.1:\d+/\S*", line)
+            url = m.group(0) if m else ""
+        assert url, "the server never said where it listens"
+        page_url = urljoin(url, "trajectories.html")
+        page = urlopen(page_url, timeout=10).read().decode()
+        srcs = re.findall(r'<img loading="lazy" src="([^"]+)"', page)
+        assert len(srcs) == 2 and all(s.startswith("../thumbs/") for s in srcs)
+        for s in srcs:
+            got = urlopen(urljoin(page_url, s), timeout=10).read()
+            assert got == (run / "thumbs" / s.rsplit("/", 1)[1]).read_bytes()
+        host = urlparse(url)
+        for path in ("/../outside.txt", "/%2e%2e/outside.txt", "/config.yaml",
+                     "/metrics.jsonl", "/view/../config.yaml", "/thumbs/../config.yaml"):  # fmt: skip
+            c = http.client.HTTPConnection(host.hostname, host.port, timeout=10)
+            c.request("GET", path)
+            r = c.getresponse()
+            body = r.read()
+            assert r.status == 404 and b"run config" not in body, (path, r.status)
+            assert b"not the run's" not in body
+            c.close()
+    finally:
+        p.terminate()
+        p.wait(timeout=10)

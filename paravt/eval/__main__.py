@@ -10,31 +10,38 @@ NAME: videomme, videomme_sub, longvideobench, lvbench, mlvu, mmvu, charades_sta,
 (``paravt.eval.benchmarks`` documents each one's expected layout under ``--data-root``).
 ``synth`` without ``--data-root`` is the embedded synthetic task's validation split.
 
-Greedy by default (``rollout.temperature=0``, ``rollout.sub_temperature=0``; a ``key=value``
-override wins), with the reference protocol's 3 tool rounds and at most 5 parallel calls.
+Greedy by default (``rollout.temperature=0``, ``rollout.sub_temperature=0``,
+``rollout.top_p=1``; a ``key=value`` override wins, and a ``top_p`` below 1 with greedy
+decoding is refused as a contradiction), with the reference protocol's 3 tool rounds and at
+most 5 parallel calls. ``--frames`` is checked against the model's context (and vLLM's
+``max_model_len``) before anything loads.
 ``--model`` defaults to ``model.path``, else the newest checkpoint of ``train.out_dir`` (what
 ``make train`` wrote). A checkpoint of a paravt run is evaluated with that run's
 ``config.yaml`` (pixel budgets, prompts, token caps: what it trained with) unless ``--config``
 is given; any other model with ``--preset`` (default ``tiny_cpu``: pass
 ``--preset qwen3vl_8b_paragrpo`` for Qwen3-VL-8B). Results go to ``--out`` (default
 ``runs/eval/<benchmark>``): ``results.jsonl``, ``summary.json`` and a markdown table; a rerun
-into the same folder resumes (``paravt.eval.runner``).
+into the same folder resumes (``paravt.eval.runner``) when every setting is the same, and is
+refused, naming what differs, otherwise. Exit status: 0, 2 for a refused input, 1 when every
+sample failed (nothing was evaluated).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from paravt.checkpoint import resolve_model_path, run_config
-from paravt.config import PRESETS, ConfigError, load_config
+from paravt.config import PRESETS, Config, ConfigError, load_config
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
 # calls per turn), unless the user overrides them (their key=value items come after these).
 EVAL_DEFAULTS = (
     "rollout.temperature=0",
     "rollout.sub_temperature=0",
+    "rollout.top_p=1",  # a checkpoint's config.yaml may carry its training nucleus
     "agent.max_turns=3",
     "agent.max_parallel=5",
 )
@@ -59,6 +66,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     return ap.parse_args(argv)
+
+
+def sampling_errors(cfg: Config) -> list[str]:
+    """``rollout.top_p`` < 1 where decoding is greedy: no effect at all when both roles are
+    greedy, and with vLLM, which refuses greedy requests with top_p < 1, every sample would
+    be an engine error when either is."""
+    r = cfg.rollout
+    if r.top_p >= 1:
+        return []
+    if r.temperature == 0 and r.sub_temperature == 0:
+        return [
+            f"rollout.top_p={r.top_p:g} has no effect: decoding is greedy (rollout.temperature=0 "
+            "and rollout.sub_temperature=0, the eval default); set rollout.top_p=1, or sample "
+            "with rollout.temperature>0 (and rollout.sub_temperature>0)"
+        ]
+    greedy = [k for k in ("temperature", "sub_temperature") if getattr(r, k) == 0]
+    if r.engine == "vllm" and greedy:
+        return [
+            f"rollout.top_p={r.top_p:g} with rollout.engine=vllm and rollout.{greedy[0]}=0: "
+            "vLLM refuses greedy requests with top_p < 1 (every sample would be an engine "
+            f"error); set rollout.top_p=1, or rollout.{greedy[0]}>0"
+        ]
+    return []
+
+
+def frames_errors(cfg: Config, frames: int, model_path: str) -> list[str]:
+    """``--frames`` against the model's context: the training check
+    (:func:`paravt.train._context_budget_errors`, the engine's ``max_model_len`` included)
+    with K = ``frames``, run before anything loads."""
+    from paravt.train import _context_budget_errors
+
+    if not (Path(model_path) / "config.json").is_file():
+        return []
+    at_k = dataclasses.replace(
+        cfg, video=dataclasses.replace(cfg.video, gating=False, fixed_frames=frames)
+    )
+    return [
+        f"--frames {frames} does not fit the context of {model_path}: {e} (for an evaluation: "
+        "lower --frames)"
+        for e in _context_budget_errors(at_k, Path(model_path))
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             data_root = str(resolve_data(cfg))
         if not Path(data_root).is_dir():
             raise ConfigError(f"--data-root {data_root!r} is not a directory")
+        errs = sampling_errors(cfg) + frames_errors(cfg, a.frames, model_path)
+        if errs:
+            raise ConfigError("\n  - ".join(["invalid evaluation:", *errs]))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -97,7 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     from paravt.agent import AgentRunner
     from paravt.distributed import cleanup, init_distributed
     from paravt.eval.benchmarks import BenchmarkFormatError, load_benchmark
-    from paravt.eval.runner import EvalError, EvalSettings, run_eval
+    from paravt.eval.runner import (
+        EvalError,
+        EvalSettings,
+        eval_config,
+        failed_run,
+        run_eval,
+        settings_refusal,
+        weights_fingerprint,
+    )
     from paravt.models import load_model_from_config
     from paravt.rollout.__main__ import make_engine
 
@@ -109,19 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     if not samples:
         print(f"error: no samples in {data_root} for {a.benchmark}", file=sys.stderr)
         return 1
-    ctx = init_distributed(cfg.model.device)
-    if ctx.is_main:
-        v = cfg.video
-        print(
-            f"[eval] {a.benchmark}: {len(samples)} samples, model {model_path}, config "
-            f"{trained_with or ('preset ' + a.preset)} (overview <= {v.overview_max_pixels} px "
-            f"per frame, K={a.frames}, crops <= {v.crop_max_frames} frames of "
-            f"<= {v.crop_max_pixels} px, crop mode {cfg.agent.crop_mode})",
-            flush=True,
-        )
-    bundle = load_model_from_config(model_path, cfg.model, device=str(ctx.device))
-    engine = make_engine(cfg, bundle)
-    runner = AgentRunner(engine, bundle, cfg)
     r = cfg.rollout
     settings = EvalSettings(
         benchmark=a.benchmark,
@@ -143,10 +189,32 @@ def main(argv: list[str] | None = None) -> int:
         crop_max_frames=cfg.video.crop_max_frames,
         crop_fps=cfg.video.crop_fps,
         seed=a.seed,
+        preset=a.preset,
+        weights=weights_fingerprint(model_path),
+        config=eval_config(cfg),
     )
     out = a.out or f"runs/eval/{a.benchmark}"
+    # Refuse a mismatched resume before the model loads (run_eval checks again, on rank 0,
+    # and writes run.json); every rank reads the same files, so all refuse together.
+    refused = settings_refusal(Path(out), settings)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    ctx = init_distributed(cfg.model.device)
+    if ctx.is_main:
+        v = cfg.video
+        print(
+            f"[eval] {a.benchmark}: {len(samples)} samples, model {model_path}, config "
+            f"{trained_with or ('preset ' + a.preset)} (overview <= {v.overview_max_pixels} px "
+            f"per frame, K={a.frames}, crops <= {v.crop_max_frames} frames of "
+            f"<= {v.crop_max_pixels} px, crop mode {cfg.agent.crop_mode})",
+            flush=True,
+        )
+    bundle = load_model_from_config(model_path, cfg.model, device=str(ctx.device))
+    engine = make_engine(cfg, bundle)
+    runner = AgentRunner(engine, bundle, cfg)
     try:
-        run_eval(
+        summary = run_eval(
             samples,
             runner,
             out,
@@ -163,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         cleanup(ctx, getattr(engine, "close", lambda: None))
     if ctx.is_main:
         print(f"[eval] results in {out}/ (results.jsonl, summary.json)")
+    if summary["n"] and summary["n_errors"] == summary["n"]:  # the same on every rank
+        if ctx.is_main:
+            why = failed_run(Path(out), samples) or f"every sample failed (see {out}/results.jsonl)"
+            print(f"error: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

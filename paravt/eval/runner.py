@@ -15,27 +15,34 @@ Files in ``out``:
   the trace (each turn's text and its calls' windows and responses) that the viewer renders.
   Written as each batch finishes (``results.rank{r}.jsonl`` per rank under ``torchrun``, merged
   into ``results.jsonl`` in dataset order at the end).
-* ``run.json`` — what the numbers depend on (benchmark, model, frames, crop mode, engine,
-  sampling). A rerun with the same settings skips every id already in the results (a killed
-  run loses at most the batch in flight); a rerun with different settings into the same folder
-  is refused, naming what differs, rather than mixing two protocols in one summary.
+* ``run.json`` — what the numbers depend on (:class:`EvalSettings`): benchmark, data, model
+  path and a fingerprint of its files (:func:`weights_fingerprint`), frames, the preset and the
+  whole resolved configuration (prompts, crop sizes, dtype, sampling, … :func:`eval_config`).
+  A rerun with the same settings skips every id already in the results (a killed run loses at
+  most the batch in flight); a rerun that differs in any of them is refused before the model
+  loads, naming each key that differs (saved → now), rather than averaging two protocols in
+  one summary.
 * ``summary.json`` — :func:`paravt.eval.scoring.summarize` of all rows; the markdown table
   (:func:`paravt.eval.scoring.markdown_table`) is printed at the end.
 
-Errors never stop a run: a sample whose video is missing or unreadable becomes an error row
-(counted in the summary, scored wrong / IoU 0); a batch whose engine call raises becomes error
-rows with ``error_kind="engine"``, which a rerun retries.
+Errors never stop a run: a sample whose video is missing (``error_kind="missing"``) or
+unreadable (``"video"``) becomes an error row (counted in the summary, scored wrong / IoU 0); a
+batch whose engine call raises becomes error rows with ``error_kind="engine"``. A rerun retries
+every row of these kinds (:data:`RETRYABLE`: a restored video, a fixed engine), so a stale
+error never stays in the score; the merged ``results.jsonl`` keeps one row per sample.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +54,26 @@ log = logging.getLogger("paravt.eval")
 RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 RUN_FILE = "run.json"
+# Error kinds a rerun redoes: the cause is outside the sample (a video not yet downloaded or
+# half-copied, a lost device), so the next run may well succeed.
+RETRYABLE = frozenset({"missing", "video", "engine"})
+# Config keys that cannot change a result row, left out of the fingerprint: where the model is
+# looked up (the model itself is fingerprinted: ``model``, ``weights``) and run logistics.
+NOT_FINGERPRINTED = (
+    "model.path",
+    "train.out_dir",
+    "train.resume",
+    "train.progress",
+    "train.wandb",
+    "train.dump_batches",
+)
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    """What a result depends on (``run.json``); a resumed run must match it exactly."""
+    """What a result depends on (``run.json``); a resumed run must match it exactly. The
+    sampling and budget fields repeat values of ``config`` so that ``summary.json`` reads
+    without it."""
 
     benchmark: str
     data_root: str
@@ -72,6 +94,12 @@ class EvalSettings:
     crop_max_frames: int = 0
     crop_fps: float = 0.0
     seed: int = 0
+    # ``--preset`` (the config's base layer).
+    preset: str = ""
+    # :func:`weights_fingerprint` of the model folder.
+    weights: str = ""
+    # :func:`eval_config`: the whole resolved configuration, as nested dicts.
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 class EvalError(RuntimeError):
@@ -85,7 +113,7 @@ def result_files(out: Path) -> list[Path]:
 
 
 def load_results(out: Path) -> dict[str, dict[str, Any]]:
-    """Every row in ``out`` by id. A finished row is never replaced by an engine failure of
+    """Every row in ``out`` by id. A finished row is never replaced by a retryable failure of
     the same id (the files are not in time order: a stale failure in a rank's part must not
     undo its successful retry); otherwise a later line wins."""
     rows: dict[str, dict[str, Any]] = {}
@@ -98,8 +126,8 @@ def load_results(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def is_done(row: dict[str, Any]) -> bool:
-    """A row a rerun keeps: everything except engine failures (transient: retried)."""
-    return row.get("error_kind") != "engine"
+    """A row a rerun keeps: everything except the :data:`RETRYABLE` errors (retried)."""
+    return row.get("error_kind") not in RETRYABLE
 
 
 def result_row(
@@ -257,22 +285,116 @@ class _Appender:
         self.f.close()
 
 
+def eval_config(cfg: Any) -> dict[str, Any]:
+    """The resolved ``Config`` as nested dicts, minus :data:`NOT_FINGERPRINTED`: the part of
+    ``run.json`` that catches a resume with another prompt, crop size, dtype, sampling, …"""
+    from paravt.config import to_dict
+
+    d = json.loads(json.dumps(to_dict(cfg)))
+    for key in NOT_FINGERPRINTED:
+        section, name = key.split(".")
+        d.get(section, {}).pop(name, None)
+    return d
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """Identity of a model folder's files, cheap (no byte is read): sha256 over the name, size
+    and modification time of each top-level file (weights, config.json, tokenizer; not a
+    checkpoint's ``trainer_state.pt``). A checkpoint rewritten in place gets another one;
+    so does a copy of the same weights (new times): a false alarm the message explains."""
+    from paravt.checkpoint import STATE_FILE
+
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.name == STATE_FILE or f.name.startswith(".") or not f.is_file():
+            continue
+        st = f.stat()  # follows links (an HF cache's blobs)
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+_UNRECORDED = object()
+
+
+def _flat(settings: dict[str, Any]) -> dict[str, Any]:
+    """``run.json`` as ``{key: value}``: the settings by name, the config by dotted key
+    (``agent.think_prefix``: what a ``key=value`` override names)."""
+
+    def walk(d: dict[str, Any], prefix: str) -> Iterable[tuple[str, Any]]:
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from walk(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    out = {k: v for k, v in settings.items() if k != "config"}
+    if isinstance(settings.get("config"), dict):
+        out.update(walk(settings["config"], ""))
+    return out
+
+
+def settings_refusal(out: Path, settings: EvalSettings) -> str:
+    """Why a run into ``out`` with ``settings`` must not resume the results there ("" when it
+    may: no results yet, or the same settings). Reads only; each differing key is named with
+    its saved and new values."""
+    f = out / RUN_FILE
+    if not f.is_file() or not any(p.is_file() and p.stat().st_size for p in result_files(out)):
+        return ""
+    try:
+        saved = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        return (
+            f"{f} is not valid JSON ({e}), so its results' settings are unknown; pass another "
+            "--out, or delete that folder to start over"
+        )
+    new = json.loads(json.dumps(asdict(settings)))
+    old_flat, new_flat = _flat(saved), _flat(new)
+    lines: list[str] = []
+    if "config" not in saved:
+        lines.append("  config: not recorded (run.json written by an older paravt)")
+        new_flat = {k: v for k, v in new_flat.items() if k in asdict(settings)}
+    for k in dict.fromkeys([*old_flat, *new_flat]):
+        a, b = old_flat.get(k, _UNRECORDED), new_flat.get(k, _UNRECORDED)
+        if a == b:
+            continue
+        said = lambda v: "(not recorded)" if v is _UNRECORDED else repr(v)  # noqa: E731
+        note = " (the model's files changed: other weights, or a copy)" if k == "weights" else ""
+        lines.append(f"  {k}: saved {said(a)}, now {said(b)}{note}")
+    if not lines:
+        return ""
+    shown = lines[:20] + ([f"  … and {len(lines) - 20} more"] if len(lines) > 20 else [])
+    return (
+        f"{out} holds results of a run with other settings, and resuming would average both "
+        "in one score:\n" + "\n".join(shown) + "\nrerun with the same settings (the saved "
+        "values above), or pass another --out (or delete that folder to start over)"
+    )
+
+
 def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> str:
     """Write ``run.json``; or, for a resume whose settings differ from the saved ones, write
     nothing and return the message that refuses it ("" when fine)."""
-    f = out / RUN_FILE
-    new = asdict(settings)
-    if f.is_file() and has_results:
-        old = json.loads(f.read_text())
-        diff = {k: (old.get(k), v) for k, v in new.items() if old.get(k) != v}
-        if diff:
-            lines = "\n".join(f"  {k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            return (
-                f"{out} holds results of a run with other settings:\n{lines}\n"
-                "use another --out, or delete that folder to start over"
-            )
-    f.write_text(json.dumps(new, indent=2) + "\n")
-    return ""
+    refused = settings_refusal(out, settings) if has_results else ""
+    if not refused:
+        (out / RUN_FILE).write_text(json.dumps(asdict(settings), indent=2) + "\n")
+    return refused
+
+
+def failed_run(out: Path, samples: Sequence[Sample]) -> str:
+    """Why the evaluation of ``samples`` in ``out`` is no result: every row is an error
+    (engine failures, missing videos …). "" when at least one sample was evaluated."""
+    rows = load_results(out)
+    mine = [rows[s.id] for s in samples if s.id in rows]
+    if not mine or any(not r.get("error") for r in mine):
+        return ""
+    kinds = Counter(str(r.get("error_kind") or "other") for r in mine)
+    first = next(r for r in mine if r.get("error"))
+    return (
+        f"all {len(mine)} samples failed ("
+        + ", ".join(f"{k}: {n}" for k, n in kinds.most_common())
+        + f"; first: {first['error']} (sample {first['id']})), so {out / SUMMARY} scores "
+        "nothing. Fix the cause (the errors are in results.jsonl) and rerun the same command: "
+        "error rows are retried, finished ones kept"
+    )
 
 
 def merge_results(out: Path, samples: Sequence[Sample]) -> list[dict[str, Any]]:
@@ -410,7 +532,8 @@ def run_eval(
             lost = str(e)
         else:
             summary = summarize(settings.benchmark, rows)
-            summary["settings"] = asdict(settings)
+            # The settings without the whole config (run.json, beside it, has that).
+            summary["settings"] = {k: v for k, v in asdict(settings).items() if k != "config"}
             (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
             print(markdown_table(summary), file=stream or sys.stdout, flush=True)
     summary, lost = broadcast_object((summary, lost), ctx)
