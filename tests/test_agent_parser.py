@@ -201,3 +201,37 @@ def test_tool_response_text_summary_or_error():
     bad = ToolCall("{", status="bad_json", error="the tool call is not valid JSON (x)")
     assert tool_response_text(ok) == "[1.0-4.5 s] A dog runs."
     assert tool_response_text(bad) == "Error: the tool call is not valid JSON (x)"
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        # A marker inside the call is part of what the model wrote: the call is wrong.
+        (
+            '{"name": "crop<|im_end|>_video", "arguments": {"start_time": 1, "end_time": 5}}',
+            "unknown_tool",
+        ),
+        (
+            '{"name": "crop_video", "arguments": {"start_time": 1, "end_time": 1<|endoftext|>0}}',
+            "bad_json",
+        ),
+        (
+            '{"name": "crop_video", "arguments": {"start_time": 1<|im_end|>, "end_time": 5}}',
+            "bad_json",
+        ),
+        # Only a marker that ends the call is generation's stop token, and is dropped.
+        ('{"name": "crop_video", "arguments": {"start_time": 1, "end_time": 5}}<|im_end|>', "ok"),
+        (
+            '{"name": "crop_video", "arguments": {"start_time": 1, "end_time": 5}}<|im_end|>\n'
+            "<|endoftext|>",
+            "ok",
+        ),
+    ],
+)
+@pytest.mark.parametrize("closed", [True, False])
+def test_end_markers_stripped_only_at_the_end(body, status, closed):
+    text = f"<tool_call>\n{body}" + ("\n</tool_call>" if closed else "")
+    calls = parse_tool_calls(text, duration=60, max_parallel=5, allow_unclosed_final=True)
+    assert [c.status for c in calls] == [status]
+    if status == "ok":
+        assert (calls[0].start, calls[0].end) == (1.0, 5.0)

@@ -55,6 +55,10 @@ _KEYS = ["parsed", "source", "correct", "iou", "score", "unparseable", "answer_t
         ("A man walks in", None, "final_text"),
         ("<answer>A or B</answer>", None, "answer_block"),
         ("<answer>(A) (B)</answer>", None, "answer_block"),
+        ("<answer>(B) or option C</answer>", None, "answer_block"),  # issue 27 item 5
+        ("<answer>B. C. D.</answer>", None, "answer_block"),
+        ("<answer>Option B is correct</answer>", "B", "answer_block"),
+        ("<answer>Answer: A since it is round</answer>", "A", "answer_block"),
         # The last complete block wins; an unclosed later one does not override it.
         ("<answer>A</answer> then <answer>D</answer>", "D", "answer_block"),
         ("<answer>A</answer><answer>C", "A", "answer_block"),
@@ -126,6 +130,11 @@ def test_mcq_options_from_question_and_gold_text():
         ("<answer>0-" + "9" * 400 + "</answer>", None, 0.0),
         ("<answer>" + "9" * 100_000 + "</answer>", None, 0.0),
         ("<answer>around 15</answer>", None, 0.0),
+        # Other units and exponents are no window (issue 27 item 6), seconds are.
+        ("<answer>10-20 minutes</answer>", None, 0.0),
+        ("<answer>10-20 ms</answer>", None, 0.0),
+        ("<answer>10-20e3</answer>", None, 0.0),
+        ("<answer>from 10s to 20s</answer>", (10.0, 20.0), 1.0),
         ("<answer>ten to twenty</answer>", None, 0.0),
         ("<answer></answer>", None, 0.0),
         # Only the answer block is read: no fallback for temporal answers.

@@ -188,7 +188,15 @@ def test_parse_window(text, want):
 
 
 @pytest.mark.parametrize(
-    "text", ["1" * 100_000, "1" + " " * 100_000, "<answer>" * 12_500, "start 1 " * 12_500]
+    "text",
+    [
+        "1" * 100_000,
+        "1" + " " * 100_000,
+        "<answer>" * 12_500,
+        "start 1 " * 12_500,
+        "option A or " * 9_000,  # each mention opens a list; read once, not once per mention
+        "1-2 m " * 16_000,
+    ],
 )
 def test_extraction_linear_on_huge_text(text):
     # The former patterns backtracked quadratically: 25 s on 20 KB of digits.
@@ -365,3 +373,93 @@ def test_opening_letter_hedging_counts_only_option_letters(answer, letter):
 )
 def test_parse_window_more_forms(text, window):
     assert parse_window(text) == window
+
+
+# Issue 27 item 5: every letter reads alike, and a hedge or a list of options is no answer.
+OPTS5 = [f"{c}. option {c.lower()}" for c in "ABCDE"]
+
+
+def _other(letter: str) -> str:
+    return "ABCDE"[("ABCDE".index(letter) + 2) % 5]
+
+
+@pytest.mark.parametrize("letter", list("ABCDE"))
+@pytest.mark.parametrize(
+    "phrase, names",
+    [
+        # A letter before a word that cannot follow the article "A" is the letter.
+        ("Option {L} is correct", True),
+        ("Answer: {L} since it is the red one", True),
+        ("The answer is {L} because the frames show it", True),
+        ("option {L} looks right", True),
+        # A letter before any other word is read as the word, for "A" and every other letter.
+        ("Answer: {L} man walks", False),
+        ("The answer is {L} man walking", False),
+        # Hedges and lists name no option, whichever letter comes first.
+        ("option {L} or option {M}", False),
+        ("({L}) or option {M}", False),
+        ("{L} or {M}", False),
+        ("The answer is {L} or {M}", False),
+        ("Answer: ({L}) or ({M})", False),
+        ("the answer is {L}, {M}", False),
+        ("option {L} or {M}", False),
+        ("{L}. {M}.", False),
+        ("({L}) red, ({M}) blue", False),
+    ],
+)
+def test_every_letter_reads_alike(letter, phrase, names):
+    text = phrase.format(L=letter, M=_other(letter))
+    assert extract_choice(text, OPTS5) == (letter if names else None), text
+
+
+def test_a_list_of_all_options_names_none():
+    assert extract_choice("A. B. C. D.", OPTS) is None
+    assert extract_choice("A. B. C. D. E.", OPTS5) is None
+    # A letter elsewhere that is not an option is no hedge ("D" of three); one listed right
+    # after the answer is ("B or D").
+    assert extract_choice("(B) red, not option D", OPTS[:3]) == "B"
+    assert extract_choice("(B) or option D", OPTS[:3]) is None
+
+
+# Issue 27 item 6: a window in another unit, or written with an exponent, is no window.
+@pytest.mark.parametrize(
+    "text, window",
+    [
+        ("12.5-16.5 minutes", None),
+        ("12.5-16.5 ms", None),
+        ("12.5-16.5e3", None),
+        ("12.5-16.5E+3", None),
+        ("12.5e1-16.5", None),
+        ("12.5 - 16.5 min", None),
+        ("12.5m-16.5m", None),
+        ("12.5-16.5 hours", None),
+        ("12.5-16.5 frames", None),
+        ("12.5-16.5%", None),
+        ("12.5-16.5分钟", None),
+        ("from 12.5 to 16.5 minutes", None),
+        ("starts at 5 minutes and ends at 9 minutes", None),
+        ("00:12 - 00:16 min", None),
+        # Seconds, spelled every way the benchmarks' prompts and answers do.
+        ("12.5 - 16.5 seconds", (12.5, 16.5)),
+        ("from 12.5s to 16.5s", (12.5, 16.5)),
+        ("12.5-16.5 sec.", (12.5, 16.5)),
+        ("12.5-16.5secs", (12.5, 16.5)),
+        ("The event happens in the 12.5 - 16.5 seconds.", (12.5, 16.5)),
+        ("The event happens in the 12.5 - 16.5 seonds.", (12.5, 16.5)),  # lmms-eval's typo
+        ("<time>00:12.5 - 00:16.5</time>", (12.5, 16.5)),
+        ("12.5-16.5 in the video", (12.5, 16.5)),
+        ("12.5-16.5秒", (12.5, 16.5)),
+        # A window in minutes is skipped, its restatement in seconds read.
+        ("12.5-16.5 minutes, i.e. 750-990 seconds", (750.0, 990.0)),
+    ],
+)
+def test_parse_window_reads_seconds_only(text, window):
+    assert parse_window(text) == window
+
+
+def test_window_in_other_units_scores_zero():
+    s = Sample("s", "v", "when?", "", "tvg", event_start=12.5, event_end=16.5)
+    for answer in ("12.5-16.5 minutes", "12.5-16.5 ms", "12.5-16.5e3"):
+        r = accuracy(f"<answer>{answer}</answer>", s)
+        assert (r["acc"], r["iou"], r["has_answer"]) == (0.0, 0.0, 1.0), answer
+    assert accuracy("<answer>12.5-16.5 seconds</answer>", s)["acc"] == 1.0

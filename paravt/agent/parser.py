@@ -183,7 +183,19 @@ def parse_tool_calls(
     return calls
 
 
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+
+
 def _strip_end_markers(raw: str) -> str:
-    for m in ("<|im_end|>", "<|endoftext|>"):
-        raw = raw.replace(m, "")
-    return raw
+    """``raw`` without the stop tokens that END it (an unclosed final call runs to the end of
+    the turn, stop token included). Markers inside the call are left in place: they are part of
+    what the model wrote, and ``crop<|im_end|>_video`` or ``1<|endoftext|>0`` is a wrong call,
+    not a valid one."""
+    end = len(raw)
+    while True:  # an index, not repeated slicing: a run of markers costs linear time
+        while end and raw[end - 1].isspace():
+            end -= 1
+        marker = next((m for m in _END_MARKERS if raw.endswith(m, 0, end)), None)
+        if marker is None:
+            return raw[:end]
+        end -= len(marker)

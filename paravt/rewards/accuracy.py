@@ -5,8 +5,9 @@ agent's text (never "the last line of anything": a trajectory without a closed a
 scores 0). Scoring by ``Sample.question_type``:
 
 * ``mcq`` — one option letter is extracted (:func:`extract_choice`) and compared with the
-  ground-truth letter. 1 or 0. The options are the row's own, else those its question lists
-  one per line (:func:`sample_options`); a letter outside them never scores.
+  ground-truth letter. 1 or 0; a hedge ("A or C") or a list ("A. B. C. D.") names none. The
+  options are the row's own, else those its question lists one per line
+  (:func:`sample_options`); a letter outside them never scores.
 * ``oe`` — normalised exact match (lower-case, punctuation and articles dropped, whitespace
   collapsed) *and* multiset token F1 (:func:`token_f1`). ``R_acc`` is the F1: it equals 1
   exactly when the normalised token multisets match (so every exact match scores 1) and gives
@@ -15,7 +16,8 @@ scores 0). Scoring by ``Sample.question_type``:
 * ``tvg`` — temporal IoU of the predicted window (``"12.5-18"``, ``"from 12.5 to 18 seconds"``,
   ``"[12.5, 18]"``, ``"00:19.7 - 00:25.6"``; :func:`parse_window`) with the ground-truth
   window (``Sample.event_start/end``, else parsed from ``Sample.answer``). A non-finite window
-  scores 0; the readers reject such rows at load.
+  scores 0; the readers reject such rows at load. Times are seconds: a window in another unit
+  (``"12.5-16.5 minutes"``) or with an exponent (``"16.5e3"``) is no answer and scores 0.
 
 Shortcuts of the reference implementation that are closed here: ``\\b([A-D])\\b`` matched the
 article "A" in "A red square appears"; token F1 over *sets* rewarded "red red red" for "red";
@@ -92,9 +94,16 @@ def sample_options(sample: Sample) -> list[str]:
     return sample.options or options_from_question(sample.question)
 
 
-# A choice letter inside a sentence: upper-case, not glued to a word ("Apple"), and for the
-# letters that are also English words ("A", "I") not followed by a word ("A man walks").
-_LETTER = r"[\*_]*[\(\[]?(?P<l>[A-Z])(?![A-Za-z])(?!(?<=[AI])\s+[A-Za-z])"
+# A choice letter inside a sentence: upper-case and not glued to a word ("Apple").
+_LETTER = r"[\*_]*[\(\[]?(?P<l>[A-Z])(?![A-Za-z])"
+# A letter followed by a word is read as the word ("A man walks": the article; "I think": the
+# pronoun), and so is every other letter ("C man walks"), so that no letter scores where "A"
+# would not. The words listed cannot follow the article or the pronoun, so a letter before
+# them stays a letter: "Option A is correct", "Answer: A since…", "A or C" (then a hedge).
+_THEN_WORD = re.compile(
+    r"\s+(?!(?i:is|seems|looks|fits|matches|appears|since|because|as|or|and|nor|but|vs|versus"
+    r"|which)\b)[A-Za-z]"
+)
 # Explicit answer phrases: "the answer is (B)", "Answer: C", "The answer is: B", "correct
 # option is D", "The final answer is **B**".
 # Every blank run is followed by a REQUIRED token (never two optional blanks in a row), so a
@@ -104,11 +113,35 @@ _ANSWER_PHRASE = re.compile(
     r"|\bcorrect\s+(?:option|choice)\b\s*(?:(?:is(?:\s*:)?|:)\s*)?)" + _LETTER
 )
 _MENTION = re.compile(r"(?i:\b(?:option|choice)\b)\s*(?:(?:is|:)\s*)?" + _LETTER)
-_PAREN = re.compile(r"\(([A-Za-z])\)")
-# A choice letter in parentheses elsewhere in an answer that opens with another letter
-# ("(A) (B)": hedging). Upper-case and not glued to a word: "B. The person(s) leave" and
-# "C. Both (a) and (b)" still name their opening letter.
-_HEDGE_PAREN = re.compile(r"(?<![A-Za-z])\(([A-Z])\)")
+_PAREN = re.compile(r"\((?P<l>[A-Za-z])\)")
+# A further letter listed right after one: "A or C", "(A)/(C)", "A, option C", "A and C".
+_THEN_LETTER = re.compile(
+    r"[\*_\)\]]*\s*(?:[,/&]|(?i:\b(?:or|and|nor|vs|versus)\b))\s*(?:(?i:option|choice)\b\s*)?"
+    + _LETTER
+)
+# Other letters that name an option anywhere in an answer: "(C)", "option C", and a lone "C."
+# / "C)" item ("A. B. C. D."). Upper-case only: "B. The person(s) leave" and "C. Both (a) and
+# (b)" name just their opening letter.
+_OTHER_LETTERS = [
+    re.compile(r"(?<![A-Za-z])\((?P<l>[A-Z])\)"),
+    _MENTION,
+    re.compile(r"(?<!\S)[\*_]*[\(\[]?(?P<l>[A-Z])(?:[\)\]]|[.:](?=\s|$))"),
+]
+
+
+def _named(rx: re.Pattern[str], s: str) -> list[re.Match[str]]:
+    """The matches of ``rx`` in ``s`` whose letter names a choice (not "A" of "A man")."""
+    return [m for m in rx.finditer(s) if not _THEN_WORD.match(s, m.end("l"))]
+
+
+def _listed(s: str, m: re.Match[str]) -> tuple[set[str], int]:
+    """The letter of ``m`` and those listed right after it ("A or C", "A, B and D"), and where
+    the list ends."""
+    letters, pos = {m.group("l").upper()}, m.end("l")
+    while (c := _THEN_LETTER.match(s, pos)) and not _THEN_WORD.match(s, c.end("l")):
+        letters.add(c.group("l"))
+        pos = c.end("l")
+    return letters, pos
 
 
 def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
@@ -120,43 +153,58 @@ def extract_choice(answer: str, options: list[str] | None = None) -> str | None:
     1. the whole answer is a letter: ``"B"``, ``"(b)"``, ``"B."``, ``"**B**"`` (markdown bold);
     2. an explicit phrase, the *last* one wins: ``the answer is (B)``, ``Answer: C``,
        ``correct option is D`` — so "option C is wrong, the answer is D" is D;
-    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``
-       — unless a parenthesised letter elsewhere names another one (``"(A) (B)"``: hedging);
+    3. a letter opening the answer followed by ``)``, ``.`` or ``:``: ``"b) red"``, ``"B. red"``;
     4. ``option D`` / ``choice D`` mentions, and then 5. parenthesised letters ``(c)``
-       anywhere: if these name different letters (hedging: "(A) or (B)") the answer is None;
+       anywhere;
     6. the answer equal to one option's text (normalised).
 
-    Letters in phrases must be upper-case ("the answer is a red square" names none), and an
-    "A" or "I" followed by a word is read as the word ("A red square appears", "The answer is
-    A man walking"): the reference's ``\\b([A-D])\\b`` paid for the article. The honest limit:
-    "The answer is A because…" also reads as no choice; the prompt asks for the letter alone.
-    Letters beyond the number of options are rejected; with no options any letter counts (pass
-    :func:`sample_options` to use the options a question lists in its text).
+    Hedging names no letter: a letter followed by a list of others (``"the answer is A or C"``,
+    ``"(A)/(C)"``, ``"A, C"``); in rules 3–5, another option letter anywhere as ``(C)``,
+    ``option C`` or a lone ``C.`` item (``"(A) or option C"``, ``"A. B. C. D."``, ``"B. red,
+    not (C)"``); several letters from rule 4 or 5 (``"(A) or (B)"``). A letter elsewhere counts
+    only if it is one of the options (a stray capital in prose is no hedge); a listed one always.
+
+    Letters in phrases must be upper-case ("the answer is a red square" names none), and a
+    letter followed by a word is read as the word ("A red square appears", "The answer is A man
+    walking"): the reference's ``\\b([A-D])\\b`` paid for the article. Every letter is read
+    alike, so "Answer: C man walks" names none either, while a word that cannot follow an
+    article keeps the letter ("Option A is correct", "Answer: A since…", "the answer is C
+    because…"). The honest limit: "The answer is C based on…" also reads as no choice; the
+    prompt asks for the letter alone. Letters beyond the number of options are rejected; with no
+    options any letter counts (pass :func:`sample_options` to use the options a question lists
+    in its text).
     """
     valid = _letters(len(options or []))
     s = answer.strip()
     if not s:
         return None
 
-    def decide(letter: str) -> str | None:
-        return letter.upper() if letter.upper() in valid else None
+    def decide(letters: set[str]) -> str | None:
+        if len(letters) != 1:
+            return None
+        letter = letters.pop()
+        return letter if letter in valid else None
 
     m = re.fullmatch(r"[\*_]*[\(\[]?([A-Za-z])[\)\]]?[.:]?[\*_]*", s)
     if m:
-        return decide(m.group(1))
-    phrases = list(_ANSWER_PHRASE.finditer(s))
+        return decide({m.group(1).upper()})
+    phrases = _named(_ANSWER_PHRASE, s)
     if phrases:
-        return decide(phrases[-1].group("l"))
-    m = re.match(r"^[\(\[]?([A-Za-z])(?:[\)\]]|[.:](?=\s|$))", s)
+        return decide(_listed(s, phrases[-1])[0])
+    others = {m.group("l") for rx in _OTHER_LETTERS for m in _named(rx, s)} & set(valid)
+    m = re.match(r"^[\(\[]?(?P<l>[A-Za-z])(?:[\)\]]|[.:](?=\s|$))", s)
     if m:
-        hedged = {c for c in _HEDGE_PAREN.findall(s) if c in valid} - {m.group(1).upper()}
-        return None if hedged else decide(m.group(1))
-    for found in ([m.group("l") for m in _MENTION.finditer(s)], _PAREN.findall(s)):
-        named = {c.upper() for c in found}
-        if len(named) == 1:
-            return decide(named.pop())
-        if len(named) > 1:
-            return None
+        return decide(_listed(s, m)[0] | others)
+    for found in (_named(_MENTION, s), _named(_PAREN, s)):
+        named, reach = set(others), -1
+        for f in found:
+            # A letter inside a list already read adds nothing; skipping it keeps "option A or
+            # option A or …" linear (walking each one's list again took 37 s on 100 KB).
+            if f.end("l") > reach:
+                letters, reach = _listed(s, f)
+                named |= letters
+        if found:
+            return decide(named)
     if options:
         norm = normalize_text(s)
         for i, opt in enumerate(options):
@@ -216,7 +264,16 @@ def token_f1(pred: str, gold: str) -> float:
 # A time: seconds ("12.5") or a clock ("1:05", "00:01:05.5"), optionally negative. It may not
 # start inside a number or a word ("1e400-2" holds no "400"), so a run of digits offers one start
 # and the patterns stay linear in the text (the former pattern took 25 s on 20 KB of digits).
-_T = r"(?<![0-9A-Za-z.])(?<![0-9]:)(-?(?:[0-9]+:){0,2}[0-9]+(?:\.[0-9]+)?)"
+# Nor may it stop inside one ("16.5e3" holds no "16.5"), nor stand before a unit other than
+# seconds: "12.5-16.5 minutes" / "… ms" / "…e3" scored IoU 1.0 against a 12.5-16.5 s window.
+_T = (
+    r"(?<![0-9A-Za-z.])(?<![0-9]:)(-?(?:[0-9]+:){0,2}[0-9]+(?:\.[0-9]+)?)"
+    r"(?![.:]?[0-9])"  # the whole number, never a prefix of it
+    r"(?!(?!(?:seconds?|secs?|s)(?![A-Za-z]))[A-Za-z])"  # a letter right after: seconds only
+    r"(?!\s*(?:[eE][+-]?[0-9]|[x×*]\s*10|\^|%|分|毫秒|小时|帧"
+    r"|(?i:m|ms|msecs?|mins?|minutes?|(?:milli|micro|nano)seconds?|[uµμn]s|h|hrs?|hours?"
+    r"|frames?|days?)(?![A-Za-z])))"
+)
 # An optional unit after a time; the blank before the separator only after a unit, so two
 # optional blanks never compete for the same spaces (quadratic backtracking otherwise).
 _U = r"\s*(?:(?:seconds?|secs?|s)\b\s*)?"
@@ -257,6 +314,12 @@ def parse_window(text: str) -> tuple[float, float] | None:
     (reversed or empty windows are not swapped: a reversed answer is a wrong answer), a bound
     that is not finite (400 digits parse to inf), or a clock field of 60 or more. Negative
     times are read as written; their IoU with a window inside the video is accordingly low.
+
+    Times are seconds: a unit may follow only if it is one (``s``, ``sec``, ``seconds``,
+    ``秒``). A time followed by another unit (``12.5-16.5 minutes``, ``… ms``, ``… h``,
+    ``… frames``, ``… %``, ``…分钟``) or written with an exponent (``16.5e3``) is no time, so
+    such a window is skipped (a later window in seconds may still decide) rather than read as
+    seconds; the six benchmarks all ask for and grade seconds.
     """
     found = [(m.start(), i, m) for i, rx in enumerate(_WINDOW_RES) if (m := rx.search(text))]
     if not found:
