@@ -149,7 +149,13 @@ def test_seeds_reproduce_whatever_the_batch(bundle, engine):
     alone = [engine.generate([r])[0] for r in reqs[:2]]
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a[:2]] == [o.token_ids for o in alone]
-    assert [o.logprobs for o in a] == [o.logprobs for o in b]
+    # The same tokens, and their log-probs to fp32 rounding: bitwise on some CPUs, but on an
+    # AVX-512 Xeon (2026-12-04) the reversed batch moved a few by up to 1e-6 (vLLM's CPU
+    # kernels are not batch-invariant there), with main's code of that day too.
+    for x, y in zip(a, b):
+        torch.testing.assert_close(
+            torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=1e-5
+        )
     other = [
         dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, seed=99)) for r in reqs
     ]
