@@ -19,12 +19,21 @@ renames the old copy aside and the new one in with two renames; a kill between t
 ``latest`` naming a missing directory, and ``latest_checkpoint`` falls back to the newest
 complete one.
 
+Failed writes (disk full, quota, I/O errors): ``save_checkpoint`` first checks that the file
+system has room for the estimated size (``checkpoint_bytes``), then on any ``OSError`` undoes
+what it did — the ``.tmp-*`` directory is removed, a step directory it was replacing is put
+back, ``latest`` is left as it was — and raises ``CheckpointSaveError`` naming the path, the
+bytes needed and free, and the fix. The previous checkpoint stays the newest and loadable
+(``tests/test_checkpoint_disk_full.py`` fails each write in turn).
+
 ``trainer_state.pt`` is a ``torch.save`` pickle written by this module and read back with
 ``weights_only=False`` (it holds Python/NumPy RNG states); only load checkpoints you wrote.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 import shutil
@@ -34,12 +43,114 @@ from typing import Any
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
+
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 LATEST = "latest"
 # Files of a source model directory that are not weights (copied so the checkpoint is a
 # complete HF directory: tokenizer, chat template, processor configs).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, quota, I/O error). The previous checkpoint
+    is untouched; ``path`` is what failed, ``needed``/``free`` are bytes (estimate / free on the
+    file system when the save gave up), ``cause`` the ``OSError``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str = "",
+        needed: int = 0,
+        free: int = -1,
+        cause: OSError | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path, self.needed, self.free, self.cause = path, needed, free, cause
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+# Headroom over the tensor bytes: safetensors/pickle headers, config and tokenizer JSON written
+# by ``save_pretrained``, RNG states.
+_SAVE_SLACK_BYTES = 1 << 20
+
+
+def checkpoint_bytes(
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    source_dir: str | Path | None = None,
+) -> int:
+    """Estimated bytes of one checkpoint: every tensor of the weights and the trainer state
+    (optimizer moments dominate: 2x the weights for Adam), the copied non-weight files of
+    ``source_dir`` (twice: the tokenizer is saved again), plus 1 MiB of headers and JSON."""
+    extra = 0
+    if source_dir is not None and Path(source_dir).is_dir():
+        extra = 2 * sum(
+            f.stat().st_size
+            for f in Path(source_dir).iterdir()
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES)
+        )
+    return _tensor_bytes(model_state) + _tensor_bytes(trainer_state) + extra + _SAVE_SLACK_BYTES
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return int(shutil.disk_usage(path).free)
+    except OSError:
+        return -1
+
+
+def _save_error(
+    step: int, root: Path, path: Path | str, needed: int, cause: OSError | None, prev: Path | None
+) -> CheckpointSaveError:
+    """``path``: what failed; the checkpoint's own directory is ``root/step_N``."""
+    free = _free_bytes(root)
+    if cause is None:
+        problem = "not enough free space for it"
+    else:
+        code = errno.errorcode.get(cause.errno, cause.errno) if cause.errno else "?"
+        problem = f"{cause.strerror or cause} ({code})"
+    kept = (
+        f"The previous checkpoint {prev} is intact and is what --resume loads."
+        if prev is not None
+        else "There is no earlier checkpoint of this run."
+    )
+    msg = (
+        f"checkpoint step {step} ({root / step_dirname(step)}) could not be written: {path}: "
+        f"{problem}. A checkpoint needs "
+        f"about {needed / 2**20:.1f} MiB ({needed} bytes); {free} bytes are free on the file "
+        f"system of {root}. {kept} Fix: free space there (or lower train.keep_last, or point "
+        "train.out_dir at a larger disk) and rerun with --resume; or set "
+        "train.on_save_error=continue to train on without checkpoints until one fits."
+    )
+    return CheckpointSaveError(msg, path=str(path), needed=needed, free=free, cause=cause)
+
+
+def sft_save_error(
+    out_dir: str | Path, state: dict[str, torch.Tensor], source_dir: str | Path, cause: OSError
+) -> CheckpointSaveError:
+    """The error for a cold-start SFT checkpoint that could not be written (``paravt.sft``)."""
+    out = Path(out_dir)
+    needed = checkpoint_bytes(state, {}, source_dir)
+    free = _free_bytes(out.parent)
+    msg = (
+        f"the SFT checkpoint {out} could not be written: {cause.filename or out}: "
+        f"{cause.strerror or cause}. It needs about {needed / 2**20:.1f} MiB ({needed} bytes); "
+        f"{free} bytes are free on the file system of {out.parent}. Free space there (or point "
+        "train.out_dir at a larger disk) and rerun; nothing half-written was left behind."
+    )
+    return CheckpointSaveError(msg, path=str(cause.filename or out), needed=needed, free=free)
 
 
 def step_dirname(step: int) -> str:
@@ -81,11 +192,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # the old ``path`` is untouched
+        raise
 
 
 def _move_aside(path: Path) -> Path:
@@ -146,29 +261,56 @@ def save_checkpoint(
     ``trainer_state`` holds whatever resume needs: optimizer/scheduler state dicts, RNG states,
     data-loader position, the step. Keeps the newest ``keep_last`` checkpoints (0 = keep all).
     Returns the checkpoint directory.
+
+    Raises ``CheckpointSaveError`` when the file system lacks the estimated room
+    (``checkpoint_bytes``; nothing is written then) or any write fails; everything this call
+    wrote is undone first, so the previous checkpoint stays the newest (module docstring).
+    Pruning old checkpoints after a successful save never raises (it only logs).
     """
     root = Path(run_dir) / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
+    name = step_dirname(step)
+    tmp, final = root / f".tmp-{name}", root / name
+    needed = checkpoint_bytes(model_state, trainer_state, source_dir)
+    prev = latest_checkpoint(run_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _save_error(step, root, root, needed, e, prev) from e
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    name = step_dirname(step)
-    tmp = root / f".tmp-{name}"
-    save_model_dir(tmp, model, model_state, tokenizer=tokenizer, source_dir=source_dir)
-    with open(tmp / STATE_FILE, "wb") as f:
-        torch.save({"step": int(step), **trainer_state}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    final = root / name
-    old = _move_aside(final) if final.exists() else None  # re-saving a step after a resume
-    os.replace(tmp, final)
+    free = _free_bytes(root)
+    if 0 <= free < needed:  # fail before filling the disk that other writers (metrics) share
+        raise _save_error(step, root, final, needed, None, prev)
+    old: Path | None = None
+    moved_in = False
+    try:
+        save_model_dir(tmp, model, model_state, tokenizer=tokenizer, source_dir=source_dir)
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save({"step": int(step), **trainer_state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = _move_aside(final) if final.exists() else None  # re-saving a step after a resume
+        os.replace(tmp, final)
+        moved_in = True
+        _fsync_dir(root)
+        _write_text_atomic(root / LATEST, name)
+    except OSError as e:
+        # Undo: the new copy out of the step_* namespace, the replaced copy back in its place.
+        if moved_in:
+            shutil.rmtree(_move_aside(final), ignore_errors=True)
+        if old is not None:
+            os.replace(old, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(step, root, e.filename or tmp, needed, e, prev) from e
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(root)
-    _write_text_atomic(root / LATEST, name)
     if keep_last > 0:
-        for prev in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(_move_aside(prev), ignore_errors=True)
+        for done in list_checkpoints(run_dir)[:-keep_last]:
+            try:
+                shutil.rmtree(_move_aside(done), ignore_errors=True)
+            except OSError as e:  # the new checkpoint is complete: pruning is best effort
+                log.warning("could not remove old checkpoint %s: %s", done, e)
     return final
 
 

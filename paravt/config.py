@@ -7,9 +7,11 @@ One ``Config`` object describes a run. It is built in three layers, later ones w
 3. dotted ``key=value`` overrides on the command line (``algo.kl_coef=0.02``).
 
 Merging and type checking are OmegaConf's (structured configs): an unknown key or a value of
-the wrong type is an error naming the key. ``validate`` then checks cross-field rules before
-anything heavy (model, data, video) is loaded, so a bad run fails in a second, not after
-loading an 8B checkpoint.
+the wrong type is an error naming the key. ``validate`` then checks every numeric range
+(``RANGES``; floats finite), the names of choices and the cross-field rules before anything
+heavy (model, data, video) is loaded, so a bad run fails in a second, not after loading an 8B
+checkpoint. A preset may mark a key ``MISSING`` (the 8B presets' ``model.path``): the commands
+that build from the config reject it while empty (``preset_errors``).
 
 Each section belongs to one part of the pipeline (see DESIGN.md). Field docstrings are the
 comment lines directly above each field.
@@ -18,6 +20,7 @@ comment lines directly above each field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,11 @@ class VideoConfig:
     crop_min_pixels: int = 32 * 32
     # Bounded LRU frame cache shared by overview and crops (decoded frames kept, 0 = off).
     cache_frames: int = 4096
+    # Deadline (s) of one file's probe and of one file's planned decode (overview or crops).
+    # Past it the read is abandoned (a FIFO, a stalled mount, a pathological stream) and the
+    # sample fails like an unreadable video: skipped in RL, an error tool response for a
+    # crop, an error row in eval. Too low fails long healthy videos.
+    decode_timeout_s: float = 60.0
 
 
 @dataclass
@@ -281,6 +289,11 @@ class TrainConfig:
     # Checkpoint every N steps (0 = only at the end); keep the last N checkpoints.
     save_every: int = 2
     keep_last: int = 2
+    # A checkpoint save that fails (disk full, quota, I/O error): 'fail' stops the run with a
+    # non-zero exit naming the path and the space needed; 'continue' logs it and trains on
+    # without that checkpoint (a later save may succeed; a crash before then loses the steps
+    # since the last good one). The previous checkpoint stays loadable either way.
+    on_save_error: str = "fail"
     # Resume from the latest checkpoint in out_dir.
     resume: bool = False
     # Log to Weights & Biases as well (needs wandb installed and configured).
@@ -393,6 +406,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # The reference recipe (ParaVT paper): Qwen3-VL-8B, PARA-GRPO.
     "qwen3vl_8b_paragrpo": {
+        # Required: the checkpoint directory (see ``preset_errors``).
+        "model.path": MISSING,
         "model.dtype": "bfloat16",
         "model.gradient_checkpointing": True,
         "model.attn_implementation": "flash_attention_2",
@@ -473,7 +488,8 @@ def load_config(
         raise ConfigError(f"unknown preset '{preset}'; choose one of {sorted(PRESETS)}")
     cfg = OmegaConf.structured(Config)
     for key, value in PRESETS[preset].items():
-        _set_dotted(cfg, key, value)
+        if value != MISSING:  # a key the user must set: left at its default (preset_errors)
+            _set_dotted(cfg, key, value)
     for f in files or []:
         p = Path(f)
         if not p.is_file():
@@ -489,6 +505,29 @@ def load_config(
     if validate_:
         validate(out)
     return out
+
+
+# What to tell a user who left a preset's required (MISSING) key empty.
+_REQUIRED_HINTS = {
+    "model.path": (
+        "set model.path=DIR, a local Hugging Face checkpoint of the preset's model (e.g. "
+        "huggingface-cli download Qwen/Qwen3-VL-8B-Instruct --local-dir DIR); an empty "
+        "model.path builds the tiny CPU model, which only the tiny_cpu presets are made for"
+    ),
+}
+
+
+def preset_errors(preset: str, cfg: Config) -> list[str]:
+    """The keys preset ``preset`` marks ``MISSING`` (the user must set them) that are still
+    empty in ``cfg``. ``load_config`` leaves them at their defaults, so that a command that
+    gets them another way (``python -m paravt.eval --model``) can use the preset; the commands
+    that build from the config (``python -m paravt.train``) call this before anything loads."""
+    errs = []
+    for key, value in PRESETS.get(preset, {}).items():
+        sec, name = key.split(".")
+        if value == MISSING and not getattr(getattr(cfg, sec), name):
+            errs.append(f"preset '{preset}' needs {key}, which is empty: {_REQUIRED_HINTS[key]}")
+    return errs
 
 
 def eval_conditions(cfg: Config) -> list[tuple[str, int, bool]]:
@@ -535,18 +574,113 @@ def synth_task_error(task: str, min_duration: float, max_duration: float) -> str
     return None
 
 
+# Allowed range of each numeric setting with a bound, and what the value means (for the
+# message): ">= 1", "> 0", or an interval "[0, 1)" / "(0, 1]". ``validate`` checks every entry;
+# rules between settings (min <= max, ...) are written out in ``validate`` itself.
+RANGES: dict[str, tuple[str, str]] = {
+    "data.synth_num_videos": (">= 1", "synthetic videos to generate"),
+    "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
+    "data.max_samples": (">= 0", "training rows kept; 0 = all"),
+    "video.fixed_frames": (">= 1", "overview frames when gating is off"),
+    "video.overview_max_pixels": (">= 1", "pixel budget per overview frame"),
+    "video.overview_min_pixels": (">= 1", "pixel floor per overview frame"),
+    "video.crop_fps": ("> 0", "frames per second sampled inside a crop"),
+    "video.crop_min_frames": (">= 2", "frames per crop at least"),
+    "video.crop_max_pixels": (">= 1", "pixel budget per crop frame"),
+    "video.crop_min_pixels": (">= 1", "pixel floor per crop frame"),
+    "video.cache_frames": (">= 0", "decoded frames cached; 0 = off"),
+    "video.decode_timeout_s": ("> 0", "seconds one file's probe or decode may block"),
+    "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
+    "rollout.group_size": (">= 1", "samples per prompt"),
+    "rollout.temperature": (">= 0", "main-agent sampling temperature"),
+    "rollout.top_p": ("(0, 1]", "nucleus sampling mass"),
+    "rollout.max_new_tokens": (">= 1", "new tokens per main-agent turn"),
+    "rollout.sub_max_new_tokens": (">= 1", "new tokens per sub-agent summary"),
+    "rollout.sub_temperature": (">= 0", "sub-agent temperature; 0 = greedy summaries"),
+    "rollout.max_batch_size": (">= 0", "sequences per engine call; 0 = all at once"),
+    "rollout.vllm_max_model_len": (">= 0", "vLLM context in tokens; 0 = the model's"),
+    "rollout.vllm_max_num_seqs": (">= 1", "sequences vLLM schedules at once"),
+    "rollout.vllm_kv_cache_gib": ("> 0", "vLLM's CPU KV cache in GiB"),
+    "rollout.vllm_gpu_memory_utilization": ("(0, 1]", "share of the GPU memory for vLLM"),
+    "rollout.vllm_tensor_parallel": (">= 1", "GPUs per vLLM engine"),
+    "agent.max_turns": (">= 0", "tool turns before the answer is forced"),
+    "agent.max_parallel": (">= 1", "crop_video calls run per turn"),
+    "agent.max_tool_response_tokens": (">= 1", "tokens kept of each tool response"),
+    "reward.w_fmt": (">= 0", "weight of the format reward"),
+    "reward.lambda_anchor": (">= 0", "weight of the anchoring terms; 0 = off"),
+    "reward.tool_bonus": (">= 0", "reward for a correct answer that used a crop"),
+    "reward.tool_error_penalty": (">= 0", "penalty per failed tool call"),
+    "reward.tool_correct_threshold": ("[0, 1]", "R_acc at which an answer counts as correct"),
+    "algo.lr": ("> 0", "learning rate"),
+    "algo.weight_decay": (">= 0", "AdamW weight decay"),
+    "algo.clip_low": ("(0, 1]", "the ratio is clipped below at 1 - clip_low"),
+    "algo.clip_high": ("> 0", "the ratio is clipped above at 1 + clip_high"),
+    "algo.kl_coef": (">= 0", "KL coefficient; 0 = no reference model"),
+    "algo.adv_scale": ("> 0", "advantage multiplier; <= 0 would not learn or learn backwards"),
+    "algo.adv_eps": (">= 0", "added to the group std"),
+    "algo.warmup_steps": (">= 0", "warm-up optimizer steps; 0 = constant lr"),
+    "algo.ppo_epochs": (">= 1", "epochs over each rollout batch"),
+    "algo.minibatches": (">= 1", "minibatches per epoch"),
+    "algo.max_tokens_per_microbatch": (">= 1", "tokens per packed forward"),
+    "algo.max_grad_norm": ("> 0", "gradient clipping norm"),
+    "sft.steps": (">= 0", "SFT steps; 0 = skip"),
+    "sft.lr": ("> 0", "SFT learning rate"),
+    "sft.batch_size": (">= 1", "SFT records per step"),
+    "sft.vision_lr": (">= 0", "vision tower learning rate; 0 = sft.lr"),
+    "train.steps": (">= 0", "RL steps"),
+    "train.prompts_per_step": (">= 1", "prompts per RL step"),
+    "train.save_every": (">= 0", "steps between checkpoints; 0 = only at the end"),
+    "train.keep_last": (">= 0", "checkpoints kept; 0 = all"),
+    "train.log_trajectories": (">= 0", "trajectories logged per step"),
+    "train.eval_prompts": (">= 0", "validation prompts; 0 = no evaluation"),
+    "train.eval_samples": (">= 1", "samples per validation prompt"),
+    "train.eval_frames": (">= 0", "overview frames of the evaluation; 0 = video.fixed_frames"),
+    "train.alarm_window": (">= 1", "steps averaged by the collapse alarms"),
+    "train.alarm_tool_frac": ("[0, 1)", "alarm below this fraction of the start; 0 = off"),
+    "train.alarm_closure_frac": ("[0, 1)", "alarm below this fraction of the start; 0 = off"),
+    "train.alarm_parse_rise": ("> 0", "alarm above this parse-error rise; > 1 never fires"),
+    "train.viewer_max_mb": (">= 0", "MB of viewer thumbnails; 0 = none"),
+    "train.viewer_thumb_px": (">= 8", "longest thumbnail side in pixels"),
+}
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def _in_range(v: float, allowed: str) -> bool:
+    """Whether ``v`` lies in ``allowed`` (a ``RANGES`` entry); NaN never does."""
+    if allowed[0] in "[(":
+        lo, hi = (float(x) for x in allowed[1:-1].split(","))
+        above = v >= lo if allowed[0] == "[" else v > lo
+        return above and (v <= hi if allowed[-1] == "]" else v < hi)
+    op, bound = allowed.split()
+    return v >= float(bound) if op == ">=" else v > float(bound)
+
+
+def _range_errors(cfg: Config) -> list[str]:
+    """Every float setting finite (a YAML ``nan`` / ``inf`` parses as one) and every
+    ``RANGES`` entry in its range."""
+    errs = []
+    for sec in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, sec.name)):
+            v = getattr(getattr(cfg, sec.name), f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                errs.append(f"{sec.name}.{f.name}={v} is not a finite number; set one")
+    for key, (allowed, what) in RANGES.items():
+        sec, name = key.split(".")
+        v = getattr(getattr(cfg, sec), name)
+        if math.isfinite(v) and not _in_range(v, allowed):
+            must = f"in {allowed}" if allowed[0] in "[(" else allowed
+            errs.append(f"{key}={v} must be {must} ({what})")
+    return errs
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks that must fail before anything heavy loads."""
-    errs: list[str] = []
+    """Checks that must fail before anything heavy loads: ranges, names, cross-field rules."""
+    errs = _range_errors(cfg)
     try:
         eval_conditions(cfg)
     except ConfigError as e:
         errs.append(str(e))
-    if cfg.data.synth_mcq_variants < 1:
-        errs.append(
-            f"data.synth_mcq_variants={cfg.data.synth_mcq_variants} must be >= 1 (multiple-choice "
-            "rows per synthetic training video)"
-        )
     if cfg.sft.schedule not in ("constant", "cosine"):
         errs.append(f"sft.schedule='{cfg.sft.schedule}' is not one of constant|cosine")
     d = cfg.data
@@ -559,48 +693,37 @@ def validate(cfg: Config) -> None:
             f"data.synth_min_duration={d.synth_min_duration} / synth_max_duration="
             f"{d.synth_max_duration}: {err}"
         )
-    if cfg.video.backend not in ("pyav", "dali"):
-        errs.append(f"video.backend='{cfg.video.backend}' is not one of pyav|dali")
-    if not cfg.video.frame_budgets or any(k < 1 for k in cfg.video.frame_budgets):
-        errs.append(f"video.frame_budgets={cfg.video.frame_budgets} must be positive integers")
-    if cfg.video.fixed_frames < 1:
-        errs.append(f"video.fixed_frames={cfg.video.fixed_frames} must be >= 1")
-    if cfg.video.crop_min_frames < 2:
-        errs.append(f"video.crop_min_frames={cfg.video.crop_min_frames} must be >= 2")
-    if cfg.video.crop_max_frames < cfg.video.crop_min_frames:
+    v = cfg.video
+    if v.backend not in ("pyav", "dali"):
+        errs.append(f"video.backend='{v.backend}' is not one of pyav|dali")
+    if not v.frame_budgets or any(k < 1 for k in v.frame_budgets):
+        errs.append(f"video.frame_budgets={v.frame_budgets} must be positive integers")
+    if v.crop_max_frames < v.crop_min_frames:
         errs.append(
-            f"video.crop_max_frames={cfg.video.crop_max_frames} is below "
-            f"video.crop_min_frames={cfg.video.crop_min_frames}"
+            f"video.crop_max_frames={v.crop_max_frames} is below "
+            f"video.crop_min_frames={v.crop_min_frames}"
         )
-    if cfg.video.crop_fps <= 0:
-        errs.append(f"video.crop_fps={cfg.video.crop_fps} must be > 0")
-    if cfg.model.tiny_vocab < 4096:
-        errs.append(
-            f"model.tiny_vocab={cfg.model.tiny_vocab} is below the tiny tokenizer's 4096 ids; "
-            "use >= 4096 (151936 = Qwen3-VL's vocabulary)"
-        )
+    for kind in ("overview", "crop"):
+        lo, hi = getattr(v, f"{kind}_min_pixels"), getattr(v, f"{kind}_max_pixels")
+        if lo > hi >= 1:
+            errs.append(
+                f"video.{kind}_min_pixels={lo} is above video.{kind}_max_pixels={hi}; the "
+                "pixel floor must not exceed the budget (lower it or raise the budget)"
+            )
     if cfg.model.tiny_head_dim and (cfg.model.tiny_head_dim < 8 or cfg.model.tiny_head_dim % 8):
         errs.append(
             f"model.tiny_head_dim={cfg.model.tiny_head_dim} must be 0 (auto) or a multiple of 8 "
             "(32 for rollout.engine=vllm)"
         )
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        errs.append(
+            f"model.attn_implementation='{cfg.model.attn_implementation}' is not one of "
+            f"{'|'.join(ATTN_IMPLEMENTATIONS)} (sdpa runs everywhere)"
+        )
+    if cfg.train.on_save_error not in ("fail", "continue"):
+        errs.append(f"train.on_save_error='{cfg.train.on_save_error}' is not one of fail|continue")
     if cfg.rollout.engine not in ("hf", "vllm"):
         errs.append(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")
-    if cfg.rollout.group_size < 1:
-        errs.append(f"rollout.group_size={cfg.rollout.group_size} must be >= 1")
-    if cfg.rollout.temperature < 0:
-        errs.append(f"rollout.temperature={cfg.rollout.temperature} must be >= 0")
-    if cfg.rollout.sub_temperature < 0:
-        errs.append(
-            f"rollout.sub_temperature={cfg.rollout.sub_temperature} must be >= 0 (0 = greedy "
-            "sub-agent summaries)"
-        )
-    if not 0 < cfg.rollout.top_p <= 1:
-        errs.append(f"rollout.top_p={cfg.rollout.top_p} must be in (0, 1]")
-    if cfg.agent.max_turns < 0:
-        errs.append(f"agent.max_turns={cfg.agent.max_turns} must be >= 0")
-    if cfg.agent.max_parallel < 1:
-        errs.append(f"agent.max_parallel={cfg.agent.max_parallel} must be >= 1")
     if cfg.agent.crop_mode not in ("subagent", "frames"):
         errs.append(f"agent.crop_mode='{cfg.agent.crop_mode}' is not one of subagent|frames")
     if cfg.reward.oe_metric not in ("f1", "exact"):
@@ -626,14 +749,13 @@ def validate(cfg: Config) -> None:
             f"algo.behav_cap={cfg.algo.behav_cap} only applies to the decoupled objective; "
             "set algo.loss=decoupled or algo.behav_cap=null"
         )
-    if cfg.algo.minibatches < 1 or cfg.algo.ppo_epochs < 1:
-        errs.append("algo.minibatches and algo.ppo_epochs must be >= 1")
-    if cfg.algo.max_tokens_per_microbatch < 1:
+    if cfg.algo.normalize_std and cfg.algo.adv_eps == 0:
         errs.append(
-            f"algo.max_tokens_per_microbatch={cfg.algo.max_tokens_per_microbatch} must be > 0"
+            "algo.adv_eps=0 with algo.normalize_std=true: a group of equal rewards divides 0 by "
+            "0 (NaN advantages); use a small positive eps such as 1e-6"
         )
     n_seq = cfg.train.prompts_per_step * cfg.rollout.group_size
-    if n_seq % cfg.algo.minibatches:
+    if cfg.algo.minibatches >= 1 and n_seq % cfg.algo.minibatches:
         errs.append(
             f"train.prompts_per_step*rollout.group_size={n_seq} is not divisible by "
             f"algo.minibatches={cfg.algo.minibatches}"
@@ -644,26 +766,6 @@ def validate(cfg: Config) -> None:
         errs.append(f"model.path='{cfg.model.path}' is not a directory (a local HF checkpoint)")
     if cfg.data.path and not Path(cfg.data.path).exists():
         errs.append(f"data.path='{cfg.data.path}' does not exist")
-    if cfg.train.alarm_window < 1:
-        errs.append(f"train.alarm_window={cfg.train.alarm_window} must be >= 1 (steps)")
-    for key in ("alarm_tool_frac", "alarm_closure_frac"):
-        v = getattr(cfg.train, key)
-        if not 0 <= v < 1:
-            errs.append(
-                f"train.{key}={v} must be in [0, 1): the alarm fires below this fraction of the "
-                "starting level (0 disables it)"
-            )
-    if cfg.train.alarm_parse_rise <= 0:
-        errs.append(
-            f"train.alarm_parse_rise={cfg.train.alarm_parse_rise} must be > 0 (a rise of the "
-            "parse-error rate above its start; > 1 never fires)"
-        )
-    if cfg.train.viewer_max_mb < 0:
-        errs.append(
-            f"train.viewer_max_mb={cfg.train.viewer_max_mb} must be >= 0 (0 = no thumbnails)"
-        )
-    if cfg.train.viewer_thumb_px < 8:
-        errs.append(f"train.viewer_thumb_px={cfg.train.viewer_thumb_px} must be >= 8")
     if errs:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
 

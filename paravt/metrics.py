@@ -370,6 +370,8 @@ def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
     calls = [c for turn in traj.turns for c in turn.calls]
     return {
         "K": int(num_frames),
+        # The prompt (group) it was rolled out for: prompt-level statistics (paravt.alarms).
+        "prompt": f"{traj.sample_id}:{traj.group_id}",
         "reward": float(traj.reward),
         "breakdown": {k: float(v) for k, v in traj.reward_breakdown.items()},
         "compliant": float(ok),
@@ -379,6 +381,17 @@ def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
         "used_tool": float(any(c.status == "ok" for c in calls)),
         "response_tokens": int(sum(traj.loss_mask)),
     }
+
+
+def _prompt_stats(out: dict[str, float], key: str, records: Sequence[dict[str, Any]]) -> None:
+    """``prompts/key`` and ``prompt_sq/key`` of the records' per-prompt tool-call rates (a
+    record without ``prompt`` counts with the others as one prompt: fewer, never more)."""
+    by: dict[Any, list[float]] = {}
+    for r in records:
+        by.setdefault(r.get("prompt"), []).append(r["used_tool"])
+    rates = [_mean(v) for v in by.values()]
+    out[f"prompts/{key}"] = float(len(rates))
+    out[f"prompt_sq/{key}"] = _mean([x * x for x in rates])
 
 
 def clustered_mean_ci95(values: Sequence[float], clusters: Sequence[Any]) -> tuple[float, float]:
@@ -409,7 +422,11 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``tool_call_rate``: fraction of rollouts that executed at least one valid crop;
     * ``parse_error_rate``: fraction of attempted calls that failed to parse/validate;
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
-    * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket.
+    * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket;
+    * ``prompts/X``, ``prompt_sq/X`` for ``X`` = ``tool_call_rate`` and each ``tool_rate/K{k}``:
+      the number of prompts and the mean of their squared per-prompt tool-call rates, which
+      with ``X`` (every prompt has G rollouts, so ``X`` is also the mean of the per-prompt
+      rates) let ``paravt.alarms`` test a fall with the prompt as the unit.
     """
     out: dict[str, float] = {}
     for k in sorted({k for r in records for k in r["breakdown"]}):
@@ -422,6 +439,7 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     total_calls = sum(r["n_calls"] for r in records)
     out["tool_calls_per_rollout"] = total_calls / len(records) if records else 0.0
     out["tool_call_rate"] = _mean([r["used_tool"] for r in records])
+    _prompt_stats(out, "tool_call_rate", records)
     out["parse_error_rate"] = (
         sum(r["bad_calls"] for r in records) / total_calls if total_calls else 0.0
     )
@@ -431,5 +449,6 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         rs = [r for r in records if r["K"] == k]
         out[f"acc/K{k}"] = _mean([r["breakdown"].get("acc", 0.0) for r in rs])
         out[f"tool_rate/K{k}"] = _mean([r["used_tool"] for r in rs])
+        _prompt_stats(out, f"tool_rate/K{k}", rs)
         out[f"count/K{k}"] = float(len(rs))
     return out

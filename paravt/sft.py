@@ -229,7 +229,7 @@ def run_sft(
 
     Returns ``{"sft/loss_first", "sft/loss_last", "sft/tokens", "sft/seconds"}``.
     """
-    from paravt.checkpoint import save_model_dir
+    from paravt.checkpoint import save_model_dir, sft_save_error
     from paravt.data.readers import load_samples
     from paravt.distributed import (
         DistContext,
@@ -250,7 +250,9 @@ def run_sft(
     samples = load_samples(data_dir, video_root=cfg.data.video_root, split="train")
     sft_path = s.data or str(Path(data_dir) / "sft.jsonl")
     records = read_sft_records(sft_path)
-    planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
+    planner = DecodePlanner(
+        cfg.video.backend, cfg.video.cache_frames, timeout_s=cfg.video.decode_timeout_s
+    )
     # Each rank encodes only its own records (encoding decodes video; no rank needs all).
     mine = records[ctx.rank :: ctx.world_size]
     trajs = encode_records(mine, samples, bundle, cfg, planner)
@@ -301,7 +303,11 @@ def run_sft(
         tmp = Path(str(out_dir) + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        save_model_dir(tmp, model, state, tokenizer=bundle.tokenizer, source_dir=model_dir)
+        try:
+            save_model_dir(tmp, model, state, tokenizer=bundle.tokenizer, source_dir=model_dir)
+        except OSError as e:  # disk full ...: leave no half-written copy behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise sft_save_error(out_dir, state, model_dir, e) from e
         if Path(out_dir).exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)  # a killed SFT never leaves a half checkpoint at out_dir

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paravt.config import Config, ConfigError, load_config, to_dict, to_yaml
+from paravt.config import Config, ConfigError, load_config, preset_errors, to_dict, to_yaml
 
 # ----------------------------------------------------------------------------------- config
 
@@ -51,6 +51,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. algo.kl_coef=0.02")
     a = p.parse_args(argv)
     cfg = load_config(a.preset, a.config, a.overrides)
+    if errs := preset_errors(a.preset, cfg):
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
     if a.resume:
         cfg.train.resume = True
     return cfg, a
@@ -87,12 +89,23 @@ def validate_run(cfg: Config, world_size: int) -> None:
         )
     if cfg.sft.data and not Path(cfg.sft.data).is_file():
         errs.append(f"sft.data='{cfg.sft.data}' does not exist")
+    dev = None
     try:
         dev = resolve_device(cfg.model.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             errs.append(f"model.device='{cfg.model.device}' but CUDA is not available; use cpu")
     except RuntimeError as e:
         errs.append(f"model.device='{cfg.model.device}': {e}")
+    errs += _attention_errors(cfg, dev)
+    if r.engine == "vllm":
+        from paravt.rollout.vllm import vllm_available
+
+        ok, why = vllm_available()
+        if not ok:
+            errs.append(
+                f"rollout.engine=vllm needs vLLM, which does not import here ({why}): "
+                "`make install-vllm` (CPU) or the gpu extra (CUDA), or use rollout.engine=hf"
+            )
     if t.resume and not Path(t.out_dir).is_dir():
         errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
     # The largest K must fit the model's context: estimate its prompt from the pixel budget.
@@ -103,6 +116,47 @@ def validate_run(cfg: Config, world_size: int) -> None:
         errs += _context_budget_errors(cfg, model_dir)
     if errs:
         raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
+
+
+# transformers' flash attention implementations: the module each imports, the package's name
+# and how to install it.
+_FLASH_PACKAGES = {
+    "flash_attention_2": (
+        "flash_attn",
+        "flash-attn",
+        "pip install flash-attn --no-build-isolation (builds against the CUDA toolkit)",
+    ),
+    "flash_attention_3": (
+        "flash_attn_interface",
+        "flash-attn 3 (flash_attn_interface)",
+        "build flash-attention's hopper/ directory",
+    ),
+}
+
+
+def _attention_errors(cfg: Config, dev: torch.device | None) -> list[str]:
+    """``model.attn_implementation=flash_attention_*`` needs a CUDA device and its package;
+    without them transformers fails the model load, after the data and any tiny model were
+    built. ``dev``: the resolved ``model.device`` (None when it did not resolve)."""
+    import importlib.util
+
+    attn = cfg.model.attn_implementation
+    if attn not in _FLASH_PACKAGES:
+        return []
+    module, package, install = _FLASH_PACKAGES[attn]
+    other = "run with model.attn_implementation=sdpa (PyTorch's attention: any device, no package)"
+    if dev is not None and dev.type != "cuda":
+        return [
+            f"model.attn_implementation='{attn}' needs CUDA, but model.device="
+            f"'{cfg.model.device}' is {dev}{'' if torch.cuda.is_available() else ' (no CUDA)'}: "
+            f"{other}, or use a CUDA device"
+        ]
+    if importlib.util.find_spec(module) is None:
+        return [
+            f"model.attn_implementation='{attn}' needs the {package} package, which is not "
+            f"installed: {install}, or {other}"
+        ]
+    return []
 
 
 def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
@@ -130,9 +184,12 @@ def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
     k_max = max(cfg.video.frame_budgets) if cfg.video.gating else cfg.video.fixed_frames
     per_frame = cfg.video.overview_max_pixels / float((patch * merge) ** 2) / tpatch
     visual = int(k_max * per_frame) + 8 * k_max  # + timestamp text per frame
-    gen = (cfg.agent.max_turns + 1) * (
-        cfg.rollout.max_new_tokens
-        + cfg.agent.max_parallel * (cfg.agent.max_tool_response_tokens + 16)
+    from paravt.agent.context import tool_turn_max_tokens
+
+    # Each turn generates at most max_new_tokens (+ its forced prefix, in the 512 margin); each
+    # tool turn appends at most tool_turn_max_tokens, however many calls the model writes.
+    gen = (cfg.agent.max_turns + 1) * cfg.rollout.max_new_tokens + cfg.agent.max_turns * (
+        tool_turn_max_tokens(cfg.agent.max_parallel, cfg.agent.max_tool_response_tokens)
     )
     limit, what = max_pos, f"the model's max_position_embeddings={max_pos}"
     if cfg.rollout.engine == "vllm":
@@ -150,29 +207,57 @@ def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
 # ------------------------------------------------------------------------------- assets
 
 
-def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
-    """Dataset directory and model directory; the synthetic task and the tiny model are
-    created on rank 0 if absent (other ranks wait)."""
+def prepare_data(cfg: Config, ctx: Any) -> str:
+    """Dataset directory; the synthetic task is generated on rank 0 if absent (others wait)."""
     from paravt.distributed import barrier
 
     data_dir = cfg.data.path or cfg.data.synth_dir
+    if ctx.is_main and not cfg.data.path:
+        from paravt.data.synth import generate_from_config
+
+        generate_from_config(cfg, data_dir)
+    barrier(ctx)
+    return data_dir
+
+
+def prepare_model(cfg: Config, ctx: Any) -> str:
+    """Model directory; the tiny model is built on rank 0 if absent (others wait)."""
+    from paravt.distributed import barrier
     from paravt.models.tiny import tiny_checkpoint_args
 
     tiny_dir, head_dim = tiny_checkpoint_args(cfg)
     model_dir = cfg.model.path or tiny_dir
-    if ctx.is_main:
-        if not cfg.data.path:
-            from paravt.data.synth import generate_from_config
+    if ctx.is_main and not cfg.model.path:
+        from paravt.models import build_tiny_checkpoint
 
-            generate_from_config(cfg, data_dir)
-        if not cfg.model.path:
-            from paravt.models import build_tiny_checkpoint
-
-            build_tiny_checkpoint(
-                model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
-            )
+        build_tiny_checkpoint(
+            model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
+        )
     barrier(ctx)
-    return data_dir, model_dir
+    return model_dir
+
+
+def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
+    """Dataset directory and model directory (``prepare_data``, ``prepare_model``)."""
+    return prepare_data(cfg, ctx), prepare_model(cfg, ctx)
+
+
+def read_datasets(cfg: Config, data_dir: str) -> tuple[list[Any], list[Any]]:
+    """Training and validation samples, every row validated (``DatasetError`` names the file,
+    the row and the field). The trainer calls it before any model is built or loaded, so a
+    bad row costs a second, not a checkpoint load. An absent val split falls back to the
+    train prompts; a bad one raises. Validation keeps ``train.eval_prompts`` prompts."""
+    from paravt.data.readers import DatasetError, has_split, load_samples
+
+    root = cfg.data.video_root
+    train = load_samples(data_dir, video_root=root, split="train", max_samples=cfg.data.max_samples)
+    val = load_samples(data_dir, video_root=root, split="val") if has_split(data_dir, "val") else []
+    if not train:
+        raise DatasetError(
+            f"{data_dir}: no usable training row (the split is empty, or every row's video is "
+            "missing: see the warning above); check data.path and data.video_root"
+        )
+    return train, (val or train)[: cfg.train.eval_prompts]
 
 
 @dataclass
@@ -248,7 +333,6 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     from paravt.algo.loss import make_objective
     from paravt.algo.reference import ReferencePolicy
     from paravt.checkpoint import latest_checkpoint, load_trainer_state, set_rng_state
-    from paravt.data.readers import has_split, load_samples
     from paravt.distributed import load_full_optimizer_state, shard_model
     from paravt.metrics import MetricsLogger, ThumbnailStore
     from paravt.models import load_model_from_config
@@ -258,7 +342,10 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
 
     t = cfg.train
     out = Path(t.out_dir)
-    data_dir, model_dir = prepare_assets(cfg, ctx)
+    # 0. Data first: a malformed row fails before any model is built or loaded.
+    data_dir = prepare_data(cfg, ctx)
+    train_samples, val_samples = read_datasets(cfg, data_dir)
+    model_dir = prepare_model(cfg, ctx)
 
     # 1. SFT cold start (once per run folder; a resumed run reuses it).
     init_dir = model_dir
@@ -302,7 +389,9 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         engine_bundle = bundle
     shard_model(policy, ctx)  # a no-op on one rank
     engine = make_engine(cfg, engine_bundle)
-    planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
+    planner = DecodePlanner(
+        cfg.video.backend, cfg.video.cache_frames, timeout_s=cfg.video.decode_timeout_s
+    )
     runner = AgentRunner(engine, engine_bundle, cfg, planner=planner)
 
     # 3. Optimizer and schedule (linear warm-up, then constant).
@@ -316,16 +405,6 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
     )
 
-    # 4. Data.
-    train_samples = load_samples(
-        data_dir, video_root=cfg.data.video_root, split="train", max_samples=cfg.data.max_samples
-    )
-    val_samples = []  # an absent val split falls back to the train prompts; a bad one raises
-    if has_split(data_dir, "val"):
-        val_samples = load_samples(data_dir, video_root=cfg.data.video_root, split="val")
-    if not val_samples:
-        val_samples = train_samples
-    val_samples = val_samples[: t.eval_prompts]
     sampler = PromptSampler(train_samples, seed=t.seed)
 
     logger = MetricsLogger(
@@ -341,7 +420,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
             out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px
         )
 
-    # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
+    # 4. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if ckpt is not None:
         st = load_trainer_state(ckpt)
         load_full_optimizer_state(policy, optimizer, st["optimizer"], ctx)
@@ -537,6 +616,10 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             "skipped_prompts": float(all_reduce_sum(float(len(tr.runner.errors)), ctx)[0]),
         }
     )
+    # Episodes the engine's context cut short (paravt.agent.loop: never a failed request).
+    keys = ("context_forced_answers", "context_cut_answers", "context_ended")
+    counts = all_reduce_sum(torch.tensor([float(tr.runner.stats.get(k, 0)) for k in keys]), ctx)
+    m.update({f"rollout/{k}": float(v) for k, v in zip(keys, counts)})
     m.update(guard.metrics())
     if ctx.is_main and cfg.train.log_trajectories:
         tr.logger.log_trajectories(step, trajectory_samples(tr, groups, cfg.train.log_trajectories))
@@ -717,11 +800,15 @@ def evaluate(tr: Trainer, seed: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------- checkpoint
 
 
-def save(tr: Trainer, step: int) -> None:
-    from paravt.checkpoint import rng_state, save_checkpoint
+def save(tr: Trainer, step: int) -> bool:
+    """Checkpoint ``step`` (rank 0 writes; every rank takes part in gathering the state).
+
+    A failed write (disk full ...) leaves the previous checkpoint the newest; then
+    ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
+    (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
+    from paravt.checkpoint import CheckpointSaveError, rng_state, save_checkpoint
     from paravt.distributed import (
         all_gather_objects,
-        barrier,
         full_optimizer_state,
         full_state_dict,
     )
@@ -729,24 +816,41 @@ def save(tr: Trainer, step: int) -> None:
     model_state = full_state_dict(tr.policy, tr.ctx)
     optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
     rngs = all_gather_objects(rng_state(), tr.ctx)
+    failed: CheckpointSaveError | None = None
     if tr.ctx.is_main:
-        save_checkpoint(
-            tr.cfg.train.out_dir,
-            step,
-            model=tr.policy,
-            model_state=model_state,
-            trainer_state={
-                "optimizer": optim_state,
-                "scheduler": tr.scheduler.state_dict(),
-                "rng": rngs,
-                "data": tr.sampler.state(),
-                "world_size": tr.ctx.world_size,
-            },
-            tokenizer=tr.bundle.tokenizer,
-            source_dir=tr.init_dir,
-            keep_last=tr.cfg.train.keep_last,
-        )
-    barrier(tr.ctx)
+        try:
+            save_checkpoint(
+                tr.cfg.train.out_dir,
+                step,
+                model=tr.policy,
+                model_state=model_state,
+                trainer_state={
+                    "optimizer": optim_state,
+                    "scheduler": tr.scheduler.state_dict(),
+                    "rng": rngs,
+                    "data": tr.sampler.state(),
+                    "world_size": tr.ctx.world_size,
+                },
+                tokenizer=tr.bundle.tokenizer,
+                source_dir=tr.init_dir,
+                keep_last=tr.cfg.train.keep_last,
+            )
+        except CheckpointSaveError as e:
+            failed = e
+    # Every rank learns rank 0's outcome (this is also the barrier after the save).
+    said = all_gather_objects("" if failed is None else str(failed), tr.ctx)[0]
+    if not said:
+        return True
+    if tr.cfg.train.on_save_error == "continue":
+        if tr.ctx.is_main:
+            print(
+                f"[train] warning: {said} Training goes on without it "
+                "(train.on_save_error=continue).",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
+    raise failed or CheckpointSaveError(said)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -820,11 +924,24 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from paravt.checkpoint import CheckpointSaveError
+    from paravt.data.readers import DatasetError
+
     try:
         cfg, _ = parse_args(argv)
         run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointSaveError as e:  # train.on_save_error=fail; the previous one is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except DatasetError as e:  # raised before any model loads (read_datasets)
+        print(
+            f"error: {e}\n(the dataset is checked before any model loads: fix it, or point "
+            "data.path at another dataset)",
+            file=sys.stderr,
+        )
         return 2
     return 0
 

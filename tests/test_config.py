@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from paravt.config import PRESETS, ConfigError, load_config, to_yaml
@@ -85,3 +87,88 @@ def test_paper_presets_put_k1_kl_in_the_reward() -> None:
         cfg = load_config(preset, validate_=False)
         assert (cfg.algo.kl_mode, cfg.algo.kl_type, cfg.algo.kl_coef) == ("reward", "k1", 0.01)
     assert load_config().algo.kl_mode == "loss"
+
+
+@pytest.mark.parametrize(
+    "override, allowed",
+    [
+        # The ones that used to pass validation and crash after the model loaded.
+        ("agent.max_tool_response_tokens=0", ">= 1"),
+        ("agent.max_tool_response_tokens=-5", ">= 1"),
+        ("rollout.max_batch_size=-1", ">= 0"),
+        ("rollout.max_new_tokens=0", ">= 1"),
+        ("rollout.sub_max_new_tokens=0", ">= 1"),
+        ("video.overview_max_pixels=0", ">= 1"),
+        ("video.overview_min_pixels=0", ">= 1"),
+        ("video.crop_max_pixels=-1", ">= 1"),
+        ("video.cache_frames=-1", ">= 0"),
+        ("data.synth_num_videos=0", ">= 1"),
+        ("data.max_samples=-1", ">= 0"),
+        ("rollout.vllm_max_model_len=-1", ">= 0"),
+        ("rollout.vllm_max_num_seqs=0", ">= 1"),
+        ("rollout.vllm_kv_cache_gib=0", "> 0"),
+        ("rollout.vllm_gpu_memory_utilization=1.5", "in (0, 1]"),
+        ("rollout.vllm_tensor_parallel=0", ">= 1"),
+        ("reward.w_fmt=-1", ">= 0"),
+        ("reward.lambda_anchor=-0.5", ">= 0"),
+        ("reward.tool_bonus=-0.2", ">= 0"),
+        ("reward.tool_error_penalty=-0.05", ">= 0"),
+        ("reward.tool_correct_threshold=1.5", "in [0, 1]"),
+        ("algo.lr=0", "> 0"),
+        ("algo.weight_decay=-0.1", ">= 0"),
+        ("algo.clip_low=0", "in (0, 1]"),
+        ("algo.clip_low=1.5", "in (0, 1]"),
+        ("algo.clip_high=-0.2", "> 0"),
+        ("algo.kl_coef=-0.01", ">= 0"),
+        ("algo.adv_scale=0", "> 0"),
+        ("algo.adv_eps=-1e-6", ">= 0"),
+        ("algo.warmup_steps=-1", ">= 0"),
+        ("algo.ppo_epochs=0", ">= 1"),
+        ("algo.max_grad_norm=0", "> 0"),
+        ("sft.steps=-1", ">= 0"),
+        ("sft.lr=0", "> 0"),
+        ("sft.batch_size=0", ">= 1"),
+        ("sft.vision_lr=-1e-5", ">= 0"),
+        ("train.steps=-1", ">= 0"),
+        ("train.prompts_per_step=0", ">= 1"),
+        ("train.save_every=-1", ">= 0"),
+        ("train.keep_last=-1", ">= 0"),
+        ("train.log_trajectories=-1", ">= 0"),
+        ("train.eval_prompts=-1", ">= 0"),
+        ("train.eval_samples=0", ">= 1"),
+        ("train.eval_frames=-4", ">= 0"),
+    ],
+)
+def test_out_of_range_numbers_name_key_value_and_range(override: str, allowed: str) -> None:
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    m = re.search(rf"^  - {re.escape(key)}=(\S+) (.*)$", str(e.value), re.M)
+    assert m is not None, str(e.value)
+    assert float(m.group(1)) == float(value)  # the value as given
+    assert f"must be {allowed}" in m.group(2), m.group(0)
+
+
+@pytest.mark.parametrize("key", ["algo.lr", "reward.w_fmt", "video.crop_fps", "algo.dual_clip"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_floats_are_rejected(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(key) + r"=-?(nan|inf) is not a finite"):
+        load_config(overrides=[f"{key}={value}"])
+
+
+def test_cross_field_ranges() -> None:
+    with pytest.raises(ConfigError, match=r"video\.overview_min_pixels=4096 is above "):
+        load_config(overrides=["video.overview_min_pixels=4096", "video.overview_max_pixels=1024"])
+    with pytest.raises(ConfigError, match=r"video\.crop_min_pixels=4096 is above "):
+        load_config(overrides=["video.crop_min_pixels=4096", "video.crop_max_pixels=1024"])
+    # adv_eps = 0 divides 0 by 0 for a group of equal rewards, unless std is not used.
+    with pytest.raises(ConfigError, match=r"algo\.adv_eps=0"):
+        load_config(overrides=["algo.adv_eps=0"])
+    assert load_config(overrides=["algo.adv_eps=0", "algo.normalize_std=false"]).algo.adv_eps == 0
+    with pytest.raises(ConfigError, match=r"model\.attn_implementation='flash'.*sdpa"):
+        load_config(overrides=["model.attn_implementation=flash"])
+
+
+def test_every_preset_passes_the_range_checks() -> None:
+    for name in PRESETS:
+        load_config(name, overrides=["model.path="])  # model.path: checked by the trainer

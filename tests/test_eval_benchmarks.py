@@ -284,6 +284,34 @@ def test_mmvu_and_synth_duplicate_ids(tmp_path: Path) -> None:
     _raises("synth", tmp_path / "s", r"val\.jsonl:4: field 'id' repeats id .*-oe' of line 2")
 
 
+@pytest.mark.parametrize(
+    "video",
+    [
+        "/etc/passwd",
+        "../outside.mp4",
+        "videos/../../outside.mp4",
+        "file:///etc/passwd",
+        "file://../outside.mp4",
+        "~/outside.mp4",
+    ],
+)
+def test_synth_video_paths_stay_under_the_data_root(tmp_path: Path, video: str) -> None:
+    """The synthetic adapter follows the other adapters' path rule: a row's video is a file
+    name relative to the data root; an absolute path, a '..' part, '~' or a 'file://' URL
+    (which the dataset reader would expand) is a format error, and the file is never opened."""
+    (tmp_path / "outside.mp4").write_bytes(b"not for the benchmark")
+    rows = write_benchmark("synth", tmp_path / "s", video=False)
+    rows[1]["video"] = video
+    (tmp_path / "s/val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _raises(
+        "synth",
+        tmp_path / "s",
+        r"val\.jsonl line 2 \(id 'synth-s0-vid_0000-oe'\): field 'video' is "
+        + re.escape(repr(video))
+        + ", expected a file name relative to the data root",
+    )
+
+
 # ------------------------------------------------------------------------------------- SRT
 @pytest.mark.parametrize(
     ("text", "cues"),

@@ -287,3 +287,95 @@ def test_has_split_tells_an_absent_split_from_a_bad_one(tmp_path) -> None:
     assert has_split(tmp_path, "val")  # ambiguous: load_samples must say so, not be skipped
     with pytest.raises(DatasetError, match="several candidates"):
         load_samples(tmp_path, split="val")
+
+
+# ------------------------------------------------------------------ wrong-typed fields
+_PROMPT = [{"role": "user", "content": "<video>\nq"}]
+_EXTRA = {"answer": "B", "question_type": "mcq"}
+
+
+def _pq_row(**kw) -> dict:
+    return {
+        "prompt": _PROMPT,
+        "videos": [{"video": "videos/vid_0000.mp4"}],
+        "extra_info": _EXTRA,
+        **kw,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fmt", "rows", "where", "needles"),
+    [
+        # JSONL: the second line is the bad one.
+        ("jsonl", [_row(0), _row(1, options=5)], ":2", ["'options'", "int 5", "list of option"]),
+        ("jsonl", [_row(0), _row(1, options="RED")], ":2", ["'options'", "str 'RED'", "list of"]),
+        ("jsonl", [_row(0), _row(1, options=["a", {"b": 1}])], ":2", ["'options[1]'", "dict"]),
+        ("jsonl", [_row(0), _row(1, video=["a.mp4"])], ":2", ["'video'", "list", "path"]),
+        ("jsonl", [_row(0), _row(1, question={"t": "q"})], ":2", ["'question'", "dict", "string"]),
+        # Parquet: a column has one type, so where a good row cannot share the bad row's
+        # type, the bad row is alone (row 0).
+        (
+            "parquet",
+            [_pq_row(prompt=json.dumps(_PROMPT)), _pq_row(prompt="not json")],
+            " row 1",
+            ["'prompt'", "not valid JSON", "role"],
+        ),
+        ("parquet", [_pq_row(prompt=["hello"])], " row 0", ["'prompt[0]'", "str 'hello'", "role"]),
+        ("parquet", [_pq_row(prompt=None)], " row 0", ["'prompt'", "null", "list of"]),
+        (
+            "parquet",
+            [_pq_row(), _pq_row(videos=[{"path": "a.mp4"}])],
+            " row 1",
+            ["'videos[0]'", "'video'", "path"],
+        ),
+        (
+            "parquet",
+            [_pq_row(videos="videos/vid_0000.mp4"), _pq_row(videos="a.mp4")],
+            " row 0",
+            ["'videos'", "str 'videos/vid_0000.mp4'", "list"],
+        ),
+        (
+            "parquet",
+            [_pq_row(extra_info=["B", "mcq"])],
+            " row 0",
+            ["'extra_info'", "list", "answer"],
+        ),
+        (
+            "parquet",
+            [_pq_row(extra_info=json.dumps(_EXTRA)), _pq_row(extra_info="[1, 2]")],
+            " row 1",
+            ["'extra_info'", "list", "answer"],
+        ),
+    ],
+    ids=[
+        "options-int",
+        "options-str",
+        "options-item-dict",
+        "video-list",
+        "question-dict",
+        "prompt-not-json",
+        "prompt-list-of-str",
+        "prompt-null",
+        "videos-entry-without-video",
+        "videos-str",
+        "extra_info-list",
+        "extra_info-json-list",
+    ],
+)
+def test_wrong_typed_fields_are_format_errors_naming_file_row_and_field(
+    tmp_path, fmt: str, rows: list[dict], where: str, needles: list[str]
+) -> None:
+    """Every wrong-typed field is a ``DatasetError`` naming the file, the row and the field,
+    what was found and what is expected (before: raw TypeError / KeyError / AttributeError /
+    JSONDecodeError naming nothing, or ``options: "RED"`` read as the options R, E, D)."""
+    f = tmp_path / f"d.{fmt}"
+    if fmt == "jsonl":
+        _jsonl(f, rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), str(f))
+    with pytest.raises(DatasetError) as e:
+        read_samples(f)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}{where}:"), msg
+    for n in needles:
+        assert n in msg, (n, msg)

@@ -182,6 +182,117 @@ def test_cli_rejects_bad_config_before_loading(tmp_path, monkeypatch, capsys) ->
     assert not out.exists()  # nothing was created, generated or loaded
 
 
+def _forbid_building(monkeypatch) -> None:
+    """Make every way of building or loading a model (or generating data) fail the test."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a model was built or loaded before the input was validated")
+
+    monkeypatch.setattr("paravt.models.build_tiny_checkpoint", forbidden)
+    monkeypatch.setattr("paravt.models.load_model_from_config", forbidden)
+    monkeypatch.setattr("paravt.sft.run_sft", forbidden)
+    monkeypatch.setattr("paravt.data.synth.generate_from_config", forbidden)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_bad_data_row_is_reported_before_any_model_loads(
+    tmp_path, monkeypatch, capsys, split: str
+) -> None:
+    """A malformed row (here ``options: 5``) is read and reported before the policy, the
+    reference or the engine is built: file, row and field, no traceback, exit status 2."""
+    from paravt.train import main
+
+    _forbid_building(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # the tiny model's default folder, were it built
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "v.mp4").write_bytes(b"")  # present (rows with a missing video are dropped)
+    good = {"id": "a", "video": "v.mp4", "question": "q", "answer": "A", "question_type": "oe"}
+    bad = {**good, "id": "b", "options": 5}
+    rows = {"train": [good, good | {"id": "c"}], "val": [good]}
+    rows[split].append(bad)
+    for name, rs in rows.items():
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    out = tmp_path / "out"
+    rc = main([f"data.path={data}", f"train.out_dir={out}", "train.progress=false"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = len(rows[split])
+    assert f"{data / f'{split}.jsonl'}:{line}: 'options' is int 5" in err, err
+    assert "data.path" in err  # the fix names the setting that points at the file
+    assert "Traceback" not in err
+
+
+def test_paper_preset_without_model_path_fails_before_anything_is_built(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """The Qwen3-VL-8B recipe with no ``model.path`` used to generate the synthetic task and
+    build the tiny model, then die in transformers' FlashAttention2 import."""
+    from paravt.train import main
+
+    _forbid_building(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # a fresh folder
+    for preset in ("qwen3vl_8b_paragrpo", "qwen3vl_8b_vanilla"):
+        assert main(["--preset", preset]) == 2
+        err = capsys.readouterr().err
+        assert f"preset '{preset}'" in err and "model.path" in err, err
+        assert "model.path=" in err  # how to set it
+        assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing generated, built or written
+
+
+def test_flash_attention_needs_cuda_and_the_flash_attn_package(tmp_path, monkeypatch) -> None:
+    import importlib.util
+
+    from paravt.train import validate_run
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    base = [f"model.path={ckpt}", f"train.out_dir={tmp_path / 'out'}", "rollout.engine=hf"]
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=[*base, "model.device=cpu"])
+    with pytest.raises(ConfigError) as e:
+        validate_run(cfg, world_size=1)
+    msg = str(e.value)
+    assert "model.attn_implementation='flash_attention_2' needs CUDA" in msg, msg
+    assert "model.attn_implementation=sdpa" in msg, msg
+    # A CUDA device without the flash-attn package: say which package and the way out.
+    real = importlib.util.find_spec
+    installed = {"flash_attn": False}
+
+    def find_spec(name: str, *args):
+        if name in installed:
+            return object() if installed[name] else None
+        return real(name, *args)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=[*base, "model.device=cuda"])
+    with pytest.raises(ConfigError) as e:
+        validate_run(cfg, world_size=1)
+    msg = str(e.value)
+    assert "needs the flash-attn package" in msg and "pip install flash-attn" in msg, msg
+    assert "model.attn_implementation=sdpa" in msg and "needs CUDA" not in msg, msg
+    installed["flash_attn"] = True  # CUDA and the package: accepted
+    validate_run(cfg, world_size=1)
+    # sdpa needs neither.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    installed["flash_attn"] = False
+    sdpa = ["model.device=cpu", "model.attn_implementation=sdpa"]
+    validate_run(load_config("qwen3vl_8b_paragrpo", overrides=[*base, *sdpa]), world_size=1)
+
+
+def test_vllm_engine_without_vllm_fails_before_loading(tmp_path, monkeypatch) -> None:
+    """rollout.engine=vllm (the paper presets') is checked before the policy and the
+    reference load, not by the engine factory after them."""
+    from paravt.train import validate_run
+
+    why = "ModuleNotFoundError: No module named 'vllm'"
+    monkeypatch.setattr("paravt.rollout.vllm.vllm_available", lambda: (False, why))
+    cfg = load_config(overrides=["rollout.engine=vllm", f"train.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm needs vLLM.*rollout\.engine=hf"):
+        validate_run(cfg, world_size=1)
+
+
 def test_vanilla_preset_differs_only_in_anchoring_and_gating() -> None:
     from paravt.config import to_dict
 

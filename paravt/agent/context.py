@@ -317,6 +317,55 @@ def sub_prompt(text: TextCache, crop: Clip, instruction: str) -> Context:
 
 TRUNCATED = " [truncated]"
 
+# Markup tokens around one tool response's content (the "\n" between responses,
+# "<tool_response>\n", "\n</tool_response>"), and around a tool turn's responses (a forced
+# <|im_end|> closing a turn the length cap cut, "\n<|im_start|>user\n",
+# "<|im_end|>\n<|im_start|>assistant\n"). Qwen's tokenizer and the tiny one need 5 and 10;
+# the margins let any tokenizer that spells the tags as added tokens fit, and
+# ``AgentRunner`` checks its own tokenizer against them at start-up.
+RESPONSE_MARKUP_TOKENS = 16
+TURN_MARKUP_TOKENS = 32
+
+
+def tool_turn_max_tokens(max_parallel: int, max_tool_response_tokens: int) -> int:
+    """The most tokens one tool turn appends to a main context (``agent.crop_mode=summary``).
+
+    A turn shows at most ``max_parallel`` responses for its allowed calls plus ONE shared error
+    for every call past the limit (``paravt.agent.prompts.tool_turn_texts``), each content cut
+    to ``max_tool_response_tokens``::
+
+        (max_parallel + 1) · (max_tool_response_tokens + RESPONSE_MARKUP_TOKENS)
+            + TURN_MARKUP_TOKENS
+
+    This is the tool term of the pre-run context check (``paravt.train``); the agent loop
+    enforces it on every turn. With ``agent.crop_mode=frames`` each response also holds its
+    crop's visual tokens, which this bound does not count.
+    """
+    return (max_parallel + 1) * (
+        max_tool_response_tokens + RESPONSE_MARKUP_TOKENS
+    ) + TURN_MARKUP_TOKENS
+
+
+def markup_fits(text: TextCache) -> str:
+    """'' when ``text``'s tokenizer spells the tool-turn markup within
+    ``RESPONSE_MARKUP_TOKENS`` / ``TURN_MARKUP_TOKENS``, else what does not fit and the fix."""
+    per_response = len(text.markup("\n" + prompts.TOOL_RESPONSE_OPEN)) + len(
+        text.markup(prompts.TOOL_RESPONSE_CLOSE)
+    )
+    per_turn = (
+        1
+        + len(text.markup("\n" + header("user")))
+        + len(text.markup(prompts.IM_END + "\n" + header("assistant")))
+    )
+    if per_response <= RESPONSE_MARKUP_TOKENS and per_turn <= TURN_MARKUP_TOKENS:
+        return ""
+    return (
+        f"the tokenizer spells one tool response's markup in {per_response} tokens (budget "
+        f"{RESPONSE_MARKUP_TOKENS}) and a tool turn's in {per_turn} (budget "
+        f"{TURN_MARKUP_TOKENS}); add <tool_response>, </tool_response> and the chat markers as "
+        "added tokens, or raise the budgets in paravt.agent.context"
+    )
+
 
 def response_ids(text: TextCache, content: str, max_tokens: int) -> tuple[list[int], bool]:
     """One tool response's content as plain-text ids, at most ``max_tokens`` of them.

@@ -8,7 +8,9 @@ Per turn, for ALL active main agents of ALL groups::
     4. one engine.generate   — every sub-agent summary (paravt.agent.subagent); with
                                ``agent.crop_mode=frames`` none: the crop's frames themselves
                                go into the tool response (the reference evaluation's protocol)
-    5. append                — one <tool_response> per call (errors too), next assistant header
+    5. append                — one <tool_response> per allowed call (errors too), ONE shared
+                               error for all calls past ``agent.max_parallel``, next assistant
+                               header: at most ``context.tool_turn_max_tokens`` tokens a turn
 
 After ``agent.max_turns`` tool turns the answer is forced: ``think_prefix + force_answer_text``
 is appended (mask 0) and the agent generates the answer. A main agent finishes when a turn has
@@ -16,6 +18,13 @@ no tool call (an answer, EOS or the length cap) or after the forced turn; a turn
 calls continues even if it also wrote an ``<answer>`` (accuracy reads the last complete one).
 A turn cut by the length cap is closed with a forced ``<|im_end|>`` (mask 0) before the tool
 responses, so the next turn starts from well-formed chat markup.
+
+No request ever passes the engine's context (``paravt.rollout.engine.context_limit``; vLLM
+fails the whole batch on one such request): a tool turn that would not fit forces the answer
+early, an answer that would not fit is cut to what fits, and an episode with no room left ends
+without an answer — each counted (``context_forced_answers``, ``context_cut_answers``,
+``context_ended``) and noted in the trajectory's errors. Sub-agent summaries are cut to fit the
+same way; a crop whose prompt alone does not fit becomes that call's error.
 
 Overviews: one ``DecodePlanner.run`` for all prompts; each prompt is encoded once and its
 context copied to its G rollouts (the frame budget K is per prompt, shared by the group).
@@ -28,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from paravt.agent import prompts
@@ -39,13 +48,15 @@ from paravt.agent.context import (
     add_tool_turn,
     encode_frames_batch,
     main_prompt,
+    markup_fits,
     sub_prompt,
+    tool_turn_max_tokens,
 )
 from paravt.agent.parser import parse_tool_calls
-from paravt.agent.subagent import run_sub_agents
+from paravt.agent.subagent import SubOutcome, run_sub_agents
 from paravt.agent.tools import plan_crops
 from paravt.config import Config
-from paravt.rollout.engine import Engine, GenerationResult, SamplingParams
+from paravt.rollout.engine import Engine, GenerationResult, SamplingParams, context_limit
 from paravt.types import FrameRequest, Group, Sample, ToolCall, Trajectory, Turn, VideoMeta
 from paravt.video import (
     DecodePlanner,
@@ -98,7 +109,8 @@ class AgentRunner:
     ``paravt.models.ModelBundle`` (its ``tokenizer`` and ``vision`` spec are used). ``stats``
     holds counters of the last rollout: ``calls_<status>`` (tool calls by final status),
     ``main_engine_calls``, ``sub_engine_calls``, ``planner_runs``, ``crops``,
-    ``forced_answers``, ``visual_token_stops``, ``truncated_responses``, ``episodes`` and wall
+    ``forced_answers``, ``visual_token_stops``, ``truncated_responses``,
+    ``context_forced_answers``, ``context_cut_answers``, ``context_ended``, ``episodes`` and wall
     times ``overview_s``, ``main_gen_s``, ``crop_s``, ``sub_gen_s``, ``rollout_s``.
 
     A failing *main-agent* engine call raises (nothing can continue without it); sub-agent
@@ -119,8 +131,13 @@ class AgentRunner:
         self.cfg = cfg
         self.tokenizer = bundle.tokenizer
         self.factor = int(bundle.vision.factor)
-        self.planner = planner or DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
+        self.planner = planner or DecodePlanner(
+            cfg.video.backend, cfg.video.cache_frames, timeout_s=cfg.video.decode_timeout_s
+        )
         self.text = TextCache(self.tokenizer)
+        why = markup_fits(self.text)
+        if why:
+            raise ValueError(f"AgentRunner: {why}")
         conv = self.tokenizer.convert_tokens_to_ids
         self.stop_ids = tuple(
             i for i in (conv(t) for t in END_TOKENS) if isinstance(i, int) and i >= 0
@@ -139,7 +156,7 @@ class AgentRunner:
         """Probe a video once per runner (metadata never changes during a run)."""
         m = self._metas.get(video)
         if m is None:
-            m = probe(video)
+            m = probe(video, timeout_s=self.cfg.video.decode_timeout_s)
             self._metas[video] = m
         return m
 
@@ -239,6 +256,9 @@ class AgentRunner:
             "forced_answers": 0,
             "visual_token_stops": 0,
             "truncated_responses": 0,
+            "context_forced_answers": 0,
+            "context_cut_answers": 0,
+            "context_ended": 0,
             "main_gen_s": 0.0,
             "crop_s": 0.0,
             "sub_gen_s": 0.0,
@@ -271,20 +291,22 @@ class AgentRunner:
                 )
 
         for turn in range(acfg.max_turns + 1):
-            active = [e for e in episodes if not e.done]
-            if not active:
-                break
-            forced = turn == acfg.max_turns
-            prefix = acfg.think_prefix + (acfg.force_answer_text if forced else "")
-            prefix_ids = self.text.markup(prefix)
-            reqs = []
-            for e in active:
-                e.ctx.add_markup(prefix_ids)
+            reqs, active, how = [], [], []
+            for e in episodes:
+                if e.done:
+                    continue
+                plan = self._plan_turn(e, turn, seed, st)
+                if plan is None:
+                    continue  # the context is full: ended, counted
+                prefix, forced, sampling = plan
+                e.ctx.add_markup(self.text.markup(prefix))
                 if turn == 0:  # the prompt is what the first generation conditioned on
                     e.prompt_len = len(e.ctx.tokens)
-                reqs.append(
-                    e.ctx.request(self._main_sampling(stable_seed(seed, e.uid, turn)), e.uid)
-                )
+                reqs.append(e.ctx.request(sampling, e.uid))
+                active.append(e)
+                how.append((prefix, forced))
+            if not active:
+                break
             t0 = time.perf_counter()
             results = self.engine.generate(reqs)
             dt = time.perf_counter() - t0
@@ -295,7 +317,7 @@ class AgentRunner:
                     f"engine returned {len(results)} results for {len(reqs)} main-agent requests"
                 )
             calling: list[_Episode] = []
-            for e, r in zip(active, results):
+            for e, r, (prefix, forced) in zip(active, results, how):
                 _add_time(e, "main_gen_s", dt)
                 self._absorb_main(e, r, prefix, forced, turn, st)
                 if not e.done:
@@ -311,6 +333,57 @@ class AgentRunner:
         st["rollout_s"] = time.perf_counter() - t_start
         self.stats = st
         return out
+
+    def _plan_turn(
+        self, e: _Episode, turn: int, seed: int, st: dict[str, float]
+    ) -> tuple[str, bool, SamplingParams] | None:
+        """This turn's forced prefix, whether it forces the answer, and its sampling — within
+        the engine's context (``paravt.rollout.engine.context_limit``); None when the episode
+        ends here for want of room.
+
+        A request must never pass the context: vLLM fails the whole call (and the training
+        step) on one such request. So, with ``L`` the limit and ``n`` the context's tokens:
+
+        * a tool turn whose prefix + ``max_new_tokens`` does not fit forces the answer now
+          (``context_forced_answers``);
+        * a forced answer that does not fit in full generates what fits
+          (``context_cut_answers``);
+        * when not one token fits after the forced prefix, the episode ends without an
+          answer (``context_ended``; its last turn keeps its tool calls, so its format and
+          accuracy rewards score it as unanswered).
+        """
+        acfg = self.cfg.agent
+        sampling = self._main_sampling(stable_seed(seed, e.uid, turn))
+        forced = turn == acfg.max_turns
+        prefix = acfg.think_prefix + (acfg.force_answer_text if forced else "")
+        limit = context_limit(self.engine)
+        if not limit:
+            return prefix, forced, sampling
+        n = len(e.ctx.tokens)
+        room = limit - n - len(self.text.markup(prefix))
+        if room >= sampling.max_new_tokens:
+            return prefix, forced, sampling
+        if not forced:
+            forced, prefix = True, acfg.think_prefix + acfg.force_answer_text
+            room = limit - n - len(self.text.markup(prefix))
+            st["context_forced_answers"] += 1
+            e.errors.append(
+                f"turn {turn}: a tool turn does not fit the engine's context ({n} of {limit} "
+                "tokens used); the answer was forced"
+            )
+        if room < 1:
+            st["context_ended"] += 1
+            e.errors.append(
+                f"turn {turn}: the context is full ({n} of {limit} tokens); the episode ended "
+                "without an answer (lower agent.max_turns, agent.max_tool_response_tokens or "
+                "the frame budget, or raise the engine's max_model_len)"
+            )
+            e.done = True
+            return None
+        if room < sampling.max_new_tokens:
+            st["context_cut_answers"] += 1
+            sampling = replace(sampling, max_new_tokens=room)
+        return prefix, forced, sampling
 
     def _absorb_main(
         self,
@@ -420,18 +493,41 @@ class AgentRunner:
             )
             for i, ctx, _ in sub_ctx
         ]
+        # A sub-agent request must fit the engine's context too (vLLM fails the whole call
+        # otherwise): its summary is cut to what fits; a crop whose prompt leaves no room
+        # becomes that call's error.
+        limit = context_limit(self.engine)
+        outcomes: list[SubOutcome | None] = [None] * len(reqs)
+        for j, req in enumerate(reqs):
+            room = limit - len(req.prompt_ids) if limit else req.sampling.max_new_tokens
+            if room < 1:
+                outcomes[j] = SubOutcome(
+                    None,
+                    "",
+                    f"the crop's prompt ({len(req.prompt_ids)} tokens) does not fit the "
+                    f"engine's context ({limit} tokens); lower video.crop_max_frames or "
+                    "video.crop_max_pixels",
+                )
+            elif room < req.sampling.max_new_tokens:
+                req.sampling = replace(req.sampling, max_new_tokens=room)
+        send = [j for j, o in enumerate(outcomes) if o is None]
         t0 = time.perf_counter()
-        outcomes = run_sub_agents(
-            self.engine,
-            reqs,
-            self.tokenizer,
-            stop_ids=set(self.stop_ids),
-        )
+        for j, o in zip(
+            send,
+            run_sub_agents(
+                self.engine,
+                [reqs[j] for j in send],
+                self.tokenizer,
+                stop_ids=set(self.stop_ids),
+            ),
+        ):
+            outcomes[j] = o
         dt_sub = time.perf_counter() - t0
-        st["sub_engine_calls"] += 1 if reqs else 0
+        st["sub_engine_calls"] += 1 if send else 0
         st["crop_s"] += dt_tool  # plan + decode + encode of the crops
         st["sub_gen_s"] += dt_sub
         for (i, ctx, nframes), req, o in zip(sub_ctx, reqs, outcomes):
+            assert o is not None
             e, k, c = jobs[i]
             if o.error:
                 c.status, c.error = "sub_agent_error", o.error
@@ -471,19 +567,29 @@ class AgentRunner:
             self._add_responses(e, None, st)
 
     def _add_responses(self, e: _Episode, clips: list[Clip | None] | None, st: dict) -> None:
-        """Close the episode's last turn and append one tool response per call (with the
-        crop's frames in ``agent.crop_mode=frames``)."""
+        """Close the episode's last turn and append its tool responses (with the crop's
+        frames in ``agent.crop_mode=frames``): one per allowed call, one shared error for the
+        calls past ``agent.max_parallel`` (``prompts.tool_turn_texts``), so the turn appends
+        at most ``context.tool_turn_max_tokens`` tokens besides the crops' frames."""
+        acfg = self.cfg.agent
         t = e.turns[-1]
+        n0 = len(e.ctx.tokens)
         if not (t.finish_reason == "stop" and e.ctx.tokens[-1] == self.im_end):
             e.ctx.add_markup([self.im_end])  # close the turn the length cap cut off
-        cut = add_tool_turn(
-            e.ctx,
-            self.text,
-            [prompts.tool_response_text(c) for c in t.calls],
-            self.cfg.agent.max_tool_response_tokens,
-            clips,
-        )
+        contents = prompts.tool_turn_texts(t.calls, acfg.max_parallel)
+        if clips is not None:  # the shared over-limit error has no frames
+            clips = [cl for cl, c in zip(clips, t.calls) if c.status != "over_parallel_limit"]
+            clips += [None] * (len(contents) - len(clips))
+        cut = add_tool_turn(e.ctx, self.text, contents, acfg.max_tool_response_tokens, clips)
         st["truncated_responses"] += sum(cut)
+        visual = sum(len(cl.token_ids) for cl in clips or [] if cl is not None)
+        added = len(e.ctx.tokens) - n0 - visual
+        bound = tool_turn_max_tokens(acfg.max_parallel, acfg.max_tool_response_tokens)
+        if added > bound:  # cannot happen: markup_fits checked the tokenizer at start-up
+            raise RuntimeError(
+                f"episode {e.uid}: a tool turn appended {added} tokens, over its bound {bound} "
+                "(paravt.agent.context.tool_turn_max_tokens); the markup budgets are too small"
+            )
 
     def _collect(self, episodes: list[_Episode], groups: dict[int, Group]) -> list[Group]:
         for e in episodes:
@@ -578,7 +684,7 @@ def encode_oracle_trajectory(
             add_tool_turn(
                 ctx,
                 runner.text,
-                [prompts.tool_response_text(c) for c in turns[-1].calls],
+                prompts.tool_turn_texts(turns[-1].calls, acfg.max_parallel),
                 acfg.max_tool_response_tokens,
             )
         else:

@@ -113,6 +113,33 @@ def sub_user_text(start: float, end: float, question: str | None) -> str:
     return s
 
 
+def tool_turn_texts(calls: list[ToolCall], max_parallel: int) -> list[str]:
+    """The contents of one tool turn, in order: one per call the turn is allowed
+    (``agent.max_parallel``: a summary or that call's error), then ONE shared error for all the
+    calls past the limit, however many (the parser marks them ``over_parallel_limit``).
+
+    One response per over-limit call let a turn of 74 minimal calls append ~2,000 tokens; with
+    the shared error a tool turn holds at most ``max_parallel + 1`` responses, which
+    ``paravt.agent.context.tool_turn_max_tokens`` bounds."""
+    shown = [c for c in calls if c.status != "over_parallel_limit"]
+    out = [tool_response_text(c) for c in shown]
+    over = len(calls) - len(shown)
+    if over:
+        out.append(over_limit_text(over, len(shown), max_parallel))
+    return out
+
+
+def over_limit_text(n_over: int, n_before: int, max_parallel: int) -> str:
+    """The one error the main agent reads for the ``n_over`` calls that follow the turn's
+    first ``n_before`` calls and are past the per-turn limit ``max_parallel``."""
+    first, last = n_before + 1, n_before + n_over
+    which = f"call {first} was" if n_over == 1 else f"calls {first}-{last} were"
+    return (
+        f"Error: {which} not run: at most {max_parallel} tool calls run per turn. "
+        f"Make at most {max_parallel} calls in one turn."
+    )
+
+
 def tool_response_text(call: ToolCall) -> str:
     """What the main agent reads for one call: the summary, or the error it made.
 

@@ -19,6 +19,11 @@ directory).
 Validated at load, so that a bad row fails before any rollout (errors name the file, the row
 and the field; ``DatasetError``):
 
+* types: every field read is checked, and a wrong type names what was found and what is
+  expected: JSONL ``video`` / ``question`` non-empty strings, ``options`` a list of texts (a
+  bare string is refused: each character would become an option); parquet ``prompt`` a list
+  of ``{"role", "content"}`` messages (or its JSON string), ``videos`` a non-empty list of
+  ``{"video": path}`` (or path strings), ``extra_info`` an object (or its JSON string).
 * ground truths: ``event_start``/``event_end`` must be finite numbers; a tvg row needs a window
   (both events, ``start < end``, or an answer ``parse_window`` reads, e.g. ``"12.5-16.0"`` or
   ``[12.5, 16.0]``), and the events are filled from that answer. The parser is the reward's own,
@@ -136,6 +141,95 @@ def _float_or_none(v: Any, where: str, key: str) -> float | None:
     return x
 
 
+def _found(v: Any) -> str:
+    """What a wrong-typed value was, for messages: ``int 5``, ``str 'RED'``, ``null``."""
+    if v is None:
+        return "null"
+    r = repr(v)
+    return f"{type(v).__name__} {r if len(r) <= 80 else r[:77] + '...'}"
+
+
+def _wrong(where: str, key: str, v: Any, expected: str) -> DatasetError:
+    return DatasetError(f"{where}: '{key}' is {_found(v)}, expected {expected}")
+
+
+def _text(row: dict, where: str, key: str, what: str) -> str:
+    """``row[key]``, which must be a non-empty string (``what`` says what it holds)."""
+    v = row[key]
+    if not isinstance(v, str) or not v.strip():
+        raise _wrong(where, key, v, f"a non-empty string ({what})")
+    return v
+
+
+def _options(v: Any, where: str) -> list[str]:
+    """A JSONL row's ``options``: absent/null, or a list of texts (numbers are written as
+    text). A bare string is refused: iterating it would make each character an option."""
+    if v is None:
+        return []
+    expected = 'a list of option texts, e.g. ["red square", "blue circle"] (or no \'options\')'
+    if not isinstance(v, list):
+        raise _wrong(where, "options", v, expected)
+    for j, o in enumerate(v):
+        if not isinstance(o, (str, int, float)) or isinstance(o, bool):
+            raise _wrong(where, f"options[{j}]", o, "an option text (a string)")
+    return [str(o) for o in v]
+
+
+def _json_field(v: Any, where: str, key: str, expected: str) -> Any:
+    """A parquet cell that may hold its value as a JSON string (``prompt``, ``extra_info``)."""
+    if not isinstance(v, str):
+        return v
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError as e:
+        raise DatasetError(
+            f"{where}: '{key}' is not valid JSON ({e.msg}): {_found(v)}; expected {expected}"
+        ) from None
+
+
+_PROMPT = 'a list of {"role": ..., "content": ...} messages (or its JSON string)'
+
+
+def _messages(v: Any, where: str) -> list[dict]:
+    """A ParaVT row's ``prompt``: a list of ``{"role", "content"}`` messages."""
+    v = _json_field(v, where, "prompt", _PROMPT)
+    if not isinstance(v, list):
+        raise _wrong(where, "prompt", v, _PROMPT)
+    for j, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _wrong(where, f"prompt[{j}]", m, 'a {"role": ..., "content": ...} message')
+    return v
+
+
+def _extra_info(v: Any, where: str) -> dict:
+    """A ParaVT row's ``extra_info``: an object (or its JSON string) holding ``answer``."""
+    expected = "an object (or its JSON string) with 'answer' and 'question_type'"
+    v = _json_field(v, where, "extra_info", expected)
+    if v is None:
+        v = {}
+    if not isinstance(v, dict):
+        raise _wrong(where, "extra_info", v, expected)
+    if "answer" not in v:
+        raise DatasetError(f"{where}: 'extra_info' has no 'answer'; add the ground truth there")
+    return dict(v)
+
+
+def _video_list(v: Any, where: str) -> list[str]:
+    """A ParaVT row's ``videos``: a non-empty list of ``{"video": path}`` (or path strings)."""
+    expected = 'a list of {"video": <path>} entries (or of path strings)'
+    if not isinstance(v, list):
+        raise _wrong(where, "videos", v, expected)
+    if not v:
+        raise DatasetError(f"{where}: 'videos' is empty; expected {expected}")
+    out = []
+    for j, e in enumerate(v):
+        path = e.get("video") if isinstance(e, dict) else e
+        if not isinstance(path, str) or not path.strip():
+            raise _wrong(where, f"videos[{j}]", e, '{"video": <path>} or a path string')
+        out.append(path)
+    return out
+
+
 def _id_or_none(*values: Any) -> str | None:
     """The first usable id: not None, not NaN (pandas' missing value), not empty. An integral
     float is written as an int: pandas stores an int column with gaps as float (7 → 7.0)."""
@@ -217,13 +311,13 @@ def _jsonl_samples(file: Path, root: Path) -> list[_Row]:
             sid = _id_or_none(row.get("id"))
             sample = Sample(
                 id=sid if sid is not None else f"{file.stem}-{lineno}",
-                video=_video_path(str(row["video"]), root),
-                question=str(row["question"]),
+                video=_video_path(_text(row, where, "video", "the video's path"), root),
+                question=_text(row, where, "question", "the question"),
                 answer=_answer_text(row["answer"], where),
                 question_type=qtype,
                 event_start=_float_or_none(row.get("event_start"), where, "event_start"),
                 event_end=_float_or_none(row.get("event_end"), where, "event_end"),
-                options=[str(o) for o in row.get("options") or []],
+                options=_options(row.get("options"), where),
                 extra={k: v for k, v in row.items() if k not in known},
             )
             out.append(_Row(_checked(sample, where), where, lineno, sid is None))
@@ -252,21 +346,9 @@ def _parquet_samples(file: Path, root: Path) -> list[_Row]:
     out = []
     for i, row in enumerate(table.to_pylist()):
         where = f"{file} row {i}"
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            prompt = json.loads(prompt)
-        extra = row["extra_info"]
-        if isinstance(extra, str):
-            try:
-                extra = json.loads(extra)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: extra_info is not valid JSON ({e.msg})") from None
-        extra = dict(extra or {})
-        if "answer" not in extra:
-            raise DatasetError(f"{where}: extra_info has no 'answer'")
-        videos = [v["video"] if isinstance(v, dict) else v for v in row["videos"] or []]
-        if not videos:
-            raise DatasetError(f"{where}: 'videos' is empty")
+        prompt = _messages(row["prompt"], where)
+        extra = _extra_info(row["extra_info"], where)
+        videos = _video_list(row["videos"], where)
         system = [_text_of(m.get("content")) for m in prompt if m.get("role") == "system"]
         user = [_text_of(m.get("content")) for m in prompt if m.get("role") == "user"]
         question = "\n".join(u.replace("<video>", "").strip() for u in user).strip()
@@ -282,7 +364,7 @@ def _parquet_samples(file: Path, root: Path) -> list[_Row]:
             extra["system_prompt"] = "\n".join(system)
         sample = Sample(
             id=sid if sid is not None else f"{file.stem}-{i}",
-            video=_video_path(str(videos[0]), root),
+            video=_video_path(videos[0], root),
             question=question,
             answer=answer,
             question_type=qtype,

@@ -263,8 +263,10 @@ class _Videos:
 
 
 def _relative(f: _File, i: int, key: str, rel: str, rid: Any) -> str:
-    """A dataset-relative path, refused when it would leave the data root."""
-    if not rel or os.path.isabs(rel) or ".." in Path(rel).parts:
+    """A dataset-relative path, refused when it would leave the data root: absolute, with a
+    '..' part, or starting with '~' or a URL scheme ('file://'), which readers expand."""
+    leaves = os.path.isabs(rel) or ".." in Path(rel).parts or rel.startswith("~")
+    if not rel or leaves or "://" in rel:
         raise f.error(i, key, f"is {rel!r}, expected a file name relative to the data root", rid)
     return rel
 
@@ -724,10 +726,12 @@ def _synth(root: Path, bench: str) -> list[Sample]:
         samples, report = read_samples(f.path, video_root=str(root), keep_missing_videos=True)
     except DatasetError as e:
         raise BenchmarkFormatError(f"{e}; {_SOURCES[bench]} writes this file") from None
-    # Line numbers of ids, for messages (read_samples has validated every line already).
+    # The rows with their line numbers (read_samples has validated every line already, and
+    # kept one sample per non-blank line, in order).
     lines = [json.loads(x) if x.strip() else {} for x in f.path.read_text().splitlines()]
+    rows = [(n, r) for n, r in enumerate(lines, 1) if r]
     line_of: dict[str, int] = {}
-    for n, r in enumerate(lines, 1):
+    for n, r in rows:
         line_of.setdefault(str(r.get("id")), n)
     if report.renamed_ids:
         old, _, where = report.renamed_ids[0]
@@ -736,8 +740,9 @@ def _synth(root: Path, bench: str) -> list[Sample]:
             f"unique (the runner keys results by them): fix {f.path}"
         )
     videos = _Videos()
-    for i, s in enumerate(samples):
-        line = line_of.get(s.id, i + 1)
+    for s, (line, row) in zip(samples, rows, strict=True):
+        # The reader resolved '~', 'file://' and absolute paths: check the row's own text.
+        s.video = str(root / _relative(f, line, "video", row["video"], s.id))
         if s.question_type == "mcq":
             split = _split_embedded(s.question)
             texts = [_option_text(o)[1] for o in s.options] or (split[1] if split else [])
@@ -747,7 +752,6 @@ def _synth(root: Path, bench: str) -> list[Sample]:
             s.options = _lettered(texts)
             if split is not None and split[0]:
                 s.question = split[0]
-        s.video = str(Path(s.video).absolute())
         _, missing = videos.find([Path(s.video)])
         extra = _extra(bench, {"question_type": s.question_type}, s.id, line, missing)
         s.extra = {**s.extra, **extra}

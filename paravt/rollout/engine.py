@@ -67,6 +67,17 @@ class GenerationResult:
     text: str = ""
 
 
+def context_limit(engine: object) -> int:
+    """The most tokens one request may span, prompt plus ``max_new_tokens`` (0: unknown).
+
+    An engine states it as an optional ``max_model_len`` attribute: ``VLLMEngine`` fails a
+    request past its ``max_model_len`` (an exception out of ``LLM.generate``), and
+    ``HFEngine``'s model has no positions past its ``max_position_embeddings``. The agent loop
+    keeps every request within it (``paravt.agent.loop``)."""
+    n = getattr(engine, "max_model_len", 0)
+    return int(n) if isinstance(n, int) and n > 0 else 0
+
+
 @runtime_checkable
 class Engine(Protocol):
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -94,13 +94,30 @@ class HFEngine:
         seed: engine seed; a request without ``sampling.seed`` gets a generator seeded from
             (seed, call counter, its index in the call). A request with a seed is reproducible
             on its own, whatever it is batched with.
+        max_model_len: context length the agent loop keeps requests within (default: the
+            model's ``max_position_embeddings``; 0 = no limit). Not enforced here.
     """
 
-    def __init__(self, bundle: ModelBundle, *, max_batch_size: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        *,
+        max_batch_size: int = 0,
+        seed: int = 0,
+        max_model_len: int | None = None,
+    ):
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 0 (0 = no limit)")
         self.bundle = bundle
         self.model = bundle.model
+        text_cfg = getattr(self.model.config, "text_config", self.model.config)
+        #: Prompt + new tokens one request may span (``paravt.rollout.engine.context_limit``):
+        #: the model's ``max_position_embeddings`` unless given; the agent loop keeps to it.
+        self.max_model_len = int(
+            max_model_len
+            if max_model_len is not None
+            else getattr(text_cfg, "max_position_embeddings", 0) or 0
+        )
         self.tokenizer = bundle.tokenizer
         self.max_batch_size = max_batch_size
         self.seed = seed

@@ -186,6 +186,9 @@ class VLLMEngine:
             int(getattr(text_cfg, "max_position_embeddings", 0) or VLLM_DEFAULT_MAX_MODEL_LEN),
             VLLM_DEFAULT_MAX_MODEL_LEN,
         )
+        #: vLLM fails any request whose prompt + max_tokens passes this; the agent loop keeps
+        #: requests within it (``paravt.rollout.engine.context_limit``).
+        self.max_model_len = int(mml)
         self.sleep_enabled = bool(on_cuda and pick(sleep, "vllm_sleep", True))
         self.tensor_parallel = int(pick(tensor_parallel_size, "vllm_tensor_parallel", 1))
         if not on_cuda:

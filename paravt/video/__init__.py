@@ -5,7 +5,8 @@ frame) is the last frame whose presentation time is ``<= t``.
 """
 
 from paravt.video.cache import FrameCache
-from paravt.video.errors import VideoError
+from paravt.video.deadline import DEFAULT_DECODE_TIMEOUT_S, stuck_reads
+from paravt.video.errors import VideoError, VideoTimeout
 from paravt.video.planner import (
     BACKENDS,
     DecodePlanner,
@@ -23,10 +24,12 @@ from paravt.video.sampling import (
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_DECODE_TIMEOUT_S",
     "DecodePlanner",
     "FrameCache",
     "StreamIndex",
     "VideoError",
+    "VideoTimeout",
     "clear_probe_cache",
     "crop_request",
     "crop_timestamps",
@@ -37,4 +40,5 @@ __all__ = [
     "probe",
     "resize_frames",
     "stream_index",
+    "stuck_reads",
 ]

@@ -17,3 +17,7 @@ class VideoError(Exception):
 
     def __reduce__(self):  # picklable across worker processes despite the 2-arg __init__
         return (type(self), (self.path, self.problem))
+
+
+class VideoTimeout(VideoError):
+    """A probe or decode of the file passed ``video.decode_timeout_s`` (the read blocks)."""

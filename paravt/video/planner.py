@@ -13,6 +13,10 @@ all requests of a step (overviews + all crop windows of all G rollouts) go in to
 
 Errors are per request: a missing/empty/truncated/undecodable file fails the requests on that
 file, a time outside the video fails only that request; everything else is still served.
+
+Deadline: each file's probe + decode runs on a helper thread and gets ``timeout_s`` seconds
+(``video.decode_timeout_s``); past it that file's requests fail with a ``VideoError`` and the
+step goes on with a fresh helper (``paravt.video.deadline`` says what happens to the stuck one).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 from paravt.types import CropRequest, FrameBatch, FrameRequest
 from paravt.video import dali_backend, pyav_backend
 from paravt.video.cache import FrameCache
-from paravt.video.errors import VideoError
+from paravt.video.deadline import DEFAULT_DECODE_TIMEOUT_S, check_timeout, with_deadline
+from paravt.video.errors import VideoError, VideoTimeout
 from paravt.video.probe import StreamIndex, stream_index
 from paravt.video.sampling import (
     crop_timestamps,
@@ -51,6 +56,7 @@ _STAT_KEYS = (
     "seeks",
     "files_opened",
     "peak_frame_bytes",
+    "decode_timeouts",
 )
 
 
@@ -82,16 +88,24 @@ class DecodePlanner:
     ``frames_decoded`` (frames out of the decoder), ``frames_resized``, ``cache_hits``
     (distinct ``(file, frame, size)`` served from the cache), ``seeks``, ``files_opened``,
     ``requests``, ``failed_requests``; ``peak_frame_bytes`` is the most frame memory one file's
-    plan held at once (kept frames + the resize chunks in flight; a max, not a sum).
+    plan held at once (kept frames + the resize chunks in flight; a max, not a sum);
+    ``decode_timeouts`` counts files whose probe + decode passed ``timeout_s`` (None = no
+    deadline, decode inline on the calling thread).
 
     Not thread-safe: use one planner per thread, or serialise ``run`` calls.
     """
 
     def __init__(
-        self, backend: str = "pyav", cache_frames: int = 4096, cache_bytes: int = 2 << 30
+        self,
+        backend: str = "pyav",
+        cache_frames: int = 4096,
+        cache_bytes: int = 2 << 30,
+        *,
+        timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S,
     ) -> None:
         _check_backend(backend)
         self.backend = backend
+        self.timeout_s = check_timeout(timeout_s)
         self.cache = FrameCache(cache_frames, cache_bytes)
         self.stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
 
@@ -114,6 +128,37 @@ class DecodePlanner:
         path: str,
         reqs: list[tuple[int, FrameRequest]],
         results: list[FrameBatch | VideoError | None],
+    ) -> None:
+        """Probe + decode one file under the deadline. The helper writes only into its own
+        ``out``/``st`` (merged here when it finishes in time), so a late, abandoned helper
+        never touches the results or stats of a call that has returned."""
+        out: dict[int, FrameBatch | VideoError] = {}
+        st: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+        kinds = ", ".join(sorted({q.tag.split(":")[0] for _, q in reqs}))
+        what = f"decoding {len(reqs)} request(s) ({kinds})"
+        try:
+            with_deadline(
+                lambda: self._decode_file(path, reqs, out, st), self.timeout_s, path, what
+            )
+        except VideoError as e:  # the deadline passed (or the file is still blocked)
+            self.stats["decode_timeouts"] += isinstance(e, VideoTimeout)
+            for r, _ in reqs:
+                results[r] = e
+            return
+        for k, v in st.items():
+            if k == "peak_frame_bytes":
+                self.stats[k] = max(self.stats[k], v)
+            else:
+                self.stats[k] += v
+        for r, res in out.items():
+            results[r] = res
+
+    def _decode_file(
+        self,
+        path: str,
+        reqs: list[tuple[int, FrameRequest]],
+        results: dict[int, FrameBatch | VideoError],
+        st: dict[str, int],
     ) -> None:
         try:
             sidx = stream_index(path)
@@ -145,7 +190,7 @@ class DecodePlanner:
                 hit = self.cache.get((fid, i, size))
                 if hit is not None:
                     have[(i, size)] = hit
-                    self.stats["cache_hits"] += 1
+                    st["cache_hits"] += 1
                     continue
                 if size is not None:
                     to_resize.setdefault(size, set()).add(i)
@@ -177,7 +222,7 @@ class DecodePlanner:
                 frame = small[j].copy()  # own storage: a view would pin the whole chunk
                 have[(i, size)] = frame
                 self.cache.put((fid, i, size), frame)
-            self.stats["frames_resized"] += len(chunk)
+            st["frames_resized"] += len(chunk)
             pending[size] = []
 
         def take(i: int, native: np.ndarray) -> None:
@@ -195,7 +240,7 @@ class DecodePlanner:
                 take(i, frame)
         error: VideoError | None = None
         try:
-            for i, native in self._iter_decode(sidx, sorted(need_native)):
+            for i, native in self._iter_decode(sidx, sorted(need_native), st):
                 take(i, native)
         except VideoError as e:
             error = e
@@ -204,14 +249,14 @@ class DecodePlanner:
         for size in pending:
             flush(size)
         held = sum(a.nbytes for a in have.values()) + pending_peak
-        self.stats["peak_frame_bytes"] = max(self.stats["peak_frame_bytes"], held)
+        st["peak_frame_bytes"] = max(st["peak_frame_bytes"], held)
         if error is not None:
             # Fail the requests that still lack a frame; requests served from the cache or
             # from frames decoded before the failure still succeed.
             for r, _, idx, size in plans:
                 if any((i, size) not in have for i in idx):
                     results[r] = error
-            plans = [p for p in plans if results[p[0]] is None]
+            plans = [p for p in plans if p[0] not in results]
         for r, req, idx, size in plans:
             results[r] = FrameBatch(
                 frames=_stack([have[(i, size)] for i in idx]),
@@ -221,9 +266,9 @@ class DecodePlanner:
             )
 
     def _iter_decode(
-        self, sidx: StreamIndex, indices: list[int]
+        self, sidx: StreamIndex, indices: list[int], st: dict[str, int]
     ) -> Iterator[tuple[int, np.ndarray]]:
-        for i, a in _ITER_BACKENDS[self.backend](sidx, indices, self.stats):
+        for i, a in _ITER_BACKENDS[self.backend](sidx, indices, st):
             yield i, np.ascontiguousarray(a)
 
 
@@ -233,16 +278,27 @@ def decode(
     *,
     backend: str = "pyav",
     size: tuple[int, int] | None = None,
+    timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S,
 ) -> FrameBatch:
     """Frames of ``path`` displayed at each time in ``timestamps`` (seconds from the first
     frame), optionally resized to ``size = (h, w)``.
 
     Returns ``FrameBatch(frames (T, H, W, 3) uint8 RGB, timestamps (T,), indices (T,))``; the
     frame for ``t`` is the last one with pts ``<= t``. Opens the file once, no cache. Raises
-    ``VideoError`` for bad input.
+    ``VideoError`` for bad input, and ``VideoTimeout`` when the probe + decode takes longer than
+    ``timeout_s`` seconds (``paravt.video.deadline``; None = no deadline).
     """
     _check_backend(backend)
     path = str(path)
+    check_timeout(timeout_s)
+    return with_deadline(
+        lambda: _decode(path, timestamps, backend, size), timeout_s, path, "decoding"
+    )
+
+
+def _decode(
+    path: str, timestamps: Sequence[float], backend: str, size: tuple[int, int] | None
+) -> FrameBatch:
     sidx = stream_index(path)
     size = _check_size(path, size)
     if len(timestamps) == 0:

@@ -24,6 +24,7 @@ from fractions import Fraction
 import av
 
 from paravt.types import VideoMeta
+from paravt.video.deadline import DEFAULT_DECODE_TIMEOUT_S, with_deadline
 from paravt.video.errors import VideoError
 
 # Tolerance (seconds) when comparing a requested time with frame times: callers compute times
@@ -89,15 +90,26 @@ def _file_key(path: str) -> tuple[int, int]:
     except OSError as e:
         raise VideoError(path, f"cannot stat the file ({e.strerror})") from None
     if not os.path.isfile(path):
-        raise VideoError(path, "is not a regular file")
+        # Never open it: opening a FIFO for reading blocks until a writer appears.
+        raise VideoError(
+            path,
+            "is not a regular file (a FIFO, device or socket); point the dataset at the "
+            "video file itself",
+        )
     if st.st_size == 0:
         raise VideoError(path, "file is empty (0 bytes); re-download or re-encode it")
     return st.st_size, st.st_mtime_ns
 
 
-def stream_index(path: str) -> StreamIndex:
-    """Probe ``path`` (cached) and return its per-frame index. Raises ``VideoError``."""
+def stream_index(path: str, timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S) -> StreamIndex:
+    """Probe ``path`` (cached) and return its per-frame index. Raises ``VideoError``, also
+    when the ``stat`` or the probe takes longer than ``timeout_s`` seconds (a FIFO, a stalled
+    mount; None = no deadline; see ``paravt.video.deadline``)."""
     path = str(path)
+    return with_deadline(lambda: _stream_index(path), timeout_s, path, "probing the file")
+
+
+def _stream_index(path: str) -> StreamIndex:
     key = (path, *_file_key(path))
     with _cache_lock:
         hit = _cache.get(key)
@@ -118,13 +130,15 @@ def clear_probe_cache() -> None:
         _cache.clear()
 
 
-def probe(path: str) -> VideoMeta:
+def probe(path: str, timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S) -> VideoMeta:
     """Metadata of the first video stream of ``path``: duration, fps, frame count, size, codec
     and keyframe indices (display order). No subprocess; no frame is decoded.
 
-    Raises ``VideoError`` for a missing/empty/unreadable file or one without a video stream.
+    Raises ``VideoError`` for a missing/empty/unreadable file, one without a video stream, a
+    FIFO or other non-regular file (never opened: opening a FIFO blocks until a writer comes),
+    or a probe that takes longer than ``timeout_s`` seconds (``video.decode_timeout_s``).
     """
-    return stream_index(path).meta
+    return stream_index(path, timeout_s).meta
 
 
 def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
