@@ -32,6 +32,19 @@ class ContextError(ValueError):
     """What vLLM raises for a request past its context."""
 
 
+# The fuzz tests' shapes (here and tests/test_vllm_agent_budget.py): short turns and summaries,
+# small frames, so thousands of turns run in seconds.
+FUZZ_SETTINGS = {
+    "rollout.max_new_tokens": 96,
+    "rollout.sub_max_new_tokens": 24,
+    "agent.max_tool_response_tokens": 24,
+    "video.overview_max_pixels": 64 * 64,
+    "video.overview_min_pixels": 32 * 32,
+    "video.crop_max_pixels": 32 * 32,
+    "video.crop_min_pixels": 32 * 32,
+}
+
+
 def check_fits(r: GenerationRequest, limit: int) -> None:
     """vLLM's rule, strictly: prompt + max_tokens must fit ``max_model_len``."""
     n = len(r.prompt_ids) + r.sampling.max_new_tokens
@@ -218,17 +231,7 @@ def test_fuzz_hostile_turns_never_pass_the_context(make_clip) -> None:
     tag = {s: tok.convert_tokens_to_ids(s) for s in QWEN_SPECIAL + TAG_TOKENS}
     special, im_end = {tag[s] for s in QWEN_SPECIAL}, tag["<|im_end|>"]
     video = make_clip(duration=20.0, size=(64, 64), fps=2.0)
-    cfg = _cfg(
-        **{
-            "rollout.max_new_tokens": 96,
-            "rollout.sub_max_new_tokens": 24,
-            "agent.max_tool_response_tokens": 24,
-            "video.overview_max_pixels": 64 * 64,
-            "video.overview_min_pixels": 32 * 32,
-            "video.crop_max_pixels": 32 * 32,
-            "video.crop_min_pixels": 32 * 32,
-        }
-    )
+    cfg = _cfg(**FUZZ_SETTINGS)
     rng = random.Random(27)
     samples = [Sample("qa", video, "Which shape?", "B", "mcq", options=["a", "b"]),
                Sample("qb", video, "When?", "2-4", "tvg")]  # fmt: skip

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train import small_overrides
 
 from paravt import checkpoint as C
 
@@ -170,31 +171,6 @@ def test_a_save_that_cannot_fit_fails_before_writing(
     assert sorted(p.name for p in (run / C.CKPT_DIR).iterdir()) == ["latest", "step_000001"]
 
 
-def _tiny_run(assets: dict[str, str], out: Path) -> list[str]:
-    """Two RL steps at tiny shapes, a checkpoint after each (as tests/test_train.py)."""
-    kv = {
-        "data.synth_dir": str(out.parent / f"{out.name}-synth"),
-        "data.synth_num_videos": 2,
-        "model.tiny_dir": assets["model"],
-        "train.out_dir": str(out),
-        "train.prompts_per_step": 2,
-        "train.steps": 2,
-        "train.save_every": 1,
-        "train.eval_prompts": 0,
-        "train.progress": False,
-        "rollout.group_size": 2,
-        "rollout.max_new_tokens": 8,
-        "rollout.sub_max_new_tokens": 4,
-        "agent.max_turns": 1,
-        "agent.max_tool_response_tokens": 8,
-        "video.frame_budgets": "[2,4]",
-        "video.fixed_frames": 2,
-        "sft.steps": 1,
-        "sft.batch_size": 2,
-    }
-    return [f"{k}={v}" for k, v in kv.items()]
-
-
 @pytest.mark.parametrize("policy", ["fail", "continue"])
 def test_training_on_a_full_disk_fails_or_continues(
     assets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, policy: str
@@ -213,7 +189,7 @@ def test_training_on_a_full_disk_fails_or_continues(
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", save)
-    rc = main([*_tiny_run(assets, out), f"train.on_save_error={policy}"])
+    rc = main([*small_overrides(assets, out), f"train.on_save_error={policy}"])
     err = capsys.readouterr().err
     assert "step_000002" in err and "No space left on device" in err and "bytes are free" in err
     assert rc == (1 if policy == "fail" else 0)

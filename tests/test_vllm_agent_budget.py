@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from test_agent_budget import _fuzz_turn
+from test_agent_budget import FUZZ_SETTINGS, _fuzz_turn
 from test_agent_hostile import IdEngine, _cfg
 from vllm_required import skip_without_vllm
 
@@ -60,17 +60,7 @@ def test_hostile_turns_never_fail_vllm(tiny32_dir, make_clip) -> None:
     text = TextCache(tok)
     tag = {s: tok.convert_tokens_to_ids(s) for s in QWEN_SPECIAL + TAG_TOKENS}
     video = make_clip(duration=20.0, size=(64, 64), fps=2.0)
-    cfg = _cfg(
-        **{
-            "rollout.max_new_tokens": 96,
-            "rollout.sub_max_new_tokens": 24,
-            "agent.max_tool_response_tokens": 24,
-            "video.overview_max_pixels": 64 * 64,
-            "video.overview_min_pixels": 32 * 32,
-            "video.crop_max_pixels": 32 * 32,
-            "video.crop_min_pixels": 32 * 32,
-        }
-    )
+    cfg = _cfg(**FUZZ_SETTINGS)
     samples = [Sample("qa", video, "Which shape?", "B", "mcq", options=["a", "b"]),
                Sample("qb", video, "When?", "2-4", "tvg")]  # fmt: skip
     probe = AgentRunner(IdEngine(tok, lambda u, t: [], lambda r: []), bundle, cfg)
