@@ -1,4 +1,5 @@
 """``python -m paravt.experiments ablation`` — the PARA-GRPO ablation, every arm from one SFT.
+(``python -m paravt.experiments collapse``: the collapse experiment, ``paravt/collapse.py``.)
 
     python -m paravt.experiments ablation [--seeds 3] [--arms a,b,...] [--out runs/ablation]
         [--preset tiny_cpu] [--config F.yaml ...] [--eval-k 4,32] [key=value ...]
@@ -292,8 +293,18 @@ def ablation(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["collapse"]:  # its own flags: paravt/collapse.py
+        from paravt.collapse import main as collapse_main
+
+        return collapse_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m paravt.experiments", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser(
+        "collapse",
+        help="does vanilla GRPO lose tool use? (see python -m paravt.experiments collapse -h)",
+        add_help=False,
+    )
     a = sub.add_parser("ablation", help="every arm x seed from one SFT checkpoint")
     a.add_argument("--seeds", type=int, default=3)
     a.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")

@@ -1,0 +1,233 @@
+"""``python -m paravt.experiments collapse``: the all-tool cold start, the tool-vs-no-tool
+advantage, the summary's schema, and a shrunken end-to-end run that resumes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from paravt.collapse import (
+    ARMS,
+    _finished,
+    all_tool_records,
+    seed_values,
+    summarise,
+    tool_advantage_metrics,
+)
+from paravt.config import ConfigError, load_config
+from paravt.experiments import main
+from paravt.metrics import read_metrics
+
+# The spot task, shrunk: 4 videos of 20 s (3 train, 1 held-out).
+TASK = {
+    "data.synth_task": "spot",
+    "data.synth_num_videos": 4,
+    "data.synth_min_duration": 20.0,
+    "data.synth_max_duration": 20.0,
+}
+
+
+@pytest.fixture(scope="module")
+def spot_task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    from paravt.data.synth import generate_from_config
+
+    d = tmp_path_factory.mktemp("collapse-synth")
+    cfg = load_config(
+        "tiny_cpu",
+        overrides=[f"{k}={v}" for k, v in TASK.items()]
+        + [f"data.synth_dir={d}", "video.frame_budgets=[2,4]", "video.fixed_frames=4"],
+    )
+    return generate_from_config(cfg), cfg
+
+
+def test_every_cold_start_record_calls_the_tool_and_answers_right(spot_task) -> None:
+    data, cfg = spot_task
+    train = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+    plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
+    recs = all_tool_records(data, cfg, [2, 3])
+    assert len(recs) == len(train) * 2  # one per training row and budget K in {2, 4}
+    assert sorted({r["num_frames"] for r in recs}) == [2, 4]
+    by_id = {r["id"]: r for r in train}
+    counts = set()
+    for r in recs:
+        first, tool, last = r["turns"]
+        calls = first["content"].count("<tool_call>")
+        counts.add(calls)
+        assert calls in (2, 3) and len(tool["content"]) == calls  # a summary per call
+        assert "crop_video" in first["content"] and tool["role"] == "tool"
+        row = by_id[r["sample_id"]]
+        assert last["content"].endswith(f"<answer>{row['answer']}</answer>")
+        tgt = plans[Path(row["video"]).stem]["target"]
+        name = f"{tgt['colour']} {tgt['shape']}"
+        # Whatever K, the windows tile the whole video and one summary names the square.
+        assert '"start_time": 0.0' in first["content"] and '"end_time": 20.0' in first["content"]
+        assert sum(name in s for s in tool["content"]) >= 1
+    assert counts == {2, 3}  # both window counts occur (stable hash per row and K)
+    assert recs == all_tool_records(data, cfg, [2, 3])  # deterministic
+    with pytest.raises(ConfigError, match="1..agent.max_parallel"):
+        all_tool_records(data, cfg, [9])
+    # The fragile-format knob: that share of tool turns never closes <think>; calls unchanged.
+    half = all_tool_records(data, cfg, [2, 3], unclosed_think=0.5)
+    broken = [h for h, r in zip(half, recs) if h != r]
+    assert 0 < len(broken) < len(recs)
+    for h in broken:
+        first = h["turns"][0]["content"]
+        assert "</think>" not in first and first.count("<tool_call>") in (2, 3)
+    assert all_tool_records(data, cfg, [2, 3], unclosed_think=1.0) != recs
+    assert all(
+        "</think>" not in r["turns"][0]["content"]
+        for r in all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
+    )
+
+
+def _group(rewards: list[float], used: list[bool]) -> SimpleNamespace:
+    trajs = []
+    for r, u in zip(rewards, used):
+        calls = [SimpleNamespace(status="ok")] if u else []
+        trajs.append(SimpleNamespace(reward=r, turns=[SimpleNamespace(calls=calls)]))
+    return SimpleNamespace(trajectories=trajs)
+
+
+def test_tool_advantage_compares_tool_and_no_tool_rollouts_in_mixed_groups() -> None:
+    algo = load_config("tiny_cpu").algo
+    # Group 1: tool rollouts score 0, no-tool 1 -> A = -/+ 1/sqrt(4/3) (unbiased std 0.577).
+    # Group 2: every rollout used the tool: not mixed, left out.
+    groups = [
+        _group([0.0, 0.0, 1.0, 1.0], [True, True, False, False]),
+        _group([2.0, 0.0, 1.0, 1.0], [True, True, True, True]),
+    ]
+    m = tool_advantage_metrics(groups, algo)
+    a = 0.5 / math.sqrt(1 / 3)
+    assert m["adv/tool"] == pytest.approx(-a, rel=1e-4)
+    assert m["adv/no_tool"] == pytest.approx(a, rel=1e-4)
+    assert m["adv/mixed_groups"] == 0.5
+    none = tool_advantage_metrics([groups[1]], algo)
+    assert math.isnan(none["adv/tool"]) and none["adv/mixed_groups"] == 0.0
+
+
+def _rows(kappas: list[float], acc4: float) -> list[dict]:
+    rows = [
+        {"kind": "train", "step": i + 1, "tool_calls_per_rollout": k, "format_compliance": 0.5,
+         "tool_call_rate": k / 3, "tool_rate/K4": k / 3}
+        for i, k in enumerate(kappas)
+    ]  # fmt: skip
+    return rows + [{"kind": "eval_after", "step": len(kappas), "K4_tools/accuracy": acc4}]
+
+
+def test_summary_values_and_schema() -> None:
+    v = seed_values(_rows([2.5, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0], 0.75), [4])
+    assert v["kappa_start"] == 2.5 and v["kappa_end"] == pytest.approx(0.3)  # last 5 steps
+    assert v["format_start"] == 0.5 and v["acc_end_k"] == {"4": 0.75}
+    res = summarise(
+        {"vanilla": {0: _rows([2.0, 0.0], 0.5), 1: _rows([3.0, 1.0], 1.0)}},
+        [4],
+        {"K4_tools/tool_calls_per_rollout": 2.5, "K4_tools/accuracy": 0.25},
+    )
+    van = res["arms"]["vanilla"]
+    assert van["kappa_start"] == {"mean": 2.5, "std": pytest.approx(math.sqrt(0.5))}
+    assert van["acc_end_k"]["4"]["mean"] == 0.75
+    assert [s["seed"] for s in van["seeds"]] == [0, 1]
+    assert van["curves"]["tool_calls_per_rollout"] == {"step": [1, 2], "mean": [2.5, 0.5]}
+    # Held-out accuracy: the cold start's at step 0, then the runs' (mean over seeds).
+    assert van["curves"]["eval/K4"] == {"step": [0, 2], "mean": [0.25, 0.75]}
+    assert res["sft"]["4"]["kappa"] == 2.5
+
+
+def _args(spot_task, assets: dict[str, str], out: Path) -> list[str]:
+    data, _ = spot_task
+    kv = {
+        **TASK,
+        "data.synth_dir": str(data),
+        "model.tiny_dir": assets["model"],
+        "train.prompts_per_step": 2,
+        "train.steps": 2,
+        "train.eval_prompts": 1,
+        "train.eval_samples": 1,
+        "train.log_trajectories": 0,
+        "rollout.group_size": 2,
+        "rollout.max_new_tokens": 8,
+        "rollout.sub_max_new_tokens": 4,
+        "agent.max_turns": 1,
+        "agent.max_tool_response_tokens": 8,
+        "video.frame_budgets": "[2,4]",
+        "video.fixed_frames": 4,
+        "sft.steps": 2,
+        "sft.batch_size": 2,
+    }
+    return [
+        "--out", str(out), "--eval-k", "2,4", "--eval-every", "1", "--windows", "1,2",
+        *[f"{k}={v}" for k, v in kv.items()],
+    ]  # fmt: skip
+
+
+def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
+    spot_task, assets, tmp_path, capsys
+) -> None:
+    out = tmp_path / "collapse"
+    args = ["collapse", "--arms", "vanilla,paragrpo", "--seeds", "1", "--first-seed", "7"]
+    args += _args(spot_task, assets, out)
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| vanilla |" in printed and "| paragrpo |" in printed
+    res = json.loads((out / "collapse.json").read_text())
+    assert set(res["arms"]) == {"vanilla", "paragrpo"} and res["seeds"] == [7]
+    for arm, a in res["arms"].items():
+        for key in ("kappa_start", "kappa_end", "format_start", "format_end"):
+            assert set(a[key]) == {"mean", "std"} and a[key]["mean"] >= 0.0
+        assert set(a["acc_end_k"]) == {"2", "4"}
+        assert all(0.0 <= a["acc_end_k"][k]["mean"] <= 1.0 for k in ("2", "4"))
+        assert [s["seed"] for s in a["seeds"]] == [7]
+        curves = a["curves"]
+        assert curves["tool_calls_per_rollout"]["step"] == [1, 2]
+        assert curves["format_compliance"]["step"] == [1, 2]
+        # Held-out accuracy per K: the cold start's (step 0), step 1 (--eval-every 1), after RL.
+        assert curves["eval/K2"]["step"] == [0, 1, 2] and curves["eval/K4"]["step"] == [0, 1, 2]
+        run = out / arm / "seed7"
+        cfg_text = (run / "config.yaml").read_text()
+        assert f"path: {out / 'sft'}" in cfg_text and "seed: 7" in cfg_text
+        rows = read_metrics(run / "metrics.jsonl")
+        train = [r for r in rows if r["kind"] == "train"]
+        assert len(train) == 2 and all("adv/mixed_groups" in r for r in train)
+    # Vanilla trains at the largest K only; PARA-GRPO's arm is gated.
+    assert "tool_rate/K2" not in res["arms"]["vanilla"]["curves"]
+    van_cfg = (out / "vanilla" / "seed7" / "config.yaml").read_text()
+    assert "gating: false" in van_cfg and "lambda_anchor: 0.0" in van_cfg
+    # The cold start trained on the all-tool records, once for every arm.
+    sft_cfg = (out / "sft" / "config.json").is_file()
+    assert sft_cfg and (out / "sft_data.jsonl").stat().st_size > 0
+    assert set(res["sft"]) == {"2", "4"} and res["sft"]["4"]["kappa"] >= 0.0
+    assert (out / "collapse.png").stat().st_size > 1000
+    # Other cold-start settings into the same folder are refused, not silently mixed.
+    assert main([*args, "--windows", "3"]) == 2
+    assert "other cold-start settings" in capsys.readouterr().err
+    md = (out / "collapse.md").read_text()
+    assert "κ start" in md and "| vanilla |" in md
+
+    # A rerun keeps the SFT, its evaluation and the finished runs (nothing is rerun) ...
+    logs = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/train.log")}
+    evals = (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("finished before, kept") == 2 and "SFT checkpoint" in printed
+    assert all(p.stat().st_mtime_ns == t for p, t in logs.items()) and len(logs) == 2
+    assert (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns == evals
+    # ... and one cut short (no eval_after row) counts as unfinished: it is redone.
+    (out / "paragrpo" / "seed7" / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')
+    assert not _finished(out / "paragrpo" / "seed7") and _finished(out / "vanilla" / "seed7")
+
+
+def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
+    x = tmp_path / "x"
+    assert main(["collapse", "--arms", "vanilla,nope", "--out", str(x)]) == 2
+    assert "unknown arm 'nope'" in capsys.readouterr().err and not x.exists()
+    assert main(["collapse", "--seeds", "0", "--out", str(x)]) == 2
+    assert "--seeds 0 must be >= 1" in capsys.readouterr().err
+    assert main(["collapse", "--windows", "2,x", "--out", str(x)]) == 2
+    assert "--windows" in capsys.readouterr().err
+    assert main(["collapse", "--out", str(x), "data.synth_task=cue"]) == 2
+    assert "'spot' task" in capsys.readouterr().err and not x.exists()
+    assert set(ARMS) == {"vanilla", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"}
