@@ -51,7 +51,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -62,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError, load_config, to_yaml
-from paravt.metrics import json_safe, read_metrics
+from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 ARMS: dict[str, str] = {
     "vanilla": "GRPO: fixed K (the largest), no anchoring",
@@ -320,21 +319,9 @@ def run_one(cfg: Config, eval_every: int) -> None:
 
 
 # ----------------------------------------------------------------------------- summary
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _std(xs: Sequence[float]) -> float:
-    """Sample standard deviation (ddof 1); 0 for one value."""
-    if len(xs) < 2:
-        return 0.0 if xs else float("nan")
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-
 def _ms(xs: Sequence[float]) -> dict[str, float]:
     xs = [x for x in xs if x == x]
-    return {"mean": _mean(xs), "std": _std(xs)}
+    return {"mean": mean_or_nan(xs), "std": sample_std(xs)}
 
 
 def _num(r: dict[str, Any], key: str) -> float:
@@ -350,7 +337,7 @@ def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[s
     last = train[-END_STEPS:]
 
     def end(key: str) -> float:
-        return _mean([x for x in (_num(r, key) for r in last) if x == x])
+        return mean_or_nan([x for x in (_num(r, key) for r in last) if x == x])
 
     first = train[0] if train else {}
     return {
@@ -376,7 +363,7 @@ def curves(seed_rows: Sequence[Sequence[dict[str, Any]]], keys: Sequence[str]) -
                 if r.get("kind") == "train" and (x := _num(r, key)) == x:
                     by.setdefault(int(r["step"]), []).append(x)
         xs = sorted(by)
-        out[key] = {"step": xs, "mean": [_mean(by[s]) for s in xs]}
+        out[key] = {"step": xs, "mean": [mean_or_nan(by[s]) for s in xs]}
     acc_keys = {
         k for rows in seed_rows for r in rows
         if r.get("kind") in ("eval_step", "eval_after") for k in r
@@ -389,7 +376,7 @@ def curves(seed_rows: Sequence[Sequence[dict[str, Any]]], keys: Sequence[str]) -
                 if r.get("kind") in ("eval_step", "eval_after") and (x := _num(r, key)) == x:
                     by.setdefault(int(r["step"]), []).append(x)
         xs = sorted(by)
-        out["eval/" + key.split("_")[0]] = {"step": xs, "mean": [_mean(by[s]) for s in xs]}
+        out["eval/" + key.split("_")[0]] = {"step": xs, "mean": [mean_or_nan(by[s]) for s in xs]}
     return out
 
 

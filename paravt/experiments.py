@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError, load_config
-from paravt.metrics import json_safe, read_metrics
+from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 ARMS: dict[str, str] = {
     "vanilla": "GRPO: no anchoring, no gating",
@@ -73,18 +72,6 @@ def _finished(run_dir: Path) -> bool:
     return any(r.get("kind") == "eval_after" for r in read_metrics(run_dir / "metrics.jsonl"))
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _std(xs: Sequence[float]) -> float:
-    """Sample standard deviation (ddof 1); 0 for one value."""
-    if len(xs) < 2:
-        return 0.0 if xs else float("nan")
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-
 def run_metrics(
     rows: Sequence[dict[str, Any]], budgets: Sequence[int], eval_k: Sequence[int]
 ) -> dict[str, float]:
@@ -94,7 +81,7 @@ def run_metrics(
     after = next((r for r in reversed(rows) if r.get("kind") == "eval_after"), {})
 
     def over_steps(key: str) -> float:
-        return _mean([float(r[key]) for r in train if isinstance(r.get(key), (int, float))])
+        return mean_or_nan([float(r[key]) for r in train if isinstance(r.get(key), (int, float))])
 
     out = {
         "format_reward": over_steps("reward/fmt_base"),
@@ -116,7 +103,7 @@ def aggregate(per_seed: Sequence[dict[str, float]]) -> dict[str, tuple[float, fl
     agg = {}
     for k in keys:
         xs = [r[k] for r in per_seed if r[k] == r[k]]
-        agg[k] = (_mean(xs), _std(xs))
+        agg[k] = (mean_or_nan(xs), sample_std(xs))
     return agg
 
 
@@ -175,7 +162,7 @@ def plot_curves(runs: dict[str, list[list[dict[str, Any]]]], out_png: Path) -> P
                         by_step.setdefault(int(r["step"]), []).append(float(r[key]))
             if by_step:
                 xs = sorted(by_step)
-                ax.plot(xs, [_mean(by_step[x]) for x in xs], label=arm)
+                ax.plot(xs, [mean_or_nan(by_step[x]) for x in xs], label=arm)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -452,3 +452,16 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         _prompt_stats(out, f"tool_rate/K{k}", rs)
         out[f"count/K{k}"] = float(len(rs))
     return out
+
+
+def mean_or_nan(xs: Sequence[float]) -> float:
+    """Mean of ``xs``; NaN for none (the experiments' tables over seeds)."""
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def sample_std(xs: Sequence[float]) -> float:
+    """Sample standard deviation (ddof 1); 0 for one value."""
+    if len(xs) < 2:
+        return 0.0 if xs else float("nan")
+    m = mean_or_nan(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
