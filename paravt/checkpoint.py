@@ -150,7 +150,9 @@ def sft_save_error(
         f"{free} bytes are free on the file system of {out.parent}. Free space there (or point "
         "train.out_dir at a larger disk) and rerun; nothing half-written was left behind."
     )
-    return CheckpointSaveError(msg, path=str(cause.filename or out), needed=needed, free=free)
+    return CheckpointSaveError(
+        msg, path=str(cause.filename or out), needed=needed, free=free, cause=cause
+    )
 
 
 def step_dirname(step: int) -> str:

@@ -259,11 +259,10 @@ def tool_advantage_metrics(groups: Sequence[Any], algo: Any) -> dict[str, float]
             mixed += 1
             tool += [x for x, u in zip(a, used) if u]
             no_tool += [x for x, u in zip(a, used) if not u]
-    nan = float("nan")
     return {
-        "adv/tool": sum(tool) / len(tool) if tool else nan,
-        "adv/no_tool": sum(no_tool) / len(no_tool) if no_tool else nan,
-        "adv/mixed_groups": mixed / len(groups) if groups else nan,
+        "adv/tool": mean_or_nan(tool),
+        "adv/no_tool": mean_or_nan(no_tool),
+        "adv/mixed_groups": mixed / len(groups) if groups else float("nan"),
     }
 
 
@@ -500,10 +499,6 @@ def plot(res: dict[str, Any], out_png: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ driver
-def _finished(run_dir: Path) -> bool:
-    return any(r.get("kind") == "eval_after" for r in read_metrics(run_dir / "metrics.jsonl"))
-
-
 def _subprocess(run_dir: Path, args: Sequence[str], what: str) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
     run_dir.mkdir(parents=True)
@@ -531,7 +526,7 @@ def collapse(
 ) -> dict[str, Any]:
     """Run the experiment (module docstring); returns ``{"json", "table"}``. ``base_args``:
     the ``--preset``/``--config``/overrides that built ``cfg``."""
-    from paravt.experiments import arm_overrides
+    from paravt.experiments import arm_overrides, run_finished
 
     for a in arms:
         if a not in ARMS:
@@ -556,7 +551,7 @@ def collapse(
         "train.save_every=0",
     ]
     sft_eval_dir = out / "sft_eval"
-    if not _finished(sft_eval_dir):  # in this process: one model load, no second start-up
+    if not run_finished(sft_eval_dir):  # in this process: one model load, no second start-up
         shutil.rmtree(sft_eval_dir, ignore_errors=True)
         extra = [*shared, "train.steps=0", f"train.out_dir={sft_eval_dir}"]
         run_one(_load(base_args, extra), 0)
@@ -567,7 +562,7 @@ def collapse(
     jobs = [(a, s) for a in arms for s in seeds]
     for i, (arm, seed) in enumerate(jobs, 1):
         run_dir = out / arm / f"seed{seed}"
-        if _finished(run_dir):
+        if run_finished(run_dir):
             print(f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
             continue
         t = time.perf_counter()

@@ -68,7 +68,8 @@ def arm_overrides(arm: str, cfg: Config) -> list[str]:
     return table[arm]
 
 
-def _finished(run_dir: Path) -> bool:
+def run_finished(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` got to its final evaluation (resumed experiments skip it)."""
     return any(r.get("kind") == "eval_after" for r in read_metrics(run_dir / "metrics.jsonl"))
 
 
@@ -219,7 +220,7 @@ def ablation(
     for i, (arm, seed) in enumerate(jobs, 1):
         run_dir = out / arm / f"seed{seed}"
         runs[arm].append(run_dir)
-        if _finished(run_dir):
+        if run_finished(run_dir):
             print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
             continue
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over

@@ -98,14 +98,11 @@ def validate_run(cfg: Config, world_size: int) -> None:
         errs.append(f"model.device='{cfg.model.device}': {e}")
     errs += _attention_errors(cfg, dev)
     if r.engine == "vllm":
-        from paravt.rollout.vllm import vllm_available
+        from paravt.rollout import vllm_missing
 
-        ok, why = vllm_available()
-        if not ok:
-            errs.append(
-                f"rollout.engine=vllm needs vLLM, which does not import here ({why}): "
-                "`make install-vllm` (CPU) or the gpu extra (CUDA), or use rollout.engine=hf"
-            )
+        why = vllm_missing()
+        if why:
+            errs.append(why)
     if t.resume and not Path(t.out_dir).is_dir():
         errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
     # The largest K must fit the model's context: estimate its prompt from the pixel budget.
@@ -338,7 +335,6 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     from paravt.models import load_model_from_config
     from paravt.rollout import make_engine
     from paravt.sft import run_sft
-    from paravt.video import DecodePlanner
 
     t = cfg.train
     out = Path(t.out_dir)
@@ -389,10 +385,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         engine_bundle = bundle
     shard_model(policy, ctx)  # a no-op on one rank
     engine = make_engine(cfg, engine_bundle)
-    planner = DecodePlanner(
-        cfg.video.backend, cfg.video.cache_frames, timeout_s=cfg.video.decode_timeout_s
-    )
-    runner = AgentRunner(engine, engine_bundle, cfg, planner=planner)
+    runner = AgentRunner(engine, engine_bundle, cfg)  # its planner: cfg.video's
 
     # 3. Optimizer and schedule (linear warm-up, then constant).
     optimizer = torch.optim.AdamW(

@@ -12,14 +12,13 @@ import pytest
 
 from paravt.collapse import (
     ARMS,
-    _finished,
     all_tool_records,
     seed_values,
     summarise,
     tool_advantage_metrics,
 )
 from paravt.config import ConfigError, load_config
-from paravt.experiments import main
+from paravt.experiments import main, run_finished
 from paravt.metrics import read_metrics
 
 # The spot task, shrunk: 4 videos of 20 s (3 train, 1 held-out).
@@ -217,7 +216,7 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns == evals
     # ... and one cut short (no eval_after row) counts as unfinished: it is redone.
     (out / "paragrpo" / "seed7" / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')
-    assert not _finished(out / "paragrpo" / "seed7") and _finished(out / "vanilla" / "seed7")
+    assert not run_finished(out / "paragrpo" / "seed7") and run_finished(out / "vanilla" / "seed7")
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:

@@ -19,12 +19,24 @@ def make_engine(cfg: Any, bundle: Any) -> Engine:
         return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
     if cfg.rollout.engine != "vllm":
         raise ValueError(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")
-    from paravt.rollout.vllm import VLLMEngine, vllm_available
+    from paravt.rollout.vllm import VLLMEngine
+
+    why = vllm_missing()
+    if why:
+        raise SystemExit(why)
+    return VLLMEngine(bundle, cfg)
+
+
+def vllm_missing() -> str | None:
+    """Why ``rollout.engine=vllm`` cannot run here (vLLM does not import), with the fix;
+    None when it can. Checked by ``train.validate_run`` before anything loads and by
+    ``make_engine``."""
+    from paravt.rollout.vllm import vllm_available
 
     ok, why = vllm_available()
-    if not ok:
-        raise SystemExit(
-            f"rollout.engine=vllm needs vLLM ({why}): `make install-vllm` (CPU) or the gpu "
-            "extra (CUDA); or use rollout.engine=hf"
-        )
-    return VLLMEngine(bundle, cfg)
+    if ok:
+        return None
+    return (
+        f"rollout.engine=vllm needs vLLM, which does not import here ({why}): "
+        "`make install-vllm` (CPU) or the gpu extra (CUDA), or use rollout.engine=hf"
+    )

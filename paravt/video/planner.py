@@ -161,7 +161,7 @@ class DecodePlanner:
         st: dict[str, int],
     ) -> None:
         try:
-            sidx = stream_index(path)
+            sidx = stream_index(path, timeout_s=None)  # inside this file's own deadline
         except Exception as e:  # noqa: BLE001 - one bad file must never stop the step
             err = e if isinstance(e, VideoError) else VideoError(path, f"probe failed: {e!r}")
             for r, _ in reqs:
@@ -299,7 +299,7 @@ def decode(
 def _decode(
     path: str, timestamps: Sequence[float], backend: str, size: tuple[int, int] | None
 ) -> FrameBatch:
-    sidx = stream_index(path)
+    sidx = stream_index(path, timeout_s=None)  # inside decode()'s deadline
     size = _check_size(path, size)
     if len(timestamps) == 0:
         raise VideoError(path, "no timestamps requested")
