@@ -296,6 +296,12 @@ class TrainConfig:
     on_save_error: str = "fail"
     # Resume from the latest checkpoint in out_dir.
     resume: bool = False
+    # Preemption (paravt.preempt): on SIGTERM or SIGUSR1 (SLURM --signal, Kubernetes) every rank
+    # finishes the current step, or abandons it when finishing would pass this many seconds
+    # after the signal, writes a checkpoint that --resume continues exactly, and exits 0. Set it
+    # to the scheduler's notice (SLURM --signal=TERM@60 -> 60; Kubernetes
+    # terminationGracePeriodSeconds) minus a margin for the process to exit.
+    preempt_grace_s: float = 30.0
     # Log to Weights & Biases as well (needs wandb installed and configured).
     wandb: bool = False
     # Write this many sample trajectories per step to trajectories.jsonl.
@@ -631,6 +637,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.prompts_per_step": (">= 1", "prompts per RL step"),
     "train.save_every": (">= 0", "steps between checkpoints; 0 = only at the end"),
     "train.keep_last": (">= 0", "checkpoints kept; 0 = all"),
+    "train.preempt_grace_s": ("> 0", "seconds from a SIGTERM/SIGUSR1 to the exit"),
     "train.log_trajectories": (">= 0", "trajectories logged per step"),
     "train.eval_prompts": (">= 0", "validation prompts; 0 = no evaluation"),
     "train.eval_samples": (">= 1", "samples per validation prompt"),

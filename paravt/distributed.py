@@ -268,6 +268,16 @@ def all_reduce_sum(x: float | torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return t.cpu()
 
 
+def all_reduce_max(x: float | Sequence[float] | torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Element-wise maximum over ranks (float64; returns a CPU tensor). Every rank gets the
+    same values, so a decision computed from them is the same on every rank."""
+    t = torch.as_tensor(x, dtype=torch.float64).detach().clone().reshape(-1)
+    if ctx.distributed:
+        t = t.to(ctx.device if ctx.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu()
+
+
 def _block_classes(model: torch.nn.Module) -> tuple[type, ...]:
     """Transformer block classes to wrap as FSDP units: HF ``_no_split_modules`` if declared,
     else the element type of every ``nn.ModuleList`` (decoder layers, vision blocks)."""

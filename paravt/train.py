@@ -323,6 +323,7 @@ class Trainer:
     init_dir: str
     start_step: int = 0
     thumbs: Any = None  # ThumbnailStore of the viewer's overview thumbnails (rank 0)
+    preempt: Any = None  # paravt.preempt.Preemption of the run (None: no mid-step check)
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
@@ -472,6 +473,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     ]
 
     # 2. Roll out G samples per prompt (main agents, parallel crops, sub-agents).
+    _enter(tr, step, "rollout")
     t0 = time.perf_counter()
     tr.policy.eval()
     groups = tr.runner.rollout(
@@ -481,10 +483,18 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # GPU vLLM: free the device for the update (weights to host, KV cache dropped); the weight
     # push of step 6 wakes it. A no-op for the HF engine and on the CPU.
     getattr(tr.engine, "sleep", lambda: None)()
+    # Preemption (paravt.preempt): nothing this step changed is saved state yet. After a
+    # SIGTERM/SIGUSR1 on any rank, every rank abandons the step here if finishing it would pass
+    # train.preempt_grace_s; otherwise the step is finished and the run stops after it.
+    if tr.preempt is not None and tr.preempt.should_abandon():
+        from paravt.preempt import StepAbandoned
+
+        raise StepAbandoned(step)
 
     # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
     # rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite loss
     # or gradient norm, per optimizer step.
+    _enter(tr, step, "reward")
     t0 = time.perf_counter()
     score_groups(groups, cfg.reward)
     guard = NonFiniteGuard(ctx, step)
@@ -492,6 +502,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     times["time/reward"] = time.perf_counter() - t0
 
     # 4. Advantages, packed minibatches, reference / proximal log-probs (no grad).
+    _enter(tr, step, "logprobs")
     t0 = time.perf_counter()
     units = build_units(groups, algo)
     guard.check_advantages(units)
@@ -523,6 +534,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
 
     # 5. PPO epochs × minibatches: packed micro-batch forward/backward, one optimizer step each.
+    _enter(tr, step, "update")
     t0 = time.perf_counter()
     acc: dict[str, float] = {"loss_num": 0.0, "den": 0.0, "ent": 0.0, "ent_n": 0.0}
     stat_sums: dict[str, float] = {}
@@ -569,11 +581,13 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     times["time/update"] = time.perf_counter() - t0
 
     # 6. Push the new weights to the rollout engine.
+    _enter(tr, step, "sync")
     t0 = time.perf_counter()
     sync_engine(tr)
     times["time/sync"] = time.perf_counter() - t0
 
     # 7. Metrics, reduced over ranks.
+    _enter(tr, step, "metrics")
     keys = sorted(stat_sums)
     vec = all_reduce_sum(
         torch.tensor([acc["loss_num"], acc["den"], acc["ent"], acc["ent_n"]] +
@@ -617,6 +631,12 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     if ctx.is_main and cfg.train.log_trajectories:
         tr.logger.log_trajectories(step, trajectory_samples(tr, groups, cfg.train.log_trajectories))
     return m
+
+
+def _enter(tr: Trainer, step: int, phase: str) -> None:
+    """Tell the run's preemption handler where the step is (its log line names it)."""
+    if tr.preempt is not None:
+        tr.preempt.enter(step, phase)
 
 
 def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
@@ -793,8 +813,12 @@ def evaluate(tr: Trainer, seed: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------- checkpoint
 
 
-def save(tr: Trainer, step: int) -> bool:
+def save(tr: Trainer, step: int, *, data: dict[str, int] | None = None, rng: Any = None) -> bool:
     """Checkpoint ``step`` (rank 0 writes; every rank takes part in gathering the state).
+
+    ``data`` / ``rng``: the prompt sampler's position and this rank's RNG states to record
+    instead of the current ones (a preemption that abandoned step ``step + 1`` saves the state
+    that step started from; the weights, optimizer and schedule are still step ``step``'s).
 
     A failed write (disk full ...) leaves the previous checkpoint the newest; then
     ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
@@ -808,7 +832,7 @@ def save(tr: Trainer, step: int) -> bool:
 
     model_state = full_state_dict(tr.policy, tr.ctx)
     optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
-    rngs = all_gather_objects(rng_state(), tr.ctx)
+    rngs = all_gather_objects(rng_state() if rng is None else rng, tr.ctx)
     failed: CheckpointSaveError | None = None
     if tr.ctx.is_main:
         try:
@@ -821,7 +845,7 @@ def save(tr: Trainer, step: int) -> bool:
                     "optimizer": optim_state,
                     "scheduler": tr.scheduler.state_dict(),
                     "rng": rngs,
-                    "data": tr.sampler.state(),
+                    "data": tr.sampler.state() if data is None else data,
                     "world_size": tr.ctx.world_size,
                 },
                 tokenizer=tr.bundle.tokenizer,
@@ -850,13 +874,26 @@ def save(tr: Trainer, step: int) -> bool:
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``."""
-    from paravt.alarms import CollapseDetector
-    from paravt.distributed import cleanup, init_distributed, world_size_from_env
-    from paravt.metrics import format_table, plot_summary, postfix, progress_bar, read_metrics
+    """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``, and
+    ``"preempted"`` (``_preempted``) when a SIGTERM/SIGUSR1 stopped it early (``after`` then
+    empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``).
+    """
+    from paravt.distributed import init_distributed, world_size_from_env
+    from paravt.preempt import Preemption
 
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
     ctx = init_distributed(cfg.model.device)
+    with Preemption(cfg.train.preempt_grace_s, ctx) as pre:
+        return _run(cfg, ctx, pre)
+
+
+def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
+    from paravt.alarms import CollapseDetector
+    from paravt.checkpoint import rng_state
+    from paravt.distributed import cleanup
+    from paravt.metrics import format_table, plot_summary, postfix, progress_bar, read_metrics
+    from paravt.preempt import StepAbandoned
+
     out = Path(cfg.train.out_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -864,9 +901,11 @@ def run(cfg: Config) -> dict[str, Any]:
         print(to_yaml(cfg), flush=True)
     t_run = time.perf_counter()
     tr = build_trainer(cfg, ctx)
+    tr.preempt = pre
     t = cfg.train
 
     before: dict[str, float] = {}
+    pre.enter(tr.start_step, "eval")
     if t.eval_prompts and t.eval_before:
         prev = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "eval_before"]
         if prev and tr.start_step > 0:
@@ -883,8 +922,22 @@ def run(cfg: Config) -> dict[str, Any]:
     if tr.start_step > 0:
         alarms.replay(read_metrics(out / "metrics.jsonl"))
     last: dict[str, float] = {}
+    # Preemption (paravt.preempt): the last completed step, the step the newest checkpoint
+    # holds, and what the step in progress started from (what an abandoned step leaves).
+    done = saved = tr.start_step
+    begin: tuple[dict[str, int], Any] | None = None
+    abandoned = 0
     for step in range(tr.start_step + 1, t.steps + 1):
-        last = train_step(tr, step)
+        if pre.requested():  # any rank, during the previous step or before the first
+            break
+        begin = (tr.sampler.state(), rng_state())
+        try:
+            last = train_step(tr, step)
+        except StepAbandoned:
+            abandoned = step
+            break
+        done = step
+        pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
         tr.logger.log(step, last)
         for a in alarms.update(step, last):
             tr.logger.log(step, a.row(), kind="alarm")
@@ -893,8 +946,18 @@ def run(cfg: Config) -> dict[str, Any]:
         bar.set_postfix(postfix(last))
         bar.update(1)
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
-            save(tr, step)
+            pre.enter(step, "checkpoint")
+            t0 = time.perf_counter()
+            if save(tr, step):
+                saved = step
+            pre.save_s = time.perf_counter() - t0
     bar.close()
+    if abandoned or pre.requested():
+        info = _preempted(tr, done, saved, begin if abandoned else None)
+        tr.logger.close()
+        cleanup(ctx, getattr(tr.engine, "close", lambda: None))
+        return {"before": before, "after": {}, "last": last, "out_dir": str(out), "preempted": info}
+    pre.enter(t.steps, "eval")
 
     after = evaluate(tr, seed=t.seed) if t.eval_prompts else {}
     if after:
@@ -916,13 +979,81 @@ def run(cfg: Config) -> dict[str, Any]:
     return {"before": before, "after": after, "last": last, "out_dir": str(out)}
 
 
+def _preempted(
+    tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any] | None
+) -> dict[str, Any]:
+    """After a SIGTERM/SIGUSR1 (every rank): checkpoint the last completed step ``done`` unless
+    ``saved`` (the newest checkpoint's step) is it already, and report on rank 0.
+
+    ``begin``: when the step after ``done`` was abandoned mid-way, the sampler position and RNG
+    states it started from, to save instead of the current ones. Returns ``{"signal", "step",
+    "phase", "ranks", "outcome", "checkpoint", "ok", "seconds"}``: ``ok`` False when the
+    checkpoint could not be written (``train.on_save_error=continue``; ``main`` exits 1).
+    """
+    from paravt.checkpoint import step_dirname
+
+    pre, t = tr.preempt, tr.cfg.train
+    ckpt_dir = Path(t.out_dir) / "checkpoints"
+    ok, wrote = True, ""
+    if done > saved:
+        pre.enter(done, "checkpoint")
+        t0 = time.perf_counter()
+        if begin is None:
+            ok = save(tr, done)
+        else:
+            ok = save(tr, done, data=begin[0], rng=begin[1])
+        wrote = f" written in {time.perf_counter() - t0:.1f} s"
+        path = str(ckpt_dir / step_dirname(done))
+    elif done > 0:
+        wrote, path = " (already written)", str(ckpt_dir / step_dirname(done))
+    else:
+        path = ""
+    arrivals = pre.arrivals()  # after the save: how long since the earliest signal
+    first, seconds = arrivals[0]
+    where = f"{first.signal} at step {first.step} ({first.phase})"
+    if tr.ctx.world_size > 1:
+        ranks = sorted(a[0].rank for a in arrivals)
+        where += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    if begin is not None:
+        outcome = f"abandoned step {done + 1} after its rollout (finishing it would pass the grace)"
+    elif first.phase in ("startup", "eval"):
+        outcome = "no step in progress"
+    else:
+        outcome = f"finished step {done}"
+    if not ok:
+        what = f"checkpoint {path} NOT written (see the warning above); exiting 1"
+    elif path:
+        what = f"checkpoint {path}{wrote}; exiting 0"
+    else:
+        what = "no step completed, nothing to checkpoint (--resume starts at step 0); exiting 0"
+    late = f", past the grace of {t.preempt_grace_s:g} s" if seconds > t.preempt_grace_s else ""
+    if tr.ctx.is_main:
+        print(
+            f"[preempt] {where}: {outcome}, {what} {seconds:.1f} s after the signal"
+            f"{late or f' (grace {t.preempt_grace_s:g} s)'}",
+            flush=True,
+        )
+    return {
+        "signal": first.signal,
+        "step": first.step,
+        "phase": first.phase,
+        "ranks": [a[0].rank for a in arrivals],
+        "outcome": outcome,
+        "checkpoint": path,
+        "ok": ok,
+        "seconds": seconds,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from paravt.checkpoint import CheckpointSaveError
     from paravt.data.readers import DatasetError
 
     try:
         cfg, _ = parse_args(argv)
-        run(cfg)
+        res = run(cfg)
+        if not res.get("preempted", {}).get("ok", True):
+            return 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

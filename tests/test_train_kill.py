@@ -17,34 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from test_train_resume import tiny_overrides
+from train_runs import ROOT, assert_same_row, train_rows, wait_for
 
 from paravt.metrics import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]  # run from the checkout: its paravt is imported
-_TIMING = ("time/", "tokens_per_s")  # wall-clock metrics legitimately differ
 
 
 def _argv(assets: dict[str, str], out: Path, *extra: str) -> list[str]:
     over = [*tiny_overrides(assets, out, 4), "train.save_every=2"]
     return [sys.executable, "-m", "paravt.train", *extra, *over]
-
-
-def _train_rows(out: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
-
-
-def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
-            pytest.fail(f"training exited (rc {proc.returncode}) before {what}:\n{out[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_kill_9_mid_step_then_resume_matches_uninterrupted_run(assets, tmp_path) -> None:
@@ -53,20 +34,20 @@ def test_kill_9_mid_step_then_resume_matches_uninterrupted_run(assets, tmp_path)
     ref = subprocess.Popen(_argv(assets, full), **pipe)  # uninterrupted, alongside
     proc = subprocess.Popen(_argv(assets, cut), **pipe)
     latest = cut / "checkpoints" / "latest"
-    _wait_for(
+    wait_for(
         lambda: latest.is_file() and latest.read_text().strip() == "step_000002",
         proc,
         "the step-2 checkpoint",
     )
     # Step 3's row is the last thing of step 3 (no checkpoint at 3): right after it the
     # process is in step 4's rollout (~1 s a step here), so the kill lands mid-step.
-    _wait_for(lambda: 3 in _train_rows(cut), proc, "step 3's metrics")
+    wait_for(lambda: 3 in train_rows(cut), proc, "step 3's metrics")
     time.sleep(0.1)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert not (cut / "checkpoints" / "step_000004").exists(), "the run finished before the kill"
-    before_kill = _train_rows(cut)
+    before_kill = train_rows(cut)
     assert 4 not in before_kill
     ref_out, _ = ref.communicate(timeout=180)
     assert ref.returncode == 0, ref_out[-3000:]
@@ -77,15 +58,11 @@ def test_kill_9_mid_step_then_resume_matches_uninterrupted_run(assets, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "(step 2)" in resumed.stdout
 
-    a, b = _train_rows(full), _train_rows(cut)
+    a, b = train_rows(full), train_rows(cut)
     lines = [r for r in read_metrics(cut / "metrics.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]  # the killed run's step-3 row dropped
     assert sorted(a) == [1, 2, 3, 4]
     for step, rb in [*b.items(), (3, before_kill[3])]:
-        ra = a[step]
-        keys = {k for k in ra if not k.startswith(_TIMING)}
-        assert keys == {k for k in rb if not k.startswith(_TIMING)}
-        diff = {k: (ra[k], rb[k]) for k in keys if ra[k] != rb[k]}
-        assert not diff, f"step {step} differs after kill + resume: {diff}"  # bitwise on CPU
+        assert_same_row(step, a[step], rb, "kill + resume")  # bitwise on CPU
     assert a[3]["loss"] != a[4]["loss"] or a[3]["grad_norm"] != a[4]["grad_norm"]
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["latest", "step_000004"]

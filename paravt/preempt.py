@@ -1,0 +1,188 @@
+"""Preemption: on SIGTERM / SIGUSR1, finish or abandon the step, checkpoint, exit 0.
+
+Schedulers announce a kill: SLURM ``--signal=TERM@60`` (or ``USR1@60``) signals the job 60 s
+before its time limit; Kubernetes sends SIGTERM and kills ``terminationGracePeriodSeconds``
+later. ``Preemption`` installs handlers for SIGTERM and SIGUSR1 that only record the first
+signal (its name, when it came, the step and phase the run was in); the trainer
+(``paravt.train``) asks it at two kinds of points, every rank at the same points:
+
+* each step boundary (``requested``): if any rank got a signal, every rank stops there, the
+  last completed step is checkpointed (unless its checkpoint exists) and the run exits 0;
+* once per step, after the rollout and before anything the step changes is saved state
+  (``should_abandon``): if any rank got a signal and finishing the step would end more than
+  ``grace_s`` after it (the previous step's time after its rollout plus the last checkpoint's
+  write time, as the estimate), every rank abandons the step: the checkpoint then holds the
+  previous step, with the prompt position and RNG states the abandoned step started from.
+  Otherwise the step is finished and the next boundary stops the run.
+
+Both combine the ranks' records with one ``all_reduce(MAX)`` and decide from the reduced values
+only, so the decision is the same on every rank even when only one rank was signalled.
+
+A second signal changes nothing (SLURM signals again at the time limit). Whatever the run is
+doing when the signal comes (a step, the SFT cold start, an evaluation) goes on to the next
+check; a run that overruns the grace is SIGKILLed by the scheduler, which is the kill -9 case:
+the newest checkpoint stays loadable (``paravt.checkpoint``) and ``--resume`` continues from it.
+
+Test hook: ``PARAVT_PREEMPT_TEST_SIGNAL=SIGNAL:STEP:PHASE[:RANK]`` (e.g. ``SIGTERM:3:update``)
+makes the run send itself that signal (``os.kill``: the real signal, through the handler
+above) when it enters PHASE of STEP (on RANK only, if given), printing the wall time it sent it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+from paravt.distributed import DistContext, all_gather_objects, all_reduce_max
+
+#: The signals that request a checkpoint and a clean exit.
+SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: Test hook (see the module docstring).
+TEST_SIGNAL_ENV = "PARAVT_PREEMPT_TEST_SIGNAL"
+
+
+class StepAbandoned(Exception):
+    """Raised by ``train_step`` when a preemption abandons the step (nothing of it is kept)."""
+
+
+@dataclass
+class Arrival:
+    """The first preemption signal one rank got."""
+
+    signal: str  # "SIGTERM"
+    step: int  # the step the run was in (0: before the first step)
+    phase: str  # "rollout", "update", ... (``Preemption.enter``)
+    rank: int
+    monotonic: float  # time.monotonic() when the handler ran
+
+
+class Preemption:
+    """Flag-only SIGTERM/SIGUSR1 handlers and the rank-consistent checks built on them.
+
+    Use as a context manager (``with Preemption(grace_s, ctx) as pre:``): the handlers are
+    installed on entry and the previous ones restored on exit. Signal handlers can only be set
+    from the main thread; elsewhere nothing is installed (``installed`` is False) and the
+    signals keep their previous disposition.
+    """
+
+    def __init__(
+        self,
+        grace_s: float,
+        ctx: DistContext | None = None,
+        signals: tuple[signal.Signals, ...] = SIGNALS,
+    ) -> None:
+        self.grace_s = float(grace_s)
+        self.ctx = ctx or DistContext()
+        self.signals = signals
+        self.arrival: Arrival | None = None
+        self.step, self.phase = 0, "startup"
+        # Estimates of what finishing a step costs after its rollout (set by the trainer).
+        self.rest_s = 0.0  # the previous step's seconds after its rollout
+        self.save_s = 0.0  # the last checkpoint's write time
+        self.installed = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._test = _parse_test_signal(os.environ.get(TEST_SIGNAL_ENV, ""))
+
+    # -- handlers
+
+    def __enter__(self) -> Preemption:
+        self.install()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.restore()
+
+    def install(self) -> bool:
+        """Set the handlers (main thread only); returns whether they were set."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self.installed = True
+        return True
+
+    def restore(self) -> None:
+        """Put the previous handlers back."""
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self.installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.arrival is None:  # a repeated signal changes nothing
+            self.arrival = Arrival(
+                signal.Signals(signum).name, self.step, self.phase, self.ctx.rank, time.monotonic()
+            )
+
+    # -- where the run is
+
+    def enter(self, step: int, phase: str) -> None:
+        """Record the run's position (named in the log line); fires the test hook."""
+        self.step, self.phase = step, phase
+        if self._test is not None and self._test[1:3] == (step, phase):
+            sig, _, _, rank = self._test
+            if rank is None or rank == self.ctx.rank:
+                self._test = None
+                print(
+                    f"[preempt-test] rank {self.ctx.rank} sends itself {sig.name} at step {step} "
+                    f"({phase}) at wall time {time.time():.6f}",
+                    flush=True,
+                )
+                os.kill(os.getpid(), sig)
+
+    # -- checks (collective: every rank calls them at the same points)
+
+    @property
+    def signalled(self) -> bool:
+        """Whether this rank got a signal (local; decide with ``requested``)."""
+        return self.arrival is not None
+
+    def elapsed(self) -> float:
+        """Seconds since this rank's signal (0 without one)."""
+        return 0.0 if self.arrival is None else time.monotonic() - self.arrival.monotonic
+
+    def requested(self) -> bool:
+        """Whether any rank got a signal: the same answer on every rank."""
+        return bool(all_reduce_max([float(self.signalled)], self.ctx)[0] > 0)
+
+    def should_abandon(self) -> bool:
+        """Whether any rank got a signal and finishing the step (``rest_s + save_s``) would end
+        past ``grace_s`` after the earliest signal: the same answer on every rank."""
+        got, elapsed, rest = (
+            float(x)
+            for x in all_reduce_max(
+                [float(self.signalled), self.elapsed(), self.rest_s + self.save_s], self.ctx
+            )
+        )
+        return got > 0 and elapsed + rest > self.grace_s
+
+    def arrivals(self) -> list[tuple[Arrival, float]]:
+        """Every signalled rank's ``(arrival, seconds since)``, earliest first (collective)."""
+        mine = None if self.arrival is None else (self.arrival, self.elapsed())
+        got = [a for a in all_gather_objects(mine, self.ctx) if a is not None]
+        return sorted(got, key=lambda a: -a[1])
+
+
+def _parse_test_signal(spec: str) -> tuple[signal.Signals, int, str, int | None] | None:
+    """``SIGNAL:STEP:PHASE[:RANK]`` -> (signal, step, phase, rank or None); '' -> None."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if len(parts) not in (3, 4):
+        raise ValueError(f"{TEST_SIGNAL_ENV}='{spec}': expected SIGNAL:STEP:PHASE[:RANK]")
+    return (
+        signal.Signals[parts[0]],
+        int(parts[1]),
+        parts[2],
+        int(parts[3]) if len(parts) == 4 else None,
+    )

@@ -1,0 +1,232 @@
+"""Preemption: SIGTERM / SIGUSR1 mid-step, a clean exit 0 with a checkpoint, then ``--resume``
+continues as if nothing had happened (``paravt.preempt``; README "Preemption").
+
+Real ``python -m paravt.train`` processes on the tiny config of test_train_resume.py (4 steps,
+checkpoint only at the end). The signal is real and goes through the production handler: the
+run sends it to itself at a chosen phase of a chosen step (``PARAVT_PREEMPT_TEST_SIGNAL``, the
+only test hook; it prints the wall time it sent the signal at), or the test sends it from
+outside. Each case checks the exit code, the log line, the checkpoint written, that
+metrics.jsonl holds no row past it, and that ``--resume`` reproduces the uninterrupted run's
+metrics and final weights bitwise (CPU). The signal-to-exit times are printed
+(``pytest tests/test_train_preempt.py -s``) and must stay under ``train.preempt_grace_s``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_train_resume import tiny_overrides
+from torchrun import torchrun
+from train_runs import (
+    ROOT,
+    assert_same_row,
+    assert_same_weights,
+    train_rows,
+    train_steps,
+    wait_for,
+)
+
+GRACE_S = 30.0
+STEPS = 4
+ENV = "PARAVT_PREEMPT_TEST_SIGNAL"
+
+
+def _overrides(assets: dict[str, str], out: Path, steps: int = STEPS) -> list[str]:
+    return [
+        *tiny_overrides(assets, out, steps),
+        "train.save_every=0",  # only at the end: a preemption checkpoint is the only other
+        f"train.preempt_grace_s={GRACE_S}",
+    ]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    return {**env, "PYTHONHASHSEED": "0", **extra}
+
+
+def _train(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log, "w") as f:  # a file, not a pipe: wait() returns the moment it exits
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+
+def _sent_at(text: str) -> float:
+    """The wall time the run's test hook sent its signal (its ``[preempt-test]`` line)."""
+    m = re.search(r"\[preempt-test\] .* at wall time ([0-9.]+)", text)
+    assert m, f"no [preempt-test] line in the log:\n{text[-3000:]}"
+    return float(m.group(1))
+
+
+def _report(what: str, seconds: float, line: str) -> None:
+    """Print a measured exit time and the run's log line (``pytest -s``; the README quotes
+    them)."""
+    print(f"\n[preempt exit time] {what}: {seconds:.2f} s from the signal to exit\n  {line}")
+
+
+@pytest.fixture(scope="module")
+def reference(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted single-process run (4 steps)."""
+    out = tmp_path_factory.mktemp("preempt_ref") / "run"
+    argv = [sys.executable, "-m", "paravt.train", *_overrides(assets, out)]
+    proc = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_steps(out) == [1, 2, 3, 4]
+    return out
+
+
+def _resume_and_compare(
+    argv: list[str], out: Path, ref: Path, from_step: int, env: dict[str, str]
+) -> None:
+    resumed = subprocess.run(
+        [*argv, "--resume"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {from_step})" in resumed.stdout, resumed.stdout[-2000:]
+    steps = sorted(train_rows(ref))
+    assert train_steps(out) == steps  # no duplicate, partial or torn row
+    a, b = train_rows(ref), train_rows(out)
+    for step in steps:
+        assert_same_row(step, a[step], b[step], "preemption + resume")
+    last = f"step_{steps[-1]:06d}"
+    assert_same_weights(ref / "checkpoints" / last, out / "checkpoints" / last)
+
+
+@pytest.mark.parametrize(
+    ("phase", "grace", "outcome", "kept"),
+    [
+        ("rollout", GRACE_S, "finished step 3", 3),
+        ("update", GRACE_S, "finished step 3", 3),
+        # A grace too short to finish the step: step 3 is abandoned after its rollout and
+        # step 2 is checkpointed (from the state saved when step 3 began).
+        ("rollout", 0.001, "abandoned step 3", 2),
+    ],
+    ids=["mid-rollout", "mid-update", "mid-rollout-abandon"],
+)
+def test_sigterm_mid_step_exits_0_and_resume_matches(
+    assets: dict[str, str],
+    reference: Path,
+    tmp_path: Path,
+    phase: str,
+    grace: float,
+    outcome: str,
+    kept: int,
+) -> None:
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "paravt.train", *_overrides(assets, out)]
+    argv_run = [*argv, f"train.preempt_grace_s={grace}"]
+    log = tmp_path / "train.log"
+    proc = _train(argv_run, log, _env(**{ENV: f"SIGTERM:3:{phase}"}))
+    rc = proc.wait(timeout=300)
+    t_exit = time.time()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    took = t_exit - _sent_at(text)
+    line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
+    assert f"SIGTERM at step 3 ({phase})" in line and outcome in line and "exiting 0" in line, line
+    assert f"step_{kept:06d}" in line, line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", f"step_{kept:06d}"]
+    assert train_steps(out) == list(range(1, kept + 1))  # nothing of an abandoned step
+    _report(f"SIGTERM mid-{phase}, 1 process, grace {grace:g} s", took, line)
+    if grace >= GRACE_S:
+        assert took < grace
+    else:
+        assert "past the grace" in line, line
+    # The resumed run gets the normal grace: it must not be preempted (no hook either).
+    _resume_and_compare(argv, out, reference, kept, _env())
+
+
+def test_sigusr1_from_outside_exits_0_and_resume_matches(
+    assets: dict[str, str], reference: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "paravt.train", *_overrides(assets, out)]
+    log = tmp_path / "train.log"
+    proc = _train(argv, log, _env())
+    # Right after step 2's row the process is in step 3 (~1 s a step here).
+    wait_for(lambda: 2 in train_rows(out), proc, "step 2's metrics")
+    t_sent = time.time()
+    os.kill(proc.pid, signal.SIGUSR1)
+    rc = proc.wait(timeout=300)
+    took = time.time() - t_sent
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
+    # It lands at the end of step 2 (after its row) or in step 3: either is finished.
+    m = re.search(
+        r"SIGUSR1 at step (\d) \(\w+\): finished step (\d), checkpoint \S+step_(\d{6})", line
+    )
+    assert m and m.group(1) == m.group(2) and int(m.group(3)) == int(m.group(1)), line
+    assert "exiting 0" in line, line
+    kept = int(m.group(1))
+    assert kept in (2, 3) and train_steps(out) == list(range(1, kept + 1))
+    _report("SIGUSR1 from outside, 1 process", took, line)
+    assert took < GRACE_S
+    _resume_and_compare(argv, out, reference, kept, _env())
+
+
+# ------------------------------------------------------------------------------- two ranks
+
+RANKS_STEPS = 3
+
+
+def _rank_overrides(assets: dict[str, str], out: Path) -> list[str]:
+    return [*_overrides(assets, out, RANKS_STEPS), "train.prompts_per_step=2"]
+
+
+@pytest.fixture(scope="module")
+def reference_2ranks(assets: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("preempt_ref2") / "run"
+    proc = torchrun(2, "-m", "paravt.train", *_rank_overrides(assets, out), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_steps(out) == list(range(1, RANKS_STEPS + 1))
+    return out
+
+
+def _torchrun_popen(args: list[str], log: Path, env: dict[str, Any]) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        "-m", "paravt.train", *args,
+    ]  # fmt: skip
+    env = {**_env(), "OMP_NUM_THREADS": "1", **env}
+    return _train(cmd, log, env)
+
+
+@pytest.mark.parametrize(("phase", "rank"), [("rollout", 0), ("update", 1)])
+def test_two_ranks_sigterm_on_one_rank(
+    assets: dict[str, str], reference_2ranks: Path, tmp_path: Path, phase: str, rank: int
+) -> None:
+    """SIGTERM reaches one rank only, inside step 2: both ranks finish step 2, rank 0 writes
+    its checkpoint, both exit 0 (so torchrun does), and --resume matches."""
+    out = tmp_path / "run"
+    log = tmp_path / "train.log"
+    proc = _torchrun_popen(_rank_overrides(assets, out), log, {ENV: f"SIGTERM:2:{phase}:{rank}"})
+    rc = proc.wait(timeout=300)
+    t_exit = time.time()
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    took = t_exit - _sent_at(text)
+    lines = [x for x in text.splitlines() if "[preempt] " in x]
+    assert len(lines) == 1, lines  # rank 0 reports for both
+    line = lines[0]
+    assert f"SIGTERM at step 2 ({phase}) on rank {rank}:" in line, line
+    assert "finished step 2" in line and "step_000002" in line and "exiting 0" in line, line
+    assert train_steps(out) == [1, 2]
+    _report(f"SIGTERM to rank {rank} mid-{phase}, 2 ranks (signal to torchrun's exit)", took, line)
+    assert took < GRACE_S
+
+    resumed = torchrun(2, "-m", "paravt.train", "--resume", *_rank_overrides(assets, out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(step 2)" in resumed.stdout, resumed.stdout[-2000:]
+    assert train_steps(out) == [1, 2, 3]
+    a, b = train_rows(reference_2ranks), train_rows(out)
+    for step in (1, 2, 3):
+        assert_same_row(step, a[step], b[step], "preemption + resume on 2 ranks")
+    last = f"step_{RANKS_STEPS:06d}"
+    assert_same_weights(reference_2ranks / "checkpoints" / last, out / "checkpoints" / last)
