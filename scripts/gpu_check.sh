@@ -61,8 +61,13 @@ fi
 # any TORCH_CHECK message segfaults (std::ostream << size_t), so every error path of the op
 # killed the process; /usr/bin/g++ builds one that raises (docs/gpu/README.md).
 [ -x /usr/bin/g++ ] && export CXX="${CXX:-/usr/bin/g++}"
-step build 170 env PARAVT_FORCE_EXT=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
-  MAX_JOBS="${MAX_JOBS:-16}" "$PY" -m pip install --no-deps --no-build-isolation -e .
+# The build is `setup.py build_ext --inplace` after a metadata-only editable install: on that
+# image a CUDA build by `pip install -e .` segfaulted in TORCH_CHECK even with CXX set (run of
+# 15:12 UTC, 7 crashed tests), while build_ext --inplace with CXX=/usr/bin/g++ raised properly
+# (docs/gpu/diag_cc.txt: and without CXX, or with -static-libstdc++, it segfaults again).
+step build 170 bash -c "PARAVT_SKIP_EXT=1 $PY -m pip install -q --no-deps --no-build-isolation -e . \
+  && PARAVT_FORCE_EXT=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
+  $PY setup.py build_ext --inplace"
 # With a GPU, paravt._C must have come out WITH its CUDA ops (e.g. not a CPU-only build for
 # want of CUDA_HOME); a CPU-only machine only reports.
 step native_cuda 20 "$PY" -c 'import torch; from paravt.vision import pack
