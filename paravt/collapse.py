@@ -196,43 +196,97 @@ def _write_sft_data(
     return path
 
 
-def cold_start(cfg: Config, out: Path, windows: Sequence[int], unclosed_think: float = 0.0) -> Path:
-    """The shared SFT checkpoint ``out/sft`` on :func:`all_tool_records` (made once; a rerun
-    reuses it, and refuses one made with other settings: ``out/sft_params.json``)."""
+def _stamped_checkpoint(dst: Path, stamp: Path, made: dict[str, Any]) -> bool:
+    """Whether ``dst`` holds a checkpoint made with the settings ``made`` (recorded in
+    ``stamp``); raises ``ConfigError`` if it was made with others."""
+    if not (dst / "config.json").is_file():
+        return False
+    old = json.loads(stamp.read_text()) if stamp.is_file() else None
+    if old is not None and old != json.loads(json.dumps(made)):
+        raise ConfigError(
+            f"{dst} was trained with other cold-start settings ({stamp}: {old}); use another "
+            f"--out or delete {dst} to train the new one"
+        )
+    unchecked = "" if old is not None else f" (no {stamp.name}: its settings are unchecked)"
+    print(f"[collapse] SFT checkpoint {dst} exists: reused{unchecked}", flush=True)
+    return True
+
+
+def base_sft(cfg: Config, out: Path, base: Config) -> str:
+    """Stage 1 of the cold start: the model that already reads the task, as a pretrained VLM
+    does before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
+    without tools). ``cfg.model.path`` set: that checkpoint is the base (nothing trained).
+    Otherwise ``OUT/base_sft``: the embedded default's own SFT recipe (``base.sft``, the
+    preset's, e.g. 4000 cosine steps on the task's oracle rows, which call the tool only where
+    the overview misses the square) from the random tiny model; made once, reused by a rerun.
+    """
     from paravt.distributed import DistContext
     from paravt.sft import run_sft
     from paravt.train import prepare_assets
 
+    if cfg.model.path:
+        return cfg.model.path
+    dst, stamp = out / "base_sft", out / "base_sft_params.json"
+    made = {"sft": dataclasses.asdict(base.sft), "data": dataclasses.asdict(cfg.data)}
+    if _stamped_checkpoint(dst, stamp, made):
+        return str(dst)
+    if base.sft.steps < 1:
+        raise ConfigError(
+            "--base-steps must be >= 1 (or give model.path=CHECKPOINT as the base model)"
+        )
+    ctx = DistContext()
+    data_dir, model_dir = prepare_assets(cfg, ctx)
+    bcfg = replace(cfg, sft=base.sft)
+    res = run_sft(bcfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
+    stamp.write_text(json.dumps(made, indent=1) + "\n")
+    print(
+        f"[collapse] base SFT {base.sft.steps} steps (the default's recipe): nll/token "
+        f"{res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s)"
+        f" -> {dst}",
+        flush=True,
+    )
+    return str(dst)
+
+
+def cold_start(
+    cfg: Config,
+    out: Path,
+    windows: Sequence[int],
+    unclosed_think: float = 0.0,
+    base: Config | None = None,
+) -> Path:
+    """The shared SFT checkpoint ``out/sft``: stage 1 (:func:`base_sft`; ``base`` None: train
+    from ``cfg.model.path`` or the random tiny model directly), then stage 2, ``cfg.sft`` on
+    :func:`all_tool_records` (made once; a rerun reuses it, and refuses one made with other
+    settings: ``out/sft_params.json``)."""
+    from paravt.distributed import DistContext
+    from paravt.sft import run_sft
+    from paravt.train import prepare_assets
+
+    start = base_sft(cfg, out, base) if base is not None else cfg.model.path
     dst = out / "sft"
     made = {
         "windows": list(windows),
         "unclosed_think": unclosed_think,
         "sft": dataclasses.asdict(cfg.sft),
         "data": dataclasses.asdict(cfg.data),
-        "model_path": cfg.model.path,
+        "model_path": start,
     }
-    stamp = out / "sft_params.json"
-    if (dst / "config.json").is_file():
-        old = json.loads(stamp.read_text()) if stamp.is_file() else None
-        if old is not None and old != json.loads(json.dumps(made)):
-            raise ConfigError(
-                f"{dst} was trained with other cold-start settings ({stamp}: {old}); use another "
-                f"--out or delete {dst} to train the new one"
-            )
-        unchecked = "" if old is not None else f" (no {stamp.name}: its settings are unchecked)"
-        print(f"[collapse] SFT checkpoint {dst} exists: reused{unchecked}", flush=True)
+    if _stamped_checkpoint(dst, out / "sft_params.json", made):
         return dst
     if cfg.sft.steps < 1:
         raise ConfigError("sft.steps must be >= 1: every arm starts from the collapse cold start")
     ctx = DistContext()
-    data_dir, model_dir = prepare_assets(cfg, ctx)
+    scfg = replace(cfg, model=replace(cfg.model, path=start))
+    data_dir, model_dir = prepare_assets(scfg, ctx)
     data = _write_sft_data(cfg, data_dir, out / "sft_data.jsonl", windows, unclosed_think)
-    scfg = replace(cfg, sft=replace(cfg.sft, data=str(data)))
+    scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     res = run_sft(scfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
-    stamp.write_text(json.dumps(made, indent=1) + "\n")
+    (out / "sft_params.json").write_text(json.dumps(made, indent=1) + "\n")
     print(
-        f"[collapse] SFT {cfg.sft.steps} steps on {data}: nll/token {res['sft/loss_first']:.3f}"
-        f" -> {res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s) -> {dst}",
+        f"[collapse] all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}:"
+        f" nll/token {res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} "
+        f"({res['sft/seconds']:.0f} s) -> {dst}",
         flush=True,
     )
     return dst
@@ -523,9 +577,11 @@ def collapse(
     windows: Sequence[int],
     base_args: Sequence[str],
     unclosed_think: float = 0.0,
+    base: Config | None = None,
 ) -> dict[str, Any]:
     """Run the experiment (module docstring); returns ``{"json", "table"}``. ``base_args``:
-    the ``--preset``/``--config``/overrides that built ``cfg``."""
+    the ``--preset``/``--config``/overrides that built ``cfg``; ``base``: the config whose
+    ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
     from paravt.experiments import arm_overrides, run_finished
 
     for a in arms:
@@ -541,7 +597,7 @@ def collapse(
     t0 = time.perf_counter()
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
-    sft = cold_start(cfg, out, windows, unclosed_think)
+    sft = cold_start(cfg, out, windows, unclosed_think, base)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
     shared = [
         f"model.path={sft}",
@@ -652,6 +708,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="share of SFT tool turns that never close <think> (fragile format; 0.5 measured: "
         "format compliance 0.31-0.47 after 400 SFT steps)",
     )
+    p.add_argument(
+        "--base-steps",
+        type=int,
+        default=None,
+        help="stage 1 of the cold start: SFT steps of the preset's own recipe before the "
+        "all-tool SFT (default: the preset's sft.steps, 4000 for tiny_cpu; 0: no stage 1, the "
+        "all-tool SFT starts from the random tiny model; ignored with model.path=...)",
+    )
     p.add_argument("--preset", default="tiny_cpu")
     p.add_argument(
         "--config", action="append", default=None, help="YAML (default configs/collapse.yaml)"
@@ -669,6 +733,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         eval_k = _int_list("--eval-k", args.eval_k)
         windows = _int_list("--windows", args.windows)
         cfg = load_config(args.preset, configs, args.overrides)
+        stage1 = load_config(args.preset, [], [])  # the embedded default's SFT recipe
+        if args.base_steps is not None:
+            if args.base_steps < 0:
+                raise ConfigError(f"--base-steps {args.base_steps} must be >= 0")
+            stage1 = replace(stage1, sft=replace(stage1.sft, steps=args.base_steps))
         base = ["--preset", args.preset]
         for c in configs:
             base += ["--config", c]
@@ -682,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             windows=windows,
             base_args=[*base, *args.overrides],
             unclosed_think=args.unclosed_think,
+            base=stage1 if stage1.sft.steps > 0 else None,
         )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -159,6 +159,7 @@ def _args(spot_task, assets: dict[str, str], out: Path) -> list[str]:
     }
     return [
         "--out", str(out), "--eval-k", "2,4", "--eval-every", "1", "--windows", "1,2",
+        "--base-steps", "2",
         *[f"{k}={v}" for k, v in kv.items()],
     ]  # fmt: skip
 
@@ -195,7 +196,13 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert "tool_rate/K2" not in res["arms"]["vanilla"]["curves"]
     van_cfg = (out / "vanilla" / "seed7" / "config.yaml").read_text()
     assert "gating: false" in van_cfg and "lambda_anchor: 0.0" in van_cfg
-    # The cold start trained on the all-tool records, once for every arm.
+    # The cold start: stage 1 (the preset's own SFT recipe, --base-steps) then stage 2 on the
+    # all-tool records from stage 1's checkpoint, once for every arm.
+    assert (out / "base_sft" / "config.json").is_file()
+    base_params = json.loads((out / "base_sft_params.json").read_text())
+    assert base_params["sft"]["steps"] == 2 and base_params["sft"]["data"] == ""
+    stage2 = json.loads((out / "sft_params.json").read_text())
+    assert stage2["model_path"] == str(out / "base_sft") and stage2["sft"]["steps"] == 2
     sft_cfg = (out / "sft" / "config.json").is_file()
     assert sft_cfg and (out / "sft_data.jsonl").stat().st_size > 0
     assert set(res["sft"]) == {"2", "4"} and res["sft"]["4"]["kappa"] >= 0.0
@@ -212,6 +219,7 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert printed.count("finished before, kept") == 2 and "SFT checkpoint" in printed
+    assert f"SFT checkpoint {out / 'base_sft'} exists: reused" in printed
     assert all(p.stat().st_mtime_ns == t for p, t in logs.items()) and len(logs) == 2
     assert (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns == evals
     # ... and one cut short (no eval_after row) counts as unfinished: it is redone.
