@@ -18,6 +18,7 @@ from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes, repor
 
 TOKENS, D, VOCAB = 4096, 256, 32768
 ROUNDS = 3
+SHAPE = f"tokens={TOKENS} d={D} vocab={VOCAB} fp32"
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,6 @@ def inputs():
     t = torch.randint(0, VOCAB, (TOKENS,), generator=g)
     gout = torch.randn(TOKENS, generator=g)
     return h, w, t, gout
-
-
-def _report(benchmark, name, t_ours, t_base, m_ours, m_base):
-    return report_ratios(
-        benchmark,
-        "linear_logprob",
-        f"tokens={TOKENS} d={D} vocab={VOCAB} fp32",
-        name,
-        (t_ours, t_base),
-        (m_ours, m_base),
-    )
 
 
 def test_bench_linear_logprob_vs_naive(benchmark, inputs):
@@ -61,8 +51,9 @@ def test_bench_linear_logprob_vs_naive(benchmark, inputs):
     benchmark.pedantic(ours, rounds=ROUNDS, iterations=1, warmup_rounds=1)
     t_ours = benchmark.stats.stats.median
     t_base = median_seconds(naive, repeats=ROUNDS, warmup=1)
-    info = _report(benchmark, "naive (full logits, log_softmax, gather)", t_ours, t_base,
-                   peak_cpu_alloc_bytes(ours), peak_cpu_alloc_bytes(naive))  # fmt: skip
+    peaks = (peak_cpu_alloc_bytes(ours), peak_cpu_alloc_bytes(naive))
+    baseline = "naive (full logits, log_softmax, gather)"
+    info = report_ratios(benchmark, "linear_logprob", SHAPE, baseline, (t_ours, t_base), peaks)
     assert info["mem_ratio"] <= 0.25, info
 
 
@@ -95,5 +86,6 @@ def test_bench_linear_logprob_loss_vs_liger(benchmark, inputs):
     benchmark.pedantic(ours, rounds=ROUNDS, iterations=1, warmup_rounds=1)
     t_ours = benchmark.stats.stats.median
     t_base = median_seconds(run_liger, repeats=ROUNDS, warmup=1)
-    _report(benchmark, "liger LigerFusedLinearGRPOLoss (torch path)", t_ours, t_base,
-            peak_cpu_alloc_bytes(ours), peak_cpu_alloc_bytes(run_liger))  # fmt: skip
+    peaks = (peak_cpu_alloc_bytes(ours), peak_cpu_alloc_bytes(run_liger))
+    baseline = "liger LigerFusedLinearGRPOLoss (torch path)"
+    report_ratios(benchmark, "linear_logprob", SHAPE, baseline, (t_ours, t_base), peaks)

@@ -18,6 +18,7 @@ from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes, repor
 
 TOKENS, D, VOCAB, SEQS = 2048, 256, 32768, 16
 ROUNDS = 3
+SHAPE = f"tokens={TOKENS} d={D} vocab={VOCAB} fp32"
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +47,6 @@ def _policy(lp, kw):
         lp, kw["old_logprob"], kw["advantages"], kw["loss_mask"],
         **{k: v for k, v in kw.items() if k not in ("old_logprob", "advantages", "loss_mask")},
     )[0]  # fmt: skip
-
-
-def _report(benchmark, name, t_ours, t_base, m_ours, m_base):
-    return report_ratios(
-        benchmark,
-        "linear_policy_loss",
-        f"tokens={TOKENS} d={D} vocab={VOCAB} fp32",
-        name,
-        (t_ours, t_base),
-        (m_ours, m_base),
-    )
 
 
 def test_bench_linear_policy_loss(benchmark, inputs):
@@ -91,8 +81,10 @@ def test_bench_linear_policy_loss(benchmark, inputs):
     t_unfused = median_seconds(unfused, repeats=ROUNDS, warmup=1)
     t_naive = median_seconds(naive, repeats=ROUNDS, warmup=1)
     m_ours = peak_cpu_alloc_bytes(ours)
-    _report(benchmark, "linear_logprob + policy_loss", t_ours, t_unfused, m_ours,
-            peak_cpu_alloc_bytes(unfused))  # fmt: skip
-    info = _report(benchmark, "naive (full logits, log_softmax, gather, policy_loss)", t_ours,
-                   t_naive, m_ours, peak_cpu_alloc_bytes(naive))  # fmt: skip
+    op = "linear_policy_loss"
+    peaks = (m_ours, peak_cpu_alloc_bytes(unfused))
+    report_ratios(benchmark, op, SHAPE, "linear_logprob + policy_loss", (t_ours, t_unfused), peaks)
+    peaks = (m_ours, peak_cpu_alloc_bytes(naive))
+    baseline = "naive (full logits, log_softmax, gather, policy_loss)"
+    info = report_ratios(benchmark, op, SHAPE, baseline, (t_ours, t_naive), peaks)
     assert info["mem_ratio"] <= 0.5, info

@@ -110,7 +110,9 @@ def validate_run(cfg: Config, world_size: int) -> None:
 
     model_dir = Path(cfg.model.path or tiny_checkpoint_args(cfg)[0])
     if (model_dir / "config.json").is_file():
-        errs += _context_budget_errors(cfg, model_dir)
+        from paravt.agent.context import context_budget_errors
+
+        errs += context_budget_errors(cfg, model_dir)
     if errs:
         raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
 
@@ -152,51 +154,6 @@ def _attention_errors(cfg: Config, dev: torch.device | None) -> list[str]:
         return [
             f"model.attn_implementation='{attn}' needs the {package} package, which is not "
             f"installed: {install}, or {other}"
-        ]
-    return []
-
-
-def _context_budget_errors(cfg: Config, model_dir: Path) -> list[str]:
-    """K (frames) × visual tokens per frame + generation must fit the context: the model's
-    max_position_embeddings, or with ``rollout.engine=vllm`` the engine's ``max_model_len``
-    (``rollout.vllm_max_model_len``, 0: the model's capped at ``VLLM_DEFAULT_MAX_MODEL_LEN``),
-    which vLLM would otherwise enforce by failing every over-long request mid-run.
-
-    Reads only ``config.json`` (no weights). Visual tokens per frame pair (temporal patch 2)
-    are at most ``overview_max_pixels / (patch · merge)^2``.
-    """
-    import json
-
-    from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
-
-    c = json.loads((model_dir / "config.json").read_text())
-    text = c.get("text_config", c)
-    vis = c.get("vision_config", {})
-    max_pos = int(text.get("max_position_embeddings", 0) or 0)
-    if not max_pos:
-        return []
-    patch = int(vis.get("patch_size", 16))
-    merge = int(vis.get("spatial_merge_size", 2))
-    tpatch = int(vis.get("temporal_patch_size", 2))
-    k_max = max(cfg.video.frame_budgets) if cfg.video.gating else cfg.video.fixed_frames
-    per_frame = cfg.video.overview_max_pixels / float((patch * merge) ** 2) / tpatch
-    visual = int(k_max * per_frame) + 8 * k_max  # + timestamp text per frame
-    from paravt.agent.context import tool_turn_max_tokens
-
-    # Each turn generates at most max_new_tokens (+ its forced prefix, in the 512 margin); each
-    # tool turn appends at most tool_turn_max_tokens, however many calls the model writes.
-    gen = (cfg.agent.max_turns + 1) * cfg.rollout.max_new_tokens + cfg.agent.max_turns * (
-        tool_turn_max_tokens(cfg.agent.max_parallel, cfg.agent.max_tool_response_tokens)
-    )
-    limit, what = max_pos, f"the model's max_position_embeddings={max_pos}"
-    if cfg.rollout.engine == "vllm":
-        limit = cfg.rollout.vllm_max_model_len or min(max_pos, VLLM_DEFAULT_MAX_MODEL_LEN)
-        what = f"vLLM's context (rollout.vllm_max_model_len -> {limit})"
-    if visual + gen + 512 > limit:
-        return [
-            f"frame budget K={k_max} needs about {visual} visual tokens plus up to {gen} "
-            f"generated/tool tokens, over {what}; lower video.frame_budgets / "
-            "video.overview_max_pixels or agent.max_turns"
         ]
     return []
 

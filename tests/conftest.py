@@ -1,4 +1,4 @@
-"""Session-scoped fixtures shared across the suite. Keep this file small.
+"""Fixtures shared across the suite. Keep this file small.
 
 - ``synth_dir``: a small synthetic long-video task (3 videos of 60 s, H.264) generated once.
 - ``assets``: ``{"data", "model"}`` — a 2-video synthetic task (40-50 s) and the tiny
@@ -7,6 +7,9 @@
 - ``make_clip``: ``make_clip(gop=12, codec="h264", fps=4.0, duration=10.0, size=(128, 160))``
   writes (once per parameter set) a real clip whose frames carry their index (read it back
   with ``paravt.data.synth.read_frame_index``) and returns its path as ``str``.
+- ``impl`` (per test, parametrised ``indirect=True`` with ``"torch"`` / ``"triton"`` / …):
+  sets ``PARAVT_IMPL`` for the kernel dispatch, and ``TRITON_INTERPRET=1`` for ``"triton"``
+  (the tests' tensors live on the CPU); returns the name.
 """
 
 from __future__ import annotations
@@ -93,3 +96,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             red=True,
             bold=True,
         )
+
+
+@pytest.fixture
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("PARAVT_IMPL", request.param)
+    if request.param == "triton":  # the tests' tensors live on the CPU: interpret
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param

@@ -270,16 +270,17 @@ def test_fuzz_hostile_turns_never_pass_the_context(make_clip) -> None:
 
 
 def test_the_pre_run_check_counts_the_tool_turn_bound(hf) -> None:
-    """``paravt.train``'s context check counts each tool turn at ``tool_turn_max_tokens``
-    (what the loop enforces), not ``max_parallel`` responses (which 74 calls overran)."""
+    """The pre-run context check (``paravt.agent.context.context_budget_errors``) counts each
+    tool turn at ``tool_turn_max_tokens`` (what the loop enforces), not ``max_parallel``
+    responses (which 74 calls overran)."""
     import re
     from pathlib import Path
 
-    from paravt.train import _context_budget_errors
+    from paravt.agent.context import context_budget_errors
 
     cfg = _cfg(**{"agent.max_turns": 2, "rollout.max_new_tokens": 224,
                   "agent.max_tool_response_tokens": 104, "rollout.engine": "vllm",
                   "rollout.vllm_max_model_len": 64})  # fmt: skip
-    (err,) = _context_budget_errors(cfg, Path(hf.path))
+    (err,) = context_budget_errors(cfg, Path(hf.path))
     gen = int(re.search(r"plus up to (\d+) generated/tool tokens", err).group(1))
     assert gen == 3 * 224 + 2 * tool_turn_max_tokens(5, 104) == 2176

@@ -15,8 +15,8 @@ from paravt.config import load_config
 from paravt.eval.benchmarks import BENCHMARKS, load_benchmark
 from paravt.eval.runner import EvalSettings, run_eval
 from paravt.models import load_model
-from paravt.rollout.__main__ import OracleMainEngine
 from paravt.rollout.engine import GenerationResult
+from paravt.rollout.oracle import OracleMainEngine
 
 CROP = '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": 1, "end_time": 5}}\n</tool_call>'
 BAD_JSON = "<tool_call>\n{not json\n</tool_call>"

@@ -21,14 +21,6 @@ IMPLS = [
 ]
 
 
-@pytest.fixture
-def impl(request, monkeypatch):
-    monkeypatch.setenv("PARAVT_IMPL", request.param)
-    if request.param == "triton":  # the tests' tensors live on the CPU: interpret
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return request.param
-
-
 def _loop_oracle(rewards, groups, normalize_std, eps, scale, bias):
     """verl-style: a Python loop over groups; unbiased std as torch.std (TRL)."""
     out = torch.zeros(len(rewards), dtype=torch.float64)

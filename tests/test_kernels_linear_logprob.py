@@ -23,14 +23,6 @@ IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
 SHAPES = [(1, 59, 333), (7, 111, 1000), (83, 256, 2049), (1031, 59, 5000)]
 
 
-@pytest.fixture
-def impl(request, monkeypatch):
-    monkeypatch.setenv("PARAVT_IMPL", request.param)
-    if request.param == "triton":  # the tests' tensors live on the CPU: interpret
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return request.param
-
-
 def _naive(h, w, t, b, temperature, ignore_index=-100):
     """The formulation users know, with autograd: (logprob, entropy) (N,)."""
     z = h @ w.T

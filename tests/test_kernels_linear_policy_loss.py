@@ -27,14 +27,6 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))]  # fmt: skip
 
 
-@pytest.fixture
-def impl(request, monkeypatch):
-    monkeypatch.setenv("PARAVT_IMPL", request.param)
-    if request.param == "triton":  # the tests' tensors live on the CPU: interpret
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return request.param
-
-
 # Configurations of the policy loss; "lengths" are the cu_seqlens sequences (0 = an empty one,
 # as the trainer produces when it gathers only the trained rows of each sequence).
 CONFIGS = {

@@ -25,14 +25,6 @@ LENGTHS = [[1], [7], [3, 1, 79], [5, 1000, 2, 40]]
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
-@pytest.fixture
-def impl(request, monkeypatch):
-    monkeypatch.setenv("PARAVT_IMPL", request.param)
-    if request.param == "triton":  # the tests' tensors live on the CPU: interpret
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return request.param
-
-
 def _batch(lengths, seed=0, mask_kind="random"):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from paravt.answers import options_from_question
 from paravt.config import RewardConfig
 from paravt.rewards import (
     accuracy,
@@ -19,7 +20,7 @@ from paravt.rewards import (
     temporal_iou,
     token_f1,
 )
-from paravt.rewards.accuracy import options_from_question, sample_options
+from paravt.rewards.accuracy import sample_options
 from paravt.types import Group, Sample, ToolCall, Trajectory, Turn
 
 OPTS = ["A. blue circle", "B. red square", "C. green triangle", "D. yellow star"]

@@ -378,8 +378,8 @@ def test_eval_folder_renders(assets, browser, tmp_path) -> None:
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import EvalSettings, run_eval
     from paravt.models import load_model
-    from paravt.rollout.__main__ import OracleMainEngine, load_oracle
     from paravt.rollout.hf import HFEngine
+    from paravt.rollout.oracle import OracleMainEngine, load_oracle
 
     task = tmp_path / "task"
     task.mkdir()

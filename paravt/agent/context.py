@@ -35,9 +35,11 @@ agent loop checks every trajectory it returns).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -283,36 +285,32 @@ def header(role: str) -> str:
     return f"{prompts.IM_START}{role}\n"
 
 
+def _prompt(text: TextCache, system: str, clip: Clip, user_text: str) -> Context:
+    """``system`` as the system turn, then a user turn of ``clip`` and ``user_text`` (plain
+    text), up to and including ``<|im_start|>assistant\\n``: the layout both roles share."""
+    ctx = Context(control_ids=text.control_ids)
+    ctx.add_markup(
+        text.markup(header("system") + system + prompts.IM_END + "\n") + text.markup(header("user"))
+    )
+    ctx.add_clip(clip)
+    ctx.add_markup(text.markup("\n"))
+    ctx.add_text(text.plain(user_text))
+    ctx.add_markup(text.markup(prompts.IM_END + "\n" + header("assistant")))
+    return ctx
+
+
 def main_prompt(text: TextCache, overview: Clip, question: str, max_parallel: int) -> Context:
     """The main agent's prompt up to and including ``<|im_start|>assistant\\n``.
 
     ``question`` (``prompts.question_text``: data) is tokenised as plain text."""
-    ctx = Context(control_ids=text.control_ids)
-    ctx.add_markup(
-        text.markup(header("system") + prompts.system_prompt(max_parallel) + prompts.IM_END + "\n")
-        + text.markup(header("user"))
-    )
-    ctx.add_clip(overview)
-    ctx.add_markup(text.markup("\n"))
-    ctx.add_text(text.plain(question))
-    ctx.add_markup(text.markup(prompts.IM_END + "\n" + header("assistant")))
-    return ctx
+    return _prompt(text, prompts.system_prompt(max_parallel), overview, question)
 
 
 def sub_prompt(text: TextCache, crop: Clip, instruction: str) -> Context:
     """A sub-agent's prompt up to and including ``<|im_start|>assistant\\n``.
 
     ``instruction`` (``prompts.sub_user_text``: may quote the question) is plain text."""
-    ctx = Context(control_ids=text.control_ids)
-    ctx.add_markup(
-        text.markup(header("system") + prompts.sub_system_prompt() + prompts.IM_END + "\n")
-        + text.markup(header("user"))
-    )
-    ctx.add_clip(crop)
-    ctx.add_markup(text.markup("\n"))
-    ctx.add_text(text.plain(instruction))
-    ctx.add_markup(text.markup(prompts.IM_END + "\n" + header("assistant")))
-    return ctx
+    return _prompt(text, prompts.sub_system_prompt(), crop, instruction)
 
 
 TRUNCATED = " [truncated]"
@@ -337,13 +335,55 @@ def tool_turn_max_tokens(max_parallel: int, max_tool_response_tokens: int) -> in
         (max_parallel + 1) · (max_tool_response_tokens + RESPONSE_MARKUP_TOKENS)
             + TURN_MARKUP_TOKENS
 
-    This is the tool term of the pre-run context check (``paravt.train``); the agent loop
-    enforces it on every turn. With ``agent.crop_mode=frames`` each response also holds its
-    crop's visual tokens, which this bound does not count.
+    This is the tool term of the pre-run context check (:func:`context_budget_errors`); the
+    agent loop enforces it on every turn. With ``agent.crop_mode=frames`` each response also
+    holds its crop's visual tokens, which this bound does not count.
     """
     return (max_parallel + 1) * (
         max_tool_response_tokens + RESPONSE_MARKUP_TOKENS
     ) + TURN_MARKUP_TOKENS
+
+
+def context_budget_errors(cfg: Any, model_dir: Path) -> list[str]:
+    """K (frames) × visual tokens per frame + generation must fit the context: the model's
+    max_position_embeddings, or with ``rollout.engine=vllm`` the engine's ``max_model_len``
+    (``rollout.vllm_max_model_len``, 0: the model's capped at ``VLLM_DEFAULT_MAX_MODEL_LEN``),
+    which vLLM would otherwise enforce by failing every over-long request mid-run.
+
+    Reads only ``config.json`` (no weights). Visual tokens per frame pair (temporal patch 2)
+    are at most ``overview_max_pixels / (patch · merge)^2``. Checked before anything loads by
+    ``paravt.train.validate_run`` and, at K = ``--frames``, by ``python -m paravt.eval``.
+    """
+    from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
+
+    c = json.loads((model_dir / "config.json").read_text())
+    text = c.get("text_config", c)
+    vis = c.get("vision_config", {})
+    max_pos = int(text.get("max_position_embeddings", 0) or 0)
+    if not max_pos:
+        return []
+    patch = int(vis.get("patch_size", 16))
+    merge = int(vis.get("spatial_merge_size", 2))
+    tpatch = int(vis.get("temporal_patch_size", 2))
+    k_max = max(cfg.video.frame_budgets) if cfg.video.gating else cfg.video.fixed_frames
+    per_frame = cfg.video.overview_max_pixels / float((patch * merge) ** 2) / tpatch
+    visual = int(k_max * per_frame) + 8 * k_max  # + timestamp text per frame
+    # Each turn generates at most max_new_tokens (+ its forced prefix, in the 512 margin); each
+    # tool turn appends at most tool_turn_max_tokens, however many calls the model writes.
+    gen = (cfg.agent.max_turns + 1) * cfg.rollout.max_new_tokens + cfg.agent.max_turns * (
+        tool_turn_max_tokens(cfg.agent.max_parallel, cfg.agent.max_tool_response_tokens)
+    )
+    limit, what = max_pos, f"the model's max_position_embeddings={max_pos}"
+    if cfg.rollout.engine == "vllm":
+        limit = cfg.rollout.vllm_max_model_len or min(max_pos, VLLM_DEFAULT_MAX_MODEL_LEN)
+        what = f"vLLM's context (rollout.vllm_max_model_len -> {limit})"
+    if visual + gen + 512 > limit:
+        return [
+            f"frame budget K={k_max} needs about {visual} visual tokens plus up to {gen} "
+            f"generated/tool tokens, over {what}; lower video.frame_budgets / "
+            "video.overview_max_pixels or agent.max_turns"
+        ]
+    return []
 
 
 def markup_fits(text: TextCache) -> str:

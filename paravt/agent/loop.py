@@ -160,22 +160,15 @@ class AgentRunner:
             self._metas[video] = m
         return m
 
-    def _main_sampling(self, seed: int) -> SamplingParams:
+    def _sampling(self, seed: int, *, sub: bool = False) -> SamplingParams:
+        """A main agent's (``rollout.temperature``, ``rollout.max_new_tokens``) or, with
+        ``sub``, a sub-agent's (``rollout.sub_temperature``, ``rollout.sub_max_new_tokens``)
+        sampling; both share ``rollout.top_p`` and the end-of-turn stop tokens."""
         r = self.cfg.rollout
         return SamplingParams(
-            temperature=r.temperature,
+            temperature=r.sub_temperature if sub else r.temperature,
             top_p=r.top_p,
-            max_new_tokens=r.max_new_tokens,
-            stop_token_ids=self.stop_ids,
-            seed=seed,
-        )
-
-    def _sub_sampling(self, seed: int) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            temperature=r.sub_temperature,
-            top_p=r.top_p,
-            max_new_tokens=r.sub_max_new_tokens,
+            max_new_tokens=r.sub_max_new_tokens if sub else r.max_new_tokens,
             stop_token_ids=self.stop_ids,
             seed=seed,
         )
@@ -353,7 +346,7 @@ class AgentRunner:
           accuracy rewards score it as unanswered).
         """
         acfg = self.cfg.agent
-        sampling = self._main_sampling(stable_seed(seed, e.uid, turn))
+        sampling = self._sampling(stable_seed(seed, e.uid, turn))
         forced = turn == acfg.max_turns
         prefix = acfg.think_prefix + (acfg.force_answer_text if forced else "")
         limit = context_limit(self.engine)
@@ -488,7 +481,9 @@ class AgentRunner:
 
         reqs = [
             ctx.request(
-                self._sub_sampling(stable_seed(seed, jobs[i][0].uid, turn, jobs[i][1], "sub")),
+                self._sampling(
+                    stable_seed(seed, jobs[i][0].uid, turn, jobs[i][1], "sub"), sub=True
+                ),
                 f"{jobs[i][0].uid}:t{turn}:c{jobs[i][1]}",
             )
             for i, ctx, _ in sub_ctx

@@ -99,19 +99,6 @@ LogprobFn = Callable[
 ]
 
 
-def _mm_types(traj: Trajectory) -> list[int]:
-    mm = traj.extras.get("mm_token_type_ids")
-    if mm is None:
-        return [0] * len(traj.tokens)
-    mm = list(mm.tolist() if torch.is_tensor(mm) else mm)
-    if len(mm) != len(traj.tokens):
-        raise ValueError(
-            f"trajectory {traj.uid}: extras['mm_token_type_ids'] has {len(mm)} entries for "
-            f"{len(traj.tokens)} tokens; the rollout must keep them aligned"
-        )
-    return mm
-
-
 def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
     """Pack units (main + sub rows) into one padding-free batch.
 
@@ -121,6 +108,8 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
     own sampling parameters (a sub-agent's may differ from its parent's).
     """
     from paravt_kernels import broadcast_to_tokens
+
+    from paravt.vision.preprocess import mm_token_types
 
     seqs: list[Trajectory] = []
     values: list[float] = []
@@ -148,6 +137,13 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
         total_tokens=n,
     )
     cat_i = [x for t in seqs for x in t.tokens]
+    mm = [
+        x
+        for t in seqs
+        for x in mm_token_types(
+            t.extras.get("mm_token_type_ids"), t.tokens, who=f"trajectory {t.uid}"
+        )
+    ]
     return PackedBatch(
         input_ids=torch.tensor(cat_i, dtype=torch.int64),
         cu_seqlens=cu,
@@ -160,9 +156,7 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
         uids=[t.uid for t in seqs],
         visuals=[t.visuals for t in seqs],
         extras={
-            "mm_token_type_ids": torch.tensor(
-                [x for t in seqs for x in _mm_types(t)], dtype=torch.int64
-            ),
+            "mm_token_type_ids": torch.tensor(mm, dtype=torch.int64),
             "parent_index": torch.tensor(parents, dtype=torch.int64),
             "roles": [t.role for t in seqs],
         },

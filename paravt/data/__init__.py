@@ -6,13 +6,25 @@ import its own module twice (runpy warns when a package's ``__init__`` pre-impor
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from paravt.data.readers import DatasetError, load_samples, read_samples
 
 _SYNTH = ("generate", "read_frame_index", "write_index_clip", "write_video")
 
-__all__ = ["DatasetError", "load_samples", "read_samples", *_SYNTH]
+__all__ = ["DatasetError", "load_samples", "read_samples", "resolve_data", *_SYNTH]
+
+
+def resolve_data(cfg: Any) -> Path:
+    """The dataset location of ``cfg`` (a ``paravt.config.Config``): ``data.path``, or the
+    synthetic task (generated into ``data.synth_dir`` if absent). Used by
+    ``python -m paravt.rollout`` and ``python -m paravt.eval --benchmark synth``."""
+    if cfg.data.path:
+        return Path(cfg.data.path)
+    from paravt.data.synth import generate_from_config
+
+    return generate_from_config(cfg)
 
 
 def __getattr__(name: str) -> Any:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from paravt.rewards.accuracy import parse_window
+from paravt.answers import parse_window
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.data")
@@ -141,8 +141,9 @@ def _float_or_none(v: Any, where: str, key: str) -> float | None:
     return x
 
 
-def _found(v: Any) -> str:
-    """What a wrong-typed value was, for messages: ``int 5``, ``str 'RED'``, ``null``."""
+def describe_value(v: Any) -> str:
+    """What a wrong-typed value was, for messages: ``int 5``, ``str 'RED'``, ``null`` (also
+    ``paravt.eval.benchmarks``' messages)."""
     if v is None:
         return "null"
     r = repr(v)
@@ -150,7 +151,7 @@ def _found(v: Any) -> str:
 
 
 def _wrong(where: str, key: str, v: Any, expected: str) -> DatasetError:
-    return DatasetError(f"{where}: '{key}' is {_found(v)}, expected {expected}")
+    return DatasetError(f"{where}: '{key}' is {describe_value(v)}, expected {expected}")
 
 
 def _text(row: dict, where: str, key: str, what: str) -> str:
@@ -183,7 +184,8 @@ def _json_field(v: Any, where: str, key: str, expected: str) -> Any:
         return json.loads(v)
     except json.JSONDecodeError as e:
         raise DatasetError(
-            f"{where}: '{key}' is not valid JSON ({e.msg}): {_found(v)}; expected {expected}"
+            f"{where}: '{key}' is not valid JSON ({e.msg}): {describe_value(v)}; "
+            f"expected {expected}"
         ) from None
 
 

@@ -93,9 +93,9 @@ def sampling_errors(cfg: Config) -> list[str]:
 
 def frames_errors(cfg: Config, frames: int, model_path: str) -> list[str]:
     """``--frames`` against the model's context: the training check
-    (:func:`paravt.train._context_budget_errors`, the engine's ``max_model_len`` included)
-    with K = ``frames``, run before anything loads."""
-    from paravt.train import _context_budget_errors
+    (:func:`paravt.agent.context.context_budget_errors`, the engine's ``max_model_len``
+    included) with K = ``frames``, run before anything loads."""
+    from paravt.agent.context import context_budget_errors
 
     if not (Path(model_path) / "config.json").is_file():
         return []
@@ -105,7 +105,7 @@ def frames_errors(cfg: Config, frames: int, model_path: str) -> list[str]:
     return [
         f"--frames {frames} does not fit the context of {model_path}: {e} (for an evaluation: "
         "lower --frames)"
-        for e in _context_budget_errors(at_k, Path(model_path))
+        for e in context_budget_errors(at_k, Path(model_path))
     ]
 
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if not data_root:
             if a.benchmark != "synth":
                 raise ConfigError(f"--data-root is required for --benchmark {a.benchmark}")
-            from paravt.rollout.__main__ import resolve_data
+            from paravt.data import resolve_data
 
             data_root = str(resolve_data(cfg))
         if not Path(data_root).is_dir():
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_fingerprint,
     )
     from paravt.models import load_model_from_config
-    from paravt.rollout.__main__ import make_engine
+    from paravt.rollout import make_engine
 
     try:
         samples = load_benchmark(a.benchmark, data_root, limit=a.limit)

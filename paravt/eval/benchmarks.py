@@ -81,8 +81,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.data.readers import DatasetError, read_samples
-from paravt.rewards.accuracy import _option_text
+from paravt.answers import option_text
+from paravt.data.readers import DatasetError, describe_value, read_samples
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.eval")
@@ -148,13 +148,6 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _found(v: Any) -> str:
-    if v is None:
-        return "null"
-    r = repr(v)
-    return f"{type(v).__name__} {r if len(r) <= 80 else r[:77] + '...'}"
-
-
 class _File:
     """One annotation file: where it is, what it should be, and how to name its rows."""
 
@@ -183,7 +176,7 @@ class _File:
             v = v.tolist()
         check, expected = _KINDS[kind]
         if not check(v):
-            raise self.error(i, key, f"is {_found(v)}, expected {expected}", rid)
+            raise self.error(i, key, f"is {describe_value(v)}, expected {expected}", rid)
         return v
 
     def optional(self, row: dict, i: int, key: str, kind: str, rid: Any = None) -> Any:
@@ -237,7 +230,7 @@ def _json_rows(f: _File) -> list[dict]:
         )
     for i, row in enumerate(data):
         if not isinstance(row, dict):
-            raise f.error(i, None, f"is {_found(row)}, expected a JSON object")
+            raise f.error(i, None, f"is {describe_value(row)}, expected a JSON object")
     return data
 
 
@@ -289,7 +282,7 @@ def _split_embedded(question: str) -> tuple[str, list[str], str] | None:
     ``(stem, option texts, text after the options)``. The options are the last run of lines
     lettered A, B, C... in order (at least two); None when there is no such run."""
     lines = question.split("\n")
-    letters = [_option_text(line)[0] for line in lines]
+    letters = [option_text(line)[0] for line in lines]
     best: tuple[int, int] | None = None
     k = 0
     while k < len(lines):
@@ -302,7 +295,7 @@ def _split_embedded(question: str) -> tuple[str, list[str], str] | None:
     if best is None:
         return None
     k, end = best
-    texts = [_option_text(line)[1] for line in lines[k:end]]
+    texts = [option_text(line)[1] for line in lines[k:end]]
     return "\n".join(lines[:k]).strip(), texts, "\n".join(lines[end:]).strip()
 
 
@@ -404,7 +397,7 @@ def _unprefixed(f: _File, i: int, j: int, option: str, rid: Any) -> str:
     """Text of Video-MME option ``j`` without its own ``"A. "`` prefix (which must be the
     letter of its position: the answer letter refers to it)."""
     expected = string.ascii_uppercase[j]
-    letter, text = _option_text(option)
+    letter, text = option_text(option)
     if letter is None and re.fullmatch(r"\(?[A-Z][.:)]?", text):
         letter, text = text.strip("(.:)"), ""
     if letter is not None and letter != expected:
@@ -455,7 +448,7 @@ def _lvb_options(f: _File, i: int, raw: list[tuple[str, Any]], rid: Any) -> list
     gap = None
     for key, v in raw:
         if not isinstance(v, str):
-            raise f.error(i, key, f"is {_found(v)}, expected a string", rid)
+            raise f.error(i, key, f"is {describe_value(v)}, expected a string", rid)
         used = v.strip() not in ("", "N/A")
         if used and gap is not None:
             raise f.error(
@@ -649,7 +642,7 @@ def _mmvu(root: Path, bench: str) -> list[Sample]:
             raise f.error(
                 i,
                 "metadata.subject",
-                f"is {_found(subject)}, expected a subject name such as 'Chemistry'",
+                f"is {describe_value(subject)}, expected a subject name such as 'Chemistry'",
                 rid,
             )
         question = f.get(row, i, "question", "str", rid).strip()
@@ -664,7 +657,7 @@ def _mmvu(root: Path, bench: str) -> list[Sample]:
                     raise f.error(
                         i,
                         f"choices.{key}",
-                        f"is {_found(v)}; expected string choices keyed A, B, C, ...",
+                        f"is {describe_value(v)}; expected string choices keyed A, B, C, ...",
                         rid,
                     )
                 if v.strip() and len(texts) < j:
@@ -745,7 +738,7 @@ def _synth(root: Path, bench: str) -> list[Sample]:
         s.video = str(root / _relative(f, line, "video", row["video"], s.id))
         if s.question_type == "mcq":
             split = _split_embedded(s.question)
-            texts = [_option_text(o)[1] for o in s.options] or (split[1] if split else [])
+            texts = [option_text(o)[1] for o in s.options] or (split[1] if split else [])
             if len(texts) < 2:
                 raise f.error(line, "options", f"is {s.options!r}, expected >= 2 options", s.id)
             s.answer = _letter_answer(f, line, s.answer, len(texts), s.id)

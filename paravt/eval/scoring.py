@@ -22,7 +22,7 @@ Where this departs from the reference evaluations (``shared/research/benchmarks.
   ones (a heuristic: see :class:`RuleJudge`);
 * MLVU's headline is M-Avg, the mean of per-task accuracies (§4.3), not micro accuracy;
 * LVBench rows count once in every category of their multi-label ``question_type`` (§3.3);
-* a letter is read by :func:`paravt.rewards.accuracy.extract_choice`, which does not take the
+* a letter is read by :func:`paravt.answers.extract_choice`, which does not take the
   article "A" for a choice (the reference's ``\\b([A-J])\\b`` did, §7.5).
 """
 
@@ -35,14 +35,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from paravt.answers import extract_answer, extract_choice, normalize_text, parse_window
 from paravt.rewards.accuracy import (
     exact_match,
-    extract_answer,
-    extract_choice,
     gold_choice,
     gold_window,
-    normalize_text,
-    parse_window,
     sample_options,
     temporal_iou,
     token_f1,

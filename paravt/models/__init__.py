@@ -7,7 +7,12 @@ from paravt.models.loader import (
     load_model_from_config,
     vision_spec_from_dir,
 )
-from paravt.models.tiny import build_tiny_checkpoint, build_tiny_tokenizer, tiny_checkpoint_args
+from paravt.models.tiny import (
+    build_tiny_checkpoint,
+    build_tiny_tokenizer,
+    resolve_model,
+    tiny_checkpoint_args,
+)
 
 __all__ = [
     "ModelBundle",
@@ -16,6 +21,7 @@ __all__ = [
     "build_tiny_tokenizer",
     "load_model",
     "load_model_from_config",
+    "resolve_model",
     "tiny_checkpoint_args",
     "vision_spec_from_dir",
 ]

@@ -502,3 +502,19 @@ def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
     )
     d = str(cfg.model.tiny_dir)
     return (d if hd == TINY_TEXT["head_dim"] else f"{d.rstrip('/')}-hd{hd}"), hd
+
+
+def resolve_model(cfg: Any, path: str = "") -> Any:
+    """Load ``path`` (a model or paravt checkpoint directory) with ``cfg.model``'s settings, or,
+    when it is empty, the tiny offline model (built into ``model.tiny_dir`` if absent). Returns
+    a ``paravt.models.ModelBundle``. Used by ``python -m paravt.rollout``."""
+    from paravt.models.loader import load_model_from_config
+
+    if not path:
+        tiny_dir, head_dim = tiny_checkpoint_args(cfg)
+        path = str(
+            build_tiny_checkpoint(
+                tiny_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
+            )
+        )
+    return load_model_from_config(path, cfg.model)

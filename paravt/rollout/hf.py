@@ -35,7 +35,7 @@ import torch
 from paravt.models.loader import ModelBundle
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
-from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens
+from paravt.vision.preprocess import check_visual_tokens, mm_token_types
 
 # Tokens decoded to look for a stop string: enough to span any stop string the agent uses
 # (``</tool_call>``-length) even when byte-level tokens are single characters.
@@ -209,21 +209,6 @@ class HFEngine:
         return results  # type: ignore[return-value]
 
     # ---------------------------------------------------------------------------- internal
-    def _mm_types(self, r: GenerationRequest) -> list[int]:
-        mm = r.extras.get("mm_token_type_ids")
-        if mm is None:
-            sp = self.bundle.special
-            mm = [
-                MM_VIDEO if t == sp.video_pad else MM_IMAGE if t == sp.image_pad else 0
-                for t in r.prompt_ids
-            ]
-        if len(mm) != len(r.prompt_ids):
-            raise ValueError(
-                f"request {r.request_id!r}: mm_token_type_ids ({len(mm)}) and prompt_ids "
-                f"({len(r.prompt_ids)}) differ in length"
-            )
-        return list(mm)
-
     def _prefill_inputs(self, reqs: list[GenerationRequest]) -> dict[str, Any]:
         """Left-padded batch: ids, mask, (4, B, L) positions, concatenated visual inputs."""
         model, sp = self.model, self.bundle.special
@@ -237,7 +222,9 @@ class HFEngine:
         images: list[VisualInputs] = []
         for b, r in enumerate(reqs):
             n = len(r.prompt_ids)
-            types = self._mm_types(r)
+            types = mm_token_types(
+                r.extras.get("mm_token_type_ids"), r.prompt_ids, sp, who=f"request {r.request_id!r}"
+            )
             check_visual_tokens(types, r.visuals, _merge_size(model))
             ids[b, L - n :] = torch.tensor(r.prompt_ids, dtype=torch.long)
             mask[b, L - n :] = 1

@@ -64,7 +64,12 @@ from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.models.loader import ModelBundle
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
-from paravt.vision.preprocess import MM_IMAGE, MM_VIDEO, check_visual_tokens, patch_timestamps
+from paravt.vision.preprocess import (
+    MM_VIDEO,
+    check_visual_tokens,
+    mm_token_types,
+    patch_timestamps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -437,17 +442,9 @@ class VLLMEngine:
         (timestamps, grid) or when the visuals lack the source frames vLLM needs.
         """
         sp = self.special
-        mm = r.extras.get("mm_token_type_ids")
-        if mm is None:
-            mm = [
-                MM_VIDEO if t == sp.video_pad else MM_IMAGE if t == sp.image_pad else 0
-                for t in r.prompt_ids
-            ]
-        if len(mm) != len(r.prompt_ids):
-            raise ValueError(
-                f"request {r.request_id!r}: mm_token_type_ids ({len(mm)}) and prompt_ids "
-                f"({len(r.prompt_ids)}) differ in length"
-            )
+        mm = mm_token_types(
+            r.extras.get("mm_token_type_ids"), r.prompt_ids, sp, who=f"request {r.request_id!r}"
+        )
         v = r.visuals
         merge = self.bundle.vision.merge_size
         check_visual_tokens(mm, v, merge)

@@ -233,6 +233,40 @@ def check_visual_tokens(
         )
 
 
+def mm_token_types(
+    mm_token_type_ids: Sequence[int] | torch.Tensor | None,
+    token_ids: Sequence[int],
+    special: Any = None,
+    *,
+    who: str,
+) -> list[int]:
+    """The ``mm_token_type_ids`` of ``token_ids``, one per token (``MM_TEXT``, ``MM_IMAGE``,
+    ``MM_VIDEO``), as a list of ints.
+
+    The given ones when there are (a list or a tensor); else derived from the placeholder
+    tokens of ``special`` (a ``paravt.models.SpecialTokens``: ``video_pad`` is ``MM_VIDEO``,
+    ``image_pad`` ``MM_IMAGE``), or all ``MM_TEXT`` without it. ``ValueError`` naming ``who``
+    when the given ones are not one per token. The one place they are read from a request or a
+    trajectory: ``HFEngine`` and ``VLLMEngine`` (a request's ``extras``, ``special``: the
+    model's) and ``paravt.algo.packing.pack_units`` (a trajectory's ``extras``).
+    """
+    mm = mm_token_type_ids
+    if mm is None:
+        if special is None:
+            return [MM_TEXT] * len(token_ids)
+        return [
+            MM_VIDEO if t == special.video_pad else MM_IMAGE if t == special.image_pad else MM_TEXT
+            for t in token_ids
+        ]
+    mm = list(mm.tolist() if torch.is_tensor(mm) else mm)
+    if len(mm) != len(token_ids):
+        raise ValueError(
+            f"{who}: mm_token_type_ids ({len(mm)}) and token ids ({len(token_ids)}) differ in "
+            "length; the rollout must keep them aligned"
+        )
+    return mm
+
+
 def build_model_inputs(
     token_ids: Sequence[int],
     mm_token_type_ids: Sequence[int],
