@@ -1,7 +1,8 @@
 """paravt_kernels: fused ops for the PARA-GRPO loss (group advantage, lm-head log-prob, PPO loss).
 
 Public API (all importable without Triton; ``PARAVT_IMPL=auto|torch|triton`` picks the
-implementation per call, see ``dispatch.py``)::
+implementation per call, see ``dispatch.py``, the dispatch point of every paravt fast op;
+the loss options are one record, ``PolicyLossOptions``, see ``options.py``)::
 
     from paravt_kernels import group_advantage, broadcast_to_tokens, linear_logprob, policy_loss
 

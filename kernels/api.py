@@ -6,19 +6,15 @@ import torch
 
 from . import ops as _ops
 from .dispatch import resolve_impl
-from .reference import (
-    AGG_MODES,
-    KL_TYPES,
-    LINEAR_POLICY_STAT_NAMES,
-    POLICY_STAT_NAMES,
-    broadcast_to_tokens,
-)
+from .options import AGG_MODES, KL_TYPES, PolicyLossOptions
+from .reference import LINEAR_POLICY_STAT_NAMES, POLICY_STAT_NAMES, broadcast_to_tokens
 
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
     "LINEAR_POLICY_STAT_NAMES",
     "POLICY_STAT_NAMES",
+    "PolicyLossOptions",
     "broadcast_to_tokens",
     "group_advantage",
     "linear_logprob",
@@ -35,6 +31,20 @@ def _check_1d(name: str, t: torch.Tensor, n: int | None = None, like: str = "") 
         raise ValueError(
             f"{name} has {t.numel()} elements but {like} has {n}: all per-token inputs must be "
             "packed over the same tokens"
+        )
+
+
+def _check_lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """hidden ``(n, d)`` and an lm_head weight ``(V, d)``."""
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D: "
+            "hidden (tokens, d), weight (vocab, d); flatten packed/batched hidden states first"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden has d={hidden.shape[1]} but weight has d={weight.shape[1]}: weight must be "
+            "(vocab, d) as nn.Linear stores it (not its transpose)"
         )
 
 
@@ -93,16 +103,7 @@ def linear_logprob(
     gradients are 0 (a token the loss masks) contributes nothing even when its hidden state
     holds NaN/inf (zeroed in the backward; else ``0 * NaN`` reaches every row of dW).
     """
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D: "
-            "hidden (tokens, d), weight (vocab, d); flatten packed/batched hidden states first"
-        )
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden has d={hidden.shape[1]} but weight has d={weight.shape[1]}: weight must be "
-            "(vocab, d) as nn.Linear stores it (not its transpose)"
-        )
+    _check_lm_head(hidden, weight)
     _check_1d("targets", targets, hidden.shape[0], "hidden")
     if targets.is_floating_point():
         raise TypeError(f"targets has dtype {targets.dtype}: expected token ids (int)")
@@ -124,6 +125,7 @@ def linear_logprob(
 
 
 def _check_policy_inputs(
+    fn: str,
     n: int,
     like: str,
     old_logprob: torch.Tensor,
@@ -131,18 +133,14 @@ def _check_policy_inputs(
     loss_mask: torch.Tensor,
     ref_logprob: torch.Tensor | None,
     prox_logprob: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
-    agg: str,
     cu_seqlens: torch.Tensor | None,
     seq_weights: torch.Tensor | None,
-) -> None:
+    options: PolicyLossOptions | None,
+    knobs: dict,
+) -> PolicyLossOptions:
     """The checks shared by ``policy_loss`` and ``linear_policy_loss`` (``like``: the input
-    whose length ``n`` the per-token inputs must match)."""
+    whose length ``n`` the per-token inputs must match); returns the call's options record
+    (``options`` with the fields named in ``knobs`` replaced, checked on construction)."""
     for name, t in (
         ("old_logprob", old_logprob),
         ("advantages", advantages),
@@ -152,24 +150,17 @@ def _check_policy_inputs(
     for name, t in (("ref_logprob", ref_logprob), ("prox_logprob", prox_logprob)):
         if t is not None:
             _check_1d(name, t, n, like)
-    if kl_type not in KL_TYPES:
-        raise ValueError(f"kl_type='{kl_type}' is not one of {'|'.join(KL_TYPES)}")
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg='{agg}' is not one of {'|'.join(AGG_MODES)}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None to disable)")
-    if behav_cap is not None and not behav_cap > 0:
-        raise ValueError(f"behav_cap={behav_cap} must be > 0 (or None to disable)")
-    if behav_cap is not None and prox_logprob is None:
+    opts = PolicyLossOptions.build(fn, options, knobs)
+    if opts.behav_cap is not None and prox_logprob is None:
         raise ValueError(
-            f"behav_cap={behav_cap} caps the behaviour weight exp(prox - old) of the decoupled "
-            "objective: pass prox_logprob (N,) or set behav_cap=None"
+            f"behav_cap={opts.behav_cap} caps the behaviour weight exp(prox - old) of the "
+            "decoupled objective: pass prox_logprob (N,) or set behav_cap=None"
         )
-    if kl_coef != 0.0 and ref_logprob is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprob (N,); pass it or set kl_coef=0")
-    if cu_seqlens is None and (agg != "token-mean" or seq_weights is not None):
+    if opts.kl_coef != 0.0 and ref_logprob is None:
+        raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprob (N,); pass it or set kl_coef=0")
+    if cu_seqlens is None and (opts.agg != "token-mean" or seq_weights is not None):
         raise ValueError(
-            f"agg='{agg}'{' with seq_weights' if seq_weights is not None else ''} needs "
+            f"agg='{opts.agg}'{' with seq_weights' if seq_weights is not None else ''} needs "
             "cu_seqlens (B+1,) to find sequence boundaries"
         )
     if cu_seqlens is not None:
@@ -180,6 +171,11 @@ def _check_policy_inputs(
                 f"seq_weights has {seq_weights.numel()} entries but cu_seqlens describes "
                 f"{cu_seqlens.numel() - 1} sequences"
             )
+    return opts
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def policy_loss(
@@ -190,19 +186,18 @@ def policy_loss(
     *,
     ref_logprob: torch.Tensor | None = None,
     prox_logprob: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    behav_cap: float | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
-    agg: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     seq_weights: torch.Tensor | None = None,
+    options: PolicyLossOptions | None = None,
+    **knobs: float | str | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate + KL to a reference, fused forward and backward.
 
-    All per-token inputs are packed ``(N,)``; ``loss_mask`` is float (a weight) or bool.
+    The loss options are the fields of ``PolicyLossOptions``, passed by keyword (``clip_low=0.2,
+    clip_high=0.2, dual_clip=None, behav_cap=None, kl_coef=0.0, kl_type="k3",
+    agg="token-mean"``: the defaults), as a record (``options=``), or both (the keywords
+    replace the record's fields). All per-token inputs are packed ``(N,)``; ``loss_mask`` is
+    float (a weight) or bool.
     With ``base = prox_logprob`` if given else ``old_logprob`` and ``r = exp(logprob - base)``:
 
         l_t = w_b * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   [dual clip: where A < 0,
@@ -231,22 +226,18 @@ def policy_loss(
     """
     n = logprob.numel()
     _check_1d("logprob", logprob)
-    _check_policy_inputs(
-        n, "logprob", old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, clip_low,
-        clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, cu_seqlens, seq_weights,
+    opts = _check_policy_inputs(
+        "policy_loss", n, "logprob", old_logprob, advantages, loss_mask, ref_logprob,
+        prox_logprob, cu_seqlens, seq_weights, options, knobs,
     )  # fmt: skip
     mask = loss_mask.float() if loss_mask.dtype == torch.bool else loss_mask
     impl = resolve_impl(logprob.device, "policy_loss")
-
-    def c(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.contiguous()
-
+    c = _contiguous
     loss, _, _, stats = _ops.policy_loss_op(
         logprob.contiguous(), c(old_logprob), c(advantages), c(mask), c(ref_logprob),
         c(prox_logprob), None if cu_seqlens is None else cu_seqlens.long().contiguous(),
         None if seq_weights is None else seq_weights.float().contiguous(),
-        float(clip_low), float(clip_high), None if dual_clip is None else float(dual_clip),
-        None if behav_cap is None else float(behav_cap), float(kl_coef), kl_type, agg, impl,
+        *opts.schema_args(), impl,
     )  # fmt: skip
     return loss, dict(zip(POLICY_STAT_NAMES, stats.detach().unbind(0)))
 
@@ -263,15 +254,10 @@ def linear_policy_loss(
     bias: torch.Tensor | None = None,
     ref_logprob: torch.Tensor | None = None,
     prox_logprob: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    behav_cap: float | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
-    agg: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     seq_weights: torch.Tensor | None = None,
+    options: PolicyLossOptions | None = None,
+    **knobs: float | str | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """PPO/GRPO policy loss straight from hidden rows and the lm_head weight.
 
@@ -279,7 +265,7 @@ def linear_policy_loss(
     ``logprob = log_softmax((hidden @ weight.T + bias) / T)[targets]`` with ``temperature`` a
     float or a ``(n,)`` tensor (one ``T > 0`` per row, e.g. main and sub-agent rows), then
     exactly ``policy_loss(logprob, old_logprob, advantages, loss_mask, ...)`` (same arguments,
-    same semantics: clip, dual clip, decoupled behaviour weight and ``behav_cap``, KL k1/k2/k3,
+    the loss options as keywords or ``options=``, same semantics: clip, dual clip, decoupled behaviour weight and ``behav_cap``, KL k1/k2/k3,
     ``agg`` with ``cu_seqlens``/``seq_weights``; masked tokens selected away, sequences of
     ``cu_seqlens`` may be empty).
 
@@ -299,16 +285,7 @@ def linear_policy_loss(
     even with a NaN/inf hidden state (zeroed before the GEMMs; their ``logprob`` and
     ``entropy`` are then NaN); a NaN in an unmasked row still makes the loss NaN.
     """
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be 2-D: "
-            "hidden (tokens, d), weight (vocab, d); flatten packed/batched hidden states first"
-        )
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden has d={hidden.shape[1]} but weight has d={weight.shape[1]}: weight must be "
-            "(vocab, d) as nn.Linear stores it (not its transpose)"
-        )
+    _check_lm_head(hidden, weight)
     if hidden.dtype != weight.dtype:
         raise TypeError(
             f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one so both match"
@@ -336,24 +313,19 @@ def linear_policy_loss(
             row_t = temperature.to(device=hidden.device, dtype=torch.float32).contiguous()
     if row_t is None and not float(temperature) > 0:
         raise ValueError(f"temperature={temperature} must be > 0")
-    _check_policy_inputs(
-        n, "hidden", old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, clip_low,
-        clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, cu_seqlens, seq_weights,
+    opts = _check_policy_inputs(
+        "linear_policy_loss", n, "hidden", old_logprob, advantages, loss_mask, ref_logprob,
+        prox_logprob, cu_seqlens, seq_weights, options, knobs,
     )  # fmt: skip
     mask = loss_mask.float() if loss_mask.dtype == torch.bool else loss_mask
     impl = resolve_impl(hidden.device, "linear_policy_loss")
-
-    def c(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.contiguous()
-
+    c = _contiguous
     loss, stats, logprob, entropy, _, _, _ = _ops.linear_policy_loss_op(
         hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), c(old_logprob),
         c(advantages), c(mask), c(bias), row_t, c(ref_logprob), c(prox_logprob),
         None if cu_seqlens is None else cu_seqlens.long().contiguous(),
         None if seq_weights is None else seq_weights.float().contiguous(),
-        1.0 if row_t is not None else float(temperature), float(clip_low), float(clip_high),
-        None if dual_clip is None else float(dual_clip),
-        None if behav_cap is None else float(behav_cap), float(kl_coef), kl_type, agg, impl,
+        1.0 if row_t is not None else float(temperature), *opts.schema_args(), impl,
     )  # fmt: skip
     stats_d = dict(zip(LINEAR_POLICY_STAT_NAMES, stats.detach().unbind(0)))
     return loss, stats_d, logprob.detach(), entropy.detach()

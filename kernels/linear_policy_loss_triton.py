@@ -92,6 +92,9 @@ class TritonRowChunks:
             grad_b += dz.sum(dim=0, dtype=torch.float32)
 
 
-def linear_policy_loss_triton(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    """``reference.linear_policy_loss_fused`` with the Triton steps."""
-    return ref.linear_policy_loss_fused(TritonRowChunks, policy_loss_fused_triton, *args, **kwargs)
+def linear_policy_loss_triton(*args) -> tuple[torch.Tensor, ...]:
+    """``reference.linear_policy_loss_fused`` with the Triton steps; ``args``: the op's flat
+    arguments (``reference.linear_policy_loss_schema_args``)."""
+    return ref.linear_policy_loss_fused(
+        TritonRowChunks, policy_loss_fused_triton, *ref.linear_policy_loss_schema_args(args)
+    )

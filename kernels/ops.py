@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from . import reference as ref
+from .options import PolicyLossOptions, PolicyTokens
 
 __all__ = [
     "group_advantage_op",
@@ -167,45 +168,48 @@ linear_logprob_fwd_op.register_autograd(_llp_backward, setup_context=_llp_setup_
 # --------------------------------------------------------------------------------------------
 # policy_loss
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("paravt::policy_loss", mutates_args=())
-def policy_loss_op(
-    logprob: Tensor,
-    old_logprob: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    ref_logprob: Tensor | None,
-    prox_logprob: Tensor | None,
-    cu_seqlens: Tensor | None,
-    seq_weights: Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
-    agg: str,
-    impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+# Schema: logprob, the PolicyTokens fields, cu_seqlens, seq_weights, the PolicyLossOptions
+# fields (``PolicyLossOptions.SCHEMA``), impl.
+_PL_SCHEMA = (
+    "(Tensor logprob, Tensor old_logprob, Tensor advantages, Tensor loss_mask, "
+    "Tensor? ref_logprob, Tensor? prox_logprob, Tensor? cu_seqlens, Tensor? seq_weights, "
+    f"{PolicyLossOptions.SCHEMA}, str impl) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_N_OPTS = PolicyLossOptions.n_schema_args()
+
+
+def _policy_loss_args(args: tuple) -> tuple:
+    """``(logprob, PolicyTokens, cu_seqlens, seq_weights, PolicyLossOptions, impl)`` from the
+    op's flat arguments."""
+    lp, old, adv, mask, ref_lp, prox, cu, sw = args[:8]
+    opts = PolicyLossOptions.from_schema_args(args[8 : 8 + _N_OPTS])
+    return lp, PolicyTokens(old, adv, mask, ref_lp, prox), cu, sw, opts, args[8 + _N_OPTS]
+
+
+def _policy_loss(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss (), gbuf (N,), coef (B,), stats (len(POLICY_STAT_NAMES),))``.
 
     ``gbuf`` is the unscaled per-token gradient ``m_t dl_t/dlogprob`` and ``coef`` the
     per-sequence aggregation coefficients (``B = 1`` without ``cu_seqlens``); the backward
     (``policy_loss_grad_op``) forms ``dloss/dlogprob = grad_loss * coef_s * gbuf`` in one pass.
     """
+    lp, tok, cu, sw, opts, impl = _policy_loss_args(args)
     fn = (
         _triton_module("policy_loss_triton").policy_loss_fused_triton
         if impl == "triton"
         else ref.policy_loss_fused_torch
     )
-    return fn(
-        logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
-        seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg,
-    )  # fmt: skip
+    return fn(lp, tok, cu, sw, opts)
+
+
+policy_loss_op = torch.library.custom_op(
+    "paravt::policy_loss", _policy_loss, mutates_args=(), schema=_PL_SCHEMA
+)
 
 
 @policy_loss_op.register_fake
-def _(logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
-      seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg, impl):  # fmt: skip
+def _(*args):
+    logprob, cu_seqlens = args[0], args[6]
     f32 = {"dtype": torch.float32, "device": logprob.device}
     n_seq = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (
@@ -249,10 +253,11 @@ def _pl_setup_context(ctx, inputs, output):
 
 def _pl_backward(ctx, grad_loss, _grad_gbuf, _grad_coef, _grad_stats):
     gbuf, coef, cu_seqlens = ctx.saved_tensors
+    n_args = 9 + _N_OPTS
     if grad_loss is None:
-        return (None,) * 16
+        return (None,) * n_args
     g = policy_loss_grad_op(gbuf, coef, cu_seqlens, grad_loss, ctx.lp_dtype, ctx.impl)
-    return (g,) + (None,) * 15
+    return (g,) + (None,) * (n_args - 1)
 
 
 policy_loss_op.register_autograd(_pl_backward, setup_context=_pl_setup_context)
@@ -261,50 +266,41 @@ policy_loss_op.register_autograd(_pl_backward, setup_context=_pl_setup_context)
 # --------------------------------------------------------------------------------------------
 # linear_policy_loss
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("paravt::linear_policy_loss", mutates_args=())
-def linear_policy_loss_op(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    old_logprob: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    bias: Tensor | None,
-    row_temperature: Tensor | None,
-    ref_logprob: Tensor | None,
-    prox_logprob: Tensor | None,
-    cu_seqlens: Tensor | None,
-    seq_weights: Tensor | None,
-    temperature: float,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
-    agg: str,
-    impl: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+# Schema: hidden, weight, targets, the required PolicyTokens fields, bias, the per-row
+# temperature, the optional PolicyTokens fields, cu_seqlens, seq_weights, the float
+# temperature, the PolicyLossOptions fields, impl.
+_LPL_SCHEMA = (
+    "(Tensor hidden, Tensor weight, Tensor targets, Tensor old_logprob, Tensor advantages, "
+    "Tensor loss_mask, Tensor? bias, Tensor? row_temperature, Tensor? ref_logprob, "
+    "Tensor? prox_logprob, Tensor? cu_seqlens, Tensor? seq_weights, float temperature, "
+    f"{PolicyLossOptions.SCHEMA}, str impl) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor)"
+)
+
+
+def _linear_policy_loss(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(loss (), stats (12,), logprob (n,), entropy (n,), d hidden, d weight,
     d bias or (0,))``: the gradients of ``loss`` are formed in the forward, the backward only
     scales them. ``row_temperature`` ``(n,)``, when given, replaces ``temperature``."""
+    *flat, temperature = args[:13]
+    row_t = flat[7]
+    flat[7] = temperature if row_t is None else row_t
     fn = (
         _triton_module("linear_policy_loss_triton").linear_policy_loss_triton
-        if impl == "triton"
+        if args[-1] == "triton"
         else ref.linear_policy_loss_torch
     )
-    return fn(
-        hidden, weight, targets, old_logprob, advantages, loss_mask, bias,
-        temperature if row_temperature is None else row_temperature, ref_logprob,
-        prox_logprob, cu_seqlens, seq_weights, clip_low, clip_high, dual_clip, behav_cap,
-        kl_coef, kl_type, agg,
-    )  # fmt: skip
+    return fn(*flat, *args[13:-1])
+
+
+linear_policy_loss_op = torch.library.custom_op(
+    "paravt::linear_policy_loss", _linear_policy_loss, mutates_args=(), schema=_LPL_SCHEMA
+)
 
 
 @linear_policy_loss_op.register_fake
-def _(hidden, weight, targets, old_logprob, advantages, loss_mask, bias, row_temperature,
-      ref_logprob, prox_logprob, cu_seqlens, seq_weights, temperature, clip_low, clip_high,
-      dual_clip, behav_cap, kl_coef, kl_type, agg, impl):  # fmt: skip
+def _(*args):
+    hidden, weight, bias = args[0], args[1], args[6]
     n = hidden.shape[0]
     f32 = {"dtype": torch.float32, "device": hidden.device}
     gb_shape = (0,) if bias is None else tuple(bias.shape)
@@ -327,7 +323,7 @@ def _lpl_setup_context(ctx, inputs, output):
 
 def _lpl_backward(ctx, grad_loss, *_unused):
     gh, gw, gb = ctx.saved_tensors
-    none = [None] * 21
+    none = [None] * (14 + _N_OPTS)
     if grad_loss is None:
         return tuple(none)
     none[0] = (grad_loss * gh).to(gh.dtype)

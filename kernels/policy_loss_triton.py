@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2, num_sms
 from .dispatch import interpreting
+from .options import PolicyLossOptions, PolicyTokens
 from .reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, seq_coefficients
 
 # Partial-sum slots written per (sequence, slice) program.
@@ -204,23 +205,15 @@ def _launch_shape(n_tokens: int, n_seq: int, device: torch.device) -> tuple[int,
 
 def policy_loss_fused_triton(
     logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    ref_logprob: torch.Tensor | None,
-    prox_logprob: torch.Tensor | None,
+    tok: PolicyTokens,
     cu_seqlens: torch.Tensor | None,
     seq_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
-    agg: str,
+    opts: PolicyLossOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton twin of ``reference.policy_loss_fused_torch``:
     ``(loss (), gbuf (N,), coef (B,), stats (11,))``."""
+    ref_logprob, prox_logprob = tok.ref_logprob, tok.prox_logprob
+    dual_clip, behav_cap = opts.dual_clip, opts.behav_cap
     dev = logprob.device
     n = logprob.numel()
     has_cu = cu_seqlens is not None
@@ -233,16 +226,16 @@ def policy_loss_fused_triton(
     dummy = logprob  # never read when the matching HAS_* flag is off
     if n_seq > 0:
         _policy_loss_fwd_kernel[(n_seq, split)](
-            logprob, old_logprob, advantages, loss_mask,
+            logprob, tok.old_logprob, tok.advantages, tok.loss_mask,
             dummy if ref_logprob is None else ref_logprob,
             dummy if prox_logprob is None else prox_logprob,
-            cu, gbuf, part, n_slots, n_seq, n, float(clip_low), float(clip_high),
-            float(dual_clip or 0.0), float(behav_cap or 0.0), float(kl_coef),
+            cu, gbuf, part, n_slots, n_seq, n, opts.clip_low, opts.clip_high,
+            float(dual_clip or 0.0), float(behav_cap or 0.0), opts.kl_coef,
             float(K3_LOG_RATIO_CLAMP), float(K3_KL_CLAMP), float(LOG_RATIO_CLAMP),
             SPLIT=split, BLOCK=block, HAS_CU=has_cu, HAS_REF=ref_logprob is not None,
             HAS_PROX=prox_logprob is not None, HAS_DUAL=dual_clip is not None,
             HAS_CAP=behav_cap is not None and prox_logprob is not None,
-            KL_TYPE=_KL_CODE[kl_type],
+            KL_TYPE=_KL_CODE[opts.kl_type],
         )  # fmt: skip
     else:  # cu_seqlens == [c]: no sequence, every row is padding
         gbuf.zero_()
@@ -254,7 +247,7 @@ def policy_loss_fused_triton(
         if seq_weights is not None
         else torch.ones(n_seq, dtype=torch.float32, device=dev)
     )
-    coef = seq_coefficients(mass_s, w, agg).contiguous()
+    coef = seq_coefficients(mass_s, w, opts.agg).contiguous()
     loss = (coef * loss_s).sum()
     tot = sums.sum(dim=1)
     n_tok = tot[_P_MASS]

@@ -17,9 +17,12 @@ log-sum-exp, and its backward recomputes each tile. ``policy_loss_torch`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
+
+from .options import AGG_MODES, KL_TYPES, PolicyLossOptions, PolicyTokens
 
 __all__ = [
     "AGG_MODES",
@@ -35,8 +38,6 @@ __all__ = [
     "seq_ids_from_cu_seqlens",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_TYPES = ("k1", "k2", "k3")
 # Order of the packed statistics vector returned by the registered policy-loss op.
 POLICY_STAT_NAMES = (
     "clip_frac_low",
@@ -605,17 +606,15 @@ def policy_loss_torch(
     *,
     ref_logprob: torch.Tensor | None = None,
     prox_logprob: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    behav_cap: float | None = None,
-    kl_coef: float = 0.0,
-    kl_type: str = "k3",
-    agg: str = "token-mean",
     cu_seqlens: torch.Tensor | None = None,
     seq_weights: torch.Tensor | None = None,
+    options: PolicyLossOptions | None = None,
+    **knobs: float | str | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate + KL, aggregated; differentiable w.r.t. ``logprob`` via autograd.
+
+    The loss options are a ``PolicyLossOptions`` (``options``) and/or its fields by keyword
+    (``clip_low=0.2, agg="seq-mean-token-mean"``), as in ``api.policy_loss``.
 
     Per token (all ``(N,)``), with ``base = prox_logprob`` if given else ``old_logprob``:
 
@@ -634,6 +633,8 @@ def policy_loss_torch(
     Returns ``(loss (), stats)``; stats are 0-d float32 tensors (token means over the final
     mask): ``POLICY_STAT_NAMES``.
     """
+    o = PolicyLossOptions.build("policy_loss_torch", options, knobs)
+    clip_low, clip_high, dual_clip, behav_cap = o.clip_low, o.clip_high, o.dual_clip, o.behav_cap
     covered = covered_tokens(cu_seqlens, logprob.numel(), logprob.device)
     mask = torch.where(covered, loss_mask.float(), 0.0)
     n_masked_in = (covered & (mask <= 0)).float().sum()
@@ -674,11 +675,11 @@ def policy_loss_torch(
     loss_tok = pg
     kl = None
     if ref_logprob is not None:
-        kl = kl_penalty(lp, safe(ref_logprob), kl_type)
-        if kl_coef != 0.0:
-            loss_tok = loss_tok + kl_coef * kl
+        kl = kl_penalty(lp, safe(ref_logprob), o.kl_type)
+        if o.kl_coef != 0.0:
+            loss_tok = loss_tok + o.kl_coef * kl
     on = mask > 0
-    coef = aggregation_weights(mask, agg, cu_seqlens, seq_weights)
+    coef = aggregation_weights(mask, o.agg, cu_seqlens, seq_weights)
     loss = torch.where(on, coef * loss_tok, 0.0).sum()
 
     with torch.no_grad():
@@ -720,18 +721,7 @@ def _masked_extreme(x: torch.Tensor, on: torch.Tensor, kind: str) -> torch.Tenso
 
 
 def policy_token_terms(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    ref_logprob: torch.Tensor | None,
-    prox_logprob: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
+    logprob: torch.Tensor, tok: PolicyTokens, opts: PolicyLossOptions
 ) -> dict[str, torch.Tensor]:
     """Per-token loss ``l``, its analytic derivative ``dl/dlogprob`` and the stat indicators.
 
@@ -740,12 +730,18 @@ def policy_token_terms(
     ``d(-A r)/dlp = -A r`` (zero where the clipped branch wins, the dual bound binds or the
     log-ratio is clamped), ``dk1 = 1``, ``dk2 = lp - ref``, ``dk3 = 1 - e^{ref - lp}`` (zero
     where either k3 clamp binds, as verl's low_var_kl). Values at masked tokens may be inf
-    or NaN: callers select them away (``on``), never multiply them by the mask.
+    or NaN: callers select them away (``on``), never multiply them by the mask. ``opts.agg``
+    plays no part here (it is the aggregation, ``seq_coefficients``).
     """
-    mask = loss_mask.float()
+    clip_low, clip_high, dual_clip, behav_cap = (
+        opts.clip_low, opts.clip_high, opts.dual_clip, opts.behav_cap
+    )  # fmt: skip
+    kl_coef, kl_type = opts.kl_coef, opts.kl_type
+    ref_logprob, prox_logprob = tok.ref_logprob, tok.prox_logprob
+    mask = tok.loss_mask.float()
     lp = logprob.float()
-    adv = advantages.float()
-    old = old_logprob.float()
+    adv = tok.advantages.float()
+    old = tok.old_logprob.float()
     capped = torch.zeros_like(mask, dtype=torch.bool)
     if prox_logprob is not None:
         base = prox_logprob.float()
@@ -839,20 +835,10 @@ def _select_weighted(on: torch.Tensor, m: torch.Tensor, x: torch.Tensor) -> torc
 
 def policy_loss_fused_torch(
     logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    ref_logprob: torch.Tensor | None,
-    prox_logprob: torch.Tensor | None,
+    tok: PolicyTokens,
     cu_seqlens: torch.Tensor | None,
     seq_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
-    agg: str,
+    opts: PolicyLossOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused forward in torch: ``(loss (), gbuf (N,), coef (B,), stats (11,))``.
 
@@ -868,8 +854,8 @@ def policy_loss_fused_torch(
     dev = logprob.device
     f32 = {"dtype": torch.float32, "device": dev}
     if cu_seqlens is None:
-        if agg != "token-mean" or seq_weights is not None:
-            raise ValueError(f"agg='{agg}' / seq_weights need cu_seqlens (B+1,)")
+        if opts.agg != "token-mean" or seq_weights is not None:
+            raise ValueError(f"agg='{opts.agg}' / seq_weights need cu_seqlens (B+1,)")
         n_seq, sid = 1, None
     else:
         n_seq = cu_seqlens.numel() - 1
@@ -880,17 +866,9 @@ def policy_loss_fused_torch(
     acc = torch.zeros(8, **f32)  # low, high, dual, any, kl, ratio, capped, masked_in
     rmin = torch.full((), float("inf"), **f32)
     rmax = torch.full((), float("-inf"), **f32)
-
-    def sl(x: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
-        return None if x is None else x[a:b]
-
     for a in range(0, n, POLICY_TOKEN_CHUNK):
         b = min(a + POLICY_TOKEN_CHUNK, n)
-        t = policy_token_terms(
-            logprob[a:b], old_logprob[a:b], advantages[a:b], loss_mask[a:b],
-            sl(ref_logprob, a, b), sl(prox_logprob, a, b), clip_low, clip_high, dual_clip,
-            behav_cap, kl_coef, kl_type,
-        )  # fmt: skip
+        t = policy_token_terms(logprob[a:b], tok.rows(a, b), opts)
         covered = torch.ones_like(t["on"]) if sid is None else sid[a:b] < n_seq
         on = t["on"] & covered
         m = torch.where(on, t["mask"], 0.0)
@@ -919,7 +897,7 @@ def policy_loss_fused_torch(
         rmax = torch.maximum(rmax, torch.where(on, t["ratio"], float("-inf")).amax())
     loss_s, mass_s = loss_s[:n_seq], mass_s[:n_seq]
     w = seq_weights.float() if seq_weights is not None else torch.ones(n_seq, **f32)
-    coef = seq_coefficients(mass_s, w, agg)
+    coef = seq_coefficients(mass_s, w, opts.agg)
     loss = (coef * loss_s).sum()
     n_tok = mass_s.sum()
     den = n_tok.clamp_min(1e-30)
@@ -976,17 +954,10 @@ def lpl_row_chunk(vocab: int, budget_bytes: int) -> int:
 
 
 def policy_token_scale(
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    prox_logprob: torch.Tensor | None,
+    tok: PolicyTokens,
     cu_seqlens: torch.Tensor | None,
     seq_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    behav_cap: float | None,
-    kl_type: str,
-    agg: str,
+    opts: PolicyLossOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(on (N,) bool, m (N,), scale (N,))`` before any log-prob is known.
 
@@ -996,16 +967,19 @@ def policy_token_scale(
     not depend on the new log-prob, so ``dloss/dlogprob_t = scale_t dl_t/dlogprob_t`` with
     ``scale_t = m_t coef_s(t)`` is token-local once they are known. The mask is the one
     ``policy_token_terms`` computes (called on ``old`` as a stand-in log-prob: its mask
-    ignores the log-prob). ``m`` is the final mask weight (0 off ``on``).
+    ignores the log-prob, so no reference, dual clip or KL term is needed for it). ``m`` is
+    the final mask weight (0 off ``on``).
     """
-    n = old_logprob.numel()
-    dev = old_logprob.device
+    n = tok.old_logprob.numel()
+    dev = tok.old_logprob.device
     t = policy_token_terms(
-        old_logprob, old_logprob, advantages, loss_mask, None, prox_logprob, clip_low,
-        clip_high, None, behav_cap, 0.0, kl_type,
-    )  # fmt: skip
+        tok.old_logprob,
+        dataclasses.replace(tok, ref_logprob=None),
+        dataclasses.replace(opts, dual_clip=None, kl_coef=0.0),
+    )
     on = t["on"] & covered_tokens(cu_seqlens, n, dev)
     m = torch.where(on, t["mask"], 0.0)
+    agg = opts.agg
     if cu_seqlens is None:
         if agg != "token-mean" or seq_weights is not None:
             raise ValueError(f"agg='{agg}' / seq_weights need cu_seqlens (B+1,)")
@@ -1022,27 +996,15 @@ def policy_token_scale(
 
 def policy_token_grad(
     logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    ref_logprob: torch.Tensor | None,
-    prox_logprob: torch.Tensor | None,
+    tok: PolicyTokens,
     on: torch.Tensor,
     scale: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
+    opts: PolicyLossOptions,
 ) -> torch.Tensor:
     """``dloss/dlogprob`` of a slice of tokens: ``scale_t dl_t/dlogprob_t`` where ``on``, exactly
     0 elsewhere (``dl`` from ``policy_token_terms``; ``on``, ``scale`` from
     ``policy_token_scale``)."""
-    t = policy_token_terms(
-        logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, clip_low,
-        clip_high, dual_clip, behav_cap, kl_coef, kl_type,
-    )  # fmt: skip
+    t = policy_token_terms(logprob, tok, opts)
     return torch.where(on, scale * t["dloss"], 0.0)
 
 
@@ -1113,22 +1075,12 @@ def linear_policy_loss_fused(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
     bias: torch.Tensor | None,
     temperature: float | torch.Tensor,
-    ref_logprob: torch.Tensor | None,
-    prox_logprob: torch.Tensor | None,
+    tok: PolicyTokens,
     cu_seqlens: torch.Tensor | None,
     seq_weights: torch.Tensor | None,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-    behav_cap: float | None,
-    kl_coef: float,
-    kl_type: str,
-    agg: str,
+    opts: PolicyLossOptions,
 ) -> tuple[torch.Tensor, ...]:
     """The one orchestration of ``linear_policy_loss``, shared by the torch and Triton paths.
 
@@ -1159,10 +1111,7 @@ def linear_policy_loss_fused(
     vocab = weight.shape[0]
     dev = hidden.device
     f32 = {"dtype": torch.float32, "device": dev}
-    on, m, scale = policy_token_scale(
-        old_logprob, advantages, loss_mask, prox_logprob, cu_seqlens, seq_weights, clip_low,
-        clip_high, behav_cap, kl_type, agg,
-    )  # fmt: skip
+    on, m, scale = policy_token_scale(tok, cu_seqlens, seq_weights, opts)
     tgt = targets.long()
     valid = tgt != -100
     logprob = torch.zeros(n, **f32)
@@ -1171,10 +1120,6 @@ def linear_policy_loss_fused(
     grad_w = torch.zeros(vocab, d, **f32)
     grad_b = None if bias is None else torch.zeros(vocab, **f32)
     run = steps(hidden, weight, bias, inverse_temperature(temperature, dev))
-
-    def sl(x: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
-        return None if x is None else x[a:b]
-
     for r0 in range(0, n, run.rows):
         r1 = min(r0 + run.rows, n)
         t, ok = tgt[r0:r1], valid[r0:r1]
@@ -1186,16 +1131,9 @@ def linear_policy_loss_fused(
         z, lp, ent, lse = run.forward(h, r0, r1, t, ok)
         logprob[r0:r1] = torch.where(void & ok, float("nan"), lp)
         entropy[r0:r1] = torch.where(void & ok, float("nan"), ent)
-        g = policy_token_grad(
-            lp, old_logprob[r0:r1], advantages[r0:r1], loss_mask[r0:r1],
-            sl(ref_logprob, r0, r1), sl(prox_logprob, r0, r1), on[r0:r1], scale[r0:r1],
-            clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type,
-        )  # fmt: skip
+        g = policy_token_grad(lp, tok.rows(r0, r1), on[r0:r1], scale[r0:r1], opts)
         run.backward(z, h, r0, r1, t, lse, torch.where(ok, g, 0.0), grad_h, grad_w, grad_b)
-    loss, _, _, stats = pl_fwd(
-        logprob, old_logprob, advantages, loss_mask, ref_logprob, prox_logprob, cu_seqlens,
-        seq_weights, clip_low, clip_high, dual_clip, behav_cap, kl_coef, kl_type, agg,
-    )  # fmt: skip
+    loss, _, _, stats = pl_fwd(logprob, tok, cu_seqlens, seq_weights, opts)
     # mean entropy over the final mask (capped tokens and rows outside cu_seqlens excluded)
     ent_sum = torch.where(on, m * entropy, 0.0).sum()
     n_tok = stats[POLICY_STAT_NAMES.index("n_tokens")]
@@ -1213,7 +1151,24 @@ def linear_policy_loss_fused(
     )
 
 
-def linear_policy_loss_torch(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+def linear_policy_loss_schema_args(
+    args: tuple | list,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float | torch.Tensor,
+           PolicyTokens, torch.Tensor | None, torch.Tensor | None, PolicyLossOptions]:  # fmt: skip
+    """The arguments of ``linear_policy_loss_fused`` (after ``steps, pl_fwd``) from the flat
+    arguments of the registered op ``paravt::linear_policy_loss`` less ``impl``:
+    ``hidden, weight, targets, old_logprob, advantages, loss_mask, bias, temperature,
+    ref_logprob, prox_logprob, cu_seqlens, seq_weights, *PolicyLossOptions fields`` (the op's
+    ``temperature`` argument is its per-row tensor or, without one, its float)."""
+    h, w, t, old, adv, mask, bias, temperature, ref, prox, cu, sw, *opt_args = args
+    tok = PolicyTokens(old, adv, mask, ref, prox)
+    return h, w, t, bias, temperature, tok, cu, sw, PolicyLossOptions.from_schema_args(opt_args)
+
+
+def linear_policy_loss_torch(*args) -> tuple[torch.Tensor, ...]:
     """Torch path of ``linear_policy_loss`` (CPU, and the test oracle of the Triton path):
-    ``linear_policy_loss_fused`` with ``TorchRowChunks`` (a ``LPL_CHUNK_BYTES_CPU`` buffer)."""
-    return linear_policy_loss_fused(TorchRowChunks, policy_loss_fused_torch, *args, **kwargs)
+    ``linear_policy_loss_fused`` with ``TorchRowChunks`` (a ``LPL_CHUNK_BYTES_CPU`` buffer).
+    ``args``: the op's flat arguments (``linear_policy_loss_schema_args``)."""
+    return linear_policy_loss_fused(
+        TorchRowChunks, policy_loss_fused_torch, *linear_policy_loss_schema_args(args)
+    )

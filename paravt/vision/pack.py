@@ -6,7 +6,8 @@ rotary ids and bilinear position-embedding taps per image in Python loops with h
 :func:`pack_vision` does all of it in one native call and returns a :class:`PackedVision`
 whose tensors the encoder consumes as they are (see :mod:`paravt.vision.encoder`).
 
-Three implementations, one dispatch point (``impl=``):
+Three implementations, chosen per call by ``impl=`` under the rule shared by every paravt fast
+op (``paravt_kernels.dispatch.resolve_native``):
 
 * ``native`` CPU: ``torch.ops.paravt.pack_vision`` (csrc/pack_vision_cpu.cpp), parallel over
   patches; normalisation is HF's own float32 arithmetic ``(v - mean') / std'`` in a vectorised
@@ -25,12 +26,12 @@ Three implementations, one dispatch point (``impl=``):
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from paravt_kernels.dispatch import ext_skipped, resolve_native
 
 from paravt.vision.patchify import VisionSpec
 
@@ -51,7 +52,7 @@ def native_available() -> bool:
     """
     global _NATIVE, _NATIVE_ERROR
     if _NATIVE is None:
-        if os.environ.get("PARAVT_SKIP_EXT", "0") == "1":
+        if ext_skipped():
             _NATIVE, _NATIVE_ERROR = False, "PARAVT_SKIP_EXT=1 is set"
         else:
             try:
@@ -420,21 +421,14 @@ def pack_vision_reference(
 
 
 def _use_native(device: torch.device, impl: Impl) -> bool:
-    if impl == "torch":
-        return False
-    if impl not in ("auto", "native"):
-        raise ValueError(f"pack_vision: impl={impl!r}; expected 'auto', 'native' or 'torch'")
-    ok = native_available() and (
-        device.type == "cpu" or (device.type == "cuda" and native_has_cuda())
+    return resolve_native(
+        "pack_vision",
+        device,
+        impl,
+        built=native_available,
+        has_kernels=lambda _: native_has_cuda(),
+        why_not_built=lambda: _NATIVE_ERROR,
     )
-    if impl == "native" and not ok:
-        raise RuntimeError(
-            f"pack_vision: impl='native' requested for {device.type} crops but paravt._C "
-            f"{'has no ' + device.type + ' kernels' if native_available() else 'is not built'} "
-            f"({_NATIVE_ERROR or 'rebuild on a machine whose torch has CUDA'}); "
-            "use impl='auto' to fall back to the torch path"
-        )
-    return ok
 
 
 def pack_vision(
