@@ -88,10 +88,8 @@ def _batch() -> PackedBatch:
         top_ps=torch.ones(ROLLOUTS),
         uids=[f"r{i}" for i in range(ROLLOUTS)],
         visuals=[None] * ROLLOUTS,
-        extras={
-            "mm_token_type_ids": torch.zeros(n, dtype=torch.int64),
-            "ref_logprobs": (old - 0.3 * torch.rand(n, generator=g)) * mask,
-        },
+        mm_token_type_ids=torch.zeros(n, dtype=torch.int64),
+        ref_logprobs=(old - 0.3 * torch.rand(n, generator=g)) * mask,
     )
 
 

@@ -37,11 +37,14 @@ import logging
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from paravt.distributed import all_gather_objects, full_optimizer_state, full_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +317,59 @@ def save_checkpoint(
             except OSError as e:  # the new checkpoint is complete: pruning is best effort
                 log.warning("could not remove old checkpoint %s: %s", done, e)
     return final
+
+
+def save_trainer(
+    tr: Any, step: int, *, data: dict[str, int] | None = None, rng: Any = None
+) -> bool:
+    """Checkpoint the run ``tr`` (a ``paravt.train.Trainer``) at ``step``: rank 0 writes,
+    every rank takes part in gathering the state (``load_trainer_state`` reads it back).
+
+    ``data`` / ``rng``: the prompt sampler's position and this rank's RNG states to record
+    instead of the current ones (a preemption that abandoned step ``step + 1`` saves the state
+    that step started from; the weights, optimizer and schedule are still step ``step``'s).
+
+    A failed write (disk full ...) leaves the previous checkpoint the newest; then
+    ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
+    (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
+    model_state = full_state_dict(tr.policy, tr.ctx)
+    optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
+    rngs = all_gather_objects(rng_state() if rng is None else rng, tr.ctx)
+    failed: CheckpointSaveError | None = None
+    if tr.ctx.is_main:
+        try:
+            save_checkpoint(
+                tr.cfg.train.out_dir,
+                step,
+                model=tr.policy,
+                model_state=model_state,
+                trainer_state={
+                    "optimizer": optim_state,
+                    "scheduler": tr.scheduler.state_dict(),
+                    "rng": rngs,
+                    "data": tr.sampler.state() if data is None else data,
+                    "world_size": tr.ctx.world_size,
+                },
+                tokenizer=tr.bundle.tokenizer,
+                source_dir=tr.init_dir,
+                keep_last=tr.cfg.train.keep_last,
+            )
+        except CheckpointSaveError as e:
+            failed = e
+    # Every rank learns rank 0's outcome (this is also the barrier after the save).
+    said = all_gather_objects("" if failed is None else str(failed), tr.ctx)[0]
+    if not said:
+        return True
+    if tr.cfg.train.on_save_error == "continue":
+        if tr.ctx.is_main:
+            print(
+                f"[train] warning: {said} Training goes on without it "
+                "(train.on_save_error=continue).",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
+    raise failed or CheckpointSaveError(said)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -220,9 +220,9 @@ def base_sft(cfg: Config, out: Path, base: Config) -> str:
     preset's, e.g. 4000 cosine steps on the task's oracle rows, which call the tool only where
     the overview misses the square) from the random tiny model; made once, reused by a rerun.
     """
+    from paravt.assets import prepare_assets
     from paravt.distributed import DistContext
     from paravt.sft import run_sft
-    from paravt.train import prepare_assets
 
     if cfg.model.path:
         return cfg.model.path
@@ -259,9 +259,9 @@ def cold_start(
     from ``cfg.model.path`` or the random tiny model directly), then stage 2, ``cfg.sft`` on
     :func:`all_tool_records` (made once; a rerun reuses it, and refuses one made with other
     settings: ``out/sft_params.json``)."""
+    from paravt.assets import prepare_assets
     from paravt.distributed import DistContext
     from paravt.sft import run_sft
-    from paravt.train import prepare_assets
 
     start = base_sft(cfg, out, base) if base is not None else cfg.model.path
     dst = out / "sft"
@@ -342,7 +342,9 @@ def run_one(cfg: Config, eval_every: int) -> None:
     evaluation every ``eval_every`` steps (``kind: "eval_step"``, 0 = none) and after the last
     step (``kind: "eval_after"``, the run's end marker). ``train.steps=0`` evaluates only."""
     from paravt.distributed import cleanup, init_distributed
-    from paravt.train import build_trainer, evaluate, train_step, validate_run
+    from paravt.eval.heldout import evaluate
+    from paravt.train import build_trainer, train_step
+    from paravt.validate import validate_run
 
     validate_run(replace(cfg, train=replace(cfg.train, steps=max(cfg.train.steps, 1))), 1)
     ctx = init_distributed(cfg.model.device)

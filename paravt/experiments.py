@@ -177,9 +177,9 @@ def plot_curves(runs: dict[str, list[list[dict[str, Any]]]], out_png: Path) -> P
 
 def _sft(cfg: Config, out: Path) -> Path:
     """The shared SFT checkpoint ``out/sft`` (made once; a rerun reuses it)."""
+    from paravt.assets import prepare_assets
     from paravt.distributed import DistContext
     from paravt.sft import run_sft
-    from paravt.train import prepare_assets
 
     dst = out / "sft"
     if (dst / "config.json").is_file():

@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -381,6 +381,65 @@ def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
         "used_tool": float(any(c.status == "ok" for c in calls)),
         "response_tokens": int(sum(traj.loss_mask)),
     }
+
+
+def trajectory_samples(
+    groups: Sequence[Any],
+    n: int,
+    *,
+    video_meta: Callable[[str], Any],
+    store: ThumbnailStore | None,
+) -> list[dict[str, Any]]:
+    """A few decoded trajectories for ``trajectories.jsonl``: what the model saw and wrote.
+
+    Per trajectory of the scored ``groups``: question, gold answer, K, the video's duration
+    (``video_meta``: a video path's ``VideoMeta``, the agent runner's cached ``meta``), the
+    overview frames' times and thumbnails (``thumbs``: paths relative to the run folder written
+    by ``store``; None past its ``train.viewer_max_mb`` cap, or without a store), each turn's
+    text and its calls (status, clamped window, the sub-agent's summary, the parse error, the
+    raw call text), reward and breakdown. This is what ``python -m paravt.view`` renders."""
+    from paravt.video import overview_timestamps  # PyAV and torch: for a training run only
+
+    out = []
+    for g in groups:
+        for t in g.trajectories:
+            if len(out) >= n:
+                return out
+            vis = t.visuals
+            meta = video_meta(g.sample.video)
+            if vis is not None and vis.timestamps:
+                times = [float(x) for x in vis.timestamps[0]]
+            else:  # visuals without their source frames: the times the loop sampled
+                times = overview_timestamps(meta, g.num_frames)
+            thumbs = None
+            if vis is not None and vis.frames and store is not None:
+                thumbs = store.save(f"{g.sample.id}_K{g.num_frames}", vis.frames[0])
+            out.append(
+                {
+                    "uid": t.uid,
+                    "sample_id": t.sample_id,
+                    "K": g.num_frames,
+                    "question": g.sample.question,
+                    "task": g.sample.question_type,
+                    "answer": g.sample.answer,
+                    "duration": float(meta.duration),
+                    "frame_times": times,
+                    "thumbs": thumbs,
+                    "turns": [
+                        {
+                            "prefix": x.prefix,
+                            "text": x.text,
+                            "forced_answer": x.forced_answer,
+                            "calls": [call_record(c) for c in x.calls],
+                        }
+                        for x in t.turns
+                    ],
+                    "reward": t.reward,
+                    "breakdown": t.reward_breakdown,
+                    "num_sub_agents": sum(s.parent == t.uid for s in g.sub_trajectories),
+                }
+            )
+    return out
 
 
 def _prompt_stats(out: dict[str, float], key: str, records: Sequence[dict[str, Any]]) -> None:

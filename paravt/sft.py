@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from paravt.assets import prepare_assets
 from paravt.config import Config, ConfigError, load_config, to_yaml
 from paravt.types import Sample, Trajectory
 
@@ -143,15 +144,17 @@ def sft_loss(
     grouped into micro-batches of at most ``max_tokens`` tokens
     (``algo.max_tokens_per_microbatch``; ``microbatches``); each micro-batch is ONE backbone
     forward with no attention across sequences, only the target rows meet the lm_head (the
-    trainer's ``_packed_logprob_rows``, T = 1), and each micro-batch is back-propagated on
+    trainer's ``paravt.algo.logprobs.packed_logprob_rows``, T = 1), and each micro-batch is back-propagated on
     its own, so activations never outlive their micro-batch. Same value and gradient as one
     forward per sequence (``sequence_logprobs``; tests/test_sft.py). On the tiny CPU default,
     same 4-row batches: 38-46 ms per step against 73 ms for one forward per sequence. Returns
     ``(sum of -log p over masked tokens, masked token count)``.
     """
-    from paravt.algo.advantages import SequenceUnit
-    from paravt.algo.packing import _as_root_forward, _packed_logprob_rows, microbatches, pack_units
+    from paravt.algo.logprobs import packed_logprob_rows
+    from paravt.algo.packing import microbatches, pack_units
     from paravt.config import AlgoConfig
+    from paravt.models.forward import as_root_forward
+    from paravt.types import SequenceUnit
 
     for t in trajs:
         if t.temperature != 1.0 or t.top_p != 1.0:
@@ -163,7 +166,7 @@ def sft_loss(
     budget = max_tokens or AlgoConfig().max_tokens_per_microbatch
     nll_sum = 0.0
     for seqs in microbatches(batch, budget):
-        index, lp_n, _ = _as_root_forward(model, _packed_logprob_rows, batch, seqs, False)
+        index, lp_n, _ = as_root_forward(model, packed_logprob_rows, batch, seqs, False)
         m = batch.loss_mask.to(lp_n.device).index_select(0, index)
         nll = -(lp_n * m).sum()
         (nll * (world / max(global_tokens, 1.0))).backward()
@@ -333,7 +336,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from paravt.distributed import cleanup, init_distributed
-    from paravt.train import prepare_assets
 
     ctx = init_distributed(cfg.model.device)
     if ctx.is_main:

@@ -22,6 +22,13 @@ No ``(tokens, vocab)`` logits exist anywhere in a step's log-prob passes: only t
 next token is trained meet the lm_head weight, inside the fused kernels. ``rollout.engine``:
 ``hf`` (paravt's decode loop) or ``vllm`` (an in-process vLLM engine, ``paravt.rollout.vllm``;
 its weights are pushed after every step; on a GPU it sleeps during the update).
+
+This file keeps the run and the step; the stages around them live a floor below, each in
+its own module: the checks before anything loads (``paravt.validate``), the dataset and model
+folders (``paravt.assets``, shared with ``paravt.sft``), the prompt order
+(``paravt.data.sampler``), the held-out evaluation (``paravt.eval.heldout``), the checkpoint
+of the whole trainer (``paravt.checkpoint.save_trainer``) and the trajectories kept for the
+viewer (``paravt.metrics.trajectory_samples``).
 """
 
 from __future__ import annotations
@@ -31,14 +38,67 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from paravt.agent.loop import AgentRunner, stable_seed
+from paravt.alarms import CollapseDetector
+from paravt.algo.advantages import apply_kl_reward, build_units
+from paravt.algo.gating import frame_budget
+from paravt.algo.guard import NonFiniteGuard
+from paravt.algo.logprobs import packed_logprobs
+from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
+from paravt.algo.packing import microbatches, pack_units, split_units
+from paravt.algo.reference import ReferencePolicy
+from paravt.assets import prepare_data, prepare_model, read_datasets
+from paravt.checkpoint import (
+    CheckpointSaveError,
+    latest_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_trainer,
+    set_rng_state,
+    step_dirname,
+)
 from paravt.config import Config, ConfigError, load_config, preset_errors, to_dict, to_yaml
+from paravt.data.readers import DatasetError
+from paravt.data.sampler import PromptSampler
+from paravt.distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    balance_buckets,
+    cleanup,
+    clip_grad_norm,
+    full_weights,
+    init_distributed,
+    load_full_optimizer_state,
+    shard_list,
+    shard_model,
+    world_size_from_env,
+)
+from paravt.eval.heldout import evaluate, table_rows
+from paravt.metrics import (
+    MetricsLogger,
+    ThumbnailStore,
+    format_table,
+    plot_summary,
+    postfix,
+    progress_bar,
+    read_metrics,
+    rollout_metrics,
+    trajectory_record,
+    trajectory_samples,
+)
+from paravt.models import load_model_from_config
+from paravt.preempt import Preemption, StepAbandoned
+from paravt.rewards import score_groups
+from paravt.rollout import make_engine
+from paravt.sft import freeze_vit, run_sft
+from paravt.validate import validate_run
 
 # ----------------------------------------------------------------------------------- config
 
@@ -56,199 +116,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     if a.resume:
         cfg.train.resume = True
     return cfg, a
-
-
-def validate_run(cfg: Config, world_size: int) -> None:
-    """Checks that need the world size or files on disk, run before anything loads."""
-    from paravt.distributed import resolve_device
-
-    errs: list[str] = []
-    t, r, a = cfg.train, cfg.rollout, cfg.algo
-    if t.steps < 1:
-        errs.append(f"train.steps={t.steps} must be >= 1")
-    if t.prompts_per_step % world_size:
-        errs.append(
-            f"train.prompts_per_step={t.prompts_per_step} is not divisible by the world size "
-            f"{world_size}; each rank rolls out whole groups (use a multiple of {world_size})"
-        )
-    else:
-        per_rank = t.prompts_per_step // world_size
-        if per_rank < a.minibatches:
-            errs.append(
-                f"algo.minibatches={a.minibatches} exceeds the {per_rank} prompt(s) each of the "
-                f"{world_size} rank(s) gets per step; lower algo.minibatches"
-            )
-    if cfg.sft.steps > 0 and cfg.sft.batch_size < world_size:
-        errs.append(
-            f"sft.batch_size={cfg.sft.batch_size} is smaller than the world size {world_size}"
-        )
-    if r.temperature <= 0:
-        errs.append(
-            f"rollout.temperature={r.temperature}: RL needs sampling (> 0); greedy rollouts "
-            "give identical group members and zero advantages"
-        )
-    if cfg.sft.data and not Path(cfg.sft.data).is_file():
-        errs.append(f"sft.data='{cfg.sft.data}' does not exist")
-    dev = None
-    try:
-        dev = resolve_device(cfg.model.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            errs.append(f"model.device='{cfg.model.device}' but CUDA is not available; use cpu")
-    except RuntimeError as e:
-        errs.append(f"model.device='{cfg.model.device}': {e}")
-    errs += _attention_errors(cfg, dev)
-    if r.engine == "vllm":
-        from paravt.rollout import vllm_missing
-
-        why = vllm_missing()
-        if why:
-            errs.append(why)
-    if t.resume and not Path(t.out_dir).is_dir():
-        errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
-    # The largest K must fit the model's context: estimate its prompt from the pixel budget.
-    from paravt.models.tiny import tiny_checkpoint_args
-
-    model_dir = Path(cfg.model.path or tiny_checkpoint_args(cfg)[0])
-    if (model_dir / "config.json").is_file():
-        from paravt.agent.context import context_budget_errors
-
-        errs += context_budget_errors(cfg, model_dir)
-    if errs:
-        raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
-
-
-# transformers' flash attention implementations: the module each imports, the package's name
-# and how to install it.
-_FLASH_PACKAGES = {
-    "flash_attention_2": (
-        "flash_attn",
-        "flash-attn",
-        "pip install flash-attn --no-build-isolation (builds against the CUDA toolkit)",
-    ),
-    "flash_attention_3": (
-        "flash_attn_interface",
-        "flash-attn 3 (flash_attn_interface)",
-        "build flash-attention's hopper/ directory",
-    ),
-}
-
-
-def _attention_errors(cfg: Config, dev: torch.device | None) -> list[str]:
-    """``model.attn_implementation=flash_attention_*`` needs a CUDA device and its package;
-    without them transformers fails the model load, after the data and any tiny model were
-    built. ``dev``: the resolved ``model.device`` (None when it did not resolve)."""
-    import importlib.util
-
-    attn = cfg.model.attn_implementation
-    if attn not in _FLASH_PACKAGES:
-        return []
-    module, package, install = _FLASH_PACKAGES[attn]
-    other = "run with model.attn_implementation=sdpa (PyTorch's attention: any device, no package)"
-    if dev is not None and dev.type != "cuda":
-        return [
-            f"model.attn_implementation='{attn}' needs CUDA, but model.device="
-            f"'{cfg.model.device}' is {dev}{'' if torch.cuda.is_available() else ' (no CUDA)'}: "
-            f"{other}, or use a CUDA device"
-        ]
-    if importlib.util.find_spec(module) is None:
-        return [
-            f"model.attn_implementation='{attn}' needs the {package} package, which is not "
-            f"installed: {install}, or {other}"
-        ]
-    return []
-
-
-# ------------------------------------------------------------------------------- assets
-
-
-def prepare_data(cfg: Config, ctx: Any) -> str:
-    """Dataset directory; the synthetic task is generated on rank 0 if absent (others wait)."""
-    from paravt.distributed import barrier
-
-    data_dir = cfg.data.path or cfg.data.synth_dir
-    if ctx.is_main and not cfg.data.path:
-        from paravt.data.synth import generate_from_config
-
-        generate_from_config(cfg, data_dir)
-    barrier(ctx)
-    return data_dir
-
-
-def prepare_model(cfg: Config, ctx: Any) -> str:
-    """Model directory; the tiny model is built on rank 0 if absent (others wait)."""
-    from paravt.distributed import barrier
-    from paravt.models.tiny import tiny_checkpoint_args
-
-    tiny_dir, head_dim = tiny_checkpoint_args(cfg)
-    model_dir = cfg.model.path or tiny_dir
-    if ctx.is_main and not cfg.model.path:
-        from paravt.models import build_tiny_checkpoint
-
-        build_tiny_checkpoint(
-            model_dir, seed=cfg.train.seed, vocab=cfg.model.tiny_vocab, head_dim=head_dim
-        )
-    barrier(ctx)
-    return model_dir
-
-
-def prepare_assets(cfg: Config, ctx: Any) -> tuple[str, str]:
-    """Dataset directory and model directory (``prepare_data``, ``prepare_model``)."""
-    return prepare_data(cfg, ctx), prepare_model(cfg, ctx)
-
-
-def read_datasets(cfg: Config, data_dir: str) -> tuple[list[Any], list[Any]]:
-    """Training and validation samples, every row validated (``DatasetError`` names the file,
-    the row and the field). The trainer calls it before any model is built or loaded, so a
-    bad row costs a second, not a checkpoint load. An absent val split falls back to the
-    train prompts; a bad one raises. Validation keeps ``train.eval_prompts`` prompts."""
-    from paravt.data.readers import DatasetError, has_split, load_samples
-
-    root = cfg.data.video_root
-    train = load_samples(data_dir, video_root=root, split="train", max_samples=cfg.data.max_samples)
-    val = load_samples(data_dir, video_root=root, split="val") if has_split(data_dir, "val") else []
-    if not train:
-        raise DatasetError(
-            f"{data_dir}: no usable training row (the split is empty, or every row's video is "
-            "missing: see the warning above); check data.path and data.video_root"
-        )
-    return train, (val or train)[: cfg.train.eval_prompts]
-
-
-@dataclass
-class PromptSampler:
-    """Epoch-wise shuffled prompts; the permutation is a pure function of (seed, epoch), so
-    the sampler's whole state is ``(epoch, pos)`` and resumes exactly."""
-
-    samples: list[Any]
-    seed: int
-    epoch: int = 0
-    pos: int = 0
-    _perm: list[int] = field(default_factory=list, repr=False)
-
-    def _permutation(self) -> list[int]:
-        perm = list(range(len(self.samples)))
-        random.Random(f"paravt-data:{self.seed}:{self.epoch}").shuffle(perm)
-        return perm
-
-    def next(self, n: int) -> list[tuple[Any, int]]:
-        """``n`` (sample, epoch) pairs; epochs roll over mid-batch."""
-        out = []
-        while len(out) < n:
-            if not self._perm:
-                self._perm = self._permutation()
-            if self.pos >= len(self._perm):
-                self.epoch, self.pos = self.epoch + 1, 0
-                self._perm = self._permutation()
-            out.append((self.samples[self._perm[self.pos]], self.epoch))
-            self.pos += 1
-        return out
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load(self, state: dict[str, int]) -> None:
-        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
-        self._perm = self._permutation()
 
 
 def seed_everything(seed: int) -> None:
@@ -284,16 +151,6 @@ class Trainer:
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
-    from paravt.agent.loop import AgentRunner
-    from paravt.algo.loss import make_objective
-    from paravt.algo.reference import ReferencePolicy
-    from paravt.checkpoint import latest_checkpoint, load_trainer_state, set_rng_state
-    from paravt.distributed import load_full_optimizer_state, shard_model
-    from paravt.metrics import MetricsLogger, ThumbnailStore
-    from paravt.models import load_model_from_config
-    from paravt.rollout import make_engine
-    from paravt.sft import run_sft
-
     t = cfg.train
     out = Path(t.out_dir)
     # 0. Data first: a malformed row fails before any model is built or loaded.
@@ -324,8 +181,6 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     bundle = load(ckpt or init_dir)
     policy = bundle.model
     if cfg.algo.freeze_vision_tower:
-        from paravt.sft import freeze_vit
-
         freeze_vit(policy)  # before sharding and the optimizer: frozen tensors never train
     if cfg.model.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
         policy.gradient_checkpointing_enable()
@@ -394,22 +249,6 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
 
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
     """One PARA-GRPO step; returns the step's metrics (global over ranks, on every rank)."""
-    from paravt.agent.loop import stable_seed
-    from paravt.algo.advantages import apply_kl_reward, build_units
-    from paravt.algo.gating import frame_budget
-    from paravt.algo.guard import NonFiniteGuard
-    from paravt.algo.loss import agg_denominator, policy_minibatch_backward
-    from paravt.algo.packing import microbatches, pack_units, split_units
-    from paravt.distributed import (
-        all_gather_objects,
-        all_reduce_sum,
-        balance_buckets,
-        clip_grad_norm,
-        shard_list,
-    )
-    from paravt.metrics import rollout_metrics, trajectory_record
-    from paravt.rewards import score_groups
-
     cfg, ctx, algo = tr.cfg, tr.ctx, tr.cfg.algo
     times: dict[str, float] = {}
     t_step = time.perf_counter()
@@ -444,8 +283,6 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # SIGTERM/SIGUSR1 on any rank, every rank abandons the step here if finishing it would pass
     # train.preempt_grace_s; otherwise the step is finished and the run stops after it.
     if tr.preempt is not None and tr.preempt.should_abandon():
-        from paravt.preempt import StepAbandoned
-
         raise StepAbandoned(step)
 
     # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
@@ -475,11 +312,9 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     with torch.no_grad():
         for b in batches:
             if tr.reference is not None:
-                b.extras["ref_logprobs"] = tr.reference.logprobs(
-                    b, max_tokens=algo.max_tokens_per_microbatch
-                )
+                b.ref_logprobs = tr.reference.logprobs(b, max_tokens=algo.max_tokens_per_microbatch)
             if tr.objective.needs_prox:
-                b.extras["prox_logprobs"] = proximal_logprobs(tr, b)
+                b.prox_logprobs = proximal_logprobs(tr, b)
             pen = apply_kl_reward(b, algo)  # kl_mode=reward: KL penalty into the advantages
             kl_pen += torch.tensor([float(pen.sum()), float(pen.numel())], dtype=torch.float64)
     kl_pen = all_reduce_sum(kl_pen, ctx)
@@ -586,7 +421,12 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     m.update({f"rollout/{k}": float(v) for k, v in zip(keys, counts)})
     m.update(guard.metrics())
     if ctx.is_main and cfg.train.log_trajectories:
-        tr.logger.log_trajectories(step, trajectory_samples(tr, groups, cfg.train.log_trajectories))
+        tr.logger.log_trajectories(
+            step,
+            trajectory_samples(
+                groups, cfg.train.log_trajectories, video_meta=tr.runner.meta, store=tr.thumbs
+            ),
+        )
     return m
 
 
@@ -600,10 +440,8 @@ def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
     """π_prox: the policy before this step's updates, no-grad packed forwards (one per
     micro-batch of ``algo.max_tokens_per_microbatch`` tokens; ``packed_logprobs``) through
     the policy itself (under FSDP2 the sharded policy: no replica is needed for it; the
-    root is resharded after each no-grad forward, see ``paravt.algo.packing._as_root_forward``).
+    root is resharded after each no-grad forward, see ``paravt.models.forward.as_root_forward``).
     """
-    from paravt.algo.packing import packed_logprobs
-
     # Each row under its own sampling T / top-p; packed forwards (algo.max_tokens_per_microbatch).
     lp, _ = packed_logprobs(tr.policy, batch, max_tokens=tr.cfg.algo.max_tokens_per_microbatch)
     return lp.float().cpu()
@@ -616,215 +454,7 @@ def sync_engine(tr: Trainer) -> None:
     dict. FSDP2: the full weights are streamed (``paravt.distributed.full_weights``: one
     entry all-gathered at a time, never a full state dict) into the rank's engine: vLLM's
     reload path, or the HF engine's replica, copied in place."""
-    from paravt.distributed import full_weights
-
     tr.engine.sync_weights(full_weights(tr.policy) if tr.ctx.distributed else tr.policy)
-
-
-def trajectory_samples(tr: Trainer, groups: list[Any], n: int) -> list[dict[str, Any]]:
-    """A few decoded trajectories for ``trajectories.jsonl``: what the model saw and wrote.
-
-    Per trajectory: question, gold answer, K, the video's duration, the overview frames' times
-    and thumbnails (``thumbs``: paths relative to the run folder, None past the
-    ``train.viewer_max_mb`` cap; ``ThumbnailStore``), each turn's text and its calls (status,
-    clamped window, the sub-agent's summary, the parse error, the raw call text), reward and
-    breakdown. This is what ``python -m paravt.view`` renders."""
-    from paravt.metrics import call_record
-    from paravt.video import overview_timestamps
-
-    out = []
-    for g in groups:
-        for t in g.trajectories:
-            if len(out) >= n:
-                return out
-            vis = t.visuals
-            meta = tr.runner.meta(g.sample.video)
-            if vis is not None and vis.timestamps:
-                times = [float(x) for x in vis.timestamps[0]]
-            else:  # visuals without their source frames: the times the loop sampled
-                times = overview_timestamps(meta, g.num_frames)
-            thumbs = None
-            if vis is not None and vis.frames and tr.thumbs is not None:
-                thumbs = tr.thumbs.save(f"{g.sample.id}_K{g.num_frames}", vis.frames[0])
-            out.append(
-                {
-                    "uid": t.uid,
-                    "sample_id": t.sample_id,
-                    "K": g.num_frames,
-                    "question": g.sample.question,
-                    "task": g.sample.question_type,
-                    "answer": g.sample.answer,
-                    "duration": float(meta.duration),
-                    "frame_times": times,
-                    "thumbs": thumbs,
-                    "turns": [
-                        {
-                            "prefix": x.prefix,
-                            "text": x.text,
-                            "forced_answer": x.forced_answer,
-                            "calls": [call_record(c) for c in x.calls],
-                        }
-                        for x in t.turns
-                    ],
-                    "reward": t.reward,
-                    "breakdown": t.reward_breakdown,
-                    "num_sub_agents": sum(s.parent == t.uid for s in g.sub_trajectories),
-                }
-            )
-    return out
-
-
-# ---------------------------------------------------------------------------- evaluation
-
-
-#: Per-condition metrics of :func:`evaluate` (``{condition}/{key}``), besides the interval.
-EVAL_CONDITION_KEYS = (
-    "accuracy",
-    "format_compliance",
-    "parse_error_rate",
-    "tool_calls_per_rollout",
-    "tool_call_rate",
-    "summary_accuracy",
-)
-
-
-def table_rows(cfg: Config) -> list[tuple[str, str]]:
-    """The final table's rows: the first evaluation condition's (and the last step's)
-    behaviour metrics, then accuracy with its 95% interval and the summary accuracy of each
-    ``train.eval_conditions`` entry."""
-    from paravt.config import eval_conditions
-    from paravt.metrics import TABLE_ROWS
-
-    rows = list(TABLE_ROWS)
-    for name, _, tools in eval_conditions(cfg):
-        rows.append((f"{name}/accuracy", f"accuracy {name}"))
-        rows.append((f"{name}/accuracy_ci95", "  +/- (95% interval)"))
-        if tools:
-            rows.append((f"{name}/summary_accuracy", f"summary accuracy {name}"))
-    return rows
-
-
-@torch.no_grad()
-def evaluate(tr: Trainer, seed: int) -> dict[str, float]:
-    """Roll out the validation prompts under each ``train.eval_conditions`` entry
-    (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
-    them: the before/after numbers of the final table.
-
-    Per condition ``{name}/accuracy`` with ``{name}/accuracy_ci95`` (the half-width of its 95%
-    interval, rollouts of one prompt averaged first), format compliance, parse-error rate, tool
-    calls per rollout and ``summary_accuracy`` — the share of executed crops whose sub-agent
-    summary is right about the target (``paravt.data.synth.summary_correct``; synthetic task
-    only). The first condition's metrics are also reported unprefixed (``rollout_metrics``).
-    """
-    from paravt.agent import AgentRunner
-    from paravt.agent.loop import stable_seed
-    from paravt.config import eval_conditions
-    from paravt.data.synth import summary_correct
-    from paravt.distributed import all_gather_objects, shard_list
-    from paravt.metrics import clustered_mean_ci95, rollout_metrics, trajectory_record
-    from paravt.rewards import score_groups
-
-    cfg = tr.cfg
-    if not tr.val_samples:
-        return {}
-    n = len(tr.val_samples) - len(tr.val_samples) % tr.ctx.world_size
-    mine = shard_list(tr.val_samples[:n], tr.ctx)
-    tr.policy.eval()
-    out: dict[str, float] = {}
-    for i, (name, k, tools) in enumerate(eval_conditions(cfg)):
-        runner = tr.runner
-        if not tools:  # the answer is forced in the first turn: no tool round
-            no_tools = replace(cfg, agent=replace(cfg.agent, max_turns=0))
-            runner = AgentRunner(runner.engine, runner.bundle, no_tools, planner=runner.planner)
-        groups = runner.rollout(
-            mine, [k] * len(mine), group_size=cfg.train.eval_samples, seed=stable_seed("eval", seed)
-        )
-        score_groups(groups, cfg.reward)
-        recs = []
-        for g in groups:
-            for t in g.trajectories:
-                r = trajectory_record(t, g.num_frames)
-                r["prompt"] = g.sample.id
-                checks = [
-                    summary_correct(c.response, c.start, c.end, g.sample)
-                    for turn in t.turns
-                    for c in turn.calls
-                    if c.status == "ok" and c.start is not None and c.end is not None
-                ]
-                r["summary_ok"] = [float(x) for x in checks if x is not None]
-                recs.append(r)
-        recs = [r for part in all_gather_objects(recs, tr.ctx) for r in part]
-        m = rollout_metrics(recs)
-        acc = [r["breakdown"].get("acc", 0.0) for r in recs]
-        m["accuracy"], m["accuracy_ci95"] = clustered_mean_ci95(acc, [r["prompt"] for r in recs])
-        oks = [x for r in recs for x in r["summary_ok"]]
-        m["summary_accuracy"] = sum(oks) / len(oks) if oks else float("nan")
-        m["prompts"] = float(len({r["prompt"] for r in recs}))
-        if i == 0:
-            out.update(m)
-        for key in (*EVAL_CONDITION_KEYS, "accuracy_ci95", "prompts"):
-            out[f"{name}/{key}"] = m[key]
-    return out
-
-
-# ---------------------------------------------------------------------------- checkpoint
-
-
-def save(tr: Trainer, step: int, *, data: dict[str, int] | None = None, rng: Any = None) -> bool:
-    """Checkpoint ``step`` (rank 0 writes; every rank takes part in gathering the state).
-
-    ``data`` / ``rng``: the prompt sampler's position and this rank's RNG states to record
-    instead of the current ones (a preemption that abandoned step ``step + 1`` saves the state
-    that step started from; the weights, optimizer and schedule are still step ``step``'s).
-
-    A failed write (disk full ...) leaves the previous checkpoint the newest; then
-    ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
-    (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
-    from paravt.checkpoint import CheckpointSaveError, rng_state, save_checkpoint
-    from paravt.distributed import (
-        all_gather_objects,
-        full_optimizer_state,
-        full_state_dict,
-    )
-
-    model_state = full_state_dict(tr.policy, tr.ctx)
-    optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
-    rngs = all_gather_objects(rng_state() if rng is None else rng, tr.ctx)
-    failed: CheckpointSaveError | None = None
-    if tr.ctx.is_main:
-        try:
-            save_checkpoint(
-                tr.cfg.train.out_dir,
-                step,
-                model=tr.policy,
-                model_state=model_state,
-                trainer_state={
-                    "optimizer": optim_state,
-                    "scheduler": tr.scheduler.state_dict(),
-                    "rng": rngs,
-                    "data": tr.sampler.state() if data is None else data,
-                    "world_size": tr.ctx.world_size,
-                },
-                tokenizer=tr.bundle.tokenizer,
-                source_dir=tr.init_dir,
-                keep_last=tr.cfg.train.keep_last,
-            )
-        except CheckpointSaveError as e:
-            failed = e
-    # Every rank learns rank 0's outcome (this is also the barrier after the save).
-    said = all_gather_objects("" if failed is None else str(failed), tr.ctx)[0]
-    if not said:
-        return True
-    if tr.cfg.train.on_save_error == "continue":
-        if tr.ctx.is_main:
-            print(
-                f"[train] warning: {said} Training goes on without it "
-                "(train.on_save_error=continue).",
-                file=sys.stderr,
-                flush=True,
-            )
-        return False
-    raise failed or CheckpointSaveError(said)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -835,9 +465,6 @@ def run(cfg: Config) -> dict[str, Any]:
     ``"preempted"`` (``_preempted``) when a SIGTERM/SIGUSR1 stopped it early (``after`` then
     empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``).
     """
-    from paravt.distributed import init_distributed, world_size_from_env
-    from paravt.preempt import Preemption
-
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
     ctx = init_distributed(cfg.model.device)
     with Preemption(cfg.train.preempt_grace_s, ctx) as pre:
@@ -845,12 +472,6 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
-    from paravt.alarms import CollapseDetector
-    from paravt.checkpoint import rng_state
-    from paravt.distributed import cleanup
-    from paravt.metrics import format_table, plot_summary, postfix, progress_bar, read_metrics
-    from paravt.preempt import StepAbandoned
-
     out = Path(cfg.train.out_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -905,7 +526,7 @@ def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
             pre.enter(step, "checkpoint")
             t0 = time.perf_counter()
-            if save(tr, step):
+            if save_trainer(tr, step):
                 saved = step
             pre.save_s = time.perf_counter() - t0
     bar.close()
@@ -947,8 +568,6 @@ def _preempted(
     "phase", "ranks", "outcome", "checkpoint", "ok", "seconds"}``: ``ok`` False when the
     checkpoint could not be written (``train.on_save_error=continue``; ``main`` exits 1).
     """
-    from paravt.checkpoint import step_dirname
-
     pre, t = tr.preempt, tr.cfg.train
     ckpt_dir = Path(t.out_dir) / "checkpoints"
     ok, wrote = True, ""
@@ -956,9 +575,9 @@ def _preempted(
         pre.enter(done, "checkpoint")
         t0 = time.perf_counter()
         if begin is None:
-            ok = save(tr, done)
+            ok = save_trainer(tr, done)
         else:
-            ok = save(tr, done, data=begin[0], rng=begin[1])
+            ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
         wrote = f" written in {time.perf_counter() - t0:.1f} s"
         path = str(ckpt_dir / step_dirname(done))
     elif done > 0:
@@ -1003,9 +622,6 @@ def _preempted(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from paravt.checkpoint import CheckpointSaveError
-    from paravt.data.readers import DatasetError
-
     try:
         cfg, _ = parse_args(argv)
         res = run(cfg)

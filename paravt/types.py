@@ -247,8 +247,52 @@ class Group:
 
 
 @dataclass
+class SequenceUnit:
+    """One main trajectory and the sub-agent trajectories it spawned (trained together).
+
+    ``advantage`` is the main trajectory's group-relative advantage
+    (``paravt.algo.advantages.build_units``); ``sub_weight`` the loss weight of each sub row
+    (1/len(subs)). Minibatches are cut between units, never inside one, so a sub row always
+    finds its parent in the same packed batch (``paravt.algo.packing.pack_units``).
+    """
+
+    main: Trajectory
+    subs: list[Trajectory]
+    advantage: float
+    group_id: int
+
+    @property
+    def sub_weight(self) -> float:
+        return 1.0 / len(self.subs) if self.subs else 0.0
+
+    @property
+    def sequences(self) -> list[Trajectory]:
+        return [self.main, *self.subs]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of all its rows (the cost ``paravt.distributed.balance_buckets`` evens out)."""
+        return sum(len(t.tokens) for t in self.sequences)
+
+    def portable(self) -> SequenceUnit:
+        """A copy to send to another rank (``paravt.distributed.balance_buckets``): every tensor
+        it carries (pixels, source frames, extras) on the CPU in storage of its own."""
+
+        def own(t: Trajectory) -> Trajectory:
+            extras = {k: own_tensor(v) if torch.is_tensor(v) else v for k, v in t.extras.items()}
+            vis = None if t.visuals is None else t.visuals.compact()
+            return replace(t, visuals=vis, extras=extras)
+
+        return replace(self, main=own(self.main), subs=[own(s) for s in self.subs])
+
+
+@dataclass
 class PackedBatch:
-    """A padding-free batch: sequences concatenated, boundaries in ``cu_seqlens``."""
+    """A padding-free batch: sequences concatenated, boundaries in ``cu_seqlens``.
+
+    Built by ``paravt.algo.packing.pack_units``; cut and joined by ``select_sequences``,
+    ``trained_rows`` and ``concat_packed`` there, which carry every field below along.
+    """
 
     input_ids: torch.Tensor  # (N,) int64
     cu_seqlens: torch.Tensor  # (B+1,) int32
@@ -263,4 +307,31 @@ class PackedBatch:
     top_ps: torch.Tensor | None = None
     uids: list[str] = field(default_factory=list)
     visuals: list[VisualInputs | None] = field(default_factory=list)
-    extras: dict[str, Any] = field(default_factory=dict)
+    # (N,) int64 ``MM_TEXT`` / ``MM_IMAGE`` / ``MM_VIDEO`` of each token (what the backbone's
+    # ``get_rope_index`` and placeholder scatter read); ``pack_units`` always fills it, from
+    # ``Trajectory.extras['mm_token_type_ids']``. None only for batches no model sees.
+    mm_token_type_ids: torch.Tensor | None = None
+    # (B,) int64: for a sub-agent row the index of its main row in this batch, -1 for a main
+    # row (``pack_units``; its advantage is the parent's). Dropped by ``select_sequences`` /
+    # ``trained_rows`` (a view need not hold the parents), re-based by ``concat_packed``.
+    parent_index: torch.Tensor | None = None
+    # (B,) ``Trajectory.role`` of each row ('main' / 'sub'); [] after ``trained_rows``.
+    roles: list[str] = field(default_factory=list)
+    # (N,) float32 log π_ref of every trained token (0 elsewhere): the frozen reference's
+    # no-grad pass, filled by the trainer when ``algo.kl_coef != 0`` (the KL term or the
+    # ``kl_mode=reward`` penalty); None otherwise.
+    ref_logprobs: torch.Tensor | None = None
+    # (N,) float32 log π_prox (the policy before this step's updates, one no-grad pass),
+    # filled by the trainer for ``algo.loss=decoupled`` (``PolicyObjective.needs_prox``).
+    prox_logprobs: torch.Tensor | None = None
+
+    def token_types(self) -> torch.Tensor:
+        """``mm_token_type_ids`` ``(N,)``; ``ValueError`` when the batch has none (a forward
+        cannot place visual features without them)."""
+        if self.mm_token_type_ids is None:
+            raise ValueError(
+                "PackedBatch.mm_token_type_ids is None: a model forward needs each token's "
+                "modality; build batches with pack_units (it copies "
+                "Trajectory.extras['mm_token_type_ids']) or set the field"
+            )
+        return self.mm_token_type_ids

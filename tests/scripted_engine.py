@@ -52,7 +52,7 @@ def own_score(model, r, ids) -> list[float]:
     the request's sampling parameters."""
     import torch
 
-    from paravt.algo.packing import sequence_logprobs
+    from paravt.algo.logprobs import sequence_logprobs
 
     mm = list(r.extras["mm_token_type_ids"]) + [0] * (len(ids) - len(r.prompt_ids))
     with torch.no_grad():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from paravt.agent import AgentRunner, encode_oracle_trajectory
-from paravt.algo.packing import sequence_logprobs
+from paravt.algo.logprobs import sequence_logprobs
 from paravt.config import load_config
 from paravt.data.readers import load_samples
 from paravt.models import build_tiny_checkpoint, load_model

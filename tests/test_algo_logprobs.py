@@ -31,7 +31,7 @@ from paravt.algo.naive import materialised_row_logprobs, materialised_sequence_l
 
 
 def new_row(model, batch, i: int, with_entropy: bool = False):
-    from paravt.algo.packing import row_logprobs
+    from paravt.algo.logprobs import row_logprobs
 
     return row_logprobs(model, batch, i, with_entropy)
 
@@ -57,8 +57,8 @@ def step(assets, tmp_path_factory):
     """One train_step with counters; returns what the tests below check."""
     import paravt_kernels
 
+    import paravt.algo.logprobs as logprobs_mod
     import paravt.algo.loss as loss_mod
-    import paravt.algo.packing as packing
     from paravt.train import train_step
 
     tr = scripted_trainer(
@@ -78,7 +78,7 @@ def step(assets, tmp_path_factory):
     rec = {"in_pass": 0, "packed_passes": 0, "policy_parts": 0, "head_in_pass": 0}
     rec.update(head_total=0, logprob_calls=[], fused_calls=[])
     real_lp, real_fused = paravt_kernels.linear_logprob, paravt_kernels.linear_policy_loss
-    real_packed, real_part = packing._packed_logprob_rows, loss_mod.policy_part_loss
+    real_packed, real_part = logprobs_mod.packed_logprob_rows, loss_mod.policy_part_loss
     real_backward = loss_mod.minibatch_backward
 
     def counting(real, key):
@@ -114,7 +114,7 @@ def step(assets, tmp_path_factory):
     hooks = [m.lm_head.register_forward_hook(head_hook) for m in (tr.policy, tr.reference.model)]
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(packing, "_packed_logprob_rows", counting(real_packed, "packed_passes"))
+            mp.setattr(logprobs_mod, "packed_logprob_rows", counting(real_packed, "packed_passes"))
             mp.setattr(loss_mod, "policy_part_loss", counting(real_part, "policy_parts"))
             mp.setattr(paravt_kernels, "linear_logprob", counting_lp)
             mp.setattr(paravt_kernels, "linear_policy_loss", counting_fused)
@@ -130,7 +130,7 @@ def step(assets, tmp_path_factory):
 def test_train_step_goes_through_packed_forwards_and_fused_kernels_not_lm_head(step):
     batch = step["batch"]
     n_seq = batch.cu_seqlens.numel() - 1
-    roles = batch.extras["roles"]
+    roles = batch.roles
     assert roles.count("main") == 4 and roles.count("sub") >= 2, roles
     assert sorted(set(batch.temperatures.tolist())) == pytest.approx([SUB_T, MAIN_T])
     # The whole minibatch fits one micro-batch: reference + proximal = two packed forwards
@@ -197,7 +197,7 @@ def _assert_same_grads(g_new, g_old):
 def test_trainer_passes_match_the_materialised_path(step):
     """The reference / proximal log-probs the step used are the packed path's, and equal the
     materialised path's on every trained token (0 elsewhere)."""
-    from paravt.algo.packing import packed_logprobs
+    from paravt.algo.logprobs import packed_logprobs
 
     model, batch = step["model"], step["batch"]
     m = batch.loss_mask.bool()
@@ -207,9 +207,10 @@ def test_trainer_passes_match_the_materialised_path(step):
             [materialised_row_logprobs(model, batch, i)[0] for i in range(len(batch.uids))]
         )
     for k in ("prox_logprobs", "ref_logprobs"):  # step 1, sft.steps=0: both are these weights
-        torch.testing.assert_close(batch.extras[k], packed, rtol=0, atol=1e-6)
-        torch.testing.assert_close(batch.extras[k][m], old[m], rtol=0, atol=1e-5)
-        assert (batch.extras[k][~m] == 0).all()  # not gathered -> 0
+        lp = getattr(batch, k)
+        torch.testing.assert_close(lp, packed, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lp[m], old[m], rtol=0, atol=1e-5)
+        assert (lp[~m] == 0).all()  # not gathered -> 0
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
@@ -232,7 +233,7 @@ def test_ppo_minibatch_loss_and_gradients_match_the_materialised_path(step, agg,
     den = agg_denominator(make_objective(algo).effective_mask(batch), batch, agg)
     assert loss_new == pytest.approx(res_old.loss_num / den, rel=1e-6, abs=0)
     m = batch.loss_mask.bool()
-    w = (batch.extras["prox_logprobs"] - batch.old_logprobs)[m].exp()
+    w = (batch.prox_logprobs - batch.old_logprobs)[m].exp()
     assert (w - 1).abs().max() > 0.2  # the +-0.3 behaviour shifts: weights pi_prox/mu != 1
     assert res_new.stats["kl_mean"] == pytest.approx(res_old.stats["kl_mean"], rel=1e-5, abs=1e-9)
     assert res_new.entropy_sum == pytest.approx(res_old.entropy_sum, rel=1e-5)
@@ -294,13 +295,13 @@ def test_top_p_below_one_matches_the_materialised_path_on_gathered_rows(step):
 
 
 def test_target_mask_of_the_wrong_length_is_refused(step):
-    from paravt.algo.packing import sequence_logprobs
+    from paravt.algo.logprobs import sequence_logprobs
 
     batch = step["batch"]
     n = int(batch.cu_seqlens[1])
     with pytest.raises(ValueError, match=rf"target_mask has {n - 1} entries for {n} tokens"):
         sequence_logprobs(
-            step["model"], batch.input_ids[:n], batch.extras["mm_token_type_ids"][:n],
+            step["model"], batch.input_ids[:n], batch.mm_token_type_ids[:n],
             batch.visuals[0], target_mask=batch.loss_mask[: n - 1],
         )  # fmt: skip
 

@@ -7,11 +7,10 @@ import copy
 import pytest
 import torch
 
-from paravt.algo.advantages import SequenceUnit
 from paravt.algo.loss import DecoupledPPO, PPOClip, agg_denominator, make_objective
 from paravt.algo.packing import pack_units, split_units
 from paravt.config import AlgoConfig
-from paravt.types import Trajectory
+from paravt.types import SequenceUnit, Trajectory
 
 AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -115,7 +114,7 @@ def test_rank_split_with_global_denominator_equals_full_batch(agg: str) -> None:
     cfg = AlgoConfig(agg=agg, kl_coef=0.05)
     units = _units(seed=5, n_units=6)
     full = pack_units(units)
-    full.extras["ref_logprobs"] = full.old_logprobs - 0.1 * full.loss_mask
+    full.ref_logprobs = full.old_logprobs - 0.1 * full.loss_mask
     obj = make_objective(cfg)
     lp_full = _policy_lp(full)
     loss_full, _ = obj(lp_full, full)
@@ -124,7 +123,7 @@ def test_rank_split_with_global_denominator_equals_full_batch(agg: str) -> None:
     shards = split_units(units, 2)
     packs = [pack_units(s) for s in shards]
     for p in packs:
-        p.extras["ref_logprobs"] = p.old_logprobs - 0.1 * p.loss_mask
+        p.ref_logprobs = p.old_logprobs - 0.1 * p.loss_mask
     dens = [agg_denominator(obj.effective_mask(p), p, agg) for p in packs]
     world, total = len(packs), sum(dens)
     loss_sum, grads = 0.0, []
@@ -151,7 +150,7 @@ def test_decoupled_uses_proximal_policy_and_caps_behaviour_weight() -> None:
     with pytest.raises(ValueError, match="prox_logprobs"):
         obj(lp, batch)
     g = torch.Generator().manual_seed(9)
-    batch.extras["prox_logprobs"] = (
+    batch.prox_logprobs = (
         batch.old_logprobs
         + 0.8 * torch.rand(batch.old_logprobs.shape, generator=g) * batch.loss_mask
     )
@@ -160,9 +159,9 @@ def test_decoupled_uses_proximal_policy_and_caps_behaviour_weight() -> None:
     assert 0 < stats["n_capped"].item() < batch.loss_mask.sum().item()
     assert stats["n_tokens"].item() == pytest.approx(eff.sum().item())
     # With prox == policy (ratio 1) the loss is the behaviour-weighted -A over surviving tokens.
-    lp2 = batch.extras["prox_logprobs"].clone().requires_grad_(True)
+    lp2 = batch.prox_logprobs.clone().requires_grad_(True)
     loss2, _ = make_objective(AlgoConfig(loss="decoupled", behav_cap=1.5, kl_coef=0.0))(lp2, batch)
-    w = torch.exp(batch.extras["prox_logprobs"] - batch.old_logprobs)
+    w = torch.exp(batch.prox_logprobs - batch.old_logprobs)
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long()
     w_tok = torch.repeat_interleave(batch.seq_weights, lengths)  # sub rows weigh 1/n
     expected = (-batch.advantages * w * eff * w_tok).sum() / (eff * w_tok).sum()
@@ -174,7 +173,7 @@ def test_kl_term_is_zero_at_reference_and_positive_away() -> None:
     batch = pack_units(_units(seed=4))
     obj = make_objective(AlgoConfig(kl_coef=0.1, kl_type="k3"))
     assert obj.needs_ref
-    batch.extras["ref_logprobs"] = batch.old_logprobs.clone()
+    batch.ref_logprobs = batch.old_logprobs.clone()
     _, st0 = obj(batch.old_logprobs.clone().requires_grad_(True), batch)
     assert st0["kl_mean"].item() == pytest.approx(0.0, abs=1e-7)
     _, st1 = obj(_policy_lp(batch), batch)
@@ -194,8 +193,8 @@ def test_part_accumulation_equals_packed_gradient(agg: str, grouping: str) -> No
 
     cfg = AlgoConfig(agg=agg, kl_coef=0.02, loss="decoupled", behav_cap=1.8)
     batch = pack_units(_units(seed=7))
-    batch.extras["ref_logprobs"] = batch.old_logprobs - 0.2 * batch.loss_mask
-    batch.extras["prox_logprobs"] = batch.old_logprobs + 0.5 * batch.loss_mask * torch.sin(
+    batch.ref_logprobs = batch.old_logprobs - 0.2 * batch.loss_mask
+    batch.prox_logprobs = batch.old_logprobs + 0.5 * batch.loss_mask * torch.sin(
         batch.input_ids.float()
     )
     obj = make_objective(cfg)
@@ -234,7 +233,7 @@ def test_part_accumulation_equals_packed_gradient(agg: str, grouping: str) -> No
 def _with_ref(batch, seed: int):
     g = torch.Generator().manual_seed(seed)
     ref = batch.old_logprobs - 0.4 * torch.rand(batch.old_logprobs.shape, generator=g) + 0.1
-    batch.extras["ref_logprobs"] = ref * batch.loss_mask
+    batch.ref_logprobs = ref * batch.loss_mask
     return batch
 
 
@@ -244,7 +243,7 @@ def test_kl_reward_mode_moves_advantages_by_the_kl_return_to_go() -> None:
     beta = 0.05
     batch = _with_ref(pack_units(_units(seed=11)), seed=1)
     before = batch.advantages.clone()
-    old, ref, m = batch.old_logprobs, batch.extras["ref_logprobs"], batch.loss_mask
+    old, ref, m = batch.old_logprobs, batch.ref_logprobs, batch.loss_mask
     algo = AlgoConfig(kl_coef=beta, kl_type="k1", kl_mode="reward")
     totals = apply_kl_reward(batch, algo)
 
@@ -277,13 +276,13 @@ def test_kl_reward_mode_moves_advantages_by_the_kl_return_to_go() -> None:
     batch.advantages = before.clone()
     forced = (m == 0).nonzero().flatten()
     assert forced.numel() > 0
-    batch.extras["ref_logprobs"] = ref.clone().index_fill_(0, forced, float("-inf"))
+    batch.ref_logprobs = ref.clone().index_fill_(0, forced, float("-inf"))
     apply_kl_reward(batch, algo)
     assert torch.isfinite(batch.advantages).all()
     torch.testing.assert_close(batch.advantages, shaped, atol=1e-6, rtol=0)
 
     # k1 in reward mode needs the reference's log-probs.
-    batch.extras.pop("ref_logprobs")
+    batch.ref_logprobs = None
     with pytest.raises(ValueError, match="ref_logprobs"):
         apply_kl_reward(batch, algo)
 
@@ -305,7 +304,7 @@ def test_kl_loss_mode_is_unchanged() -> None:
     loss, _ = obj(lp, batch)
     want, _ = policy_loss(
         lp, batch.old_logprobs, batch.advantages, batch.loss_mask,
-        ref_logprob=batch.extras["ref_logprobs"], kl_coef=0.05, kl_type="k3",
+        ref_logprob=batch.ref_logprobs, kl_coef=0.05, kl_type="k3",
         clip_low=0.2, clip_high=0.2, agg=algo.agg, cu_seqlens=batch.cu_seqlens,
         seq_weights=batch.seq_weights,
     )  # fmt: skip

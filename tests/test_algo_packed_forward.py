@@ -1,5 +1,5 @@
-"""Packed multi-sequence forwards (``paravt.algo.packing.packed_hidden_states``, the "packed"
-log-prob path, ``microbatches``) against the one-sequence-per-forward reference.
+"""Packed multi-sequence forwards (``paravt.models.forward.packed_hidden_states``, the
+"packed" log-prob path of ``paravt.algo.logprobs``, ``microbatches``) against the one-sequence-per-forward reference.
 
 The batch is a real one: the scripted tiny-model step of ``scripted_engine`` (main rows with
 their video, sub-agent rows with their crop clips, main T = 0.7, sub T = 0.3), captured at the
@@ -25,7 +25,7 @@ def _text_only(batch, i: int):
     from paravt.types import PackedBatch
 
     a, b = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-    keep = batch.extras["mm_token_type_ids"][a:b] == 0
+    keep = batch.mm_token_type_ids[a:b] == 0
     n = int(keep.sum())
     return PackedBatch(
         input_ids=batch.input_ids[a:b][keep],
@@ -38,11 +38,9 @@ def _text_only(batch, i: int):
         top_ps=torch.tensor([1.0]),
         uids=[batch.uids[i] + "/text"],
         visuals=[None],
-        extras={
-            "mm_token_type_ids": torch.zeros(n, dtype=torch.int64),
-            "parent_index": torch.tensor([-1]),
-            "roles": ["main"],
-        },
+        mm_token_type_ids=torch.zeros(n, dtype=torch.int64),
+        parent_index=torch.tensor([-1]),
+        roles=["main"],
     )
 
 
@@ -70,7 +68,6 @@ def setup(assets, tmp_path_factory):
         with pytest.raises(_Captured):
             train_step(tr, 1)
     batch = rec["batch"]
-    batch.extras = {k: batch.extras[k] for k in ("mm_token_type_ids", "parent_index", "roles")}
     batch = concat_packed([batch, _text_only(batch, 0)])
     model = tr.policy
     model.eval()
@@ -83,14 +80,14 @@ def _alone(model, batch, i: int) -> torch.Tensor:
 
     a, b = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
     inputs = build_model_inputs(
-        batch.input_ids[a:b].tolist(), batch.extras["mm_token_type_ids"][a:b].tolist(),
+        batch.input_ids[a:b].tolist(), batch.mm_token_type_ids[a:b].tolist(),
         batch.visuals[i], "cpu", merge_size=int(model.config.vision_config.spatial_merge_size),
     )  # fmt: skip
     return model.model(**inputs, use_cache=False).last_hidden_state[0]
 
 
 def _packs(batch) -> list[list[int]]:
-    roles = batch.extras["roles"]
+    roles = batch.roles
     n = len(roles)
     mains = [i for i, r in enumerate(roles) if r == "main" and batch.visuals[i] is not None]
     subs = [i for i, r in enumerate(roles) if r == "sub"]
@@ -112,7 +109,7 @@ def test_batch_mixes_visual_and_text_only_rows_of_different_lengths(setup):
 def test_packed_hidden_states_equal_per_sequence_forwards(setup, vision):
     """With the project's packed vision encoder (``model.packed_vision``, the default) and
     with HF's own vision forward (several grids in one call there too)."""
-    from paravt.algo.packing import packed_hidden_states
+    from paravt.models.forward import packed_hidden_states
 
     model, batch = setup
     assert "get_image_features" in model.model.__dict__  # use_packed_vision installed
@@ -131,14 +128,14 @@ def test_packed_hidden_states_equal_per_sequence_forwards(setup, vision):
 def test_packing_without_the_block_diagonal_mask_differs(setup):
     """The mask is necessary: the same packed row under plain causal attention (later
     sequences attend to earlier ones) is wrong from the second sequence on."""
-    from paravt.algo.packing import _packed_hidden, _packed_inputs, packed_attention_kwargs
+    from paravt.models.forward import _packed_inputs, packed_attention_kwargs, packed_hidden
 
     model, batch = setup
     seqs = _packs(batch)[1]
     n0 = int(batch.cu_seqlens[seqs[0] + 1] - batch.cu_seqlens[seqs[0]])
     with torch.no_grad():
-        good = _packed_hidden(model, batch, seqs)
-        bad = _packed_hidden(model, batch, seqs, isolate=False)
+        good = packed_hidden(model, batch, seqs)
+        bad = packed_hidden(model, batch, seqs, isolate=False)
         ref = torch.cat([_alone(model, batch, i) for i in seqs])
         # Not relied on, pinned: transformers' own packed-sequence detection (no mask; the
         # restarting text row of the 4-row position ids) also isolates the sequences.
@@ -165,7 +162,8 @@ def test_packing_without_the_block_diagonal_mask_differs(setup):
 def test_packed_path_equals_per_sequence_path(setup, top_p):
     import paravt_kernels
 
-    from paravt.algo.packing import microbatches, packed_logprobs
+    from paravt.algo.logprobs import packed_logprobs
+    from paravt.algo.packing import microbatches
 
     model, batch = setup
     batch = copy.copy(batch)
@@ -201,7 +199,7 @@ def test_packed_path_equals_per_sequence_path(setup, top_p):
 
 
 def test_gradients_through_packed_forward_equal_per_sequence_sum(setup):
-    from paravt.algo.packing import packed_logprobs
+    from paravt.algo.logprobs import packed_logprobs
 
     model, batch = setup
     model.train()
@@ -251,7 +249,7 @@ def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup
     """SDPA (CPU): the language model's attention runs once per sequence (query lengths
     ``L_i``, never ``N``, no mask tensor anywhere): ``sum L_i^2`` work, no ``N x N`` anything.
     Eager (the additive 4-D mask) gives the same hidden states."""
-    from paravt.algo.packing import VARLEN_SDPA, _packed_hidden
+    from paravt.models.forward import VARLEN_SDPA, packed_hidden
 
     model, batch = setup
     seqs = _packs(batch)[2]
@@ -263,9 +261,7 @@ def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup
         calls.append((q.shape[-2], attn_mask is None, kw.get("is_causal")))
         return real(q, k, v, attn_mask, *a, **kw)
 
-    import paravt.algo.packing as packing
-
-    real_varlen = packing.varlen_sdpa_attention
+    from paravt.models.forward import varlen_sdpa_attention as real_varlen
 
     def mask_spy(module, q, k, v, attention_mask, *a, **kw):
         masks.append(attention_mask)
@@ -280,10 +276,10 @@ def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
             if impl == "sdpa":
-                _packed_hidden(model, batch, seqs[:1])  # registers VARLEN_SDPA
+                packed_hidden(model, batch, seqs[:1])  # registers VARLEN_SDPA
                 mp.setitem(AttentionInterface._global_mapping, VARLEN_SDPA, mask_spy)
                 calls.clear()
-            h = _packed_hidden(model, batch, seqs)
+            h = packed_hidden(model, batch, seqs)
         after = lm_cfg._attn_implementation
     finally:
         lm_cfg._attn_implementation = old
@@ -303,7 +299,7 @@ def test_sdpa_packed_forward_attends_per_sequence_never_over_the_whole_row(setup
 def test_packed_forward_under_gradient_checkpointing(setup):
     """Gradient checkpointing re-runs each layer in the backward: the re-run takes the same
     per-sequence attention, and the gradients equal those without checkpointing."""
-    from paravt.algo.packing import _packed_hidden
+    from paravt.models.forward import packed_hidden
 
     model, batch = setup
     model = copy.deepcopy(model).train()
@@ -316,7 +312,7 @@ def test_packed_forward_under_gradient_checkpointing(setup):
         if ckpt:
             model.gradient_checkpointing_enable()
         model.zero_grad(set_to_none=True)
-        (_packed_hidden(model, batch, seqs) @ w).sum().backward()
+        (packed_hidden(model, batch, seqs) @ w).sum().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
     for n, g in grads[0].items():

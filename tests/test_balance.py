@@ -78,7 +78,7 @@ def test_one_rank_is_a_no_op() -> None:
 WORKER = textwrap.dedent(
     """
     import sys, torch
-    from paravt.algo.advantages import SequenceUnit
+    from paravt.types import SequenceUnit
     from paravt.distributed import balance_buckets, cleanup, init_distributed
     from paravt.types import Trajectory, VisualInputs
 

@@ -9,10 +9,11 @@ import io
 import pytest
 import torch
 
-from paravt.algo.packing import sequence_logprobs
+from paravt.algo.logprobs import sequence_logprobs
 from paravt.models import build_tiny_checkpoint, load_model
+from paravt.models.sampling import top_p_filter
 from paravt.rollout.engine import Engine, GenerationRequest, SamplingParams
-from paravt.rollout.hf import HFEngine, top_p_filter
+from paravt.rollout.hf import HFEngine
 from paravt.vision.preprocess import encode_clip
 
 TOL = 1e-4  # behaviour vs teacher-forced log-prob (float32, batched sdpa vs unpadded)

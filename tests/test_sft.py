@@ -123,11 +123,12 @@ def test_packed_sft_loss_equals_one_forward_per_sequence(assets, tmp_path, max_t
     """sft_loss packs the batch (main and sub-agent rows) into micro-batches of one forward
     each: the same NLL and the same gradient of every parameter as one ``sequence_logprobs``
     forward per sequence (fp32), with one micro-batch and with a 700-token budget (several)."""
-    from paravt.algo.advantages import SequenceUnit
-    from paravt.algo.packing import microbatches, pack_units, sequence_logprobs
+    from paravt.algo.logprobs import sequence_logprobs
+    from paravt.algo.packing import microbatches, pack_units
     from paravt.data.readers import load_samples
     from paravt.models import load_model
     from paravt.sft import encode_records, sft_loss
+    from paravt.types import SequenceUnit
 
     cfg = _cfg(assets, tmp_path)
     bundle = load_model(assets["model"], device="cpu")

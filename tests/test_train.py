@@ -131,7 +131,7 @@ def test_frame_budget_reaches_the_prompt(assets, tmp_path, gating: bool) -> None
 
 
 def test_config_errors_are_reported_before_loading(tmp_path) -> None:
-    from paravt.train import validate_run
+    from paravt.validate import validate_run
 
     cfg = load_config(overrides=[f"train.out_dir={tmp_path}", "train.prompts_per_step=3"])
     with pytest.raises(ConfigError, match="not divisible by the world size 2"):
@@ -145,7 +145,7 @@ def test_config_errors_are_reported_before_loading(tmp_path) -> None:
 
 
 def test_k_too_large_for_the_model_context(assets, tmp_path) -> None:
-    from paravt.train import validate_run
+    from paravt.validate import validate_run
 
     cfg = load_config(
         overrides=[
@@ -161,7 +161,7 @@ def test_k_too_large_for_the_model_context(assets, tmp_path) -> None:
 def test_k_too_large_for_the_vllm_context(assets) -> None:
     """vLLM serves at most rollout.vllm_max_model_len tokens (0: the model's, capped): a budget
     the model itself could hold must still fit that, checked before anything loads."""
-    from paravt.train import validate_run
+    from paravt.validate import validate_run
 
     fits = [f"model.path={assets['model']}", "video.frame_budgets=[4,64]"]
     validate_run(load_config(overrides=fits), world_size=1)  # the HF engine: fits
@@ -188,10 +188,10 @@ def _forbid_building(monkeypatch) -> None:
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was built or loaded before the input was validated")
 
-    monkeypatch.setattr("paravt.models.build_tiny_checkpoint", forbidden)
-    monkeypatch.setattr("paravt.models.load_model_from_config", forbidden)
-    monkeypatch.setattr("paravt.sft.run_sft", forbidden)
-    monkeypatch.setattr("paravt.data.synth.generate_from_config", forbidden)
+    monkeypatch.setattr("paravt.assets.build_tiny_checkpoint", forbidden)
+    monkeypatch.setattr("paravt.assets.generate_from_config", forbidden)
+    monkeypatch.setattr("paravt.train.load_model_from_config", forbidden)
+    monkeypatch.setattr("paravt.train.run_sft", forbidden)
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
@@ -244,7 +244,7 @@ def test_paper_preset_without_model_path_fails_before_anything_is_built(
 def test_flash_attention_needs_cuda_and_the_flash_attn_package(tmp_path, monkeypatch) -> None:
     import importlib.util
 
-    from paravt.train import validate_run
+    from paravt.validate import validate_run
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -284,7 +284,7 @@ def test_flash_attention_needs_cuda_and_the_flash_attn_package(tmp_path, monkeyp
 def test_vllm_engine_without_vllm_fails_before_loading(tmp_path, monkeypatch) -> None:
     """rollout.engine=vllm (the paper presets') is checked before the policy and the
     reference load, not by the engine factory after them."""
-    from paravt.train import validate_run
+    from paravt.validate import validate_run
 
     why = "ModuleNotFoundError: No module named 'vllm'"
     monkeypatch.setattr("paravt.rollout.vllm.vllm_available", lambda: (False, why))

@@ -95,20 +95,20 @@ def _assert_skipped_at_fault_step(seen: dict[int, tuple], rows: dict[int, dict])
 
 
 def test_nan_reward_skips_the_step_update(assets, tmp_path, monkeypatch, capsys) -> None:
-    import paravt.rewards as rewards
+    import paravt.train as train
 
-    real_score = rewards.score_groups
+    real_score = train.score_groups
     poisoned: list[str] = []
 
     def fault(tr: Any):
-        def score(groups, cfg):  # train_step imports score_groups from paravt.rewards
+        def score(groups, cfg):  # train_step's score_groups (imported from paravt.rewards)
             real_score(groups, cfg)
             t = groups[0].trajectories[1]
             t.reward = float("nan")
             poisoned.append(t.sample_id)
 
-        monkeypatch.setattr(rewards, "score_groups", score)
-        return lambda: monkeypatch.setattr(rewards, "score_groups", real_score)
+        monkeypatch.setattr(train, "score_groups", score)
+        return lambda: monkeypatch.setattr(train, "score_groups", real_score)
 
     seen = _run_with_fault(assets, tmp_path / "run", monkeypatch, fault)
     rows = _strict_rows(tmp_path / "run" / "metrics.jsonl")

@@ -40,7 +40,7 @@ def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, 
         res = real_backward(batch, objective, part_loss, parts, **kw)
         if not seen:  # the first minibatch: its log-probs come from the pre-update weights
             cu = batch.cu_seqlens.tolist()
-            for i, role in enumerate(batch.extras["roles"]):
+            for i, role in enumerate(batch.roles):
                 a, e = cu[i], cu[i + 1]
                 m = batch.loss_mask[a:e].bool()
                 old = batch.old_logprobs[a:e][m]
@@ -48,11 +48,11 @@ def test_first_minibatch_ratios_are_one_for_main_and_sub_rows(assets, tmp_path, 
                     (
                         batch.uids[i],
                         (res.logprobs[a:e][m] - old).exp(),
-                        (batch.extras["prox_logprobs"][a:e][m] - old).exp(),
-                        (batch.extras["ref_logprobs"][a:e][m] - old).exp(),
+                        (batch.prox_logprobs[a:e][m] - old).exp(),
+                        (batch.ref_logprobs[a:e][m] - old).exp(),
                     )
                 )
-            temps = dict(zip(batch.extras["roles"], batch.temperatures.tolist()))
+            temps = dict(zip(batch.roles, batch.temperatures.tolist()))
             assert temps == pytest.approx({"main": MAIN_T, "sub": SUB_T})
         return res
 

@@ -23,7 +23,7 @@ NO_VLLM, pytestmark = skip_without_vllm("the rollout.engine=vllm training tests"
 
 def _own_score(model, r, ids) -> list[float]:
     """The scripted first turn's behaviour log-probs: the model's own teacher forcing."""
-    from paravt.algo.packing import sequence_logprobs
+    from paravt.algo.logprobs import sequence_logprobs
 
     mm = list(r.extras["mm_token_type_ids"]) + [0] * (len(ids) - len(r.prompt_ids))
     with torch.no_grad():
@@ -64,7 +64,7 @@ def test_vllm_first_minibatch_ratios_are_one_and_weights_follow_the_step(
         res = real_backward(batch, objective, part_loss, parts, **kw)
         if not seen:  # the first minibatch: log-probs of the pre-update weights
             cu = batch.cu_seqlens.tolist()
-            for i, role in enumerate(batch.extras["roles"]):
+            for i, role in enumerate(batch.roles):
                 a, e = cu[i], cu[i + 1]
                 m = batch.loss_mask[a:e].bool()
                 old = batch.old_logprobs[a:e][m]
@@ -72,8 +72,8 @@ def test_vllm_first_minibatch_ratios_are_one_and_weights_follow_the_step(
                     (
                         batch.uids[i],
                         (res.logprobs[a:e][m] - old).exp(),
-                        (batch.extras["prox_logprobs"][a:e][m] - old).exp(),
-                        (batch.extras["ref_logprobs"][a:e][m] - old).exp(),
+                        (batch.prox_logprobs[a:e][m] - old).exp(),
+                        (batch.ref_logprobs[a:e][m] - old).exp(),
                         int(m.sum()),
                     )
                 )

@@ -71,14 +71,14 @@ def test_torchrun_vllm_engine_per_rank_follows_the_sharded_policy(
             for b in dump["batches"]:
                 m = b.loss_mask.bool()
                 assert int(m.sum()) > 0
-                diff = (b.old_logprobs[m] - b.extras["prox_logprobs"][m]).abs()
+                diff = (b.old_logprobs[m] - b.prox_logprobs[m]).abs()
                 worst[step] = max(worst[step], float(diff.max()))
     print(f"max |vLLM - policy| on trained tokens: step 1 {worst[1]:.1e}, step 2 {worst[2]:.1e}")
     assert worst[1] <= TOL and worst[2] <= TOL
 
     # The update moved the weights: step 2's samples scored by the step-1 weights differ.
     # (The proximal pass of step 2 IS the updated policy; recompute under the initial one.)
-    from paravt.algo.packing import packed_logprobs
+    from paravt.algo.logprobs import packed_logprobs
     from paravt.models import load_model
 
     model = load_model(tiny32_dir, device="cpu").model

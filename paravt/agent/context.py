@@ -352,7 +352,7 @@ def context_budget_errors(cfg: Any, model_dir: Path) -> list[str]:
 
     Reads only ``config.json`` (no weights). Visual tokens per frame pair (temporal patch 2)
     are at most ``overview_max_pixels / (patch · merge)^2``. Checked before anything loads by
-    ``paravt.train.validate_run`` and, at K = ``--frames``, by ``python -m paravt.eval``.
+    ``paravt.validate.validate_run`` and, at K = ``--frames``, by ``python -m paravt.eval``.
     """
     from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
 

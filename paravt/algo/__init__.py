@@ -1,11 +1,13 @@
-"""PARA-GRPO: frame-budget gating, group advantages, packing, policy objectives, reference.
+"""PARA-GRPO: frame-budget gating, group advantages, packing, log-probs, policy objectives,
+reference.
 
 The maths of advantages and losses lives in ``paravt_kernels``; this package decides what is
 fed to it (which trajectories, which weights, which log-probs) — see each module's docstring.
 """
 
-from paravt.algo.advantages import SequenceUnit, build_units, group_advantages
+from paravt.algo.advantages import build_units, group_advantages
 from paravt.algo.gating import frame_budget
+from paravt.algo.logprobs import packed_logprobs
 from paravt.algo.loss import (
     OBJECTIVES,
     DecoupledPPO,
@@ -15,7 +17,7 @@ from paravt.algo.loss import (
     make_objective,
     minibatch_backward,
 )
-from paravt.algo.packing import concat_packed, pack_units, packed_logprobs, split_units
+from paravt.algo.packing import concat_packed, pack_units, split_units
 from paravt.algo.reference import ReferencePolicy
 
 __all__ = [
@@ -24,7 +26,6 @@ __all__ = [
     "PPOClip",
     "PolicyObjective",
     "ReferencePolicy",
-    "SequenceUnit",
     "agg_denominator",
     "build_units",
     "concat_packed",

@@ -23,51 +23,10 @@ task rewards are all equal keeps a small, KL-only advantage instead of one ampli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
 from paravt.config import AlgoConfig
-from paravt.types import Group, PackedBatch, Trajectory, own_tensor
-
-
-@dataclass
-class SequenceUnit:
-    """One main trajectory and the sub-agent trajectories it spawned (trained together).
-
-    ``advantage`` is the main trajectory's group-relative advantage; ``sub_weight`` the loss
-    weight of each sub row (1/len(subs)). Minibatches are cut between units, never inside one,
-    so a sub row always finds its parent in the same packed batch.
-    """
-
-    main: Trajectory
-    subs: list[Trajectory]
-    advantage: float
-    group_id: int
-
-    @property
-    def sub_weight(self) -> float:
-        return 1.0 / len(self.subs) if self.subs else 0.0
-
-    @property
-    def sequences(self) -> list[Trajectory]:
-        return [self.main, *self.subs]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of all its rows (the cost ``paravt.distributed.balance_buckets`` evens out)."""
-        return sum(len(t.tokens) for t in self.sequences)
-
-    def portable(self) -> SequenceUnit:
-        """A copy to send to another rank (``paravt.distributed.balance_buckets``): every tensor
-        it carries (pixels, source frames, extras) on the CPU in storage of its own."""
-
-        def own(t: Trajectory) -> Trajectory:
-            extras = {k: own_tensor(v) if torch.is_tensor(v) else v for k, v in t.extras.items()}
-            vis = None if t.visuals is None else t.visuals.compact()
-            return replace(t, visuals=vis, extras=extras)
-
-        return replace(self, main=own(self.main), subs=[own(s) for s in self.subs])
+from paravt.types import Group, PackedBatch, SequenceUnit, Trajectory
 
 
 def group_advantages(groups: list[Group], algo: AlgoConfig) -> torch.Tensor:
@@ -107,7 +66,7 @@ def build_units(groups: list[Group], algo: AlgoConfig) -> list[SequenceUnit]:
 def apply_kl_reward(batch: PackedBatch, algo: AlgoConfig) -> torch.Tensor:
     """KL to the reference as a per-token reward penalty (``algo.kl_mode == 'reward'``).
 
-    Needs ``batch.extras['ref_logprobs']`` ``(N,)`` (log π_ref, scored under each row's own
+    Needs ``batch.ref_logprobs`` ``(N,)`` (log π_ref, scored under each row's own
     sampling parameters). With ``m`` the loss mask, ``μ`` the behaviour log-probs and
     ``k_t = m_t · KL_k(μ_t, ref_t)`` (``algo.kl_type``; k1: ``μ_t - ref_t``), it shifts
     ``batch.advantages`` in place, per row ``s``::
@@ -125,10 +84,10 @@ def apply_kl_reward(batch: PackedBatch, algo: AlgoConfig) -> torch.Tensor:
     n_seq = batch.cu_seqlens.numel() - 1
     if algo.kl_mode != "reward" or algo.kl_coef == 0.0:
         return torch.zeros(n_seq)
-    ref = batch.extras.get("ref_logprobs")
+    ref = batch.ref_logprobs
     if ref is None:
         raise ValueError(
-            "algo.kl_mode=reward needs batch.extras['ref_logprobs'] (the frozen reference's "
+            "algo.kl_mode=reward needs batch.ref_logprobs (the frozen reference's "
             "log-probs); the trainer fills it when algo.kl_coef != 0"
         )
     mask = batch.loss_mask.float()

@@ -38,14 +38,16 @@ from typing import ClassVar
 
 import torch
 
-from paravt.algo.packing import select_sequences, trained_rows
+from paravt.algo.logprobs import gathered_logprobs
+from paravt.algo.packing import microbatches, select_sequences, trained_rows
 from paravt.config import AlgoConfig
+from paravt.models.forward import as_root_forward, backbone_and_head, packed_hidden
 from paravt.types import PackedBatch
 
 
 class PolicyObjective:
     """Base: ``__call__(logprob, batch) -> (loss, stats)``; ``needs_prox`` asks the trainer
-    for ``batch.extras['prox_logprobs']`` (and ``needs_ref`` for ``'ref_logprobs'``)."""
+    for ``batch.prox_logprobs`` (and ``needs_ref`` for ``batch.ref_logprobs``)."""
 
     needs_prox: ClassVar[bool] = False
 
@@ -64,7 +66,7 @@ class PolicyObjective:
 
     def _kwargs(self, batch: PackedBatch, device: torch.device) -> dict:
         a = self.algo
-        ref = batch.extras.get("ref_logprobs")
+        ref = batch.ref_logprobs
         return {
             "ref_logprob": ref.to(device) if (ref is not None and self.needs_ref) else None,
             "clip_low": a.clip_low,
@@ -130,18 +132,18 @@ class DecoupledPPO(PolicyObjective):
         mask = batch.loss_mask.float()
         if self.algo.behav_cap is None:
             return mask
-        w = torch.exp(batch.extras["prox_logprobs"].float().cpu() - batch.old_logprobs.float())
+        w = torch.exp(batch.prox_logprobs.float().cpu() - batch.old_logprobs.float())
         return torch.where(w > self.algo.behav_cap, 0.0, mask)
 
     def _kwargs(self, batch: PackedBatch, device: torch.device) -> dict:
-        if "prox_logprobs" not in batch.extras:
+        if batch.prox_logprobs is None:
             raise ValueError(
-                "algo.loss=decoupled needs the proximal log-probs in batch.extras"
-                "['prox_logprobs'] (a no-grad forward before the update); the trainer fills it"
+                "algo.loss=decoupled needs the proximal log-probs in batch.prox_logprobs "
+                "(a no-grad forward before the update); the trainer fills it"
             )
         return {
             **super()._kwargs(batch, device),
-            "prox_logprob": batch.extras["prox_logprobs"].to(device),
+            "prox_logprob": batch.prox_logprobs.to(device),
             "behav_cap": self.algo.behav_cap,
         }
 
@@ -257,33 +259,29 @@ def policy_part_loss(
     model: torch.nn.Module, batch: PackedBatch, objective: PolicyObjective, seqs: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """THE trainer's policy loss of the sequences ``seqs`` of ``batch`` (a ``PartLossFn``):
-    one packed backbone forward over them (``paravt.algo.packing``: no attention across
+    one packed backbone forward over them (``paravt.models.forward``: no attention across
     sequences, each its own mrope positions and visual features), the hidden rows that predict
     a trained token gathered (``trained_rows``), and the objective from those rows through
     the fused ``paravt_kernels.linear_policy_loss`` (``PolicyObjective.fused``): no
     ``(tokens, vocab)`` logits, no lm_head forward, each row under its sequence's sampling
     temperature. A part with a ``top_p < 1`` sequence needs the nucleus, which the fused op
-    does not do: its rows' log-probs come from ``paravt.algo.packing`` on the gathered rows
+    does not do: its rows' log-probs come from ``paravt.algo.logprobs`` on the gathered rows
     (``(n, V)`` logits of those rows only) and the objective from ``policy_loss``.
     Under FSDP2 it runs as a forward of the root unit (lm_head weight gathered). Returns
     ``(loss, logprob, entropy)`` with the last two ``(sum_i L_i,)`` in ``seqs`` order, detached,
     0 off the trained tokens."""
-    from paravt.algo.packing import _as_root_forward
-
-    return _as_root_forward(model, _policy_part_loss, batch, objective, list(seqs))
+    return as_root_forward(model, _policy_part_loss, batch, objective, list(seqs))
 
 
 def _policy_part_loss(
     model: torch.nn.Module, batch: PackedBatch, objective: PolicyObjective, seqs: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from paravt.algo.packing import _backbone_and_head, _packed_hidden, gathered_logprobs
-
     view = select_sequences(batch, seqs)
     rows, index = trained_rows(view)
-    hidden = _packed_hidden(model, batch, seqs)  # (sum L_i, d)
+    hidden = packed_hidden(model, batch, seqs)  # (sum L_i, d)
     dev = hidden.device
     h = hidden.index_select(0, (index - 1).to(dev))  # row t - 1 predicts token t
-    _, head = _backbone_and_head(model)
+    _, head = backbone_and_head(model)
     counts = (rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]).long()
     assert rows.temperatures is not None and rows.top_ps is not None
     temps = torch.where(rows.temperatures > 0, rows.temperatures, 1.0)  # greedy: T = 1
@@ -315,8 +313,6 @@ def policy_minibatch_backward(
     ``minibatch_backward`` over micro-batches of at most ``max_tokens`` tokens
     (``paravt.algo.packing.microbatches``, or the given ``parts``), each through
     ``policy_part_loss``."""
-    from paravt.algo.packing import microbatches
-
     if parts is None:
         parts = microbatches(batch, max_tokens)
     return minibatch_backward(

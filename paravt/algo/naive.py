@@ -18,13 +18,15 @@ from collections.abc import Sequence
 
 import torch
 
+from paravt.algo.logprobs import row_sampling
 from paravt.algo.loss import (
     MinibatchResult,
     PolicyObjective,
     agg_denominator,
     minibatch_backward,
 )
-from paravt.algo.packing import row_sampling, select_sequences
+from paravt.algo.packing import select_sequences
+from paravt.models.sampling import sampling_logprobs
 from paravt.types import PackedBatch, VisualInputs
 
 
@@ -39,7 +41,6 @@ def materialised_sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(L,)`` log-probs (position 0: 0) of one sequence from its full ``(L, V)`` logits, and
     with ``with_entropy`` the ``(L,)`` entropy of the same distribution (detached)."""
-    from paravt.rollout.hf import sampling_logprobs
     from paravt.vision.preprocess import build_model_inputs
 
     p0 = next(model.parameters())
@@ -67,7 +68,7 @@ def materialised_row_logprobs(
     a, b = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
     temperature, top_p = row_sampling(batch, i)
     return materialised_sequence_logprobs(
-        model, batch.input_ids[a:b], batch.extras["mm_token_type_ids"][a:b], batch.visuals[i],
+        model, batch.input_ids[a:b], batch.token_types()[a:b], batch.visuals[i],
         temperature, top_p, with_entropy,
     )  # fmt: skip
 

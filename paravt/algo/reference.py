@@ -17,7 +17,7 @@ import copy
 
 import torch
 
-from paravt.algo.packing import packed_logprobs
+from paravt.algo.logprobs import packed_logprobs
 from paravt.types import PackedBatch
 
 

@@ -29,7 +29,7 @@ def make_engine(cfg: Any, bundle: Any) -> Engine:
 
 def vllm_missing() -> str | None:
     """Why ``rollout.engine=vllm`` cannot run here (vLLM does not import), with the fix;
-    None when it can. Checked by ``train.validate_run`` before anything loads and by
+    None when it can. Checked by ``paravt.validate.validate_run`` before anything loads and by
     ``make_engine``."""
     from paravt.rollout.vllm import vllm_available
 

@@ -7,7 +7,8 @@
 - per-request ``torch.Generator`` s, so a request's sample depends on its seed only — not on
   which other requests share its batch — and a run is reproducible from ``seed``;
 - the log-prob of every sampled token under the distribution it was actually drawn from:
-  ``log_softmax(top_p(logits / T))`` in float32 (greedy, ``T == 0``: ``log_softmax(logits)``);
+  ``log_softmax(top_p(logits / T))`` in float32 (greedy, ``T == 0``: ``log_softmax(logits)``;
+  ``paravt.models.sampling``, shared with the trainer's log-prob passes);
 - finished rows dropped from the batch and the KV cache as soon as they stop;
 - a clip shared by several requests (the same ``VisualInputs`` object: a group's overview)
   encoded by the vision tower once per call, not once per request.
@@ -18,7 +19,7 @@ per new token. M-RoPE positions are computed once per batch with the model's own
 ``get_rope_index`` on the left-padded ids and attention mask (padding is skipped, exactly as
 ``generate`` does), and each decode step advances every position row by one. With this,
 left-padded batched decoding reproduces unpadded single-request decoding and the trainer's
-teacher-forced ``paravt.algo.packing.sequence_logprobs`` (the project's one log-prob function:
+teacher-forced ``paravt.algo.logprobs.sequence_logprobs`` (the project's one log-prob function:
 backbone hidden states through the fused ``paravt_kernels.linear_logprob``, no full logits)
 to float rounding (tests check 1e-4), for Qwen3-VL and
 Qwen2.5-VL (whose video rows also carry ``second_per_grid_ts``). A batch may mix requests
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from paravt.models.loader import ModelBundle
+from paravt.models.sampling import sampling_logprobs
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import check_visual_tokens, mm_token_types
@@ -40,44 +42,6 @@ from paravt.vision.preprocess import check_visual_tokens, mm_token_types
 # Tokens decoded to look for a stop string: enough to span any stop string the agent uses
 # (``</tool_call>``-length) even when byte-level tokens are single characters.
 _STOP_TAIL_TOKENS = 24
-
-
-def top_p_filter(logits: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the nucleus, HF ``TopPLogitsWarper``'s rule.
-
-    ``logits`` ``(..., V)``; ``top_p`` a float or ``(...,)`` tensor. Tokens are sorted by
-    ascending logit and removed while the cumulative probability is ``<= 1 - top_p``; the most
-    likely token is always kept. Differentiable through the kept entries.
-    """
-    if isinstance(top_p, torch.Tensor) and top_p.numel() and bool((top_p >= 1.0).all()):
-        return logits  # (a device sync; the engine passes a float when no row filters)
-    if not isinstance(top_p, torch.Tensor) and top_p >= 1.0:
-        return logits
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=False)
-    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    p = top_p if isinstance(top_p, float) else top_p.unsqueeze(-1)
-    remove_sorted = cum <= (1 - p)
-    remove_sorted[..., -1:] = False
-    remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-    return logits.masked_fill(remove, float("-inf"))
-
-
-def sampling_logprobs(
-    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0
-) -> torch.Tensor:
-    """``log_softmax(top_p(logits / T))`` in float32; ``T <= 0`` (greedy) means ``T = 1``.
-
-    ``logits`` ``(..., V)``; returns ``(..., V)``. This is the distribution the engine samples
-    from, so it is also the behaviour distribution of the PPO ratio.
-    """
-    x = logits.float()
-    if isinstance(temperature, torch.Tensor):
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        x = x / t.to(x).unsqueeze(-1)
-    elif temperature > 0 and temperature != 1.0:
-        x = x / temperature
-    x = top_p_filter(x, top_p)
-    return torch.log_softmax(x, dim=-1)
 
 
 def _merge_size(model: Any) -> int:

@@ -1,0 +1,335 @@
+"""The model-forward layer: one backbone forward over several sequences packed into one row.
+
+The trainer's log-prob passes (``paravt.algo.logprobs``), its policy loss
+(``paravt.algo.loss.policy_part_loss``) and cold-start SFT (``paravt.sft.sft_loss``) put
+several sequences of a ``PackedBatch`` into ONE backbone forward over the row
+``(1, sum L_i)`` (``packed_hidden``) and read the last hidden states ``(sum L_i, d)``. What
+is here is what makes that forward equal to running each sequence alone:
+
+* attention (``packed_attention_kwargs``): SDPA runs ``varlen_sdpa_attention`` (one causal
+  SDPA per sequence, boundaries ``cu_seq_lens_q``; the language model is switched to it for
+  good by ``_varlen_language_model``, so gradient checkpointing recomputes the same path);
+  flash_attention_2/3 gets the same ``cu_seq_lens_q/k`` + ``max_length_q/k``, which
+  transformers' flash integration hands to ``flash_attn_varlen_func``; eager (debugging)
+  gets an additive 4-D block-diagonal mask. Neither SDPA nor flash holds anything
+  ``N x N``: attention costs ``sum L_i^2``. The CUDA flash branch is written but untested
+  here (no GPU in CI, no flash-attn in the GPU image).
+* positions (``_packed_inputs``): Qwen3-VL's mrope ids from ``get_rope_index`` on each
+  sequence ALONE (cheap, host side), concatenated along the token axis. transformers reads a
+  4-row position tensor as ``text_position_ids`` + 3 mrope rows (the rotary embedding uses the
+  mrope rows only); row 0 is each sequence's text position ``0..L_i-1``. The SDPA path passes
+  the 3 mrope rows only, so that ``create_causal_mask`` sees no packed sequences and builds no
+  mask.
+* visuals (``_packed_inputs``): the sequences' pixels and grids concatenated in sequence order
+  and encoded in ONE vision-tower call (its attention is per frame: ``cu_seqlens`` from
+  ``grid_thw``; the ``use_packed_vision`` override is per segment too), passed as
+  ``mm_encoder_outputs``; the backbone scatters the features, and the deepstack features,
+  into the placeholders in order, which is sequence order. Computing them outside the
+  backbone call also keeps the ``cu_seq_lens`` kwargs away from the vision tower (its
+  attention passes its own).
+
+Verified on transformers 5.19 / Qwen3-VL, fp32 CPU (tests/test_algo_packed_forward.py, real
+scripted batches: main rows with video, sub-agent rows with crop clips, a text-only row):
+packed hidden states equal per-sequence ones to <= 1e-6; log-probs, entropy (also with
+``top_p < 1``) and parameter gradients (also under gradient checkpointing) equal the
+per-sequence path's; the same packed row WITHOUT the separation (plain causal) is off by O(1)
+after the first sequence. Pinned too, not relied on: transformers' own packed-sequence
+detection (``attention_mask=None`` with the restarting text row) builds a correct
+block-diagonal mask for Qwen3-VL. Qwen2.5-VL has the same ``get_rope_index`` /
+``mm_encoder_outputs`` API but is not tested packed.
+
+Under FSDP2 every such forward is a forward of the root unit (``as_root_forward``): the
+root's parameters (embeddings, lm_head, final norm) are gathered and their gradients reduced
+as in a normal forward, so a caller that applies the lm_head to the hidden rows does it
+inside the same root forward.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from paravt.types import PackedBatch
+
+
+def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(model.model, model.get_output_embeddings())``: the backbone (vision tower, merger,
+    language model, final norm) whose last hidden states every log-prob pass reads, and the
+    lm_head whose weight takes the gathered rows (its forward never runs)."""
+    backbone = getattr(model, "model", None)
+    head = model.get_output_embeddings()
+    if backbone is None or head is None:
+        raise TypeError(
+            f"{type(model).__name__} has no .model backbone / output embeddings: "
+            "the log-prob passes need an HF *ForConditionalGeneration (Qwen3-VL, Qwen2.5-VL)"
+        )
+    return backbone, head
+
+
+def as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
+    """``fn(model, *args)``; for an FSDP2-sharded model, as a forward of its root unit.
+
+    Calling ``model.model`` directly would skip the root's pre/post-forward hooks: its
+    parameters (embeddings, lm_head, final norm) would stay sharded and their gradients would
+    not be reduced. ``register_fsdp_forward_method`` wraps a method in exactly those hooks;
+    each ``fn`` is registered once, under its own name (``_paravt_<fn name>``).
+
+    A no-grad root forward (the proximal and reference passes) is followed by
+    ``model.reshard()``: FSDP2 keeps the ROOT unit's parameters unsharded after its forward
+    (``reshard_after_forward`` is off for the root), and the next forward WITH grad then reuses
+    those no-grad tensors, so the root's gradients (embeddings, lm_head, final norm) are not
+    reduced across ranks as they should be. Measured on torch 2.13 / gloo, two ranks: the
+    step's gradient norm 0.163 against 0.344 recomputed in one process
+    (tests/test_train_distributed.py, whose proximal pass runs on the sharded policy).
+    """
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(model, FSDPModule):
+        return fn(model, *args)
+    method = f"_paravt{fn.__name__}" if fn.__name__.startswith("_") else f"_paravt_{fn.__name__}"
+    if method not in model.__dict__:
+        model.__dict__[method] = types.MethodType(fn, model)
+        register_fsdp_forward_method(model, method)
+    out = getattr(model, method)(*args)
+    if not torch.is_grad_enabled():
+        model.reshard()
+    return out
+
+
+# --------------------------------------------------------------- packed multi-sequence forwards
+
+
+# Keys of ``build_model_inputs`` that carry one sequence's visual inputs, concatenated in
+# sequence order when several sequences share one forward.
+_VISUAL_KEYS = (
+    "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+    "second_per_grid_ts",
+)  # fmt: skip
+_ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def packed_attention_kwargs(
+    lengths: Sequence[int], attn_impl: str, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The ONE argument that keeps sequences of a packed row ``(1, sum L_i)`` apart.
+
+    * ``flash_attention_2``/``_3`` (CUDA) and ``sdpa``: no mask; ``cu_seq_lens_q/k`` +
+      ``max_length_q/k`` go through the language model's ``**kwargs`` to its attention
+      function. flash-attn: transformers' integration calls ``flash_attn_varlen_func`` over
+      those boundaries. SDPA: the language model runs ``VARLEN_SDPA``
+      (``_varlen_language_model``; ``varlen_sdpa_attention``: one causal SDPA per sequence).
+      Neither holds anything ``N x N``, and attention costs ``sum L_i^2``, not ``N^2``.
+    * ``eager`` (debugging): a 4-D additive block-diagonal causal mask ``(1, 1, N, N)``
+      (0 / dtype min), as eager attention adds it; ``create_causal_mask`` returns a 4-D mask
+      as is.
+
+    Everything else of the packed forward (token ids, visual features, mrope position ids)
+    is the same for every implementation.
+    """
+    n = int(sum(lengths))
+    if attn_impl.startswith("flash_attention") or attn_impl in ("sdpa", VARLEN_SDPA):
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.as_tensor(list(lengths), dtype=torch.int32), 0)
+        if attn_impl.startswith("flash_attention"):  # the kernel reads them on the device;
+            cu = cu.to(device)  # varlen SDPA slices on the host (no sync per layer)
+        longest = int(max(lengths))
+        return {
+            "attention_mask": None, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": longest, "max_length_k": longest,
+        }  # fmt: skip
+    if attn_impl != "eager":
+        raise NotImplementedError(
+            f"packed forward: attn_implementation '{attn_impl}' (sdpa, eager and "
+            "flash_attention_2/3 are supported)"
+        )
+    seq_id = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device),
+        torch.as_tensor(list(lengths), device=device),
+    )
+    idx = torch.arange(n, device=device)
+    allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
+    mask = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+    return {"attention_mask": mask[None, None]}
+
+
+# The attention implementation the language model runs under for a packed SDPA forward.
+VARLEN_SDPA = "paravt_varlen_sdpa"
+
+
+def varlen_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function: one causal ``scaled_dot_product_attention`` per
+    sequence of a packed row (boundaries ``cu_seq_lens_q``), the CPU/SDPA twin of
+    flash-attn varlen. ``query`` ``(1, H, N, D)``, ``key``/``value`` ``(1, H_kv, N, D)``
+    (grouped-query heads broadcast by SDPA) -> ``(1, N, H, D)``. Without ``cu_seq_lens_q`` (not a
+    packed forward) it is transformers' own SDPA attention."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    # Grouped-query heads: SDPA broadcasts them (enable_gqa) instead of a repeated K/V copy
+    # of the whole row that the backward would keep.
+    gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+    bounds = cu_seq_lens_q.tolist()  # a host tensor (packed_attention_kwargs): no sync
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b],
+            key[:, :, a:b],
+            value[:, :, a:b],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            **gqa,
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+        if b > a
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _varlen_language_model(backbone: torch.nn.Module) -> str:
+    """The language model's attention implementation for packed forwards; an ``sdpa`` one is
+    switched to ``VARLEN_SDPA`` for good (registered with transformers on first use, with
+    SDPA's own mask function). The switch is permanent, not scoped to the packed forward:
+    gradient checkpointing re-runs each layer during the backward, and the re-run must take
+    the same attention path. Every call without ``cu_seq_lens_q`` (generation, padded
+    batches, single sequences) is transformers' SDPA, mask and all, so nothing else changes.
+    The vision tower keeps its own implementation (its own config)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    cfg = getattr(backbone, "language_model", backbone).config
+    impl = str(getattr(cfg, "_attn_implementation", None) or "sdpa")
+    if impl != "sdpa":
+        return impl
+    if VARLEN_SDPA not in AttentionInterface._global_mapping:
+        AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+        AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
+    cfg._attn_implementation = VARLEN_SDPA
+    return VARLEN_SDPA
+
+
+def _packed_inputs(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int]
+) -> tuple[dict[str, Any], list[int]]:
+    """Backbone keyword arguments for ONE forward over sequences ``seqs`` of ``batch``, and
+    their lengths. Token ids and ``mm_token_type_ids`` are concatenated into ``(1, N)``; the
+    visual features of all sequences come from ONE vision-tower call over their concatenated
+    pixels / grids (attention there is per frame, so a grid never sees another's patches), in
+    sequence order, which is the order of the placeholders in the packed row (the backbone
+    scatters them, and their deepstack features, by placeholder order). Position ids are
+    ``(4, 1, N)``: rows 1-3 the mrope ids of ``get_rope_index`` on each sequence ALONE (each
+    restarts at 0), row 0 the per-sequence text position ``0..L_i-1`` (what transformers
+    reads as ``text_position_ids``; the rotary embedding uses rows 1-3 only).
+    """
+    from paravt.vision.preprocess import build_model_inputs
+
+    backbone, _ = backbone_and_head(model)
+    p0 = next(model.parameters())
+    dev = p0.device
+    merge = int(model.config.vision_config.spatial_merge_size)
+    mm_all = batch.token_types()
+    cu = batch.cu_seqlens
+    per, lengths = [], []
+    for i in seqs:
+        a, b = int(cu[i]), int(cu[i + 1])
+        per.append(
+            build_model_inputs(
+                batch.input_ids[a:b].tolist(), mm_all[a:b].tolist(), batch.visuals[i], dev,
+                merge_size=merge, dtype=p0.dtype,
+            )
+        )  # fmt: skip
+        lengths.append(b - a)
+    positions = []
+    for inp, n_i in zip(per, lengths):
+        rope = {k: inp[k] for k in _ROPE_KEYS if k in inp}
+        mrope, _ = backbone.get_rope_index(
+            inp["input_ids"], mm_token_type_ids=inp["mm_token_type_ids"], **rope
+        )  # (3, 1, L_i)
+        text = torch.arange(n_i, device=mrope.device, dtype=mrope.dtype).view(1, 1, -1)
+        positions.append(torch.cat([text, mrope], 0))
+    visual = {}
+    for k in _VISUAL_KEYS:
+        parts = [inp[k] for inp in per if k in inp]
+        if parts:
+            visual[k] = torch.cat(parts)
+    encoded: dict[str, Any] = {}
+    if "pixel_values" in visual:
+        encoded["image"] = backbone.get_image_features(
+            visual["pixel_values"], visual["image_grid_thw"], return_dict=True
+        )
+    if "pixel_values_videos" in visual:
+        encoded["video"] = backbone.get_video_features(
+            visual["pixel_values_videos"], visual["video_grid_thw"], return_dict=True
+        )
+    kwargs = {
+        "input_ids": torch.cat([inp["input_ids"] for inp in per], 1),
+        "mm_token_type_ids": torch.cat([inp["mm_token_type_ids"] for inp in per], 1),
+        "position_ids": torch.cat(positions, 2),
+        "mm_encoder_outputs": encoded or None,
+        "use_cache": False,
+    }
+    return kwargs, lengths
+
+
+def packed_hidden(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int], isolate: bool = True
+) -> torch.Tensor:
+    """``packed_hidden_states`` without the FSDP root wrapping: for callers that run it inside
+    their own root forward (``as_root_forward``) and apply the lm_head there
+    (``paravt.algo.logprobs.packed_logprob_rows``, ``paravt.algo.loss.policy_part_loss``).
+    ``isolate=False`` drops the sequence-separating argument (plain causal attention over the
+    whole row): only the tests use it, to show the mask is what makes the packed forward
+    exact."""
+    backbone, _ = backbone_and_head(model)
+    kwargs, lengths = _packed_inputs(model, batch, seqs)
+    if not isolate:  # 3 mrope rows only: no text row, so transformers sees one causal sequence
+        kwargs["position_ids"] = kwargs["position_ids"][1:]
+        return backbone(**kwargs).last_hidden_state[0]
+    impl = _varlen_language_model(backbone)
+    kwargs.update(
+        packed_attention_kwargs(
+            lengths, impl, kwargs["input_ids"].device, next(model.parameters()).dtype
+        )
+    )
+    if impl == VARLEN_SDPA:  # no text row: no N x N packed-sequence mask is built
+        kwargs["position_ids"] = kwargs["position_ids"][1:]
+    return backbone(**kwargs).last_hidden_state[0]
+
+
+def packed_hidden_states(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int]
+) -> torch.Tensor:
+    """Last hidden states ``(sum L_i, d)`` of sequences ``seqs`` of ``batch`` (in that order,
+    each sequence's rows contiguous) from ONE backbone forward over the packed row
+    ``(1, sum L_i)``; equal to running each sequence alone (fp32: to ~1e-5; tested).
+
+    No attention crosses a sequence boundary (``packed_attention_kwargs``: per-sequence
+    attention for SDPA, flash-attn varlen ``cu_seqlens`` for flash_attention_2, an additive
+    block-diagonal mask for eager); each sequence keeps its own mrope positions and visual
+    features (``_packed_inputs``). For callers outside the trainer (which runs
+    ``packed_hidden`` inside its own root forwards).
+    Differentiable; runs as an FSDP2 root forward (``as_root_forward``), like
+    ``paravt.algo.logprobs.sequence_logprobs``. Under FSDP2 the root's parameters (lm_head
+    included) are resharded when this returns: a caller that applies the lm_head to these rows must do it inside its
+    own root forward, ``as_root_forward(model, fn, ...)`` with ``fn`` calling
+    ``packed_hidden`` (as ``paravt.algo.logprobs.packed_sequence_logprobs`` and
+    ``paravt.algo.loss.policy_part_loss`` do).
+    """
+    return as_root_forward(model, packed_hidden, batch, list(seqs))

@@ -1,0 +1,111 @@
+"""Checks of a run's configuration against this machine, before anything loads.
+
+``paravt.config`` checks what a config says on its own (types, ranges, a preset's required
+settings); ``validate_run`` checks what needs the world size or files on disk: the batch split
+over ranks, the device, the attention implementation's package, the vLLM install, the run
+folder of ``--resume`` and the largest frame budget against the model's context. Each error
+names the setting and the fix; all of them are raised at once (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from paravt.agent.context import context_budget_errors
+from paravt.config import Config, ConfigError
+from paravt.distributed import resolve_device
+from paravt.models.tiny import tiny_checkpoint_args
+from paravt.rollout import vllm_missing
+
+
+def validate_run(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size or files on disk, run before anything loads."""
+    errs: list[str] = []
+    t, r, a = cfg.train, cfg.rollout, cfg.algo
+    if t.steps < 1:
+        errs.append(f"train.steps={t.steps} must be >= 1")
+    if t.prompts_per_step % world_size:
+        errs.append(
+            f"train.prompts_per_step={t.prompts_per_step} is not divisible by the world size "
+            f"{world_size}; each rank rolls out whole groups (use a multiple of {world_size})"
+        )
+    else:
+        per_rank = t.prompts_per_step // world_size
+        if per_rank < a.minibatches:
+            errs.append(
+                f"algo.minibatches={a.minibatches} exceeds the {per_rank} prompt(s) each of the "
+                f"{world_size} rank(s) gets per step; lower algo.minibatches"
+            )
+    if cfg.sft.steps > 0 and cfg.sft.batch_size < world_size:
+        errs.append(
+            f"sft.batch_size={cfg.sft.batch_size} is smaller than the world size {world_size}"
+        )
+    if r.temperature <= 0:
+        errs.append(
+            f"rollout.temperature={r.temperature}: RL needs sampling (> 0); greedy rollouts "
+            "give identical group members and zero advantages"
+        )
+    if cfg.sft.data and not Path(cfg.sft.data).is_file():
+        errs.append(f"sft.data='{cfg.sft.data}' does not exist")
+    dev = None
+    try:
+        dev = resolve_device(cfg.model.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            errs.append(f"model.device='{cfg.model.device}' but CUDA is not available; use cpu")
+    except RuntimeError as e:
+        errs.append(f"model.device='{cfg.model.device}': {e}")
+    errs += _attention_errors(cfg, dev)
+    if r.engine == "vllm":
+        why = vllm_missing()
+        if why:
+            errs.append(why)
+    if t.resume and not Path(t.out_dir).is_dir():
+        errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
+    # The largest K must fit the model's context: estimate its prompt from the pixel budget.
+    model_dir = Path(cfg.model.path or tiny_checkpoint_args(cfg)[0])
+    if (model_dir / "config.json").is_file():
+        errs += context_budget_errors(cfg, model_dir)
+    if errs:
+        raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
+
+
+# transformers' flash attention implementations: the module each imports, the package's name
+# and how to install it.
+_FLASH_PACKAGES = {
+    "flash_attention_2": (
+        "flash_attn",
+        "flash-attn",
+        "pip install flash-attn --no-build-isolation (builds against the CUDA toolkit)",
+    ),
+    "flash_attention_3": (
+        "flash_attn_interface",
+        "flash-attn 3 (flash_attn_interface)",
+        "build flash-attention's hopper/ directory",
+    ),
+}
+
+
+def _attention_errors(cfg: Config, dev: torch.device | None) -> list[str]:
+    """``model.attn_implementation=flash_attention_*`` needs a CUDA device and its package;
+    without them transformers fails the model load, after the data and any tiny model were
+    built. ``dev``: the resolved ``model.device`` (None when it did not resolve)."""
+    attn = cfg.model.attn_implementation
+    if attn not in _FLASH_PACKAGES:
+        return []
+    module, package, install = _FLASH_PACKAGES[attn]
+    other = "run with model.attn_implementation=sdpa (PyTorch's attention: any device, no package)"
+    if dev is not None and dev.type != "cuda":
+        return [
+            f"model.attn_implementation='{attn}' needs CUDA, but model.device="
+            f"'{cfg.model.device}' is {dev}{'' if torch.cuda.is_available() else ' (no CUDA)'}: "
+            f"{other}, or use a CUDA device"
+        ]
+    if importlib.util.find_spec(module) is None:
+        return [
+            f"model.attn_implementation='{attn}' needs the {package} package, which is not "
+            f"installed: {install}, or {other}"
+        ]
+    return []
