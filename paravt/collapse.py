@@ -23,7 +23,7 @@ cold start, not the system:
    embedded default's recipe is untouched.
 2. **One SFT checkpoint** ``OUT/sft``; the step-0 numbers of every arm (κ, format, held-out
    accuracy per K) come from one evaluation of it, ``OUT/sft_eval``.
-3. **Arms** (``paravt.experiments.arm_overrides``): ``vanilla`` (fixed K = the largest budget,
+3. **Arms** (``paravt.arms.arm_overrides``): ``vanilla`` (fixed K = the largest budget,
    where the overview always shows the square: a call adds only risk; no anchoring),
    ``anchoring``, ``gating``, ``paragrpo``, ``paragrpo_no_rtool``; every arm × seed is one
    :func:`run_one` subprocess from ``OUT/sft`` into ``OUT/ARM/seedN``: the training loop of
@@ -60,9 +60,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from paravt.arms import arm_overrides, run_finished
 from paravt.config import Config, ConfigError, load_config, to_yaml
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
+#: The arms of ``paravt.arms.ARMS`` (same names, same order), described for this experiment.
 ARMS: dict[str, str] = {
     "vanilla": "GRPO: fixed K (the largest), no anchoring",
     "anchoring": "anchoring only (fixed K)",
@@ -584,8 +586,6 @@ def collapse(
     """Run the experiment (module docstring); returns ``{"json", "table"}``. ``base_args``:
     the ``--preset``/``--config``/overrides that built ``cfg``; ``base``: the config whose
     ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
-    from paravt.experiments import arm_overrides, run_finished
-
     for a in arms:
         if a not in ARMS:
             raise ConfigError(f"--arms: unknown arm {a!r} (known: {', '.join(ARMS)})")

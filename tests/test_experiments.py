@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from paravt.experiments import ARMS, aggregate, arm_overrides, main
+from paravt.arms import ARMS, arm_overrides
+from paravt.experiments import aggregate, main
 from paravt.metrics import read_metrics
 
 

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from paravt.arms import ARMS as ARM_NAMES
+from paravt.arms import run_finished
 from paravt.collapse import (
     ARMS,
     all_tool_records,
@@ -18,7 +20,7 @@ from paravt.collapse import (
     tool_advantage_metrics,
 )
 from paravt.config import ConfigError, load_config
-from paravt.experiments import main, run_finished
+from paravt.experiments import main
 from paravt.metrics import read_metrics
 
 # The spot task, shrunk: 4 videos of 20 s (3 train, 1 held-out).
@@ -238,3 +240,4 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
     assert main(["collapse", "--out", str(x), "data.synth_task=cue"]) == 2
     assert "'spot' task" in capsys.readouterr().err and not x.exists()
     assert set(ARMS) == {"vanilla", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"}
+    assert list(ARMS) == list(ARM_NAMES)  # the collapse describes the shared arms, no others

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from paravt.config import ConfigError, eval_conditions, load_config
+from paravt.config import ConfigError, load_config
 from paravt.data.readers import load_samples
 from paravt.data.synth import OracleSettings, generate, oracle_settings, summary_correct
+from paravt.eval.conditions import eval_conditions
 from paravt.metrics import clustered_mean_ci95
 from paravt.models import load_model
 from paravt.rewards import score

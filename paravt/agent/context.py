@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from paravt.agent import prompts
+from paravt.rollout import ENGINES
 from paravt.rollout.engine import GenerationRequest, SamplingParams
 from paravt.types import Trajectory, VisualInputs
 
@@ -346,7 +347,8 @@ def tool_turn_max_tokens(max_parallel: int, max_tool_response_tokens: int) -> in
 
 def context_budget_errors(cfg: Any, model_dir: Path) -> list[str]:
     """K (frames) × visual tokens per frame + generation must fit the context: the model's
-    max_position_embeddings, or with ``rollout.engine=vllm`` the engine's ``max_model_len``
+    max_position_embeddings, or with an engine that caps its own context
+    (``paravt.rollout.EngineSpec.max_model_len_key``; ``rollout.engine=vllm``) that cap
     (``rollout.vllm_max_model_len``, 0: the model's capped at ``VLLM_DEFAULT_MAX_MODEL_LEN``),
     which vLLM would otherwise enforce by failing every over-long request mid-run.
 
@@ -354,8 +356,6 @@ def context_budget_errors(cfg: Any, model_dir: Path) -> list[str]:
     are at most ``overview_max_pixels / (patch · merge)^2``. Checked before anything loads by
     ``paravt.validate.validate_run`` and, at K = ``--frames``, by ``python -m paravt.eval``.
     """
-    from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
-
     c = json.loads((model_dir / "config.json").read_text())
     text = c.get("text_config", c)
     vis = c.get("vision_config", {})
@@ -374,9 +374,11 @@ def context_budget_errors(cfg: Any, model_dir: Path) -> list[str]:
         tool_turn_max_tokens(cfg.agent.max_parallel, cfg.agent.max_tool_response_tokens)
     )
     limit, what = max_pos, f"the model's max_position_embeddings={max_pos}"
-    if cfg.rollout.engine == "vllm":
-        limit = cfg.rollout.vllm_max_model_len or min(max_pos, VLLM_DEFAULT_MAX_MODEL_LEN)
-        what = f"vLLM's context (rollout.vllm_max_model_len -> {limit})"
+    engine = ENGINES.get(cfg.rollout.engine)
+    if engine is not None and engine.max_model_len_key:
+        key = engine.max_model_len_key
+        limit = getattr(cfg.rollout, key) or min(max_pos, engine.default_max_model_len)
+        what = f"{engine.label}'s context (rollout.{key} -> {limit})"
     if visual + gen + 512 > limit:
         return [
             f"frame budget K={k_max} needs about {visual} visual tokens plus up to {gen} "

@@ -48,7 +48,7 @@ import av
 import numpy as np
 import torch
 
-from paravt.config import SYNTH_TASK_MIN_SECONDS, synth_task_error
+from paravt.data.synth_tasks import SYNTH_TASK_MIN_SECONDS, synth_task_error
 from paravt.types import Sample, VideoMeta
 
 # Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS

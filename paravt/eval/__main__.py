@@ -48,13 +48,14 @@ EVAL_DEFAULTS = (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from paravt.eval.benchmarks import BENCHMARKS
+    from paravt.eval.benchmarks import BENCHMARK_SPECS
+    from paravt.rollout import ENGINES
 
     ap = argparse.ArgumentParser(prog="python -m paravt.eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--benchmark", required=True, choices=BENCHMARKS)
+    ap.add_argument("--benchmark", required=True, choices=tuple(BENCHMARK_SPECS))
     ap.add_argument("--data-root", default="", help="the benchmark as distributed (see docs)")
     ap.add_argument("--model", default="", help="HF model dir or paravt checkpoint dir")
-    ap.add_argument("--engine", choices=("hf", "vllm"), default=None, help="rollout.engine")
+    ap.add_argument("--engine", choices=tuple(ENGINES), default=None, help="rollout.engine")
     ap.add_argument("--limit", type=int, default=None, help="first N samples only")
     ap.add_argument("--out", default="", help="results folder (default runs/eval/<benchmark>)")
     ap.add_argument("--crop-mode", choices=("subagent", "frames"), default=None)
@@ -70,8 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sampling_errors(cfg: Config) -> list[str]:
     """``rollout.top_p`` < 1 where decoding is greedy: no effect at all when both roles are
-    greedy, and with vLLM, which refuses greedy requests with top_p < 1, every sample would
-    be an engine error when either is."""
+    greedy, and with an engine that refuses greedy requests with top_p < 1 (vLLM;
+    ``paravt.rollout.EngineSpec.greedy_rejects_top_p``), every sample would be an engine error
+    when either is."""
     r = cfg.rollout
     if r.top_p >= 1:
         return []
@@ -81,12 +83,16 @@ def sampling_errors(cfg: Config) -> list[str]:
             "and rollout.sub_temperature=0, the eval default); set rollout.top_p=1, or sample "
             "with rollout.temperature>0 (and rollout.sub_temperature>0)"
         ]
+    from paravt.rollout import ENGINES
+
     greedy = [k for k in ("temperature", "sub_temperature") if getattr(r, k) == 0]
-    if r.engine == "vllm" and greedy:
+    engine = ENGINES.get(r.engine)
+    if engine is not None and engine.greedy_rejects_top_p and greedy:
         return [
-            f"rollout.top_p={r.top_p:g} with rollout.engine=vllm and rollout.{greedy[0]}=0: "
-            "vLLM refuses greedy requests with top_p < 1 (every sample would be an engine "
-            f"error); set rollout.top_p=1, or rollout.{greedy[0]}>0"
+            f"rollout.top_p={r.top_p:g} with rollout.engine={r.engine} and "
+            f"rollout.{greedy[0]}=0: {engine.label} refuses greedy requests with top_p < 1 "
+            f"(every sample would be an engine error); set rollout.top_p=1, or "
+            f"rollout.{greedy[0]}>0"
         ]
     return []
 
@@ -129,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--batch-size {a.batch_size} must be >= 1")
         if a.limit is not None and a.limit < 1:
             raise ConfigError(f"--limit {a.limit} must be >= 1")
+        from paravt.eval.benchmarks import BENCHMARK_SPECS
+
         data_root = a.data_root
         if not data_root:
-            if a.benchmark != "synth":
+            if not BENCHMARK_SPECS[a.benchmark].embedded:
                 raise ConfigError(f"--data-root is required for --benchmark {a.benchmark}")
             from paravt.data import resolve_data
 

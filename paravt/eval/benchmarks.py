@@ -78,6 +78,7 @@ import os
 import re
 import string
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -86,29 +87,6 @@ from paravt.data.readers import DatasetError, describe_value, read_samples
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.eval")
-
-BENCHMARKS = (
-    "videomme",
-    "videomme_sub",
-    "longvideobench",
-    "lvbench",
-    "mlvu",
-    "mmvu",
-    "charades_sta",
-    "synth",
-)
-
-# Where each dataset comes from, for the "fix" part of error messages.
-_SOURCES = {
-    "videomme": "lmms-lab/Video-MME (config videomme, split test)",
-    "videomme_sub": "lmms-lab/Video-MME (config videomme, split test)",
-    "longvideobench": "longvideobench/LongVideoBench (split validation)",
-    "lvbench": "lmms-lab/LVBench (split train)",
-    "mlvu": "sy1998/MLVU_dev (split test)",
-    "mmvu": "yale-nlp/MMVU (validation.json)",
-    "charades_sta": "lmms-lab/charades_sta (split test)",
-    "synth": "the synthetic task (python -m paravt.data.synth --out <data_root>)",
-}
 
 
 class BenchmarkFormatError(ValueError):
@@ -154,7 +132,7 @@ class _File:
     def __init__(self, bench: str, path: Path, unit: str = "row") -> None:
         self.bench = bench
         self.path = path
-        self.source = _SOURCES[bench]
+        self.source = BENCHMARK_SPECS[bench].source
         self.unit = unit  # how rows are counted in messages: "row" (0-based) or "line"
 
     def error(self, row: int | None, field: str | None, problem: str, rid: Any = None) -> Exception:
@@ -191,7 +169,7 @@ def _annotation(bench: str, root: Path, rel: str, alt: str = "") -> _File:
     if not path.is_file():
         raise BenchmarkFormatError(
             f"{path}: no such file; {bench} expects the annotation file <data_root>/{rel}{alt} "
-            f"of {_SOURCES[bench]} (data_root={root}); see the layout in paravt.eval.benchmarks"
+            f"of {BENCHMARK_SPECS[bench].source} (data_root={root}); see the layout in paravt.eval.benchmarks"
         )
     return _File(bench, path)
 
@@ -433,7 +411,7 @@ def _videomme(root: Path, bench: str) -> list[Sample]:
         video, missing = videos.find([Path(f"{stem}{ext}") for ext in (".mp4", ".MP4", ".mkv")])
         extra = _extra(bench, categories, qid, i, missing)
         extra["youtube_id"] = vid
-        if bench == "videomme_sub":
+        if BENCHMARK_SPECS[bench].subtitles:
             extra["subtitles"] = _subtitles(root / "subtitle" / f"{vid}.srt")
         out.append(
             Sample(qid, video, question, answer, "mcq", options=_lettered(texts), extra=extra)
@@ -718,7 +696,9 @@ def _synth(root: Path, bench: str) -> list[Sample]:
     try:
         samples, report = read_samples(f.path, video_root=str(root), keep_missing_videos=True)
     except DatasetError as e:
-        raise BenchmarkFormatError(f"{e}; {_SOURCES[bench]} writes this file") from None
+        raise BenchmarkFormatError(
+            f"{e}; {BENCHMARK_SPECS[bench].source} writes this file"
+        ) from None
     # The rows with their line numbers (read_samples has validated every line already, and
     # kept one sample per non-blank line, in order).
     lines = [json.loads(x) if x.strip() else {} for x in f.path.read_text().splitlines()]
@@ -751,16 +731,67 @@ def _synth(root: Path, bench: str) -> list[Sample]:
     return samples
 
 
-_ADAPTERS: dict[str, Callable[[Path, str], list[Sample]]] = {
-    "videomme": _videomme,
-    "videomme_sub": _videomme,
-    "longvideobench": _longvideobench,
-    "lvbench": _lvbench,
-    "mlvu": _mlvu,
-    "mmvu": _mmvu,
-    "charades_sta": _charades,
-    "synth": _synth,
-}
+@dataclass(frozen=True)
+class Benchmark:
+    """One evaluation set: its adapter, and what the runner and the scorer need to know of it.
+    A benchmark is its adapter plus one entry in :data:`BENCHMARK_SPECS`."""
+
+    # The ``--benchmark`` name.
+    name: str
+    # ``load(root, name) -> list[Sample]``: the adapter (see the module docstring).
+    load: Callable[[Path, str], list[Sample]]
+    # Where the dataset comes from, for the "fix" part of error messages.
+    source: str
+    # The summary's headline metric (``paravt.eval.scoring.summarize``): 'm_avg' (mean over
+    # ``task_type`` of their accuracy, MLVU's M-Avg), 'mIoU' (a tvg benchmark: also the headline
+    # of an empty summary and the progress bar's label), '' = from the rows' question types.
+    headline: str = ""
+    # Each sample carries its video's subtitles (``extra["subtitles"]``).
+    subtitles: bool = False
+    # Without ``--data-root``: the embedded synthetic task's validation split (``synth``).
+    embedded: bool = False
+
+
+def _register(*benchmarks: Benchmark) -> dict[str, Benchmark]:
+    return {b.name: b for b in benchmarks}
+
+
+_VIDEOMME = "lmms-lab/Video-MME (config videomme, split test)"
+BENCHMARK_SPECS: dict[str, Benchmark] = _register(
+    Benchmark("videomme", _videomme, _VIDEOMME),
+    Benchmark("videomme_sub", _videomme, _VIDEOMME, subtitles=True),
+    Benchmark(
+        "longvideobench", _longvideobench, "longvideobench/LongVideoBench (split validation)"
+    ),
+    Benchmark("lvbench", _lvbench, "lmms-lab/LVBench (split train)"),
+    Benchmark("mlvu", _mlvu, "sy1998/MLVU_dev (split test)", headline="m_avg"),
+    Benchmark("mmvu", _mmvu, "yale-nlp/MMVU (validation.json)"),
+    Benchmark("charades_sta", _charades, "lmms-lab/charades_sta (split test)", headline="mIoU"),
+    Benchmark(
+        "synth",
+        _synth,
+        "the synthetic task (python -m paravt.data.synth --out <data_root>)",
+        embedded=True,
+    ),
+)
+BENCHMARKS = tuple(BENCHMARK_SPECS)
+
+
+def _family(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "")
+
+
+def benchmark_headline(name: str) -> str:
+    """The headline metric registered for benchmark ``name`` (:attr:`Benchmark.headline`);
+    another spelling of a registered benchmark ("MLVU", "mlvu-dev": case, '-' and '_'
+    ignored, the name starting with the part of a registered name before its first '_') gets
+    that benchmark's; '' when none matches."""
+    if name in BENCHMARK_SPECS:
+        return BENCHMARK_SPECS[name].headline
+    for b in BENCHMARK_SPECS.values():
+        if b.headline and _family(name).startswith(_family(b.name.split("_")[0])):
+            return b.headline
+    return ""
 
 
 def load_benchmark(name: str, data_root: str | Path, *, limit: int | None = None) -> list[Sample]:
@@ -772,10 +803,10 @@ def load_benchmark(name: str, data_root: str | Path, *, limit: int | None = None
     layout (see the module docstring). Missing videos are not errors: those samples carry
     ``extra["video_missing"] = True``.
     """
-    if name not in _ADAPTERS:
-        raise ValueError(f"unknown benchmark {name!r}; expected one of {list(BENCHMARKS)}")
+    if name not in BENCHMARK_SPECS:
+        raise ValueError(f"unknown benchmark {name!r}; expected one of {list(BENCHMARK_SPECS)}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit={limit} must be >= 0 (or None for every row)")
     root = Path(data_root).expanduser().absolute()
-    samples = _ADAPTERS[name](root, name)
+    samples = BENCHMARK_SPECS[name].load(root, name)
     return samples if limit is None else samples[:limit]

@@ -15,9 +15,10 @@ import torch
 
 from paravt.agent import AgentRunner
 from paravt.agent.loop import stable_seed
-from paravt.config import Config, eval_conditions
+from paravt.config import Config
 from paravt.data.synth import summary_correct
 from paravt.distributed import all_gather_objects, shard_list
+from paravt.eval.conditions import eval_conditions
 from paravt.metrics import TABLE_ROWS, clustered_mean_ci95, rollout_metrics, trajectory_record
 from paravt.rewards import score_groups
 

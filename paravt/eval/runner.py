@@ -543,5 +543,9 @@ def run_eval(
 
 
 def settings_metric(benchmark: str) -> str:
-    """The progress bar's label for the running mean score."""
-    return "mIoU" if benchmark == "charades_sta" else "acc"
+    """The progress bar's label for the running mean score: ``mIoU`` for a benchmark registered
+    with that headline (``paravt.eval.benchmarks.BENCHMARK_SPECS``), else ``acc``."""
+    from paravt.eval.benchmarks import BENCHMARK_SPECS
+
+    spec = BENCHMARK_SPECS.get(benchmark)
+    return "mIoU" if spec is not None and spec.headline == "mIoU" else "acc"

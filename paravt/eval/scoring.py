@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from paravt.answers import extract_answer, extract_choice, normalize_text, parse_window
+from paravt.eval.benchmarks import benchmark_headline
 from paravt.rewards.accuracy import (
     exact_match,
     gold_choice,
@@ -290,10 +291,6 @@ THRESHOLDS = (0.3, 0.5, 0.7)
 NO_CATEGORY = "(none)"
 
 
-def _is_mlvu(benchmark: str) -> bool:
-    return benchmark.lower().replace("-", "").replace("_", "").startswith("mlvu")
-
-
 def _value(row: dict[str, Any]) -> float:
     """A row's contribution to its metric: IoU for tvg (0 when absent or not finite), else
     1 for ``correct is True`` and 0 otherwise (wrong, unparseable and error rows alike)."""
@@ -342,8 +339,10 @@ def summarize(benchmark: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     Keys, in this order (those in brackets only when they apply):
 
     * ``benchmark``, ``n``, ``n_errors``, ``n_unparseable``;
-    * ``metric``, ``score``: the headline. ``m_avg`` for MLVU (a name starting "mlvu"),
-      ``mIoU`` when every row is tvg (or, with no rows, for a name starting "charades"),
+    * ``metric``, ``score``: the headline. ``m_avg`` for a benchmark registered with that
+      headline (MLVU; :func:`paravt.eval.benchmarks.benchmark_headline`, which also matches
+      spellings such as "MLVU-dev"), ``mIoU`` when every row is tvg (or, with no rows, for a
+      benchmark registered with that headline: Charades-STA),
       ``accuracy`` when no row is tvg, and ``mean_score`` (mean of the rows' values, 0/1 and
       IoU) for a mix of tvg and other rows;
     * [``accuracy``]: correct / number of non-tvg rows (all rows for an mcq/oe benchmark);
@@ -381,9 +380,10 @@ def summarize(benchmark: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
             (label, v) for r, v in zip(rows, values) for label in _labels(r["categories"].get(name))
         )
 
-    if _is_mlvu(benchmark):
+    headline = benchmark_headline(benchmark)
+    if headline == "m_avg":
         metric = "m_avg"
-    elif (tvg and not other) or (not rows and benchmark.lower().startswith("charades")):
+    elif (tvg and not other) or (not rows and headline == "mIoU"):
         metric = "mIoU"
     elif not tvg:
         metric = "accuracy"

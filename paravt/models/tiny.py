@@ -492,13 +492,17 @@ def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
     """``(directory, head_dim)`` of the tiny model a run with ``cfg`` (a ``paravt.config.
     Config``) uses when ``model.path`` is empty.
 
-    ``model.tiny_head_dim = 0`` means 16, or ``TINY_VLLM_HEAD_DIM`` (32) with
-    ``rollout.engine=vllm`` (vLLM's CPU attention needs head sizes >= 32). A head size other
+    ``model.tiny_head_dim = 0`` means 16, or the engine's ``min_head_dim`` when larger
+    (``paravt.rollout.ENGINES``: 32 = ``TINY_VLLM_HEAD_DIM`` with ``rollout.engine=vllm``,
+    whose CPU attention needs head sizes >= 32). A head size other
     than 16 gets its own directory, ``model.tiny_dir + '-hd{N}'``, so that vLLM runs and HF
     runs sharing one ``tiny_dir`` never rebuild each other's model.
     """
-    hd = int(cfg.model.tiny_head_dim) or (
-        TINY_VLLM_HEAD_DIM if cfg.rollout.engine == "vllm" else TINY_TEXT["head_dim"]
+    from paravt.rollout import ENGINES
+
+    engine = ENGINES.get(cfg.rollout.engine)
+    hd = int(cfg.model.tiny_head_dim) or max(
+        TINY_TEXT["head_dim"], engine.min_head_dim if engine else 0
     )
     d = str(cfg.model.tiny_dir)
     return (d if hd == TINY_TEXT["head_dim"] else f"{d.rstrip('/')}-hd{hd}"), hd

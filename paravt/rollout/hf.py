@@ -366,3 +366,8 @@ class HFEngine:
         n = max(_STOP_TAIL_TOKENS, max(len(s) for s in stops) + 2)  # >= 1 char per token
         tail = self.tokenizer.decode(ids[-n:], skip_special_tokens=False)
         return any(s in tail for s in stops)
+
+
+def from_config(cfg: Any, bundle: ModelBundle) -> HFEngine:
+    """The engine ``rollout.engine=hf`` builds (``paravt.rollout.make_engine``)."""
+    return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)

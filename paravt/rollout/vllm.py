@@ -60,8 +60,8 @@ from typing import Any
 
 import torch
 
-from paravt.config import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.models.loader import ModelBundle
+from paravt.rollout import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import (
@@ -104,6 +104,24 @@ def vllm_available() -> tuple[bool, str]:
     return True, str(getattr(vllm, "__version__", "?"))
 
 
+def vllm_missing() -> str | None:
+    """Why ``rollout.engine=vllm`` cannot run here (vLLM does not import), with the fix;
+    None when it can (the engine's ``missing`` in ``paravt.rollout.ENGINES``: checked by
+    ``paravt.validate.validate_run`` before anything loads and by ``make_engine``)."""
+    ok, why = vllm_available()
+    if ok:
+        return None
+    return (
+        f"rollout.engine=vllm needs vLLM, which does not import here ({why}): "
+        "`make install-vllm` (CPU) or the gpu extra (CUDA), or use rollout.engine=hf"
+    )
+
+
+def from_config(cfg: Any, bundle: ModelBundle) -> VLLMEngine:
+    """The engine ``rollout.engine=vllm`` builds (``paravt.rollout.make_engine``)."""
+    return VLLMEngine(bundle, cfg)
+
+
 class VLLMEngine:
     """Batched generation with an in-process vLLM engine (implements ``Engine``).
 
@@ -115,7 +133,7 @@ class VLLMEngine:
             ``train.seed``); None for the defaults below.
         dtype: vLLM's parameter dtype (default ``model.dtype``, else the bundle's).
         max_model_len: context length (0: the model's ``max_position_embeddings``, capped at
-            ``paravt.config.VLLM_DEFAULT_MAX_MODEL_LEN``).
+            ``paravt.rollout.VLLM_DEFAULT_MAX_MODEL_LEN``).
         max_num_seqs: sequences vLLM schedules at once (a turn larger than this is queued
             inside the same call).
         seed: engine seed (default ``train.seed``).
