@@ -11,16 +11,18 @@ good (format 1.000 after SFT, so anchoring is constant within a group) and its v
 calls the tool (its SFT taught answering from a 32-frame overview). This experiment changes the
 cold start, not the system:
 
-1. **Cold start like the paper's** (:func:`all_tool_records`, written to ``OUT/sft_data.jsonl``
-   and trained by ``paravt.sft`` as ``sft.data``): on the same "spot" task every oracle
-   trajectory calls ``crop_video`` whatever K — also when the overview already shows the
-   square — on ``n`` equal windows of the whole video, ``n`` drawn per (video, K) from
-   ``--windows`` by a stable hash (2,3: κ = 2.5 calls per rollout after a perfect SFT), then
-   answers from the summaries. Two knobs make the format fragile at T = 0.7: a short SFT
-   (``sft.steps`` of ``configs/collapse.yaml``) and ``--unclosed-think`` (a share of the tool
-   turns never closes ``<think>``). Measured on seed 0 (``docs/collapse_notes.md``): 150 steps
-   give broken JSON calls, 400 a near-perfect format before the model reads any colour. The
-   embedded default's recipe is untouched.
+1. **Cold start like the paper's**, two stages. Stage 1 (:func:`base_sft`, ``--base-steps``,
+   default the preset's own recipe: 4000 steps for ``tiny_cpu``) is the embedded default's SFT,
+   so the model reads colours from the frames as a pretrained VLM does (``model.path=...``
+   skips it). Stage 2 (:func:`cold_start`, ``sft.*`` of ``configs/collapse.yaml``: 200 steps
+   at lr 1e-3) trains from it on :func:`all_tool_records` (written to ``OUT/sft_data.jsonl``):
+   on the same "spot" task every oracle trajectory calls ``crop_video`` whatever K — also when
+   the overview already shows the square — on ``n`` equal windows of the whole video, ``n``
+   drawn per (video, K) from ``--windows`` by a stable hash (2,3: κ = 2.5 calls per rollout),
+   then answers from the summaries. ``--unclosed-think`` (a share of the tool turns never
+   closes ``<think>``) makes the format fragile at T = 0.7. Measured on seed 0
+   (``docs/collapse_notes.md``): κ 2.3–2.7, tool-call rate 1.00, fτ 0.38–0.66, accuracy 0.41
+   (K = 4) to 0.91 (K = 32). The embedded default's recipe is untouched.
 2. **One SFT checkpoint** ``OUT/sft``; the step-0 numbers of every arm (κ, format, held-out
    accuracy per K) come from one evaluation of it, ``OUT/sft_eval``.
 3. **Arms** (``paravt.arms.arm_overrides``): ``vanilla`` (fixed K = the largest budget,
@@ -42,7 +44,9 @@ run (its ``metrics.jsonl`` holds ``eval_after``), and redoes a run cut short fro
 Honest limits: the crop windows are fixed per video duration (the tiny model cannot copy
 numbers, see README), so crop placement does not depend on the overview; "held-out accuracy
 per step" is measured every ``--eval-every`` steps, not at every step (each evaluation is a
-rollout of all held-out prompts per K).
+rollout of all held-out prompts per K). Result on seeds 0-2 and 100-102 (README): no arm
+loses tool use, because in this task a rollout without a crop is a failed call that scores
+lower, never a safer direct answer (``adv/tool`` > ``adv/no_tool`` in 69 of 70 mixed steps).
 """
 
 from __future__ import annotations
