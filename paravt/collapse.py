@@ -411,33 +411,38 @@ def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[s
     }
 
 
+def _by_step(
+    seed_rows: Sequence[Sequence[dict[str, Any]]], kinds: tuple[str, ...], key: str
+) -> dict[str, list]:
+    """``{"step", "mean", "std"}`` of ``key`` over the seeds' rows of ``kinds`` (NaN left out;
+    ``std``: the sample std over seeds, 0 with one value)."""
+    by: dict[int, list[float]] = {}
+    for rows in seed_rows:
+        for r in rows:
+            if r.get("kind") in kinds and (x := _num(r, key)) == x:
+                by.setdefault(int(r["step"]), []).append(x)
+    xs = sorted(by)
+    return {
+        "step": xs,
+        "mean": [mean_or_nan(by[s]) for s in xs],
+        "std": [sample_std(by[s]) for s in xs],
+    }
+
+
 def curves(seed_rows: Sequence[Sequence[dict[str, Any]]], keys: Sequence[str]) -> dict:
-    """``key -> {"step": [...], "mean": [...]}`` over an arm's seeds (NaN values left out);
-    also ``tool_rate/K*`` and held-out ``eval/K*`` (the ``eval_step``/``eval_after`` rows)."""
+    """``key -> {"step": [...], "mean": [...], "std": [...]}`` over an arm's seeds (NaN values
+    left out; ``std`` across seeds: the band of ``collapse.png``); also ``tool_rate/K*`` and
+    held-out ``eval/K*`` (the ``eval_step``/``eval_after`` rows)."""
     found = {k for rows in seed_rows for r in rows if r.get("kind") == "train" for k in r}
     keys = [*keys, *sorted(k for k in found if k.startswith("tool_rate/K"))]
-    out: dict[str, dict[str, list]] = {}
-    for key in keys:
-        by: dict[int, list[float]] = {}
-        for rows in seed_rows:
-            for r in rows:
-                if r.get("kind") == "train" and (x := _num(r, key)) == x:
-                    by.setdefault(int(r["step"]), []).append(x)
-        xs = sorted(by)
-        out[key] = {"step": xs, "mean": [mean_or_nan(by[s]) for s in xs]}
+    out = {key: _by_step(seed_rows, ("train",), key) for key in keys}
     acc_keys = {
         k for rows in seed_rows for r in rows
         if r.get("kind") in ("eval_step", "eval_after") for k in r
         if k.endswith("_tools/accuracy")
     }  # fmt: skip
     for key in sorted(acc_keys):
-        by = {}
-        for rows in seed_rows:
-            for r in rows:
-                if r.get("kind") in ("eval_step", "eval_after") and (x := _num(r, key)) == x:
-                    by.setdefault(int(r["step"]), []).append(x)
-        xs = sorted(by)
-        out["eval/" + key.split("_")[0]] = {"step": xs, "mean": [mean_or_nan(by[s]) for s in xs]}
+        out["eval/" + key.split("_")[0]] = _by_step(seed_rows, ("eval_step", "eval_after"), key)
     return out
 
 
@@ -464,9 +469,10 @@ def summarise(
         entry["curves"] = curves(list(by_seed.values()), CURVE_KEYS)
         for k in eval_k:  # step 0 of the held-out curves: the shared cold start's evaluation
             if (x := _num(sft_eval, f"K{k}_tools/accuracy")) == x:
-                c = entry["curves"].setdefault(f"eval/K{k}", {"step": [], "mean": []})
+                c = entry["curves"].setdefault(f"eval/K{k}", {"step": [], "mean": [], "std": []})
                 c["step"].insert(0, 0)
                 c["mean"].insert(0, x)
+                c["std"].insert(0, 0.0)  # one checkpoint, one evaluation
         arms[arm] = entry
     sft = {}
     for k in eval_k:
@@ -523,9 +529,9 @@ def format_markdown(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], out_png: Path) -> Path:
-    """Per-step curves (mean over seeds), one line per arm: κ, tool-call rate, format
-    compliance, `</think>` closure, tool vs no-tool advantage, held-out accuracy at the
-    smallest K."""
+    """Per-step curves, one line per arm (the mean over seeds) in a band of ± one std across
+    seeds: κ, tool-call rate, format compliance, `</think>` closure, tool vs no-tool advantage
+    (points: only steps with a mixed group have one), held-out accuracy at the smallest K."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -548,7 +554,12 @@ def plot(res: dict[str, Any], out_png: Path) -> Path:
                 # Advantages exist only at steps with a mixed group: points, not a line.
                 style = {"linestyle": "none", "marker": "o"} if key.startswith("adv/") else {}
                 marker = "." if len(c["step"]) < 12 else ""
-                ax.plot(c["step"], c["mean"], label=arm, **{"marker": marker, **style})
+                (line,) = ax.plot(c["step"], c["mean"], label=arm, **{"marker": marker, **style})
+                sd = c.get("std") or []
+                if not key.startswith("adv/") and any(v == v for v in sd):
+                    lo = [m - v for m, v in zip(c["mean"], sd)]
+                    hi = [m + v for m, v in zip(c["mean"], sd)]
+                    ax.fill_between(c["step"], lo, hi, color=line.get_color(), alpha=0.15, lw=0)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -132,9 +132,12 @@ def test_summary_values_and_schema() -> None:
     assert van["kappa_start"] == {"mean": 2.5, "std": pytest.approx(math.sqrt(0.5))}
     assert van["acc_end_k"]["4"]["mean"] == 0.75
     assert [s["seed"] for s in van["seeds"]] == [0, 1]
-    assert van["curves"]["tool_calls_per_rollout"] == {"step": [1, 2], "mean": [2.5, 0.5]}
+    kappa = van["curves"]["tool_calls_per_rollout"]
+    assert kappa["step"] == [1, 2] and kappa["mean"] == [2.5, 0.5]
+    assert kappa["std"] == [pytest.approx(math.sqrt(0.5)), pytest.approx(math.sqrt(0.5))]
     # Held-out accuracy: the cold start's at step 0, then the runs' (mean over seeds).
-    assert van["curves"]["eval/K4"] == {"step": [0, 2], "mean": [0.25, 0.75]}
+    assert van["curves"]["eval/K4"]["step"] == [0, 2]
+    assert van["curves"]["eval/K4"]["mean"] == [0.25, 0.75]
     assert res["sft"]["4"]["kappa"] == 2.5
 
 
@@ -185,6 +188,8 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
         assert [s["seed"] for s in a["seeds"]] == [7]
         curves = a["curves"]
         assert curves["tool_calls_per_rollout"]["step"] == [1, 2]
+        # the band of collapse.png: the std across seeds at each step (one seed: 0)
+        assert curves["tool_calls_per_rollout"]["std"] == [0.0, 0.0]
         assert curves["format_compliance"]["step"] == [1, 2]
         # Held-out accuracy per K: the cold start's (step 0), step 1 (--eval-every 1), after RL.
         assert curves["eval/K2"]["step"] == [0, 1, 2] and curves["eval/K4"]["step"] == [0, 1, 2]
