@@ -64,7 +64,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from paravt.arms import arm_overrides, run_finished
+from paravt.arms import arm_overrides, reused_checkpoint, run_finished, train_checkpoint
 from paravt.config import Config, ConfigError, load_config, to_yaml
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
@@ -202,22 +202,6 @@ def _write_sft_data(
     return path
 
 
-def _stamped_checkpoint(dst: Path, stamp: Path, made: dict[str, Any]) -> bool:
-    """Whether ``dst`` holds a checkpoint made with the settings ``made`` (recorded in
-    ``stamp``); raises ``ConfigError`` if it was made with others."""
-    if not (dst / "config.json").is_file():
-        return False
-    old = json.loads(stamp.read_text()) if stamp.is_file() else None
-    if old is not None and old != json.loads(json.dumps(made)):
-        raise ConfigError(
-            f"{dst} was trained with other cold-start settings ({stamp}: {old}); use another "
-            f"--out or delete {dst} to train the new one"
-        )
-    unchecked = "" if old is not None else f" (no {stamp.name}: its settings are unchecked)"
-    print(f"[collapse] SFT checkpoint {dst} exists: reused{unchecked}", flush=True)
-    return True
-
-
 def base_sft(cfg: Config, out: Path, base: Config) -> str:
     """Stage 1 of the cold start: the model that already reads the task, as a pretrained VLM
     does before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
@@ -226,31 +210,18 @@ def base_sft(cfg: Config, out: Path, base: Config) -> str:
     preset's, e.g. 4000 cosine steps on the task's oracle rows, which call the tool only where
     the overview misses the square) from the random tiny model; made once, reused by a rerun.
     """
-    from paravt.assets import prepare_assets
-    from paravt.distributed import DistContext
-    from paravt.sft import run_sft
-
     if cfg.model.path:
         return cfg.model.path
     dst, stamp = out / "base_sft", out / "base_sft_params.json"
     made = {"sft": dataclasses.asdict(base.sft), "data": dataclasses.asdict(cfg.data)}
-    if _stamped_checkpoint(dst, stamp, made):
+    if reused_checkpoint(dst, "collapse", stamp, made):
         return str(dst)
     if base.sft.steps < 1:
         raise ConfigError(
             "--base-steps must be >= 1 (or give model.path=CHECKPOINT as the base model)"
         )
-    ctx = DistContext()
-    data_dir, model_dir = prepare_assets(cfg, ctx)
-    bcfg = replace(cfg, sft=base.sft)
-    res = run_sft(bcfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
-    stamp.write_text(json.dumps(made, indent=1) + "\n")
-    print(
-        f"[collapse] base SFT {base.sft.steps} steps (the default's recipe): nll/token "
-        f"{res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s)"
-        f" -> {dst}",
-        flush=True,
-    )
+    what = f"base SFT {base.sft.steps} steps (the default's recipe)"
+    train_checkpoint(replace(cfg, sft=base.sft), dst, "collapse", what, stamp=stamp, made=made)
     return str(dst)
 
 
@@ -267,10 +238,9 @@ def cold_start(
     settings: ``out/sft_params.json``)."""
     from paravt.assets import prepare_assets
     from paravt.distributed import DistContext
-    from paravt.sft import run_sft
 
     start = base_sft(cfg, out, base) if base is not None else cfg.model.path
-    dst = out / "sft"
+    dst, stamp = out / "sft", out / "sft_params.json"
     made = {
         "windows": list(windows),
         "unclosed_think": unclosed_think,
@@ -278,24 +248,16 @@ def cold_start(
         "data": dataclasses.asdict(cfg.data),
         "model_path": start,
     }
-    if _stamped_checkpoint(dst, out / "sft_params.json", made):
+    if reused_checkpoint(dst, "collapse", stamp, made):
         return dst
     if cfg.sft.steps < 1:
         raise ConfigError("sft.steps must be >= 1: every arm starts from the collapse cold start")
-    ctx = DistContext()
     scfg = replace(cfg, model=replace(cfg.model, path=start))
-    data_dir, model_dir = prepare_assets(scfg, ctx)
-    data = _write_sft_data(cfg, data_dir, out / "sft_data.jsonl", windows, unclosed_think)
+    dirs = prepare_assets(scfg, DistContext())
+    data = _write_sft_data(cfg, dirs[0], out / "sft_data.jsonl", windows, unclosed_think)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
-    res = run_sft(scfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
-    (out / "sft_params.json").write_text(json.dumps(made, indent=1) + "\n")
-    print(
-        f"[collapse] all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}:"
-        f" nll/token {res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} "
-        f"({res['sft/seconds']:.0f} s) -> {dst}",
-        flush=True,
-    )
-    return dst
+    what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
+    return train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
 
 
 # ------------------------------------------------------------------------------ one run
@@ -555,10 +517,9 @@ def plot(res: dict[str, Any], out_png: Path) -> Path:
                 style = {"linestyle": "none", "marker": "o"} if key.startswith("adv/") else {}
                 marker = "." if len(c["step"]) < 12 else ""
                 (line,) = ax.plot(c["step"], c["mean"], label=arm, **{"marker": marker, **style})
-                sd = c.get("std") or []
-                if not key.startswith("adv/") and any(v == v for v in sd):
-                    lo = [m - v for m, v in zip(c["mean"], sd)]
-                    hi = [m + v for m, v in zip(c["mean"], sd)]
+                if not key.startswith("adv/"):
+                    lo = [m - v for m, v in zip(c["mean"], c["std"])]
+                    hi = [m + v for m, v in zip(c["mean"], c["std"])]
                     ax.fill_between(c["step"], lo, hi, color=line.get_color(), alpha=0.15, lw=0)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.arms import ARMS, arm_overrides, run_finished
+from paravt.arms import ARMS, arm_overrides, reused_checkpoint, run_finished, train_checkpoint
 from paravt.config import Config, ConfigError, load_config
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
@@ -148,25 +148,12 @@ def plot_curves(runs: dict[str, list[list[dict[str, Any]]]], out_png: Path) -> P
 
 def _sft(cfg: Config, out: Path) -> Path:
     """The shared SFT checkpoint ``out/sft`` (made once; a rerun reuses it)."""
-    from paravt.assets import prepare_assets
-    from paravt.distributed import DistContext
-    from paravt.sft import run_sft
-
     dst = out / "sft"
-    if (dst / "config.json").is_file():
-        print(f"[ablation] SFT checkpoint {dst} exists: reused", flush=True)
+    if reused_checkpoint(dst, "ablation"):
         return dst
     if cfg.sft.steps < 1:
         raise ConfigError("sft.steps must be >= 1: every arm starts from the shared SFT")
-    ctx = DistContext()
-    data_dir, model_dir = prepare_assets(cfg, ctx)
-    res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
-    print(
-        f"[ablation] SFT {cfg.sft.steps} steps: nll/token {res['sft/loss_first']:.3f} -> "
-        f"{res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s) -> {dst}",
-        flush=True,
-    )
-    return dst
+    return train_checkpoint(cfg, dst, "ablation", f"SFT {cfg.sft.steps} steps")
 
 
 def ablation(
