@@ -60,7 +60,17 @@ fi
 # (/opt/gcc/bin/g++, a wrapper of the same GCC 13.3) builds a paravt._C in which formatting
 # any TORCH_CHECK message segfaults (std::ostream << size_t), so every error path of the op
 # killed the process; /usr/bin/g++ builds one that raises (docs/gpu/README.md).
-[ -x /usr/bin/g++ ] && export CXX="${CXX:-/usr/bin/g++}"
+# The image itself exports CXX=/opt/gcc/bin/g++ (run of 17:17 UTC: `${CXX:-/usr/bin/g++}` kept
+# it, and the same 7 tests crashed), so the system compiler is forced here; PARAVT_GPU_CXX
+# overrides it.
+echo "CXX in the image: ${CXX:-unset}, CC: ${CC:-unset}" | tee -a "$OUT/env.txt"
+if [ -n "${PARAVT_GPU_CXX:-}" ]; then
+  export CXX="$PARAVT_GPU_CXX"
+elif [ -x /usr/bin/g++ ]; then
+  export CXX=/usr/bin/g++
+  [ -x /usr/bin/gcc ] && export CC=/usr/bin/gcc
+fi
+echo "building with CXX=${CXX:-unset} CC=${CC:-unset}" | tee -a "$OUT/env.txt"
 # The build is `setup.py build_ext --inplace` after a metadata-only editable install: on that
 # image a CUDA build by `pip install -e .` segfaulted in TORCH_CHECK even with CXX set (run of
 # 15:12 UTC, 7 crashed tests), while build_ext --inplace with CXX=/usr/bin/g++ raised properly
