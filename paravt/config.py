@@ -204,14 +204,31 @@ class RolloutConfig:
     # GPU only (untested here): sleep (weights to host, KV cache freed) between the rollout
     # and the update, so that engine and trainer share the device.
     vllm_sleep: bool = True
+    # Asynchronous PARA-GRPO (paravt.workers): the last ``workers`` ranks of a torchrun job
+    # are rollout workers, each with its own engine, generating while the other ranks (the
+    # trainers, FSDP2 among themselves) update; weights are streamed to them after every step
+    # and swapped between turns. 0 = today's synchronous, colocated loop.
+    workers: int = 0
+    # η: a step trains only on trajectories whose oldest token is at most η policy versions
+    # behind the policy being updated; workers get a step's prompts only when they are at most
+    # η steps ahead (AReaL's max_head_offpolicyness). 0 with workers = generation and update
+    # alternate (the synchronous schedule, in separate processes).
+    max_staleness: int = 0
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``)."""
         from paravt.rollout import ENGINES
 
-        return _range_errors("rollout", self) + _choice_error(
+        errs = _range_errors("rollout", self) + _choice_error(
             "rollout.engine", self.engine, ENGINES
         )
+        if self.max_staleness > 0 and self.workers == 0:
+            errs.append(
+                f"rollout.max_staleness={self.max_staleness} needs rollout workers (the "
+                "synchronous loop has no stale tokens); set rollout.workers >= 1 and launch "
+                "with torchrun, or rollout.max_staleness=0"
+            )
+        return errs
 
 
 @dataclass
@@ -670,6 +687,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "video.crop_min_pixels": (">= 1", "pixel floor per crop frame"),
     "video.cache_frames": (">= 0", "decoded frames cached; 0 = off"),
     "video.decode_timeout_s": ("> 0", "seconds one file's probe or decode may block"),
+    "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
+    "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
     "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
     "rollout.group_size": (">= 1", "samples per prompt"),
     "rollout.temperature": (">= 0", "main-agent sampling temperature"),

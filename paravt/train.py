@@ -98,7 +98,9 @@ from paravt.preempt import Preemption, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout import engine_spec, make_engine
 from paravt.sft import freeze_vit, run_sft
+from paravt.types import RolloutBatch
 from paravt.validate import validate_run
+from paravt.workers import RolloutPipeline, WorkerFailed, init_async, run_worker
 
 # ----------------------------------------------------------------------------------- config
 
@@ -148,6 +150,9 @@ class Trainer:
     start_step: int = 0
     thumbs: Any = None  # ThumbnailStore of the viewer's overview thumbnails (rank 0)
     preempt: Any = None  # paravt.preempt.Preemption of the run (None: no mid-step check)
+    # Asynchronous run (rollout.workers > 0): the rollout workers' trainer end
+    # (paravt.workers.RolloutPipeline); None: this process rolls out itself (synchronous).
+    pipeline: RolloutPipeline | None = None
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
@@ -249,9 +254,36 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
 
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
     """One PARA-GRPO step; returns the step's metrics (global over ranks, on every rank)."""
-    cfg, ctx, algo = tr.cfg, tr.ctx, tr.cfg.algo
+    cfg, ctx = tr.cfg, tr.ctx
     times: dict[str, float] = {}
     t_step = time.perf_counter()
+    if tr.pipeline is not None:  # asynchronous: the workers rolled this step out already
+        _enter(tr, step, "rollout")
+        t0 = time.perf_counter()
+        tr.policy.eval()
+        batch = tr.pipeline.collect(step, tr.preempt)
+        times["time/rollout"] = time.perf_counter() - t0  # the trainer's wait for it
+        if batch is None or (tr.preempt is not None and tr.preempt.should_abandon()):
+            raise StepAbandoned(step)
+    else:
+        batch = _rollout(tr, step, times)
+    groups = batch.groups
+
+    # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
+    # rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite loss
+    # or gradient norm, per optimizer step.
+    _enter(tr, step, "reward")
+    t0 = time.perf_counter()
+    score_groups(groups, cfg.reward)
+    guard = NonFiniteGuard(ctx, step)
+    guard.check_rewards(groups)
+    times["time/reward"] = time.perf_counter() - t0
+    return _learn(tr, step, batch, guard, times, t_step)
+
+
+def _rollout(tr: Trainer, step: int, times: dict[str, float]) -> RolloutBatch:
+    """Steps 1-2 of a synchronous step: this rank's prompts, their K, the rollouts."""
+    cfg, ctx = tr.cfg, tr.ctx
 
     # 1. Prompts and their frame budgets K (stable hash of seed, epoch, sample id).
     picked = shard_list(tr.sampler.next(cfg.train.prompts_per_step), ctx)
@@ -284,16 +316,19 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # train.preempt_grace_s; otherwise the step is finished and the run stops after it.
     if tr.preempt is not None and tr.preempt.should_abandon():
         raise StepAbandoned(step)
+    return RolloutBatch(groups, list(tr.runner.errors), dict(tr.runner.stats))
 
-    # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
-    # rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite loss
-    # or gradient norm, per optimizer step.
-    _enter(tr, step, "reward")
-    t0 = time.perf_counter()
-    score_groups(groups, cfg.reward)
-    guard = NonFiniteGuard(ctx, step)
-    guard.check_rewards(groups)
-    times["time/reward"] = time.perf_counter() - t0
+
+def _learn(
+    tr: Trainer,
+    step: int,
+    batch: RolloutBatch,
+    guard: NonFiniteGuard,
+    times: dict[str, float],
+    t_step: float,
+) -> dict[str, float]:
+    """Steps 4-7 of a step: advantages, the update, the weight push, the metrics."""
+    cfg, ctx, algo, groups = tr.cfg, tr.ctx, tr.cfg.algo, batch.groups
 
     # 4. Advantages, packed minibatches, reference / proximal log-probs (no grad).
     _enter(tr, step, "logprobs")
@@ -372,10 +407,14 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     tr.policy.eval()
     times["time/update"] = time.perf_counter() - t0
 
-    # 6. Push the new weights to the rollout engine.
+    # 6. Push the new weights to the rollout engine (asynchronous: stream them to the workers
+    # as version ``step`` and admit the prompts that version allows).
     _enter(tr, step, "sync")
     t0 = time.perf_counter()
-    sync_engine(tr)
+    if tr.pipeline is not None:
+        tr.pipeline.publish(tr.policy, step)
+    else:
+        sync_engine(tr)
     times["time/sync"] = time.perf_counter() - t0
 
     # 7. Metrics, reduced over ranks.
@@ -412,14 +451,17 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
             "tokens_per_s": gen_tokens / max(times["time/step"], 1e-9),
             "trained_tokens": gen_tokens,
             "num_groups": float(all_reduce_sum(float(len(groups)), ctx)[0]),
-            "skipped_prompts": float(all_reduce_sum(float(len(tr.runner.errors)), ctx)[0]),
+            "skipped_prompts": float(all_reduce_sum(float(len(batch.errors)), ctx)[0]),
         }
     )
     # Episodes the engine's context cut short (paravt.agent.loop: never a failed request).
     keys = ("context_forced_answers", "context_cut_answers", "context_ended")
-    counts = all_reduce_sum(torch.tensor([float(tr.runner.stats.get(k, 0)) for k in keys]), ctx)
+    counts = all_reduce_sum(torch.tensor([float(batch.stats.get(k, 0)) for k in keys]), ctx)
     m.update({f"rollout/{k}": float(v) for k, v in zip(keys, counts)})
     m.update(guard.metrics())
+    if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
+        m.update(batch.metrics)
+        m["async/trainer_idle_frac"] = times["time/rollout"] / max(times["time/step"], 1e-9)
     if ctx.is_main and cfg.train.log_trajectories:
         tr.logger.log_trajectories(
             step,
@@ -466,12 +508,20 @@ def run(cfg: Config) -> dict[str, Any]:
     empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``).
     """
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
-    ctx = init_distributed(cfg.model.device)
+    roles = None
+    if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out
+        ctx, roles = init_async(cfg.model.device, cfg.rollout.workers)
+        if roles.is_worker:
+            totals = run_worker(cfg, ctx, roles)
+            cleanup(ctx)
+            return {"worker": roles.rank, **totals}
+    else:
+        ctx = init_distributed(cfg.model.device)
     with Preemption(cfg.train.preempt_grace_s, ctx) as pre:
-        return _run(cfg, ctx, pre)
+        return _run(cfg, ctx, pre, roles)
 
 
-def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
+def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     out = Path(cfg.train.out_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -481,6 +531,9 @@ def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
     tr = build_trainer(cfg, ctx)
     tr.preempt = pre
     t = cfg.train
+    if roles is not None:  # the workers start on the first η + 1 steps while we evaluate
+        tr.pipeline = RolloutPipeline(cfg, ctx, roles, tr.sampler)
+        tr.pipeline.start(tr.policy, tr.init_dir, tr.start_step)
 
     before: dict[str, float] = {}
     pre.enter(tr.start_step, "eval")
@@ -508,7 +561,7 @@ def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
     for step in range(tr.start_step + 1, t.steps + 1):
         if pre.requested():  # any rank, during the previous step or before the first
             break
-        begin = (tr.sampler.state(), rng_state())
+        begin = (_data_state(tr, step - 1), rng_state())
         try:
             last = train_step(tr, step)
         except StepAbandoned:
@@ -526,16 +579,21 @@ def _run(cfg: Config, ctx: Any, pre: Any) -> dict[str, Any]:
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
             pre.enter(step, "checkpoint")
             t0 = time.perf_counter()
-            if save_trainer(tr, step):
+            if save_trainer(tr, step, data=_data_state(tr, step)):
                 saved = step
             pre.save_s = time.perf_counter() - t0
     bar.close()
     if abandoned or pre.requested():
         info = _preempted(tr, done, saved, begin if abandoned else None)
+        if tr.pipeline is not None:
+            tr.pipeline.close()
         tr.logger.close()
         cleanup(ctx, getattr(tr.engine, "close", lambda: None))
         return {"before": before, "after": {}, "last": last, "out_dir": str(out), "preempted": info}
     pre.enter(t.steps, "eval")
+    if tr.pipeline is not None:  # the workers are done; the evaluation runs here
+        tr.pipeline.close()
+        sync_engine(tr)
 
     after = evaluate(tr, seed=t.seed) if t.eval_prompts else {}
     if after:
@@ -575,7 +633,7 @@ def _preempted(
         pre.enter(done, "checkpoint")
         t0 = time.perf_counter()
         if begin is None:
-            ok = save_trainer(tr, done)
+            ok = save_trainer(tr, done, data=_data_state(tr, done))
         else:
             ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
         wrote = f" written in {time.perf_counter() - t0:.1f} s"
@@ -621,6 +679,12 @@ def _preempted(
     }
 
 
+def _data_state(tr: Trainer, done: int) -> dict[str, int]:
+    """The prompt sampler's position after step ``done``'s prompts (what a checkpoint of step
+    ``done`` records): asynchronous runs draw up to η + 1 steps ahead."""
+    return tr.pipeline.data_state(done) if tr.pipeline is not None else tr.sampler.state()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg, _ = parse_args(argv)
@@ -632,6 +696,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except CheckpointSaveError as e:  # train.on_save_error=fail; the previous one is intact
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except WorkerFailed as e:  # asynchronous: a rollout worker died or raised
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except DatasetError as e:  # raised before any model loads (read_datasets)
         print(

@@ -226,6 +226,12 @@ class Trajectory:
     # were not sampled (SFT oracle trajectories).
     temperature: float = 1.0
     top_p: float = 1.0
+    # The policy version that sampled each token (-1 on tokens it did not sample; empty:
+    # not recorded). Synchronous runs sample every token with the version being updated; an
+    # asynchronous run's worker (``paravt.workers``) may swap weights between turns, so one
+    # episode can span versions, and a step trains only rows whose oldest sampled token is at
+    # most ``rollout.max_staleness`` versions behind.
+    versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.loss_mask) == len(self.logprobs)):
@@ -233,6 +239,16 @@ class Trajectory:
                 f"trajectory {self.uid}: tokens ({len(self.tokens)}), loss_mask "
                 f"({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) differ in length"
             )
+        if self.versions and len(self.versions) != len(self.tokens):
+            raise ValueError(
+                f"trajectory {self.uid}: versions ({len(self.versions)}) and tokens "
+                f"({len(self.tokens)}) differ in length"
+            )
+
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the sampled tokens (None: none recorded)."""
+        sampled = [v for v in self.versions if v >= 0]
+        return min(sampled) if sampled else None
 
 
 @dataclass
@@ -244,6 +260,22 @@ class Group:
     num_frames: int
     trajectories: list[Trajectory]  # main agents
     sub_trajectories: list[Trajectory] = field(default_factory=list)
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts as the trainer receives them: from its own ``AgentRunner``
+    (synchronous) or from the rollout workers (``paravt.workers.pipeline``).
+
+    ``errors`` / ``stats``: the runners' skipped prompts and counters (``AgentRunner.errors``,
+    ``.stats``; an asynchronous run's are on trainer rank 0 only, so sums over ranks count
+    each once); ``metrics``: the asynchronous run's ``async/*`` metrics of the step (staleness,
+    queue depth, idle times; rank 0), empty when synchronous."""
+
+    groups: list[Group]
+    errors: list[str] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -324,6 +356,9 @@ class PackedBatch:
     # (N,) float32 log π_prox (the policy before this step's updates, one no-grad pass),
     # filled by the trainer for ``algo.loss=decoupled`` (``PolicyObjective.needs_prox``).
     prox_logprobs: torch.Tensor | None = None
+    # (N,) int64 policy version that sampled each token (-1 where none did:
+    # ``Trajectory.versions``); filled by ``pack_units`` when every row records them.
+    versions: torch.Tensor | None = None
 
     def token_types(self) -> torch.Tensor:
         """``mm_token_type_ids`` ``(N,)``; ``ValueError`` when the batch has none (a forward

@@ -27,6 +27,21 @@ def validate_run(cfg: Config, world_size: int) -> None:
     t, r, a = cfg.train, cfg.rollout, cfg.algo
     if t.steps < 1:
         errs.append(f"train.steps={t.steps} must be >= 1")
+    if r.workers > 0:  # asynchronous: the last r.workers ranks generate, the others train
+        if world_size <= r.workers:
+            errs.append(
+                f"rollout.workers={r.workers} with {world_size} process(es) leaves no trainer "
+                f"rank (asynchronous training runs the workers in their own processes); launch "
+                f"torchrun --nproc-per-node {r.workers + 1} (or more) -m paravt.train, or set "
+                "rollout.workers=0 for the synchronous loop"
+            )
+        elif t.prompts_per_step % r.workers:
+            errs.append(
+                f"train.prompts_per_step={t.prompts_per_step} is not divisible by "
+                f"rollout.workers={r.workers}; each worker rolls out an equal share of a step's "
+                f"prompts (use a multiple of {r.workers})"
+            )
+        world_size = max(world_size - r.workers, 1)  # the trainer ranks, from here on
     if t.prompts_per_step % world_size:
         errs.append(
             f"train.prompts_per_step={t.prompts_per_step} is not divisible by the world size "

@@ -171,6 +171,9 @@ class Context:
     clips: list[VisualInputs] = field(default_factory=list)
     control_ids: frozenset[int] = frozenset()
     template_tokens: list[tuple[int, int]] = field(default_factory=list)
+    # The policy version that sampled each token (``add_generated``'s ``version``; -1 on
+    # forced tokens): an asynchronous run's worker swaps weights between turns.
+    versions: list[int] = field(default_factory=list)
 
     def _add_forced(
         self, ids: list[int], mm_types: list[int] | None = None, *, template: bool
@@ -183,6 +186,7 @@ class Context:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.mm_types += mm_types if mm_types is not None else [0] * len(ids)
+        self.versions += [-1] * len(ids)
 
     def add_markup(self, ids: list[int]) -> None:
         """Forced template tokens (``TextCache.markup``): mask 0, log-prob 0, text type 0."""
@@ -228,8 +232,9 @@ class Context:
         self._add_forced(list(clip.token_ids), list(clip.mm_token_type_ids), template=True)
         self.clips.append(clip.visuals)
 
-    def add_generated(self, ids: list[int], logprobs: list[float]) -> None:
-        """Sampled tokens: mask 1 and their behaviour log-probs (from the engine)."""
+    def add_generated(self, ids: list[int], logprobs: list[float], version: int = 0) -> None:
+        """Sampled tokens: mask 1 and their behaviour log-probs (from the engine), drawn by
+        policy ``version`` (``AgentRunner.version``)."""
         if len(ids) != len(logprobs):
             raise ValueError(
                 f"engine returned {len(ids)} tokens but {len(logprobs)} log-probs; an Engine "
@@ -239,6 +244,7 @@ class Context:
         self.loss_mask += [1] * len(ids)
         self.logprobs += [float(x) for x in logprobs]
         self.mm_types += [0] * len(ids)
+        self.versions += [int(version)] * len(ids)
 
     @property
     def visuals(self) -> VisualInputs | None:
@@ -255,6 +261,7 @@ class Context:
             list(self.clips),
             self.control_ids,
             list(self.template_tokens),
+            list(self.versions),
         )
 
     def request(self, sampling: SamplingParams, request_id: str) -> GenerationRequest:
@@ -277,6 +284,7 @@ class Context:
             logprobs=list(self.logprobs),
             visuals=self.visuals,
             extras=extras,
+            versions=list(self.versions),
             **kw,
         )
 

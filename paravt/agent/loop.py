@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -150,6 +151,11 @@ class AgentRunner:
         self._metas: dict[str, VideoMeta] = {}
         self.errors: list[str] = []
         self.stats: dict[str, float] = {}
+        # The policy version the engine's weights are (recorded on every sampled token), and
+        # an optional hook called before every turn that may swap the engine's weights and
+        # returns the version then loaded (``paravt.workers``: an asynchronous run's worker).
+        self.version = 0
+        self.before_turn: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------------------ helpers
     def meta(self, video: str) -> VideoMeta:
@@ -224,12 +230,20 @@ class AgentRunner:
 
     # ------------------------------------------------------------------------------ rollout
     def rollout(
-        self, samples: list[Sample], frame_budgets: list[int], *, group_size: int, seed: int
+        self,
+        samples: list[Sample],
+        frame_budgets: list[int],
+        *,
+        group_size: int,
+        seed: int,
+        first_group: int = 0,
     ) -> list[Group]:
         """Roll out ``group_size`` episodes for each sample; returns one ``Group`` per sample
         whose video could be read (``self.errors`` lists the skipped ones).
 
-        Reproducible: every request carries a seed derived from ``(seed, uid, turn)``.
+        Reproducible: every request carries a seed derived from ``(seed, uid, turn)``. Groups
+        are numbered from ``first_group`` (their ``group_id`` and the uids' prefix): a rollout
+        worker of an asynchronous run passes its share's offset in the step's prompts.
         """
         if len(samples) != len(frame_budgets):
             raise ValueError(
@@ -263,7 +277,7 @@ class AgentRunner:
 
         episodes: list[_Episode] = []
         groups: dict[int, Group] = {}
-        for gi, (s, k, c) in enumerate(zip(samples, frame_budgets, contexts)):
+        for gi, (s, k, c) in enumerate(zip(samples, frame_budgets, contexts), first_group):
             if isinstance(c, VideoError):
                 msg = f"sample {s.id}: skipped, its video could not be read ({c})"
                 log.warning(msg)
@@ -284,6 +298,10 @@ class AgentRunner:
                 )
 
         for turn in range(acfg.max_turns + 1):
+            # An asynchronous run's worker swaps in newer weights here, between turns (never
+            # inside a generation): every member of a group samples a turn with one version.
+            if self.before_turn is not None:
+                self.version = self.before_turn()
             reqs, active, how = [], [], []
             for e in episodes:
                 if e.done:
@@ -390,7 +408,7 @@ class AgentRunner:
         """Append a main-agent generation; decide whether the episode continues with tools."""
         acfg = self.cfg.agent
         ids, lps, cut = self._cut_visual(list(r.token_ids), list(r.logprobs))
-        e.ctx.add_generated(ids, lps)
+        e.ctx.add_generated(ids, lps, self.version)
         text = self.decode_text(ids)
         t = Turn(text=text, finish_reason=r.finish_reason, prefix=prefix, forced_answer=forced)
         e.turns.append(t)
@@ -536,7 +554,7 @@ class AgentRunner:
             ids, lps, _ = self._cut_visual(list(o.result.token_ids), list(o.result.logprobs))
             if ids:
                 ctx.check_special_tokens(req.request_id)
-                ctx.add_generated(ids, lps)
+                ctx.add_generated(ids, lps, self.version)
                 e.subs.append(
                     ctx.to_trajectory(
                         uid=req.request_id,

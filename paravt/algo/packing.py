@@ -81,6 +81,11 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
         mm_token_type_ids=torch.tensor(mm, dtype=torch.int64),
         parent_index=torch.tensor(parents, dtype=torch.int64),
         roles=[t.role for t in seqs],
+        versions=(
+            torch.tensor([v for t in seqs for v in t.versions], dtype=torch.int64)
+            if seqs and all(t.versions for t in seqs)
+            else None
+        ),
     )
 
 
@@ -139,6 +144,7 @@ def select_sequences(batch: PackedBatch, seqs: Sequence[int]) -> PackedBatch:
         roles=[batch.roles[i] for i in seqs] if batch.roles else [],
         ref_logprobs=_take(batch.ref_logprobs, idx),
         prox_logprobs=_take(batch.prox_logprobs, idx),
+        versions=_take(batch.versions, idx),
     )
 
 
@@ -174,6 +180,7 @@ def trained_rows(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
         mm_token_type_ids=_take(batch.mm_token_type_ids, index),
         ref_logprobs=_take(batch.ref_logprobs, index),
         prox_logprobs=_take(batch.prox_logprobs, index),
+        versions=_take(batch.versions, index),
     )
     return rows, index
 
@@ -238,6 +245,7 @@ def concat_packed(batches: Sequence[PackedBatch]) -> PackedBatch:
         roles=[r for b in batches for r in b.roles],
         ref_logprobs=_cat_optional([b.ref_logprobs for b in batches]),
         prox_logprobs=_cat_optional([b.prox_logprobs for b in batches]),
+        versions=_cat_optional([b.versions for b in batches]),
     )
     assert out.input_ids.numel() == n
     return out

@@ -1,0 +1,276 @@
+"""The trainer's end of an asynchronous run: prompts and weights out, rollouts in, staleness
+bounded (``paravt.workers.worker`` is the other end).
+
+Versions: the policy the trainer holds after step ``s`` is version ``s`` (the run's start,
+SFT or a resumed checkpoint, is version ``start_step``). Step ``b`` trains the policy of
+version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`` is then
+``b - 1 - v`` versions stale.
+
+* **Admission (AReaL's rule).** Step ``b``'s prompts go out only once the trainer holds
+  version ``>= b - 1 - η`` (``rollout.max_staleness``): at the start steps ``start+1 ..
+  start+1+η``, then one more after every update. A worker starts step ``b`` only with a
+  version ``>= b - 1 - η`` loaded, and swaps in newer weights between turns, so no token of
+  step ``b`` is older than ``b - 1 - η``. η = 0 is the synchronous schedule: the worker
+  generates step ``b`` with version ``b - 1`` exactly while the trainer waits.
+* **Filter.** ``collect`` drops (and counts, ``async/dropped_groups``) any group whose oldest
+  sampled token is more than η versions behind. The admission rule makes this a guard that
+  should never fire.
+* **Groups stay whole.** A prompt's G samples are one batched rollout on one worker, turn by
+  turn: each turn of all G is sampled with the same version, so the group baseline compares
+  rollouts drawn from the same policies.
+* **Weights.** ``publish`` streams the full weights after every update (``full_weights``: one
+  tensor at a time, all-gathered from the FSDP2 shards when there are several trainer ranks),
+  each tensor one broadcast from trainer rank 0 to the workers, after a header naming the
+  version. Workers stage them and swap between turns.
+* **Data position.** Rank 0's prompt sampler runs ahead of training (up to η + 1 steps); the
+  position checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn
+  (``data_state``), so ``--resume`` re-issues exactly the prompts not yet trained on.
+
+Faults: each worker has a receiving thread on its own group; a worker that dies (SIGKILL, OOM)
+closes its sockets and the thread's receive fails at once, and a worker whose rollout raises
+sends its traceback: ``collect`` then raises ``WorkerFailed`` naming the worker's rank (the run
+stops; ``--resume`` continues from the last checkpoint). A trainer that dies fails the
+workers' control stream and they exit (``paravt.workers.worker``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paravt.agent.loop import stable_seed
+from paravt.algo.gating import frame_budget
+from paravt.config import Config
+from paravt.distributed import DistContext, full_weights
+from paravt.types import Group, RolloutBatch
+from paravt.workers.roles import AsyncRoles, bcast_obj, recv_obj
+
+
+class WorkerFailed(RuntimeError):
+    """A rollout worker died or its rollout raised; the message names its rank."""
+
+
+class RolloutPipeline:
+    """Trainer-side state of the asynchronous schedule (every trainer rank holds one; only
+    rank 0 talks to the workers). ``sampler``: the run's ``PromptSampler`` (rank 0's draws
+    are the run's prompts)."""
+
+    def __init__(self, cfg: Config, ctx: DistContext, roles: AsyncRoles, sampler: Any) -> None:
+        self.cfg, self.ctx, self.roles, self.sampler = cfg, ctx, roles, sampler
+        self.eta = int(cfg.rollout.max_staleness)
+        self.assigned = 0  # the last step whose prompts went out
+        self._data_before: dict[int, dict[str, int]] = {}
+        self._results: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._buffer: dict[int, dict[int, dict[str, Any]]] = {}
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+        self.failed = False
+        if ctx.is_main:
+            for w in roles.workers:
+                th = threading.Thread(
+                    target=self._receive, args=(w,), name=f"paravt-recv-{w}", daemon=True
+                )
+                th.start()
+                self._threads.append(th)
+
+    # ------------------------------------------------------------------------ outbound
+    def start(self, policy: torch.nn.Module, init_dir: str, start_step: int) -> None:
+        """Tell the workers where the model is, send them version ``start_step``'s weights
+        and the first η + 1 steps' prompts (every trainer rank calls it)."""
+        self.assigned = start_step
+        if self.ctx.is_main:
+            bcast_obj({"kind": "hello", "init_dir": str(init_dir)}, self.roles.ctrl_group)
+        self.publish(policy, start_step)
+
+    def publish(self, policy: torch.nn.Module, version: int) -> None:
+        """Stream ``policy``'s weights to the workers as ``version`` (after an update; every
+        trainer rank calls it: under FSDP2 each entry is an all-gather), then admit the steps
+        that version allows (``version + 1 + η`` at most)."""
+        main, r = self.ctx.is_main, self.roles
+        cpu = r.weights_group is r.ctrl_group
+        if main:
+            specs = [(n, tuple(t.shape), t.dtype) for n, t in policy.state_dict().items()]
+            bcast_obj({"kind": "weights", "version": int(version), "specs": specs}, r.ctrl_group)
+        for _, t in full_weights(policy):
+            if main:
+                t = t.detach().contiguous()
+                dist.broadcast(t.cpu() if cpu else t, src=0, group=r.weights_group)
+        if main:
+            last = min(self.cfg.train.steps, version + 1 + self.eta)
+            while self.assigned < last:
+                self._assign(self.assigned + 1)
+
+    def _assign(self, step: int) -> None:
+        """Draw step ``step``'s prompts with their K and send them to the workers."""
+        cfg = self.cfg
+        self._data_before[step] = self.sampler.state()
+        picked = self.sampler.next(cfg.train.prompts_per_step)
+        prompts = [
+            (
+                s,
+                frame_budget(
+                    s.id,
+                    seed=cfg.train.seed,
+                    epoch=epoch,
+                    budgets=cfg.video.frame_budgets,
+                    gating=cfg.video.gating,
+                    fixed=cfg.video.fixed_frames,
+                ),
+            )
+            for s, epoch in picked
+        ]
+        msg = {
+            "kind": "assign",
+            "step": step,
+            "prompts": prompts,
+            "seed": stable_seed(cfg.train.seed, step),
+            "min_version": max(step - 1 - self.eta, 0),
+        }
+        bcast_obj(msg, self.roles.ctrl_group)
+        self.assigned = step
+
+    def data_state(self, done: int) -> dict[str, int]:
+        """The prompt sampler's position after step ``done``'s prompts (what a checkpoint of
+        step ``done`` records): before step ``done + 1``'s draw if it happened already."""
+        if not self.ctx.is_main:
+            return self.sampler.state()
+        return dict(self._data_before.get(done + 1, self.sampler.state()))
+
+    def close(self) -> None:
+        """Stop the workers (each says bye; its receiving thread ends). Not after a failure:
+        a dead worker cannot take part in the broadcast."""
+        if not self.ctx.is_main or self.failed or self._closing:
+            return
+        self._closing = True
+        bcast_obj({"kind": "stop"}, self.roles.ctrl_group)
+        for th in self._threads:
+            th.join(timeout=60)
+
+    # ------------------------------------------------------------------------- inbound
+    def _receive(self, worker: int) -> None:
+        group = self.roles.result_groups[worker]
+        try:
+            while True:
+                msg = recv_obj(worker, group)
+                self._results.put(msg)
+                if msg.get("kind") in ("bye", "error"):
+                    return
+        except Exception as e:  # the worker's sockets closed: it died
+            if not self._closing:
+                self._results.put(
+                    {"kind": "failed", "worker": worker, "message": f"{type(e).__name__}: {e}"}
+                )
+
+    def _take(self, msg: dict[str, Any], step: int) -> None:
+        kind, w = msg.get("kind"), msg.get("worker")
+        if kind == "batch":
+            self._buffer.setdefault(int(msg["step"]), {})[int(w)] = msg
+            return
+        self.failed = True
+        if kind == "error":
+            raise WorkerFailed(
+                f"rollout worker rank {w} failed at step {step}; the run stops (--resume "
+                f"continues from the last checkpoint). Its error:\n{msg['message']}"
+            )
+        why = msg.get("message", "it said bye before the trainer's stop")
+        raise WorkerFailed(
+            f"rollout worker rank {w} is gone ({why}), noticed while waiting for step {step}'s "
+            "rollouts; the run stops (--resume continues from the last checkpoint)"
+        )
+
+    def collect(self, step: int, preempt: Any = None) -> RolloutBatch | None:
+        """Step ``step``'s rollouts, filtered by staleness, with the ``async/*`` metrics;
+        under several trainer ranks each gets its share (by prompt position). None when a
+        preemption signal came while waiting (the step is then abandoned)."""
+        batch = self._collect_main(step, preempt) if self.ctx.is_main else None
+        if not self.ctx.distributed:
+            return batch
+        shares: list[Any] = [None]
+        out = self._split(batch) if batch is not None else [None] * self.ctx.world_size
+        dist.scatter_object_list(
+            shares, out if self.ctx.is_main else None, src=0, group=self.ctx.group
+        )
+        return shares[0]
+
+    def _split(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        n = self.ctx.world_size
+        per = self.cfg.train.prompts_per_step // n
+        out = [RolloutBatch([]) for _ in range(n)]
+        for g in batch.groups:
+            out[min(g.group_id // per, n - 1)].groups.append(g)
+        out[0].errors, out[0].stats, out[0].metrics = batch.errors, batch.stats, batch.metrics
+        return out
+
+    def _collect_main(self, step: int, preempt: Any) -> RolloutBatch | None:
+        t0 = time.perf_counter()
+        workers = self.roles.workers
+        while len(self._buffer.get(step, {})) < len(workers):
+            try:
+                msg = self._results.get(timeout=0.2)
+            except queue.Empty:
+                if preempt is not None and preempt.signalled():
+                    return None
+                continue
+            self._take(msg, step)
+        wait = time.perf_counter() - t0
+        parts = self._buffer.pop(step)
+        groups: list[Group] = [g for w in workers for g in parts[w]["groups"]]
+        errors = [e for w in workers for e in parts[w]["errors"]]
+        stats: dict[str, float] = {}
+        for w in workers:
+            for k, v in parts[w]["stats"].items():
+                stats[k] = stats.get(k, 0) + v
+        now = step - 1  # the version this step trains
+        kept, dropped = [], 0
+        for g in groups:
+            olds = [t.oldest_version() for t in (*g.trajectories, *g.sub_trajectories)]
+            olds = [v for v in olds if v is not None]
+            if olds and now - min(olds) > self.eta:
+                dropped += 1
+            else:
+                kept.append(g)
+        busy = sum(parts[w]["busy_s"] for w in workers)
+        idle = sum(parts[w]["idle_s"] for w in workers)
+        metrics = staleness_metrics(kept, now, self.eta)
+        metrics.update(
+            {
+                "async/dropped_groups": float(dropped),
+                "async/queue_depth": float(
+                    sum(len(v) for v in self._buffer.values()) + self._results.qsize()
+                ),
+                "async/in_flight_steps": float(self.assigned - step),
+                "async/trainer_wait_s": wait,
+                "async/worker_busy_s": busy,
+                "async/worker_idle_s": idle,
+                "async/worker_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
+                "async/version": float(now),
+            }
+        )
+        return RolloutBatch(kept, errors, stats, metrics)
+
+
+def staleness_metrics(groups: list[Group], version: int, eta: int) -> dict[str, float]:
+    """Staleness per trained token of ``groups`` trained by ``version``: its maximum, mean,
+    the share of tokens at each staleness ``0 .. η`` (``async/staleness_<d>``, the histogram)
+    and how many versions sampled them (``async/versions_in_batch``)."""
+    hist: Counter[int] = Counter()
+    for g in groups:
+        for t in (*g.trajectories, *g.sub_trajectories):
+            for m, v in zip(t.loss_mask, t.versions):
+                if m and v >= 0:
+                    hist[version - v] += 1
+    n = sum(hist.values())
+    out = {
+        "async/staleness_max": float(max(hist, default=0)),
+        "async/staleness_mean": sum(d * c for d, c in hist.items()) / n if n else 0.0,
+        "async/versions_in_batch": float(len(hist)),
+    }
+    for d in range(max(eta, max(hist, default=0)) + 1):
+        out[f"async/staleness_{d}"] = hist.get(d, 0) / n if n else 0.0
+    return out

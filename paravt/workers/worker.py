@@ -1,0 +1,214 @@
+"""A rollout worker of an asynchronous run: its own engine, fed prompts and weights by the
+trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the other end).
+
+Two threads:
+
+* the control thread reads the trainer's ordered stream on ``ctrl_group``: ``hello`` (the
+  model folder), ``assign`` (one step's prompts with their K and seed), ``weights`` (a header,
+  then one broadcast per tensor into a staging copy: the engine is never touched from this
+  thread), ``stop``;
+* the main thread rolls out the assigned steps in order. Before every turn
+  (``AgentRunner.before_turn``) it swaps in the newest staged weights, so a multi-turn episode
+  may span versions but no generation does, and every member of a group samples a turn with
+  the same version; each sampled token records its version (``Trajectory.versions``). A step
+  ``b`` starts only once the worker holds version ``>= b - 1 - η`` (the trainer sends that
+  version's weights before the assignment, so the wait is the stream's order).
+
+The result of a step goes to trainer rank 0 on the worker's own ``result_groups`` entry, with
+the runner's errors and counters and the worker's busy / idle seconds. A rollout that raises
+sends its traceback and the worker exits 1; a trainer that disappears fails the control
+thread's receive, and the worker exits 1 naming it. SIGTERM / SIGUSR1 (a cluster preempting
+the job) are left to the trainer, which checkpoints and then sends ``stop``.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paravt.agent.loop import AgentRunner
+from paravt.config import Config
+from paravt.distributed import DistContext
+from paravt.models import load_model_from_config
+from paravt.rollout import make_engine
+from paravt.workers.roles import AsyncRoles, bcast_obj, send_obj
+
+
+class WorkerStopped(Exception):
+    """The trainer said stop (or vanished) while this worker was rolling out."""
+
+
+class _Weights:
+    """Staged weights from the control thread, swapped into the engine by the main thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.staged_version = -1  # the newest version received (staged or loaded)
+        self.arrived = threading.Condition(self.lock)
+        self.gone = ""  # why the control stream failed (the trainer is gone), if it did
+
+
+def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, Any]:
+    """Serve the trainer until it says stop; returns this worker's totals."""
+    for s in (signal.SIGTERM, signal.SIGUSR1):  # the trainer decides; see the docstring
+        signal.signal(s, lambda *_: None)
+    hello = bcast_obj(None, roles.ctrl_group)
+    if hello.get("kind") != "hello":
+        raise RuntimeError(f"rollout worker rank {roles.rank}: expected hello, got {hello}")
+    tag = f"[worker {roles.rank}]"
+    print(f"{tag} loading {hello['init_dir']} ({cfg.rollout.engine} engine)", flush=True)
+    bundle = load_model_from_config(hello["init_dir"], cfg.model, device=str(ctx.device))
+    bundle.model.eval()
+    engine = make_engine(cfg, bundle)
+    runner = AgentRunner(engine, bundle, cfg)
+    weights = _Weights()
+    jobs: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+    ctrl = threading.Thread(
+        target=_control_loop,
+        args=(roles, weights, jobs, stop, ctx.device),
+        name=f"paravt-worker-ctrl-{roles.rank}",
+        daemon=True,
+    )
+    ctrl.start()
+    version = -1
+
+    def swap() -> int:
+        """Load the newest staged weights (between turns); the version now loaded."""
+        nonlocal version
+        if stop.is_set():
+            raise WorkerStopped()
+        with weights.lock:
+            staged, weights.pending = weights.pending, None
+        if staged is not None:
+            engine.sync_weights(staged[1])
+            version = staged[0]
+        return version
+
+    res_group = roles.result_groups[roles.rank]
+    share = cfg.train.prompts_per_step // len(roles.workers)
+    first = roles.worker_index * share
+    totals = {"steps": 0, "busy_s": 0.0, "idle_s": 0.0}
+    idle = 0.0
+    try:
+        while True:
+            t0 = time.perf_counter()
+            job = jobs.get()
+            if isinstance(job, BaseException):
+                raise job
+            if job is None:
+                break
+            # The assignment follows the weights it needs in the stream: wait for the control
+            # thread to have staged them (it has, unless the stream is still being read).
+            need = int(job["min_version"])
+            with weights.arrived:
+                weights.arrived.wait_for(
+                    lambda need=need: weights.staged_version >= need or stop.is_set()
+                )
+            idle += time.perf_counter() - t0
+            runner.before_turn = swap
+            mine = job["prompts"][first : first + share]
+            t1 = time.perf_counter()
+            try:
+                groups = runner.rollout(
+                    [s for s, _ in mine],
+                    [k for _, k in mine],
+                    group_size=cfg.rollout.group_size,
+                    seed=job["seed"],
+                    first_group=first,
+                )
+            except WorkerStopped:
+                break  # the trainer said stop (or is gone: raised below)
+            busy = time.perf_counter() - t1
+            getattr(engine, "sleep", lambda: None)()
+            send_obj(
+                {
+                    "kind": "batch",
+                    "step": job["step"],
+                    "worker": roles.rank,
+                    "groups": groups,
+                    "errors": list(runner.errors),
+                    "stats": dict(runner.stats),
+                    "busy_s": busy,
+                    "idle_s": idle,
+                },
+                0,
+                res_group,
+            )
+            totals["steps"] += 1
+            totals["busy_s"] += busy
+            totals["idle_s"] += idle
+            idle = 0.0
+    except BaseException as e:  # tell the trainer which worker failed and why, then exit 1
+        if not isinstance(e, _TrainerGone):
+            try:
+                msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+                send_obj({"kind": "error", "worker": roles.rank, "message": msg}, 0, res_group)
+            except Exception:
+                pass
+        raise
+    if weights.gone:
+        raise _TrainerGone(weights.gone)
+    send_obj({"kind": "bye", "worker": roles.rank}, 0, res_group)
+    ctrl.join(timeout=30)
+    getattr(engine, "close", lambda: None)()
+    print(
+        f"{tag} stopped after {totals['steps']} step(s): busy {totals['busy_s']:.1f} s, "
+        f"idle {totals['idle_s']:.1f} s",
+        flush=True,
+    )
+    return totals
+
+
+class _TrainerGone(RuntimeError):
+    """The control stream failed: trainer rank 0 exited or was killed."""
+
+
+def _control_loop(
+    roles: AsyncRoles,
+    weights: _Weights,
+    jobs: queue.Queue[Any],
+    stop: threading.Event,
+    device: torch.device,
+) -> None:
+    """Read the trainer's stream until ``stop`` (see the module docstring)."""
+    try:
+        while True:
+            msg = bcast_obj(None, roles.ctrl_group)
+            kind = msg["kind"]
+            if kind == "assign":
+                jobs.put(msg)
+            elif kind == "weights":
+                staged = []
+                dev = device if roles.weights_group is not roles.ctrl_group else "cpu"
+                for name, shape, dtype in msg["specs"]:
+                    t = torch.empty(shape, dtype=dtype, device=dev)
+                    dist.broadcast(t, src=0, group=roles.weights_group)
+                    staged.append((name, t))
+                with weights.arrived:
+                    weights.pending = (int(msg["version"]), staged)
+                    weights.staged_version = int(msg["version"])
+                    weights.arrived.notify_all()
+            elif kind == "stop":
+                break
+            else:
+                raise RuntimeError(f"unexpected control message {kind!r}")
+    except Exception as e:
+        weights.gone = (
+            f"rollout worker rank {roles.rank}: the trainer (rank 0) is gone, its control "
+            f"stream failed ({type(e).__name__}: {e}); stopping"
+        )
+        jobs.put(_TrainerGone(weights.gone))
+    finally:
+        stop.set()
+        with weights.arrived:
+            weights.arrived.notify_all()
+        jobs.put(None)
