@@ -34,6 +34,7 @@ viewer (``paravt.metrics.trajectory_samples``).
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import sys
 import time
@@ -100,6 +101,7 @@ from paravt.rollout import engine_spec, make_engine
 from paravt.sft import freeze_vit, run_sft
 from paravt.types import RolloutBatch
 from paravt.validate import validate_run
+from paravt.video import probe
 from paravt.workers import RolloutPipeline, WorkerFailed, init_async, run_worker
 
 # ----------------------------------------------------------------------------------- config
@@ -153,6 +155,7 @@ class Trainer:
     # Asynchronous run (rollout.workers > 0): the rollout workers' trainer end
     # (paravt.workers.RolloutPipeline); None: this process rolls out itself (synchronous).
     pipeline: RolloutPipeline | None = None
+    video_meta: Any = None  # video path -> VideoMeta, probed once (the viewer's records)
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
@@ -202,8 +205,10 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         # gets the policy's weights streamed after each update: no HF replica anywhere).
         engine_bundle = bundle
     shard_model(policy, ctx)  # a no-op on one rank
-    engine = make_engine(cfg, engine_bundle)
-    runner = AgentRunner(engine, engine_bundle, cfg)  # its planner: cfg.video's
+    engine = runner = None
+    if cfg.rollout.workers == 0 or t.eval_prompts:  # asynchronous: only to evaluate here
+        engine = make_engine(cfg, engine_bundle)
+        runner = AgentRunner(engine, engine_bundle, cfg)  # its planner: cfg.video's
 
     # 3. Optimizer and schedule (linear warm-up, then constant).
     optimizer = torch.optim.AdamW(
@@ -226,6 +231,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         sampler, val_samples, logger, init_dir,
     )  # fmt: skip
 
+    trainer.video_meta = runner.meta if runner is not None else _video_meta(cfg)
     if ctx.is_main:
         trainer.thumbs = ThumbnailStore(
             out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px
@@ -466,7 +472,7 @@ def _learn(
         tr.logger.log_trajectories(
             step,
             trajectory_samples(
-                groups, cfg.train.log_trajectories, video_meta=tr.runner.meta, store=tr.thumbs
+                groups, cfg.train.log_trajectories, video_meta=tr.video_meta, store=tr.thumbs
             ),
         )
     return m
@@ -497,6 +503,13 @@ def sync_engine(tr: Trainer) -> None:
     entry all-gathered at a time, never a full state dict) into the rank's engine: vLLM's
     reload path, or the HF engine's replica, copied in place."""
     tr.engine.sync_weights(full_weights(tr.policy) if tr.ctx.distributed else tr.policy)
+
+
+def _video_meta(cfg: Config) -> Any:
+    """``probe`` once per video (an asynchronous trainer without an engine of its own)."""
+    return functools.lru_cache(maxsize=None)(
+        lambda video: probe(video, timeout_s=cfg.video.decode_timeout_s)
+    )
 
 
 # ---------------------------------------------------------------------------------- main
@@ -593,7 +606,8 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     pre.enter(t.steps, "eval")
     if tr.pipeline is not None:  # the workers are done; the evaluation runs here
         tr.pipeline.close()
-        sync_engine(tr)
+        if tr.engine is not None:
+            sync_engine(tr)
 
     after = evaluate(tr, seed=t.seed) if t.eval_prompts else {}
     if after:

@@ -214,7 +214,7 @@ class RolloutPipeline:
             try:
                 msg = self._results.get(timeout=0.2)
             except queue.Empty:
-                if preempt is not None and preempt.signalled():
+                if preempt is not None and preempt.signalled:
                     return None
                 continue
             self._take(msg, step)

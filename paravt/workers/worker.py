@@ -23,6 +23,7 @@ the job) are left to the trainer, which checkpoints and then sends ``stop``.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -39,6 +40,10 @@ from paravt.distributed import DistContext
 from paravt.models import load_model_from_config
 from paravt.rollout import make_engine
 from paravt.workers.roles import AsyncRoles, bcast_obj, send_obj
+
+#: Test hook: seconds a worker sleeps before every turn (``PARAVT_WORKER_TURN_PAUSE_S``), so
+#: that a test sees weights arrive in the middle of an episode.
+TURN_PAUSE_ENV = "PARAVT_WORKER_TURN_PAUSE_S"
 
 
 class WorkerStopped(Exception):
@@ -64,7 +69,10 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     if hello.get("kind") != "hello":
         raise RuntimeError(f"rollout worker rank {roles.rank}: expected hello, got {hello}")
     tag = f"[worker {roles.rank}]"
-    print(f"{tag} loading {hello['init_dir']} ({cfg.rollout.engine} engine)", flush=True)
+    print(
+        f"{tag} pid {os.getpid()}: loading {hello['init_dir']} ({cfg.rollout.engine} engine)",
+        flush=True,
+    )
     bundle = load_model_from_config(hello["init_dir"], cfg.model, device=str(ctx.device))
     bundle.model.eval()
     engine = make_engine(cfg, bundle)
@@ -81,6 +89,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     ctrl.start()
     version = -1
 
+    pause = float(os.environ.get(TURN_PAUSE_ENV, "0") or 0)
+
     def swap() -> int:
         """Load the newest staged weights (between turns); the version now loaded."""
         nonlocal version
@@ -91,6 +101,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         if staged is not None:
             engine.sync_weights(staged[1])
             version = staged[0]
+        if pause:  # test hook: slow turns, so that weights arrive mid-episode
+            time.sleep(pause)
         return version
 
     res_group = roles.result_groups[roles.rank]
