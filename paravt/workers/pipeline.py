@@ -148,7 +148,12 @@ class RolloutPipeline:
         if not self.ctx.is_main or self.failed or self._closing:
             return
         self._closing = True
-        bcast_obj({"kind": "stop"}, self.roles.ctrl_group)
+        try:
+            bcast_obj({"kind": "stop"}, self.roles.ctrl_group)
+        except Exception as e:  # a worker died meanwhile (e.g. the job is being torn down)
+            self.failed = True
+            print(f"[async] could not tell the workers to stop ({type(e).__name__}: {e})")
+            return
         for th in self._threads:
             th.join(timeout=60)
 
