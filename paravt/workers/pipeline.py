@@ -49,7 +49,7 @@ from paravt.algo.gating import frame_budget
 from paravt.config import Config
 from paravt.distributed import DistContext, full_weights
 from paravt.types import Group, RolloutBatch
-from paravt.workers.roles import AsyncRoles, bcast_obj, recv_obj
+from paravt.workers.roles import AsyncRoles
 
 
 class WorkerFailed(RuntimeError):
@@ -85,22 +85,20 @@ class RolloutPipeline:
         and the first η + 1 steps' prompts (every trainer rank calls it)."""
         self.assigned = start_step
         if self.ctx.is_main:
-            bcast_obj({"kind": "hello", "init_dir": str(init_dir)}, self.roles.ctrl_group)
+            self.roles.ctrl.bcast({"kind": "hello", "init_dir": str(init_dir)})
         self.publish(policy, start_step)
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         """Stream ``policy``'s weights to the workers as ``version`` (after an update; every
         trainer rank calls it: under FSDP2 each entry is an all-gather), then admit the steps
         that version allows (``version + 1 + η`` at most)."""
-        main, r = self.ctx.is_main, self.roles
-        cpu = r.weights_group is r.ctrl_group
+        main, ctrl = self.ctx.is_main, self.roles.ctrl
         if main:
             specs = [(n, tuple(t.shape), t.dtype) for n, t in policy.state_dict().items()]
-            bcast_obj({"kind": "weights", "version": int(version), "specs": specs}, r.ctrl_group)
+            ctrl.bcast({"kind": "weights", "version": int(version), "specs": specs})
         for _, t in full_weights(policy):
             if main:
-                t = t.detach().contiguous()
-                dist.broadcast(t.cpu() if cpu else t, src=0, group=r.weights_group)
+                ctrl.bcast_tensor(t.detach().to("cpu").contiguous())
         if main:
             last = min(self.cfg.train.steps, version + 1 + self.eta)
             while self.assigned < last:
@@ -132,7 +130,7 @@ class RolloutPipeline:
             "seed": stable_seed(cfg.train.seed, step),
             "min_version": max(step - 1 - self.eta, 0),
         }
-        bcast_obj(msg, self.roles.ctrl_group)
+        self.roles.ctrl.bcast(msg)
         self.assigned = step
 
     def data_state(self, done: int) -> dict[str, int]:
@@ -149,7 +147,7 @@ class RolloutPipeline:
             return
         self._closing = True
         try:
-            bcast_obj({"kind": "stop"}, self.roles.ctrl_group)
+            self.roles.ctrl.bcast({"kind": "stop"})
         except Exception as e:  # a worker died meanwhile (e.g. the job is being torn down)
             self.failed = True
             print(f"[async] could not tell the workers to stop ({type(e).__name__}: {e})")
@@ -159,10 +157,10 @@ class RolloutPipeline:
 
     # ------------------------------------------------------------------------- inbound
     def _receive(self, worker: int) -> None:
-        group = self.roles.result_groups[worker]
+        channel = self.roles.results[worker]
         try:
             while True:
-                msg = recv_obj(worker, group)
+                msg = channel.recv(1)
                 self._results.put(msg)
                 if msg.get("kind") in ("bye", "error"):
                     return
@@ -198,9 +196,7 @@ class RolloutPipeline:
             return batch
         shares: list[Any] = [None]
         out = self._split(batch) if batch is not None else [None] * self.ctx.world_size
-        dist.scatter_object_list(
-            shares, out if self.ctx.is_main else None, src=0, group=self.ctx.group
-        )
+        dist.scatter_object_list(shares, out if self.ctx.is_main else None, src=0)
         return shares[0]
 
     def _split(self, batch: RolloutBatch) -> list[RolloutBatch]:

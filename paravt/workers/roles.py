@@ -1,28 +1,34 @@
 """Who is who in an asynchronous run, and the process groups between them.
 
 ``torchrun --nproc-per-node N -m paravt.train rollout.workers=W ...`` starts N processes; the
-first ``N - W`` ranks are trainers (FSDP2 among themselves, their own process group: a step's
-collectives never wait on a worker), the last ``W`` ranks are rollout workers. Groups, created
-in the same order by every process:
+first ``T = N - W`` ranks are trainers, the last ``W`` are rollout workers. All of them meet
+at torchrun's rendezvous store (``torch.distributed.rendezvous("env://")``); from it:
 
-* ``trainer_group``: the trainer ranks (the trainers' ``DistContext.group`` and mesh);
-* ``ctrl_group`` (gloo): trainer rank 0 and every worker: ONE ordered stream of messages from
-  the trainer (hello, prompt assignments, weight headers, stop), each a broadcast;
-* ``weights_group``: the same ranks, over the job's backend (NCCL on GPU: tensors on the
-  device; on CPU the gloo ``ctrl_group`` itself): each weight tensor is one broadcast that
-  follows its header on ``ctrl_group``;
-* ``result_groups[w]`` (gloo): trainer rank 0 and worker ``w``: that worker's finished
-  rollouts, point to point. One group per worker, so each of the trainer's receiving threads
-  owns its group.
+* the trainers' default process group spans the trainers only (``T > 1``: FSDP2 and the
+  step's collectives; ``T = 1``: none, a one-rank context), so no collective of a step ever
+  waits on a worker, and a worker's process has no default group at all: its engine (vLLM
+  included) starts as it would in a single-process run;
+* ``ctrl`` (gloo; trainer rank 0 and every worker): ONE ordered stream of broadcasts from the
+  trainer: hello, prompt assignments, weight headers each followed by its tensors, stop;
+* ``results[w]`` (gloo; trainer rank 0 and worker ``w``): that worker's finished rollouts, point
+  to point. One group per worker, so each of the trainer's receiving threads owns its group.
 
-The gloo groups get a long timeout (``CTRL_TIMEOUT``): a worker waits on ``ctrl_group``
-through the trainer's SFT cold start and evaluations; a peer that dies closes its sockets,
-which fails the waiting operation at once (the fault path, not the timeout).
+The message groups are ``ProcessGroupGloo`` objects built on the rendezvous store (each used by
+one thread per process), not registered in torch.distributed's world: nothing a model library
+does with the default group can touch them. They get a long timeout (``CTRL_TIMEOUT``): a worker
+waits on ``ctrl`` through the trainer's SFT cold start and evaluations; a peer that dies closes
+its sockets, which fails the waiting operation at once (the fault path, not the timeout).
+
+Weights travel over gloo, through host memory, on the GPU too (a tensor is copied to the CPU,
+broadcast, and copied to the worker's device when swapped in); an NCCL weight group (one
+broadcast per tensor device to device) needs the workers on other GPUs than the trainers and is
+not built yet.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -30,22 +36,63 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paravt.distributed import DistContext, resolve_device, world_size_from_env
+from paravt.distributed import DistContext, resolve_device
 
 #: Timeout of the message groups (a worker may wait hours for a long SFT or evaluation).
 CTRL_TIMEOUT = timedelta(days=7)
+
+
+class Channel:
+    """A gloo process group between trainer rank 0 (member 0) and some workers, carrying
+    pickled objects and tensors. Each process uses it from one thread."""
+
+    def __init__(self, store: Any, name: str, member: int, size: int) -> None:
+        self.member, self.size = member, size
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), member, size, CTRL_TIMEOUT)
+
+    def send(self, obj: Any, dst: int) -> None:
+        """Pickle ``obj`` to member ``dst``."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+        self.pg.send([data], dst, 1).wait()
+
+    def recv(self, src: int) -> Any:
+        """The next object member ``src`` sent (blocks)."""
+        n = torch.zeros(1, dtype=torch.int64)
+        self.pg.recv([n], src, 0).wait()
+        data = torch.empty(int(n[0]), dtype=torch.uint8)
+        self.pg.recv([data], src, 1).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    def bcast_tensor(self, t: torch.Tensor) -> None:
+        """Broadcast ``t`` (a CPU tensor) from member 0 into every member's ``t``."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([t], opts).wait()
+
+    def bcast(self, obj: Any = None) -> Any:
+        """Member 0's ``obj`` on every member (the others pass nothing)."""
+        if self.member == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            self.bcast_tensor(torch.tensor([data.numel()], dtype=torch.int64))
+            self.bcast_tensor(data)
+            return obj
+        n = torch.zeros(1, dtype=torch.int64)
+        self.bcast_tensor(n)
+        data = torch.empty(int(n[0]), dtype=torch.uint8)
+        self.bcast_tensor(data)
+        return pickle.loads(data.numpy().tobytes())
 
 
 @dataclass
 class AsyncRoles:
     """This process's place in an asynchronous run (``init_async``)."""
 
-    rank: int  # global rank
-    trainers: list[int]  # global ranks of the trainers (0 .. N-W-1)
-    workers: list[int]  # global ranks of the rollout workers (N-W .. N-1)
-    ctrl_group: Any = None
-    weights_group: Any = None
-    result_groups: dict[int, Any] = field(default_factory=dict)
+    rank: int  # global (torchrun) rank
+    trainers: list[int]  # global ranks of the trainers (0 .. T-1)
+    workers: list[int]  # global ranks of the rollout workers (T .. N-1)
+    ctrl: Channel | None = None  # trainer rank 0 and the workers only
+    results: dict[int, Channel] = field(default_factory=dict)  # by worker rank
 
     @property
     def is_worker(self) -> bool:
@@ -60,37 +107,49 @@ class AsyncRoles:
 def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
     """Join the torchrun job as a trainer or a rollout worker (``rollout.workers`` = W).
 
-    Returns this process's ``DistContext`` (a trainer's spans the trainer ranks: rank,
-    world size, group and FSDP2 mesh are theirs; a worker's is a one-rank context on its
-    device) and its ``AsyncRoles``. ``paravt.validate.validate_run`` has checked that at least
-    one trainer rank is left."""
+    Returns this process's ``DistContext`` (a trainer's spans the trainer ranks; a worker's is
+    a one-rank context on its device) and its ``AsyncRoles``. ``paravt.validate.validate_run``
+    has checked that at least one trainer rank is left."""
+    store, rank, world = next(dist.rendezvous("env://"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    n_train = world - workers
+    if n_train < 1:
+        raise RuntimeError(f"init_async: {world} processes cannot hold {workers} worker(s)")
+    trainers, worker_ranks = list(range(n_train)), list(range(n_train, world))
+    roles = AsyncRoles(rank, trainers, worker_ranks)
+    if rank >= n_train:  # a worker: its own device, a world of one for its engine
+        dev = torch.device(resolve_device(device, local_rank))
+        if dev.type == "cuda":
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else [str(i) for i in range(64)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[dev.index or 0]
+            dev = torch.device("cuda:0")
+            torch.cuda.set_device(dev)
+        _own_world(rank=0, world=1)
+        member = 1 + worker_ranks.index(rank)
+        roles.ctrl = Channel(store, "paravt/async/ctrl", member, 1 + workers)
+        roles.results[rank] = Channel(store, f"paravt/async/results/{rank}", 1, 2)
+        return DistContext(rank=rank, device=dev), roles
     dev = torch.device(resolve_device(device, local_rank))
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != world_size_from_env() or world <= workers:
-        raise RuntimeError(f"init_async: {world} processes cannot hold {workers} worker(s)")
-    n_train = world - workers
-    trainers, worker_ranks = list(range(n_train)), list(range(n_train, world))
-    # Every process creates every group, in this order (torch.distributed's rule).
-    trainer_group = dist.new_group(trainers)
-    ctrl = dist.new_group([0, *worker_ranks], backend="gloo", timeout=CTRL_TIMEOUT)
-    weights = ctrl if backend == "gloo" else dist.new_group([0, *worker_ranks])
-    results = {
-        w: dist.new_group([0, w], backend="gloo", timeout=CTRL_TIMEOUT) for w in worker_ranks
-    }
-    roles = AsyncRoles(rank, trainers, worker_ranks, ctrl, weights, results)
-    if rank >= n_train:
-        return DistContext(rank=rank, local_rank=local_rank, device=dev, backend=backend), roles
-    mesh = None
-    if n_train > 1:
-        from torch.distributed.device_mesh import DeviceMesh
+    if rank == 0:
+        roles.ctrl = Channel(store, "paravt/async/ctrl", 0, 1 + workers)
+        for w in worker_ranks:
+            roles.results[w] = Channel(store, f"paravt/async/results/{w}", 0, 2)
+    _own_world(rank=rank, world=n_train)
+    if n_train == 1:
+        return DistContext(device=dev), roles
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore("paravt/trainers", store),
+        rank=rank,
+        world_size=n_train,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = DeviceMesh.from_group(trainer_group, dev.type)
+    mesh = init_device_mesh(dev.type, (n_train,))
     ctx = DistContext(
         rank=rank,
         world_size=n_train,
@@ -98,25 +157,13 @@ def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
         device=dev,
         backend=backend,
         mesh=mesh,
-        group=trainer_group,
     )
     return ctx, roles
 
 
-def send_obj(obj: Any, dst: int, group: Any) -> None:
-    """Pickle ``obj`` to global rank ``dst`` over ``group`` (point to point)."""
-    dist.send_object_list([obj], dst=dst, group=group)
-
-
-def recv_obj(src: int, group: Any) -> Any:
-    """The next object global rank ``src`` sent over ``group`` (blocks)."""
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def bcast_obj(obj: Any, group: Any, src: int = 0) -> Any:
-    """Broadcast ``obj`` from global rank ``src`` to every member of ``group``."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+def _own_world(rank: int, world: int) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
+    if world == 1:
+        os.environ.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    for k in ("GROUP_RANK", "ROLE_RANK"):
+        os.environ.pop(k, None)

@@ -3,7 +3,7 @@ trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the 
 
 Two threads:
 
-* the control thread reads the trainer's ordered stream on ``ctrl_group``: ``hello`` (the
+* the control thread reads the trainer's ordered stream on ``roles.ctrl``: ``hello`` (the
   model folder), ``assign`` (one step's prompts with their K and seed), ``weights`` (a header,
   then one broadcast per tensor into a staging copy: the engine is never touched from this
   thread), ``stop``;
@@ -14,7 +14,7 @@ Two threads:
   ``b`` starts only once the worker holds version ``>= b - 1 - η`` (the trainer sends that
   version's weights before the assignment, so the wait is the stream's order).
 
-The result of a step goes to trainer rank 0 on the worker's own ``result_groups`` entry, with
+The result of a step goes to trainer rank 0 on the worker's own ``roles.results`` channel, with
 the runner's errors and counters and the worker's busy / idle seconds. A rollout that raises
 sends its traceback and the worker exits 1; a trainer that disappears fails the control
 thread's receive, and the worker exits 1 naming it. SIGTERM / SIGUSR1 (a cluster preempting
@@ -32,14 +32,13 @@ import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from paravt.agent.loop import AgentRunner
 from paravt.config import Config
 from paravt.distributed import DistContext
 from paravt.models import load_model_from_config
 from paravt.rollout import make_engine
-from paravt.workers.roles import AsyncRoles, bcast_obj, send_obj
+from paravt.workers.roles import AsyncRoles
 
 #: Test hook: seconds a worker sleeps before every turn (``PARAVT_WORKER_TURN_PAUSE_S``), so
 #: that a test sees weights arrive in the middle of an episode.
@@ -65,7 +64,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     """Serve the trainer until it says stop; returns this worker's totals."""
     for s in (signal.SIGTERM, signal.SIGUSR1):  # the trainer decides; see the docstring
         signal.signal(s, lambda *_: None)
-    hello = bcast_obj(None, roles.ctrl_group)
+    hello = roles.ctrl.bcast()
     if hello.get("kind") != "hello":
         raise RuntimeError(f"rollout worker rank {roles.rank}: expected hello, got {hello}")
     tag = f"[worker {roles.rank}]"
@@ -82,7 +81,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     stop = threading.Event()
     ctrl = threading.Thread(
         target=_control_loop,
-        args=(roles, weights, jobs, stop, ctx.device),
+        args=(roles, weights, jobs, stop),
         name=f"paravt-worker-ctrl-{roles.rank}",
         daemon=True,
     )
@@ -105,7 +104,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             time.sleep(pause)
         return version
 
-    res_group = roles.result_groups[roles.rank]
+    results = roles.results[roles.rank]
     share = cfg.train.prompts_per_step // len(roles.workers)
     first = roles.worker_index * share
     totals = {"steps": 0, "busy_s": 0.0, "idle_s": 0.0}
@@ -141,7 +140,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 break  # the trainer said stop (or is gone: raised below)
             busy = time.perf_counter() - t1
             getattr(engine, "sleep", lambda: None)()
-            send_obj(
+            results.send(
                 {
                     "kind": "batch",
                     "step": job["step"],
@@ -153,7 +152,6 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                     "idle_s": idle,
                 },
                 0,
-                res_group,
             )
             totals["steps"] += 1
             totals["busy_s"] += busy
@@ -163,13 +161,13 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         if not isinstance(e, _TrainerGone):
             try:
                 msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-                send_obj({"kind": "error", "worker": roles.rank, "message": msg}, 0, res_group)
+                results.send({"kind": "error", "worker": roles.rank, "message": msg}, 0)
             except Exception:
                 pass
         raise
     if weights.gone:
         raise _TrainerGone(weights.gone)
-    send_obj({"kind": "bye", "worker": roles.rank}, 0, res_group)
+    results.send({"kind": "bye", "worker": roles.rank}, 0)
     ctrl.join(timeout=30)
     getattr(engine, "close", lambda: None)()
     print(
@@ -189,21 +187,19 @@ def _control_loop(
     weights: _Weights,
     jobs: queue.Queue[Any],
     stop: threading.Event,
-    device: torch.device,
 ) -> None:
     """Read the trainer's stream until ``stop`` (see the module docstring)."""
     try:
         while True:
-            msg = bcast_obj(None, roles.ctrl_group)
+            msg = roles.ctrl.bcast()
             kind = msg["kind"]
             if kind == "assign":
                 jobs.put(msg)
             elif kind == "weights":
                 staged = []
-                dev = device if roles.weights_group is not roles.ctrl_group else "cpu"
-                for name, shape, dtype in msg["specs"]:
-                    t = torch.empty(shape, dtype=dtype, device=dev)
-                    dist.broadcast(t, src=0, group=roles.weights_group)
+                for name, shape, dtype in msg["specs"]:  # host memory: copied in on swap
+                    t = torch.empty(shape, dtype=dtype)
+                    roles.ctrl.bcast_tensor(t)
                     staged.append((name, t))
                 with weights.arrived:
                     weights.pending = (int(msg["version"]), staged)
