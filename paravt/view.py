@@ -42,8 +42,9 @@ from typing import Any
 
 from paravt.metrics import read_metrics
 
-# Curve panels of the run page: (title, keys or a key prefix ending in "/K"). A panel is drawn
-# when at least one of its keys was logged.
+# Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
+# that prefix followed by digits). A panel is drawn when at least one of its keys was logged.
+# The async/* panels appear for asynchronous runs (paravt.workers) only.
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/total",)),
     ("reward parts", ("reward/acc", "reward/fmt", "reward/anchor", "reward/tool")),
@@ -59,6 +60,10 @@ CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entropy", ("entropy",)),
     ("loss", ("loss",)),
     ("grad norm", ("grad_norm",)),
+    ("staleness per trained token", ("async/staleness_max", "async/staleness_mean")),
+    ("staleness histogram (token share)", ("async/staleness_*",)),
+    ("async queue", ("async/queue_depth", "async/in_flight_steps", "async/versions_in_batch")),
+    ("async idle fraction", ("async/trainer_idle_frac", "async/worker_idle_frac")),
 )
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 TAGS = re.compile(r"</?(?:think|tool_call|answer)>")
@@ -257,7 +262,8 @@ def load_report(run_dir: str | Path) -> Report:
 def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, list[tuple]]:
     names: list[str] = []
     for k in keys:
-        if k.endswith("/K"):
+        if k.endswith(("/K", "*")):
+            k = k.rstrip("*")
             found = {x for r in rows for x in r if x.startswith(k) and x[len(k) :].isdigit()}
             names += sorted(found, key=lambda x: int(x[len(k) :]))
         elif any(k in r for r in rows):

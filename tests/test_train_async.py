@@ -183,6 +183,14 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
     spans, checked = _check_behaviour_versions(out, steps=4, eta=1)
     assert spans > 0, "no row spans a weight update (turn pause too short for this machine?)"
     assert len(checked) >= 3, checked
+    # The viewer draws the asynchronous run's staleness, queue and idle panels.
+    from paravt.view import main as view_main
+
+    assert view_main([str(out), "--out", str(tmp_path / "view")]) == 0
+    page = (tmp_path / "view" / "index.html").read_text()
+    for panel in ("staleness per trained token", "staleness histogram", "async idle fraction"):
+        assert panel in page
+    assert "async/staleness_1" in page
 
 
 def _check_behaviour_versions(out: Path, steps: int, eta: int) -> tuple[int, dict[int, int]]:
