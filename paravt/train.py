@@ -49,7 +49,7 @@ import torch
 from paravt.agent.loop import AgentRunner, stable_seed
 from paravt.alarms import CollapseDetector
 from paravt.algo.advantages import apply_kl_reward, build_units
-from paravt.algo.gating import frame_budget
+from paravt.algo.gating import step_budgets
 from paravt.algo.guard import NonFiniteGuard
 from paravt.algo.logprobs import packed_logprobs
 from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
@@ -294,17 +294,7 @@ def _rollout(tr: Trainer, step: int, times: dict[str, float]) -> RolloutBatch:
     # 1. Prompts and their frame budgets K (stable hash of seed, epoch, sample id).
     picked = shard_list(tr.sampler.next(cfg.train.prompts_per_step), ctx)
     samples = [s for s, _ in picked]
-    budgets = [
-        frame_budget(
-            s.id,
-            seed=cfg.train.seed,
-            epoch=epoch,
-            budgets=cfg.video.frame_budgets,
-            gating=cfg.video.gating,
-            fixed=cfg.video.fixed_frames,
-        )
-        for s, epoch in picked
-    ]
+    budgets = step_budgets(picked, cfg)
 
     # 2. Roll out G samples per prompt (main agents, parallel crops, sub-agents).
     _enter(tr, step, "rollout")

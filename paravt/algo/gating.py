@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 
 def frame_budget(
@@ -28,3 +29,21 @@ def frame_budget(
         raise ValueError("frame_budget: budgets is empty; set video.frame_budgets, e.g. [4, 8, 16]")
     digest = hashlib.blake2b(f"{seed}:{epoch}:{sample_id}".encode(), digest_size=8).digest()
     return int(budgets[int.from_bytes(digest, "little") % len(budgets)])
+
+
+def step_budgets(picked: Sequence[tuple[Any, int]], cfg: Any) -> list[int]:
+    """K for each ``(sample, epoch)`` a step drew (``PromptSampler.next``) under ``cfg``'s
+    ``video`` gating: the trainer's synchronous rollout and an asynchronous run's prompt
+    assignment (``paravt.workers.pipeline``) both call it."""
+    v = cfg.video
+    return [
+        frame_budget(
+            s.id,
+            seed=cfg.train.seed,
+            epoch=epoch,
+            budgets=v.frame_budgets,
+            gating=v.gating,
+            fixed=v.fixed_frames,
+        )
+        for s, epoch in picked
+    ]

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from paravt.agent.loop import stable_seed
-from paravt.algo.gating import frame_budget
+from paravt.algo.gating import step_budgets
 from paravt.config import Config
 from paravt.distributed import DistContext, full_weights
 from paravt.types import Group, RolloutBatch
@@ -109,20 +109,7 @@ class RolloutPipeline:
         cfg = self.cfg
         self._data_before[step] = self.sampler.state()
         picked = self.sampler.next(cfg.train.prompts_per_step)
-        prompts = [
-            (
-                s,
-                frame_budget(
-                    s.id,
-                    seed=cfg.train.seed,
-                    epoch=epoch,
-                    budgets=cfg.video.frame_budgets,
-                    gating=cfg.video.gating,
-                    fixed=cfg.video.fixed_frames,
-                ),
-            )
-            for s, epoch in picked
-        ]
+        prompts = list(zip([s for s, _ in picked], step_budgets(picked, cfg)))
         msg = {
             "kind": "assign",
             "step": step,

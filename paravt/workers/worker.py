@@ -138,8 +138,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 )
             except WorkerStopped:
                 break  # the trainer said stop (or is gone: raised below)
-            busy = time.perf_counter() - t1
-            getattr(engine, "sleep", lambda: None)()
+            busy = time.perf_counter() - t1  # (the engine owns its device: it never sleeps)
             results.send(
                 {
                     "kind": "batch",
