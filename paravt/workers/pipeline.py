@@ -92,7 +92,11 @@ class RolloutPipeline:
         """Stream ``policy``'s weights to the workers as ``version`` (after an update; every
         trainer rank calls it: under FSDP2 each entry is an all-gather), then admit the steps
         that version allows (``version + 1 + η`` at most)."""
+        if version >= self.cfg.train.steps:
+            return  # the run's last update: no worker will generate again
         main, ctrl = self.ctx.is_main, self.roles.ctrl
+        if main:  # a worker that died meanwhile is named here, not by a broadcast error
+            self._drain(f"before pushing version {version}")
         if main:
             specs = [(n, tuple(t.shape), t.dtype) for n, t in policy.state_dict().items()]
             ctrl.bcast({"kind": "weights", "version": int(version), "specs": specs})
@@ -132,11 +136,22 @@ class RolloutPipeline:
         a dead worker cannot take part in the broadcast."""
         if not self.ctx.is_main or self.failed or self._closing:
             return
-        self._closing = True
         try:
+            self._drain("while stopping the workers")
+            self._closing = True
             self.roles.ctrl.bcast({"kind": "stop"})
-        except Exception as e:  # a worker died meanwhile (e.g. the job is being torn down)
+        except WorkerFailed as e:  # e.g. a preemption that came because a worker died
+            print(f"error: {e}", flush=True)
+            return
+        except Exception as e:  # a worker died meanwhile: name it if its thread saw it
             self.failed = True
+            time.sleep(0.5)
+            self._closing = False
+            try:
+                self._drain("while stopping the workers")
+            except WorkerFailed as w:
+                print(f"error: {w}", flush=True)
+                return
             print(f"[async] could not tell the workers to stop ({type(e).__name__}: {e})")
             return
         for th in self._threads:
@@ -157,7 +172,7 @@ class RolloutPipeline:
                     {"kind": "failed", "worker": worker, "message": f"{type(e).__name__}: {e}"}
                 )
 
-    def _take(self, msg: dict[str, Any], step: int) -> None:
+    def _take(self, msg: dict[str, Any], when: str) -> None:
         kind, w = msg.get("kind"), msg.get("worker")
         if kind == "batch":
             self._buffer.setdefault(int(msg["step"]), {})[int(w)] = msg
@@ -165,14 +180,24 @@ class RolloutPipeline:
         self.failed = True
         if kind == "error":
             raise WorkerFailed(
-                f"rollout worker rank {w} failed at step {step}; the run stops (--resume "
+                f"rollout worker rank {w} failed (noticed {when}); the run stops (--resume "
                 f"continues from the last checkpoint). Its error:\n{msg['message']}"
             )
         why = msg.get("message", "it said bye before the trainer's stop")
         raise WorkerFailed(
-            f"rollout worker rank {w} is gone ({why}), noticed while waiting for step {step}'s "
-            "rollouts; the run stops (--resume continues from the last checkpoint)"
+            f"rollout worker rank {w} is gone ({why}), noticed {when}; the run stops (--resume "
+            "continues from the last checkpoint)"
         )
+
+    def _drain(self, when: str) -> None:
+        """Take every message already received, without waiting (``WorkerFailed`` for a dead
+        or failed worker; finished rollouts are kept for their step)."""
+        while True:
+            try:
+                msg = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._take(msg, when)
 
     def collect(self, step: int, preempt: Any = None) -> RolloutBatch | None:
         """Step ``step``'s rollouts, filtered by staleness, with the ``async/*`` metrics;
@@ -205,7 +230,7 @@ class RolloutPipeline:
                 if preempt is not None and preempt.signalled:
                     return None
                 continue
-            self._take(msg, step)
+            self._take(msg, f"while waiting for step {step}'s rollouts")
         wait = time.perf_counter() - t0
         parts = self._buffer.pop(step)
         groups: list[Group] = [g for w in workers for g in parts[w]["groups"]]
