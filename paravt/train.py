@@ -103,6 +103,7 @@ from paravt.types import RolloutBatch
 from paravt.validate import validate_run
 from paravt.video import probe
 from paravt.workers import RolloutPipeline, WorkerFailed, init_async, run_worker
+from paravt.workers.roles import pin_worker_gpu
 
 # ----------------------------------------------------------------------------------- config
 
@@ -510,6 +511,7 @@ def run(cfg: Config) -> dict[str, Any]:
     ``"preempted"`` (``_preempted``) when a SIGTERM/SIGUSR1 stopped it early (``after`` then
     empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``).
     """
+    pin_worker_gpu(cfg.rollout.workers, cfg.model.device)  # before anything starts CUDA
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
     roles = None
     if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out
@@ -547,6 +549,8 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         else:
             before = evaluate(tr, seed=t.seed)
             tr.logger.log(tr.start_step, before, kind="eval_before")
+            if tr.pipeline is not None:  # its evaluation engine idles until the last one
+                getattr(tr.engine, "sleep", lambda: None)()
 
     bar = progress_bar(
         t.steps, initial=tr.start_step, enabled=ctx.is_main and t.progress, desc="PARA-GRPO"
@@ -653,7 +657,11 @@ def _preempted(
         ranks = sorted(a[0].rank for a in arrivals)
         where += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     if begin is not None:
-        outcome = f"abandoned step {done + 1} after its rollout (finishing it would pass the grace)"
+        outcome = (
+            f"abandoned step {done + 1} while waiting for its rollouts"
+            if tr.pipeline is not None
+            else f"abandoned step {done + 1} after its rollout (finishing it would pass the grace)"
+        )
     elif first.phase in ("startup", "eval"):
         outcome = "no step in progress"
     else:

@@ -227,10 +227,11 @@ class Trajectory:
     temperature: float = 1.0
     top_p: float = 1.0
     # The policy version that sampled each token (-1 on tokens it did not sample; empty:
-    # not recorded). Synchronous runs sample every token with the version being updated; an
-    # asynchronous run's worker (``paravt.workers``) may swap weights between turns, so one
-    # episode can span versions, and a step trains only rows whose oldest sampled token is at
-    # most ``rollout.max_staleness`` versions behind.
+    # not recorded). A synchronous run samples every token with the policy being updated and
+    # records 0 throughout (its runner's version never advances); an asynchronous run's worker
+    # (``paravt.workers``) records the step each version follows, may swap weights between
+    # turns, so one episode can span versions, and a step trains only rows whose oldest
+    # sampled token is at most ``rollout.max_staleness`` versions behind.
     versions: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

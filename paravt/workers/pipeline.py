@@ -49,7 +49,7 @@ from paravt.algo.gating import step_budgets
 from paravt.config import Config
 from paravt.distributed import DistContext, full_weights
 from paravt.types import Group, RolloutBatch
-from paravt.workers.roles import AsyncRoles
+from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
 
 class WorkerFailed(RuntimeError):
@@ -202,10 +202,19 @@ class RolloutPipeline:
     def collect(self, step: int, preempt: Any = None) -> RolloutBatch | None:
         """Step ``step``'s rollouts, filtered by staleness, with the ``async/*`` metrics;
         under several trainer ranks each gets its share (by prompt position). None when a
-        preemption signal came while waiting (the step is then abandoned)."""
-        batch = self._collect_main(step, preempt) if self.ctx.is_main else None
+        preemption signal reached rank 0 while it waited: the step is then abandoned at once,
+        whatever ``train.preempt_grace_s`` (nothing of it has started on the trainer)."""
         if not self.ctx.distributed:
-            return batch
+            return self._collect_main(step, preempt)
+        # Trainer ranks > 0 wait on the rendezvous store (CTRL_TIMEOUT), not inside the scatter
+        # (a collective, under NCCL's 10-minute watchdog), while rank 0 waits for the workers.
+        key = f"paravt/async/ready/{step}"
+        batch = None
+        if self.ctx.is_main:
+            batch = self._collect_main(step, preempt)
+            self.roles.store.set(key, "1")
+        else:
+            self.roles.store.wait([key], CTRL_TIMEOUT)
         shares: list[Any] = [None]
         out = self._split(batch) if batch is not None else [None] * self.ctx.world_size
         dist.scatter_object_list(shares, out if self.ctx.is_main else None, src=0)

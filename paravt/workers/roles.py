@@ -93,6 +93,7 @@ class AsyncRoles:
     workers: list[int]  # global ranks of the rollout workers (T .. N-1)
     ctrl: Channel | None = None  # trainer rank 0 and the workers only
     results: dict[int, Channel] = field(default_factory=dict)  # by worker rank
+    store: Any = None  # torchrun's rendezvous store (the trainers' per-step "ready" keys)
 
     @property
     def is_worker(self) -> bool:
@@ -116,13 +117,10 @@ def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
     if n_train < 1:
         raise RuntimeError(f"init_async: {world} processes cannot hold {workers} worker(s)")
     trainers, worker_ranks = list(range(n_train)), list(range(n_train, world))
-    roles = AsyncRoles(rank, trainers, worker_ranks)
+    roles = AsyncRoles(rank, trainers, worker_ranks, store=store)
     if rank >= n_train:  # a worker: its own device, a world of one for its engine
         dev = torch.device(resolve_device(device, local_rank))
-        if dev.type == "cuda":
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            gpus = visible.split(",") if visible else [str(i) for i in range(64)]
-            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[dev.index or 0]
+        if dev.type == "cuda":  # pin_worker_gpu made its GPU the only visible one
             dev = torch.device("cuda:0")
             torch.cuda.set_device(dev)
         _own_world(rank=0, world=1)
@@ -146,7 +144,7 @@ def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
         store=dist.PrefixStore("paravt/trainers", store),
         rank=rank,
         world_size=n_train,
-    )
+    )  # (ranks > 0 wait for a step's rollouts on the store, not in a collective: collect)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (n_train,))
@@ -159,6 +157,22 @@ def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
         mesh=mesh,
     )
     return ctx, roles
+
+
+def pin_worker_gpu(workers: int, device: str) -> None:
+    """On a CUDA machine, make a rollout worker's own GPU (its ``LOCAL_RANK``-th) the only one
+    it sees, BEFORE anything starts CUDA (the driver reads ``CUDA_VISIBLE_DEVICES`` once):
+    ``paravt.train.run`` calls it first. A no-op on trainer ranks, with ``model.device=cpu``
+    and outside torchrun. Untested on GPUs: the lent device has one."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if workers <= 0 or rank < world - workers or device == "cpu" or torch.version.cuda is None:
+        return  # (torch.version.cuda: a CUDA build of torch; reading it starts nothing)
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(local + 1)]
+    if local < len(gpus):
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[local]
+        os.environ["LOCAL_RANK"] = "0"
 
 
 def _own_world(rank: int, world: int) -> None:

@@ -68,14 +68,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     if hello.get("kind") != "hello":
         raise RuntimeError(f"rollout worker rank {roles.rank}: expected hello, got {hello}")
     tag = f"[worker {roles.rank}]"
-    print(
-        f"{tag} pid {os.getpid()}: loading {hello['init_dir']} ({cfg.rollout.engine} engine)",
-        flush=True,
-    )
-    bundle = load_model_from_config(hello["init_dir"], cfg.model, device=str(ctx.device))
-    bundle.model.eval()
-    engine = make_engine(cfg, bundle)
-    runner = AgentRunner(engine, bundle, cfg)
+    # The control thread first: the trainer's first weight push and prompts are staged while
+    # the model loads and the engine starts (minutes for vLLM), so the trainer never waits.
     weights = _Weights()
     jobs: queue.Queue[Any] = queue.Queue()
     stop = threading.Event()
@@ -86,6 +80,19 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         daemon=True,
     )
     ctrl.start()
+    results = roles.results[roles.rank]
+    print(
+        f"{tag} pid {os.getpid()}: loading {hello['init_dir']} ({cfg.rollout.engine} engine)",
+        flush=True,
+    )
+    try:
+        bundle = load_model_from_config(hello["init_dir"], cfg.model, device=str(ctx.device))
+        bundle.model.eval()
+        engine = make_engine(cfg, bundle)
+        runner = AgentRunner(engine, bundle, cfg)
+    except BaseException as e:
+        _report(results, roles.rank, e)
+        raise
     version = -1
 
     pause = float(os.environ.get(TURN_PAUSE_ENV, "0") or 0)
@@ -104,7 +111,6 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             time.sleep(pause)
         return version
 
-    results = roles.results[roles.rank]
     share = cfg.train.prompts_per_step // len(roles.workers)
     first = roles.worker_index * share
     totals = {"steps": 0, "busy_s": 0.0, "idle_s": 0.0}
@@ -158,15 +164,15 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             idle = 0.0
     except BaseException as e:  # tell the trainer which worker failed and why, then exit 1
         if not isinstance(e, _TrainerGone):
-            try:
-                msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-                results.send({"kind": "error", "worker": roles.rank, "message": msg}, 0)
-            except Exception:
-                pass
+            _report(results, roles.rank, e)
         raise
     if weights.gone:
         raise _TrainerGone(weights.gone)
-    results.send({"kind": "bye", "worker": roles.rank}, 0)
+    try:
+        results.send({"kind": "bye", "worker": roles.rank}, 0)
+    except Exception:  # the trainer stopped us and has exited already: nothing left to say
+        if not stop.is_set():
+            raise
     ctrl.join(timeout=30)
     getattr(engine, "close", lambda: None)()
     print(
@@ -175,6 +181,15 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         flush=True,
     )
     return totals
+
+
+def _report(results: Any, rank: int, e: BaseException) -> None:
+    """Send the trainer this worker's error (best effort: the trainer may be gone)."""
+    try:
+        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        results.send({"kind": "error", "worker": rank, "message": msg}, 0)
+    except Exception:
+        pass
 
 
 class _TrainerGone(RuntimeError):
