@@ -497,10 +497,9 @@ def sync_engine(tr: Trainer) -> None:
 
 
 def _video_meta(cfg: Config) -> Any:
-    """``probe`` once per video (an asynchronous trainer without an engine of its own)."""
-    return functools.lru_cache(maxsize=None)(
-        lambda video: probe(video, timeout_s=cfg.video.decode_timeout_s)
-    )
+    """A video's ``VideoMeta`` for an asynchronous trainer without an engine of its own
+    (``probe`` caches what it read per file)."""
+    return functools.partial(probe, timeout_s=cfg.video.decode_timeout_s)
 
 
 # ---------------------------------------------------------------------------------- main

@@ -52,7 +52,7 @@ class Channel:
 
     def send(self, obj: Any, dst: int) -> None:
         """Pickle ``obj`` to member ``dst``."""
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        data = _encode(obj)
         self.pg.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
         self.pg.send([data], dst, 1).wait()
 
@@ -62,7 +62,7 @@ class Channel:
         self.pg.recv([n], src, 0).wait()
         data = torch.empty(int(n[0]), dtype=torch.uint8)
         self.pg.recv([data], src, 1).wait()
-        return pickle.loads(data.numpy().tobytes())
+        return _decode(data)
 
     def bcast_tensor(self, t: torch.Tensor) -> None:
         """Broadcast ``t`` (a CPU tensor) from member 0 into every member's ``t``."""
@@ -73,7 +73,7 @@ class Channel:
     def bcast(self, obj: Any = None) -> Any:
         """Member 0's ``obj`` on every member (the others pass nothing)."""
         if self.member == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            data = _encode(obj)
             self.bcast_tensor(torch.tensor([data.numel()], dtype=torch.int64))
             self.bcast_tensor(data)
             return obj
@@ -81,7 +81,16 @@ class Channel:
         self.bcast_tensor(n)
         data = torch.empty(int(n[0]), dtype=torch.uint8)
         self.bcast_tensor(data)
-        return pickle.loads(data.numpy().tobytes())
+        return _decode(data)
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    """``obj`` pickled into a uint8 tensor (what a channel carries)."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
 
 
 @dataclass
