@@ -192,10 +192,50 @@ def all_tool_records(
     return out
 
 
+def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict]:
+    """Stage 1's direct answers, replayed in stage 2 of the cold start: ``share`` of stage 2's
+    records are the task's own oracle records (``sft.jsonl``, the embedded default's data) that
+    answer from the overview in one unforced turn, picked by a stable hash (with repeats when
+    more are asked for than exist).
+
+    Why (``docs/collapse_notes.md``, third attempt): a 200-step all-tool SFT erases the base
+    model's direct answer (tool-call rate 1.00 at every K), so a rollout without a crop is a
+    failed call, never a clean direct answer, and GRPO has nothing safer to drift to. The
+    paper's SFT starts from a pretrained VLM that keeps answering from frames underneath;
+    replaying a share of stage 1's direct answers keeps that habit here. Every replayed record
+    is a direct answer; every other record of stage 2 calls the tool."""
+    if not 0.0 <= share < 1.0:
+        raise ConfigError(f"--replay {share} must be in [0, 1)")
+    n = round(n_tool * share / (1.0 - share))
+    if n == 0:
+        return []
+    direct = []
+    for line in (Path(data_dir) / "sft.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        turns = rec["turns"]
+        if len(turns) == 1 and not turns[0].get("forced") and "<answer>" in turns[0]["content"]:
+            direct.append(rec)
+    if not direct:
+        raise ConfigError(f"--replay {share}: {data_dir}/sft.jsonl has no direct-answer records")
+    ranked = sorted(
+        direct,
+        key=lambda r: hashlib.sha256(f"{r['sample_id']}:{r['num_frames']}".encode()).digest(),
+    )
+    return [ranked[i % len(ranked)] for i in range(n)]
+
+
 def _write_sft_data(
-    cfg: Config, data_dir: str, path: Path, windows: Sequence[int], unclosed_think: float
+    cfg: Config,
+    data_dir: str,
+    path: Path,
+    windows: Sequence[int],
+    unclosed_think: float,
+    replay: float = 0.0,
 ) -> Path:
     recs = all_tool_records(data_dir, cfg, windows, unclosed_think)
+    recs += replay_records(data_dir, len(recs), replay)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
     tmp.replace(path)
@@ -231,6 +271,7 @@ def cold_start(
     windows: Sequence[int],
     unclosed_think: float = 0.0,
     base: Config | None = None,
+    replay: float = 0.0,
 ) -> Path:
     """The shared SFT checkpoint ``out/sft``: stage 1 (:func:`base_sft`; ``base`` None: train
     from ``cfg.model.path`` or the random tiny model directly), then stage 2, ``cfg.sft`` on
@@ -244,6 +285,7 @@ def cold_start(
     made = {
         "windows": list(windows),
         "unclosed_think": unclosed_think,
+        **({"replay": replay} if replay else {}),
         "sft": dataclasses.asdict(cfg.sft),
         "data": dataclasses.asdict(cfg.data),
         "model_path": start,
@@ -254,7 +296,7 @@ def cold_start(
         raise ConfigError("sft.steps must be >= 1: every arm starts from the collapse cold start")
     scfg = replace(cfg, model=replace(cfg.model, path=start))
     dirs = prepare_assets(scfg, DistContext())
-    data = _write_sft_data(cfg, dirs[0], out / "sft_data.jsonl", windows, unclosed_think)
+    data = _write_sft_data(cfg, dirs[0], out / "sft_data.jsonl", windows, unclosed_think, replay)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
     return train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
@@ -558,6 +600,7 @@ def collapse(
     base_args: Sequence[str],
     unclosed_think: float = 0.0,
     base: Config | None = None,
+    replay: float = 0.0,
 ) -> dict[str, Any]:
     """Run the experiment (module docstring); returns ``{"json", "table"}``. ``base_args``:
     the ``--preset``/``--config``/overrides that built ``cfg``; ``base``: the config whose
@@ -575,7 +618,7 @@ def collapse(
     t0 = time.perf_counter()
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
-    sft = cold_start(cfg, out, windows, unclosed_think, base)
+    sft = cold_start(cfg, out, windows, unclosed_think, base, replay)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
     shared = [
         f"model.path={sft}",
@@ -624,6 +667,7 @@ def collapse(
     res["seeds"] = list(seeds)
     res["windows"] = list(windows)
     res["unclosed_think"] = unclosed_think
+    res["replay"] = replay
     res["eval_every"] = eval_every
     table = format_markdown(res)
     (out / "collapse.md").write_text(table + "\n")
@@ -682,9 +726,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--unclosed-think",
         type=float,
-        default=0.5,
-        help="share of SFT tool turns that never close <think> (fragile format; 0.5 measured: "
-        "format compliance 0.31-0.47 after 400 SFT steps)",
+        default=1.0,
+        help="share of the cold start's tool turns that never close <think> (the fragile "
+        "format; chosen on seeds 0-1, docs/collapse_notes.md: at 0.5 and 0.75 GRPO repairs the "
+        "tool turn and keeps calling, at 1.0 vanilla drops the tool)",
+    )
+    p.add_argument(
+        "--replay",
+        type=float,
+        default=0.25,
+        help="share of the cold start's stage-2 records that are stage 1's direct answers "
+        "(replayed so that a clean answer without the tool survives the all-tool SFT)",
     )
     p.add_argument(
         "--base-steps",
@@ -729,6 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             windows=windows,
             base_args=[*base, *args.overrides],
             unclosed_think=args.unclosed_think,
+            replay=args.replay,
             base=stage1 if stage1.sft.steps > 0 else None,
         )
     except ConfigError as e:
