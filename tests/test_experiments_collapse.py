@@ -15,6 +15,7 @@ from paravt.arms import run_finished
 from paravt.collapse import (
     ARMS,
     all_tool_records,
+    replay_records,
     seed_values,
     summarise,
     tool_advantage_metrics,
@@ -83,6 +84,32 @@ def test_every_cold_start_record_calls_the_tool_and_answers_right(spot_task) -> 
         "</think>" not in r["turns"][0]["content"]
         for r in all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
     )
+
+
+def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
+    data, cfg = spot_task
+    oracle = [json.loads(x) for x in (data / "sft.jsonl").read_text().splitlines()]
+    direct = [r for r in oracle if len(r["turns"]) == 1 and not r["turns"][0].get("forced")]
+    assert direct  # the spot oracle answers from the overview where it shows the square
+    tool = all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
+    assert replay_records(data, len(tool), 0.0) == []
+    for share in (0.25, 0.5, 0.75):
+        rep = replay_records(data, len(tool), share)
+        assert len(rep) == round(len(tool) * share / (1 - share))
+        assert abs(len(rep) / (len(rep) + len(tool)) - share) < 0.1
+        for r in rep:  # each is one of stage 1's own direct answers, unchanged
+            assert r in direct and "<tool_call>" not in r["turns"][0]["content"]
+            assert (
+                r["turns"][0]["content"].endswith("</answer>")
+                and "</think>" in r["turns"][0]["content"]
+            )
+        assert rep == replay_records(data, len(tool), share)  # deterministic
+    # more asked for than exist: every direct answer is used before any repeats
+    many = replay_records(data, len(direct) * 3, 0.5)
+    assert len(many) == len(direct) * 3 and all(many.count(r) == 3 for r in direct)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="--replay"):
+            replay_records(data, len(tool), bad)
 
 
 def _group(rewards: list[float], used: list[bool]) -> SimpleNamespace:
@@ -212,6 +239,13 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert stage2["model_path"] == str(out / "base_sft") and stage2["sft"]["steps"] == 2
     sft_cfg = (out / "sft" / "config.json").is_file()
     assert sft_cfg and (out / "sft_data.jsonl").stat().st_size > 0
+    # Stage 2's data by default: every tool turn leaves <think> open, and a quarter of the
+    # records are stage 1's direct answers (replayed).
+    assert stage2["replay"] == 0.25 and stage2["unclosed_think"] == 1.0
+    recs = [json.loads(x) for x in (out / "sft_data.jsonl").read_text().splitlines()]
+    calls = [r for r in recs if "<tool_call>" in r["turns"][0]["content"]]
+    assert all("</think>" not in r["turns"][0]["content"] for r in calls)
+    assert len(recs) - len(calls) == round(len(calls) / 3)
     assert set(res["sft"]) == {"2", "4"} and res["sft"]["4"]["kappa"] >= 0.0
     assert (out / "collapse.png").stat().st_size > 1000
     # Other cold-start settings into the same folder are refused, not silently mixed.
