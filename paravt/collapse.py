@@ -405,13 +405,24 @@ def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[s
         return mean_or_nan([x for x in (_num(r, key) for r in last) if x == x])
 
     first = train[0] if train else {}
+    budgets = sorted(
+        {int(k[len("tool_rate/K") :]) for r in train for k in r if k.startswith("tool_rate/K")}
+    )
+    mixed = [r for r in train if _num(r, "adv/mixed_groups") > 0]
     return {
         "kappa_start": _num(first, "tool_calls_per_rollout"),
         "kappa_end": end("tool_calls_per_rollout"),
         "format_start": _num(first, "format_compliance"),
         "format_end": end("format_compliance"),
         "tool_rate_end": end("tool_call_rate"),
+        # per overview budget K the arm trained at (a K missing from the last steps: NaN)
+        "tool_rate_end_k": {str(k): end(f"tool_rate/K{k}") for k in budgets},
         "acc_end_k": {str(k): _num(after, f"K{k}_tools/accuracy") for k in eval_k},
+        # the diagnosis: steps with a group holding rollouts with and without a crop, and the
+        # mean advantage of each side there (tool < 0 < no-tool pushes away from the tool)
+        "mixed_steps": float(len(mixed)),
+        "adv_tool_mixed": mean_or_nan([_num(r, "adv/tool") for r in mixed]),
+        "adv_no_tool_mixed": mean_or_nan([_num(r, "adv/no_tool") for r in mixed]),
     }
 
 
@@ -464,8 +475,21 @@ def summarise(
     for arm, by_seed in runs.items():
         vals = {s: seed_values(rows, eval_k) for s, rows in by_seed.items()}
         entry: dict[str, Any] = {"description": ARMS.get(arm, arm)}
-        for key in ("kappa_start", "kappa_end", "format_start", "format_end", "tool_rate_end"):
+        for key in (
+            "kappa_start",
+            "kappa_end",
+            "format_start",
+            "format_end",
+            "tool_rate_end",
+            "mixed_steps",
+            "adv_tool_mixed",
+            "adv_no_tool_mixed",
+        ):
             entry[key] = _ms([v[key] for v in vals.values()])
+        ks = sorted({k for v in vals.values() for k in v["tool_rate_end_k"]}, key=int)
+        entry["tool_rate_end_k"] = {
+            k: _ms([v["tool_rate_end_k"].get(k, float("nan")) for v in vals.values()]) for k in ks
+        }
         entry["acc_end_k"] = {
             str(k): _ms([v["acc_end_k"][str(k)] for v in vals.values()]) for k in eval_k
         }
@@ -528,6 +552,23 @@ def format_markdown(res: dict[str, Any]) -> str:
     for arm, a in res["arms"].items():
         cells = [a[k] for k in ("kappa_start", "kappa_end", "format_start", "format_end")]
         cells += [a["tool_rate_end"], *(a["acc_end_k"][str(k)] for k in ks)]
+        lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
+    budgets = sorted({k for a in res["arms"].values() for k in a["tool_rate_end_k"]}, key=int)
+    lines += [
+        "",
+        "Tool-call rate at the end per overview budget K the arm trained at, and why tool use "
+        "moved: steps with a group holding rollouts with and without a crop (mixed), and the "
+        "mean group advantage of each side at those steps:",
+        "",
+        "| arm | "
+        + " | ".join(f"tool rate K{k} end" for k in budgets)
+        + " | mixed steps | adv tool | adv no-tool |",
+        "|" + "---|" * (4 + len(budgets)),
+    ]
+    none = {"mean": float("nan"), "std": 0.0}
+    for arm, a in res["arms"].items():
+        cells = [a["tool_rate_end_k"].get(k, none) for k in budgets]
+        cells += [a["mixed_steps"], a["adv_tool_mixed"], a["adv_no_tool_mixed"]]
         lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 

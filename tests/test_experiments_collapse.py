@@ -150,6 +150,15 @@ def test_summary_values_and_schema() -> None:
     v = seed_values(_rows([2.5, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0], 0.75), [4])
     assert v["kappa_start"] == 2.5 and v["kappa_end"] == pytest.approx(0.3)  # last 5 steps
     assert v["format_start"] == 0.5 and v["acc_end_k"] == {"4": 0.75}
+    assert v["tool_rate_end_k"] == {"4": pytest.approx(0.1)}  # per K the run trained at
+    assert v["mixed_steps"] == 0.0 and math.isnan(v["adv_tool_mixed"])
+    mixed = _rows([2.0, 1.0, 0.0], 1.0)
+    mixed[0].update({"adv/mixed_groups": 0.5, "adv/tool": -1.0, "adv/no_tool": 0.5})
+    mixed[2].update({"adv/mixed_groups": 0.25, "adv/tool": -0.5, "adv/no_tool": 1.5})
+    mixed[1].update({"adv/mixed_groups": 0.0, "adv/tool": float("nan")})
+    d = seed_values(mixed, [4])
+    assert d["mixed_steps"] == 2.0 and d["adv_tool_mixed"] == -0.75
+    assert d["adv_no_tool_mixed"] == 1.0
     res = summarise(
         {"vanilla": {0: _rows([2.0, 0.0], 0.5), 1: _rows([3.0, 1.0], 1.0)}},
         [4],
@@ -166,6 +175,8 @@ def test_summary_values_and_schema() -> None:
     assert van["curves"]["eval/K4"]["step"] == [0, 2]
     assert van["curves"]["eval/K4"]["mean"] == [0.25, 0.75]
     assert res["sft"]["4"]["kappa"] == 2.5
+    assert van["tool_rate_end_k"]["4"]["mean"] == pytest.approx(0.5)  # (1/3 + 2/3) / 2
+    assert set(van["mixed_steps"]) == {"mean", "std"}
 
 
 def _args(spot_task, assets: dict[str, str], out: Path) -> list[str]:
