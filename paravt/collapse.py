@@ -761,7 +761,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--out", default="runs/collapse")
-    p.add_argument("--eval-k", default="4,8,16,32", help="held-out accuracy at these K (tools)")
+    p.add_argument("--eval-k", default="2,4,8,16,32", help="held-out accuracy at these K (tools)")
     p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps")
     p.add_argument("--windows", default="2,3", help="crop windows per SFT trajectory (choices)")
     p.add_argument(
