@@ -3,8 +3,8 @@ PARA-GRPO keep it? (DESIGN.md, "The collapse experiment".)
 
     python -m paravt.experiments collapse [--seeds 3] [--first-seed 0] [--arms a,b,...]
         [--out runs/collapse] [--preset tiny_cpu] [--config configs/collapse.yaml ...]
-        [--windows 2,3] [--unclosed-think 0.5] [--eval-every 10] [--eval-k 4,8,16,32]
-        [key=value ...]
+        [--windows 2,3] [--unclosed-think 1.0] [--replay 0.25] [--eval-every 25]
+        [--eval-k 2,4,8,16,32] [key=value ...]
 
 The ablation (``paravt.experiments``) cannot show the paper's collapse: its cold start is too
 good (format 1.000 after SFT, so anchoring is constant within a group) and its vanilla arm never
@@ -19,10 +19,11 @@ cold start, not the system:
    on the same "spot" task every oracle trajectory calls ``crop_video`` whatever K — also when
    the overview already shows the square — on ``n`` equal windows of the whole video, ``n``
    drawn per (video, K) from ``--windows`` by a stable hash (2,3: κ = 2.5 calls per rollout),
-   then answers from the summaries. ``--unclosed-think`` (a share of the tool turns never
-   closes ``<think>``) makes the format fragile at T = 0.7. Measured on seed 0
-   (``docs/collapse_notes.md``): κ 2.3–2.7, tool-call rate 1.00, fτ 0.38–0.66, accuracy 0.41
-   (K = 4) to 0.91 (K = 32). The embedded default's recipe is untouched.
+   then answers from the summaries. ``--unclosed-think`` (the share of tool turns that never
+   close ``<think>``; 1.0: all of them) is the fragile format: the tags that collapse under
+   sampling. ``--replay`` (:func:`replay_records`) mixes in a share of stage 1's own direct
+   answers, so that a clean answer without the tool survives the tool SFT, as a pretrained
+   VLM's does. The embedded default's recipe is untouched.
 2. **One SFT checkpoint** ``OUT/sft``; the step-0 numbers of every arm (κ, format, held-out
    accuracy per K) come from one evaluation of it, ``OUT/sft_eval``.
 3. **Arms** (``paravt.arms.arm_overrides``): ``vanilla`` (fixed K = the largest budget,
@@ -36,7 +37,9 @@ cold start, not the system:
 4. ``OUT/collapse.json``, ``OUT/collapse.md`` (printed) and ``OUT/collapse.png``
    (:func:`summarise`): per arm κ and format compliance fτ at the start (step 1, the SFT
    policy's own rollouts) and the end (mean of the last 5 steps), held-out accuracy after RL
-   per K, each ``{"mean", "std"}`` over seeds, the per-seed values and per-step curves.
+   per K, the tool-call rate at the end per K the arm trained at, and the diagnosis (steps
+   with a mixed group, the mean advantage of tool and no-tool rollouts there), each
+   ``{"mean", "std"}`` over seeds, the per-seed values and per-step curves.
 
 A rerun into the same ``--out`` keeps the SFT checkpoint, its evaluation and every finished
 run (its ``metrics.jsonl`` holds ``eval_after``), and redoes a run cut short from scratch.
@@ -44,9 +47,10 @@ run (its ``metrics.jsonl`` holds ``eval_after``), and redoes a run cut short fro
 Honest limits: the crop windows are fixed per video duration (the tiny model cannot copy
 numbers, see README), so crop placement does not depend on the overview; "held-out accuracy
 per step" is measured every ``--eval-every`` steps, not at every step (each evaluation is a
-rollout of all held-out prompts per K). Result on seeds 0-2 and 100-102 (README): no arm
-loses tool use, because in this task a rollout without a crop is a failed call that scores
-lower, never a safer direct answer (``adv/tool`` > ``adv/no_tool`` in 69 of 70 mixed steps).
+rollout of all held-out prompts per K). Results (README, ``docs/collapse_notes.md``): protocol
+1 (no replay, half the tool turns unclosed) lost no tool use in any arm, because a rollout
+without a crop was a failed call, never a safer direct answer; protocol 2 (these defaults)
+is the one the README reports.
 """
 
 from __future__ import annotations
@@ -762,7 +766,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--out", default="runs/collapse")
     p.add_argument("--eval-k", default="2,4,8,16,32", help="held-out accuracy at these K (tools)")
-    p.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=25,
+        help="held-out evaluation every N steps (0: only after RL)",
+    )
     p.add_argument("--windows", default="2,3", help="crop windows per SFT trajectory (choices)")
     p.add_argument(
         "--unclosed-think",
