@@ -292,6 +292,9 @@ def cold_start(
         **({"replay": replay} if replay else {}),
         "sft": dataclasses.asdict(cfg.sft),
         "data": dataclasses.asdict(cfg.data),
+        # the oracle's budgets, crops and window cap shape the records (oracle_settings)
+        "video": dataclasses.asdict(cfg.video),
+        "max_parallel": cfg.agent.max_parallel,
         "model_path": start,
     }
     if reused_checkpoint(dst, "collapse", stamp, made):
@@ -400,7 +403,12 @@ def _num(r: dict[str, Any], key: str) -> float:
 
 def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[str, Any]:
     """One run's summary from its ``metrics.jsonl`` rows: κ and format compliance at step 1
-    and over the last ``END_STEPS`` steps, held-out accuracy after RL per K."""
+    and over the last ``END_STEPS`` steps; the tool-call rate over those steps, overall and
+    per overview budget K the run trained at (NaN for a K none of those steps drew); held-out
+    accuracy and tool-call rate after RL per K of ``eval_k`` (every arm at the same K); and
+    the diagnosis: the number of steps with a mixed group and the mean over those steps of
+    each step's mean advantage of tool and of no-tool rollouts (a sign that changes during
+    the run cancels in it: read the per-step curves)."""
     train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
     after = next((r for r in reversed(rows) if r.get("kind") == "eval_after"), {})
     last = train[-END_STEPS:]
@@ -422,8 +430,10 @@ def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[s
         # per overview budget K the arm trained at (a K missing from the last steps: NaN)
         "tool_rate_end_k": {str(k): end(f"tool_rate/K{k}") for k in budgets},
         "acc_end_k": {str(k): _num(after, f"K{k}_tools/accuracy") for k in eval_k},
+        "tool_rate_heldout_k": {str(k): _num(after, f"K{k}_tools/tool_call_rate") for k in eval_k},
         # the diagnosis: steps with a group holding rollouts with and without a crop, and the
-        # mean advantage of each side there (tool < 0 < no-tool pushes away from the tool)
+        # mean over those steps of each side's mean advantage (tool < 0 < no-tool pushes
+        # away from the tool)
         "mixed_steps": float(len(mixed)),
         "adv_tool_mixed": mean_or_nan([_num(r, "adv/tool") for r in mixed]),
         "adv_no_tool_mixed": mean_or_nan([_num(r, "adv/no_tool") for r in mixed]),
@@ -471,10 +481,12 @@ def summarise(
     sft_eval: dict[str, Any],
 ) -> dict[str, Any]:
     """``collapse.json``: per arm ``kappa_start``, ``kappa_end``, ``format_start``,
-    ``format_end``, ``tool_rate_end`` as ``{"mean", "std"}`` over seeds, ``acc_end_k`` (K ->
-    ``{"mean", "std"}``), ``seeds`` (per seed: its number and values) and ``curves`` (the
-    held-out ``eval/K*`` ones start at step 0 with the cold start's); plus ``sft`` (the cold
-    start's held-out evaluation)."""
+    ``format_end``, ``tool_rate_end``, ``mixed_steps``, ``adv_tool_mixed``,
+    ``adv_no_tool_mixed`` as ``{"mean", "std"}`` over seeds; ``tool_rate_end_k``,
+    ``acc_end_k`` and ``tool_rate_heldout_k`` (K -> ``{"mean", "std"}``; a seed whose value
+    is NaN is left out of that K's mean); ``seeds`` (per seed: its number and values) and
+    ``curves`` (the held-out ``eval/K*`` ones start at step 0 with the cold start's); plus
+    ``sft`` (the cold start's held-out evaluation). See :func:`seed_values`."""
     arms: dict[str, Any] = {}
     for arm, by_seed in runs.items():
         vals = {s: seed_values(rows, eval_k) for s, rows in by_seed.items()}
@@ -494,9 +506,8 @@ def summarise(
         entry["tool_rate_end_k"] = {
             k: _ms([v["tool_rate_end_k"].get(k, float("nan")) for v in vals.values()]) for k in ks
         }
-        entry["acc_end_k"] = {
-            str(k): _ms([v["acc_end_k"][str(k)] for v in vals.values()]) for k in eval_k
-        }
+        for key in ("acc_end_k", "tool_rate_heldout_k"):
+            entry[key] = {str(k): _ms([v[key][str(k)] for v in vals.values()]) for k in eval_k}
         entry["seeds"] = [{"seed": s, **v} for s, v in vals.items()]
         entry["curves"] = curves(list(by_seed.values()), CURVE_KEYS)
         for k in eval_k:  # step 0 of the held-out curves: the shared cold start's evaluation
@@ -573,6 +584,17 @@ def format_markdown(res: dict[str, Any]) -> str:
     for arm, a in res["arms"].items():
         cells = [a["tool_rate_end_k"].get(k, none) for k in budgets]
         cells += [a["mixed_steps"], a["adv_tool_mixed"], a["adv_no_tool_mixed"]]
+        lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
+    lines += [
+        "",
+        "Held-out tool-call rate after RL, every arm at the same K (the cold start's: the "
+        "first table):",
+        "",
+        "| arm | " + " | ".join(f"K{k}" for k in ks) + " |",
+        "|" + "---|" * (1 + len(ks)),
+    ]
+    for arm, a in res["arms"].items():
+        cells = [a["tool_rate_heldout_k"][str(k)] for k in ks]
         lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -659,10 +681,12 @@ def collapse(
             f"data.synth_task={cfg.data.synth_task!r}: the collapse cold start needs the 'spot' "
             "task"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
+    if not 0.0 <= replay < 1.0:
+        raise ConfigError(f"--replay {replay} must be in [0, 1)")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     sft = cold_start(cfg, out, windows, unclosed_think, base, replay)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
     shared = [
@@ -673,7 +697,7 @@ def collapse(
         "train.save_every=0",
     ]
     sft_eval_dir = out / "sft_eval"
-    if not run_finished(sft_eval_dir):  # in this process: one model load, no second start-up
+    if not _evaluated_at(sft_eval_dir, eval_k):  # in this process: one model load
         shutil.rmtree(sft_eval_dir, ignore_errors=True)
         extra = [*shared, "train.steps=0", f"train.out_dir={sft_eval_dir}"]
         run_one(_load(base_args, extra), 0)
@@ -719,6 +743,13 @@ def collapse(
     (out / "collapse.json").write_text(json.dumps(json_safe(res), indent=1, allow_nan=False))
     plot(res, out / "collapse.png")
     return {"json": res, "table": table}
+
+
+def _evaluated_at(run_dir: Path, eval_k: Sequence[int]) -> bool:
+    """Whether ``run_dir`` holds a finished evaluation with every K of ``eval_k`` (the cold
+    start's evaluation is redone when ``--eval-k`` asks for a K it lacks)."""
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "eval_after"]
+    return bool(rows) and all(f"K{k}_tools/accuracy" in rows[-1] for k in eval_k)
 
 
 def _load(base_args: Sequence[str], extra: Sequence[str]) -> Config:

@@ -112,6 +112,18 @@ def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
             replay_records(data, len(tool), bad)
 
 
+def test_the_cold_start_evaluation_is_redone_for_a_missing_k(tmp_path) -> None:
+    from paravt.collapse import _evaluated_at
+
+    d = tmp_path / "sft_eval"
+    assert not _evaluated_at(d, [4])  # nothing there
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(
+        json.dumps({"kind": "eval_after", "step": 0, "K4_tools/accuracy": 0.5}) + "\n"
+    )
+    assert _evaluated_at(d, [4]) and not _evaluated_at(d, [2, 4])
+
+
 def _group(rewards: list[float], used: list[bool]) -> SimpleNamespace:
     trajs = []
     for r, u in zip(rewards, used):
@@ -143,7 +155,8 @@ def _rows(kappas: list[float], acc4: float) -> list[dict]:
          "tool_call_rate": k / 3, "tool_rate/K4": k / 3}
         for i, k in enumerate(kappas)
     ]  # fmt: skip
-    return rows + [{"kind": "eval_after", "step": len(kappas), "K4_tools/accuracy": acc4}]
+    after = {"kind": "eval_after", "step": len(kappas), "K4_tools/accuracy": acc4}
+    return [*rows, {**after, "K4_tools/tool_call_rate": acc4 / 2}]
 
 
 def test_summary_values_and_schema() -> None:
@@ -157,6 +170,7 @@ def test_summary_values_and_schema() -> None:
     mixed[2].update({"adv/mixed_groups": 0.25, "adv/tool": -0.5, "adv/no_tool": 1.5})
     mixed[1].update({"adv/mixed_groups": 0.0, "adv/tool": float("nan")})
     d = seed_values(mixed, [4])
+    assert d["tool_rate_heldout_k"] == {"4": 0.5}
     assert d["mixed_steps"] == 2.0 and d["adv_tool_mixed"] == -0.75
     assert d["adv_no_tool_mixed"] == 1.0
     res = summarise(
@@ -175,7 +189,16 @@ def test_summary_values_and_schema() -> None:
     assert van["curves"]["eval/K4"]["step"] == [0, 2]
     assert van["curves"]["eval/K4"]["mean"] == [0.25, 0.75]
     assert res["sft"]["4"]["kappa"] == 2.5
+    assert van["tool_rate_heldout_k"]["4"]["mean"] == pytest.approx(0.375)  # same K, held out
     assert van["tool_rate_end_k"]["4"]["mean"] == pytest.approx(0.5)  # (1/3 + 2/3) / 2
+    # A K that one seed's last steps never drew is left out of that K's mean, not zeroed.
+    other = _rows([1.5, 1.5], 1.0)
+    for r in other:
+        if r["kind"] == "train":
+            r["tool_rate/K8"] = r.pop("tool_rate/K4")
+    res2 = summarise({"gating": {0: _rows([3.0], 1.0), 1: other}}, [4], {})
+    assert res2["arms"]["gating"]["tool_rate_end_k"]["4"] == {"mean": 1.0, "std": 0.0}
+    assert res2["arms"]["gating"]["tool_rate_end_k"]["8"]["mean"] == 0.5
     assert set(van["mixed_steps"]) == {"mean", "std"}
 
 
@@ -262,8 +285,16 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     # Other cold-start settings into the same folder are refused, not silently mixed.
     assert main([*args, "--windows", "3"]) == 2
     assert "other cold-start settings" in capsys.readouterr().err
+    assert main([*args, "--replay", "0.5"]) == 2
+    assert "other cold-start settings" in capsys.readouterr().err
+    assert main([*args, "video.crop_max_frames=8"]) == 2  # the oracle's crops changed
+    assert "other cold-start settings" in capsys.readouterr().err
     md = (out / "collapse.md").read_text()
     assert "κ start" in md and "| vanilla |" in md
+    assert "tool rate K2 end" in md and "Held-out tool-call rate after RL" in md
+    for a in res["arms"].values():  # every arm's held-out tool use at the same K
+        assert set(a["tool_rate_heldout_k"]) == {"2", "4"}
+        assert 0.0 <= a["tool_rate_heldout_k"]["4"]["mean"] <= 1.0
 
     # A rerun keeps the SFT, its evaluation and the finished runs (nothing is rerun) ...
     logs = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/train.log")}
@@ -287,6 +318,8 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
     assert "--seeds 0 must be >= 1" in capsys.readouterr().err
     assert main(["collapse", "--windows", "2,x", "--out", str(x)]) == 2
     assert "--windows" in capsys.readouterr().err
+    assert main(["collapse", "--replay", "1.0", "--out", str(x)]) == 2
+    assert "--replay 1.0 must be in [0, 1)" in capsys.readouterr().err and not x.exists()
     assert main(["collapse", "--out", str(x), "data.synth_task=cue"]) == 2
     assert "'spot' task" in capsys.readouterr().err and not x.exists()
     assert set(ARMS) == {"vanilla", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"}
