@@ -202,7 +202,7 @@ def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict
     answer from the overview in one unforced turn, picked by a stable hash (with repeats when
     more are asked for than exist).
 
-    Why (``docs/collapse_notes.md``, third attempt): a 200-step all-tool SFT erases the base
+    Why (``docs/collapse_notes.md``, protocol 2): a 200-step all-tool SFT erases the base
     model's direct answer (tool-call rate 1.00 at every K), so a rollout without a crop is a
     failed call, never a clean direct answer, and GRPO has nothing safer to drift to. The
     paper's SFT starts from a pretrained VLM that keeps answering from frames underneath;
