@@ -6,7 +6,7 @@ later. ``Preemption`` installs handlers for SIGTERM and SIGUSR1 that only record
 signal (its name, when it came, the step and phase the run was in); the trainer
 (``paravt.train``) asks it at two kinds of points, every rank at the same points:
 
-* each step boundary (``requested``): if any rank got a signal, every rank stops there, the
+* each step boundary (``start_step``): if any rank got a signal, every rank stops there, the
   last completed step is checkpointed (unless its checkpoint exists) and the run exits 0;
 * once per step, after the rollout and before anything the step changes is saved state
   (``should_abandon``): if any rank got a signal and finishing the step would end more than
@@ -139,6 +139,29 @@ class Preemption:
                     flush=True,
                 )
                 os.kill(os.getpid(), sig)
+
+    def start_step(self, step: int) -> bool:
+        """The step boundary before ``step``: ``True`` when any rank got a signal (the run
+        stops after the last completed step); otherwise record that ``step`` has started and
+        return ``False``. Collective, like ``requested``.
+
+        The check and the record are one atomic move: the handled signals are blocked between
+        them (``pthread_sigmask``; main thread only, where the handlers are). A signal that
+        comes in that window is delivered right after, naming the new step, which then runs
+        and is finished or abandoned by its own checks. Without the block, a signal landing
+        after the check but before the step named itself would be logged against the previous
+        step while the next one ran to its end (seen in ``tests/test_train_preempt.py``:
+        "SIGUSR1 at step 2 (metrics): finished step 3")."""
+        block = self.installed and threading.current_thread() is threading.main_thread()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals) if block else None
+        try:
+            if self.requested():
+                return True
+            self.enter(step, "start")
+            return False
+        finally:
+            if old is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     # -- checks (collective: every rank calls them at the same points)
 

@@ -565,7 +565,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     begin: tuple[dict[str, int], Any] | None = None
     abandoned = 0
     for step in range(tr.start_step + 1, t.steps + 1):
-        if pre.requested():  # any rank, during the previous step or before the first
+        if pre.start_step(step):  # any rank, during the previous step or before the first
             break
         begin = (_data_state(tr, step - 1), rng_state())
         try:

@@ -98,6 +98,33 @@ def _resume_and_compare(
     assert_same_weights(ref / "checkpoints" / last, out / "checkpoints" / last)
 
 
+def test_a_signal_at_the_step_boundary_names_the_step_that_then_runs(monkeypatch) -> None:
+    """The boundary check and the record that the next step started are one atomic move: a
+    signal landing right after the check (here: sent from inside it) is named against the
+    step that then runs, not against the one that ended (the race that once logged "SIGUSR1
+    at step 2 (metrics): finished step 3")."""
+    from paravt.preempt import Preemption
+
+    monkeypatch.delenv(ENV, raising=False)
+    with Preemption(GRACE_S) as pre:
+        pre.enter(2, "metrics")
+        check = pre.requested
+
+        def late_signal() -> bool:
+            answer = check()
+            os.kill(os.getpid(), signal.SIGUSR1)  # after the answer, before step 3 is named
+            return answer
+
+        pre.requested = late_signal  # type: ignore[method-assign]
+        assert pre.start_step(3) is False  # nothing had come when it checked: step 3 runs
+        assert pre.arrival is not None
+        assert (pre.arrival.signal, pre.arrival.step, pre.arrival.phase) == ("SIGUSR1", 3, "start")
+        pre.requested = check  # type: ignore[method-assign]
+        assert pre.start_step(4) is True  # the next boundary stops the run
+        assert (pre.step, pre.phase) == (3, "start")  # and names no step 4
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGTERM, signal.SIGUSR1}
+
+
 @pytest.mark.parametrize(
     ("phase", "grace", "outcome", "kept"),
     [
