@@ -246,6 +246,16 @@ def _write_sft_data(
     return path
 
 
+def _task_stamp(cfg: Config) -> dict[str, Any]:
+    """What shapes both stages' SFT records, for their stamps: the task, and the oracle's
+    budgets, crops and window cap (``paravt.data.synth.oracle_settings``)."""
+    return {
+        "data": dataclasses.asdict(cfg.data),
+        "video": dataclasses.asdict(cfg.video),
+        "max_parallel": cfg.agent.max_parallel,
+    }
+
+
 def base_sft(cfg: Config, out: Path, base: Config) -> str:
     """Stage 1 of the cold start: the model that already reads the task, as a pretrained VLM
     does before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
@@ -257,7 +267,7 @@ def base_sft(cfg: Config, out: Path, base: Config) -> str:
     if cfg.model.path:
         return cfg.model.path
     dst, stamp = out / "base_sft", out / "base_sft_params.json"
-    made = {"sft": dataclasses.asdict(base.sft), "data": dataclasses.asdict(cfg.data)}
+    made = {"sft": dataclasses.asdict(base.sft), **_task_stamp(cfg)}
     if reused_checkpoint(dst, "collapse", stamp, made):
         return str(dst)
     if base.sft.steps < 1:
@@ -291,10 +301,7 @@ def cold_start(
         "unclosed_think": unclosed_think,
         **({"replay": replay} if replay else {}),
         "sft": dataclasses.asdict(cfg.sft),
-        "data": dataclasses.asdict(cfg.data),
-        # the oracle's budgets, crops and window cap shape the records (oracle_settings)
-        "video": dataclasses.asdict(cfg.video),
-        "max_parallel": cfg.agent.max_parallel,
+        **_task_stamp(cfg),
         "model_path": start,
     }
     if reused_checkpoint(dst, "collapse", stamp, made):
