@@ -4,7 +4,10 @@ Layout (one directory per saved step, under ``<out_dir>/checkpoints``)::
 
     step_000004/
       config.json, model.safetensors, tokenizer files ...   ← ``from_pretrained``-loadable
+                                                              (in the compute dtype, model.dtype)
       trainer_state.pt                                      ← optimizer, scheduler, RNG, data
+                                                              (+ the float32 masters when
+                                                              train.master_dtype != model.dtype)
     latest                                                  ← text file: "step_000004"
 
 Atomicity: a checkpoint is written into ``.tmp-step_000004`` and renamed into place with one
@@ -44,7 +47,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from paravt.distributed import all_gather_objects, full_optimizer_state, full_state_dict
+from paravt.distributed import (
+    Precision,
+    all_gather_objects,
+    cast_floats,
+    full_optimizer_state,
+    full_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +249,7 @@ def save_model_dir(
     state_dict = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        _set_config_dtype(out / "config.json", state_dict)
     else:
         from safetensors.torch import save_file
 
@@ -247,6 +257,24 @@ def save_model_dir(
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
+
+
+def _set_config_dtype(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """Make ``config.json``'s dtype (and its sub-configs') that of the weights written: a
+    float32 master module saving its bf16 cast would otherwise declare float32, and plain
+    ``from_pretrained`` (dtype "auto") would load the bf16 file at twice its size."""
+    import json
+
+    dtypes = {v.dtype for v in state_dict.values() if v.is_floating_point()}
+    if len(dtypes) != 1 or not path.is_file():
+        return
+    name = str(dtypes.pop()).removeprefix("torch.")
+    cfg = json.loads(path.read_text())
+    for d in (cfg, *(v for v in cfg.values() if isinstance(v, dict))):
+        for key in ("dtype", "torch_dtype"):
+            if key in d:
+                d[key] = name
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def save_checkpoint(
@@ -332,9 +360,14 @@ def save_trainer(
     A failed write (disk full ...) leaves the previous checkpoint the newest; then
     ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
     (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
-    model_state = full_state_dict(tr.policy, tr.ctx)
+    masters = full_state_dict(tr.policy, tr.ctx)
     optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
     rngs = all_gather_objects(rng_state() if rng is None else rng, tr.ctx)
+    # The HF export holds the compute dtype (what plain transformers, vLLM and the eval load);
+    # float32 masters under bf16 compute also go into trainer_state.pt, so that --resume
+    # continues from the exact masters, not from their bf16 cast.
+    prec = Precision.from_config(tr.cfg)
+    extra = {"masters": masters} if prec.mixed else {}
     failed: CheckpointSaveError | None = None
     if tr.ctx.is_main:
         try:
@@ -342,8 +375,9 @@ def save_trainer(
                 tr.cfg.train.out_dir,
                 step,
                 model=tr.policy,
-                model_state=model_state,
+                model_state=cast_floats(masters, prec.compute),
                 trainer_state={
+                    **extra,
                     "optimizer": optim_state,
                     "scheduler": tr.scheduler.state_dict(),
                     "rng": rngs,
@@ -401,7 +435,9 @@ def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
             f"checkpoint '{ckpt_dir}' has no {STATE_FILE}; it is not a paravt training "
             "checkpoint (or was cut short) — pick another or start without --resume"
         )
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # mmap: the masters and AdamW's moments (16 bytes a parameter) are paged in as they are
+    # copied into the model, not read into a second host copy first.
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def load_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:

@@ -136,7 +136,9 @@ class ModelConfig:
     # other than 16 is another model: it lives in ``tiny_dir`` + ``-hd{N}`` (the default one
     # is never overwritten).
     tiny_head_dim: int = 0
-    # Parameter dtype for training and rollout: float32 | bfloat16 | float16.
+    # COMPUTE dtype: float32 | bfloat16 | float16. Forward and backward of the policy run in
+    # it, and the reference model and the rollout engine's copy hold it. The trained weights
+    # themselves (the masters) and AdamW's moments are ``train.master_dtype``.
     dtype: str = "float32"
     # Device: 'auto' (cuda if available), 'cpu', 'cuda', 'cuda:N'.
     device: str = "auto"
@@ -424,6 +426,15 @@ class TrainConfig:
     on_save_error: str = "fail"
     # Resume from the latest checkpoint in out_dir.
     resume: bool = False
+    # Dtype of the trained parameters (the masters) and of AdamW's moments: float32 |
+    # bfloat16 | float16. When it differs from model.dtype (the compute dtype) the policy is
+    # FSDP2-sharded with MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=float32),
+    # on one process too (FSDP2 on a world of one): forward and backward compute in
+    # model.dtype, gradients are reduced and AdamW updates in float32 (paravt.distributed).
+    # bfloat16 masters are an explicit opt-in that a warning names at start: an AdamW step
+    # moves a weight by about the lr, and at lr 2e-6 most such steps are below half a bf16
+    # ulp of a weight of size 0.02 (~6e-5) and round away: the policy barely moves.
+    master_dtype: str = "float32"
     # Preemption (paravt.preempt): on SIGTERM or SIGUSR1 (SLURM --signal, Kubernetes) every rank
     # finishes the current step, or abandons it when finishing would pass this many seconds
     # after the signal, writes a checkpoint that --resume continues exactly, and exits 0. Set it
@@ -477,6 +488,9 @@ class TrainConfig:
         """This section's problems (ranges, save-error policy). ``eval_conditions`` depends on
         ``video`` too: checked with the rules between sections (``validate``)."""
         errs = _range_errors("train", self)
+        errs += _choice_error(
+            "train.master_dtype", self.master_dtype, ("float32", "bfloat16", "float16")
+        )
         return errs + _choice_error("train.on_save_error", self.on_save_error, ("fail", "continue"))
 
 
@@ -798,6 +812,12 @@ def _cross_section_errors(cfg: Config) -> list[str]:
         errs.append(
             f"train.prompts_per_step*rollout.group_size={n_seq} is not divisible by "
             f"algo.minibatches={cfg.algo.minibatches}"
+        )
+    master, compute = cfg.train.master_dtype, cfg.model.dtype
+    if master != "float32" and master != compute:
+        errs.append(
+            f"train.master_dtype={master} with model.dtype={compute}: the masters must be "
+            f"float32 or the compute dtype itself (set train.master_dtype=float32)"
         )
     return errs
 

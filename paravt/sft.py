@@ -236,9 +236,11 @@ def run_sft(
     from paravt.data.readers import load_samples
     from paravt.distributed import (
         DistContext,
+        Precision,
         all_gather_objects,
         all_reduce_sum,
         barrier,
+        cast_floats,
         clip_grad_norm,
         full_state_dict,
         shard_model,
@@ -249,7 +251,11 @@ def run_sft(
     ctx = ctx or DistContext()
     t_start = time.perf_counter()
     s = cfg.sft
-    bundle = load_model_from_config(model_dir, cfg.model, device=str(ctx.device))
+    # The trained weights in train.master_dtype, computing in model.dtype (shard_model below).
+    prec = Precision.from_config(cfg)
+    bundle = load_model_from_config(
+        model_dir, cfg.model, device=str(ctx.device), dtype=cfg.train.master_dtype
+    )
     samples = load_samples(data_dir, video_root=cfg.data.video_root, split="train")
     sft_path = s.data or str(Path(data_dir) / "sft.jsonl")
     records = read_sft_records(sft_path)
@@ -273,7 +279,7 @@ def run_sft(
         frozen = freeze_vit(model)
         if ctx.is_main:
             log(f"[sft] vision tower frozen except its mergers ({len(frozen)} tensors)")
-    shard_model(model, ctx)
+    shard_model(model, ctx, prec)
     opt = torch.optim.AdamW(param_groups(model, s.lr, s.vision_lr), lr=s.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(s.schedule, i, s.steps))
     rng = random.Random(f"paravt-sft:{cfg.train.seed}:{ctx.rank}")
@@ -301,7 +307,7 @@ def run_sft(
         losses.append(loss)
         if ctx.is_main and (step % max(1, s.steps // 8) == 0 or step == s.steps - 1):
             log(f"[sft] step {step + 1}/{s.steps} nll/token {loss:.4f}")
-    state = full_state_dict(model, ctx)
+    state = cast_floats(full_state_dict(model, ctx), prec.compute)  # exported: compute dtype
     if ctx.is_main:
         tmp = Path(str(out_dir) + ".tmp")
         if tmp.exists():

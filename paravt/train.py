@@ -69,6 +69,7 @@ from paravt.config import Config, ConfigError, load_config, preset_errors, to_di
 from paravt.data.readers import DatasetError
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import (
+    Precision,
     all_gather_objects,
     all_reduce_sum,
     balance_buckets,
@@ -76,6 +77,7 @@ from paravt.distributed import (
     clip_grad_norm,
     full_weights,
     init_distributed,
+    is_sharded,
     load_full_optimizer_state,
     shard_list,
     shard_model,
@@ -184,11 +186,27 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     if t.resume and ckpt is None and ctx.is_main:
         print(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
 
-    def load(path: Any) -> Any:
-        return load_model_from_config(path, cfg.model, device=str(ctx.device))
+    def load(path: Any, dtype: str | None = None) -> Any:
+        return load_model_from_config(path, cfg.model, device=str(ctx.device), dtype=dtype)
 
-    bundle = load(ckpt or init_dir)
+    # The policy holds the masters (train.master_dtype); the reference model and the HF
+    # engine's replica hold the compute dtype (model.dtype); see paravt.distributed.Precision.
+    prec = Precision.from_config(cfg)
+    if not prec.mixed and cfg.model.dtype != "float32" and ctx.is_main:
+        print(
+            f"[train] warning: train.master_dtype={cfg.train.master_dtype} (as model.dtype): "
+            "the trained weights and AdamW's moments are "
+            f"{cfg.model.dtype}; an update smaller than half a {cfg.model.dtype} ulp of its "
+            "weight rounds away (at lr 2e-6 most do: the policy barely moves). "
+            "train.master_dtype=float32 keeps float32 masters under the same compute.",
+            file=sys.stderr,
+            flush=True,
+        )
+    st = load_trainer_state(ckpt) if ckpt is not None else None
+    bundle = load(ckpt or init_dir, dtype=cfg.train.master_dtype)
     policy = bundle.model
+    if st is not None and "masters" in st:  # the exact masters (the HF export is their cast)
+        policy.load_state_dict(st["masters"])
     if cfg.algo.freeze_vision_tower:
         freeze_vit(policy)  # before sharding and the optimizer: frozen tensors never train
     if cfg.model.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
@@ -197,15 +215,16 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     reference = None
     if objective.needs_ref:
         reference = ReferencePolicy(load(init_dir).model)
-    if ctx.distributed and not engine_spec(cfg.rollout.engine).own_weights:
-        # The HF engine decodes with its own full replica: sharded parameters cannot generate
-        # (every decode step would be a collective over ranks that stop at different times).
+    if (ctx.distributed or prec.mixed) and not engine_spec(cfg.rollout.engine).own_weights:
+        # The HF engine decodes with its own full replica in the compute dtype: sharded
+        # parameters cannot generate (every decode step would be a collective over ranks that
+        # stop at different times), and masters are not what the policy computes with.
         engine_bundle = load(ckpt or init_dir)
     else:
         # Colocated: one process, or vLLM (which loads its own copy from the checkpoint, and
         # gets the policy's weights streamed after each update: no HF replica anywhere).
         engine_bundle = bundle
-    shard_model(policy, ctx)  # a no-op on one rank
+    shard_model(policy, ctx, prec)  # one rank, one dtype: a no-op
     engine = runner = None
     if cfg.rollout.workers == 0 or t.eval_prompts:  # asynchronous: only to evaluate here
         engine = make_engine(cfg, engine_bundle)
@@ -239,8 +258,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         )
 
     # 4. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
-    if ckpt is not None:
-        st = load_trainer_state(ckpt)
+    if st is not None:
         load_full_optimizer_state(policy, optimizer, st["optimizer"], ctx)
         scheduler.load_state_dict(st["scheduler"])
         sampler.load(st["data"])
@@ -490,10 +508,14 @@ def sync_engine(tr: Trainer) -> None:
     """Push the updated policy into the rollout engine.
 
     One process: the HF engine shares the policy module (nothing to copy); vLLM gets its state
-    dict. FSDP2: the full weights are streamed (``paravt.distributed.full_weights``: one
-    entry all-gathered at a time, never a full state dict) into the rank's engine: vLLM's
-    reload path, or the HF engine's replica, copied in place."""
-    tr.engine.sync_weights(full_weights(tr.policy) if tr.ctx.distributed else tr.policy)
+    dict. FSDP2 (several ranks, or fp32 masters under bf16 compute on one): the full weights
+    are streamed (``paravt.distributed.full_weights``: one entry all-gathered and cast to the
+    compute dtype at a time, never a full state dict) into the rank's engine: vLLM's reload
+    path, or the HF engine's replica, copied in place."""
+    if is_sharded(tr.policy):
+        tr.engine.sync_weights(full_weights(tr.policy, Precision.from_config(tr.cfg).compute))
+    else:
+        tr.engine.sync_weights(tr.policy)
 
 
 def _video_meta(cfg: Config) -> Any:

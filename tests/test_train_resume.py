@@ -1,7 +1,7 @@
 """Resume: a run stopped after step 3 and resumed reproduces an uninterrupted run's steps 4-6.
 
-On CPU the match is bitwise: the checkpoint holds the float32 weights and AdamW moments
-exactly, rollouts draw from per-request generators seeded by (seed, step, uid, turn), prompts
+On CPU the match is bitwise: the checkpoint holds the float32 weights (under bf16 compute: the
+float32 masters beside the bf16 HF export) and AdamW moments exactly, rollouts draw from per-request generators seeded by (seed, step, uid, turn), prompts
 come from a (seed, epoch) permutation whose position is saved, and the frame budgets are a
 stable hash — nothing depends on process state that the checkpoint does not restore.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
 from assets_task import ASSETS_TASK
 
 from paravt.config import load_config
@@ -46,9 +48,15 @@ def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
     ]
 
 
-def _cfg(assets: dict[str, str], out: Path, steps: int, resume: bool = False):
+def _cfg(
+    assets: dict[str, str], out: Path, steps: int, resume: bool = False, dtype: str = "float32"
+):
     return load_config(
-        overrides=[*tiny_overrides(assets, out, steps), f"train.resume={str(resume).lower()}"]
+        overrides=[
+            *tiny_overrides(assets, out, steps),
+            f"train.resume={str(resume).lower()}",
+            f"model.dtype={dtype}",
+        ]
     )
 
 
@@ -56,16 +64,33 @@ def _train_rows(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
 
 
-def test_resume_matches_uninterrupted_run(assets, tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_matches_uninterrupted_run(assets, tmp_path, dtype) -> None:
+    """``dtype``: the compute dtype (``model.dtype``); the masters are float32 either way."""
+    from paravt.checkpoint import load_trainer_state
     from paravt.train import run
 
     full, cut = tmp_path / "full", tmp_path / "cut"
-    run(_cfg(assets, full, 6))
-    run(_cfg(assets, cut, 3))  # "killed" after the step-3 checkpoint
+    run(_cfg(assets, full, 6, dtype=dtype))
+    run(_cfg(assets, cut, 3, dtype=dtype))  # "killed" after the step-3 checkpoint
     # A torn line from a kill mid-write and a stale step-4 row must not survive the resume.
     with open(cut / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "kind": "train", "loss": 123.0}\n{"step": 5, "ki')
-    run(_cfg(assets, cut, 6, resume=True))
+    run(_cfg(assets, cut, 6, resume=True, dtype=dtype))
+    # The masters and AdamW's moments after step 6, bitwise: a resume from the bf16 export
+    # alone would round the masters and drift from here on.
+    sa, sb = (load_trainer_state(d / "checkpoints" / "step_000006") for d in (full, cut))
+    assert ("masters" in sa) == (dtype != "float32")
+    for key in ("masters",) if dtype != "float32" else ():
+        assert sa[key].keys() == sb[key].keys()
+        assert all(torch.equal(sa[key][k], sb[key][k]) for k in sa[key])
+        assert {v.dtype for v in sa[key].values()} == {torch.float32}
+    ma, mb = sa["optimizer"]["state"], sb["optimizer"]["state"]
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert ma[k]["exp_avg"].dtype == torch.float32
+        assert torch.equal(ma[k]["exp_avg"], mb[k]["exp_avg"])
+        assert torch.equal(ma[k]["exp_avg_sq"], mb[k]["exp_avg_sq"])
 
     a, b = _train_rows(full), _train_rows(cut)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]

@@ -165,12 +165,15 @@ def vision_spec_from_dir(path: str | Path, config: dict | None = None) -> Vision
     )
 
 
-def load_model_from_config(path: str | Path, mcfg: Any, device: str | None = None) -> ModelBundle:
+def load_model_from_config(
+    path: str | Path, mcfg: Any, device: str | None = None, dtype: str | None = None
+) -> ModelBundle:
     """:func:`load_model` with the settings of a ``ModelConfig`` (``cfg.model``); ``device``
-    overrides ``mcfg.device`` (a distributed rank's own device)."""
+    overrides ``mcfg.device`` (a distributed rank's own device), ``dtype`` its compute dtype
+    (the trained policy loads in ``train.master_dtype``: ``paravt.train.build_trainer``)."""
     return load_model(
         path,
-        dtype=mcfg.dtype,
+        dtype=dtype or mcfg.dtype,
         device=device or mcfg.device,
         attn_implementation=mcfg.attn_implementation,
         packed_vision=mcfg.packed_vision,

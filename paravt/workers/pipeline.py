@@ -47,7 +47,7 @@ import torch.distributed as dist
 from paravt.agent.loop import stable_seed
 from paravt.algo.gating import step_budgets
 from paravt.config import Config
-from paravt.distributed import DistContext, full_weights
+from paravt.distributed import DistContext, Precision, full_weights
 from paravt.types import Group, RolloutBatch
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
@@ -97,10 +97,15 @@ class RolloutPipeline:
         main, ctrl = self.ctx.is_main, self.roles.ctrl
         if main:  # a worker that died meanwhile is named here, not by a broadcast error
             self._drain(f"before pushing version {version}")
+        # The workers' engines hold the compute dtype: float32 masters go out cast to it.
+        dtype = Precision.from_config(self.cfg).compute
         if main:
-            specs = [(n, tuple(t.shape), t.dtype) for n, t in policy.state_dict().items()]
+            specs = [
+                (n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
+                for n, t in policy.state_dict().items()
+            ]
             ctrl.bcast({"kind": "weights", "version": int(version), "specs": specs})
-        for _, t in full_weights(policy):
+        for _, t in full_weights(policy, dtype):
             if main:
                 ctrl.bcast_tensor(t.detach().to("cpu").contiguous())
         if main:
