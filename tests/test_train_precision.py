@@ -76,9 +76,7 @@ def test_bf16_compute_with_fp32_masters_moves_like_fp32(runs) -> None:
     assert fp32 > 0.05  # the run moves something measurable
     assert abs(mixed - fp32) <= 0.10 * fp32
     # The export is the masters' bf16 cast (what plain transformers and vLLM load).
-    assert {v.dtype for v in runs["mixed"][0].values() if v.is_floating_point()} == {
-        torch.bfloat16
-    }
+    assert {v.dtype for v in runs["mixed"][0].values() if v.is_floating_point()} == {torch.bfloat16}
 
 
 def test_bf16_compute_follows_fp32_loss_and_reward(runs) -> None:
