@@ -30,7 +30,8 @@ def overview_timestamps(meta: VideoMeta, k: int) -> list[float]:
         raise ValueError(f"overview_timestamps: k={k} must be >= 1 (the frame budget K)")
     if meta.duration <= 0:
         raise VideoError(meta.path, f"duration {meta.duration} s is not positive")
-    s = min(max(float(meta.start_time), 0.0), meta.duration)
+    # getattr: callers (synth planning) pass duration-only records.
+    s = min(max(float(getattr(meta, "start_time", 0.0)), 0.0), meta.duration)
     step = (meta.duration - s) / k
     return [s + (i + 0.5) * step for i in range(k)]
 
