@@ -64,11 +64,18 @@ NAMES = [
     "rotate90.mp4",
     "rotate180.mp4",
     "late_video.mkv",
+    "anamorphic.mp4",
     "mpegts.ts",
     "av1.mkv",
     "av1.mp4",
-    "anamorphic.mp4",
     "corrupt_packet.mp4",
+    # The hostile cases again in VP9, which DALI's CPU decoder reads (test_video_corpus_dali).
+    "audio_first_vp9.webm",
+    "two_video_vp9.mkv",
+    "trimmed_editlist_vp9.mp4",
+    "rotate-90_vp9.mp4",
+    "late_video_vp9.mkv",
+    "anamorphic_vp9.mp4",
 ]
 
 
@@ -96,23 +103,24 @@ def test_corpus_files_have_the_structures_they_claim(corpus: dict[str, Case]) ->
         with av.open(corpus[name].path) as c:
             return [s.type for s in c.streams]
 
-    assert streams("audio_first.mp4") == ["audio", "video"]
-    assert streams("two_video.mkv") == ["audio", "video", "video"]
-    # A real edit list that starts the presentation 0.5 s + the B-frame delay into the media.
-    (entry,) = elst_entries(corpus["trimmed_editlist.mp4"].path)
-    assert entry[1] > 0
-    with av.open(corpus["trimmed_editlist.mp4"].path) as c:
-        hidden = [p for p in c.demux(video=0) if p.size and p.is_discard]
-    assert len(hidden) == 5
-    # The -90 degree file carries the matrix an iPhone writes for a portrait video.
-    (m,) = tkhd_matrix(corpus["rotate-90.mp4"].path)
-    assert m[:5] == (0, 65536, 0, -65536, 0)
+    for tag, ext in (("", "mp4"), ("_vp9", "webm")):
+        assert streams(f"audio_first{tag}.{ext}") == ["audio", "video"]
+        assert streams(f"two_video{tag}.mkv") == ["audio", "video", "video"]
+        # A real edit list that starts the presentation after the pre-roll.
+        (entry,) = elst_entries(corpus[f"trimmed_editlist{tag}.mp4"].path)
+        assert entry[1] > 0
+        with av.open(corpus[f"trimmed_editlist{tag}.mp4"].path) as c:
+            hidden = [p for p in c.demux(video=0) if p.size and p.is_discard]
+        assert len(hidden) == 5
+        # The -90 degree file carries the matrix an iPhone writes for a portrait video.
+        (m,) = tkhd_matrix(corpus[f"rotate-90{tag}.mp4"].path)
+        assert m[:5] == (0, 65536, 0, -65536, 0)
+        with av.open(corpus[f"anamorphic{tag}.mp4"].path) as c:
+            assert c.streams.video[0].sample_aspect_ratio == Fraction(4, 3)
     with av.open(corpus["vp9_no_index.webm"].path) as c:
         assert c.duration is None and c.streams.video[0].duration is None
     with av.open(corpus["late_video.mkv"].path) as c:
         assert [float(s.start_time * s.time_base) for s in c.streams] == [0.0, 1.0]
-    with av.open(corpus["anamorphic.mp4"].path) as c:
-        assert c.streams.video[0].sample_aspect_ratio == Fraction(4, 3)
     with av.open(corpus["vfr.mkv"].path) as c:
         assert float(c.streams.video[0].average_rate) == 30.0  # the nominal rate, not the true
 
