@@ -264,8 +264,8 @@ def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
                     fed += 1
                     try:
                         first = next(iter(packet.decode()), None)
-                    except av.error.FFmpegError:
-                        pass  # a bad first packet: the display matrix stays unknown
+                    except Exception:  # noqa: BLE001 - best effort: a bad first packet or
+                        pass  # a missing decoder leaves the display matrix unknown (0 degrees)
                 if packet.is_discard:
                     continue  # hidden by an edit list: a reference, not a frame of the video
                 ts = packet.pts if packet.pts is not None else packet.dts
