@@ -19,16 +19,26 @@ class VideoMeta:
     """What ``paravt.video.probe`` learns about a file without decoding it fully."""
 
     path: str
-    duration: float  # seconds, from the first frame's pts to the end of the last frame
-    fps: float  # average frame rate
+    # Seconds from the file's 0:00 (the container's start, what a player shows) to the end of
+    # the last frame: ``start_time`` + the frames' span + one frame interval.
+    duration: float
+    fps: float  # average frame rate: (frames - 1) / their span, or the declared rate if equal
     num_frames: int
+    # Displayed size: the stored size with the pixel aspect applied (width scaled) and turned
+    # by ``rotation``; decoded frames come back at this size.
     width: int
     height: int
-    codec: str  # e.g. 'h264', 'vp9'
+    codec: str  # the codec's name ('h264', 'hevc', 'vp9', 'av1'), never the decoder's
     # Frame indices (display order) of keyframes, ascending; frame i is shown at
     # ``start_time + i / fps`` for constant-frame-rate streams.
     keyframes: tuple[int, ...] = ()
+    # Seconds from the file's 0:00 to the first frame: 0 unless the video stream starts after
+    # the audio (times before it show the first frame).
     start_time: float = 0.0
+    # Counter-clockwise degrees (0/90/180/270) the display matrix turns the stored frames
+    # (phones: 270 = the iPhone's portrait "-90"); applied to every decoded frame.
+    rotation: int = 0
+    sample_aspect: float = 1.0  # pixel aspect (SAR) of the stored frames; 1 = square pixels
 
 
 @dataclass

@@ -15,10 +15,10 @@
 #    linear_policy_loss TFLOP/s and vs Liger's fused linear GRPO loss, policy_loss
 #    bandwidth), the CUDA pack vs the CPU pack and the HF path, the packed encoder vs a
 #    per-crop loop (target >= 3x at 64 small crops).
-# 4. where nvidia.dali and av import, the NVDEC tests; where vllm imports, the vLLM-vs-HF
+# 4. where nvidia.dali and av import, the NVDEC tests (also over the video corpus); where vllm imports, the vLLM-vs-HF
 #    engine rollout bench (tiny model; the >= 5x target with a larger model is not measured
 #    yet). The device image seen so far has neither: those steps only report.
-# Step limits sum to 590 s without vllm and DALI; 800 s with both (then raise timeout_s or
+# Step limits sum to 590 s without vllm and DALI; 830 s with both (then raise timeout_s or
 # skip a step). Typical total on an H200: see docs/gpu/.
 # Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
 # recorded in summary.txt and the next step still runs; the script exits 1 if any step failed.
@@ -121,9 +121,13 @@ step bench_pack 60 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_
 grep -h "^\[" "$OUT/bench_pack.txt" | tee -a "$OUT/summary.txt" || true
 # NVDEC decode (DALI's mixed backend) vs PyAV on CPU: needs nvidia-dali (a 199 MB wheel, over
 # the device tool's 64 MiB per call) and PyAV to write the H.264 clips; both absent from the
-# image seen so far, so the step only reports there.
+# image seen so far, so the step only reports there. test_video_corpus_dali.py runs DALI over
+# the whole real-world corpus (tests/video_corpus.py: H.264, HEVC 8/10-bit, VP9, AV1, MPEG-4,
+# MJPEG; audio first, two video tracks, edit-list trims, rotation, late starts, SAR, VFR):
+# every returned frame's barcode must be the one on screen at its time, as on CPU.
 if "$PY" -c "import nvidia.dali, av" >/dev/null 2>&1; then
-  step nvdec 90 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_video_dali.py
+  step nvdec 120 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_video_dali.py \
+    tests/test_video_corpus_dali.py
 else
   summary "nvdec: SKIPPED (nvidia.dali or av is not importable in this image)"
 fi

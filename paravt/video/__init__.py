@@ -1,7 +1,8 @@
 """Video: probe, frame-accurate decode (PyAV on CPU, DALI on GPU), sampling, decode planner.
 
-Frame rule shared by every backend: the frame returned for time ``t`` (seconds from the first
-frame) is the last frame whose presentation time is ``<= t``.
+Frame rule shared by every backend: the frame returned for time ``t`` (seconds on the file's
+timeline, 0 = the container's start, as a player shows it; see ``probe``) is the last frame
+whose presentation time is ``<= t``, as displayed (rotation and pixel aspect applied).
 """
 
 from paravt.video.cache import FrameCache
@@ -14,7 +15,13 @@ from paravt.video.planner import (
     decode,
     overview_request,
 )
-from paravt.video.probe import StreamIndex, clear_probe_cache, probe, stream_index
+from paravt.video.probe import (
+    StreamIndex,
+    clear_probe_cache,
+    probe,
+    probe_cache_info,
+    stream_index,
+)
 from paravt.video.sampling import (
     crop_timestamps,
     frame_size_for_budget,
@@ -38,6 +45,7 @@ __all__ = [
     "overview_request",
     "overview_timestamps",
     "probe",
+    "probe_cache_info",
     "resize_frames",
     "stream_index",
     "stuck_reads",

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from paravt.video.display import to_display
 from paravt.video.errors import VideoError
 from paravt.video.probe import StreamIndex
 
@@ -142,4 +143,5 @@ def decode_indices(
         )
     st["frames_decoded"] = st.get("frames_decoded", 0) + len(indices)
     st["seeks"] = st.get("seeks", 0) + 1
-    return {i: np.ascontiguousarray(arr[j]) for j, i in enumerate(indices)}
+    # Stored -> displayed (pixel aspect, rotation), as the PyAV backend does.
+    return {i: to_display(np.ascontiguousarray(arr[j]), sidx.meta) for j, i in enumerate(indices)}

@@ -57,6 +57,7 @@ _STAT_KEYS = (
     "files_opened",
     "peak_frame_bytes",
     "decode_timeouts",
+    "decode_errors",
 )
 
 
@@ -90,7 +91,9 @@ class DecodePlanner:
     ``requests``, ``failed_requests``; ``peak_frame_bytes`` is the most frame memory one file's
     plan held at once (kept frames + the resize chunks in flight; a max, not a sum);
     ``decode_timeouts`` counts files whose probe + decode passed ``timeout_s`` (None = no
-    deadline, decode inline on the calling thread).
+    deadline, decode inline on the calling thread); ``decode_errors`` counts packets the
+    decoder rejected (corrupt data: the frames that depend on them fail their requests, the
+    rest is served).
 
     Not thread-safe: use one planner per thread, or serialise ``run`` calls.
     """

@@ -1,18 +1,34 @@
 """``probe``: container/stream metadata and the keyframe index, in-process (no ffprobe).
 
-The file is demuxed packet by packet without decoding. Every video packet gives one frame's
-presentation timestamp (pts) and keyframe flag; sorting the pts gives display order, so frame
-``i`` (display order) is shown from ``times[i]`` until ``times[i + 1]``. That per-frame index
-is what makes decoding frame-accurate: the frame for time ``t`` is the last frame whose pts is
-``<= t`` (see :meth:`StreamIndex.indices_at`), the same rule for every backend.
+The file is demuxed packet by packet; only the first frame is decoded (its display matrix gives
+the rotation). Every video packet gives one frame's presentation timestamp (pts) and keyframe
+flag; sorting the pts gives display order, so frame ``i`` (display order) is shown from
+``times[i]`` until ``times[i + 1]``. That per-frame index is what makes decoding frame-accurate:
+the frame for time ``t`` is the last frame whose pts is ``<= t`` (see
+:meth:`StreamIndex.indices_at`), the same rule for every backend.
+
+What "the video" of a file is, as a player shows it:
+
+* the stream: the first video stream that is not an attached picture (cover art), whatever its
+  overall index (an audio stream often comes first; a second video track is ignored);
+* the frames: packets an mp4 edit list hides (the pre-roll of a file cut with ``ffmpeg -ss …
+  -c copy``, flagged "discard" by the demuxer) are not frames of the video; the decoder still
+  needs them as references, and the backends decode them without returning them;
+* the timeline: seconds from the container's start (the earliest start of its audio/video
+  streams), what a player shows as 0:00. For almost every file that is the first frame; a
+  video stream that starts after its audio starts at ``VideoMeta.start_time`` (a dataset
+  annotated in a player means that timeline), and a time before it shows the first frame;
+* the picture: ``width``/``height`` are the displayed size, after the pixel aspect (SAR; the
+  width is scaled) and the rotation of the display matrix (phones), which the backends apply
+  to every frame they return (``paravt.video.display``).
 
 Demuxing a 300 s, 4 fps clip takes a few milliseconds; results are cached per
-``(path, size, mtime)`` so the planner probes each file once per process.
+``(path, size, mtime)`` in an LRU bounded in bytes (``PROBE_CACHE_BYTES``): the index costs 16
+bytes a frame (an int64 pts and a float64 time), 1.7 MB for an hour at 30 fps.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import os
 import threading
@@ -22,6 +38,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import av
+import numpy as np
 
 from paravt.types import VideoMeta
 from paravt.video.deadline import DEFAULT_DECODE_TIMEOUT_S, with_deadline
@@ -31,20 +48,30 @@ from paravt.video.errors import VideoError
 # as ``i / fps`` in float while pts are integer multiples of the stream time base.
 TIME_EPS = 1e-6
 
-_PROBE_CACHE_SIZE = 1024
+# Bytes of probed indexes kept per process (an LRU over files). 256 MB holds ~150 hour-long
+# 30 fps videos or tens of thousands of short clips; the old bound of 1,024 files held up to
+# ~8 GB of Python ints and floats for hour-long videos.
+PROBE_CACHE_BYTES = 256 << 20
+# Fixed cost of one cached file (the records, the dict entry) counted on top of its arrays, so
+# that many tiny files are bounded too.
+_ENTRY_OVERHEAD = 2048
+# How many packets the probe feeds the decoder to get the first frame (its display matrix).
+_FIRST_FRAME_PACKETS = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StreamIndex:
     """Per-frame index of one video stream (display order), kept beside its ``VideoMeta``.
 
-    ``pts[i]`` is frame ``i``'s presentation timestamp in ``time_base`` units; ``times[i]`` is
-    the same in seconds relative to the first frame (so ``times[0] == 0``).
+    ``pts[i]`` (int64) is frame ``i``'s presentation timestamp in ``time_base`` units;
+    ``times[i]`` (float64) is the same in seconds relative to the first frame (so
+    ``times[0] == 0``; the first frame is shown at ``meta.start_time`` on the file's timeline).
+    ``stream_index`` is the stream's overall index in the container (``container.streams[i]``).
     """
 
     meta: VideoMeta
-    pts: tuple[int, ...]
-    times: tuple[float, ...]
+    pts: np.ndarray
+    times: np.ndarray
     time_base: Fraction
     stream_index: int
     file_key: tuple[int, int]  # (st_size, st_mtime_ns): invalidates caches on rewrite
@@ -52,13 +79,22 @@ class StreamIndex:
     # the file is truncated and only ``meta.duration`` seconds are readable.
     declared_duration: float | None = None
 
-    def indices_at(self, timestamps: Sequence[float]) -> list[int]:
-        """Display index of the frame shown at each time ``t`` (seconds from the first frame).
+    @property
+    def nbytes(self) -> int:
+        """Bytes this index holds (what the probe cache counts)."""
+        kf = len(self.meta.keyframes)
+        return int(self.pts.nbytes + self.times.nbytes) + 36 * kf + _ENTRY_OVERHEAD
 
-        Rule: the last frame with ``times[i] <= t`` (+``TIME_EPS``). ``t`` must lie in
-        ``[0, duration]``; ``t == duration`` maps to the last frame.
+    def indices_at(self, timestamps: Sequence[float]) -> list[int]:
+        """Display index of the frame shown at each time ``t`` (seconds on the file's
+        timeline, see the module docstring).
+
+        Rule: the last frame with ``start_time + times[i] <= t`` (+``TIME_EPS``); a time before
+        the first frame shows the first frame. ``t`` must lie in ``[0, duration]``;
+        ``t == duration`` maps to the last frame.
         """
         dur = self.meta.duration
+        t0 = self.meta.start_time
         out = []
         for t in timestamps:
             t = float(t)
@@ -74,11 +110,20 @@ class StreamIndex:
                     f"timestamp {t:.3f} s is outside the video [0, {dur:.3f}] s{why}; clamp the "
                     "window to the video's duration",
                 )
-            out.append(max(0, bisect.bisect_right(self.times, t + TIME_EPS) - 1))
+            i = int(np.searchsorted(self.times, t - t0 + TIME_EPS, side="right")) - 1
+            out.append(max(0, i))
         return out
+
+    def index_of_pts(self, pts: int | None) -> int | None:
+        """Display index of the frame with this pts, or None (not a frame of the video)."""
+        if pts is None:
+            return None
+        i = int(np.searchsorted(self.pts, pts))
+        return i if i < len(self.pts) and int(self.pts[i]) == pts else None
 
 
 _cache: OrderedDict[tuple[str, int, int], StreamIndex] = OrderedDict()
+_cache_bytes = 0
 _cache_lock = threading.Lock()
 
 
@@ -117,28 +162,80 @@ def _stream_index(path: str) -> StreamIndex:
             _cache.move_to_end(key)
             return hit
     idx = _probe_uncached(path, key[1:])
+    global _cache_bytes
     with _cache_lock:
-        _cache[key] = idx
-        while len(_cache) > _PROBE_CACHE_SIZE:
-            _cache.popitem(last=False)
+        old = _cache.pop(key, None)
+        if old is not None:
+            _cache_bytes -= old.nbytes
+        if idx.nbytes <= PROBE_CACHE_BYTES:
+            _cache[key] = idx
+            _cache_bytes += idx.nbytes
+        while _cache_bytes > PROBE_CACHE_BYTES and _cache:
+            _, ev = _cache.popitem(last=False)
+            _cache_bytes -= ev.nbytes
     return idx
 
 
 def clear_probe_cache() -> None:
     """Forget every probed file (benchmarks use it to measure cold probing)."""
+    global _cache_bytes
     with _cache_lock:
         _cache.clear()
+        _cache_bytes = 0
+
+
+def probe_cache_info() -> dict[str, int]:
+    """``{"files", "bytes", "max_bytes"}`` of the probe cache (``PROBE_CACHE_BYTES``)."""
+    with _cache_lock:
+        return {"files": len(_cache), "bytes": _cache_bytes, "max_bytes": PROBE_CACHE_BYTES}
 
 
 def probe(path: str, timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S) -> VideoMeta:
-    """Metadata of the first video stream of ``path``: duration, fps, frame count, size, codec
-    and keyframe indices (display order). No subprocess; no frame is decoded.
+    """Metadata of the video of ``path`` (see the module docstring for which stream, frames and
+    timeline): duration, fps, frame count, displayed size, codec, rotation, pixel aspect and
+    keyframe indices (display order). No subprocess; only the first frame is decoded.
 
     Raises ``VideoError`` for a missing/empty/unreadable file, one without a video stream, a
     FIFO or other non-regular file (never opened: opening a FIFO blocks until a writer comes),
     or a probe that takes longer than ``timeout_s`` seconds (``video.decode_timeout_s``).
     """
     return stream_index(path, timeout_s).meta
+
+
+def _video_stream(container: av.container.InputContainer) -> av.VideoStream | None:
+    """The stream a player shows: the first video stream that is not cover art."""
+    for st in container.streams.video:
+        if not st.disposition & av.stream.Disposition.attached_pic:
+            return st
+    return None
+
+
+def _timeline_start(container: av.container.InputContainer) -> float | None:
+    """Seconds of the container's 0:00: the earliest start of its audio and video streams."""
+    starts = [
+        float(st.start_time * st.time_base)
+        for st in container.streams
+        if st.type in ("audio", "video") and st.start_time is not None and st.time_base
+    ]
+    return min(starts) if starts else None
+
+
+def _rotation(frame: av.VideoFrame | None) -> int:
+    """Counter-clockwise degrees (0, 90, 180, 270) the display matrix turns the stored frame."""
+    if frame is None:
+        return 0
+    try:
+        deg = float(frame.rotation)
+    except Exception:  # noqa: BLE001 - no or malformed display matrix: show as stored
+        return 0
+    return int(round(deg / 90.0)) * 90 % 360
+
+
+def _sample_aspect(stream: av.VideoStream) -> Fraction:
+    sar = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
+    if not sar or sar <= 0:
+        return Fraction(1)
+    return Fraction(sar)
 
 
 def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
@@ -149,18 +246,28 @@ def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
             path, f"cannot open as a video container ({e}); the file is truncated or not a video"
         ) from None
     try:
-        if not container.streams.video:
+        stream = _video_stream(container)
+        if stream is None:
             raise VideoError(path, "has no video stream (audio-only or data file)")
-        stream = container.streams.video[0]
         if stream.time_base is None:
             raise VideoError(path, "video stream has no time base; re-mux the file")
         pts_kf: list[tuple[int, bool]] = []
+        first: av.VideoFrame | None = None
+        fed = 0
         try:
             for packet in container.demux(stream):
                 # The demuxer ends with an empty flush packet; packets without pts
                 # (raw elementary streams) fall back to dts.
                 if packet.size == 0:
                     continue
+                if first is None and fed < _FIRST_FRAME_PACKETS:
+                    fed += 1
+                    try:
+                        first = next(iter(packet.decode()), None)
+                    except Exception:  # noqa: BLE001 - best effort: a bad first packet or
+                        pass  # a missing decoder leaves the display matrix unknown (0 degrees)
+                if packet.is_discard:
+                    continue  # hidden by an edit list: a reference, not a frame of the video
                 ts = packet.pts if packet.pts is not None else packet.dts
                 if ts is None:
                     raise VideoError(path, "video packets carry no timestamps; re-mux into mp4/mkv")
@@ -173,49 +280,73 @@ def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
             raise VideoError(path, "video stream has no frames")
         pts_kf.sort()
         # Duplicate pts (broken muxers) would make two frames share one display time.
-        pts = [p for p, _ in pts_kf]
-        if len(set(pts)) != len(pts):
+        pts = np.array([p for p, _ in pts_kf], dtype=np.int64)
+        if len(np.unique(pts)) != len(pts):
             raise VideoError(path, "video stream has duplicate timestamps; re-mux the file")
         keyframes = tuple(i for i, (_, k) in enumerate(pts_kf) if k)
         if not keyframes or keyframes[0] != 0:
-            # Streams that do not start on a keyframe: frames before the first keyframe cannot
-            # be decoded on their own; treat frame 0 as a seek point anyway (decoders output
-            # from the first decodable frame and the planner reports anything missing).
+            # Streams that do not start on a keyframe (or whose keyframe an edit list hides):
+            # frames before the first keyframe need the one before them; treat frame 0 as a
+            # seek point anyway (the seek lands on the keyframe before it, and the planner
+            # reports anything the decoder cannot produce).
             keyframes = (0, *keyframes)
         tb = Fraction(stream.time_base)
-        t0 = pts[0]
-        times = tuple(float((p - t0) * tb) for p in pts)
+        t0 = int(pts[0])
+        times = (pts - t0).astype(np.float64) * float(tb)
         n = len(pts)
-        if n > 1:
-            # Last frame lasts one average frame interval (packet durations are unreliable).
-            frame_dur = times[-1] / (n - 1)
+        declared_rate = stream.average_rate or stream.guessed_rate
+        span = float(times[-1])
+        if n > 1 and span > 0:
+            # The true average rate. The declared one is kept when it agrees (within 1%: mkv
+            # stores milliseconds), as it is exact for constant-rate files; a muxer's nominal
+            # rate for a variable-rate stream (mkv's DefaultDuration) does not agree.
+            measured = (n - 1) / span
+            fps = measured
+            if declared_rate and abs(float(declared_rate) - measured) <= 0.01 * measured:
+                fps = float(declared_rate)
+            frame_dur = span / (n - 1)  # the last frame lasts one average frame interval
         else:
-            rate = stream.average_rate or stream.guessed_rate
-            frame_dur = float(1 / rate) if rate else 0.0
-        duration = times[-1] + frame_dur
-        rate = stream.average_rate or stream.guessed_rate
-        fps = float(rate) if rate else (n / duration if duration > 0 else 0.0)
+            fps = float(declared_rate) if declared_rate else 0.0
+            frame_dur = 1 / fps if fps > 0 else 0.0
+        first_time = float(t0 * tb)
+        origin = _timeline_start(container)
+        # Seconds from the file's 0:00 to the first frame (never negative: a video that
+        # starts first defines 0:00).
+        start = max(0.0, first_time - origin) if origin is not None else 0.0
+        duration = start + span + frame_dur
         cc = stream.codec_context
+        rotation = _rotation(first)
+        sar = _sample_aspect(stream)
+        width, height = int(cc.width), int(cc.height)
+        if width <= 0 or height <= 0:
+            raise VideoError(path, f"video stream has invalid size {width}x{height}")
+        if sar != 1:
+            width = max(1, round(width * sar))  # as players do: scale the width
+        if rotation in (90, 270):
+            width, height = height, width
         meta = VideoMeta(
             path=path,
             duration=duration,
             fps=fps,
             num_frames=n,
-            width=int(cc.width),
-            height=int(cc.height),
-            codec=str(cc.name),
+            width=width,
+            height=height,
+            # The codec's name ('av1'), not the decoder's ('libdav1d'): backends match on it.
+            codec=str(cc.codec.canonical_name),
             keyframes=keyframes,
-            start_time=float(t0 * tb),
+            start_time=start,
+            rotation=rotation,
+            sample_aspect=float(sar),
         )
-        if meta.width <= 0 or meta.height <= 0:
-            raise VideoError(path, f"video stream has invalid size {meta.width}x{meta.height}")
+        # The duration the header declares, on the file's timeline (a stream's own duration
+        # starts at its first frame; the container's at 0:00).
         declared = None
         if stream.duration is not None:
-            declared = float(stream.duration * tb)
+            declared = start + float(stream.duration * tb)
         elif container.duration is not None:
             declared = container.duration / 1e6  # AV_TIME_BASE units
         if declared is not None and declared <= duration + 1.5 * frame_dur:
             declared = None  # consistent with the packets: not truncated
-        return StreamIndex(meta, tuple(pts), times, tb, stream.index, file_key, declared)
+        return StreamIndex(meta, pts, times, tb, stream.index, file_key, declared)
     finally:
         container.close()

@@ -17,8 +17,10 @@ from paravt.vision.resize import smart_resize
 
 
 def overview_timestamps(meta: VideoMeta, k: int) -> list[float]:
-    """``k`` times spread uniformly over the video: midpoints of ``k`` equal bins,
-    ``t_i = (i + 1/2) · duration / k`` for ``i = 0..k-1``.
+    """``k`` times spread uniformly over the video's frames: midpoints of ``k`` equal bins of
+    ``[start_time, duration]``, ``t_i = s + (i + 1/2) · (duration - s) / k`` for ``i = 0..k-1``
+    (``s = meta.start_time``: 0 unless the video stream starts after the audio, when the
+    frames begin later on the file's timeline).
 
     Midpoints (not ``linspace(0, duration)``) keep the first and last frames from being
     over-represented and make the K=4 and K=64 overviews nest-free but equally spaced.
@@ -28,8 +30,10 @@ def overview_timestamps(meta: VideoMeta, k: int) -> list[float]:
         raise ValueError(f"overview_timestamps: k={k} must be >= 1 (the frame budget K)")
     if meta.duration <= 0:
         raise VideoError(meta.path, f"duration {meta.duration} s is not positive")
-    step = meta.duration / k
-    return [(i + 0.5) * step for i in range(k)]
+    # getattr: callers (synth planning) pass duration-only records.
+    s = min(max(float(getattr(meta, "start_time", 0.0)), 0.0), meta.duration)
+    step = (meta.duration - s) / k
+    return [s + (i + 0.5) * step for i in range(k)]
 
 
 def crop_timestamps(
