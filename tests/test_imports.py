@@ -31,13 +31,13 @@ def _modules(package: Path) -> dict[str, Path]:
     return mods
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The ``paravt`` modules that ``name`` (at ``path``) imports anywhere in its body."""
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """``{paravt module that name (at path) imports anywhere in its body: first line}``."""
     is_pkg = path.name == "__init__.py"
-    out: set[str] = set()
+    out: dict[str, int] = {}
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
+            targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = name.split(".")
@@ -45,16 +45,29 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            for a in node.names:  # a submodule, or a name the module itself defines
-                sub = f"{target}.{a.name}"
-                out.add(sub if sub in modules else target)
-    return {m for m in out if m in modules and m != name}
+            # each name is a submodule, or a name the module itself defines
+            subs = (f"{target}.{a.name}" for a in node.names)
+            targets = [sub if sub in modules else target for sub in subs]
+        else:
+            continue
+        for t in targets:
+            if t in modules and t != name:
+                out[t] = min(out.get(t, node.lineno), node.lineno)
+    return out
+
+
+def import_edges(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """``{module: {paravt module it imports: line of the first such import}}``.
+
+    The line lets a failing check (``tests/test_architecture_map.py``) name the statement.
+    """
+    modules = _modules(package)
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """``{module: the paravt modules it imports}`` for every module of ``package``."""
-    modules = _modules(package)
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: set(deps) for name, deps in import_edges(package).items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
