@@ -1,5 +1,5 @@
 """``python -m paravt.experiments collapse`` — does vanilla GRPO lose tool use, and does
-PARA-GRPO keep it? (DESIGN.md, "The collapse experiment".)
+PARA-GRPO keep it? (docs/DESIGN.md, "Experiments" and "The collapse experiment, protocol 3".)
 
     python -m paravt.experiments collapse [--seeds 3] [--first-seed 0] [--arms a,b,...]
         [--out runs/collapse] [--preset tiny_cpu] [--config configs/collapse.yaml ...]

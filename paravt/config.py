@@ -17,7 +17,7 @@ What another stage owns is checked by that stage's light module, imported only b
 A preset may mark a key ``MISSING`` (the 8B presets' ``model.path``): the commands that build
 from the config reject it while empty (``preset_errors``).
 
-Each section belongs to one part of the pipeline (see DESIGN.md). Field docstrings are the
+Each section belongs to one part of the pipeline (see docs/DESIGN.md). Field docstrings are the
 comment lines directly above each field.
 """
 

@@ -220,3 +220,14 @@ def test_paravt_kernels_imports_no_paravt() -> None:
                 if n == "paravt" or n.startswith("paravt.")
             ]
     assert not bad, "paravt_kernels sits below paravt and imports none of it: " + "; ".join(bad)
+
+
+def test_relative_links_in_the_docs_resolve() -> None:
+    """README.md and docs/**/*.md link only to files a clone has (docs/DESIGN.md included)."""
+    dead = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")):
+                if not (doc.parent / target).exists():
+                    dead.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not dead, "dead links (fix the path or add the file): " + "; ".join(dead)

@@ -1,4 +1,4 @@
-"""Rewards: every rule of DESIGN.md "PARA-GRPO", including the reference's shortcuts."""
+"""Rewards: every rule of docs/DESIGN.md "PARA-GRPO", including the reference's shortcuts."""
 
 from __future__ import annotations
 
