@@ -819,6 +819,11 @@ def _cross_section_errors(cfg: Config) -> list[str]:
             f"train.master_dtype={master} with model.dtype={compute}: the masters must be "
             f"float32 or the compute dtype itself (set train.master_dtype=float32)"
         )
+    elif compute == "float16" and master != compute:
+        errs.append(
+            "model.dtype=float16 under float32 masters needs loss scaling, which paravt does "
+            "not do (small float16 gradients underflow to 0): use model.dtype=bfloat16"
+        )
     return errs
 
 

@@ -138,11 +138,23 @@ def single_rank_mesh(device: torch.device) -> Any:
     exists (``cleanup`` destroys the one started here)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if device.type == "cuda":  # FSDP2 places the shards on the CURRENT device, not cuda:N's
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         _OWN_GROUP[0] = True
     return init_device_mesh(device.type, (1,))
+
+
+def release_single_rank_group() -> None:
+    """Destroy the group of one ``single_rank_mesh`` started, if it is still up (a run that
+    raised before its ``cleanup``): callers' ``finally``, so that a failed run neither exits
+    with a live gloo group nor leaves it to the next run in the same process."""
+    if _OWN_GROUP[0]:
+        _OWN_GROUP[0] = False
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def cleanup(ctx: DistContext, *closers: Callable[[], None]) -> None:
@@ -173,9 +185,7 @@ def cleanup(ctx: DistContext, *closers: Callable[[], None]) -> None:
         gc.collect()
         time.sleep(_EXIT_GRACE_S)
     elif _OWN_GROUP[0]:  # single_rank_mesh's group of one (gloo's threads: see above)
-        _OWN_GROUP[0] = False
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_single_rank_group()
         gc.collect()
 
 
@@ -435,7 +445,7 @@ def full_optimizer_state(
         get_optimizer_state_dict,
     )
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=ctx.distributed)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=is_sharded(model))
     return get_optimizer_state_dict(model, optimizer, options=opts)
 
 
@@ -454,6 +464,14 @@ def load_full_optimizer_state(
     set_optimizer_state_dict(
         model, optimizer, state, options=StateDictOptions(full_state_dict=True)
     )
+    if not is_sharded(model):
+        # Unsharded, AdamW keeps the given tensors as they are: those of a memory-mapped
+        # trainer_state.pt (paravt.checkpoint.load_trainer_state) would stay mapped from a
+        # checkpoint that keep_last later deletes. Sharded states are copied into DTensors.
+        for st in optimizer.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    st[k] = v.clone()
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:

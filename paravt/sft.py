@@ -228,10 +228,27 @@ def run_sft(
     ctx: Any = None,
     log: Any = print,
 ) -> dict[str, float]:
-    """Cold-start SFT of the checkpoint at ``model_dir``; writes an HF checkpoint to ``out_dir``.
+    """Cold-start SFT of the checkpoint at ``model_dir``; writes an HF checkpoint to ``out_dir``
+    (in the compute dtype ``model.dtype``; trained in ``train.master_dtype``).
 
     Returns ``{"sft/loss_first", "sft/loss_last", "sft/tokens", "sft/seconds"}``.
     """
+    import torch.distributed as dist
+
+    from paravt.distributed import release_single_rank_group
+
+    fresh = not dist.is_initialized()
+    try:
+        return _run_sft(cfg, model_dir, data_dir, out_dir, ctx, log)
+    finally:  # one process under mixed precision: the group of one it started goes with it
+        if fresh:
+            release_single_rank_group()
+
+
+def _run_sft(
+    cfg: Config, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, ctx: Any,
+    log: Any,
+) -> dict[str, float]:  # fmt: skip
     from paravt.checkpoint import save_model_dir, sft_save_error
     from paravt.data.readers import load_samples
     from paravt.distributed import (

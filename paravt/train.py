@@ -79,6 +79,7 @@ from paravt.distributed import (
     init_distributed,
     is_sharded,
     load_full_optimizer_state,
+    release_single_rank_group,
     shard_list,
     shard_model,
     world_size_from_env,
@@ -215,7 +216,9 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     reference = None
     if objective.needs_ref:
         reference = ReferencePolicy(load(init_dir).model)
-    if (ctx.distributed or prec.mixed) and not engine_spec(cfg.rollout.engine).own_weights:
+    builds_engine = cfg.rollout.workers == 0 or t.eval_prompts > 0  # (async: to evaluate)
+    own_weights = engine_spec(cfg.rollout.engine).own_weights
+    if builds_engine and (ctx.distributed or prec.mixed) and not own_weights:
         # The HF engine decodes with its own full replica in the compute dtype: sharded
         # parameters cannot generate (every decode step would be a collective over ranks that
         # stop at different times), and masters are not what the policy computes with.
@@ -226,7 +229,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         engine_bundle = bundle
     shard_model(policy, ctx, prec)  # one rank, one dtype: a no-op
     engine = runner = None
-    if cfg.rollout.workers == 0 or t.eval_prompts:  # asynchronous: only to evaluate here
+    if builds_engine:
         engine = make_engine(cfg, engine_bundle)
         runner = AgentRunner(engine, engine_bundle, cfg)  # its planner: cfg.video's
 
@@ -544,7 +547,10 @@ def run(cfg: Config) -> dict[str, Any]:
     else:
         ctx = init_distributed(cfg.model.device)
     with Preemption(cfg.train.preempt_grace_s, ctx) as pre:
-        return _run(cfg, ctx, pre, roles)
+        try:
+            return _run(cfg, ctx, pre, roles)
+        finally:  # a run that raised: no live group of one at exit or for the next run
+            release_single_rank_group()
 
 
 def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:

@@ -169,8 +169,9 @@ def load_model_from_config(
     path: str | Path, mcfg: Any, device: str | None = None, dtype: str | None = None
 ) -> ModelBundle:
     """:func:`load_model` with the settings of a ``ModelConfig`` (``cfg.model``); ``device``
-    overrides ``mcfg.device`` (a distributed rank's own device), ``dtype`` its compute dtype
-    (the trained policy loads in ``train.master_dtype``: ``paravt.train.build_trainer``)."""
+    overrides ``mcfg.device`` (a distributed rank's own device), ``dtype`` ``mcfg.dtype`` (the
+    compute dtype): the trained policy loads in ``train.master_dtype``
+    (``paravt.train.build_trainer``, ``paravt.sft.run_sft``)."""
     return load_model(
         path,
         dtype=dtype or mcfg.dtype,
