@@ -267,7 +267,10 @@ def test_random_init_builds_an_architecture_offline(tmp_path):
     b = load_model(d)
     assert b.model.config.text_config.vocab_size == 151936
     assert b.model.config.video_token_id == b.special.video_pad < 4096
-    assert sum(p.numel() for p in b.model.parameters()) > 2 * 151936 * 64
+    # Qwen3-VL-2B ties lm_head to the embedding: one (151936, 64) matrix.
+    assert b.model.config.tie_word_embeddings
+    assert b.model.lm_head.weight.data_ptr() == b.model.get_input_embeddings().weight.data_ptr()
+    assert 151936 * 64 < sum(p.numel() for p in b.model.parameters()) < 2 * 151936 * 64
     stamp = (Path(d) / "model.safetensors").stat().st_mtime_ns
     assert build_random_checkpoint(d, str(arch), dtype="float32") == Path(d)  # reused
     assert (Path(d) / "model.safetensors").stat().st_mtime_ns == stamp
@@ -281,3 +284,31 @@ def test_random_init_needs_no_checkpoint_path_on_the_8b_preset():
     assert preset_errors("qwen3vl_8b_paragrpo", load_config("qwen3vl_8b_paragrpo"))
     with pytest.raises(ConfigError, match="model.init=random needs model.config"):
         _cfg("model.init=random")
+
+
+def test_train_stops_before_loading_when_the_plan_does_not_fit_the_cuda_device(
+    tmp_path, monkeypatch, capsys
+):
+    """``python -m paravt.train`` on a (made-up) 256 MiB CUDA device: exit 2 with the plan's
+    message before any data or model is built; ``train.memory_check=false`` skips the check."""
+    import types
+
+    import torch
+
+    from paravt import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=1 << 28)
+    )
+    built = []
+    monkeypatch.setattr(train, "build_trainer", lambda *a: built.append(a) or 1 / 0)
+    monkeypatch.setattr(train, "init_distributed", lambda *a: built.append(a) or 1 / 0)
+    args = ["model.device=cuda", f"train.out_dir={tmp_path}/run", f"data.synth_dir={tmp_path}/d"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err
+    assert "memory plan (python -m paravt.plan): the update needs" in err
+    assert "device has 0.2 GiB" in err and "train.memory_check=false" in err
+    assert not built and not (tmp_path / "d").exists()
+    with pytest.raises(ZeroDivisionError):  # past the check: the next stage starts
+        train.main([*args, "train.memory_check=false"])
