@@ -78,6 +78,8 @@ setup(
     packages=packages,
     py_modules=["paravt_startup"],
     package_dir={"paravt": "paravt", "paravt_kernels": "kernels"},
+    # The architecture configs of model.config (dimensions only): python -m paravt.plan.
+    package_data={"paravt.models": ["arch/*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

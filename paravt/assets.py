@@ -14,7 +14,12 @@ from paravt.config import Config
 from paravt.data.readers import DatasetError, has_split, load_samples
 from paravt.data.synth import generate_from_config
 from paravt.distributed import barrier
-from paravt.models.tiny import build_tiny_checkpoint, tiny_checkpoint_args
+from paravt.models.tiny import (
+    build_random_checkpoint,
+    build_tiny_checkpoint,
+    model_dir_of,
+    tiny_checkpoint_args,
+)
 from paravt.types import Sample
 
 
@@ -28,7 +33,16 @@ def prepare_data(cfg: Config, ctx: Any) -> str:
 
 
 def prepare_model(cfg: Config, ctx: Any) -> str:
-    """Model directory; the tiny model is built on rank 0 if absent (others wait)."""
+    """Model directory; the tiny model (or, ``model.init=random``, ``model.config``'s
+    architecture with random weights) is built on rank 0 if absent (others wait)."""
+    if cfg.model.init == "random":
+        model_dir = model_dir_of(cfg)
+        if ctx.is_main:
+            build_random_checkpoint(
+                model_dir, cfg.model.config, seed=cfg.train.seed, dtype=cfg.model.dtype
+            )
+        barrier(ctx)
+        return model_dir
     tiny_dir, head_dim = tiny_checkpoint_args(cfg)
     model_dir = cfg.model.path or tiny_dir
     if ctx.is_main and not cfg.model.path:

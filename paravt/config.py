@@ -136,6 +136,13 @@ class ModelConfig:
     # other than 16 is another model: it lives in ``tiny_dir`` + ``-hd{N}`` (the default one
     # is never overwritten).
     tiny_head_dim: int = 0
+    # Architecture to build when there is no checkpoint: a shipped one (paravt/models/arch:
+    # qwen3vl_2b | qwen3vl_4b | qwen3vl_8b | qwen2_5vl_7b) or a config.json path. The memory
+    # plan (python -m paravt.plan) reads it when model.path is not a checkpoint; with
+    # model.init=random the trainer builds it with random weights (offline, real sizes).
+    config: str = ""
+    # 'pretrained' (load model.path) or 'random' (model.config's architecture, random weights).
+    init: str = "pretrained"
     # COMPUTE dtype: float32 | bfloat16 | float16. Forward and backward of the policy run in
     # it, and the reference model and the rollout engine's copy hold it. The trained weights
     # themselves (the masters) and AdamW's moments are ``train.master_dtype``.
@@ -167,6 +174,9 @@ class ModelConfig:
             "sdpa runs everywhere",
         )
         errs += _choice_error("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        errs += _choice_error("model.init", self.init, ("pretrained", "random"))
+        if self.init == "random" and not self.config:
+            errs.append("model.init=random needs model.config (an architecture such as qwen3vl_8b)")
         if self.path and not Path(self.path).is_dir():
             errs.append(f"model.path='{self.path}' is not a directory (a local HF checkpoint)")
         return errs
@@ -435,6 +445,9 @@ class TrainConfig:
     # moves a weight by about the lr, and at lr 2e-6 most such steps are below half a bf16
     # ulp of a weight of size 0.02 (~6e-5) and round away: the policy barely moves.
     master_dtype: str = "float32"
+    # On a CUDA device, stop before any weights load when the memory plan (python -m
+    # paravt.plan) does not fit the device; false skips the check (the plan is an estimate).
+    memory_check: bool = True
     # Preemption (paravt.preempt): on SIGTERM or SIGUSR1 (SLURM --signal, Kubernetes) every rank
     # finishes the current step, or abandons it when finishing would pass this many seconds
     # after the signal, writes a checkpoint that --resume continues exactly, and exits 0. Set it
@@ -562,6 +575,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen3vl_8b_paragrpo": {
         # Required: the checkpoint directory (see ``preset_errors``).
         "model.path": MISSING,
+        # Its architecture (dimensions only): what python -m paravt.plan builds without it.
+        "model.config": "qwen3vl_8b",
         "model.dtype": "bfloat16",
         "model.gradient_checkpointing": True,
         "model.attn_implementation": "flash_attention_2",
@@ -679,6 +694,8 @@ def preset_errors(preset: str, cfg: Config) -> list[str]:
     errs = []
     for key, value in PRESETS.get(preset, {}).items():
         sec, name = key.split(".")
+        if key == "model.path" and cfg.model.init == "random":
+            continue  # model.config's architecture is built with random weights instead
         if value == MISSING and not getattr(getattr(cfg, sec), name):
             errs.append(f"preset '{preset}' needs {key}, which is empty: {_REQUIRED_HINTS[key]}")
     return errs

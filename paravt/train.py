@@ -98,6 +98,7 @@ from paravt.metrics import (
     trajectory_samples,
 )
 from paravt.models import load_model_from_config
+from paravt.plan import check_device_memory
 from paravt.preempt import Preemption, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout import engine_spec, make_engine
@@ -537,6 +538,7 @@ def run(cfg: Config) -> dict[str, Any]:
     """
     pin_worker_gpu(cfg.rollout.workers, cfg.model.device)  # before anything starts CUDA
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
+    check_device_memory(cfg, world_size_from_env())  # CUDA: the memory plan fits the device
     roles = None
     if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out
         ctx, roles = init_async(cfg.model.device, cfg.rollout.workers)

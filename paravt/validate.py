@@ -17,7 +17,7 @@ import torch
 from paravt.agent.context import context_budget_errors
 from paravt.config import Config, ConfigError
 from paravt.distributed import resolve_device
-from paravt.models.tiny import tiny_checkpoint_args
+from paravt.models.tiny import model_dir_of
 from paravt.rollout import engine_missing
 
 
@@ -79,7 +79,7 @@ def validate_run(cfg: Config, world_size: int) -> None:
     if t.resume and not Path(t.out_dir).is_dir():
         errs.append(f"--resume: train.out_dir='{t.out_dir}' does not exist (nothing to resume)")
     # The largest K must fit the model's context: estimate its prompt from the pixel budget.
-    model_dir = Path(cfg.model.path or tiny_checkpoint_args(cfg)[0])
+    model_dir = Path(model_dir_of(cfg))
     if (model_dir / "config.json").is_file():
         errs += context_budget_errors(cfg, model_dir)
     if errs:

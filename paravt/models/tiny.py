@@ -522,3 +522,126 @@ def resolve_model(cfg: Any, path: str = "") -> Any:
             )
         )
     return load_model_from_config(path, cfg.model)
+
+
+def random_checkpoint_dir(cfg: Any) -> str:
+    """Where ``model.init=random`` builds ``model.config``'s architecture: beside the tiny
+    model, one folder per architecture and dtype (``runs/models/random-qwen3vl_8b-bfloat16``)."""
+    name = Path(str(cfg.model.config)).stem
+    if name == "config":  # a config.json path: name it after its folder
+        name = Path(str(cfg.model.config)).parent.name
+    return str(Path(cfg.model.tiny_dir).parent / f"random-{name}-{cfg.model.dtype}")
+
+
+def model_dir_of(cfg: Any) -> str:
+    """The checkpoint directory a run with ``cfg`` loads: ``model.path``, the random-weight
+    build of ``model.config`` (``model.init=random``), or the tiny model's directory. Read by
+    ``paravt.assets.prepare_model`` (which builds the last two) and ``paravt.validate``."""
+    if cfg.model.path and cfg.model.init != "random":
+        return str(cfg.model.path)
+    if cfg.model.init == "random":
+        return random_checkpoint_dir(cfg)
+    return tiny_checkpoint_args(cfg)[0]
+
+
+# The shipped architecture configs (dimensions only, no weights): model.config names one.
+ARCH_DIR = Path(__file__).resolve().parent / "arch"
+
+
+def arch_config_path(name: str) -> Path:
+    """The shipped ``config.json`` of architecture ``name`` (``model.config``), or a path to one.
+
+    Raises ``ConfigError`` naming the shipped architectures when there is none (the memory
+    plan ``paravt.plan`` and ``build_random_checkpoint`` read it)."""
+    from paravt.config import ConfigError
+
+    p = Path(name)
+    if p.suffix == ".json" and p.is_file():
+        return p
+    if (p / "config.json").is_file():
+        return p / "config.json"
+    q = ARCH_DIR / f"{name}.json"
+    if q.is_file():
+        return q
+    known = sorted(x.stem for x in ARCH_DIR.glob("*.json"))
+    raise ConfigError(
+        f"model.config='{name}' is not a shipped architecture ({'|'.join(known)}) nor a "
+        "config.json / checkpoint directory"
+    )
+
+
+def build_random_checkpoint(out_dir: str | Path, config: str, *, seed: int = 0,
+                            dtype: str = "bfloat16") -> Path:  # fmt: skip
+    """``model.init=random``: write a checkpoint of the architecture ``config`` (a shipped name
+    such as ``qwen3vl_8b``, see ``paravt/models/arch``, or a config.json path) with random
+    weights, offline: the real sizes for memory and speed checks on a GPU without a download.
+
+    The tokenizer is the tiny model's (4096 ids, Qwen's special tokens at its own ids, which
+    the config's token ids are remapped to); the embedding keeps the architecture's vocabulary
+    (151,936 rows: ids past 4096 are never produced by tokenisation but are scored like any
+    other). Weights: transformers' initialisation under ``seed``, saved in ``dtype``. An
+    existing complete directory built from the same config and seed is reused. 8B in bf16:
+    ~17.5 GB of host memory and disk, a few minutes on a CPU.
+    """
+    import transformers
+
+    src = arch_config_path(config)
+    d = json.loads(src.read_text())
+    meta = {"config": d, "seed": seed, "dtype": dtype}
+    out = Path(out_dir)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        try:
+            if json.loads((out / "paravt_random.json").read_text()) == meta:
+                return out
+        except (OSError, ValueError):
+            pass
+    tokenizer = build_tiny_tokenizer(seed)
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in QWEN_SPECIAL}
+    d = json.loads(json.dumps(d))
+    d.pop("architectures", None)
+    d.pop("transformers_version", None)
+    remap = {
+        "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+        "vision_token_id": "<|vision_pad|>", "bos_token_id": "<|endoftext|>",
+        "eos_token_id": "<|im_end|>", "pad_token_id": "<|endoftext|>",
+    }  # fmt: skip
+    for sec in (d, d.get("text_config", {})):
+        for k, tok in remap.items():
+            if k in sec:
+                sec[k] = ids[tok]
+    hf = transformers.AutoConfig.for_model(**d)
+    arch = hf.model_type
+    cls = {"qwen3_vl": "Qwen3VLForConditionalGeneration",
+           "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[arch]  # fmt: skip
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    from paravt.models.loader import _DTYPES, _quiet_progress
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(_DTYPES[dtype])  # built in the saved dtype: half the memory
+        try:
+            model = getattr(transformers, cls)(hf)
+        finally:
+            torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with _quiet_progress():
+        model.save_pretrained(tmp, safe_serialization=True)
+    del model
+    tokenizer.save_pretrained(tmp)
+    image_cfg, video_cfg = _processor_configs(arch)
+    patch = int(hf.vision_config.patch_size)
+    for c in (image_cfg, video_cfg):
+        c["patch_size"] = patch
+    (tmp / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
+    (tmp / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
+    (tmp / "paravt_random.json").write_text(json.dumps(meta))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

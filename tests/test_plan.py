@@ -1,0 +1,314 @@
+"""``python -m paravt.plan``: the per-rank memory plan, its arithmetic, its CLI and train's check.
+
+The arithmetic is checked term by term against numbers worked out by hand for a made-up
+shape (round parameter counts, so every product is visible); the meta-device shapes against
+real instantiations and the published parameter counts; the CLI on the 8B preset (a table,
+exit 0 on 8 x H100, exit 1 with named fixes on a device too small, in under 30 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paravt.config import ConfigError, load_config
+from paravt.plan import (
+    ARCH_DIR,
+    GIB,
+    Layout,
+    ModelShape,
+    _text_layer_bytes,
+    _vision_layer_bytes,
+    check_run,
+    model_shape,
+    plan_memory,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A made-up model: 1000 parameters, 800 trainable, root 200 (all trainable), decoder blocks of
+# 100 and vision blocks of 50 parameters; the text dimensions are the tiny model's.
+SHAPE = ModelShape(
+    source="test", model_type="qwen3_vl", params=1000, trainable=800, root_params=200,
+    root_trainable=200, text_block=100, vision_block=50, layers=2, hidden=64, heads=4,
+    kv_heads=2, head_dim=16, intermediate=128, vocab=4096, qk_norm=True, v_depth=2,
+    v_hidden=64, v_intermediate=128, v_trainable_blocks=True, patch=16, merge=2, tpatch=2,
+)  # fmt: skip
+
+
+def _cfg(*overrides: str):
+    return load_config("tiny_cpu", overrides=list(overrides))
+
+
+def test_layer_bytes_by_hand():
+    # bf16 (b = 2), h 64, q = 4 x 16 = 64, kv = 2 x 16 = 32, I 128:
+    # norms 2 (4*64 + 2*64) = 768; q/k norms (4 + 2)(64 + 32) = 576;
+    # attention 2 (64 + 32) + 2*32 + 2*2*64 = 512; SwiGLU 4*2*128 = 1024.
+    assert _text_layer_bytes(SHAPE, 2) == 768 + 576 + 512 + 1024
+    # fp32: norms 2 (256 + 256) = 1024; 8 * 96 = 768; 4*96 + 4*32 + 8*64 = 1024; 16*128 = 2048.
+    assert _text_layer_bytes(SHAPE, 4) == 1024 + 768 + 1024 + 2048
+    # Qwen2.5-VL has no q/k norms.
+    assert _text_layer_bytes(dataclasses.replace(SHAPE, qk_norm=False), 2) == 768 + 512 + 1024
+    # Vision block, bf16: 2 (9*64 + 2*128).
+    assert _vision_layer_bytes(SHAPE, 2) == 2 * (9 * 64 + 2 * 128)
+
+
+def test_sharded_mixed_precision_terms_by_hand():
+    """4 ranks, bf16 compute, fp32 masters, KL on, HF engine, CPU chunk sizes."""
+    cfg = _cfg("model.dtype=bfloat16", "algo.kl_coef=0.01")
+    pl = plan_memory(cfg, Layout(nproc_per_node=4, device_bytes=1 << 40, gpu=False), SHAPE)
+    t = {x.name: x for x in pl.terms}
+    assert pl.ranks == 4
+    assert t["policy parameters (masters)"].update == 1000 * 4 / 4
+    assert t["policy parameters (masters)"].rollout == 1000.0
+    assert t["compute copies (unsharded)"].update == (200 + 2 * 100) * 2
+    assert t["compute copies (unsharded)"].rollout == 0
+    assert t["gradients, sharded"].update == 800 * 4 / 4
+    # root + 2 blocks of bf16 gradients, and the fp32 reduce-scatter input of the root (200).
+    assert t["gradients, unsharded + reduce-scatter"].update == (200 + 200) * 2 + 200 * 4
+    assert t["AdamW moments"].update == t["AdamW moments"].rollout == 2 * 800 * 4 / 4
+    assert t["reference model"].update == 1000 * 2
+    assert t["HF engine replica"].rollout == 1000 * 2  # sharded policy: the engine's replica
+    # KV cache: 2 (k, v) x 2 layers x 2 heads x 16 x 2 B = 256 B per token.
+    kv = t["HF engine KV cache + sampling"]
+    assert kv.update == 0 and kv.rollout > 0
+    assert (kv.rollout - 3 * 80 * 4096 * 4) % 256 == 0  # 80 sub-agent rows' sampling buffers
+    # The peak is the larger phase; the sum of the terms.
+    assert pl.update == pytest.approx(sum(x.update for x in pl.terms))
+    assert pl.peak == max(pl.rollout, pl.update)
+
+
+def test_single_process_same_dtype_terms_by_hand():
+    """One process, fp32 compute = fp32 masters: no FSDP, no compute copies, the engine shares
+    the policy; the reference counts only when algo.kl_coef > 0."""
+    cfg = _cfg("algo.kl_coef=0")
+    pl = plan_memory(cfg, Layout(device_bytes=1 << 40, gpu=False), SHAPE)
+    t = {x.name: x for x in pl.terms}
+    assert t["policy parameters"].update == 1000 * 4
+    assert t["gradients"].update == 800 * 4
+    assert t["AdamW moments"].update == 2 * 800 * 4
+    assert t["HF engine replica"].rollout == 0
+    assert "reference model" not in t and "compute copies (unsharded)" not in t
+    # bf16 masters by opt-in (today's path): moments in the parameter dtype, 2 B each.
+    bf = _cfg("model.dtype=bfloat16", "algo.kl_coef=0")
+    if hasattr(bf.train, "master_dtype"):
+        bf.train.master_dtype = "bfloat16"
+        t = {x.name: x for x in plan_memory(bf, Layout(device_bytes=1, gpu=False), SHAPE).terms}
+        assert t["AdamW moments"].update == 2 * 800 * 2
+
+
+def test_activations_with_and_without_checkpointing_by_hand():
+    tok = 1000
+    cfg = _cfg("algo.max_tokens_per_microbatch=1000")
+    lay = Layout(device_bytes=1 << 40, gpu=False)
+    full = plan_memory(cfg, lay, SHAPE, tokens=tok, visual_share=0.0)
+    per_layer = _text_layer_bytes(SHAPE, 4) * tok
+    rest = (4 + 4) * 64 * tok + 4 * 64 * tok + 8 * 16 * tok
+    assert full.term("activations (1 micro-batch)").update == 2 * per_layer + rest + per_layer
+    ck = plan_memory(
+        _cfg("algo.max_tokens_per_microbatch=1000", "model.gradient_checkpointing=true"),
+        lay, SHAPE, tokens=tok, visual_share=0.0,
+    )  # fmt: skip
+    # One input per layer, one layer recomputed, the rest, one layer of backward temporaries.
+    want = 2 * 4 * 64 * tok + per_layer + rest + per_layer
+    assert ck.term("activations (1 micro-batch)").update == want
+    assert ck.activations_other == full.term("activations (1 micro-batch)").update
+    # Vision patches: share x tokens x merge^2 patches through each of 2 trainable blocks.
+    vis = plan_memory(cfg, lay, SHAPE, tokens=tok, visual_share=0.5)
+    v_layer = _vision_layer_bytes(SHAPE, 4) * 0.5 * tok * 4
+    assert v_layer > per_layer  # so the backward temporaries are a vision layer's now
+    want = 2 * per_layer + 2 * v_layer + rest + v_layer
+    assert vis.term("activations (1 micro-batch)").update == pytest.approx(want)
+
+
+def test_meta_shape_matches_a_real_instantiation_of_the_tiny_model():
+    import transformers
+
+    from paravt.plan import _hf_config
+    from paravt.sft import freeze_vit
+
+    cfg = _cfg("algo.freeze_vision_tower=false")
+    s = model_shape(cfg)
+    real = transformers.Qwen3VLForConditionalGeneration(_hf_config(cfg, None))
+    n = sum(p.numel() for p in real.parameters())
+    assert s.params == s.trainable == n
+    layer = real.model.language_model.layers[0]
+    assert s.text_block == sum(p.numel() for p in layer.parameters())
+    vblock = real.model.visual.blocks[0]
+    assert s.vision_block == sum(p.numel() for p in vblock.parameters())
+    assert s.root_params == n - 2 * s.text_block - 2 * s.vision_block
+    frozen = model_shape(_cfg("algo.freeze_vision_tower=true"))  # the tiny preset's setting
+    freeze_vit(real)
+    assert frozen.params == n and not frozen.v_trainable_blocks
+    assert frozen.trainable == sum(p.numel() for p in real.parameters() if p.requires_grad) < n
+
+
+@pytest.mark.parametrize(
+    "name, billions, layers, hidden, vocab",
+    [
+        # The model cards' counts: 2.13 B, 4.44 B, 8.77 B, 8.29 B.
+        ("qwen3vl_2b", 2.13, 28, 2048, 151936),
+        ("qwen3vl_4b", 4.44, 36, 2560, 151936),
+        ("qwen3vl_8b", 8.77, 36, 4096, 151936),
+        ("qwen2_5vl_7b", 8.29, 28, 3584, 152064),
+    ],
+)
+def test_shipped_architectures_have_the_published_sizes(name, billions, layers, hidden, vocab):
+    s = model_shape(_cfg(f"model.config={name}"))
+    assert round(s.params / 1e9, 2) == billions
+    assert (s.layers, s.hidden, s.vocab) == (layers, hidden, vocab)
+    c = json.loads((ARCH_DIR / f"{name}.json").read_text())
+    assert "weight" not in json.dumps(c)  # dimensions only
+
+
+def test_unknown_architecture_names_the_shipped_ones():
+    with pytest.raises(ConfigError, match="qwen3vl_8b"):
+        model_shape(_cfg("model.config=qwen3vl_80b"))
+
+
+def test_check_run_decides_on_a_made_up_device_size():
+    cfg = _cfg("model.config=qwen3vl_8b", "model.dtype=bfloat16", "rollout.engine=vllm",
+               "model.gradient_checkpointing=true")  # fmt: skip
+    assert check_run(cfg, 8, int(141 * GIB)) == ""
+    msg = check_run(cfg, 8, int(60 * GIB))
+    assert msg.startswith("memory plan (python -m paravt.plan): the ")
+    assert "largest: " in msg and "It would fit with" in msg
+    assert "--nnodes" in msg  # more ranks is one of the fixes at 60 GiB
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "paravt.plan", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_cli_8b_preset_on_8_h100_prints_a_table_in_under_30_s():
+    # CPU seconds of the child (user + system), not wall time: the machine is shared, and the
+    # bound is about the work the command does (about 6 s alone on 2 cores).
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r = _plan("--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8", "--gpu", "h100-80gb")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    took = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "qwen3vl_8b.json" in out and "8.767 B parameters" in out
+    rows = {line[:42].strip(): line[42:].split() for line in out.splitlines()}
+    # 8.767 B fp32 masters over 8 ranks: 4.08 GiB in both phases; moments twice that.
+    assert rows["policy parameters (masters)"][:2] == ["4.08", "4.08"]
+    assert rows["AdamW moments"][:2] == ["8.17", "8.17"]
+    assert rows["reference model"][:2] == ["16.33", "16.33"]
+    assert rows["vLLM engine reserve"][:2] == ["39.82", "0.00"]  # 0.5 x 79.65 GiB, asleep
+    assert "with checkpointing" in out and "without gradient checkpointing would be" in out
+    assert ": fits (" in out
+    assert took < 30, took
+
+
+def test_cli_too_small_device_exits_1_naming_terms_and_fixes():
+    r = _plan("--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8",
+              "--device-memory-gib", "70")  # fmt: skip
+    assert r.returncode == 1
+    assert ": does not fit (" in r.stdout
+    err = r.stderr
+    assert "largest: activations (1 micro-batch) 17.3 GiB, reference model 16.3 GiB" in err
+    assert "more ranks: --nnodes 2 (16 ranks" in err
+    r = _plan("--preset", "tiny_cpu", "--cpu", "--device-memory-gib", "0.3")
+    assert r.returncode == 1
+    assert "gradient checkpointing: model.gradient_checkpointing=true" in r.stderr
+    assert "a smaller micro-batch: algo.max_tokens_per_microbatch=8192" in r.stderr
+
+
+def test_cli_errors_name_the_fix():
+    r = _plan("--preset", "tiny_cpu")  # no --gpu / --device-memory-gib and no CUDA here
+    assert r.returncode == 2 and "--gpu" in r.stderr
+    r = _plan("--preset", "tiny_cpu", "--gpu", "h900")
+    assert r.returncode == 2 and "h100-80gb" in r.stderr
+
+
+def test_tiny_plan_matches_the_measured_cpu_peak_within_15_percent():
+    """scripts/plan_check.py tiny: the update of one 4096-token micro-batch on the tiny model
+    (two AdamW steps), measured as resident tensors + the second step's RSS rise."""
+    r = subprocess.run(
+        [sys.executable, "scripts/plan_check.py", "tiny"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    ratio = float(r.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
+    assert 0.85 <= ratio <= 1.15, r.stdout
+
+
+def test_random_init_builds_an_architecture_offline(tmp_path):
+    """model.init=random: model.config's architecture (here Qwen3-VL-2B's config narrowed to a
+    few MB, real vocabulary) with random weights and the tiny tokenizer, loadable by
+    load_model; the token ids of the config are the tokenizer's."""
+    from paravt.assets import prepare_model
+    from paravt.distributed import DistContext
+    from paravt.models import load_model
+    from paravt.models.tiny import build_random_checkpoint, model_dir_of
+
+    c = json.loads((ARCH_DIR / "qwen3vl_2b.json").read_text())
+    t, v = c["text_config"], c["vision_config"]
+    t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)  # fmt: skip
+    t["rope_scaling"]["mrope_section"] = [4, 2, 2]
+    v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+             deepstack_visual_indexes=[0, 1])  # fmt: skip
+    arch = tmp_path / "small.json"
+    arch.write_text(json.dumps(c))
+    cfg = _cfg("model.init=random", f"model.config={arch}", f"model.tiny_dir={tmp_path}/tiny")
+    d = prepare_model(cfg, DistContext())
+    assert d == model_dir_of(cfg) == str(tmp_path / "random-small-float32")
+    b = load_model(d)
+    assert b.model.config.text_config.vocab_size == 151936
+    assert b.model.config.video_token_id == b.special.video_pad < 4096
+    # Qwen3-VL-2B ties lm_head to the embedding: one (151936, 64) matrix.
+    assert b.model.config.tie_word_embeddings
+    assert b.model.lm_head.weight.data_ptr() == b.model.get_input_embeddings().weight.data_ptr()
+    assert 151936 * 64 < sum(p.numel() for p in b.model.parameters()) < 2 * 151936 * 64
+    stamp = (Path(d) / "model.safetensors").stat().st_mtime_ns
+    assert build_random_checkpoint(d, str(arch), dtype="float32") == Path(d)  # reused
+    assert (Path(d) / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_random_init_needs_no_checkpoint_path_on_the_8b_preset():
+    from paravt.config import preset_errors
+
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=["model.init=random"])
+    assert preset_errors("qwen3vl_8b_paragrpo", cfg) == []
+    assert preset_errors("qwen3vl_8b_paragrpo", load_config("qwen3vl_8b_paragrpo"))
+    with pytest.raises(ConfigError, match="model.init=random needs model.config"):
+        _cfg("model.init=random")
+
+
+def test_train_stops_before_loading_when_the_plan_does_not_fit_the_cuda_device(
+    tmp_path, monkeypatch, capsys
+):
+    """``python -m paravt.train`` on a (made-up) 256 MiB CUDA device: exit 2 with the plan's
+    message before any data or model is built; ``train.memory_check=false`` skips the check."""
+    import types
+
+    import torch
+
+    from paravt import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=1 << 28)
+    )
+    built = []
+    monkeypatch.setattr(train, "build_trainer", lambda *a: built.append(a) or 1 / 0)
+    monkeypatch.setattr(train, "init_distributed", lambda *a: built.append(a) or 1 / 0)
+    args = ["model.device=cuda", f"train.out_dir={tmp_path}/run", f"data.synth_dir={tmp_path}/d"]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err
+    assert "memory plan (python -m paravt.plan): the update needs" in err
+    assert "device has 0.2 GiB" in err and "train.memory_check=false" in err
+    assert not built and not (tmp_path / "d").exists()
+    with pytest.raises(ZeroDivisionError):  # past the check: the next stage starts
+        train.main([*args, "train.memory_check=false"])
