@@ -43,7 +43,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -215,6 +215,15 @@ class Preemption:
             if self.requested():
                 return True
             self.enter(step, "start")
+            # The check saw no signal on any rank, so one recorded now came after it: the
+            # mask above holds only this thread, and a process-directed signal can land on
+            # another (torch's threads) and run the handler before ``enter``. Name it against
+            # the step that now runs, as the mask would have.
+            if self.arrival is not None and (self.arrival.step, self.arrival.phase) != (
+                step,
+                "start",
+            ):
+                self.arrival = replace(self.arrival, step=step, phase="start")
             return False
         finally:
             if old is not None:

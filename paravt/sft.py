@@ -243,7 +243,6 @@ def _sft_settings(
                 "data": str(sft_path),
                 "trajectories": counts,
                 "world_size": world,
-                "freeze_vision_tower": cfg.sft.freeze_vision_tower,
             }
         )
     )
@@ -387,6 +386,8 @@ def run_sft(
         losses.append(loss)
         if ctx.is_main and (step % max(1, s.steps // 8) == 0 or step == s.steps - 1):
             log(f"[sft] step {step + 1}/{s.steps} nll/token {loss:.4f}")
+    if pre is not None:  # past the SFT's steps: a signal now stops the run before any RL step
+        pre.enter(0, "startup")
     state = full_state_dict(model, ctx)
     if ctx.is_main:
         tmp = Path(str(out_dir) + ".tmp")
