@@ -184,6 +184,8 @@ def check_run_folder(cfg: Config) -> None:
                 f"delete {out} first"
             )
         return
+    if not run_evidence(out):  # nothing of an earlier run would be continued
+        return
     saved, where = _saved(out)
     if saved is None:
         return
@@ -211,13 +213,22 @@ def record_run(cfg: Config) -> None:
     os.replace(tmp, out / RUN_FILE)
 
 
-def logged_eval(out: str | Path, kind: str, step: int | None = None) -> dict[str, Any]:
+def logged_eval(
+    out: str | Path, kind: str, step: int | None = None, ctx: Any = None
+) -> dict[str, Any]:
     """The last ``kind`` evaluation row (``eval_before`` / ``eval_after``) of ``out``'s
     ``metrics.jsonl`` (at ``step``, when given), or {}: ``paravt.train`` reuses an evaluation
-    a resumed run logged already instead of logging it twice."""
-    rows = [
-        r
-        for r in read_metrics(Path(out) / "metrics.jsonl")
-        if r.get("kind") == kind and (step is None or r.get("step") == step)
-    ]
-    return rows[-1] if rows else {}
+    a resumed run logged already instead of logging it twice. Collective with ``ctx``: rank 0
+    (the one that writes the file) reads it and every rank gets its answer, so all ranks
+    evaluate or none does."""
+    from paravt.distributed import DistContext, broadcast_object
+
+    rows: list[dict[str, Any]] = []
+    ctx = ctx or DistContext()
+    if ctx.is_main:
+        rows = [
+            r
+            for r in read_metrics(Path(out) / "metrics.jsonl")
+            if r.get("kind") == kind and (step is None or r.get("step") == step)
+        ]
+    return broadcast_object(rows[-1] if rows else {}, ctx)

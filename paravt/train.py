@@ -557,7 +557,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     # After a signal the evaluation is skipped (the loop's first boundary then stops the run).
     if t.eval_prompts and t.eval_before and not pre.requested():
         # Logged already (the rows kept are the start's: truncated above): not twice.
-        before = logged_eval(out, "eval_before")
+        before = logged_eval(out, "eval_before", ctx=ctx)
         if not before:
             before = evaluate(tr, seed=t.seed)
             tr.logger.log(tr.start_step, before, kind="eval_before")
@@ -616,7 +616,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
             sync_engine(tr)
 
     # A resumed finished run has its evaluation logged already: reused, not logged twice.
-    after = logged_eval(out, "eval_after", t.steps) if t.eval_prompts else {}
+    after = logged_eval(out, "eval_after", t.steps, ctx) if t.eval_prompts else {}
     if t.eval_prompts and not after:
         after = evaluate(tr, seed=t.seed)
         tr.logger.log(t.steps, after, kind="eval_after")

@@ -10,6 +10,7 @@ of test_train_resume.py: one RL step of ~1 s, no SFT.
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,28 @@ def test_resume_logs_every_step_and_evaluation_once(
     assert _kinds(out) == done
     again = read_metrics(out / "metrics.jsonl")
     assert again[0] == rows[0]  # the evaluation before RL was kept, not redone
+
+
+def test_an_older_run_folder_is_checked_against_its_config_yaml(tmp_path: Path) -> None:
+    """A run folder of an older paravt has no run.json: --resume compares its config.yaml. A
+    folder that holds nothing of a run (it died before its first row) is not refused."""
+    from paravt.config import ConfigError, load_config, to_yaml
+    from paravt.runfolder import RUN_FILE, check_run_folder, record_run
+
+    out = tmp_path / "run"
+    old = load_config(overrides=[f"train.out_dir={out}", "algo.lr=1e-3"])
+    out.mkdir()
+    (out / "config.yaml").write_text(to_yaml(old))
+    new = load_config(overrides=[f"train.out_dir={out}", "algo.lr=3e-3", "train.resume=true"])
+    check_run_folder(new)  # no metric row, no checkpoint: nothing would be continued
+    (out / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')
+    with pytest.raises(ConfigError) as e:
+        check_run_folder(new)
+    assert f"({out / 'config.yaml'} (no run.json: an older paravt))" in str(e.value)
+    assert "  algo.lr: 0.001 -> 0.003\n" in str(e.value)
+    longer = load_config(overrides=[f"train.out_dir={out}", "algo.lr=1e-3", "train.steps=9"])
+    check_run_folder(replace(longer, train=replace(longer.train, resume=True)))
+    record_run(longer)
+    assert (out / RUN_FILE).is_file()
+    with pytest.raises(ConfigError, match="already holds a training run"):
+        check_run_folder(longer)  # no --resume
