@@ -106,20 +106,24 @@ def json_safe(v: Any) -> Any:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All rows of a JSONL file written a line at a time (``metrics.jsonl``, the evaluation's
-    ``results.jsonl``); skips a torn line left by a killed process."""
+    ``results.jsonl``); skips a torn line left by a killed process, also one cut inside a
+    multi-byte UTF-8 character (``paravt.view`` and the evaluation's resume read through
+    here)."""
     rows: list[dict[str, Any]] = []
     p = Path(path)
     if not p.is_file():
         return rows
-    # split("\n"), not splitlines(): JSON leaves U+2028/U+2029/U+0085 unescaped inside strings
-    # (results.jsonl is written with ensure_ascii=False) and splitlines() would cut rows there.
-    for line in p.read_text(encoding="utf-8").split("\n"):
-        line = line.strip()
-        if not line:
-            continue
+    # Split the bytes on b"\n", then decode each line: a kill mid-write can cut the last line
+    # inside a multi-byte character (results.jsonl is written with ensure_ascii=False), which
+    # must cost that line only, not the file. A UTF-8 continuation byte is never 0x0A, so this
+    # is the same split as on the text. Not splitlines(): JSON leaves U+2028/U+2029/U+0085
+    # unescaped inside strings and splitlines() would cut rows there.
+    for raw in p.read_bytes().split(b"\n"):
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            line = raw.decode("utf-8").strip()
+            if line:
+                rows.append(json.loads(line))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             continue  # a line cut short by a kill mid-write
     return rows
 

@@ -18,10 +18,19 @@ signal (its name, when it came, the step and phase the run was in); the trainer
 Both combine the ranks' records with one ``all_reduce(MAX)`` and decide from the reduced values
 only, so the decision is the same on every rank even when only one rank was signalled.
 
-A second signal changes nothing (SLURM signals again at the time limit). Whatever the run is
-doing when the signal comes (a step, the SFT cold start, an evaluation) goes on to the next
-check; a run that overruns the grace is SIGKILLed by the scheduler, which is the kill -9 case:
-the newest checkpoint stays loadable (``paravt.checkpoint``) and ``--resume`` continues from it.
+Two more checks outside the steps: the cold-start SFT (``paravt.sft.run_sft``, which finds the
+run's handler through :func:`active`) checks before each of its steps, saves its state and
+stops the run (:class:`SFTPreempted`; ``--resume`` continues the SFT where it stopped), and the
+trainer checks before each evaluation (a signal during the SFT or the model loads skips the
+evaluation before RL; one after the last step skips the one after it).
+
+A second signal changes nothing (SLURM signals again at the time limit), also during the
+teardown after the ``[preempt]`` line: the command line (``python -m paravt.train``) keeps the
+handlers installed to the end of the run and then ignores the signals until the process exits
+(``keep=True``), so a repeated SIGTERM cannot turn "exiting 0" into exit 143. Whatever the run is doing when the signal comes (a step, an
+evaluation) goes on to the next check; a run that overruns the grace is SIGKILLed by the
+scheduler, which is the kill -9 case: the newest checkpoint stays loadable
+(``paravt.checkpoint``) and ``--resume`` continues from it.
 
 Test hook: ``PARAVT_PREEMPT_TEST_SIGNAL=SIGNAL:STEP:PHASE[:RANK]`` (e.g. ``SIGTERM:3:update``)
 makes the run send itself that signal (``os.kill``: the real signal, through the handler
@@ -34,7 +43,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -48,6 +57,26 @@ TEST_SIGNAL_ENV = "PARAVT_PREEMPT_TEST_SIGNAL"
 
 class StepAbandoned(Exception):
     """Raised by ``train_step`` when a preemption abandons the step (nothing of it is kept)."""
+
+
+class SFTPreempted(Exception):
+    """Raised by ``paravt.sft.run_sft`` when a preemption stops the cold-start SFT (its state
+    saved for ``--resume``); ``paravt.train`` returns ``info`` as the run's ``"preempted"``."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        super().__init__(info.get("outcome", "SFT preempted"))
+        self.info = info
+
+
+# The Preemption whose handlers are installed (None: none): the cold-start SFT, called from
+# inside the trainer's build, checks it without the trainer passing it down.
+_ACTIVE: Preemption | None = None
+
+
+def active() -> Preemption | None:
+    """The installed ``Preemption`` of this process (``paravt.sft.run_sft`` checks it), or
+    None outside a training run (``python -m paravt.sft``, the experiments' SFT)."""
+    return _ACTIVE
 
 
 @dataclass
@@ -65,9 +94,12 @@ class Preemption:
     """Flag-only SIGTERM/SIGUSR1 handlers and the rank-consistent checks built on them.
 
     Use as a context manager (``with Preemption(grace_s, ctx) as pre:``): the handlers are
-    installed on entry and the previous ones restored on exit. Signal handlers can only be set
-    from the main thread; elsewhere nothing is installed (``installed`` is False) and the
-    signals keep their previous disposition.
+    installed on entry and the previous ones restored on exit, unless ``keep``: then the
+    signals are ignored from the exit on until the process ends (the command line's run: a
+    signal during its teardown changes nothing, where the default action would end it with exit
+    143; ``ignore``). Signal
+    handlers can only be set from the main thread; elsewhere nothing is installed
+    (``installed`` is False) and the signals keep their previous disposition.
     """
 
     def __init__(
@@ -75,6 +107,8 @@ class Preemption:
         grace_s: float,
         ctx: DistContext | None = None,
         signals: tuple[signal.Signals, ...] = SIGNALS,
+        *,
+        keep: bool = False,
     ) -> None:
         self.grace_s = float(grace_s)
         self.ctx = ctx or DistContext()
@@ -85,6 +119,7 @@ class Preemption:
         self.rest_s = 0.0  # the previous step's seconds after its rollout
         self.save_s = 0.0  # the last checkpoint's write time
         self.installed = False
+        self.keep = keep
         self._previous: dict[signal.Signals, Any] = {}
         self._test = _parse_test_signal(os.environ.get(TEST_SIGNAL_ENV, ""))
 
@@ -100,21 +135,43 @@ class Preemption:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.restore()
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
+        if self.keep:
+            self.ignore()
+        else:
+            self.restore()
 
     def install(self) -> bool:
         """Set the handlers (main thread only); returns whether they were set."""
+        global _ACTIVE
         if threading.current_thread() is not threading.main_thread():
             return False
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         self.installed = True
+        _ACTIVE = self
         return True
 
     def restore(self) -> None:
         """Put the previous handlers back."""
+        global _ACTIVE
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self.installed = False
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def ignore(self) -> None:
+        """The run is over: ignore the signals until the process exits (``keep``). SIG_IGN,
+        not a Python handler: the interpreter's finalization puts Python handlers back to the
+        default action (exit 143 on SIGTERM), and it can take a while after a large run."""
+        if not self.installed:
+            return
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
         self._previous.clear()
         self.installed = False
 
@@ -158,6 +215,15 @@ class Preemption:
             if self.requested():
                 return True
             self.enter(step, "start")
+            # The check saw no signal on any rank, so one recorded now came after it: the
+            # mask above holds only this thread, and a process-directed signal can land on
+            # another (torch's threads) and run the handler before ``enter``. Name it against
+            # the step that now runs, as the mask would have.
+            if self.arrival is not None and (self.arrival.step, self.arrival.phase) != (
+                step,
+                "start",
+            ):
+                self.arrival = replace(self.arrival, step=step, phase="start")
             return False
         finally:
             if old is not None:
@@ -188,6 +254,34 @@ class Preemption:
             )
         )
         return got > 0 and elapsed + rest > self.grace_s
+
+    def exit_line(self, outcome: str, what: str) -> tuple[str, dict[str, Any]]:
+        """The ``[preempt]`` line of a run stopping after a signal (collective: every rank
+        calls it) and the run's ``"preempted"`` record; ``outcome`` says where the run stopped,
+        ``what`` what it saved (it ends in "exiting 0"). The cold-start SFT's stop writes it;
+        ``paravt.train._preempted`` writes the steps' own."""
+        arrivals = self.arrivals()
+        first, seconds = arrivals[0]
+        where = f"{first.signal} at step {first.step} ({first.phase})"
+        if self.ctx.world_size > 1:
+            ranks = sorted(a[0].rank for a in arrivals)
+            where += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        late = f", past the grace of {self.grace_s:g} s" if seconds > self.grace_s else ""
+        line = (
+            f"[preempt] {where}: {outcome}, {what} {seconds:.1f} s after the signal"
+            f"{late or f' (grace {self.grace_s:g} s)'}"
+        )
+        info = {
+            "signal": first.signal,
+            "step": first.step,
+            "phase": first.phase,
+            "ranks": [a[0].rank for a in arrivals],
+            "outcome": outcome,
+            "checkpoint": "",
+            "ok": True,
+            "seconds": seconds,
+        }
+        return line, info
 
     def arrivals(self) -> list[tuple[Arrival, float]]:
         """Every signalled rank's ``(arrival, seconds since)``, earliest first (collective)."""

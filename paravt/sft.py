@@ -25,6 +25,15 @@ assistant's generated tokens (and their ``<|im_end|>``), 0 on the prompt, the fo
 Loss: token-mean negative log-likelihood over masked tokens (temperature 1), AdamW; with
 torchrun each rank takes its share of every batch and the normaliser is global.
 The result is an HF checkpoint directory (``from_pretrained``-loadable).
+
+Preemption: inside a training run (``paravt.train``, whose handler ``paravt.preempt.active``
+returns) the SFT checks for a SIGTERM/SIGUSR1 before each of its steps. After one it saves
+its state after the last finished step — weights, AdamW moments, schedule, each rank's
+shuffle RNG and order, the losses so far — to ``<out>.resume.pt`` (one atomic file,
+``paravt.runfolder.sft_resume_file``) and stops the run (``SFTPreempted``, exit 0). The next
+``run_sft`` of the same settings (the resumed run) continues from that step: on CPU the final
+weights equal an uninterrupted SFT's bitwise. A state made with other settings is set aside
+and the SFT starts over; the finished SFT deletes it.
 """
 
 from __future__ import annotations
@@ -219,6 +228,40 @@ def param_groups(model: torch.nn.Module, lr: float, vision_lr: float) -> list[di
     return groups
 
 
+def _sft_settings(
+    cfg: Config, model_dir: str | Path, sft_path: str, counts: list[int], world: int
+) -> dict[str, Any]:
+    """What a saved SFT state must match to be continued (``run_sft``)."""
+    from dataclasses import asdict
+
+    return json.loads(
+        json.dumps(
+            {
+                "sft": asdict(cfg.sft),
+                "seed": cfg.train.seed,
+                "model_dir": str(model_dir),
+                "data": str(sft_path),
+                "trajectories": counts,
+                "world_size": world,
+            }
+        )
+    )
+
+
+def _save_sft_state(path: Path, state: dict[str, Any]) -> None:
+    """``torch.save`` to ``path`` atomically (a kill mid-write leaves the previous file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def run_sft(
     cfg: Config,
     *,
@@ -231,7 +274,9 @@ def run_sft(
     """Cold-start SFT of the checkpoint at ``model_dir``; writes an HF checkpoint to ``out_dir``
     (in the compute dtype ``model.dtype``; trained in ``train.master_dtype``).
 
-    Returns ``{"sft/loss_first", "sft/loss_last", "sft/tokens", "sft/seconds"}``.
+    Returns ``{"sft/loss_first", "sft/loss_last", "sft/tokens", "sft/seconds"}``. Inside a
+    training run a SIGTERM/SIGUSR1 stops it between two steps with its state saved
+    (``SFTPreempted``); the next call with the same settings continues it (module docstring).
     """
     import torch.distributed as dist
 
@@ -249,6 +294,7 @@ def _run_sft(
     cfg: Config, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, ctx: Any,
     log: Any,
 ) -> dict[str, float]:  # fmt: skip
+    from paravt import preempt
     from paravt.checkpoint import save_model_dir, sft_save_error
     from paravt.data.readers import load_samples
     from paravt.distributed import (
@@ -259,10 +305,13 @@ def _run_sft(
         barrier,
         cast_floats,
         clip_grad_norm,
+        full_optimizer_state,
         full_state_dict,
+        load_full_optimizer_state,
         shard_model,
     )
     from paravt.models import load_model_from_config
+    from paravt.runfolder import sft_resume_file
     from paravt.video import DecodePlanner
 
     ctx = ctx or DistContext()
@@ -289,6 +338,19 @@ def _run_sft(
             f"train sample ids of '{data_dir}')"
         )
     model = bundle.model
+    # A state saved by a preempted SFT of the same settings: continue from it.
+    pre = preempt.active()
+    resume_file = sft_resume_file(out_dir)
+    settings = _sft_settings(cfg, model_dir, sft_path, counts, ctx.world_size)
+    saved = None
+    if resume_file.is_file():
+        saved = torch.load(resume_file, map_location="cpu", weights_only=False)
+        if saved.get("settings") != settings:
+            if ctx.is_main:
+                log(f"[sft] {resume_file} was saved with other settings: not continued")
+            saved = None
+    if saved is not None:
+        model.load_state_dict(saved["model"])
     model.train()  # no dropout in Qwen-VL by default; train mode enables grad checkpointing
     if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable()
@@ -303,7 +365,30 @@ def _run_sft(
     per_rank = max(1, s.batch_size // ctx.world_size)
     losses: list[float] = []
     order: list[int] = []
-    for step in range(s.steps):
+    first = 0
+    if saved is not None:
+        load_full_optimizer_state(model, opt, saved["optimizer"], ctx)
+        sched.load_state_dict(saved["scheduler"])
+        rng_state, order = saved["ranks"][ctx.rank]
+        rng.setstate(rng_state)
+        order = list(order)
+        losses = list(saved["losses"])
+        first = int(saved["step"])
+        if ctx.is_main:
+            log(f"[sft] continuing from {resume_file}: step {first} of {s.steps} done")
+    for step in range(first, s.steps):
+        if pre is not None:
+            pre.enter(0, f"sft step {step + 1}")
+            if pre.requested():  # collective: every rank is at this step
+                _stop_sft(pre, resume_file, step, first, s.steps, ctx, log, {
+                    "settings": settings,
+                    "step": step,
+                    "model": full_state_dict(model, ctx),
+                    "optimizer": full_optimizer_state(model, opt, ctx),
+                    "scheduler": sched.state_dict(),
+                    "ranks": all_gather_objects((rng.getstate(), list(order)), ctx),
+                    "losses": losses,
+                })  # fmt: skip
         batch = []
         while len(batch) < per_rank:
             if not order:
@@ -324,6 +409,8 @@ def _run_sft(
         losses.append(loss)
         if ctx.is_main and (step % max(1, s.steps // 8) == 0 or step == s.steps - 1):
             log(f"[sft] step {step + 1}/{s.steps} nll/token {loss:.4f}")
+    if pre is not None:  # past the SFT's steps: a signal now stops the run before any RL step
+        pre.enter(0, "startup")
     state = cast_floats(full_state_dict(model, ctx), prec.compute)  # exported: compute dtype
     if ctx.is_main:
         tmp = Path(str(out_dir) + ".tmp")
@@ -337,6 +424,7 @@ def _run_sft(
         if Path(out_dir).exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)  # a killed SFT never leaves a half checkpoint at out_dir
+        resume_file.unlink(missing_ok=True)  # done: nothing left to continue
     barrier(ctx)
     return {
         "sft/loss_first": losses[0] if losses else float("nan"),
@@ -344,6 +432,43 @@ def _run_sft(
         "sft/trajectories": float(sum(counts)),
         "sft/seconds": time.perf_counter() - t_start,
     }
+
+
+def _stop_sft(
+    pre: Any,
+    path: Path,
+    step: int,
+    first: int,
+    steps: int,
+    ctx: Any,
+    log: Any,
+    state: dict[str, Any],
+) -> None:
+    """After a signal before SFT step ``step + 1`` (every rank): rank 0 saves ``state`` (the
+    state after ``step`` steps) unless this run did no step (the file, if any, holds it
+    already); the ``[preempt]`` line is printed; raises ``SFTPreempted``."""
+    from paravt.distributed import barrier
+    from paravt.preempt import SFTPreempted
+
+    t0 = time.perf_counter()
+    if ctx.is_main and step > first:
+        _save_sft_state(path, state)
+    barrier(ctx)
+    if step > first:
+        what = f"state {path} written in {time.perf_counter() - t0:.1f} s"
+    elif path.is_file():
+        what = f"state {path} (already written)"
+    else:
+        what = "nothing to save"
+    outcome = f"stopped the cold-start SFT after step {step} of {steps}"
+    line, info = pre.exit_line(
+        outcome, f"{what} (--resume continues the SFT from there); exiting 0"
+    )
+    info["checkpoint"] = str(path) if path.is_file() else ""
+    if ctx.is_main:
+        log(line)
+        sys.stdout.flush()
+    raise SFTPreempted(info)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -99,9 +99,10 @@ from paravt.metrics import (
 )
 from paravt.models import load_model_from_config
 from paravt.plan import check_device_memory
-from paravt.preempt import Preemption, StepAbandoned
+from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout import engine_spec, make_engine
+from paravt.runfolder import check_run_folder, logged_eval, record_run
 from paravt.sft import freeze_vit, run_sft
 from paravt.types import RolloutBatch
 from paravt.validate import validate_run
@@ -531,14 +532,17 @@ def _video_meta(cfg: Config) -> Any:
 # ---------------------------------------------------------------------------------- main
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def run(cfg: Config, *, keep_handlers: bool = False) -> dict[str, Any]:
     """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``, and
     ``"preempted"`` (``_preempted``) when a SIGTERM/SIGUSR1 stopped it early (``after`` then
-    empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``).
+    empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``;
+    ``keep_handlers``: until the process exits, as ``main`` does). A folder that holds another
+    run, or a ``--resume`` with other settings, is refused first (``paravt.runfolder``).
     """
     pin_worker_gpu(cfg.rollout.workers, cfg.model.device)  # before anything starts CUDA
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
     check_device_memory(cfg, world_size_from_env())  # CUDA: the memory plan fits the device
+    check_run_folder(cfg)  # every rank (workers too), before any of them writes there
     roles = None
     if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out
         ctx, roles = init_async(cfg.model.device, cfg.rollout.workers)
@@ -548,7 +552,7 @@ def run(cfg: Config) -> dict[str, Any]:
             return {"worker": roles.rank, **totals}
     else:
         ctx = init_distributed(cfg.model.device)
-    with Preemption(cfg.train.preempt_grace_s, ctx) as pre:
+    with Preemption(cfg.train.preempt_grace_s, ctx, keep=keep_handlers) as pre:
         try:
             return _run(cfg, ctx, pre, roles)
         finally:  # a run that raised: no live group of one at exit or for the next run
@@ -560,9 +564,18 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(to_yaml(cfg))
+        record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
         print(to_yaml(cfg), flush=True)
     t_run = time.perf_counter()
-    tr = build_trainer(cfg, ctx)
+    try:
+        tr = build_trainer(cfg, ctx)
+    except SFTPreempted as e:  # its state is saved: --resume continues the SFT
+        cleanup(ctx)
+        return {"before": {}, "after": {}, "last": {}, "out_dir": str(out), "preempted": e.info}
+    if ctx.is_main:
+        record_run(cfg)  # now with the fingerprint of a tiny model built by this run
+    # A resume finding no checkpoint starts at step 0: the rows of the steps it redoes go too.
+    tr.logger.truncate_after(tr.start_step)
     tr.preempt = pre
     t = cfg.train
     if roles is not None:  # the workers start on the first η + 1 steps while we evaluate
@@ -571,11 +584,11 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
 
     before: dict[str, float] = {}
     pre.enter(tr.start_step, "eval")
-    if t.eval_prompts and t.eval_before:
-        prev = [r for r in read_metrics(out / "metrics.jsonl") if r.get("kind") == "eval_before"]
-        if prev and tr.start_step > 0:
-            before = prev[-1]
-        else:
+    # After a signal the evaluation is skipped (the loop's first boundary then stops the run).
+    if t.eval_prompts and t.eval_before and not pre.requested():
+        # Logged already (the rows kept are the start's: truncated above): not twice.
+        before = logged_eval(out, "eval_before", ctx=ctx)
+        if not before:
             before = evaluate(tr, seed=t.seed)
             tr.logger.log(tr.start_step, before, kind="eval_before")
             if tr.pipeline is not None:  # its evaluation engine idles until the last one
@@ -632,8 +645,10 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         if tr.engine is not None:
             sync_engine(tr)
 
-    after = evaluate(tr, seed=t.seed) if t.eval_prompts else {}
-    if after:
+    # A resumed finished run has its evaluation logged already: reused, not logged twice.
+    after = logged_eval(out, "eval_after", t.steps, ctx) if t.eval_prompts else {}
+    if t.eval_prompts and not after:
+        after = evaluate(tr, seed=t.seed)
         tr.logger.log(t.steps, after, kind="eval_after")
     if ctx.is_main:
         plot_summary(out / "metrics.jsonl", out / "summary.png")
@@ -726,10 +741,13 @@ def _data_state(tr: Trainer, done: int) -> dict[str, int]:
     return tr.pipeline.data_state(done) if tr.pipeline is not None else tr.sampler.state()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> int:
+    """The command line; ``keep_handlers`` (``python -m paravt.train``): the preemption
+    handlers stay until the process exits, so a repeated signal during the teardown after the
+    ``[preempt]`` line cannot turn its exit 0 into 143."""
     try:
         cfg, _ = parse_args(argv)
-        res = run(cfg)
+        res = run(cfg, keep_handlers=keep_handlers)
         if not res.get("preempted", {}).get("ok", True):
             return 1
     except ConfigError as e:
@@ -752,4 +770,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(keep_handlers=True))

@@ -305,6 +305,31 @@ def test_result_files_survive_stale_failures_and_torn_lines(tmp_path):
     assert sorted(load_results(tmp_path)) == ["x", "z"]
 
 
+def test_a_last_line_torn_inside_a_utf8_character_is_dropped_on_resume(tmp_path):
+    """A kill mid-write can cut a ``results.jsonl`` line inside a multi-byte character (rows
+    are written with ensure_ascii=False): the resume drops that torn line, as it drops a torn
+    ASCII one, instead of failing with UnicodeDecodeError; the next row gets its own line."""
+    from paravt.eval.runner import _Appender, merge_results
+    from paravt.types import Sample
+
+    done = {"id": "x", "question": "durée ≥ 5 s ?", "score": 1.0, "error_kind": ""}
+    torn = json.dumps({"id": "y", "question": "été"}, ensure_ascii=False).encode()
+    cut = torn[: torn.index("é".encode()) + 1]  # the first byte of a 2-byte character
+    with pytest.raises(UnicodeDecodeError):
+        cut.decode("utf-8")
+    (tmp_path / "results.jsonl").write_bytes(
+        (json.dumps(done, ensure_ascii=False) + "\n").encode() + cut
+    )
+    assert sorted(load_results(tmp_path)) == ["x"]
+    w = _Appender(tmp_path / "results.jsonl")
+    w({"id": "z", "score": 0.0, "error_kind": ""})
+    w.close()
+    assert sorted(load_results(tmp_path)) == ["x", "z"]
+    samples = [Sample(id=i, video="v.mp4", question="q", answer="A") for i in ("x", "z")]
+    rows = merge_results(tmp_path, samples)
+    assert [r["id"] for r in rows] == ["x", "z"] and rows[0]["question"] == done["question"]
+
+
 class _FailsOn:
     """The real engine, except that any call holding ``bad``'s request raises."""
 

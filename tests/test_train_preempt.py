@@ -34,6 +34,8 @@ from train_runs import (
     wait_for,
 )
 
+from paravt.metrics import read_metrics
+
 GRACE_S = 30.0
 STEPS = 4
 ENV = "PARAVT_PREEMPT_TEST_SIGNAL"
@@ -257,3 +259,82 @@ def test_two_ranks_sigterm_on_one_rank(
         assert_same_row(step, a[step], b[step], "preemption + resume on 2 ranks")
     last = f"step_{RANKS_STEPS:06d}"
     assert_same_weights(reference_2ranks / "checkpoints" / last, out / "checkpoints" / last)
+
+
+# ------------------------------------------------------------------- teardown and the SFT
+
+
+def test_a_repeated_sigterm_during_the_teardown_still_exits_0(
+    assets: dict[str, str], tmp_path: Path
+) -> None:
+    """SLURM signals again at the time limit: SIGTERMs sent from the moment the ``[preempt]``
+    line says "exiting 0" until the process is gone are all absorbed (the handlers stay until
+    the process exits), never the default action's exit 143."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "paravt.train", *_overrides(assets, out, 1)]
+    log = tmp_path / "train.log"
+    proc = _train(argv, log, _env(**{ENV: "SIGTERM:1:update"}))
+    wait_for(lambda: "exiting 0" in log.read_text(), proc, "the [preempt] line", timeout=300)
+    sent = 0
+    while proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+            sent += 1
+        except ProcessLookupError:
+            break
+        time.sleep(0.002)
+    rc = proc.wait(timeout=60)
+    text = log.read_text()
+    assert rc == 0, f"exit {rc} after {sent} repeated SIGTERM(s):\n{text[-2000:]}"
+    assert sent > 0  # the process was still tearing down when they came
+    assert "finished step 1, checkpoint" in text and train_steps(out) == [1]
+
+
+def test_sigterm_during_the_sft_stops_it_and_resume_continues_it(
+    assets: dict[str, str], tmp_path: Path
+) -> None:
+    """A SIGTERM during the cold-start SFT is honoured within the grace: the SFT stops before
+    its next step, saves its state (no ``sft/`` yet, no evaluation, no RL step) and the run
+    exits 0; ``--resume`` continues the SFT from that step (it is not redone: the final SFT
+    weights equal an uninterrupted SFT's bitwise) and then trains."""
+    from paravt.config import load_config
+    from paravt.runfolder import sft_resume_file
+    from paravt.sft import run_sft
+
+    out = tmp_path / "run"
+    over = [
+        *_overrides(assets, out, 1),
+        "sft.steps=3",
+        "sft.batch_size=2",
+        "train.eval_prompts=1",
+        "train.eval_samples=1",
+    ]
+    argv = [sys.executable, "-m", "paravt.train", *over]
+    log = tmp_path / "train.log"
+    proc = _train(argv, log, _env(**{ENV: "SIGTERM:0:sft step 3"}))
+    rc = proc.wait(timeout=300)
+    t_exit = time.time()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
+    state = sft_resume_file(out / "sft")
+    assert "SIGTERM at step 0 (sft step 3): stopped the cold-start SFT after step 2 of 3" in line
+    assert f"state {state} written" in line and "exiting 0" in line, line
+    took = t_exit - _sent_at(text)
+    _report("SIGTERM mid-SFT, 1 process", took, line)
+    assert took < GRACE_S
+    assert state.is_file() and not (out / "sft").exists()
+    assert read_metrics(out / "metrics.jsonl") == []  # no evaluation, no step
+
+    resumed = subprocess.run(
+        [*argv, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[sft] continuing from" in resumed.stdout and "step 2 of 3 done" in resumed.stdout
+    assert "[sft] step 1/3" not in resumed.stdout  # not redone
+    assert not state.exists() and train_steps(out) == [1]
+
+    ref = tmp_path / "ref_sft"
+    cfg = load_config(overrides=over)
+    run_sft(cfg, model_dir=assets["model"], data_dir=assets["data"], out_dir=ref)
+    assert_same_weights(ref, out / "sft")

@@ -26,7 +26,7 @@ from scripted_engine import ScriptedFirstTurn, own_score
 
 from paravt.config import load_config
 from paravt.metrics import read_metrics
-from paravt.view import main, write_report
+from paravt.view import load_report, main, write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HOSTILE_THINK = "look <script>alert(1)</script> here"
@@ -539,6 +539,34 @@ def test_alarm_with_a_nan_or_missing_step_renders(tmp_path) -> None:
     assert index.count("alarm at step") == 1  # only the alarm with a step is marked
     svg = index[index.index("<svg") : index.rindex("</svg>")]
     assert "nan" not in svg.lower()  # the NaN rate is left out of the curve, not drawn
+
+
+def test_a_last_line_torn_inside_a_utf8_character_renders(tmp_path) -> None:
+    """A run killed mid-write can leave ``metrics.jsonl`` / ``trajectories.jsonl`` (and an
+    evaluation's ``results.jsonl``) ending inside a multi-byte character: the viewer drops
+    that torn line, as it drops a torn ASCII one, and renders the rest."""
+
+    def cut(row: dict) -> bytes:
+        raw = json.dumps(row, ensure_ascii=False).encode()
+        return raw[: raw.index("é".encode()) + 1]  # the first byte of a 2-byte character
+
+    rows = [{"step": 1, "kind": "train", "tool_call_rate": 0.5}]
+    run = _tiny_train_folder(tmp_path / "run", rows)
+    for name in ("metrics.jsonl", "trajectories.jsonl"):
+        with open(run / name, "ab") as f:
+            f.write(cut({"step": 2, "kind": "train", "note": "été"}))
+    assert main([str(run), "--out", str(tmp_path / "view")]) == 0
+    rep = load_report(run)
+    assert [r["step"] for r in rep.metrics] == [1] and len(rep.trajectories) == 1
+
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    row = {"id": "a", "question": "durée ?", "answer": "A", "prediction": "A", "score": 1.0}
+    (ev / "results.jsonl").write_bytes(
+        (json.dumps(row, ensure_ascii=False) + "\n").encode() + cut(dict(row, id="été"))
+    )
+    assert main([str(ev), "--out", str(tmp_path / "view-eval")]) == 0
+    assert [t.question for t in load_report(ev).trajectories] == ["durée ?"]
 
 
 def test_serve_on_a_busy_port_is_a_one_line_error(tmp_path, capsys) -> None:
