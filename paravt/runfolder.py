@@ -57,6 +57,7 @@ RESUME_MAY_CHANGE: dict[str, str] = {
     "train.alarm_tool_frac": "alarms",
     "train.alarm_closure_frac": "alarms",
     "train.alarm_parse_rise": "alarms",
+    "train.memory_check": "a check before anything loads (paravt.plan)",
     "model.device": "another machine: same weights and optimizer state",
     "model.gradient_checkpointing": "memory only: the same maths",
     "algo.max_tokens_per_microbatch": "memory only: the same sums, split otherwise",
