@@ -222,6 +222,13 @@ class RolloutConfig:
         errs = _range_errors("rollout", self) + _choice_error(
             "rollout.engine", self.engine, ENGINES
         )
+        if self.max_staleness > MAX_STALENESS:
+            errs.append(
+                f"rollout.max_staleness={self.max_staleness} is above {MAX_STALENESS}, the "
+                "most this engine accepts (the trainer buffers up to η + 1 steps of rollouts, "
+                "and tokens that many updates old are off-policy beyond what the decoupled "
+                f"loss corrects); set rollout.max_staleness to 0..{MAX_STALENESS}"
+            )
         if self.max_staleness > 0 and self.workers == 0:
             errs.append(
                 f"rollout.max_staleness={self.max_staleness} needs rollout workers (the "
@@ -229,6 +236,15 @@ class RolloutConfig:
                 "with torchrun, or rollout.max_staleness=0"
             )
         return errs
+
+
+# Largest ``rollout.max_staleness`` accepted. The trainer's rank 0 draws and hands out up to
+# η + 1 steps of prompts ahead and holds every finished step's rollouts (frames included) until
+# its turn, so memory grows with η; and a token η versions old is trained through an importance
+# weight against a policy η updates away, which the decoupled objective corrects only for
+# small lags (asynchronous RL recipes run single-digit η). 16 leaves room to experiment and
+# stops a typo (η = 1e6) before it costs a run.
+MAX_STALENESS = 16
 
 
 @dataclass

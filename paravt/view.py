@@ -261,18 +261,34 @@ def load_report(run_dir: str | Path) -> Report:
 # ------------------------------------------------------------------------------- curves
 def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, list[tuple]]:
     names: list[str] = []
+    shares: dict[str, str] = {}  # histogram key -> its prefix ("*" panels)
     for k in keys:
         if k.endswith(("/K", "*")):
-            k = k.rstrip("*")
+            hist, k = k.endswith("*"), k.rstrip("*")
             found = {x for r in rows for x in r if x.startswith(k) and x[len(k) :].isdigit()}
             names += sorted(found, key=lambda x: int(x[len(k) :]))
+            shares |= dict.fromkeys(found, k) if hist else {}
         elif any(k in r for r in rows):
             names.append(k)
     out = {}
+    hist_rows: dict[str, list[dict[str, Any]]] = {}  # prefix -> the rows that logged it
     for n in names:
+        if n in shares:
+            # A histogram logs the observed values only: at a step that logged the histogram
+            # an absent value is a share of 0, and a value no step observed is not drawn (an
+            # older run logged every value up to η, almost all zeros).
+            pre = shares[n]
+            if pre not in hist_rows:
+                hist_rows[pre] = [
+                    r for r in rows if any(x.startswith(pre) and x[len(pre) :].isdigit() for x in r)
+                ]
+            pts = [(_num(r.get("step")), _num(r.get(n, 0.0))) for r in hist_rows[pre]]
+            if not any(y for _, y in pts):
+                continue
+        else:
+            pts = [(_num(r.get("step")), _num(r[n])) for r in rows if n in r]
         # Finite (step, value) pairs only: a NaN logged by a diverging run, or a hand-edited
         # step, would otherwise make the panel's scale NaN (or crash it).
-        pts = [(_num(r.get("step")), _num(r[n])) for r in rows if n in r]
         pts = [(x, y) for x, y in pts if x is not None and y is not None]
         if pts:
             out[n] = pts
