@@ -83,7 +83,9 @@ from paravt.distributed import (
 )
 from paravt.eval.heldout import evaluate, table_rows
 from paravt.metrics import (
+    DiskFullError,
     MetricsLogger,
+    RunFolderWrites,
     ThumbnailStore,
     format_table,
     plot_summary,
@@ -225,8 +227,9 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     sampler = PromptSampler(train_samples, seed=t.seed)
 
     logger = MetricsLogger(
-        out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg)
-    )
+        out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg),
+        on_disk_full=t.on_save_error,
+    )  # fmt: skip
     trainer = Trainer(
         cfg, ctx, policy, bundle, engine, runner, reference, objective, optimizer, scheduler,
         sampler, val_samples, logger, init_dir,
@@ -235,7 +238,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     trainer.video_meta = runner.meta if runner is not None else _video_meta(cfg)
     if ctx.is_main:
         trainer.thumbs = ThumbnailStore(
-            out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px
+            out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px, disk=logger.disk
         )
 
     # 4. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
@@ -529,7 +532,8 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     out = Path(cfg.train.out_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
+        with RunFolderWrites(cfg.train.on_save_error, out).guard("config", out / "config.yaml"):
+            (out / "config.yaml").write_text(to_yaml(cfg))
         print(to_yaml(cfg), flush=True)
     t_run = time.perf_counter()
     tr = build_trainer(cfg, ctx)
@@ -606,7 +610,8 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     if after:
         tr.logger.log(t.steps, after, kind="eval_after")
     if ctx.is_main:
-        plot_summary(out / "metrics.jsonl", out / "summary.png")
+        with tr.logger.disk.guard("summary plot", out / "summary.png"):
+            plot_summary(out / "metrics.jsonl", out / "summary.png")
         print()
         print(
             format_table(
@@ -705,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except CheckpointSaveError as e:  # train.on_save_error=fail; the previous one is intact
+    except (CheckpointSaveError, DiskFullError) as e:  # train.on_save_error=fail: a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1
     except WorkerFailed as e:  # asynchronous: a rollout worker died or raised
