@@ -467,6 +467,10 @@ class TrainConfig:
     eval_before: bool = True
     # Show the tqdm progress bar (rank 0 only).
     progress: bool = True
+    # Steps that train on nothing (every prompt's video read failed: 0 groups) log no rollout
+    # value and raise an alarm; this many in a row stop the run (exit 1) with an error quoting
+    # the skipped prompts' errors (paravt.alarms.EmptySteps). 0 = never stop (alarms only).
+    max_empty_steps: int = 3
     # Collapse alarms (paravt.alarms): printed, logged to metrics.jsonl as kind "alarm" rows and
     # shown by `python -m paravt.view`. Rates are averaged over the last `alarm_window` steps
     # and compared with their mean over the first `alarm_window` steps (the starting level).
@@ -751,6 +755,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.eval_prompts": (">= 0", "validation prompts; 0 = no evaluation"),
     "train.eval_samples": (">= 1", "samples per validation prompt"),
     "train.eval_frames": (">= 0", "overview frames of the evaluation; 0 = video.fixed_frames"),
+    "train.max_empty_steps": (">= 0", "empty steps in a row that stop a run; 0 = never"),
     "train.alarm_window": (">= 1", "steps averaged by the collapse alarms"),
     "train.alarm_tool_frac": ("[0, 1)", "alarm below this fraction of the start; 0 = off"),
     "train.alarm_closure_frac": ("[0, 1)", "alarm below this fraction of the start; 0 = off"),

@@ -595,11 +595,16 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``parse_error_rate``: fraction of attempted calls that failed to parse/validate;
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
     * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket;
+    * none of these for no records (an empty step: ``paravt.alarms.EmptySteps``);
     * ``prompts/X``, ``prompt_sq/X`` for ``X`` = ``tool_call_rate`` and each ``tool_rate/K{k}``:
       the number of prompts and the mean of their squared per-prompt tool-call rates, which
       with ``X`` (every prompt has G rollouts, so ``X`` is also the mean of the per-prompt
       rates) let ``paravt.alarms`` test a fall with the prompt as the unit.
     """
+    if not records:
+        # A step with no rollout (every video read failed) has no rate or reward to log:
+        # 0.0 would read as a collapse (and feed the collapse alarms a false fall).
+        return {}
     out: dict[str, float] = {}
     for k in sorted({k for r in records for k in r["breakdown"]}):
         out[f"reward/{k}"] = _mean([r["breakdown"].get(k, 0.0) for r in records])

@@ -39,7 +39,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from paravt.agent.loop import AgentRunner, stable_seed
-from paravt.alarms import CollapseDetector
+from paravt.alarms import CollapseDetector, EmptySteps, EmptyStepsError
 from paravt.algo.advantages import apply_kl_reward, build_units
 from paravt.algo.gating import step_budgets
 from paravt.algo.guard import NonFiniteGuard
@@ -159,6 +159,9 @@ class Trainer:
     # (paravt.workers.RolloutPipeline); None: this process rolls out itself (synchronous).
     pipeline: RolloutPipeline | None = None
     video_meta: Any = None  # video path -> VideoMeta, probed once (the viewer's records)
+    # The skipped prompts' errors of the last step that trained on nothing (every rank's):
+    # what the empty-step alarm and error quote (paravt.alarms.EmptySteps).
+    empty_errors: list[str] = field(default_factory=list)
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
@@ -459,6 +462,11 @@ def _learn(
     counts = all_reduce_sum(torch.tensor([float(batch.stats.get(k, 0)) for k in keys]), ctx)
     m.update({f"rollout/{k}": float(v) for k, v in zip(keys, counts)})
     m.update(guard.metrics())
+    if m["num_groups"] == 0:  # trained on nothing: no update statistic either (every rank)
+        for k in ("loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                  "entropy", "grad_norm"):  # fmt: skip
+            m.pop(k)
+        tr.empty_errors = [e for part in all_gather_objects(batch.errors, ctx) for e in part]
     if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
         m.update(batch.metrics)
         m["async/trainer_idle_frac"] = times["time/rollout"] / max(times["time/step"], 1e-9)
@@ -560,6 +568,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     )
     # Collapse alarms; on --resume the kept rows restore starting levels and armed states.
     alarms = CollapseDetector.from_config(t)
+    empty = EmptySteps(t.max_empty_steps)
     if tr.start_step > 0:
         alarms.replay(read_metrics(out / "metrics.jsonl"))
     last: dict[str, float] = {}
@@ -580,10 +589,14 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         done = step
         pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
         tr.logger.log(step, last)
-        for a in alarms.update(step, last):
+        fired = alarms.update(step, last)
+        if (a := empty.update(step, last, tr.empty_errors)) is not None:
+            fired.append(a)
+        for a in fired:
             tr.logger.log(step, a.row(), kind="alarm")
             if ctx.is_main:
                 bar.write(f"[alarm] step {step}: {a.message}")
+        empty.check(step)  # train.max_empty_steps empty steps in a row: EmptyStepsError
         bar.set_postfix(postfix(last))
         bar.update(1)
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
@@ -710,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointSaveError, DiskFullError) as e:  # train.on_save_error=fail: a full disk
+    except (CheckpointSaveError, DiskFullError, EmptyStepsError) as e:  # full disk; no data
         print(f"error: {e}", file=sys.stderr)
         return 1
     except WorkerFailed as e:  # asynchronous: a rollout worker died or raised
