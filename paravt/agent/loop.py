@@ -69,6 +69,11 @@ from paravt.video import (
 
 log = logging.getLogger(__name__)
 
+# How a trajectory's ``errors`` say that its prompt alone passed the engine's context (nothing
+# was generated): the evaluation makes such a sample an error row of kind "context"
+# (``paravt.eval.runner.result_row``), not an unparseable answer.
+PROMPT_TOO_LONG = "the prompt alone"
+
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Placeholder tokens a generated turn must never contain: they would claim visual features the
 # sequence does not have and break every later forward pass over the context.
@@ -384,11 +389,20 @@ class AgentRunner:
             )
         if room < 1:
             st["context_ended"] += 1
-            e.errors.append(
-                f"turn {turn}: the context is full ({n} of {limit} tokens); the episode ended "
-                "without an answer (lower agent.max_turns, agent.max_tool_response_tokens or "
-                "the frame budget, or raise the engine's max_model_len)"
-            )
+            if not e.turns:  # nothing generated yet: the question itself does not fit
+                e.errors.append(
+                    f"turn {turn}: {PROMPT_TOO_LONG} ({n} tokens: the overview frames and the "
+                    f"question) leaves no room in the engine's context ({limit} tokens); no "
+                    "answer was generated (shorten the question or its subtitles, lower the "
+                    "frame budget K, or raise the engine's max_model_len)"
+                )
+            else:
+                e.errors.append(
+                    f"turn {turn}: the context is full ({n} of {limit} tokens); the episode "
+                    "ended without an answer (lower agent.max_turns, "
+                    "agent.max_tool_response_tokens or the frame budget, or raise the engine's "
+                    "max_model_len)"
+                )
             e.done = True
             return None
         if room < sampling.max_new_tokens:

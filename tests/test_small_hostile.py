@@ -1,0 +1,93 @@
+"""Issue 34 item 20, the smaller hostile-input findings, one test each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from paravt.config import load_config
+
+
+# --------------------------------------------------- a question longer than the context
+def test_a_question_longer_than_the_context_is_an_error_row_of_its_own(
+    assets, synth_dir, tmp_path
+) -> None:
+    from paravt.agent.loop import AgentRunner
+    from paravt.eval.benchmarks import load_benchmark
+    from paravt.eval.runner import RETRYABLE, load_results, run_eval
+    from paravt.models import load_model
+    from paravt.rollout.hf import HFEngine
+    from test_eval_runner import FAST, _settings
+
+    tiny = load_model(assets["model"], dtype="float32", device="cpu")
+    cfg = load_config("tiny_cpu", overrides=FAST)
+    samples = load_benchmark("synth", synth_dir)[:2]
+    samples[1].question = "Which colour is the square? " + "Think of every frame. " * 800
+    runner = AgentRunner(HFEngine(tiny, seed=0, max_model_len=1500), tiny, cfg)
+    summary = run_eval(samples, runner, tmp_path, _settings(), show_progress=False)
+    rows = load_results(tmp_path)
+    bad = rows[samples[1].id]
+    assert bad["error_kind"] == "context" and "context" not in RETRYABLE
+    assert f"sample {samples[1].id}: turn 0: the prompt alone (" in bad["error"]
+    assert "leaves no room in the engine's context (1500 tokens)" in bad["error"]
+    assert bad["unparseable"] is False and bad["score"] == 0.0
+    assert rows[samples[0].id]["error"] is None
+    assert summary["n_errors"] == 1
+
+
+# ----------------------------------------------------------------------- > 26 options
+def test_more_than_26_options_name_the_row(tmp_path: Path) -> None:
+    from eval_fixtures import write_benchmark
+
+    from paravt.data.readers import DatasetError, load_samples
+    from paravt.eval.benchmarks import BenchmarkFormatError, load_benchmark
+
+    write_benchmark("videomme", tmp_path, video=False)
+    p = tmp_path / "videomme/test-00000-of-00001.parquet"
+    rows = pq.read_table(p).to_pylist()
+    rows[1]["options"] = [f"{chr(65 + j) if j < 26 else 'AA'}. x{j}" for j in range(27)]
+    pq.write_table(pa.Table.from_pylist(rows), p)
+    with pytest.raises(BenchmarkFormatError) as e:
+        load_benchmark("videomme", tmp_path)
+    msg = str(e.value)
+    assert "row 1" in msg and rows[1]["question_id"] in msg, msg
+    assert "'options' has 27 options, more than the 26 letters A..Z" in msg or (
+        "field 'options'" in msg and "has 27 options" in msg
+    ), msg
+
+    d = tmp_path / "train"
+    d.mkdir()
+    (d / "v.mp4").write_bytes(b"x")
+    row = {"id": "r7", "video": "v.mp4", "question": "q", "answer": "A",
+           "options": [f"o{j}" for j in range(27)]}  # fmt: skip
+    (d / "train.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DatasetError, match=r"train.jsonl:1: 'options' has 27 options"):
+        load_samples(str(d), split="train")
+
+
+# ------------------------------------------------------- a FIFO, a directory, a symlink loop
+def test_a_fifo_a_directory_and_a_symlink_loop_are_named_as_such(tmp_path: Path) -> None:
+    import os
+
+    from paravt.eval.runner import evaluate_samples
+    from paravt.types import Sample
+
+    os.mkfifo(tmp_path / "pipe.mp4")
+    (tmp_path / "dir.mp4").mkdir()
+    os.symlink(tmp_path / "loop.mp4", tmp_path / "loop.mp4")
+    os.symlink(tmp_path / "gone.mp4", tmp_path / "dangling.mp4")
+    names = ["pipe", "dir", "loop", "dangling", "nope"]
+    samples = [Sample(n, str(tmp_path / f"{n}.mp4"), "q", "A") for n in names]
+    rows: list[dict] = []
+    evaluate_samples(samples, None, frames=4, batch_size=2, seed=0, write=rows.append)
+    got = {r["id"]: (r["error_kind"], r["error"]) for r in rows}
+    assert got["pipe"] == ("video", f"video is a FIFO (named pipe), not a video file: it cannot "
+                                    f"be probed or seeked: {tmp_path / 'pipe.mp4'}")  # fmt: skip
+    assert got["dir"][0] == "video" and got["dir"][1].startswith("video is a directory, not a")
+    assert got["loop"][0] == "video" and got["loop"][1].startswith("video is a symlink loop")
+    assert got["dangling"][1].startswith("video is a symlink to a missing file (")
+    assert got["nope"] == ("missing", f"video not found: {tmp_path / 'nope.mp4'}")
