@@ -91,3 +91,29 @@ def test_a_fifo_a_directory_and_a_symlink_loop_are_named_as_such(tmp_path: Path)
     assert got["loop"][0] == "video" and got["loop"][1].startswith("video is a symlink loop")
     assert got["dangling"][1].startswith("video is a symlink to a missing file (")
     assert got["nope"] == ("missing", f"video not found: {tmp_path / 'nope.mp4'}")
+
+
+# ------------------------------------------------------ a deterministic aspect-ratio failure
+def test_an_extreme_aspect_ratio_is_not_a_retryable_engine_error(
+    assets, make_clip, synth_dir, tmp_path
+) -> None:
+    """A real 8x1632 H.264 file (aspect 204 > the model's 200): the eval's row says so, of a
+    kind a rerun does not retry; the other sample of its batch is evaluated."""
+    from paravt.agent.loop import AgentRunner
+    from paravt.eval.benchmarks import load_benchmark
+    from paravt.eval.runner import RETRYABLE, load_results, run_eval
+    from paravt.models import load_model
+    from paravt.rollout.hf import HFEngine
+    from test_eval_runner import FAST, _settings
+
+    tiny = load_model(assets["model"], dtype="float32", device="cpu")
+    cfg = load_config("tiny_cpu", overrides=FAST)
+    samples = load_benchmark("synth", synth_dir)[:2]
+    samples[1].video = make_clip(size=(8, 1632), duration=4.0)
+    runner = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
+    run_eval(samples, runner, tmp_path, _settings(), show_progress=False)
+    rows = load_results(tmp_path)
+    bad = rows[samples[1].id]
+    assert bad["error_kind"] == "unsupported" and "unsupported" not in RETRYABLE, bad
+    assert "aspect ratio of 8x1632 exceeds 200" in bad["error"], bad["error"]
+    assert rows[samples[0].id]["error"] is None

@@ -62,6 +62,7 @@ from paravt.types import FrameRequest, Group, Sample, ToolCall, Trajectory, Turn
 from paravt.video import (
     DecodePlanner,
     VideoError,
+    VideoUnsupported,
     frame_size_for_budget,
     overview_timestamps,
     probe,
@@ -73,6 +74,9 @@ log = logging.getLogger(__name__)
 # was generated): the evaluation makes such a sample an error row of kind "context"
 # (``paravt.eval.runner.result_row``), not an unparseable answer.
 PROMPT_TOO_LONG = "the prompt alone"
+# How ``AgentRunner.errors`` says a sample was skipped for a ``VideoUnsupported`` video (one the
+# model cannot take, whatever the retry): the evaluation's error kind "unsupported".
+UNSUPPORTED = "cannot be used by the model"
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Placeholder tokens a generated turn must never contain: they would claim visual features the
@@ -284,7 +288,8 @@ class AgentRunner:
         groups: dict[int, Group] = {}
         for gi, (s, k, c) in enumerate(zip(samples, frame_budgets, contexts), first_group):
             if isinstance(c, VideoError):
-                msg = f"sample {s.id}: skipped, its video could not be read ({c})"
+                how = UNSUPPORTED if isinstance(c, VideoUnsupported) else "could not be read"
+                msg = f"sample {s.id}: skipped, its video {how} ({c})"
                 log.warning(msg)
                 self.errors.append(msg)
                 continue

@@ -217,7 +217,7 @@ def evaluate_samples(
 ) -> list[dict[str, Any]]:
     """Run ``samples`` through ``runner`` (an ``AgentRunner``) in batches; ``write`` each row
     as soon as its batch finishes; returns the rows in sample order."""
-    from paravt.agent.loop import PROMPT_TOO_LONG, stable_seed
+    from paravt.agent.loop import PROMPT_TOO_LONG, UNSUPPORTED, stable_seed
 
     rows: list[dict[str, Any]] = []
     todo: list[Sample] = []
@@ -256,7 +256,9 @@ def evaluate_samples(
             if g is None or not g.trajectories:
                 said = [m for m in runner.errors if m.startswith(f"sample {s.id}: ")]
                 msg = said[0] if said else f"sample {s.id}: no rollout came back"
-                emit(result_row(s, None, frames=frames, error=msg, kind="video"))
+                # A video the model cannot take (aspect ratio ...) is no transient failure.
+                kind = "unsupported" if UNSUPPORTED in msg else "video"
+                emit(result_row(s, None, frames=frames, error=msg, kind=kind))
                 continue
             t = g.trajectories[0]
             if not t.turns and any(PROMPT_TOO_LONG in x for x in t.errors):

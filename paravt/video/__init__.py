@@ -6,7 +6,7 @@ frame) is the last frame whose presentation time is ``<= t``.
 
 from paravt.video.cache import FrameCache
 from paravt.video.deadline import DEFAULT_DECODE_TIMEOUT_S, stuck_reads
-from paravt.video.errors import VideoError, VideoTimeout
+from paravt.video.errors import VideoError, VideoTimeout, VideoUnsupported
 from paravt.video.planner import (
     BACKENDS,
     DecodePlanner,
@@ -30,6 +30,7 @@ __all__ = [
     "StreamIndex",
     "VideoError",
     "VideoTimeout",
+    "VideoUnsupported",
     "clear_probe_cache",
     "crop_request",
     "crop_timestamps",
