@@ -122,10 +122,22 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         if not line:
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill mid-write
+        if isinstance(row, dict):  # every reader takes rows as objects: a [..] or "..." line
+            rows.append(row)  # (hand-edited, another tool's) is no row
     return rows
+
+
+def _step_at_most(row: dict[str, Any], step: int) -> bool:
+    """Whether ``row`` belongs to step ``step`` or before (a row without a step does, as an
+    alarm may; a step that is no number cannot be placed and does not)."""
+    v = row.get("step", -1)
+    try:
+        return not isinstance(v, bool) and float(v) <= step
+    except (TypeError, ValueError):
+        return False
 
 
 class DiskFullError(RuntimeError):
@@ -259,7 +271,7 @@ class MetricsLogger:
         if not self.enabled or not self.metrics_path.is_file():
             return
         for path in (self.metrics_path, self.traj_path):
-            rows = [r for r in read_metrics(path) if int(r.get("step", -1)) <= step]
+            rows = [r for r in read_metrics(path) if _step_at_most(r, step)]
             tmp = path.with_suffix(".tmp")
             with self.disk.guard(f"{path.name} rewrite", tmp):
                 try:

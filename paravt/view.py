@@ -149,8 +149,20 @@ def _num(v: Any) -> float | None:
     return x if x == x and abs(x) != float("inf") else None
 
 
+def _items(v: Any, *kinds: type) -> list[Any]:
+    """The items of ``v`` that are of ``kinds`` when ``v`` is a list, else none: a record's
+    list fields as a hand-edited or foreign file may hold them (``"turns": "text"`` would
+    otherwise be read a character at a time)."""
+    return [x for x in v if isinstance(x, kinds)] if isinstance(v, list) else []
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
 def _call(c: Any) -> CallView:
     if isinstance(c, (list, tuple)):  # runs before the viewer: [status, start, end]
+        c = list(c) + [None] * 3
         return CallView(str(c[0]), _num(c[1]), _num(c[2]))
     return CallView(
         str(c.get("status", "")),
@@ -162,7 +174,7 @@ def _call(c: Any) -> CallView:
 
 
 def _train_traj(r: dict[str, Any]) -> TrajView:
-    b = r.get("breakdown") or {}
+    b = _dict(r.get("breakdown"))
     return TrajView(
         name=str(r.get("uid", "")),
         step=None if _num(r.get("step")) is None else int(_num(r.get("step"))),
@@ -173,17 +185,19 @@ def _train_traj(r: dict[str, Any]) -> TrajView:
             TurnView(
                 str(t.get("prefix", "")),
                 str(t.get("text", "")),
-                [_call(c) for c in t.get("calls", [])],
+                [_call(c) for c in _items(t.get("calls"), dict, list)],
                 bool(t.get("forced_answer", False)),
             )
-            for t in r.get("turns", [])
+            for t in _items(r.get("turns"), dict)
         ],
         reward=_num(r.get("reward")),
         breakdown=b,
         correct=_correct(b.get("acc"), r.get("task")),
         duration=_num(r.get("duration")),
-        frame_times=[x for x in map(_num, r.get("frame_times") or []) if x is not None],
-        thumbs=r.get("thumbs"),
+        frame_times=[
+            x for x in map(_num, _items(r.get("frame_times"), int, float)) if x is not None
+        ],
+        thumbs=_items(r.get("thumbs"), str) or None,
     )
 
 
@@ -210,10 +224,10 @@ def _eval_traj(r: dict[str, Any]) -> TrajView:
             TurnView(
                 "",
                 str(t.get("text", "")),
-                [_call(c) for c in t.get("calls", [])],
+                [_call(c) for c in _items(t.get("calls"), dict, list)],
                 bool(t.get("forced_answer", False)),
             )
-            for t in r.get("trace", [])
+            for t in _items(r.get("trace"), dict)
         ],
         reward=_num(r.get("score")),
         breakdown={k: r.get(k) for k in keys if r.get(k) is not None},

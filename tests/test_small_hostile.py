@@ -117,3 +117,42 @@ def test_an_extreme_aspect_ratio_is_not_a_retryable_engine_error(
     assert bad["error_kind"] == "unsupported" and "unsupported" not in RETRYABLE, bad
     assert "aspect ratio of 8x1632 exceeds 200" in bad["error"], bad["error"]
     assert rows[samples[0].id]["error"] is None
+
+
+# ----------------------------------------------- hostile records in the viewer and --resume
+def test_the_viewer_survives_non_object_lines_and_string_turns(tmp_path: Path) -> None:
+    from paravt.view import write_report
+
+    d = tmp_path / "run"
+    d.mkdir()
+    rows = [{"step": 1, "kind": "train", "tool_call_rate": 0.5}, [1, 2], 3, "text", None]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trajs = [
+        [1, 2],
+        "a string",
+        {"uid": "u-str", "step": 1, "turns": "<answer>A</answer>", "breakdown": [1]},
+        {"uid": "u-mixed", "step": 1, "turns": [{"text": "t", "calls": "x"}, "y", 5],
+         "thumbs": "t.jpg", "frame_times": "12", "breakdown": {"acc": 1.0}},
+    ]  # fmt: skip
+    (d / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trajs))
+    page = (write_report(d).parent / "trajectories.html").read_text()
+    assert "u-str" in page and "u-mixed" in page
+
+    e = tmp_path / "eval"
+    e.mkdir()
+    res = [7, {"id": "e1", "question": "q", "answer": "A", "trace": "oops", "score": 1.0}]
+    (e / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
+    assert "e1" in (write_report(e).parent / "trajectories.html").read_text()
+
+
+def test_resume_truncation_survives_a_text_step(tmp_path: Path) -> None:
+    from paravt.metrics import MetricsLogger, read_metrics
+
+    rows = [{"step": 1, "kind": "train"}, {"step": "two", "kind": "train"},
+            {"step": 3, "kind": "train"}, {"kind": "alarm"}, {"step": 2.0, "kind": "train"}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    MetricsLogger(tmp_path, tensorboard=False).truncate_after(2)
+    # A row whose step is not a number cannot be placed: dropped with the later steps.
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "kind": "train"}, {"kind": "alarm"}, {"step": 2.0, "kind": "train"}
+    ]  # fmt: skip
