@@ -86,7 +86,7 @@ from paravt.arms import (
     train_checkpoint,
     write_stamp,
 )
-from paravt.config import Config, ConfigError, load_config, to_yaml
+from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 #: The arms of ``paravt.arms.ARMS`` (same names, same order), described for this experiment.
@@ -885,6 +885,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         eval_k = _int_list("--eval-k", args.eval_k)
         windows = _int_list("--windows", args.windows)
         cfg = load_config(args.preset, configs, args.overrides)
+        if errs := preset_errors(args.preset, cfg):  # e.g. the 8B presets' model.path
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
         stage1 = load_config(args.preset, [], [])  # the embedded default's SFT recipe
         if args.base_steps is not None:
             if args.base_steps < 0:

@@ -216,12 +216,23 @@ class RolloutConfig:
     max_staleness: int = 0
 
     def validate(self) -> list[str]:
-        """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``)."""
+        """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``, and
+        what it refuses: greedy rows with ``top_p`` < 1 for vLLM)."""
         from paravt.rollout import ENGINES
 
         errs = _range_errors("rollout", self) + _choice_error(
             "rollout.engine", self.engine, ENGINES
         )
+        spec = ENGINES.get(self.engine)
+        greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
+        if spec is not None and spec.greedy_rejects_top_p and greedy and self.top_p < 1:
+            # vLLM fails every greedy request with top_p < 1 (paravt.rollout.vllm): found here,
+            # not at the first rollout of a run (or the first sample of an evaluation).
+            errs.append(
+                f"rollout.top_p={self.top_p:g} with rollout.engine={self.engine} and "
+                f"rollout.{greedy[0]}=0: {spec.label} refuses greedy requests with top_p < 1 "
+                f"(every request would fail); set rollout.top_p=1, or rollout.{greedy[0]}>0"
+            )
         if self.max_staleness > MAX_STALENESS:
             errs.append(
                 f"rollout.max_staleness={self.max_staleness} is above {MAX_STALENESS}, the "
@@ -311,7 +322,12 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    # Decoupled objective: cap on the behaviour importance weight exp(prox - old); null = off.
+    # Decoupled objective: the behaviour importance weight w = exp(prox - behav) multiplies
+    # each token's loss. A number drops the tokens whose w passes it from the loss (AReaL's
+    # behaviour-weight cap); null applies w uncapped, however large (as verl does, and AReaL
+    # did by default): a token the engine sampled with a much lower probability than the
+    # proximal policy gives it then weighs that much more. Asynchronous runs (stale tokens,
+    # rollout.max_staleness > 0) are where w strays from 1: set a cap there (e.g. 5).
     behav_cap: float | None = None
     # KL to the frozen reference: coefficient and estimator (k1 | k2 | k3). 0 skips the reference.
     kl_coef: float = 0.01
@@ -381,7 +397,10 @@ class AlgoConfig:
         if self.dual_clip is not None and self.dual_clip <= 1:
             errs.append(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
         if self.behav_cap is not None and self.behav_cap <= 1:
-            errs.append(f"algo.behav_cap={self.behav_cap} must be > 1 (or null to disable)")
+            errs.append(
+                f"algo.behav_cap={self.behav_cap} must be > 1 (or null: no cap, the importance "
+                "weight applies uncapped)"
+            )
         errs += _choice_error("algo.loss", self.loss, ("ppo", "decoupled"))
         if self.behav_cap is not None and self.loss != "decoupled":
             errs.append(

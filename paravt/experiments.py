@@ -56,7 +56,7 @@ from paravt.arms import (
     train_checkpoint,
     write_stamp,
 )
-from paravt.config import Config, ConfigError, load_config
+from paravt.config import Config, ConfigError, load_config, preset_errors
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 
@@ -300,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not eval_k or min(eval_k) < 1:
             raise ConfigError(f"--eval-k {args.eval_k!r}: give K >= 1, e.g. 4,32")
         cfg = load_config(args.preset, args.config, args.overrides)
+        if errs := preset_errors(args.preset, cfg):  # e.g. the 8B presets' model.path
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
         base = ["--preset", args.preset]
         for c in args.config:
             base += ["--config", c]

@@ -116,7 +116,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. algo.kl_coef=0.02")
-    a = p.parse_args(argv)
+    # Intermixed: `k=v --resume k2=v2` (overrides on both sides of a flag) is one command line.
+    a = p.parse_intermixed_args(argv)
     cfg = load_config(a.preset, a.config, a.overrides)
     if errs := preset_errors(a.preset, cfg):
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))

@@ -16,12 +16,13 @@ from paravt.config import load_config
 def test_a_question_longer_than_the_context_is_an_error_row_of_its_own(
     assets, synth_dir, tmp_path
 ) -> None:
+    from test_eval_runner import FAST, _settings
+
     from paravt.agent.loop import AgentRunner
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import RETRYABLE, load_results, run_eval
     from paravt.models import load_model
     from paravt.rollout.hf import HFEngine
-    from test_eval_runner import FAST, _settings
 
     tiny = load_model(assets["model"], dtype="float32", device="cpu")
     cfg = load_config("tiny_cpu", overrides=FAST)
@@ -99,12 +100,13 @@ def test_an_extreme_aspect_ratio_is_not_a_retryable_engine_error(
 ) -> None:
     """A real 8x1632 H.264 file (aspect 204 > the model's 200): the eval's row says so, of a
     kind a rerun does not retry; the other sample of its batch is evaluated."""
+    from test_eval_runner import FAST, _settings
+
     from paravt.agent.loop import AgentRunner
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import RETRYABLE, load_results, run_eval
     from paravt.models import load_model
     from paravt.rollout.hf import HFEngine
-    from test_eval_runner import FAST, _settings
 
     tiny = load_model(assets["model"], dtype="float32", device="cpu")
     cfg = load_config("tiny_cpu", overrides=FAST)
@@ -156,3 +158,80 @@ def test_resume_truncation_survives_a_text_step(tmp_path: Path) -> None:
     assert read_metrics(tmp_path / "metrics.jsonl") == [
         {"step": 1, "kind": "train"}, {"kind": "alarm"}, {"step": 2.0, "kind": "train"}
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------ command lines, configs
+def test_train_takes_overrides_on_both_sides_of_resume() -> None:
+    from paravt.train import parse_args
+
+    cfg, _ = parse_args(["train.steps=3", "--resume", "train.seed=5"])
+    assert (cfg.train.steps, cfg.train.seed, cfg.train.resume) == (3, 5, True)
+
+
+def test_behav_cap_null_is_said_to_be_uncapped() -> None:
+    from paravt.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"or null: no cap, the importance weight applies"):
+        load_config(overrides=["algo.loss=decoupled", "algo.behav_cap=0.5"])
+
+
+def test_vllm_greedy_with_top_p_is_refused_by_the_training_config() -> None:
+    from paravt.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(
+            overrides=["rollout.engine=vllm", "rollout.sub_temperature=0", "rollout.top_p=0.9"]
+        )
+    msg = str(e.value)
+    assert "rollout.top_p=0.9 with rollout.engine=vllm and rollout.sub_temperature=0" in msg
+    assert "set rollout.top_p=1, or rollout.sub_temperature>0" in msg
+    # The HF engine scores greedy rows under the nucleus as sampled: allowed.
+    load_config(overrides=["rollout.sub_temperature=0", "rollout.top_p=0.9"])
+
+
+def test_sft_and_the_experiments_check_the_required_model_path(tmp_path, capsys) -> None:
+    """The 8B presets mark model.path required: sft and the experiments refuse it empty
+    before anything loads or is written, as train does."""
+    from paravt.experiments import main as experiments
+    from paravt.sft import main as sft
+
+    out = tmp_path / "x"
+    assert sft(["--preset", "qwen3vl_8b_paragrpo", "--out", str(out)]) == 2
+    assert "preset 'qwen3vl_8b_paragrpo' needs model.path" in capsys.readouterr().err
+    args = ["--preset", "qwen3vl_8b_paragrpo", "--out", str(out)]
+    assert experiments(["ablation", *args]) == 2
+    assert "needs model.path" in capsys.readouterr().err
+    assert experiments(["collapse", *args]) == 2
+    assert "needs model.path" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sft_keeps_the_old_checkpoint_until_the_new_one_is_in_place(
+    assets, tmp_path, monkeypatch
+) -> None:
+    import os
+
+    from test_sft import _cfg
+
+    from paravt.sft import run_sft
+
+    out = tmp_path / "sft"
+    out.mkdir()
+    (out / "config.json").write_text('{"old": true}')
+    real = os.replace
+
+    def replace(src, dst):  # the move of the new checkpoint into place fails (a kill, EXDEV)
+        if Path(dst) == out and Path(src).name == "sft.tmp":
+            raise OSError(18, "Invalid cross-device link")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):
+        run_sft(_cfg(assets, tmp_path, **{"sft.steps": 1}), model_dir=assets["model"],
+                data_dir=assets["data"], out_dir=out)  # fmt: skip
+    assert (out / "config.json").read_text() == '{"old": true}'
+    monkeypatch.setattr(os, "replace", real)
+    run_sft(_cfg(assets, tmp_path, **{"sft.steps": 1}), model_dir=assets["model"],
+            data_dir=assets["data"], out_dir=out)  # fmt: skip
+    assert "old" not in (out / "config.json").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sft")) == ["sft"]
