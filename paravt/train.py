@@ -361,8 +361,9 @@ def _learn(
     times["time/logprobs"] = time.perf_counter() - t0
     if cfg.train.dump_batches:
         dump = Path(cfg.train.out_dir) / "debug" / f"step{step}_rank{ctx.rank}.pt"
-        dump.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
+        with tr.logger.disk.guard("debug batch dump", dump):  # a full disk: train.on_save_error
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
 
     # 5. PPO epochs × minibatches: packed micro-batch forward/backward, one optimizer step each.
     _enter(tr, step, "update")

@@ -91,11 +91,16 @@ def test_continue_warns_once_per_write_and_trains_on(
 
     out = tmp_path / "run"
     _fill_disk_after_step1(out, monkeypatch)
-    rc = main([*small_overrides(assets, out, **{"train.steps": 3}), "train.on_save_error=continue"])
+    rc = main(
+        [
+            *small_overrides(assets, out, **{"train.steps": 3, "train.dump_batches": "true"}),
+            "train.on_save_error=continue",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 0, cap.err[-3000:]
     assert "[train] 3 steps in" in cap.out  # trained to the end
-    for what in ("metrics.jsonl", "trajectories.jsonl", "thumbs", "tb", "summary.png"):
+    for what in ("metrics.jsonl", "trajectories.jsonl", "thumbs", "tb", "summary.png", "debug"):
         warns = [ln for ln in cap.err.splitlines() if "warning" in ln and f"{out}/{what}" in ln]
         assert len(warns) == 1, (what, cap.err[-3000:])
         assert "No space left on device" in warns[0] and "bytes are free" in warns[0]
