@@ -170,6 +170,15 @@ class ModelConfig:
         return errs
 
 
+# Largest ``rollout.max_staleness`` accepted. The trainer's rank 0 draws and hands out up to
+# η + 1 steps of prompts ahead and holds every finished step's rollouts (frames included) until
+# its turn, so memory grows with η; and a token η versions old is trained through an importance
+# weight against a policy η updates away, which the decoupled objective corrects only for
+# small lags (published asynchronous recipes use a few versions). 16 leaves room to try more and
+# stops a typo (η = 1e6) before it costs a run.
+MAX_STALENESS = 16
+
+
 @dataclass
 class RolloutConfig:
     # Rollout engine, one of paravt.rollout.ENGINES: 'hf' (paravt's transformers decode loop,
@@ -247,15 +256,6 @@ class RolloutConfig:
                 "with torchrun, or rollout.max_staleness=0"
             )
         return errs
-
-
-# Largest ``rollout.max_staleness`` accepted. The trainer's rank 0 draws and hands out up to
-# η + 1 steps of prompts ahead and holds every finished step's rollouts (frames included) until
-# its turn, so memory grows with η; and a token η versions old is trained through an importance
-# weight against a policy η updates away, which the decoupled objective corrects only for
-# small lags (asynchronous RL recipes run single-digit η). 16 leaves room to experiment and
-# stops a typo (η = 1e6) before it costs a run.
-MAX_STALENESS = 16
 
 
 @dataclass
