@@ -45,6 +45,13 @@ Honest limits: prompts are treated as independent across steps (the policy drift
 are not quite), and the test runs at every step (no correction for repeated looks; the edge
 trigger and the small ``alpha`` keep the false-alarm rate of a whole run low).
 
+Empty steps (:class:`EmptySteps`): a step whose every prompt was skipped (all its video reads
+failed: 0 groups) trains on nothing; it logs no rollout value (``rollout_metrics`` of no
+rollout is empty, not 0.0), raises an alarm row, and ``train.max_empty_steps`` of them in a row
+stop the run with ``EmptyStepsError`` naming the skipped prompts' errors: one bad step can be
+a transient (a network file system that blinked), several in a row mean the data is unreadable
+and the run would spend its whole budget on nothing while looking healthy (rc 0).
+
 Pure (no I/O, no torch): ``paravt.train`` feeds it each step's metrics, prints the alarms and
 logs them to ``metrics.jsonl`` as ``kind: "alarm"`` rows, which ``paravt.view`` shows. On
 ``--resume`` the trainer replays the kept rows (:meth:`CollapseDetector.replay`) so that
@@ -310,3 +317,42 @@ def detect_alarms(
     return CollapseDetector(
         window, tool_frac, closure_frac, parse_rise, min_prompts=min_prompts, alpha=alpha
     ).replay(rows)
+
+
+class EmptyStepsError(RuntimeError):
+    """``train.max_empty_steps`` steps in a row trained on nothing; ``paravt.train.main``
+    exits 1 with its message."""
+
+
+class EmptySteps:
+    """Counts the steps in a row that trained on nothing (``num_groups == 0``); ``paravt.train``
+    feeds it each step (``update``), logs the alarm, then calls ``check``. ``limit``:
+    ``train.max_empty_steps`` (0: never stop, alarm only). A resumed run counts afresh."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.run = int(limit), 0
+        self.why = ""
+
+    def update(self, step: int, metrics: Mapping[str, Any], errors: Iterable[str]) -> Alarm | None:
+        """The step's alarm when it was empty, None otherwise. ``errors``: the step's skipped
+        prompts' errors (``RolloutBatch.errors`` of every rank), quoted in the alarm."""
+        if metrics.get("num_groups", 1) > 0:
+            self.run = 0
+            return None
+        self.run += 1
+        errs = list(errors)
+        shown = "; ".join(errs[:3]) + (f"; ... ({len(errs) - 3} more)" if len(errs) > 3 else "")
+        self.why = f"every prompt was skipped ({shown or 'no error recorded'})"
+        return Alarm(
+            step, "num_groups", 0.0, 0.0, 0.0, f"step {step} trained on nothing: {self.why}"
+        )
+
+    def check(self, step: int) -> None:
+        """Raise ``EmptyStepsError`` once ``limit`` steps in a row, up to ``step``, were empty."""
+        if self.limit and self.run >= self.limit:
+            raise EmptyStepsError(
+                f"{self.run} steps in a row trained on nothing (steps {step - self.run + 1}.."
+                f"{step}): {self.why}. Fix the videos (or data.path / data.video_root) and "
+                "rerun with --resume; train.max_empty_steps sets how many such steps stop a "
+                "run (0: never)."
+            )

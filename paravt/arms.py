@@ -11,13 +11,23 @@ as given) with some of its parts switched off by ``key=value`` overrides:
 - ``paragrpo``: both (the config as given);
 - ``paragrpo_no_rtool``: both, without the tool reward R_tool (``reward.tool_bonus=0``).
 
+Also the drivers' shared machinery: the stamp that says what an arm run was made with (a
+rerun with other settings redoes it), the folder lock (a rerun never wipes a folder a live run
+writes into) and the arm-run launcher that forwards the driver's signals to the run.
+
 This module sits below both experiment modules (it imports only ``paravt.config`` and
 ``paravt.metrics``), so neither has to import the other for them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +119,219 @@ def train_checkpoint(
         flush=True,
     )
     return dst
+
+
+# ------------------------------------------------------------------ what a run was made with
+#: The file in an arm run's folder that records what it was made with (:func:`run_stamp`).
+STAMP = "stamp.json"
+
+
+def run_stamp(cfg: Config, **extra: Any) -> dict[str, Any]:
+    """What makes an arm run what it is: its resolved config (every key, RL settings included)
+    and the driver's own settings that shape its rows (``extra``, e.g. ``eval_every``), as
+    JSON values. The drivers write it into the run folder before starting the run and keep a
+    finished run on a rerun only when it matches (:func:`kept_run`)."""
+    return json.loads(json.dumps({"config": dataclasses.asdict(cfg), **extra}))
+
+
+def write_stamp(run_dir: Path, stamp: dict[str, Any]) -> None:
+    (run_dir / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+
+
+def _flat(d: Any, pre: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {pre: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{pre}.{k}" if pre else str(k))
+    return out
+
+
+def stamp_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``["algo.lr: 2e-06 -> 0.001", ...]``: the keys whose values differ (``config.`` cut)."""
+    a, b = _flat(old), _flat(new)
+    return [
+        f"{k.removeprefix('config.')}: {a.get(k, '(absent)')} -> {b.get(k, '(absent)')}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, "(absent)") != b.get(k, "(absent)")
+    ]
+
+
+def kept_run(run_dir: Path, stamp: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a rerun keeps the arm run in ``run_dir``: finished (:func:`run_finished`) and
+    made with ``stamp`` (:data:`STAMP`). Returns ``(keep, why not)``; ``why`` names the keys
+    that differ. A run made before stamps is checked by its ``config.yaml`` (the resolved
+    config it wrote; the stamp's extra keys cannot be checked for it)."""
+    if not run_finished(run_dir):
+        return False, "not finished"
+    p = run_dir / STAMP
+    if p.is_file():
+        try:
+            old = json.loads(p.read_text())
+        except json.JSONDecodeError:
+            return False, f"{p} is unreadable"
+        diff = stamp_diff(old, stamp)
+        shown = "; ".join(diff[:6]) + (f"; ... ({len(diff) - 6} more)" if len(diff) > 6 else "")
+        return not diff, f"made with other settings ({shown})"
+    from omegaconf import OmegaConf
+
+    yml = run_dir / "config.yaml"
+    if yml.is_file():  # the driver's extra settings are unknown for such a run: not compared
+        old = OmegaConf.to_container(OmegaConf.load(yml))
+        diff = stamp_diff({"config": old}, {"config": stamp["config"]})
+        return not diff, f"made with other settings ({'; '.join(diff[:6])})"
+    return False, f"no {STAMP}: its settings are unknown"
+
+
+# ------------------------------------------------------------------- the drivers' folder lock
+LOCK = ".lock"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot; None: no such process or no
+    /proc): with the pid it names one process, not a later one that reuses the number."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _alive(pid: int | None, start: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: alive
+    now = _start_ticks(pid)
+    return start is None or now is None or now == start
+
+
+class FolderLock:
+    """The drivers' claim on their ``--out`` folder: ``OUT/.lock`` records the driver's pid
+    (and the arm run it is waiting for, :meth:`child`), each with its start time. A driver
+    refuses a folder whose lock names a live process (``ConfigError``): a rerun would wipe a
+    run folder while that run still writes into it. A lock whose processes are all gone (a
+    driver killed with SIGKILL) is stale and taken over. Used by ``paravt.experiments.ablation``
+    and ``paravt.collapse.collapse``."""
+
+    def __init__(self, out: Path, tag: str) -> None:
+        self.path, self.tag = Path(out) / LOCK, tag
+        self.state: dict[str, Any] = {}
+
+    def __enter__(self) -> FolderLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            try:
+                old = json.loads(self.path.read_text())
+            except (json.JSONDecodeError, OSError):
+                old = {}
+            for who in ("pid", "child"):
+                if isinstance(old, dict) and _alive(old.get(who), old.get(f"{who}_start")):
+                    what = "its driver" if who == "pid" else "an arm run it started"
+                    raise ConfigError(
+                        f"{self.path.parent} is held by a live run ({what}: pid {old[who]}, "
+                        f"{self.path}); wait for it to end or stop it (kill -TERM "
+                        f"{old.get('pid')}: the driver stops its arm run too), or pass another "
+                        "--out"
+                    )
+        me = os.getpid()
+        self.state = {"tag": self.tag, "pid": me, "pid_start": _start_ticks(me)}
+        self._write()
+        return self
+
+    def child(self, pid: int | None) -> None:
+        """Record (``None``: clear) the arm run the driver now waits for."""
+        self.state["child"] = pid
+        self.state["child_start"] = _start_ticks(pid) if pid else None
+        self._write()
+
+    def _write(self) -> None:
+        tmp = self.path.with_name(f"{LOCK}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.state) + "\n")
+        os.replace(tmp, self.path)
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+# ------------------------------------------------------------------------- the arm runs
+class DriverInterrupted(RuntimeError):
+    """The driver got SIGTERM/SIGINT/SIGUSR1 while an arm run was going: the signal went to
+    the run's process group, the run stopped, and the driver stops (its ``main`` exits
+    128 + the signal number). A rerun redoes the unfinished run."""
+
+    def __init__(self, signum: int, what: str, rc: int) -> None:
+        self.signum = signum
+        super().__init__(
+            f"{signal.Signals(signum).name}: forwarded to {what}, which exited {rc}; the driver "
+            "stops. Rerun the same command to continue: finished runs are kept, this one is "
+            "redone."
+        )
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def run_child(cmd: Sequence[str], log_path: Path, what: str, lock: FolderLock | None) -> int:
+    """Run an arm's process ``cmd`` (stdout and stderr to ``log_path``) in a process group of
+    its own, and forward SIGTERM / SIGINT / SIGUSR1 sent to the driver to that group (a
+    scheduler's preemption reaches the run; it checkpoints or stops, and no orphan keeps
+    writing into the folder). Returns its exit code; raises ``DriverInterrupted`` after a
+    forwarded signal, once the run has exited."""
+    got: list[int] = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def forward(signum: int, _frame: Any) -> None:
+            got.append(signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+
+        old = {s: signal.signal(s, forward) for s in FORWARDED}
+        try:
+            if lock is not None:
+                lock.child(proc.pid)
+            rc = proc.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            if lock is not None:
+                lock.child(None)
+    if got:
+        raise DriverInterrupted(got[0], what, rc)
+    return rc
+
+
+def parse_arms(raw: str, known: Sequence[str]) -> list[str]:
+    """``--arms`` as a list: each name known, at least one (an empty list would run nothing and
+    report an empty table as a result)."""
+    arms = [x.strip() for x in raw.split(",") if x.strip()]
+    if not arms:
+        raise ConfigError(f"--arms {raw!r} names no arm; give a comma list of {', '.join(known)}")
+    for a in arms:
+        if a not in known:
+            raise ConfigError(f"--arms: unknown arm {a!r} (known: {', '.join(known)})")
+    return arms
+
+
+def load_args(base_args: Sequence[str], extra: Sequence[str]) -> Config:
+    """The config of ``base_args`` (``--preset P --config F ... key=value ...``, what the
+    drivers pass every arm run) + ``extra``: what the run resolves (its stamp's config)."""
+    from paravt.config import load_config
+
+    args = list(base_args)
+    preset, configs, kv = "tiny_cpu", [], []
+    while args:
+        a = args.pop(0)
+        if a == "--preset":
+            preset = args.pop(0)
+        elif a == "--config":
+            configs.append(args.pop(0))
+        else:
+            kv.append(a)
+    return load_config(preset, configs, [*kv, *extra])

@@ -41,8 +41,13 @@ cold start, not the system:
    with a mixed group, the mean advantage of tool and no-tool rollouts there), each
    ``{"mean", "std"}`` over seeds, the per-seed values and per-step curves.
 
-A rerun into the same ``--out`` keeps the SFT checkpoint, its evaluation and every finished
-run (its ``metrics.jsonl`` holds ``eval_after``), and redoes a run cut short from scratch.
+A rerun into the same ``--out`` keeps the SFT checkpoint (its stamp matching), its evaluation
+and every finished run (its ``metrics.jsonl`` holds ``eval_after``) whose ``stamp.json`` (the
+resolved config, and ``--eval-every``; ``paravt.arms.kept_run``) matches what the rerun would
+run, and redoes the others (a run cut short, or one made with other settings) from scratch.
+``OUT/.lock`` refuses a second command into a folder a live one holds; SIGTERM / SIGINT /
+SIGUSR1 to the command reach the arm run's process group (the run stops, then the command, exit
+128 + the signal).
 
 Honest limits: the crop windows are fixed per video duration (the tiny model cannot copy
 numbers, see README), so crop placement does not depend on the overview; "held-out accuracy
@@ -60,7 +65,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -68,8 +72,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from paravt.arms import arm_overrides, reused_checkpoint, run_finished, train_checkpoint
-from paravt.config import Config, ConfigError, load_config, to_yaml
+from paravt.arms import (
+    DriverInterrupted,
+    FolderLock,
+    arm_overrides,
+    kept_run,
+    load_args,
+    parse_arms,
+    reused_checkpoint,
+    run_child,
+    run_finished,
+    run_stamp,
+    train_checkpoint,
+    write_stamp,
+)
+from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 #: The arms of ``paravt.arms.ARMS`` (same names, same order), described for this experiment.
@@ -383,10 +400,13 @@ def run_one(cfg: Config, eval_every: int) -> None:
         m = train_step(tr, step)
         m.update(tool_advantage_metrics(rec.groups, cfg.algo))
         tr.logger.log(step, m)
+        v = {k: float(m.get(k, "nan")) for k in  # an empty step logs no rollout value
+             ("tool_calls_per_rollout", "tool_call_rate", "format_compliance", "accuracy",
+              "adv/tool", "adv/no_tool")}  # fmt: skip
         print(
-            f"[collapse] step {step}: kappa {m['tool_calls_per_rollout']:.2f} tool rate "
-            f"{m['tool_call_rate']:.2f} format {m['format_compliance']:.2f} acc "
-            f"{m['accuracy']:.2f} adv tool/no-tool {m['adv/tool']:.2f}/{m['adv/no_tool']:.2f} "
+            f"[collapse] step {step}: kappa {v['tool_calls_per_rollout']:.2f} tool rate "
+            f"{v['tool_call_rate']:.2f} format {v['format_compliance']:.2f} acc "
+            f"{v['accuracy']:.2f} adv tool/no-tool {v['adv/tool']:.2f}/{v['adv/no_tool']:.2f} "
             f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
@@ -649,12 +669,14 @@ def plot(res: dict[str, Any], out_png: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ driver
-def _subprocess(run_dir: Path, args: Sequence[str], what: str) -> None:
+def _subprocess(
+    run_dir: Path, args: Sequence[str], what: str, stamp: dict[str, Any], lock: FolderLock
+) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
     run_dir.mkdir(parents=True)
+    write_stamp(run_dir, stamp)
     cmd = [sys.executable, "-m", "paravt.collapse", "run-one", *args]
-    with open(run_dir / "train.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    rc = run_child(cmd, run_dir / "train.log", f"collapse {what}", lock)
     if rc != 0:
         tail = (run_dir / "train.log").read_text().splitlines()[-25:]
         raise RuntimeError(
@@ -679,9 +701,7 @@ def collapse(
     """Run the experiment (module docstring); returns ``{"json", "table"}``. ``base_args``:
     the ``--preset``/``--config``/overrides that built ``cfg``; ``base``: the config whose
     ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
-    for a in arms:
-        if a not in ARMS:
-            raise ConfigError(f"--arms: unknown arm {a!r} (known: {', '.join(ARMS)})")
+    for a in parse_arms(",".join(arms), list(ARMS)):  # none, or an unknown one: refused
         arm_overrides(a, cfg)
     if cfg.data.synth_task != "spot":
         raise ConfigError(
@@ -692,7 +712,27 @@ def collapse(
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
     if not 0.0 <= replay < 1.0:
         raise ConfigError(f"--replay {replay} must be in [0, 1)")
-    out.mkdir(parents=True, exist_ok=True)
+    with FolderLock(out, "collapse") as lock:
+        return _collapse(
+            cfg, out, arms, seeds, eval_k, eval_every, windows, base_args, unclosed_think,
+            base, replay, lock,
+        )  # fmt: skip
+
+
+def _collapse(
+    cfg: Config,
+    out: Path,
+    arms: Sequence[str],
+    seeds: Sequence[int],
+    eval_k: Sequence[int],
+    eval_every: int,
+    windows: Sequence[int],
+    base_args: Sequence[str],
+    unclosed_think: float,
+    base: Config | None,
+    replay: float,
+    lock: FolderLock,
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     sft = cold_start(cfg, out, windows, unclosed_think, base, replay)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
@@ -704,10 +744,16 @@ def collapse(
         "train.save_every=0",
     ]
     sft_eval_dir = out / "sft_eval"
-    if not _evaluated_at(sft_eval_dir, eval_k):  # in this process: one model load
+    eval_cfg = load_args(base_args, [*shared, "train.steps=0", f"train.out_dir={sft_eval_dir}"])
+    stamp = run_stamp(eval_cfg)
+    keep, why = kept_run(sft_eval_dir, stamp)
+    if not (keep and _evaluated_at(sft_eval_dir, eval_k)):  # in this process: one model load
+        if run_finished(sft_eval_dir):
+            print(f"[collapse] cold start's evaluation {why}: redone", flush=True)
         shutil.rmtree(sft_eval_dir, ignore_errors=True)
-        extra = [*shared, "train.steps=0", f"train.out_dir={sft_eval_dir}"]
-        run_one(_load(base_args, extra), 0)
+        sft_eval_dir.mkdir(parents=True)
+        write_stamp(sft_eval_dir, stamp)
+        run_one(eval_cfg, 0)
     sft_eval = next(
         r for r in read_metrics(sft_eval_dir / "metrics.jsonl") if r.get("kind") == "eval_after"
     )
@@ -715,21 +761,21 @@ def collapse(
     jobs = [(a, s) for a in arms for s in seeds]
     for i, (arm, seed) in enumerate(jobs, 1):
         run_dir = out / arm / f"seed{seed}"
-        if run_finished(run_dir):
+        args = [*shared, *arm_overrides(arm, cfg), f"train.seed={seed}", f"train.out_dir={run_dir}"]
+        stamp = run_stamp(load_args(base_args, args), eval_every=eval_every)
+        keep, why = kept_run(run_dir, stamp)
+        if keep:
             print(f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
             continue
+        if run_finished(run_dir):
+            print(f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: {why}: redone", flush=True)
         t = time.perf_counter()
         _subprocess(
             run_dir,
-            [
-                *base_args,
-                *shared,
-                *arm_overrides(arm, cfg),
-                f"train.seed={seed}",
-                f"train.out_dir={run_dir}",
-                f"--eval-every={eval_every}",
-            ],
+            [*base_args, *args, f"--eval-every={eval_every}"],
             f"run {arm} seed {seed}",
+            stamp,
+            lock,
         )
         print(
             f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: {time.perf_counter() - t:.0f} s "
@@ -757,21 +803,6 @@ def _evaluated_at(run_dir: Path, eval_k: Sequence[int]) -> bool:
     start's evaluation is redone when ``--eval-k`` asks for a K it lacks)."""
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "eval_after"]
     return bool(rows) and all(f"K{k}_tools/accuracy" in rows[-1] for k in eval_k)
-
-
-def _load(base_args: Sequence[str], extra: Sequence[str]) -> Config:
-    """The config of ``base_args`` (``--preset P --config F ... key=value ...``) + ``extra``."""
-    args = list(base_args)
-    preset, configs, kv = "tiny_cpu", [], []
-    while args:
-        a = args.pop(0)
-        if a == "--preset":
-            preset = args.pop(0)
-        elif a == "--config":
-            configs.append(args.pop(0))
-        else:
-            kv.append(a)
-    return load_config(preset, configs, [*kv, *extra])
 
 
 def _int_list(flag: str, raw: str) -> list[int]:
@@ -839,7 +870,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--config", action="append", default=None, help="YAML (default configs/collapse.yaml)"
     )
     p.add_argument("overrides", nargs="*", help="dotted key=value for every run")
-    args = p.parse_args(argv)
+    # Intermixed: key=value overrides may come before and after the flags (a rerun that
+    # appends "--arms vanilla algo.lr=..." to the first command's line).
+    args = p.parse_intermixed_args(argv)
     configs = args.config if args.config is not None else [str(DEFAULT_CONFIG)]
     try:
         if args.seeds < 1:
@@ -848,9 +881,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--first-seed {args.first_seed} must be >= 0")
         if args.eval_every < 0:
             raise ConfigError(f"--eval-every {args.eval_every} must be >= 0 (0 = only after RL)")
+        arms = parse_arms(args.arms, list(ARMS))  # before the config: cheap flags first
         eval_k = _int_list("--eval-k", args.eval_k)
         windows = _int_list("--windows", args.windows)
         cfg = load_config(args.preset, configs, args.overrides)
+        if errs := preset_errors(args.preset, cfg):  # e.g. the 8B presets' model.path
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
         stage1 = load_config(args.preset, [], [])  # the embedded default's SFT recipe
         if args.base_steps is not None:
             if args.base_steps < 0:
@@ -862,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = collapse(
             cfg,
             out=Path(args.out),
-            arms=[x.strip() for x in args.arms.split(",") if x.strip()],
+            arms=arms,
             seeds=list(range(args.first_seed, args.first_seed + args.seeds)),
             eval_k=eval_k,
             eval_every=args.eval_every,
@@ -875,6 +911,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
+        print(f"[collapse] {e}", file=sys.stderr)
+        return 128 + e.signum
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -182,6 +182,15 @@ class ModelConfig:
         return errs
 
 
+# Largest ``rollout.max_staleness`` accepted. The trainer's rank 0 draws and hands out up to
+# η + 1 steps of prompts ahead and holds every finished step's rollouts (frames included) until
+# its turn, so memory grows with η; and a token η versions old is trained through an importance
+# weight against a policy η updates away, which the decoupled objective corrects only for
+# small lags (published asynchronous recipes use a few versions). 16 leaves room to try more and
+# stops a typo (η = 1e6) before it costs a run.
+MAX_STALENESS = 16
+
+
 @dataclass
 class RolloutConfig:
     # Rollout engine, one of paravt.rollout.ENGINES: 'hf' (paravt's transformers decode loop,
@@ -228,12 +237,30 @@ class RolloutConfig:
     max_staleness: int = 0
 
     def validate(self) -> list[str]:
-        """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``)."""
+        """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``, and
+        what it refuses: greedy rows with ``top_p`` < 1 for vLLM)."""
         from paravt.rollout import ENGINES
 
         errs = _range_errors("rollout", self) + _choice_error(
             "rollout.engine", self.engine, ENGINES
         )
+        spec = ENGINES.get(self.engine)
+        greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
+        if spec is not None and spec.greedy_rejects_top_p and greedy and self.top_p < 1:
+            # vLLM fails every greedy request with top_p < 1 (paravt.rollout.vllm): found here,
+            # not at the first rollout of a run (or the first sample of an evaluation).
+            errs.append(
+                f"rollout.top_p={self.top_p:g} with rollout.engine={self.engine} and "
+                f"rollout.{greedy[0]}=0: {spec.label} refuses greedy requests with top_p < 1 "
+                f"(every request would fail); set rollout.top_p=1, or rollout.{greedy[0]}>0"
+            )
+        if self.max_staleness > MAX_STALENESS:
+            errs.append(
+                f"rollout.max_staleness={self.max_staleness} is above {MAX_STALENESS}, the "
+                "most this engine accepts (the trainer buffers up to η + 1 steps of rollouts, "
+                "and tokens that many updates old are off-policy beyond what the decoupled "
+                f"loss corrects); set rollout.max_staleness to 0..{MAX_STALENESS}"
+            )
         if self.max_staleness > 0 and self.workers == 0:
             errs.append(
                 f"rollout.max_staleness={self.max_staleness} needs rollout workers (the "
@@ -307,7 +334,12 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    # Decoupled objective: cap on the behaviour importance weight exp(prox - old); null = off.
+    # Decoupled objective: the behaviour importance weight w = exp(prox - behav) multiplies
+    # each token's loss. A number drops the tokens whose w passes it from the loss (AReaL's
+    # behaviour-weight cap); null applies w uncapped, however large (as verl does, and AReaL
+    # did by default): a token the engine sampled with a much lower probability than the
+    # proximal policy gives it then weighs that much more. Asynchronous runs (stale tokens,
+    # rollout.max_staleness > 0) are where w strays from 1: set a cap there (e.g. 5).
     behav_cap: float | None = None
     # KL to the frozen reference: coefficient and estimator (k1 | k2 | k3). 0 skips the reference.
     kl_coef: float = 0.01
@@ -377,7 +409,10 @@ class AlgoConfig:
         if self.dual_clip is not None and self.dual_clip <= 1:
             errs.append(f"algo.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
         if self.behav_cap is not None and self.behav_cap <= 1:
-            errs.append(f"algo.behav_cap={self.behav_cap} must be > 1 (or null to disable)")
+            errs.append(
+                f"algo.behav_cap={self.behav_cap} must be > 1 (or null: no cap, the importance "
+                "weight applies uncapped)"
+            )
         errs += _choice_error("algo.loss", self.loss, ("ppo", "decoupled"))
         if self.behav_cap is not None and self.loss != "decoupled":
             errs.append(
@@ -475,6 +510,10 @@ class TrainConfig:
     eval_before: bool = True
     # Show the tqdm progress bar (rank 0 only).
     progress: bool = True
+    # Steps that train on nothing (every prompt's video read failed: 0 groups) log no rollout
+    # value and raise an alarm; this many in a row stop the run (exit 1) with an error quoting
+    # the skipped prompts' errors (paravt.alarms.EmptySteps). 0 = never stop (alarms only).
+    max_empty_steps: int = 3
     # Collapse alarms (paravt.alarms): printed, logged to metrics.jsonl as kind "alarm" rows and
     # shown by `python -m paravt.view`. Rates are averaged over the last `alarm_window` steps
     # and compared with their mean over the first `alarm_window` steps (the starting level).
@@ -766,6 +805,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.eval_prompts": (">= 0", "validation prompts; 0 = no evaluation"),
     "train.eval_samples": (">= 1", "samples per validation prompt"),
     "train.eval_frames": (">= 0", "overview frames of the evaluation; 0 = video.fixed_frames"),
+    "train.max_empty_steps": (">= 0", "empty steps in a row that stop a run; 0 = never"),
     "train.alarm_window": (">= 1", "steps averaged by the collapse alarms"),
     "train.alarm_tool_frac": ("[0, 1)", "alarm below this fraction of the start; 0 = off"),
     "train.alarm_closure_frac": ("[0, 1)", "alarm below this fraction of the start; 0 = off"),

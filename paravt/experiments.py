@@ -23,8 +23,11 @@
    (means over the training steps), and held-out accuracy after RL at each ``--eval-k``.
 
 A rerun into the same ``--out`` skips the runs that finished (their ``metrics.jsonl`` holds the
-after-RL evaluation) and redoes the others from scratch; a failed run stops the command with
-its log's tail.
+after-RL evaluation) with the same resolved config (``stamp.json``, ``paravt.arms.kept_run``)
+and redoes the others from scratch; a failed run stops the command with its log's tail. The
+folder is locked while the command runs (``OUT/.lock``: a second command into it is refused),
+and SIGTERM / SIGINT / SIGUSR1 to the command reach the arm run's process group: the run stops,
+then the command (exit 128 + the signal).
 """
 
 from __future__ import annotations
@@ -32,15 +35,28 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.arms import ARMS, arm_overrides, reused_checkpoint, run_finished, train_checkpoint
-from paravt.config import Config, ConfigError, load_config
+from paravt.arms import (
+    ARMS,
+    DriverInterrupted,
+    FolderLock,
+    arm_overrides,
+    kept_run,
+    load_args,
+    parse_arms,
+    reused_checkpoint,
+    run_child,
+    run_finished,
+    run_stamp,
+    train_checkpoint,
+    write_stamp,
+)
+from paravt.config import Config, ConfigError, load_config, preset_errors
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 
@@ -167,9 +183,20 @@ def ablation(
 ) -> dict[str, Any]:
     """Run the ablation (see the module docstring); returns ``{"table", "results", "runs"}``.
     ``base_args`` are the ``paravt.train`` arguments (preset, configs, overrides) of ``cfg``."""
-    for a in arms:
-        arm_overrides(a, cfg)  # unknown arms fail before anything runs
-    out.mkdir(parents=True, exist_ok=True)
+    parse_arms(",".join(arms), list(ARMS))  # none, or an unknown one: before anything runs
+    with FolderLock(out, "ablation") as lock:
+        return _ablation(cfg, out, arms, seeds, eval_k, base_args, lock)
+
+
+def _ablation(
+    cfg: Config,
+    out: Path,
+    arms: Sequence[str],
+    seeds: int,
+    eval_k: Sequence[int],
+    base_args: Sequence[str],
+    lock: FolderLock,
+) -> dict[str, Any]:
     sft = _sft(cfg, out)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
     runs: dict[str, list[Path]] = {a: [] for a in arms}
@@ -178,16 +205,7 @@ def ablation(
     for i, (arm, seed) in enumerate(jobs, 1):
         run_dir = out / arm / f"seed{seed}"
         runs[arm].append(run_dir)
-        if run_finished(run_dir):
-            print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
-            continue
-        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
-        run_dir.mkdir(parents=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "paravt.train",
-            *base_args,
+        args = [
             *arm_overrides(arm, cfg),
             f"model.path={sft}",
             "sft.steps=0",
@@ -199,9 +217,20 @@ def ablation(
             "train.save_every=0",
             "train.keep_last=1",
         ]
+        stamp = run_stamp(load_args(base_args, args))  # what paravt.train will resolve
+        keep, why = kept_run(run_dir, stamp)
+        if keep:
+            print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
+            continue
+        if run_finished(run_dir):
+            print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: {why}: redone", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
+        run_dir.mkdir(parents=True)
+        write_stamp(run_dir, stamp)
+        cmd = [sys.executable, "-m", "paravt.train", *base_args, *args]
         t = time.perf_counter()
-        with open(run_dir / "train.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+        what = f"ablation run {arm} seed {seed}"
+        rc = run_child(cmd, run_dir / "train.log", what, lock)
         if rc != 0:
             tail = (run_dir / "train.log").read_text().splitlines()[-25:]
             raise RuntimeError(
@@ -263,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.seeds < 1:
             raise ConfigError(f"--seeds {args.seeds} must be >= 1")
+        arms = parse_arms(args.arms, list(ARMS))  # before the config: cheap flags first
         try:
             eval_k = [int(k) for k in args.eval_k.split(",") if k.strip()]
         except ValueError:
@@ -270,13 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not eval_k or min(eval_k) < 1:
             raise ConfigError(f"--eval-k {args.eval_k!r}: give K >= 1, e.g. 4,32")
         cfg = load_config(args.preset, args.config, args.overrides)
+        if errs := preset_errors(args.preset, cfg):  # e.g. the 8B presets' model.path
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
         base = ["--preset", args.preset]
         for c in args.config:
             base += ["--config", c]
         res = ablation(
             cfg,
             out=Path(args.out),
-            arms=[x.strip() for x in args.arms.split(",") if x.strip()],
+            arms=arms,
             seeds=args.seeds,
             eval_k=eval_k,
             base_args=[*base, *args.overrides],
@@ -284,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
+        print(f"[ablation] {e}", file=sys.stderr)
+        return 128 + e.signum
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -21,11 +21,15 @@ Only rank 0 writes (``enabled=False`` on other ranks makes every method a no-op)
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +125,103 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     for raw in p.read_bytes().split(b"\n"):
         try:
             line = raw.decode("utf-8").strip()
-            if line:
-                rows.append(json.loads(line))
+            if not line:
+                continue
+            row = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError):
             continue  # a line cut short by a kill mid-write
+        if isinstance(row, dict):  # every reader takes rows as objects: a [..] or "..." line
+            rows.append(row)  # (hand-edited, another tool's) is no row
     return rows
+
+
+def _step_at_most(row: dict[str, Any], step: int) -> bool:
+    """Whether ``row`` belongs to step ``step`` or before (a row without a step does, as an
+    alarm may; a step that is no number cannot be placed and does not)."""
+    v = row.get("step", -1)
+    try:
+        return not isinstance(v, bool) and float(v) <= step
+    except (TypeError, ValueError):
+        return False
+
+
+class DiskFullError(RuntimeError):
+    """A run-folder write other than a checkpoint (a metrics row, TensorBoard, trajectories,
+    thumbnails, the summary plot) found the disk full under ``train.on_save_error=fail``;
+    ``paravt.train.main`` exits 1 with its message, as for a checkpoint that cannot fit."""
+
+
+# What a full file system raises: no space (ENOSPC) or the user's quota spent (EDQUOT).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class RunFolderWrites:
+    """How a run's folder writes meet a full disk, by ``train.on_save_error`` (``policy``),
+    as checkpoints do (``paravt.checkpoint.save_trainer``): ``fail`` raises ``DiskFullError``
+    naming the file, the free space and the ways out; ``continue`` prints that once per kind
+    of write (``what``), skips the write and trains on (a later write is tried again: the
+    disk may have room by then). Any other ``OSError`` is raised as it is.
+
+    Used by ``MetricsLogger`` (metrics rows, TensorBoard, trajectories), ``ThumbnailStore`` and
+    ``paravt.train`` (config.yaml, summary.png)."""
+
+    def __init__(self, policy: str = "fail", out_dir: str | Path = ".") -> None:
+        self.policy, self.out_dir = policy, Path(out_dir)
+        self.warned: set[str] = set()
+        self.skipped: dict[str, int] = {}  # writes skipped per kind (``continue``)
+
+    @contextlib.contextmanager
+    def guard(self, what: str, path: str | Path) -> Iterator[None]:
+        """Run the write of ``what`` (e.g. "metrics row") to ``path``; a full disk is handled
+        by the policy, so under ``continue`` the block's remaining statements are skipped."""
+        try:
+            yield
+        except OSError as e:
+            self.failed(what, path, e)
+
+    def failed(self, what: str, path: str | Path, e: OSError) -> None:
+        """Handle ``e`` raised by the write of ``what`` to ``path`` (see the class)."""
+        if e.errno not in DISK_FULL:
+            raise e
+        try:
+            free = int(shutil.disk_usage(self.out_dir).free)
+        except OSError:
+            free = -1
+        code = errno.errorcode.get(e.errno, str(e.errno))
+        problem = (
+            f"the {what} {path} could not be written: {e.strerror or e} ({code}); {free} "
+            f"bytes are free on the file system of {self.out_dir}."
+        )
+        if self.policy != "continue":
+            raise DiskFullError(
+                f"{problem} The newest checkpoint is intact and is what --resume loads. Fix: "
+                "free space there (or lower train.keep_last, or point train.out_dir at a larger "
+                "disk) and rerun with --resume; or set train.on_save_error=continue to train "
+                "on, skipping the writes that do not fit."
+            ) from e
+        self.skipped[what] = self.skipped.get(what, 0) + 1
+        if what not in self.warned:
+            self.warned.add(what)
+            print(
+                f"[train] warning: {problem} Training goes on without it "
+                f"(train.on_save_error=continue); later {what} writes are tried again and "
+                "skipped silently while the disk is full.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _append(path: Path, text: str) -> None:
+    """Append ``text`` to ``path``; on a failed write cut the file back to where it was, so a
+    row cut short by a full disk never glues itself to the next one."""
+    start = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a") as f:
+            f.write(text)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, start)  # needs no free space
+        raise
 
 
 class MetricsLogger:
@@ -134,6 +230,8 @@ class MetricsLogger:
     ``log(step, metrics, kind='train')`` appends ``{"step": step, "kind": kind, **metrics}``.
     ``truncate_after(step)`` drops rows past ``step`` (used on ``--resume`` so that a run killed
     after writing step 5's metrics but before its checkpoint does not log step 5 twice).
+    ``on_disk_full``: ``train.on_save_error``, what a full disk does to these writes
+    (``RunFolderWrites``, shared as ``self.disk`` with the run's ``ThumbnailStore``).
     """
 
     def __init__(
@@ -145,9 +243,11 @@ class MetricsLogger:
         wandb: bool = False,
         run_name: str = "",
         config: dict[str, Any] | None = None,
+        on_disk_full: str = "fail",
     ) -> None:
         self.out_dir = Path(out_dir)
         self.enabled = enabled
+        self.disk = RunFolderWrites(on_disk_full, self.out_dir)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.traj_path = self.out_dir / "trajectories.jsonl"
         self._tb = None
@@ -176,38 +276,47 @@ class MetricsLogger:
         if not self.enabled or not self.metrics_path.is_file():
             return
         for path in (self.metrics_path, self.traj_path):
-            rows = [r for r in read_metrics(path) if int(r.get("step", -1)) <= step]
+            rows = [r for r in read_metrics(path) if _step_at_most(r, step)]
             tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            os.replace(tmp, path)
+            with self.disk.guard(f"{path.name} rewrite", tmp):
+                try:
+                    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                except OSError:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                os.replace(tmp, path)
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> None:
         if not self.enabled:
             return
         row = {"step": int(step), "kind": kind, **{k: _clean(v) for k, v in metrics.items()}}
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        with self.disk.guard("metrics row", self.metrics_path):
+            _append(self.metrics_path, json.dumps(row) + "\n")
         prefix = "" if kind == "train" else f"{kind}/"
         if self._tb is not None:
-            for k, v in row.items():
-                if k in ("step", "kind") or not isinstance(v, (int, float)):
-                    continue
-                self._tb.add_scalar(prefix + k, v, step)
-            self._tb.flush()
+            # TensorBoard writes from a thread of its own and reports its error at the next
+            # add/flush (again at each one after): the scalars of that step are lost.
+            with self.disk.guard("TensorBoard event", self.out_dir / "tb"):
+                for k, v in row.items():
+                    if k in ("step", "kind") or not isinstance(v, (int, float)):
+                        continue
+                    self._tb.add_scalar(prefix + k, v, step)
+                self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({prefix + k: v for k, v in row.items() if k != "kind"}, step=step)
 
     def log_trajectories(self, step: int, records: Iterable[dict[str, Any]]) -> None:
         if not self.enabled:
             return
-        with open(self.traj_path, "a") as f:
-            for r in records:
-                f.write(json.dumps(json_safe({"step": int(step), **r})) + "\n")
+        text = "".join(json.dumps(json_safe({"step": int(step), **r})) + "\n" for r in records)
+        with self.disk.guard("trajectories", self.traj_path):
+            _append(self.traj_path, text)
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            with self.disk.guard("TensorBoard event", self.out_dir / "tb"):
+                tb.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -224,8 +333,18 @@ class ThumbnailStore:
     ~1-3 KB, so the default 18 MB holds ~10k frames.
     """
 
-    def __init__(self, out_dir: str | Path, *, max_bytes: int, max_px: int = 96) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        max_bytes: int,
+        max_px: int = 96,
+        disk: RunFolderWrites | None = None,
+    ) -> None:
         self.dir = Path(out_dir) / "thumbs"
+        # A full disk: the run's policy (train.on_save_error); under ``continue`` the
+        # trajectory is logged without pictures, as past the cap.
+        self.disk = disk if disk is not None else RunFolderWrites("fail", out_dir)
         self.max_bytes = int(max_bytes)
         self.max_px = int(max_px)
         self.used = (
@@ -259,9 +378,16 @@ class ThumbnailStore:
         if self.used + size > self.max_bytes:
             self.full = True
             return None
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for n, b in zip(names, blobs):
-            (self.dir.parent / n).write_bytes(b)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for n, b in zip(names, blobs):
+                (self.dir.parent / n).write_bytes(b)
+        except OSError as e:
+            for n in names:  # nothing partial kept: a torn JPEG would pass the is_file check
+                with contextlib.suppress(OSError):
+                    (self.dir.parent / n).unlink(missing_ok=True)
+            self.disk.failed("thumbnails", self.dir, e)
+            return None
         self.used += size
         return names
 
@@ -486,11 +612,16 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``parse_error_rate``: fraction of attempted calls that failed to parse/validate;
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
     * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket;
+    * none of these for no records (an empty step: ``paravt.alarms.EmptySteps``);
     * ``prompts/X``, ``prompt_sq/X`` for ``X`` = ``tool_call_rate`` and each ``tool_rate/K{k}``:
       the number of prompts and the mean of their squared per-prompt tool-call rates, which
       with ``X`` (every prompt has G rollouts, so ``X`` is also the mean of the per-prompt
       rates) let ``paravt.alarms`` test a fall with the prompt as the unit.
     """
+    if not records:
+        # A step with no rollout (every video read failed) has no rate or reward to log:
+        # 0.0 would read as a collapse (and feed the collapse alarms a false fall).
+        return {}
     out: dict[str, float] = {}
     for k in sorted({k for r in records for k in r["breakdown"]}):
         out[f"reward/{k}"] = _mean([r["breakdown"].get(k, 0.0) for r in records])

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from paravt.assets import prepare_assets
-from paravt.config import Config, ConfigError, load_config, to_yaml
+from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
 from paravt.types import Sample, Trajectory
 
 
@@ -421,9 +421,7 @@ def _run_sft(
         except OSError as e:  # disk full ...: leave no half-written copy behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise sft_save_error(out_dir, state, model_dir, e) from e
-        if Path(out_dir).exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)  # a killed SFT never leaves a half checkpoint at out_dir
+        _install(tmp, Path(out_dir))
         resume_file.unlink(missing_ok=True)  # done: nothing left to continue
     barrier(ctx)
     return {
@@ -471,15 +469,36 @@ def _stop_sft(
     raise SFTPreempted(info)
 
 
+def _install(tmp: Path, out: Path) -> None:
+    """Move the finished checkpoint ``tmp`` to ``out``, never leaving ``out`` without a whole
+    checkpoint: an older one is moved aside (``out.old``) until the new one is in place, put
+    back if that move fails, and deleted after. (A killed SFT never leaves a half checkpoint at
+    ``out``: it is written under ``tmp`` first.)"""
+    old = out.with_name(out.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m paravt.sft", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny_cpu")
     p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     p.add_argument("--out", default="", help="output checkpoint dir (default <out_dir>/sft)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. sft.steps=20")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(a.preset, a.config, a.overrides)
+        if errs := preset_errors(a.preset, cfg):  # e.g. the 8B presets' model.path
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

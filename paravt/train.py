@@ -39,7 +39,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from paravt.agent.loop import AgentRunner, stable_seed
-from paravt.alarms import CollapseDetector
+from paravt.alarms import CollapseDetector, EmptySteps, EmptyStepsError
 from paravt.algo.advantages import apply_kl_reward, build_units
 from paravt.algo.gating import step_budgets
 from paravt.algo.guard import NonFiniteGuard
@@ -86,7 +86,9 @@ from paravt.distributed import (
 )
 from paravt.eval.heldout import evaluate, table_rows
 from paravt.metrics import (
+    DiskFullError,
     MetricsLogger,
+    RunFolderWrites,
     ThumbnailStore,
     format_table,
     plot_summary,
@@ -119,7 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. algo.kl_coef=0.02")
-    a = p.parse_args(argv)
+    # Intermixed: `k=v --resume k2=v2` (overrides on both sides of a flag) is one command line.
+    a = p.parse_intermixed_args(argv)
     cfg = load_config(a.preset, a.config, a.overrides)
     if errs := preset_errors(a.preset, cfg):
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
@@ -162,6 +165,9 @@ class Trainer:
     # (paravt.workers.RolloutPipeline); None: this process rolls out itself (synchronous).
     pipeline: RolloutPipeline | None = None
     video_meta: Any = None  # video path -> VideoMeta, probed once (the viewer's records)
+    # The skipped prompts' errors of the last step that trained on nothing (every rank's):
+    # what the empty-step alarm and error quote (paravt.alarms.EmptySteps).
+    empty_errors: list[str] = field(default_factory=list)
 
 
 def build_trainer(cfg: Config, ctx: Any) -> Trainer:
@@ -249,8 +255,9 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     sampler = PromptSampler(train_samples, seed=t.seed)
 
     logger = MetricsLogger(
-        out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg)
-    )
+        out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg),
+        on_disk_full=t.on_save_error,
+    )  # fmt: skip
     trainer = Trainer(
         cfg, ctx, policy, bundle, engine, runner, reference, objective, optimizer, scheduler,
         sampler, val_samples, logger, init_dir,
@@ -259,7 +266,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     trainer.video_meta = runner.meta if runner is not None else _video_meta(cfg)
     if ctx.is_main:
         trainer.thumbs = ThumbnailStore(
-            out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px
+            out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px, disk=logger.disk
         )
 
     # 4. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
@@ -377,8 +384,9 @@ def _learn(
     times["time/logprobs"] = time.perf_counter() - t0
     if cfg.train.dump_batches:
         dump = Path(cfg.train.out_dir) / "debug" / f"step{step}_rank{ctx.rank}.pt"
-        dump.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
+        with tr.logger.disk.guard("debug batch dump", dump):  # a full disk: train.on_save_error
+            dump.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
 
     # 5. PPO epochs × minibatches: packed micro-batch forward/backward, one optimizer step each.
     _enter(tr, step, "update")
@@ -479,6 +487,11 @@ def _learn(
     counts = all_reduce_sum(torch.tensor([float(batch.stats.get(k, 0)) for k in keys]), ctx)
     m.update({f"rollout/{k}": float(v) for k, v in zip(keys, counts)})
     m.update(guard.metrics())
+    if m["num_groups"] == 0:  # trained on nothing: no update statistic either (every rank)
+        for k in ("loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
+                  "entropy", "grad_norm"):  # fmt: skip
+            m.pop(k)
+        tr.empty_errors = [e for part in all_gather_objects(batch.errors, ctx) for e in part]
     if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
         m.update(batch.metrics)
         m["async/trainer_idle_frac"] = times["time/rollout"] / max(times["time/step"], 1e-9)
@@ -563,8 +576,9 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     out = Path(cfg.train.out_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(to_yaml(cfg))
-        record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
+        with RunFolderWrites(cfg.train.on_save_error, out).guard("config", out / "config.yaml"):
+            (out / "config.yaml").write_text(to_yaml(cfg))
+            record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
         print(to_yaml(cfg), flush=True)
     t_run = time.perf_counter()
     try:
@@ -599,6 +613,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     )
     # Collapse alarms; on --resume the kept rows restore starting levels and armed states.
     alarms = CollapseDetector.from_config(t)
+    empty = EmptySteps(t.max_empty_steps)
     if tr.start_step > 0:
         alarms.replay(read_metrics(out / "metrics.jsonl"))
     last: dict[str, float] = {}
@@ -619,10 +634,14 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         done = step
         pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
         tr.logger.log(step, last)
-        for a in alarms.update(step, last):
+        fired = alarms.update(step, last)
+        if (a := empty.update(step, last, tr.empty_errors)) is not None:
+            fired.append(a)
+        for a in fired:
             tr.logger.log(step, a.row(), kind="alarm")
             if ctx.is_main:
                 bar.write(f"[alarm] step {step}: {a.message}")
+        empty.check(step)  # train.max_empty_steps empty steps in a row: EmptyStepsError
         bar.set_postfix(postfix(last))
         bar.update(1)
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
@@ -651,7 +670,8 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         after = evaluate(tr, seed=t.seed)
         tr.logger.log(t.steps, after, kind="eval_after")
     if ctx.is_main:
-        plot_summary(out / "metrics.jsonl", out / "summary.png")
+        with tr.logger.disk.guard("summary plot", out / "summary.png"):
+            plot_summary(out / "metrics.jsonl", out / "summary.png")
         print()
         print(
             format_table(
@@ -753,7 +773,7 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except CheckpointSaveError as e:  # train.on_save_error=fail; the previous one is intact
+    except (CheckpointSaveError, DiskFullError, EmptyStepsError) as e:  # full disk; no data
         print(f"error: {e}", file=sys.stderr)
         return 1
     except WorkerFailed as e:  # asynchronous: a rollout worker died or raised

@@ -149,8 +149,20 @@ def _num(v: Any) -> float | None:
     return x if x == x and abs(x) != float("inf") else None
 
 
+def _items(v: Any, *kinds: type) -> list[Any]:
+    """The items of ``v`` that are of ``kinds`` when ``v`` is a list, else none: a record's
+    list fields as a hand-edited or foreign file may hold them (``"turns": "text"`` would
+    otherwise be read a character at a time)."""
+    return [x for x in v if isinstance(x, kinds)] if isinstance(v, list) else []
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
 def _call(c: Any) -> CallView:
     if isinstance(c, (list, tuple)):  # runs before the viewer: [status, start, end]
+        c = list(c) + [None] * 3
         return CallView(str(c[0]), _num(c[1]), _num(c[2]))
     return CallView(
         str(c.get("status", "")),
@@ -162,7 +174,7 @@ def _call(c: Any) -> CallView:
 
 
 def _train_traj(r: dict[str, Any]) -> TrajView:
-    b = r.get("breakdown") or {}
+    b = _dict(r.get("breakdown"))
     return TrajView(
         name=str(r.get("uid", "")),
         step=None if _num(r.get("step")) is None else int(_num(r.get("step"))),
@@ -173,17 +185,19 @@ def _train_traj(r: dict[str, Any]) -> TrajView:
             TurnView(
                 str(t.get("prefix", "")),
                 str(t.get("text", "")),
-                [_call(c) for c in t.get("calls", [])],
+                [_call(c) for c in _items(t.get("calls"), dict, list)],
                 bool(t.get("forced_answer", False)),
             )
-            for t in r.get("turns", [])
+            for t in _items(r.get("turns"), dict)
         ],
         reward=_num(r.get("reward")),
         breakdown=b,
         correct=_correct(b.get("acc"), r.get("task")),
         duration=_num(r.get("duration")),
-        frame_times=[x for x in map(_num, r.get("frame_times") or []) if x is not None],
-        thumbs=r.get("thumbs"),
+        frame_times=[
+            x for x in map(_num, _items(r.get("frame_times"), int, float)) if x is not None
+        ],
+        thumbs=_items(r.get("thumbs"), str) or None,
     )
 
 
@@ -210,10 +224,10 @@ def _eval_traj(r: dict[str, Any]) -> TrajView:
             TurnView(
                 "",
                 str(t.get("text", "")),
-                [_call(c) for c in t.get("calls", [])],
+                [_call(c) for c in _items(t.get("calls"), dict, list)],
                 bool(t.get("forced_answer", False)),
             )
-            for t in r.get("trace", [])
+            for t in _items(r.get("trace"), dict)
         ],
         reward=_num(r.get("score")),
         breakdown={k: r.get(k) for k in keys if r.get(k) is not None},
@@ -261,18 +275,34 @@ def load_report(run_dir: str | Path) -> Report:
 # ------------------------------------------------------------------------------- curves
 def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, list[tuple]]:
     names: list[str] = []
+    shares: dict[str, str] = {}  # histogram key -> its prefix ("*" panels)
     for k in keys:
         if k.endswith(("/K", "*")):
-            k = k.rstrip("*")
+            hist, k = k.endswith("*"), k.rstrip("*")
             found = {x for r in rows for x in r if x.startswith(k) and x[len(k) :].isdigit()}
             names += sorted(found, key=lambda x: int(x[len(k) :]))
+            shares |= dict.fromkeys(found, k) if hist else {}
         elif any(k in r for r in rows):
             names.append(k)
     out = {}
+    hist_rows: dict[str, list[dict[str, Any]]] = {}  # prefix -> the rows that logged it
     for n in names:
+        if n in shares:
+            # A histogram logs the observed values only: at a step that logged the histogram
+            # an absent value is a share of 0, and a value no step observed is not drawn (an
+            # older run logged every value up to η, almost all zeros).
+            pre = shares[n]
+            if pre not in hist_rows:
+                hist_rows[pre] = [
+                    r for r in rows if any(x.startswith(pre) and x[len(pre) :].isdigit() for x in r)
+                ]
+            pts = [(_num(r.get("step")), _num(r.get(n, 0.0))) for r in hist_rows[pre]]
+            if not any(y for _, y in pts):
+                continue
+        else:
+            pts = [(_num(r.get("step")), _num(r[n])) for r in rows if n in r]
         # Finite (step, value) pairs only: a NaN logged by a diverging run, or a hand-edited
         # step, would otherwise make the panel's scale NaN (or crash it).
-        pts = [(_num(r.get("step")), _num(r[n])) for r in rows if n in r]
         pts = [(x, y) for x, y in pts if x is not None and y is not None]
         if pts:
             out[n] = pts

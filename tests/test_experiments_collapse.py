@@ -308,6 +308,17 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     # ... and one cut short (no eval_after row) counts as unfinished: it is redone.
     (out / "paragrpo" / "seed7" / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')
     assert not run_finished(out / "paragrpo" / "seed7") and run_finished(out / "vanilla" / "seed7")
+    # A rerun with other RL settings redoes the cold start's evaluation and the arm runs (their
+    # stamp.json: the resolved config), where it used to keep them and report the old numbers.
+    assert main([*args, "--arms", "vanilla", "algo.kl_coef=0.5"]) == 0
+    printed = capsys.readouterr().out
+    assert "cold start's evaluation made with other settings (algo.kl_coef: " in printed
+    assert "vanilla seed 7: made with other settings (algo.kl_coef: " in printed
+    assert "kl_coef: 0.5" in (out / "vanilla" / "seed7" / "config.yaml").read_text()
+    assert (
+        json.loads((out / "sft_eval" / "stamp.json").read_text())["config"]["algo"]["kl_coef"]
+        == 0.5
+    )
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:

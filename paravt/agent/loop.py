@@ -62,12 +62,21 @@ from paravt.types import FrameRequest, Group, Sample, ToolCall, Trajectory, Turn
 from paravt.video import (
     DecodePlanner,
     VideoError,
+    VideoUnsupported,
     frame_size_for_budget,
     overview_timestamps,
     probe,
 )
 
 log = logging.getLogger(__name__)
+
+# How a trajectory's ``errors`` say that its prompt alone passed the engine's context (nothing
+# was generated): the evaluation makes such a sample an error row of kind "context"
+# (``paravt.eval.runner.result_row``), not an unparseable answer.
+PROMPT_TOO_LONG = "the prompt alone"
+# How ``AgentRunner.errors`` says a sample was skipped for a ``VideoUnsupported`` video (one the
+# model cannot take, whatever the retry): the evaluation's error kind "unsupported".
+UNSUPPORTED = "cannot be used by the model"
 
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Placeholder tokens a generated turn must never contain: they would claim visual features the
@@ -279,7 +288,8 @@ class AgentRunner:
         groups: dict[int, Group] = {}
         for gi, (s, k, c) in enumerate(zip(samples, frame_budgets, contexts), first_group):
             if isinstance(c, VideoError):
-                msg = f"sample {s.id}: skipped, its video could not be read ({c})"
+                how = UNSUPPORTED if isinstance(c, VideoUnsupported) else "could not be read"
+                msg = f"sample {s.id}: skipped, its video {how} ({c})"
                 log.warning(msg)
                 self.errors.append(msg)
                 continue
@@ -384,11 +394,20 @@ class AgentRunner:
             )
         if room < 1:
             st["context_ended"] += 1
-            e.errors.append(
-                f"turn {turn}: the context is full ({n} of {limit} tokens); the episode ended "
-                "without an answer (lower agent.max_turns, agent.max_tool_response_tokens or "
-                "the frame budget, or raise the engine's max_model_len)"
-            )
+            if not e.turns:  # nothing generated yet: the question itself does not fit
+                e.errors.append(
+                    f"turn {turn}: {PROMPT_TOO_LONG} ({n} tokens: the overview frames and the "
+                    f"question) leaves no room in the engine's context ({limit} tokens); no "
+                    "answer was generated (shorten the question or its subtitles, lower the "
+                    "frame budget K, or raise the engine's max_model_len)"
+                )
+            else:
+                e.errors.append(
+                    f"turn {turn}: the context is full ({n} of {limit} tokens); the episode "
+                    "ended without an answer (lower agent.max_turns, "
+                    "agent.max_tool_response_tokens or the frame budget, or raise the engine's "
+                    "max_model_len)"
+                )
             e.done = True
             return None
         if room < sampling.max_new_tokens:

@@ -47,10 +47,12 @@ and the field; ``DatasetError``):
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +175,11 @@ def _options(v: Any, where: str) -> list[str]:
     for j, o in enumerate(v):
         if not isinstance(o, (str, int, float)) or isinstance(o, bool):
             raise _wrong(where, f"options[{j}]", o, "an option text (a string)")
+    if len(v) > 26:  # the prompt letters them A..Z: a 27th would be lettered '['
+        raise DatasetError(
+            f"{where}: 'options' has {len(v)} options, more than the 26 letters A..Z can name; "
+            "split the row or drop options"
+        )
     return [str(o) for o in v]
 
 
@@ -434,6 +441,39 @@ def read_samples(
     if max_samples > 0:
         kept = kept[:max_samples]
     return kept, report
+
+
+def video_path_problem(path: str) -> str:
+    """What keeps ``path`` from being read as a video file ("" for a regular file), without
+    opening it (opening a FIFO blocks until a writer appears): ``"not found"``, or what it is
+    instead ("is a directory", "is a symlink loop", "is a FIFO (named pipe)", ...). The
+    evaluation's error rows quote it (``paravt.eval.runner``)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        try:  # a dangling symlink is "not found" too, but say so
+            os.lstat(path)
+        except OSError:
+            return NOT_FOUND
+        return f"is a symlink to a missing file ({os.readlink(path)})"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (it links back to itself); point it at the video file"
+        return f"cannot be read ({e.strerror})"
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return "" if os.access(path, os.R_OK) else "cannot be read (permission denied)"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a video file; point the row at the file inside it"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a video file: it cannot be probed or seeked"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a video file"
+    return "is a device, not a video file"
+
+
+#: :func:`video_path_problem` of a path that does not exist.
+NOT_FOUND = "not found"
 
 
 def _warn(msg: str) -> None:

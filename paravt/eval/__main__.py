@@ -71,9 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sampling_errors(cfg: Config) -> list[str]:
     """``rollout.top_p`` < 1 where decoding is greedy: no effect at all when both roles are
-    greedy, and with an engine that refuses greedy requests with top_p < 1 (vLLM;
-    ``paravt.rollout.EngineSpec.greedy_rejects_top_p``), every sample would be an engine error
-    when either is."""
+    greedy. (An engine that refuses greedy requests with top_p < 1 when either is, vLLM, is
+    refused by the config's validation: ``RolloutConfig.validate``.)"""
     r = cfg.rollout
     if r.top_p >= 1:
         return []
@@ -83,17 +82,8 @@ def sampling_errors(cfg: Config) -> list[str]:
             "and rollout.sub_temperature=0, the eval default); set rollout.top_p=1, or sample "
             "with rollout.temperature>0 (and rollout.sub_temperature>0)"
         ]
-    from paravt.rollout import ENGINES
-
-    greedy = [k for k in ("temperature", "sub_temperature") if getattr(r, k) == 0]
-    engine = ENGINES.get(r.engine)
-    if engine is not None and engine.greedy_rejects_top_p and greedy:
-        return [
-            f"rollout.top_p={r.top_p:g} with rollout.engine={r.engine} and "
-            f"rollout.{greedy[0]}=0: {engine.label} refuses greedy requests with top_p < 1 "
-            f"(every sample would be an engine error); set rollout.top_p=1, or "
-            f"rollout.{greedy[0]}>0"
-        ]
+    # An engine that refuses greedy requests with top_p < 1 (vLLM) is the config's own check
+    # (paravt.config.RolloutConfig.validate), for training too.
     return []
 
 

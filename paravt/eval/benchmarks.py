@@ -243,8 +243,19 @@ def _relative(f: _File, i: int, key: str, rel: str, rid: Any) -> str:
 
 
 # ------------------------------------------------------------------------------- options
-def _lettered(texts: Sequence[str]) -> list[str]:
+def _lettered(texts: Sequence[str], f: _File, i: int, rid: Any, key: str = "options") -> list[str]:
+    """``["A. text", ...]``; row ``i`` of ``f`` with more than 26 options is refused (the
+    letters are A..Z: a 27th has none, and the answer could not name it)."""
+    _at_most_26(f, i, len(texts), rid, key)
     return [f"{string.ascii_uppercase[j]}. {t}" for j, t in enumerate(texts)]
+
+
+def _at_most_26(f: _File, i: int, n: int, rid: Any, key: str = "options") -> None:
+    if n > 26:
+        raise f.error(
+            i, key, f"has {n} options, more than the 26 letters A..Z can name; split the row "
+            "or drop options", rid,
+        )  # fmt: skip
 
 
 def _letter_answer(f: _File, i: int, value: str, n: int, rid: Any, key: str = "answer") -> str:
@@ -402,6 +413,7 @@ def _videomme(root: Path, bench: str) -> list[Sample]:
         vid = _relative(f, i, "videoID", f.get(row, i, "videoID", "str", qid), qid)
         question = f.get(row, i, "question", "str", qid).strip()
         raw_opts = f.get(row, i, "options", "str_list", qid)
+        _at_most_26(f, i, len(raw_opts), qid)
         texts = [_unprefixed(f, i, j, opt, qid) for j, opt in enumerate(raw_opts)]
         if len(texts) < 2:
             raise f.error(i, "options", f"has {len(texts)} option(s), expected at least 2", qid)
@@ -414,7 +426,15 @@ def _videomme(root: Path, bench: str) -> list[Sample]:
         if BENCHMARK_SPECS[bench].subtitles:
             extra["subtitles"] = _subtitles(root / "subtitle" / f"{vid}.srt")
         out.append(
-            Sample(qid, video, question, answer, "mcq", options=_lettered(texts), extra=extra)
+            Sample(
+                qid,
+                video,
+                question,
+                answer,
+                "mcq",
+                options=_lettered(texts, f, i, qid),
+                extra=extra,
+            )
         )
     _check_unique_ids(f, out, "question_id")
     return out
@@ -484,7 +504,15 @@ def _longvideobench(root: Path, bench: str) -> list[Sample]:
         extra["duration"] = float(f.get(row, i, "duration", "number", rid))
         answer = string.ascii_uppercase[choice]
         out.append(
-            Sample(rid, video, question, answer, "mcq", options=_lettered(texts), extra=extra)
+            Sample(
+                rid,
+                video,
+                question,
+                answer,
+                "mcq",
+                options=_lettered(texts, f, i, rid),
+                extra=extra,
+            )  # fmt: skip
         )
     _check_unique_ids(f, out, "id")
     return out
@@ -513,7 +541,8 @@ def _lvbench(root: Path, bench: str) -> list[Sample]:
             v = f.optional(row, i, key, "str", sid)
             if v is not None:
                 extra[key] = v
-        out.append(Sample(sid, video, stem, answer, "mcq", options=_lettered(texts), extra=extra))
+        options = _lettered(texts, f, i, sid, "question")
+        out.append(Sample(sid, video, stem, answer, "mcq", options=options, extra=extra))
     _check_unique_ids(f, out, "uid")
     return out
 
@@ -584,7 +613,8 @@ def _mlvu(root: Path, bench: str) -> list[Sample]:
         duration = f.optional(row, i, "duration", "number", sid)
         if duration is not None:
             extra["duration"] = float(duration)
-        out.append(Sample(sid, video, stem, answer, "mcq", options=_lettered(cands), extra=extra))
+        options = _lettered(cands, f, i, sid, "candidates")
+        out.append(Sample(sid, video, stem, answer, "mcq", options=options, extra=extra))
     _check_unique_ids(f, out, "question_id")
     return out
 
@@ -650,7 +680,7 @@ def _mmvu(root: Path, bench: str) -> list[Sample]:
                     "expected at least 2 for a multiple-choice row",
                     rid,
                 )
-            options = _lettered(texts)
+            options = _lettered(texts, f, i, rid, "choices")
             answer = _letter_answer(f, i, answer, len(texts), rid)
         elif not answer:
             raise f.error(i, "answer", "is empty; an open-ended row needs its answer text", rid)
@@ -721,8 +751,9 @@ def _synth(root: Path, bench: str) -> list[Sample]:
             texts = [option_text(o)[1] for o in s.options] or (split[1] if split else [])
             if len(texts) < 2:
                 raise f.error(line, "options", f"is {s.options!r}, expected >= 2 options", s.id)
+            _at_most_26(f, line, len(texts), s.id)
             s.answer = _letter_answer(f, line, s.answer, len(texts), s.id)
-            s.options = _lettered(texts)
+            s.options = _lettered(texts, f, line, s.id)
             if split is not None and split[0]:
                 s.question = split[0]
         _, missing = videos.find([Path(s.video)])

@@ -99,5 +99,6 @@ def evaluate(tr: Any, seed: int) -> dict[str, float]:
         if i == 0:
             out.update(m)
         for key in (*EVAL_CONDITION_KEYS, "accuracy_ci95", "prompts"):
-            out[f"{name}/{key}"] = m[key]
+            # NaN (logged as null): no rollout of this condition (every video read failed)
+            out[f"{name}/{key}"] = m.get(key, float("nan"))
     return out

@@ -27,7 +27,9 @@ Files in ``out``:
 
 Errors never stop a run: a sample whose video is missing (``error_kind="missing"``) or
 unreadable (``"video"``) becomes an error row (counted in the summary, scored wrong / IoU 0); a
-batch whose engine call raises becomes error rows with ``error_kind="engine"``. A rerun retries
+batch whose engine call raises becomes error rows with ``error_kind="engine"``; a sample whose
+prompt alone (overview + question) passes the engine's context is an error row of kind
+``"context"`` (not retried: the same settings cannot fit it). A rerun retries
 every row of these kinds (:data:`RETRYABLE`: a restored video, a fixed engine), so a stale
 error never stays in the score; the merged ``results.jsonl`` keeps one row per sample.
 """
@@ -189,8 +191,18 @@ def result_row(
 
 
 # --------------------------------------------------------------------------------- loop
-def _missing_video(sample: Sample) -> bool:
-    return bool((sample.extra or {}).get("video_missing")) or not Path(sample.video).is_file()
+def _video_problem(sample: Sample) -> tuple[str, str] | None:
+    """``(error_kind, message)`` of a sample whose video cannot be read as a file: "missing"
+    ("video not found: PATH") or "video" naming what the path is instead (a directory, a FIFO,
+    a symlink loop: ``paravt.data.readers.video_path_problem``); None when it is a file."""
+    from paravt.data.readers import NOT_FOUND, video_path_problem
+
+    problem = video_path_problem(sample.video)
+    if not problem and (sample.extra or {}).get("video_missing"):
+        problem = NOT_FOUND
+    if not problem:
+        return None
+    return ("missing" if problem == NOT_FOUND else "video"), f"video {problem}: {sample.video}"
 
 
 def evaluate_samples(
@@ -205,7 +217,7 @@ def evaluate_samples(
 ) -> list[dict[str, Any]]:
     """Run ``samples`` through ``runner`` (an ``AgentRunner``) in batches; ``write`` each row
     as soon as its batch finishes; returns the rows in sample order."""
-    from paravt.agent.loop import stable_seed
+    from paravt.agent.loop import PROMPT_TOO_LONG, UNSUPPORTED, stable_seed
 
     rows: list[dict[str, Any]] = []
     todo: list[Sample] = []
@@ -244,21 +256,27 @@ def evaluate_samples(
             if g is None or not g.trajectories:
                 said = [m for m in runner.errors if m.startswith(f"sample {s.id}: ")]
                 msg = said[0] if said else f"sample {s.id}: no rollout came back"
-                emit(result_row(s, None, frames=frames, error=msg, kind="video"))
+                # A video the model cannot take (aspect ratio ...) is no transient failure.
+                kind = "unsupported" if UNSUPPORTED in msg else "video"
+                emit(result_row(s, None, frames=frames, error=msg, kind=kind))
                 continue
-            row = result_row(s, g.trajectories[0], frames=frames)
+            t = g.trajectories[0]
+            if not t.turns and any(PROMPT_TOO_LONG in x for x in t.errors):
+                # Its question does not fit the context: an error of its own kind, not an
+                # unparseable answer (a rerun with the same settings cannot do better).
+                msg = next(x for x in t.errors if PROMPT_TOO_LONG in x)
+                emit(result_row(s, None, frames=frames, error=f"sample {s.id}: {msg}",
+                                kind="context"))  # fmt: skip
+                continue
+            row = result_row(s, t, frames=frames)
             row["duration"] = float(runner.meta(s.video).duration)  # the viewer's time axis
             row["timings"]["batch_s"] = round(dt, 4)
             row["timings"]["batch_size"] = len(batch)
             emit(row)
 
     for s in samples:
-        if _missing_video(s):
-            emit(
-                result_row(
-                    s, None, frames=frames, error=f"video not found: {s.video}", kind="missing"
-                )
-            )
+        if (bad := _video_problem(s)) is not None:
+            emit(result_row(s, None, frames=frames, error=bad[1], kind=bad[0]))
             continue
         todo.append(s)
         if len(todo) >= batch_size:

@@ -7,7 +7,7 @@ whose presentation time is ``<= t``, as displayed (rotation and pixel aspect app
 
 from paravt.video.cache import FrameCache
 from paravt.video.deadline import DEFAULT_DECODE_TIMEOUT_S, stuck_reads
-from paravt.video.errors import VideoError, VideoTimeout
+from paravt.video.errors import VideoError, VideoTimeout, VideoUnsupported
 from paravt.video.planner import (
     BACKENDS,
     DecodePlanner,
@@ -37,6 +37,7 @@ __all__ = [
     "StreamIndex",
     "VideoError",
     "VideoTimeout",
+    "VideoUnsupported",
     "clear_probe_cache",
     "crop_request",
     "crop_timestamps",

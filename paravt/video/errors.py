@@ -21,3 +21,10 @@ class VideoError(Exception):
 
 class VideoTimeout(VideoError):
     """A probe or decode of the file passed ``video.decode_timeout_s`` (the read blocks)."""
+
+
+class VideoUnsupported(VideoError):
+    """A readable video the model cannot take, whatever the retry: e.g. an aspect ratio past
+    the vision preprocessing's limit (``paravt.video.sampling.frame_size_for_budget``). The
+    agent loop skips its sample as for any ``VideoError``; the evaluation records it as an
+    error row of kind "unsupported", which a rerun does not retry."""

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from paravt.types import VideoMeta
-from paravt.video.errors import VideoError
-from paravt.vision.resize import smart_resize
+from paravt.video.errors import VideoError, VideoUnsupported
+from paravt.vision.resize import MAX_ASPECT, smart_resize
 
 
 def overview_timestamps(meta: VideoMeta, k: int) -> list[float]:
@@ -79,8 +79,16 @@ def frame_size_for_budget(
 ) -> tuple[int, int]:
     """``(h, w)`` for this video under a pixel budget: ``smart_resize`` of its size (sides
     multiples of ``factor`` = patch × merge, aspect kept, ``min_pixels <= h·w <= max_pixels``).
-    """
-    return smart_resize(meta.height, meta.width, factor, min_pixels, max_pixels)
+    A video past ``MAX_ASPECT`` raises ``VideoUnsupported`` (smart_resize's ``ValueError``
+    would leave the agent loop and fail the whole batch as an engine error)."""
+    h, w = int(meta.height), int(meta.width)
+    if min(h, w) > 0 and max(h, w) / min(h, w) > MAX_ASPECT:
+        raise VideoUnsupported(
+            meta.path,
+            f"aspect ratio of {h}x{w} exceeds {MAX_ASPECT} (the Qwen-VL preprocessing's limit); "
+            "crop or pad the video to a less extreme shape",
+        )
+    return smart_resize(h, w, factor, min_pixels, max_pixels)
 
 
 def resize_frames(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 
+# Qwen-VL's image processors refuse frames whose longer side is more than 200 times the
+# shorter one (transformers' qwen2_vl ``smart_resize``); so do we, with the same message.
+MAX_ASPECT = 200
+
 
 def smart_resize(
     height: int,
@@ -20,9 +24,10 @@ def smart_resize(
     """
     if height <= 0 or width <= 0:
         raise ValueError(f"smart_resize: frame size {height}x{width} must be positive")
-    if max(height, width) / min(height, width) > 200:
+    if max(height, width) / min(height, width) > MAX_ASPECT:
         raise ValueError(
-            f"smart_resize: aspect ratio of {height}x{width} exceeds 200; crop or pad the frame"
+            f"smart_resize: aspect ratio of {height}x{width} exceeds {MAX_ASPECT}; crop or pad "
+            "the frame"
         )
     if min_pixels > max_pixels:
         raise ValueError(f"smart_resize: min_pixels {min_pixels} > max_pixels {max_pixels}")

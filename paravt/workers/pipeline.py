@@ -264,7 +264,7 @@ class RolloutPipeline:
                 kept.append(g)
         busy = sum(parts[w]["busy_s"] for w in workers)
         idle = sum(parts[w]["idle_s"] for w in workers)
-        metrics = staleness_metrics(kept, now, self.eta)
+        metrics = staleness_metrics(kept, now)
         metrics.update(
             {
                 "async/dropped_groups": float(dropped),
@@ -282,10 +282,11 @@ class RolloutPipeline:
         return RolloutBatch(kept, errors, stats, metrics)
 
 
-def staleness_metrics(groups: list[Group], version: int, eta: int) -> dict[str, float]:
+def staleness_metrics(groups: list[Group], version: int) -> dict[str, float]:
     """Staleness per trained token of ``groups`` trained by ``version``: its maximum, mean,
-    the share of tokens at each staleness ``0 .. η`` (``async/staleness_<d>``, the histogram)
-    and how many versions sampled them (``async/versions_in_batch``)."""
+    the share of tokens at each staleness observed (``async/staleness_<d>``, the histogram; a
+    value no token had is absent) and how many versions sampled them
+    (``async/versions_in_batch``). Called by ``RolloutPipeline.collect``."""
     hist: Counter[int] = Counter()
     for g in groups:
         for t in (*g.trajectories, *g.sub_trajectories):
@@ -298,6 +299,8 @@ def staleness_metrics(groups: list[Group], version: int, eta: int) -> dict[str, 
         "async/staleness_mean": sum(d * c for d, c in hist.items()) / n if n else 0.0,
         "async/versions_in_batch": float(len(hist)),
     }
-    for d in range(max(eta, max(hist, default=0)) + 1):
-        out[f"async/staleness_{d}"] = hist.get(d, 0) / n if n else 0.0
+    # Observed values only: a key per value 0 .. η made every row (and the viewer page) grow
+    # with η, 30 MB a row at η = 1e6. An absent key reads as a share of 0.
+    for d in sorted(hist):
+        out[f"async/staleness_{d}"] = hist[d] / n
     return out
