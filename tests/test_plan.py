@@ -210,25 +210,37 @@ def test_cli_8b_preset_on_8_h100_prints_a_table_in_under_30_s():
     assert took < 30, took
 
 
-def test_cli_too_small_device_exits_1_naming_terms_and_fixes():
-    r = _plan("--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8",
-              "--device-memory-gib", "70")  # fmt: skip
-    assert r.returncode == 1
-    assert ": does not fit (" in r.stdout
-    err = r.stderr
+def _plan_here(capsys, *args: str) -> tuple[int, str, str]:
+    """``python -m paravt.plan ARGS`` in this process (the 8B test above runs the command
+    itself): its exit code, stdout and stderr."""
+    from paravt.plan import main
+
+    try:
+        rc = main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        rc = int(e.code or 0)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_too_small_device_exits_1_naming_terms_and_fixes(capsys):
+    rc, out, err = _plan_here(capsys, "--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8",
+                              "--device-memory-gib", "70")  # fmt: skip
+    assert rc == 1
+    assert ": does not fit (" in out
     assert "largest: activations (1 micro-batch) 17.3 GiB, reference model 16.3 GiB" in err
     assert "more ranks: --nnodes 2 (16 ranks" in err
-    r = _plan("--preset", "tiny_cpu", "--cpu", "--device-memory-gib", "0.3")
-    assert r.returncode == 1
-    assert "gradient checkpointing: model.gradient_checkpointing=true" in r.stderr
-    assert "a smaller micro-batch: algo.max_tokens_per_microbatch=8192" in r.stderr
+    rc, out, err = _plan_here(capsys, "--preset", "tiny_cpu", "--cpu", "--device-memory-gib", "0.3")
+    assert rc == 1
+    assert "gradient checkpointing: model.gradient_checkpointing=true" in err
+    assert "a smaller micro-batch: algo.max_tokens_per_microbatch=8192" in err
 
 
-def test_cli_errors_name_the_fix():
-    r = _plan("--preset", "tiny_cpu")  # no --gpu / --device-memory-gib and no CUDA here
-    assert r.returncode == 2 and "--gpu" in r.stderr
-    r = _plan("--preset", "tiny_cpu", "--gpu", "h900")
-    assert r.returncode == 2 and "h100-80gb" in r.stderr
+def test_cli_errors_name_the_fix(capsys):
+    rc, _, err = _plan_here(capsys, "--preset", "tiny_cpu")  # no --gpu / memory, no CUDA here
+    assert rc == 2 and "--gpu" in err
+    rc, _, err = _plan_here(capsys, "--preset", "tiny_cpu", "--gpu", "h900")
+    assert rc == 2 and "h100-80gb" in err
 
 
 def test_tiny_plan_matches_the_measured_cpu_peak_within_15_percent():
