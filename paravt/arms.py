@@ -157,13 +157,28 @@ def stamp_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
+def keep_arm_run(run_dir: Path, stamp: dict[str, Any], label: str) -> bool:
+    """:func:`kept_run` for a driver's job ``label`` (``[ablation] 3/10 gating seed 1``), saying
+    what happens: ``finished before, kept``, or for a finished run made with other settings
+    ``<why>: redone`` (a run cut short is redone silently). Both drivers' arm loops use it."""
+    keep, why = kept_run(run_dir, stamp)
+    if keep:
+        print(f"{label}: finished before, kept")
+    elif why != NOT_FINISHED:
+        print(f"{label}: {why}: redone", flush=True)
+    return keep
+
+
+NOT_FINISHED = "not finished"
+
+
 def kept_run(run_dir: Path, stamp: dict[str, Any]) -> tuple[bool, str]:
     """Whether a rerun keeps the arm run in ``run_dir``: finished (:func:`run_finished`) and
     made with ``stamp`` (:data:`STAMP`). Returns ``(keep, why not)``; ``why`` names the keys
     that differ. A run made before stamps is checked by its ``config.yaml`` (the resolved
     config it wrote; the stamp's extra keys cannot be checked for it)."""
     if not run_finished(run_dir):
-        return False, "not finished"
+        return False, NOT_FINISHED
     p = run_dir / STAMP
     if p.is_file():
         try:

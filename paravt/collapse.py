@@ -76,6 +76,7 @@ from paravt.arms import (
     DriverInterrupted,
     FolderLock,
     arm_overrides,
+    keep_arm_run,
     kept_run,
     load_args,
     parse_arms,
@@ -763,12 +764,8 @@ def _collapse(
         run_dir = out / arm / f"seed{seed}"
         args = [*shared, *arm_overrides(arm, cfg), f"train.seed={seed}", f"train.out_dir={run_dir}"]
         stamp = run_stamp(load_args(base_args, args), eval_every=eval_every)
-        keep, why = kept_run(run_dir, stamp)
-        if keep:
-            print(f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
+        if keep_arm_run(run_dir, stamp, f"[collapse] {i}/{len(jobs)} {arm} seed {seed}"):
             continue
-        if run_finished(run_dir):
-            print(f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: {why}: redone", flush=True)
         t = time.perf_counter()
         _subprocess(
             run_dir,

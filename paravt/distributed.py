@@ -57,7 +57,8 @@ class DistContext:
         return self.world_size > 1
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Config dtype names (model.dtype, train.master_dtype) -> torch dtypes; the loader uses it too.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Precision:
     @classmethod
     def from_config(cls, cfg: Any) -> Precision:
         """``train.master_dtype`` over ``model.dtype`` (names checked by ``paravt.config``)."""
-        return cls(master=_DTYPES[cfg.train.master_dtype], compute=_DTYPES[cfg.model.dtype])
+        return cls(master=DTYPES[cfg.train.master_dtype], compute=DTYPES[cfg.model.dtype])
 
 
 def world_size_from_env() -> int:

@@ -46,12 +46,11 @@ from paravt.arms import (
     DriverInterrupted,
     FolderLock,
     arm_overrides,
-    kept_run,
+    keep_arm_run,
     load_args,
     parse_arms,
     reused_checkpoint,
     run_child,
-    run_finished,
     run_stamp,
     train_checkpoint,
     write_stamp,
@@ -218,12 +217,8 @@ def _ablation(
             "train.keep_last=1",
         ]
         stamp = run_stamp(load_args(base_args, args))  # what paravt.train will resolve
-        keep, why = kept_run(run_dir, stamp)
-        if keep:
-            print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: finished before, kept")
+        if keep_arm_run(run_dir, stamp, f"[ablation] {i}/{len(jobs)} {arm} seed {seed}"):
             continue
-        if run_finished(run_dir):
-            print(f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: {why}: redone", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
         run_dir.mkdir(parents=True)
         write_stamp(run_dir, stamp)

@@ -302,11 +302,6 @@ def _dtype_bytes(name: str, key: str) -> int:
     return _DTYPE_BYTES[name]
 
 
-def master_dtype(cfg: Config) -> str:
-    """``train.master_dtype``: the dtype of the trained weights and AdamW's moments."""
-    return cfg.train.master_dtype
-
-
 def _text_layer_bytes(s: ModelShape, b: int) -> float:
     """Bytes autograd keeps per token in one decoder layer (HF Qwen3-VL / Qwen2.5-VL code):
     two RMSNorms (an fp32 copy of the input + the normalised output each), the q/k RMSNorms
@@ -364,7 +359,7 @@ def plan_memory(
     s = shape or model_shape(cfg)
     a, r = cfg.algo, cfg.rollout
     bc = _dtype_bytes(cfg.model.dtype, "model.dtype")
-    bm = _dtype_bytes(master_dtype(cfg), "train.master_dtype")
+    bm = _dtype_bytes(cfg.train.master_dtype, "train.master_dtype")
     ranks = max(1, layout.world - r.workers)
     mixed = bm != bc
     fsdp = ranks > 1 or mixed
@@ -581,7 +576,7 @@ def format_plan(pl: Plan) -> str:
     lines = [
         f"model: {s.source} ({s.model_type}), {s.params / 1e9:.3f} B parameters, "
         f"{s.trainable / 1e9:.3f} B trainable; compute {pl.cfg.model.dtype}, masters "
-        f"{master_dtype(pl.cfg)}",
+        f"{pl.cfg.train.master_dtype}",
         f"layout: {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); {pl.ranks} rank(s) "
         f"shard the policy; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
         "GiB per rank",

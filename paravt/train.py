@@ -278,11 +278,12 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         if len(rngs) == ctx.world_size:
             set_rng_state(rngs[ctx.rank])
         trainer.start_step = int(st["step"])
-        logger.truncate_after(trainer.start_step)
         if ctx.is_main:
             print(f"[train] resumed from {ckpt} (step {trainer.start_step})")
     else:
         seed_everything(t.seed + ctx.rank)
+    if t.resume:  # metrics past the start dropped (no checkpoint: every row of the old run)
+        logger.truncate_after(trainer.start_step)
     return trainer
 
 
@@ -586,10 +587,9 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     except SFTPreempted as e:  # its state is saved: --resume continues the SFT
         cleanup(ctx)
         return {"before": {}, "after": {}, "last": {}, "out_dir": str(out), "preempted": e.info}
-    if ctx.is_main:
-        record_run(cfg)  # now with the fingerprint of a tiny model built by this run
-    # A resume finding no checkpoint starts at step 0: the rows of the steps it redoes go too.
-    tr.logger.truncate_after(tr.start_step)
+    if ctx.is_main:  # now with the fingerprint of a tiny model built by this run
+        with tr.logger.disk.guard("config", out / "run.json"):
+            record_run(cfg)
     tr.preempt = pre
     t = cfg.train
     if roles is not None:  # the workers start on the first η + 1 steps while we evaluate

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from paravt.distributed import DTYPES
 from paravt.vision.patchify import VisionSpec
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SUPPORTED = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -216,8 +216,8 @@ def load_model(
         )
     if not (d / "config.json").is_file():
         raise ValueError(f"model path '{path}' has no config.json; it is not an HF checkpoint")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype='{dtype}' is not one of {'|'.join(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype='{dtype}' is not one of {'|'.join(DTYPES)}")
     config = _read_json(d / "config.json")
     model_type = config.get("model_type", "")
     if model_type not in _SUPPORTED:
@@ -235,7 +235,7 @@ def load_model(
     with _quiet_progress():  # no "Loading weights" bar inside the run's own progress bar
         model = cls.from_pretrained(
             d,
-            dtype=_DTYPES[dtype],
+            dtype=DTYPES[dtype],
             attn_implementation=attn_implementation,
             local_files_only=True,
         )

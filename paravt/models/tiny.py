@@ -618,12 +618,13 @@ def build_random_checkpoint(out_dir: str | Path, config: str, *, seed: int = 0,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    from paravt.models.loader import _DTYPES, _quiet_progress
+    from paravt.distributed import DTYPES
+    from paravt.models.loader import _quiet_progress
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         prev = torch.get_default_dtype()
-        torch.set_default_dtype(_DTYPES[dtype])  # built in the saved dtype: half the memory
+        torch.set_default_dtype(DTYPES[dtype])  # built in the saved dtype: half the memory
         try:
             model = getattr(transformers, cls)(hf)
         finally:
