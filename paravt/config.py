@@ -381,6 +381,13 @@ class AlgoConfig:
     # memory grows with it (attention itself is per sequence: nothing N x N); for the policy
     # update of Qwen3-VL-8B bf16 at 16k, use model.gradient_checkpointing (as its presets do).
     max_tokens_per_microbatch: int = 16384
+    # Encode a group's common prompt (system text, video overview, question) once per packed
+    # forward: its G rollouts' rows become [prompt; suffix_1; ...; suffix_G], each suffix
+    # attending to the prompt and causally to itself (paravt.models.prefix). The same
+    # log-probs, loss and gradients as the unshared forward (fp32: tested to 1e-5); every
+    # log-prob pass (proximal, reference, the policy and its backward) and cold-start SFT use
+    # it; micro-batching and rank balancing keep a group together. Off: each row whole.
+    share_prefix: bool = True
     # Under torchrun: before the update, move whole units (a main row with its sub-agent rows)
     # between ranks so each rank's share of every minibatch has about the same number of
     # tokens (paravt.distributed.balance_buckets); the global minibatches, and so the

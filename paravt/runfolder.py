@@ -61,6 +61,7 @@ RESUME_MAY_CHANGE: dict[str, str] = {
     "model.device": "another machine: same weights and optimizer state",
     "model.gradient_checkpointing": "memory only: the same maths",
     "algo.max_tokens_per_microbatch": "memory only: the same sums, split otherwise",
+    "algo.share_prefix": "speed and memory only: the same values, a prompt encoded once",
     "video.decode_timeout_s": "decoding logistics",
     "video.cache_frames": "decoding logistics",
     "rollout.vllm_gpu_memory_utilization": "vLLM memory",

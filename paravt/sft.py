@@ -145,6 +145,7 @@ def sft_loss(
     global_tokens: float,
     world: int = 1,
     max_tokens: int | None = None,
+    share_prefix: bool = False,
 ) -> tuple[float, float]:
     """Back-propagate the token-mean NLL of ``trajs`` through packed forwards.
 
@@ -171,7 +172,8 @@ def sft_loss(
                 f"SFT trajectory {t.uid}: temperature {t.temperature} / top_p {t.top_p}; SFT "
                 "scores targets at T = 1, top_p = 1 (oracle rows carry no sampling settings)"
             )
-    batch = pack_units([SequenceUnit(t, [], 0.0, 0) for t in trajs])
+    # share_prefix (algo.share_prefix): records of one prompt group share its encoding.
+    batch = pack_units([SequenceUnit(t, [], 0.0, t.group_id) for t in trajs], share_prefix)
     budget = max_tokens or AlgoConfig().max_tokens_per_microbatch
     nll_sum = 0.0
     for seqs in microbatches(batch, budget):
@@ -399,7 +401,7 @@ def _run_sft(
         global_tok = float(all_reduce_sum(local_tok, ctx).sum())
         nll, _ = sft_loss(
             model, batch, global_tokens=global_tok, world=ctx.world_size,
-            max_tokens=cfg.algo.max_tokens_per_microbatch,
+            max_tokens=cfg.algo.max_tokens_per_microbatch, share_prefix=cfg.algo.share_prefix,
         )  # fmt: skip
         clip_grad_norm([p for p in model.parameters() if p.grad is not None], 1.0)
         opt.step()

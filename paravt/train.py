@@ -53,7 +53,7 @@ from paravt.algo.gating import step_budgets
 from paravt.algo.guard import NonFiniteGuard
 from paravt.algo.logprobs import packed_logprobs
 from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
-from paravt.algo.packing import microbatches, pack_units, split_units
+from paravt.algo.packing import balance_units, microbatches, pack_units, split_units
 from paravt.algo.reference import ReferencePolicy
 from paravt.assets import prepare_data, prepare_model, read_datasets
 from paravt.checkpoint import (
@@ -72,7 +72,6 @@ from paravt.distributed import (
     Precision,
     all_gather_objects,
     all_reduce_sum,
-    balance_buckets,
     cleanup,
     clip_grad_norm,
     full_weights,
@@ -366,11 +365,9 @@ def _learn(
     buckets = split_units(units, algo.minibatches)
     shaping: dict[str, float] = {}
     if algo.balance_ranks:  # the same global minibatches, each rank about the same tokens
-        buckets, shaping = balance_buckets(
-            buckets, lambda u: u.num_tokens, ctx, portable=lambda u: u.portable()
-        )
+        buckets, shaping = balance_units(buckets, ctx, algo.share_prefix)
         units = [u for b in buckets for u in b]
-    batches = [pack_units(mb) for mb in buckets]
+    batches = [pack_units(mb, algo.share_prefix) for mb in buckets]
     kl_pen = torch.zeros(2, dtype=torch.float64)  # sum of per-row KL penalties, rows
     with torch.no_grad():
         for b in batches:

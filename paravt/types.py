@@ -370,6 +370,10 @@ class PackedBatch:
     # (N,) int64 policy version that sampled each token (-1 where none did:
     # ``Trajectory.versions``); filled by ``pack_units`` when every row records them.
     versions: torch.Tensor | None = None
+    # (B,) int64: the prompt group of each row (``Trajectory.group_id``; -1: shares with no
+    # row), filled by ``pack_units`` under ``algo.share_prefix``; None: no sharing. What a
+    # group really shares is checked from the tokens and pixels (``paravt.models.prefix``).
+    group_ids: torch.Tensor | None = None
 
     def token_types(self) -> torch.Tensor:
         """``mm_token_type_ids`` ``(N,)``; ``ValueError`` when the batch has none (a forward

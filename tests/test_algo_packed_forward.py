@@ -129,6 +129,7 @@ def test_packing_without_the_block_diagonal_mask_differs(setup):
     """The mask is necessary: the same packed row under plain causal attention (later
     sequences attend to earlier ones) is wrong from the second sequence on."""
     from paravt.models.forward import _packed_inputs, packed_attention_kwargs, packed_hidden
+    from paravt.models.prefix import shared_layout
 
     model, batch = setup
     seqs = _packs(batch)[1]
@@ -139,7 +140,7 @@ def test_packing_without_the_block_diagonal_mask_differs(setup):
         ref = torch.cat([_alone(model, batch, i) for i in seqs])
         # Not relied on, pinned: transformers' own packed-sequence detection (no mask; the
         # restarting text row of the 4-row position ids) also isolates the sequences.
-        kwargs, _ = _packed_inputs(model, batch, seqs)
+        kwargs = _packed_inputs(model, batch, seqs, shared_layout(batch, seqs, []))
         detected = model.model(**kwargs).last_hidden_state[0]
     assert float((bad[:n0] - ref[:n0]).abs().max()) <= 1e-5  # the first sequence is unaffected
     assert float((bad[n0:] - ref[n0:]).abs().max()) > 1e-2

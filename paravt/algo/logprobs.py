@@ -52,7 +52,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from paravt.algo.packing import microbatches, select_sequences, trained_rows
-from paravt.models.forward import as_root_forward, backbone_and_head, packed_hidden
+from paravt.models.forward import as_root_forward, backbone_and_head, packed_hidden_rows
 from paravt.models.sampling import sampling_logprobs
 from paravt.types import PackedBatch, VisualInputs
 
@@ -245,10 +245,9 @@ def packed_logprob_rows(
     whole batch's ``(N,)`` layout of the trained tokens of ``seqs`` (``trained_rows``) and
     their log-probs / entropies (``gathered_logprobs``)."""
     _, head = backbone_and_head(model)
-    hidden = packed_hidden(model, batch, seqs)
-    dev = hidden.device
     rows, index = trained_rows(select_sequences(batch, seqs))
-    h = hidden.index_select(0, (index - 1).to(dev))  # row t - 1 predicts token t
+    h = packed_hidden_rows(model, batch, seqs, index - 1)  # row t - 1 predicts token t
+    dev = h.device
     lp_n, ent_n = gathered_logprobs(head, h, rows, with_entropy)
     cu = batch.cu_seqlens.tolist()
     glob = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in seqs])[index]

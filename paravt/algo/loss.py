@@ -41,7 +41,7 @@ import torch
 from paravt.algo.logprobs import gathered_logprobs
 from paravt.algo.packing import microbatches, select_sequences, trained_rows
 from paravt.config import AlgoConfig
-from paravt.models.forward import as_root_forward, backbone_and_head, packed_hidden
+from paravt.models.forward import as_root_forward, backbone_and_head, packed_hidden_rows
 from paravt.types import PackedBatch
 
 
@@ -278,9 +278,7 @@ def _policy_part_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     view = select_sequences(batch, seqs)
     rows, index = trained_rows(view)
-    hidden = packed_hidden(model, batch, seqs)  # (sum L_i, d)
-    dev = hidden.device
-    h = hidden.index_select(0, (index - 1).to(dev))  # row t - 1 predicts token t
+    h = packed_hidden_rows(model, batch, seqs, index - 1)  # row t - 1 predicts token t
     _, head = backbone_and_head(model)
     counts = (rows.cu_seqlens[1:] - rows.cu_seqlens[:-1]).long()
     assert rows.temperatures is not None and rows.top_ps is not None

@@ -16,14 +16,19 @@ are ``paravt.algo.logprobs.packed_logprobs``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from paravt.types import PackedBatch, SequenceUnit, Trajectory
 
 
-def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
+def pack_units(units: Sequence[SequenceUnit], share_prefix: bool = False) -> PackedBatch:
     """Pack units (main + sub rows) into one padding-free batch.
+
+    ``share_prefix`` (``algo.share_prefix``) fills ``group_ids``: each main row's
+    ``Trajectory.group_id`` (sub rows -1: a sub-agent's prompt holds its own crop), so that
+    the packed forwards encode a group's common prompt once (``paravt.models.prefix``).
 
     Per-token advantages come from ``paravt_kernels.broadcast_to_tokens``: a main row spreads
     its own group advantage, a sub row (``parent_index >= 0``) its parent's. ``seq_weights`` is
@@ -86,6 +91,11 @@ def pack_units(units: Sequence[SequenceUnit]) -> PackedBatch:
             if seqs and all(t.versions for t in seqs)
             else None
         ),
+        group_ids=(
+            torch.tensor([t.group_id if t.role == "main" else -1 for t in seqs], dtype=torch.int64)
+            if share_prefix
+            else None
+        ),
     )
 
 
@@ -113,6 +123,36 @@ def split_units(units: Sequence[SequenceUnit], n: int) -> list[list[SequenceUnit
         out.append(list(units[i : i + size]))
         i += size
     return out
+
+
+def balance_units(
+    buckets: list[list[SequenceUnit]], ctx: Any, share_prefix: bool
+) -> tuple[list[list[SequenceUnit]], dict[str, float]]:
+    """``paravt.distributed.balance_buckets`` over the trainer's minibatches of units
+    (``algo.balance_ranks``; ``paravt.train``). With ``share_prefix`` the item that moves is a
+    prompt group (the units of one ``group_id``, in order), so a group's prompt stays encoded
+    once (``paravt.models.prefix``), at the rows its shared forward holds (the main prompt
+    counted once); else one unit, at its token count."""
+    from paravt.distributed import balance_buckets
+
+    if not share_prefix:
+        return balance_buckets(
+            buckets, lambda u: u.num_tokens, ctx, portable=lambda u: u.portable()
+        )
+    grouped: list[list[list[SequenceUnit]]] = []
+    for b in buckets:
+        by_id: dict[int, list[SequenceUnit]] = {}
+        for u in b:
+            by_id.setdefault(u.group_id, []).append(u)
+        grouped.append(list(by_id.values()))
+
+    def cost(g: list[SequenceUnit]) -> float:
+        return sum(u.num_tokens for u in g) - (len(g) - 1) * g[0].main.prompt_len
+
+    out, stats = balance_buckets(
+        grouped, cost, ctx, portable=lambda g: [u.portable() for u in g]
+    )
+    return [[u for g in b for u in g] for b in out], stats
 
 
 def select_sequences(batch: PackedBatch, seqs: Sequence[int]) -> PackedBatch:
@@ -145,6 +185,7 @@ def select_sequences(batch: PackedBatch, seqs: Sequence[int]) -> PackedBatch:
         ref_logprobs=_take(batch.ref_logprobs, idx),
         prox_logprobs=_take(batch.prox_logprobs, idx),
         versions=_take(batch.versions, idx),
+        group_ids=None if batch.group_ids is None else batch.group_ids[s],
     )
 
 
@@ -187,32 +228,55 @@ def trained_rows(batch: PackedBatch) -> tuple[PackedBatch, torch.Tensor]:
 
 def microbatches(batch: PackedBatch | Sequence[int], max_tokens: int) -> list[list[int]]:
     """Group the sequences of ``batch`` (or a list of sequence lengths) into micro-batches of
-    at most ``max_tokens`` tokens each; a sequence longer than that goes alone.
+    at most ``max_tokens`` rows each; a sequence longer than that goes alone.
 
-    First-fit decreasing: sequences by length, longest first (ties: lower index first), each
-    into the first micro-batch it fits in, else a new one. Deterministic; every sequence in
-    exactly one micro-batch; indices ascending inside a micro-batch, micro-batches in order of
-    creation (the longest sequence's first). Main and sub-agent rows are not kept together:
-    each row is scored on its own, so their grouping does not change any value.
+    First-fit decreasing over items: items by cost, largest first (ties: lower first index),
+    each into the first micro-batch it fits in, else a new one. An item is one sequence (cost:
+    its length) or, for a batch that shares prompts (``PackedBatch.group_ids``,
+    ``algo.share_prefix``), a prompt group (``paravt.models.prefix.prefix_groups``) kept
+    together at the rows its shared forward holds, ``prompt + sum of suffixes``
+    (``shared_cost``); a group over the budget is cut into parts that each fit (each part
+    holds the prompt again: recomputed, not carried between forwards), members in order.
+    Deterministic; every sequence in exactly one micro-batch; indices ascending inside a
+    micro-batch, micro-batches in order of creation (the costliest item's first). Main and
+    sub-agent rows are not kept together: each row is scored on its own, so their grouping
+    does not change any value; neither does a group's (the shared forward is exact).
     """
+    from paravt.models.prefix import prefix_groups, shared_cost
+
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")
+    groups = []
     if isinstance(batch, PackedBatch):
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+        groups = prefix_groups(batch, range(len(lengths)))
     else:
         lengths = [int(n) for n in batch]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    items: list[tuple[list[int], int]] = []
+    grouped: set[int] = set()
+    for g in groups:
+        part: list[int] = []
+        for i in g.members:
+            cost = shared_cost([lengths[j] for j in [*part, i]], g.prefix_len)
+            if part and cost > max_tokens:
+                items.append((part, shared_cost([lengths[j] for j in part], g.prefix_len)))
+                part = []
+            part.append(i)
+        items.append((part, shared_cost([lengths[j] for j in part], g.prefix_len)))
+        grouped.update(g.members)
+    items += [([i], n) for i, n in enumerate(lengths) if i not in grouped]
+    items.sort(key=lambda it: (-it[1], it[0][0]))
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in order:
+    for members, cost in items:
         for k, load in enumerate(loads):
-            if load + lengths[i] <= max_tokens:
-                bins[k].append(i)
-                loads[k] += lengths[i]
+            if load + cost <= max_tokens:
+                bins[k].extend(members)
+                loads[k] += cost
                 break
         else:
-            bins.append([i])
-            loads.append(lengths[i])
+            bins.append(list(members))
+            loads.append(cost)
     return [sorted(b) for b in bins]
 
 
@@ -246,6 +310,7 @@ def concat_packed(batches: Sequence[PackedBatch]) -> PackedBatch:
         ref_logprobs=_cat_optional([b.ref_logprobs for b in batches]),
         prox_logprobs=_cat_optional([b.prox_logprobs for b in batches]),
         versions=_cat_optional([b.versions for b in batches]),
+        group_ids=_cat_optional([b.group_ids for b in batches]),
     )
     assert out.input_ids.numel() == n
     return out

@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from paravt.types import PackedBatch
+from paravt.models.prefix import SharedLayout
+from paravt.types import PackedBatch, VisualInputs
 
 
 def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -100,15 +101,6 @@ def as_root_forward(model: torch.nn.Module, fn: Callable, *args: Any) -> Any:
 
 
 # --------------------------------------------------------------- packed multi-sequence forwards
-
-
-# Keys of ``build_model_inputs`` that carry one sequence's visual inputs, concatenated in
-# sequence order when several sequences share one forward.
-_VISUAL_KEYS = (
-    "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
-    "second_per_grid_ts",
-)  # fmt: skip
-_ROPE_KEYS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 
 
 def packed_attention_kwargs(
@@ -186,6 +178,9 @@ def varlen_sdpa_attention(
     # Grouped-query heads: SDPA broadcasts them (enable_gqa) instead of a repeated K/V copy
     # of the whole row that the backward would keep.
     gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
+    blocks = kwargs.get("paravt_blocks")
+    if blocks is not None:  # a shared prompt (paravt.models.prefix.SharedLayout.blocks)
+        return _prefix_block_attention(query, key, value, blocks, dropout, scaling, gqa), None
     bounds = cu_seq_lens_q.tolist()  # a host tensor (packed_attention_kwargs): no sync
     outs = [
         torch.nn.functional.scaled_dot_product_attention(
@@ -201,6 +196,43 @@ def varlen_sdpa_attention(
         if b > a
     ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _prefix_block_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: Sequence[tuple[int, int, int, int]],
+    dropout: float,
+    scaling: float | None,
+    gqa: dict[str, bool],
+) -> torch.Tensor:
+    """Attention over a shared layout's ``blocks`` (``(q0, q1, p0, p1)``, covering the rows in
+    order): queries ``[q0, q1)`` attend causally to their own keys and fully to the prompt's
+    ``[p0, p1)``, one SDPA per block. A suffix's keys are ``[prompt; suffix]`` with a causal
+    mask aligned to the bottom right (``causal_lower_right``: query ``i`` sees keys up to
+    ``P + i``), which is the mask its rows had inside the whole unshared sequence, so every
+    output equals the unshared forward's. Nothing ``N x N`` exists: a suffix's mask is
+    ``L_s x (P + L_s)`` at most (CUDA SDPA takes the lower-right bias without materialising
+    it). Its price is one concatenated copy of the prompt's keys and values per suffix, per
+    layer, which autograd keeps for the backward (under gradient checkpointing: one layer's
+    at a time). ``(1, H, M, D)`` -> ``(1, M, H, D)``."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    outs = []
+    for q0, q1, p0, p1 in blocks:
+        if q1 <= q0:
+            continue
+        q = query[:, :, q0:q1]
+        if p1 <= p0:
+            k, v, causal = key[:, :, q0:q1], value[:, :, q0:q1], {"is_causal": True}
+        else:
+            k = torch.cat([key[:, :, p0:p1], key[:, :, q0:q1]], 2)
+            v = torch.cat([value[:, :, p0:p1], value[:, :, q0:q1]], 2)
+            causal = {"attn_mask": causal_lower_right(q1 - q0, k.shape[2])}
+        outs.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, **causal, **gqa))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
 def _varlen_language_model(backbone: torch.nn.Module) -> str:
@@ -226,19 +258,24 @@ def _varlen_language_model(backbone: torch.nn.Module) -> str:
 
 
 def _packed_inputs(
-    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int]
-) -> tuple[dict[str, Any], list[int]]:
-    """Backbone keyword arguments for ONE forward over sequences ``seqs`` of ``batch``, and
-    their lengths. Token ids and ``mm_token_type_ids`` are concatenated into ``(1, N)``; the
-    visual features of all sequences come from ONE vision-tower call over their concatenated
-    pixels / grids (attention there is per frame, so a grid never sees another's patches), in
-    sequence order, which is the order of the placeholders in the packed row (the backbone
-    scatters them, and their deepstack features, by placeholder order). Position ids are
-    ``(4, 1, N)``: rows 1-3 the mrope ids of ``get_rope_index`` on each sequence ALONE (each
-    restarts at 0), row 0 the per-sequence text position ``0..L_i-1`` (what transformers
-    reads as ``text_position_ids``; the rotary embedding uses rows 1-3 only).
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int], layout: SharedLayout
+) -> dict[str, Any]:
+    """Backbone keyword arguments for ONE forward over sequences ``seqs`` of ``batch`` laid
+    out as ``layout`` (``paravt.models.prefix``: the unshared layout, or a group's prompt
+    once). Token ids and ``mm_token_type_ids`` are the rows ``layout.src`` of the sequences'
+    concatenation, ``(1, M)``; the visual features of every visual segment the rows hold come
+    from ONE vision-tower call over their pixels (attention there is per frame, so a grid
+    never sees another's patches), in the order of their placeholders in the rows (the
+    backbone scatters them, and their deepstack features, by placeholder order); a shared
+    prompt's segments are encoded once. Position ids are ``(4, 1, M)``: rows 1-3 the mrope
+    ids of ``get_rope_index`` on each sequence ALONE (each restarts at 0; a suffix's continue
+    from its prompt as in the whole sequence), row 0 the per-sequence text position
+    ``0..L_i-1`` (what transformers reads as ``text_position_ids``; the rotary embedding uses
+    rows 1-3 only). Only the grids of a member whose prompt is shared reach ``get_rope_index``
+    (host-side, cheap); its pixels are not copied.
     """
-    from paravt.vision.preprocess import build_model_inputs
+    from paravt.models.prefix import split_visuals
+    from paravt.vision.preprocess import check_visual_tokens
 
     backbone, _ = backbone_and_head(model)
     p0 = next(model.parameters())
@@ -246,71 +283,109 @@ def _packed_inputs(
     merge = int(model.config.vision_config.spatial_merge_size)
     mm_all = batch.token_types()
     cu = batch.cu_seqlens
-    per, lengths = [], []
+    ids, mms, positions = [], [], []
     for i in seqs:
         a, b = int(cu[i]), int(cu[i + 1])
-        per.append(
-            build_model_inputs(
-                batch.input_ids[a:b].tolist(), mm_all[a:b].tolist(), batch.visuals[i], dev,
-                merge_size=merge, dtype=p0.dtype,
-            )
-        )  # fmt: skip
-        lengths.append(b - a)
-    positions = []
-    for inp, n_i in zip(per, lengths):
-        rope = {k: inp[k] for k in _ROPE_KEYS if k in inp}
-        mrope, _ = backbone.get_rope_index(
-            inp["input_ids"], mm_token_type_ids=inp["mm_token_type_ids"], **rope
-        )  # (3, 1, L_i)
-        text = torch.arange(n_i, device=mrope.device, dtype=mrope.dtype).view(1, 1, -1)
+        v = batch.visuals[i]
+        check_visual_tokens(mm_all[a:b].tolist(), v, merge)
+        ids_i = batch.input_ids[a:b].to(dev).view(1, -1)
+        mm_i = mm_all[a:b].to(device=dev, dtype=torch.int32).view(1, -1)
+        rope: dict[str, Any] = {}
+        if v is not None:
+            rope[f"{v.kind}_grid_thw"] = v.grid_thw.to(dev)
+            if v.second_per_grid_ts is not None:  # Qwen2.5-VL video
+                rope["second_per_grid_ts"] = v.second_per_grid_ts.to(dev)
+        mrope, _ = backbone.get_rope_index(ids_i, mm_token_type_ids=mm_i, **rope)  # (3, 1, L_i)
+        text = torch.arange(b - a, device=mrope.device, dtype=mrope.dtype).view(1, 1, -1)
         positions.append(torch.cat([text, mrope], 0))
-    visual = {}
-    for k in _VISUAL_KEYS:
-        parts = [inp[k] for inp in per if k in inp]
-        if parts:
-            visual[k] = torch.cat(parts)
+        ids.append(ids_i)
+        mms.append(mm_i)
+    src = layout.src.to(dev)
+    seq_list = list(seqs)
+    parts: dict[str, list[VisualInputs]] = {"video": [], "image": []}
+    for k, s0, s1 in layout.visuals:
+        piece = split_visuals(batch.visuals[seq_list[k]], s0, s1)
+        if piece is not None:
+            parts[piece.kind].append(piece)
     encoded: dict[str, Any] = {}
-    if "pixel_values" in visual:
+    img, vid = VisualInputs.concat(parts["image"]), VisualInputs.concat(parts["video"])
+    if img is not None:
         encoded["image"] = backbone.get_image_features(
-            visual["pixel_values"], visual["image_grid_thw"], return_dict=True
+            img.pixel_values.to(dev, p0.dtype), img.grid_thw.to(dev), return_dict=True
         )
-    if "pixel_values_videos" in visual:
+    if vid is not None:
         encoded["video"] = backbone.get_video_features(
-            visual["pixel_values_videos"], visual["video_grid_thw"], return_dict=True
+            vid.pixel_values.to(dev, p0.dtype), vid.grid_thw.to(dev), return_dict=True
         )
-    kwargs = {
-        "input_ids": torch.cat([inp["input_ids"] for inp in per], 1),
-        "mm_token_type_ids": torch.cat([inp["mm_token_type_ids"] for inp in per], 1),
-        "position_ids": torch.cat(positions, 2),
+    return {
+        "input_ids": torch.cat(ids, 1).index_select(1, src),
+        "mm_token_type_ids": torch.cat(mms, 1).index_select(1, src),
+        "position_ids": torch.cat(positions, 2).index_select(2, src),
         "mm_encoder_outputs": encoded or None,
         "use_cache": False,
     }
-    return kwargs, lengths
 
 
-def packed_hidden(
+def packed_forward(
     model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int], isolate: bool = True
-) -> torch.Tensor:
-    """``packed_hidden_states`` without the FSDP root wrapping: for callers that run it inside
-    their own root forward (``as_root_forward``) and apply the lm_head there
-    (``paravt.algo.logprobs.packed_logprob_rows``, ``paravt.algo.loss.policy_part_loss``).
-    ``isolate=False`` drops the sequence-separating argument (plain causal attention over the
-    whole row): only the tests use it, to show the mask is what makes the packed forward
-    exact."""
+) -> tuple[torch.Tensor, SharedLayout]:
+    """ONE backbone forward over sequences ``seqs`` of ``batch``: the last hidden states of
+    its rows ``(M, d)`` and their ``SharedLayout`` (``layout.row_of`` maps each position of
+    the sequences' concatenation to its row). Under ``algo.share_prefix``
+    (``PackedBatch.group_ids``) a group's common prompt is one block of rows
+    (``paravt.models.prefix.prefix_groups``; SDPA only: a flash_attention_* language model
+    runs the unshared layout, its varlen call takes one ``cu_seqlens`` for queries and keys);
+    else ``M = sum L_i`` and ``row_of`` is the identity. ``isolate=False`` drops the
+    sequence-separating argument (plain causal attention over the whole row): only the tests
+    use it, to show the separation is what makes the packed forward exact. No FSDP root
+    wrapping: callers run it inside their own root forward (``as_root_forward``)."""
+    from paravt.models.prefix import prefix_groups, shared_layout
+
     backbone, _ = backbone_and_head(model)
-    kwargs, lengths = _packed_inputs(model, batch, seqs)
+    impl = _varlen_language_model(backbone) if isolate else "sdpa"
+    groups = prefix_groups(batch, seqs) if (isolate and impl == VARLEN_SDPA) else []
+    layout = shared_layout(batch, seqs, groups)
+    kwargs = _packed_inputs(model, batch, seqs, layout)
     if not isolate:  # 3 mrope rows only: no text row, so transformers sees one causal sequence
         kwargs["position_ids"] = kwargs["position_ids"][1:]
-        return backbone(**kwargs).last_hidden_state[0]
-    impl = _varlen_language_model(backbone)
+        return backbone(**kwargs).last_hidden_state[0], layout
+    lengths = [q1 - q0 for q0, q1, _, _ in layout.blocks]
     kwargs.update(
         packed_attention_kwargs(
             lengths, impl, kwargs["input_ids"].device, next(model.parameters()).dtype
         )
     )
+    if layout.shared:
+        kwargs["paravt_blocks"] = layout.blocks
     if impl == VARLEN_SDPA:  # no text row: no N x N packed-sequence mask is built
         kwargs["position_ids"] = kwargs["position_ids"][1:]
-    return backbone(**kwargs).last_hidden_state[0]
+    return backbone(**kwargs).last_hidden_state[0], layout
+
+
+def packed_hidden(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int], isolate: bool = True
+) -> torch.Tensor:
+    """The last hidden states ``(sum L_i, d)`` of sequences ``seqs`` in the unshared layout
+    (each sequence's rows contiguous, in ``seqs`` order): ``packed_forward``'s rows, a shared
+    prompt's rows repeated for each member. Callers that need a few rows only read them
+    through ``packed_hidden_rows`` (no ``(sum L_i, d)`` copy)."""
+    hidden, layout = packed_forward(model, batch, seqs, isolate)
+    if not layout.shared:
+        return hidden
+    return hidden.index_select(0, layout.row_of.to(hidden.device))
+
+
+def packed_hidden_rows(
+    model: torch.nn.Module, batch: PackedBatch, seqs: Sequence[int], rows: torch.Tensor
+) -> torch.Tensor:
+    """The hidden states at positions ``rows`` ``(n,)`` of the sequences' concatenation (the
+    unshared layout ``packed_hidden`` returns) from one ``packed_forward``: the rows that
+    predict the trained tokens, read through ``layout.row_of``, so the trainer's passes
+    (``paravt.algo.logprobs.packed_logprob_rows``, ``paravt.algo.loss.policy_part_loss``) and
+    SFT see the same rows whichever layout ran; the gradient of a shared prompt row is the sum
+    over the members that read it."""
+    hidden, layout = packed_forward(model, batch, seqs)
+    return hidden.index_select(0, layout.row_of.index_select(0, rows.cpu()).to(hidden.device))
 
 
 def packed_hidden_states(
