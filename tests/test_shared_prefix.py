@@ -124,7 +124,7 @@ def test_loss_and_every_gradient_equal_the_unshared_path(setup, split):
     unshared, with the whole batch in one forward and with a budget that cuts each group into
     parts (each part holding the prompt again)."""
     from paravt.algo.packing import microbatches
-    from paravt.models.prefix import prefix_groups, shared_cost
+    from paravt.models.prefix import prefix_groups
 
     model, batch, objective = setup
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
@@ -175,3 +175,89 @@ def test_a_group_of_one_runs_the_unshared_layout(setup):
         lp, _ = packed_logprobs(model, one)
         lp0, _ = packed_logprobs(model, _unshared(one))
     assert torch.equal(lp, lp0)
+
+
+# ------------------------------------------------------- what is shared: hand-built batches
+
+
+def _batch(rows, group_ids, visuals):
+    """A packed batch of token rows ``(ids, mm)`` (mm 2 = video placeholder)."""
+    from paravt.types import PackedBatch
+
+    ids = torch.tensor([t for r, _ in rows for t in r])
+    mm = torch.tensor([m for _, ms in rows for m in ms])
+    cu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor([len(r) for r, _ in rows]), 0)
+    n = ids.numel()
+    return PackedBatch(
+        input_ids=ids, cu_seqlens=cu, loss_mask=torch.ones(n), old_logprobs=torch.zeros(n),
+        advantages=torch.zeros(n), seq_weights=torch.ones(len(rows)), visuals=list(visuals),
+        mm_token_type_ids=mm, group_ids=torch.tensor(group_ids),
+    )  # fmt: skip
+
+
+def _clip(*seeds):
+    """A video of one segment per seed (grid 1x2x4: 2 placeholders at merge 2)."""
+    from paravt.types import VisualInputs
+
+    px = torch.cat([torch.randn(8, 3, generator=torch.Generator().manual_seed(s)) for s in seeds])
+    return VisualInputs(px, torch.tensor([[1, 2, 4]] * len(seeds)))
+
+
+def test_the_prefix_stops_where_tokens_or_pixels_differ_and_never_inside_a_segment():
+    from paravt.models.prefix import prefix_groups, shared_layout
+
+    text = ([1, 2, 3], [0, 0, 0])
+    vid = ([9, 9, 9, 9], [2, 2, 2, 2])  # two segments of two placeholders
+
+    def row(*tail):
+        return (text[0] + vid[0] + list(tail), text[1] + vid[1] + [0] * len(tail))
+
+    same = _clip(1, 2)
+    # Same tokens and the same clip object: the prompt and its two segments are shared.
+    b = _batch([row(5, 6), row(5, 7), row(5, 6, 8)], [4, 4, 4], [same, same, same])
+    (g,) = prefix_groups(b, range(3))
+    assert (g.members, g.prefix_len, g.prefix_segments) == ((0, 1, 2), 8, 2)
+    # Equal pixels in another object (a copy moved between ranks) are shared as well.
+    b = _batch([row(5, 6), row(5, 7)], [4, 4], [same, _clip(1, 2)])
+    assert prefix_groups(b, range(2))[0].prefix_segments == 2
+    # The second segment's pixels differ: the prefix ends before its first placeholder.
+    b = _batch([row(5, 6), row(5, 7)], [4, 4], [same, _clip(1, 3)])
+    (g,) = prefix_groups(b, range(2))
+    assert (g.prefix_len, g.prefix_segments) == (5, 1)
+    # Tokens differ inside the second segment's run: cut back to that segment's start.
+    a = (text[0] + [9, 9, 9, 8, 5], text[1] + [2, 2, 2, 2, 0])
+    b = _batch([row(5), a], [4, 4], [same, same])
+    assert prefix_groups(b, range(2))[0].prefix_len == 5
+    # A member that is all prefix still keeps one token of its own.
+    b = _batch([row(5), row(5, 6)], [4, 4], [same, same])
+    assert prefix_groups(b, range(2))[0].prefix_len == 7
+    # A colliding group id over different first tokens shares nothing; -1 never shares.
+    b = _batch([row(5), ([7] + row(5)[0][1:], row(5)[1]), row(5)], [4, 4, -1], [same] * 3)
+    assert prefix_groups(b, range(3)) == []
+    # No group ids: sharing is off.
+    b.group_ids = None
+    assert prefix_groups(b, range(3)) == []
+    # The layout: the prompt once, each suffix after it, every position mapped back.
+    b = _batch([row(5, 6), text, row(5, 7, 1)], [4, -1, 4], [same, None, same])
+    groups = prefix_groups(b, range(3))
+    lay = shared_layout(b, [0, 1, 2], groups)
+    assert lay.blocks == [(0, 8, 0, 0), (8, 9, 0, 8), (9, 11, 0, 8), (11, 14, 0, 0)]
+    assert lay.visuals == [(0, 0, 2)]
+    assert torch.equal(b.input_ids[lay.src][lay.row_of], b.input_ids)
+
+
+def test_microbatches_keep_a_group_together_and_cut_it_with_the_prompt_again():
+    from paravt.algo.packing import microbatches
+
+    same = _clip(1)
+    p = ([1, 2, 3, 9, 9], [0, 0, 0, 2, 2])  # a 5-token prompt
+    rows = [(p[0] + [i] * 3, p[1] + [0] * 3) for i in range(4)]  # 4 members, suffixes of 3
+    b = _batch([*rows, ([7] * 6, [0] * 6)], [1, 1, 1, 1, -1], [same] * 4 + [None])
+    # 5 + 4 * 3 = 17 rows for the group (not 32), 6 for the lone row.
+    assert microbatches(b, 23) == [[0, 1, 2, 3, 4]]
+    assert microbatches(b, 17) == [[0, 1, 2, 3], [4]]
+    # 11 rows: a prompt and two suffixes per part, in member order.
+    assert microbatches(b, 11) == [[0, 1], [2, 3], [4]]
+    b.group_ids = None  # unshared: 8-token rows
+    assert microbatches(b, 17) == [[0, 1], [2, 3], [4]]
