@@ -261,3 +261,40 @@ def test_microbatches_keep_a_group_together_and_cut_it_with_the_prompt_again():
     assert microbatches(b, 11) == [[0, 1], [2, 3], [4]]
     b.group_ids = None  # unshared: 8-token rows
     assert microbatches(b, 17) == [[0, 1], [2, 3], [4]]
+
+
+def test_the_vision_tower_encodes_a_groups_overview_once(setup):
+    """The patches through the vision tower and the rows through the backbone: a group's
+    overview and prompt once, not G times."""
+    from paravt.algo.logprobs import packed_logprobs
+
+    model, batch, _ = setup
+    seen = {"patches": 0, "rows": 0}
+    video_fn = model.model.get_video_features
+    lm_forward = model.model.language_model.forward
+
+    def count_video(pixels, grid, **kw):
+        seen["patches"] += int(pixels.shape[0])
+        return video_fn(pixels, grid, **kw)
+
+    def count_rows(*a, **kw):
+        seen["rows"] += int(kw["inputs_embeds"].shape[1])
+        return lm_forward(*a, **kw)
+
+    counts = {}
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model.model, "get_video_features", count_video)
+        mp.setattr(model.model.language_model, "forward", count_rows)
+        for name, b in (("shared", batch), ("unshared", _unshared(batch))):
+            seen.update(patches=0, rows=0)
+            packed_logprobs(model, b)
+            counts[name] = dict(seen)
+    mains = [i for i, r in enumerate(batch.roles) if r == "main"]
+    subs = [i for i, r in enumerate(batch.roles) if r == "sub"]
+    patches = [int(batch.visuals[i].pixel_values.shape[0]) for i in range(len(batch.uids))]
+    overview = sum(patches[i] for i in mains)
+    assert counts["unshared"]["patches"] == sum(patches)
+    # Each group's overview once (2 groups of G), every sub-agent's crop as before.
+    assert counts["shared"]["patches"] == overview * 2 // len(mains) + sum(patches[i] for i in subs)
+    assert counts["unshared"]["rows"] == int(batch.cu_seqlens[-1])
+    assert counts["shared"]["rows"] < 0.6 * counts["unshared"]["rows"]

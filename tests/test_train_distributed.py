@@ -1,5 +1,6 @@
 """torchrun --nproc-per-node 2 on CPU (gloo, FSDP2): 2 PARA-GRPO steps whose loss, gradient
-norm and updated weights match a single-process computation on the same data.
+norm and updated weights match a single-process computation on the same data; the ranks
+encode each group's prompt once (``algo.share_prefix``), the single process every row whole.
 
 "The same data" is taken literally: the ranks dump the packed batches they trained on
 (``train.dump_batches``); the test merges both ranks' batches and recomputes, in one process
@@ -92,7 +93,10 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     # trained exactly once.
     uids = [u for d in dumps for u in d["batches"][0].uids]
     assert len(uids) == len(set(uids)) and len({u.split(":")[1] for u in uids}) == 2
-    tokens = [int(d["batches"][0].cu_seqlens[-1]) for d in dumps]
+    # The cost balanced is a rank's rows with each group's prompt counted once.
+    from paravt.models.prefix import shared_rows
+
+    tokens = [shared_rows(b, range(len(b.uids))) for b in (d["batches"][0] for d in dumps)]
     print({k: v for k, v in rows[1].items() if k.startswith("balance/")}, tokens)
     assert rows[1]["balance/max_over_mean_after"] <= rows[1]["balance/max_over_mean_before"]
     assert max(tokens) / (sum(tokens) / 2) == pytest.approx(
@@ -104,6 +108,12 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     cfg = load_config(overrides=_overrides(assets, out, dtype))
     prec = Precision.from_config(cfg)
     batch = concat_packed([d["batches"][0] for d in dumps])
+    # The ranks encoded each group's prompt once (algo.share_prefix, the default); the single
+    # process runs every row whole: the shared forwards on two ranks must equal it.
+    from paravt.models.prefix import prefix_groups
+
+    assert len(prefix_groups(batch, range(len(batch.uids)))) == 2
+    batch.group_ids = None
     model = load_model(out / "sft", device="cpu").model  # the RL starting point
     if cfg.algo.freeze_vision_tower:  # as the trainer does (the tiny preset freezes it)
         from paravt.sft import freeze_vit

@@ -91,12 +91,20 @@ def pack_units(units: Sequence[SequenceUnit], share_prefix: bool = False) -> Pac
             if seqs and all(t.versions for t in seqs)
             else None
         ),
-        group_ids=(
-            torch.tensor([t.group_id if t.role == "main" else -1 for t in seqs], dtype=torch.int64)
-            if share_prefix
-            else None
-        ),
+        group_ids=_group_ids(seqs) if share_prefix else None,
     )
+
+
+def _group_ids(seqs: Sequence[Trajectory]) -> torch.Tensor:
+    """``PackedBatch.group_ids``: one id per (``group_id``, ``sample_id``) of the main rows,
+    numbered in order of appearance; sub rows -1. The sample id is part of the key because
+    ranks number their groups alike and rank balancing moves groups between them."""
+    ids: dict[tuple[int, str], int] = {}
+    out = [
+        ids.setdefault((t.group_id, t.sample_id), len(ids)) if t.role == "main" else -1
+        for t in seqs
+    ]
+    return torch.tensor(out, dtype=torch.int64)
 
 
 def _loss_mask(seqs: Sequence[Trajectory]) -> torch.Tensor:
@@ -131,9 +139,10 @@ def balance_units(
     """``paravt.distributed.balance_buckets`` over the trainer's minibatches of units
     (``algo.balance_ranks``; ``paravt.train``). With ``share_prefix`` the item that moves is a
     prompt group (the units of one ``group_id``, in order), so a group's prompt stays encoded
-    once (``paravt.models.prefix``), at the rows its shared forward holds (the main prompt
-    counted once); else one unit, at its token count."""
+    once (``paravt.models.prefix``), at the rows its shared forward holds
+    (``shared_rows``: the common prompt counted once); else one unit, at its token count."""
     from paravt.distributed import balance_buckets
+    from paravt.models.prefix import shared_rows
 
     if not share_prefix:
         return balance_buckets(
@@ -147,7 +156,8 @@ def balance_units(
         grouped.append(list(by_id.values()))
 
     def cost(g: list[SequenceUnit]) -> float:
-        return sum(u.num_tokens for u in g) - (len(g) - 1) * g[0].main.prompt_len
+        b = pack_units(g, share_prefix=True)
+        return float(shared_rows(b, range(len(b.uids))))
 
     out, stats = balance_buckets(
         grouped, cost, ctx, portable=lambda g: [u.portable() for u in g]
@@ -310,9 +320,22 @@ def concat_packed(batches: Sequence[PackedBatch]) -> PackedBatch:
         ref_logprobs=_cat_optional([b.ref_logprobs for b in batches]),
         prox_logprobs=_cat_optional([b.prox_logprobs for b in batches]),
         versions=_cat_optional([b.versions for b in batches]),
-        group_ids=_cat_optional([b.group_ids for b in batches]),
+        group_ids=_cat_optional(_distinct_groups([b.group_ids for b in batches])),
     )
     assert out.input_ids.numel() == n
+    return out
+
+
+def _distinct_groups(parts: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each batch's group ids moved past the previous batches' (batches number them alike)."""
+    out: list[torch.Tensor | None] = []
+    base = 0
+    for g in parts:
+        if g is None:
+            out.append(None)
+            continue
+        out.append(torch.where(g >= 0, g + base, g))
+        base += int(g.max()) + 1 if g.numel() else 0
     return out
 
 

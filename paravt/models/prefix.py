@@ -190,6 +190,14 @@ def shared_cost(lengths: Sequence[int], prefix_len: int) -> int:
     return prefix_len + sum(n - prefix_len for n in lengths)
 
 
+def shared_rows(batch: PackedBatch, seqs: Sequence[int]) -> int:
+    """Rows of one forward over ``seqs`` with their prompt groups shared: the cost that rank
+    balancing evens out (``paravt.algo.packing.balance_units``)."""
+    cu = batch.cu_seqlens.tolist()
+    total = sum(cu[i + 1] - cu[i] for i in seqs)
+    return total - sum((len(g.members) - 1) * g.prefix_len for g in prefix_groups(batch, seqs))
+
+
 def shared_layout(
     batch: PackedBatch, seqs: Sequence[int], groups: Sequence[PrefixGroup]
 ) -> SharedLayout:
