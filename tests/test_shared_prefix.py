@@ -118,8 +118,16 @@ def _loss_and_grads(model, batch, objective, parts):
     return res, grads
 
 
+@pytest.fixture(scope="module")
+def unshared_update(setup):
+    """The reference: the unshared packed forward and backward, itself equal to one forward
+    per sequence (tests/test_algo_packed_forward.py, tests/test_algo_loss.py)."""
+    model, batch, objective = setup
+    return _loss_and_grads(model, _unshared(batch), objective, [list(range(len(batch.uids)))])
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one-forward", "group-split"])
-def test_loss_and_every_gradient_equal_the_unshared_path(setup, split):
+def test_loss_and_every_gradient_equal_the_unshared_path(setup, unshared_update, split):
     """The policy update: loss, log-probs and every parameter's gradient, shared against
     unshared, with the whole batch in one forward and with a budget that cuts each group into
     parts (each part holding the prompt again)."""
@@ -145,11 +153,7 @@ def test_loss_and_every_gradient_equal_the_unshared_path(setup, split):
     else:
         assert len(parts) == 1
     res, grads = _loss_and_grads(model, batch, objective, parts)
-    # The unshared packed forward, itself equal to one forward per sequence
-    # (tests/test_algo_packed_forward.py, tests/test_algo_loss.py).
-    ref, ref_grads = _loss_and_grads(
-        model, _unshared(batch), objective, [list(range(len(lengths)))]
-    )
+    ref, ref_grads = unshared_update
     assert abs(res.loss_num - ref.loss_num) <= 1e-5 * max(1.0, abs(ref.loss_num))
     assert float((res.logprobs - ref.logprobs).abs().max()) <= 1e-5
     assert grads.keys() == ref_grads.keys() and len(grads) > 10
