@@ -24,6 +24,20 @@ backbone hidden states through the fused ``paravt_kernels.linear_logprob``, no f
 to float rounding (tests check 1e-4), for Qwen3-VL and
 Qwen2.5-VL (whose video rows also carry ``second_per_grid_ts``). A batch may mix requests
 with and without visuals, with any prompt lengths and patch counts.
+
+Shared prefixes (``share_prefix``, ``rollout.share_prefix``, default on). The G requests of a
+GRPO group carry one prompt (system text, overview clip, question); in a later turn their
+contexts still share it and differ after. ``_share_plan`` sorts a batch's prompts, measures
+what neighbours share (ids and token types equal, visual segments equal by object or by
+pixels, never a segment cut in two, at least one token left to each request) and picks
+clusters that maximise the tokens saved. The prefill then runs in two phases
+(``_prefill_shared``): each cluster's prefix once, the KV cache forked to the cluster's rows,
+then every request's own suffix (in a first turn: its last token) on top. Positions are the
+one-shot path's, sliced; a segment in a shared prefix is encoded by the vision tower once.
+Tokens and log-probs equal the one-shot path's to float rounding (tests: 1e-4, seen ~1e-6,
+same tokens). Counted: ``stats["prefill_tokens"]`` (run) and ``["prefill_tokens_shared"]``
+(not run). A batch where nothing is shared, or where the two padded phases would hold as many
+token slots as one, takes the one-shot path.
 """
 
 from __future__ import annotations
