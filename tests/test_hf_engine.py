@@ -460,6 +460,13 @@ def test_shared_prefix_equals_unshared(bundle):
     assert on.stats["prefill_tokens_shared"] == 3 * (la - 1) + 3 * (lc - 1)
     assert on.stats["prefill_tokens"] == total - on.stats["prefill_tokens_shared"]
     assert off.stats["prefill_tokens"] == total and off.stats["prefill_tokens_shared"] == 0
+    # rollout.share_prefix reaches the engine the trainer builds
+    from paravt.config import load_config
+    from paravt.rollout.hf import from_config
+
+    for flag in (True, False):
+        cfg = load_config("tiny_cpu", overrides=[f"rollout.share_prefix={str(flag).lower()}"])
+        assert from_config(cfg, bundle).share_prefix is flag
 
 
 def test_shared_prefix_of_later_turns(bundle):
