@@ -10,6 +10,9 @@ the same tokens (checked), and the ratio is pure batching gain.
 A second benchmark measures the vision de-duplication of a GRPO group (8 rollouts sharing
 one overview clip object) against the same requests holding copies.
 
+A third measures the shared-prefix prefill (``rollout.share_prefix``) of one GRPO group,
+G = 8 with a K = 32 overview, at a first and a later turn, against the unshared prefill.
+
 Run: ``pytest bench/test_bench_hf_engine.py --benchmark-only -s``.
 """
 
@@ -26,6 +29,7 @@ from paravt.rollout.hf import HFEngine
 from paravt.vision.preprocess import encode_clip
 
 BATCH, NEW_TOKENS = 8, 32
+ROUNDS = 5  # shared-prefix benchmark: alternating rounds
 
 
 @pytest.fixture(scope="module")
@@ -134,4 +138,108 @@ def test_bench_hf_engine_shared_overview(benchmark, setup):
     print(
         f"\nHFEngine group of {BATCH} sharing a {len(ids)}-token overview: shared "
         f"{t_shared * 1e3:.0f} ms, copies {t_copies * 1e3:.0f} ms -> {ratio:.2f}x"
+    )
+
+
+def _overview_group(engine: HFEngine, turn: int) -> list[GenerationRequest]:
+    """One GRPO group (G = 8) of the real main-agent prompt (system text with the tool schema,
+    a K = 32 overview of 64x64 frames, the question). ``turn`` 1: the 8 identical first-turn
+    prompts; 2: each context extended by its own 'sample' and tool response (~10% of the
+    context, as a later turn), so the 8 share only the first prompt."""
+    from paravt.agent.context import TextCache, encode_frames_batch, main_prompt
+
+    bundle = engine.bundle
+    text = TextCache(bundle.tokenizer)
+    g = torch.Generator().manual_seed(3)
+    frames = torch.randint(0, 256, (32, 64, 64, 3), dtype=torch.uint8, generator=g)
+    (clip,) = encode_frames_batch(bundle, [(frames, [2.0 * k for k in range(32)])])
+    ctx = main_prompt(text, clip, "What happens at the end? (A) a (B) b (C) c", max_parallel=3)
+    reqs = []
+    for i in range(BATCH):
+        c = ctx.copy()
+        if turn == 2:
+            sample = text.markup(f"<think>\nsample {i} " + "looks " * (8 + 3 * i) + "</think>")
+            c.add_generated(sample, [0.0] * len(sample))
+            c.add_markup(
+                text.markup(
+                    "<|im_end|>\n<|im_start|>user\n<tool_response>"
+                    + f"summary {i} " * (10 + 2 * i)
+                    + "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+                )
+            )
+        reqs.append(c.request(SamplingParams(temperature=0.7, max_new_tokens=1, seed=i), f"g{i}"))
+    return reqs
+
+
+@pytest.mark.parametrize("turn", [1, 2])
+def test_bench_hf_engine_shared_prefix_prefill(benchmark, setup, turn):
+    """Prefill time of one GRPO group (G = 8, K = 32 overview; one new token, so the call is
+    the prefill and the first sample): ``rollout.share_prefix`` on (the group's prompt
+    prefilled once, its KV cache forked to the 8 rows) vs off (8 rows prefilled), same engine
+    weights, same requests and seeds (the same clip object: the vision tower runs once in
+    both). Turn 1: identical prompts; turn 2: contexts sharing the first prompt only."""
+    engine, _ = setup
+    reqs = _overview_group(engine, turn)
+    on = HFEngine(engine.bundle, share_prefix=True)
+    off = HFEngine(engine.bundle, share_prefix=False)
+    on.generate(reqs[:2])  # warm-up (allocator, kernels)
+    off.generate(reqs[:2])
+    on.stats["prefill_tokens"] = off.stats["prefill_tokens"] = 0
+    # The machine is shared and noisy: the two modes alternate within each round, and the
+    # best round of each is compared.
+    t = {"on": [], "off": []}
+    res = {}
+
+    def both():
+        for name, eng in (("off", off), ("on", on)):
+            t0 = time.perf_counter()
+            res[name] = eng.generate(reqs)
+            t[name].append(time.perf_counter() - t0)
+
+    benchmark.pedantic(both, rounds=ROUNDS, iterations=1)
+    t_on, t_off = min(t["on"]), min(t["off"])
+    out, base = res["on"], res["off"]
+    assert [o.token_ids for o in out] == [o.token_ids for o in base]
+    for o, b in zip(out, base):
+        torch.testing.assert_close(
+            torch.tensor(o.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )
+    # The vision tower's share (the clip is one object: encoded once in BOTH modes).
+    v = reqs[0].visuals
+    dev, dtype = engine.bundle.device, next(engine.bundle.model.parameters()).dtype
+    vis = []
+    with torch.inference_mode():
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            engine.bundle.model.model.get_video_features(
+                v.pixel_values.to(dev, dtype), v.grid_thw.to(dev), return_dict=True
+            )
+            vis.append(time.perf_counter() - t0)
+    t_vis = min(vis)
+    calls = ROUNDS  # per-call token counts
+    tok_on = on.stats["prefill_tokens"] // calls
+    tok_off = off.stats["prefill_tokens"] // calls
+    ratio = t_on / t_off
+    benchmark.extra_info.update(
+        {
+            "device": str(engine.bundle.device),
+            "turn": turn,
+            "group": BATCH,
+            "prompt_tokens": [len(r.prompt_ids) for r in reqs],
+            "backbone_tokens_shared": tok_on,
+            "backbone_tokens_unshared": tok_off,
+            "shared_s": t_on,
+            "unshared_s": t_off,
+            "time_ratio_shared_vs_unshared": ratio,
+            "vision_s": t_vis,
+            "time_ratio_without_vision": (t_on - t_vis) / (t_off - t_vis),
+        }
+    )
+    print(
+        f"\nHFEngine prefill of a G={BATCH} group, turn {turn}, prompts "
+        f"{min(len(r.prompt_ids) for r in reqs)}-{max(len(r.prompt_ids) for r in reqs)} tokens "
+        f"on {engine.bundle.device}: shared {t_on * 1e3:.0f} ms ({tok_on} backbone tokens), "
+        f"unshared {t_off * 1e3:.0f} ms ({tok_off}) -> {ratio:.2f}x the time, "
+        f"{tok_on / tok_off:.2f}x the tokens; vision tower {t_vis * 1e3:.0f} ms of both, "
+        f"without it {(t_on - t_vis) / (t_off - t_vis):.2f}x"
     )

@@ -209,6 +209,11 @@ class RolloutConfig:
     sub_temperature: float = 0.7
     # Max sequences in one engine.generate call (0 = all at once).
     max_batch_size: int = 0
+    # Requests of one engine call that share a prompt prefix (a GRPO group's G samples: the
+    # system text, the overview, the question) prefill it once: the hf engine forks the
+    # prefix's KV cache to them, vLLM turns its prefix cache on. Samples and log-probs equal
+    # the unshared path's to float rounding; false = every prompt prefilled in full.
+    share_prefix: bool = True
     # rollout.engine=vllm (paravt.rollout.vllm). Context length (0: the model's, capped at
     # paravt.rollout.VLLM_DEFAULT_MAX_MODEL_LEN); the frame budgets must fit it (checked
     # before a run).

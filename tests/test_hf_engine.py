@@ -336,7 +336,9 @@ def test_shared_clip_is_encoded_once(tmp_path_factory, arch):
     copies = [
         GenerationRequest(r.prompt_ids, r.sampling, _clone(r.visuals), r.extras) for r in shared
     ]
-    e_shared, e_copies = HFEngine(b), HFEngine(b)
+    # The copies' baseline prefills every prompt (with shared prefixes, content-equal copies
+    # in a shared prefix are not encoded either: test_shared_prefix_equals_unshared).
+    e_shared, e_copies = HFEngine(b), HFEngine(b, share_prefix=False)
     out_s, out_c = e_shared.generate(shared), e_copies.generate(copies)
     n_base = base.visuals.pixel_values.shape[0]
     n_other = other.visuals.pixel_values.shape[0]
@@ -420,3 +422,98 @@ def test_packed_vision_survives_deepcopy_pickle_and_skips_qwen2_5(
         b25 = load_model(d, device="cpu", packed_vision=True)
     assert "get_image_features" not in vars(b25.model.model)
     assert "no packed vision forward yet" in caplog.text
+
+
+def _with(r: GenerationRequest, *, seed: int, prompt=None, visuals=None, mm=None, t=1.0):
+    return GenerationRequest(
+        list(r.prompt_ids if prompt is None else prompt),
+        SamplingParams(temperature=t, top_p=0.9, max_new_tokens=10, seed=seed),
+        r.visuals if visuals is None else visuals,
+        {"mm_token_type_ids": list(r.extras["mm_token_type_ids"] if mm is None else mm)},
+    )
+
+
+def test_shared_prefix_equals_unshared(bundle):
+    """Two GRPO groups of G=4 identical prompts (one clip object per group) plus a distinct
+    prompt: the shared-prefix engine prefills each group's prompt once and forks its cache, and
+    gives the same tokens and behaviour log-probs (to float rounding) as the unshared engine and
+    as teacher forcing. The saved tokens are counted."""
+    a = make_request(bundle, "What happens?", (4, 64, 64))
+    c = make_request(bundle, "Describe another clip", (2, 32, 64))
+    d = make_request(bundle, "no video here", None)
+    reqs = [_with(a, seed=i) for i in range(4)] + [_with(c, seed=4 + i) for i in range(4)]
+    reqs.insert(3, _with(d, seed=9))  # a group need not be contiguous in the call
+    on, off = HFEngine(bundle), HFEngine(bundle, share_prefix=False)
+    got, ref = on.generate(reqs), off.generate(reqs)
+    for r, g, f in zip(reqs, got, ref):
+        assert g.token_ids == f.token_ids and g.finish_reason == f.finish_reason
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), torch.tensor(f.logprobs), rtol=0, atol=TOL
+        )
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), teacher_forced(bundle, r, g.token_ids), rtol=0, atol=TOL
+        )
+    assert len({tuple(g.token_ids) for g in got[:3]}) > 1  # the samples of a group differ
+    la, lc, ld = len(a.prompt_ids), len(c.prompt_ids), len(d.prompt_ids)
+    total = 4 * la + 4 * lc + ld
+    # each group's prompt but its last token once; every request's last token on its own
+    assert on.stats["prefill_tokens_shared"] == 3 * (la - 1) + 3 * (lc - 1)
+    assert on.stats["prefill_tokens"] == total - on.stats["prefill_tokens_shared"]
+    assert off.stats["prefill_tokens"] == total and off.stats["prefill_tokens_shared"] == 0
+    # rollout.share_prefix reaches the engine the trainer builds
+    from paravt.config import load_config
+    from paravt.rollout.hf import from_config
+
+    for flag in (True, False):
+        cfg = load_config("tiny_cpu", overrides=[f"rollout.share_prefix={str(flag).lower()}"])
+        assert from_config(cfg, bundle).share_prefix is flag
+
+
+def test_shared_prefix_of_later_turns(bundle):
+    """A later turn: a group's contexts share the prompt, then differ (each its own earlier
+    sample, one with a crop clip appended, in a NEW VisualInputs object holding a copy of the
+    overview). The common prefix — overview included, compared by content — is prefilled once
+    and each suffix on top of the forked cache; tokens and log-probs equal the unshared path's
+    and teacher forcing. A request whose ids equal another's but whose clip differs in pixels
+    shares only the tokens before that clip."""
+    from paravt.types import VisualInputs
+
+    tok = bundle.tokenizer
+    base = make_request(bundle, "What happens?", (4, 64, 64))
+    crop = make_request(bundle, "crop", (2, 32, 32))
+    head = len(tok.encode("<|im_start|>user\n", add_special_tokens=False))
+    crop_ids = crop.prompt_ids[head : -len(tok.encode("crop<|im_end|>\n<|im_start|>assistant\n"))]
+    crop_mm = crop.extras["mm_token_type_ids"][head : head + len(crop_ids)]
+    base_mm = base.extras["mm_token_type_ids"]
+    reqs = []
+    for i, text in enumerate(["I think A", "Let me look closer at", "B"]):
+        more = tok.encode(f"{text}<|im_end|>\n<|im_start|>user\n", add_special_tokens=False)
+        ids, mm, vis = base.prompt_ids + more, base_mm + [0] * len(more), _clone(base.visuals)
+        if i == 1:  # the tool's crop frames come back into the context
+            ids, mm = ids + crop_ids, mm + crop_mm
+            vis = VisualInputs.concat([vis, crop.visuals])
+        tail = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        reqs.append(_with(base, seed=i, prompt=ids + tail, visuals=vis, mm=mm + [0] * len(tail)))
+    other = dataclasses.replace(base.visuals, pixel_values=base.visuals.pixel_values.flip(0))
+    reqs.append(_with(base, seed=7, visuals=other))  # same ids, different overview pixels
+    reqs.append(_with(base, seed=8))
+    on, off = HFEngine(bundle), HFEngine(bundle, share_prefix=False)
+    got, ref = on.generate(reqs), off.generate(reqs)
+    for r, g, f in zip(reqs, got, ref):
+        assert g.token_ids == f.token_ids
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), torch.tensor(f.logprobs), rtol=0, atol=TOL
+        )
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), teacher_forced(bundle, r, g.token_ids), rtol=0, atol=TOL
+        )
+    assert got[3].token_ids != got[4].token_ids or got[3].logprobs != got[4].logprobs
+    # the three later-turn contexts and the fresh prompt (seed 8) share the whole first prompt
+    # but its last token; the flipped clip (sharing only the text before its clip) goes alone
+    lb = len(base.prompt_ids)
+    assert on.stats["prefill_tokens_shared"] == 3 * (lb - 1)
+    total = sum(len(r.prompt_ids) for r in reqs)
+    assert on.stats["prefill_tokens"] + on.stats["prefill_tokens_shared"] == total
+    # overview encoded once for the shared rows, once for the flipped copy, plus the crop
+    n_base, n_crop = base.visuals.pixel_values.shape[0], crop.visuals.pixel_values.shape[0]
+    assert on.stats["vision_patches"] == 2 * n_base + n_crop

@@ -364,3 +364,45 @@ def test_vllm_start_up_leaves_the_environment_alone(engine):
     # own process; every subprocess a trainer or test starts later would inherit them.
     assert "LOCAL_WORLD_SIZE" not in os.environ
     assert "tcmalloc" not in os.environ.get("LD_PRELOAD", "")
+
+
+def test_prefix_cache_is_on_and_serves_a_groups_prompt(bundle, engine):
+    """rollout.share_prefix (default) turns vLLM's prefix caching on; a GRPO group's G=4
+    samples of one video prompt, in ONE call, find its KV blocks cached (the multimodal content hash makes
+    the video placeholders hit too), their log-probs still equal teacher forcing, and the hits
+    are counted. A different clip behind the same token ids does not hit past the clip."""
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+    req = _cached_request(bundle)
+    engine.reset_caches()
+    before = engine.stats["prefill_tokens_cached"]
+    group = [
+        GenerationRequest(
+            req.prompt_ids,
+            SamplingParams(temperature=1.0, max_new_tokens=6, seed=20 + i),
+            req.visuals,
+            req.extras,
+        )
+        for i in range(4)
+    ]
+    n = len(req.prompt_ids)
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    full = (n - 1) // block * block  # every full block short of the last token's
+    outs = engine.generate(group)  # one call, as a rollout turn
+    within = engine.stats["prefill_tokens_cached"] - before
+    again = engine.generate(group)
+    cached = engine.stats["prefill_tokens_cached"] - before - within
+    print(f"prompt {n} tokens, block {block}: {within} cached within the call, {cached} after")
+    assert within == 3 * full  # the first sample computes the blocks, the other 3 reuse them
+    assert cached == 4 * full
+    for r, o, o2 in zip(group, outs, again):
+        assert o.token_ids == o2.token_ids  # a cache hit changes nothing
+        assert _max_err(bundle.model, r, o) <= TOL
+    other = dataclasses.replace(
+        req.visuals,
+        pixel_values=req.visuals.pixel_values.flip(0),
+        frames=[f.flip(0) for f in req.visuals.frames],
+    )
+    mark = engine.stats["prefill_tokens_cached"]
+    engine.generate([GenerationRequest(req.prompt_ids, group[0].sampling, other, req.extras)])
+    first_video = req.extras["mm_token_type_ids"].index(2)
+    assert engine.stats["prefill_tokens_cached"] - mark <= first_video

