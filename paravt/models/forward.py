@@ -180,7 +180,9 @@ def varlen_sdpa_attention(
     gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}
     blocks = kwargs.get("paravt_blocks")
     if blocks is not None:  # a shared prompt (paravt.models.prefix.SharedLayout.blocks)
-        return _prefix_block_attention(query, key, value, blocks, dropout, scaling, gqa), None
+        masks = kwargs.get("paravt_masks")
+        out = _prefix_block_attention(query, key, value, blocks, dropout, scaling, gqa, masks)
+        return out, None
     bounds = cu_seq_lens_q.tolist()  # a host tensor (packed_attention_kwargs): no sync
     outs = [
         torch.nn.functional.scaled_dot_product_attention(
@@ -206,6 +208,7 @@ def _prefix_block_attention(
     dropout: float,
     scaling: float | None,
     gqa: dict[str, bool],
+    masks: dict[tuple[int, int], Any] | None = None,
 ) -> torch.Tensor:
     """Attention over a shared layout's ``blocks`` (``(q0, q1, p0, p1)``, covering the rows in
     order): queries ``[q0, q1)`` attend causally to their own keys and fully to the prompt's
@@ -216,8 +219,25 @@ def _prefix_block_attention(
     ``L_s x (P + L_s)`` at most (CUDA SDPA takes the lower-right bias without materialising
     it). Its price is one concatenated copy of the prompt's keys and values per suffix, per
     layer, which autograd keeps for the backward (under gradient checkpointing: one layer's
-    at a time). ``(1, H, M, D)`` -> ``(1, M, H, D)``."""
+    at a time). ``masks`` caches each suffix shape's mask over the layers of one forward: on
+    CUDA the ``causal_lower_right`` bias (the flash / efficient kernels align it themselves),
+    elsewhere the additive float mask, built once instead of once per layer (building it and
+    converting a boolean one took most of a CPU forward's extra time). ``(1, H, M, D)`` ->
+    ``(1, M, H, D)``."""
     from torch.nn.attention.bias import causal_lower_right
+
+    if masks is None:
+        masks = {}
+
+    def lower_right(lq: int, lk: int) -> Any:
+        if (lq, lk) not in masks:
+            if query.is_cuda:
+                masks[lq, lk] = causal_lower_right(lq, lk)
+            else:
+                keep = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+                masks[lq, lk] = torch.zeros(lq, lk, dtype=query.dtype, device=query.device)
+                masks[lq, lk].masked_fill_(~keep, float("-inf"))
+        return masks[lq, lk]
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     outs = []
@@ -230,7 +250,7 @@ def _prefix_block_attention(
         else:
             k = torch.cat([key[:, :, p0:p1], key[:, :, q0:q1]], 2)
             v = torch.cat([value[:, :, p0:p1], value[:, :, q0:q1]], 2)
-            causal = {"attn_mask": causal_lower_right(q1 - q0, k.shape[2])}
+            causal = {"attn_mask": lower_right(q1 - q0, k.shape[2])}
         outs.append(sdpa(q, k, v, dropout_p=dropout, scale=scaling, **causal, **gqa))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
@@ -357,6 +377,7 @@ def packed_forward(
     )
     if layout.shared:
         kwargs["paravt_blocks"] = layout.blocks
+        kwargs["paravt_masks"] = {}  # one mask per suffix shape, shared by the layers
     if impl == VARLEN_SDPA:  # no text row: no N x N packed-sequence mask is built
         kwargs["position_ids"] = kwargs["position_ids"][1:]
     return backbone(**kwargs).last_hidden_state[0], layout

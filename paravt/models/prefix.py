@@ -143,10 +143,58 @@ def _common_prefix(x: torch.Tensor, y: torch.Tensor) -> int:
     return int(diff[0]) if diff.numel() else n
 
 
+def clean_cut(
+    types: Sequence[int] | torch.Tensor, v: VisualInputs | None, p: int
+) -> tuple[int, int]:
+    """``(p', k)``: the largest ``p' <= p`` that cuts no visual segment's placeholders of a
+    sequence with modality ``types`` and visuals ``v``, and the ``k`` segments wholly before
+    it (a cut inside segment ``k`` moves to its first placeholder)."""
+    pos = (torch.as_tensor(types) != MM_TEXT).nonzero().squeeze(-1).tolist()
+    seg = segment_tokens(v, len(pos))
+    before = sum(1 for t in pos if t < p)
+    k, acc = 0, 0
+    while k < len(seg) and acc + seg[k] <= before:
+        acc += seg[k]
+        k += 1
+    if before > acc:  # inside segment k: the prefix ends before its first placeholder
+        p = pos[acc]
+    return p, k
+
+
+def common_prefix(
+    ids_a: torch.Tensor,
+    types_a: torch.Tensor,
+    v_a: VisualInputs | None,
+    ids_b: torch.Tensor,
+    types_b: torch.Tensor,
+    v_b: VisualInputs | None,
+    limit: int,
+) -> tuple[int, int]:
+    """``(p, k)``: how many leading tokens two sequences can encode once, at most ``limit``:
+    their longest common prefix of token ids and modality types, cut so that no visual
+    segment is split (``clean_cut``) and ending before the first segment whose pixels differ
+    (``visuals_equal``); ``k`` segments lie inside. One rule for the trainer's groups
+    (``prefix_groups``) and the HF engine's shared prefill (``paravt.rollout.hf``)."""
+    p = min(limit, _common_prefix(ids_a, ids_b), _common_prefix(types_a, types_b))
+    p, k = clean_cut(types_a, v_a, p)
+    same = visuals_equal(v_a, v_b, k)
+    if same < k:
+        p, k = _segment_start(types_a, v_a, same), same
+    return p, k
+
+
+def _segment_start(types: torch.Tensor, v: VisualInputs | None, k: int) -> int:
+    """Position of the first placeholder of segment ``k``."""
+    pos = (torch.as_tensor(types) != MM_TEXT).nonzero().squeeze(-1).tolist()
+    return pos[sum(segment_tokens(v, len(pos))[:k])]
+
+
 def prefix_groups(batch: PackedBatch, seqs: Sequence[int]) -> list[PrefixGroup]:
     """The shared-prompt groups among sequences ``seqs`` of ``batch`` (see the module
     docstring): by ``batch.group_ids`` (none without it: sharing off), each with at least two
-    members and a prefix of at least one token. Deterministic; groups ordered by first member."""
+    members and a prefix of at least one token (``common_prefix`` of its first member and
+    each other, each member keeping a token of its own). Deterministic; groups ordered by
+    first member."""
     if batch.group_ids is None:
         return []
     by_id: dict[int, list[int]] = {}
@@ -162,26 +210,13 @@ def prefix_groups(batch: PackedBatch, seqs: Sequence[int]) -> list[PrefixGroup]:
             continue
         members = sorted(members)
         a0, b0 = cu[members[0]], cu[members[0] + 1]
-        ids0, mm0 = batch.input_ids[a0:b0], mm[a0:b0]
+        first = (batch.input_ids[a0:b0], mm[a0:b0], batch.visuals[members[0]])
         p = min(cu[i + 1] - cu[i] for i in members) - 1  # each member keeps a suffix token
         for i in members[1:]:
             a, b = cu[i], cu[i + 1]
-            p = min(p, _common_prefix(ids0, batch.input_ids[a:b]), _common_prefix(mm0, mm[a:b]))
-        v0 = batch.visuals[members[0]]
-        vis_pos = (mm0 != MM_TEXT).nonzero().squeeze(-1).tolist()  # placeholder positions
-        seg = segment_tokens(v0, len(vis_pos))
-        # Whole segments inside the prefix: no placeholder run is cut.
-        n_vis, m, acc = sum(1 for t in vis_pos if t < p), 0, 0
-        while m < len(seg) and acc + seg[m] <= n_vis:
-            acc += seg[m]
-            m += 1
-        for i in members[1:]:
-            m = min(m, visuals_equal(v0, batch.visuals[i], m))
-        starts = [sum(seg[:k]) for k in range(len(seg))]  # first placeholder of each segment
-        if m < len(seg):  # the prefix ends before segment m's first placeholder
-            p = min(p, vis_pos[starts[m]])
+            p = common_prefix(*first, batch.input_ids[a:b], mm[a:b], batch.visuals[i], p)[0]
         if p >= 1:
-            out.append(PrefixGroup(tuple(members), p, m))
+            out.append(PrefixGroup(tuple(members), p, clean_cut(first[1], first[2], p)[1]))
     return sorted(out, key=lambda g: g.members[0])
 
 

@@ -42,7 +42,6 @@ token slots as one, takes the one-shot path.
 
 from __future__ import annotations
 
-import bisect
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from paravt.models.loader import ModelBundle
+from paravt.models.prefix import clean_cut, common_prefix, split_visuals
 from paravt.models.sampling import sampling_logprobs
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
@@ -84,73 +84,31 @@ class _SharePlan:
 
 
 class _Layout:
-    """One request's visual layout: where each segment's placeholders start, in tokens and
-    in pixel rows (what ``_share_plan`` needs to cut a prefix at a segment boundary)."""
+    """One request's prompt as ``paravt.models.prefix`` reads it: ids, modality types,
+    visuals (what ``_share_plan`` compares and cuts at a segment boundary)."""
 
-    def __init__(self, r: GenerationRequest, special: Any, merge: int):
-        self.ids = r.prompt_ids
-        self.types = mm_token_types(
-            r.extras.get("mm_token_type_ids"),
-            r.prompt_ids,
-            special,
-            who=f"request {r.request_id!r}",
-        )
+    def __init__(self, r: GenerationRequest, special: Any):
+        self.ids = torch.tensor(r.prompt_ids, dtype=torch.long)
+        self.types = torch.tensor(
+            mm_token_types(
+                r.extras.get("mm_token_type_ids"), r.prompt_ids, special,
+                who=f"request {r.request_id!r}",
+            )
+        )  # fmt: skip
         self.visuals = r.visuals
-        #: token position of every visual placeholder, in order
-        self.vis_pos = [i for i, t in enumerate(self.types) if t]
-        tok_cum, pix_cum = [0], [0]
-        if r.visuals is not None:
-            for t, h, w in r.visuals.grid_thw.tolist():
-                tok_cum.append(tok_cum[-1] + t * h * w // merge**2)
-                pix_cum.append(pix_cum[-1] + t * h * w)
-        self.tok_cum, self.pix_cum = tok_cum, pix_cum
 
     def clean_cut(self, p: int) -> tuple[int, int]:
         """``(p', k)``: the largest ``p' <= p`` not inside a segment, and the number ``k`` of
-        segments wholly before ``p'``."""
-        c = bisect.bisect_left(self.vis_pos, p)  # placeholders before p
-        k = bisect.bisect_right(self.tok_cum, c) - 1  # segments wholly before p
-        if c > self.tok_cum[k]:  # p cuts segment k: start the suffix at its first placeholder
-            p = self.vis_pos[self.tok_cum[k]]
-        return p, k
-
-
-def _same_segment(a: _Layout, b: _Layout, k: int) -> bool:
-    """Segment ``k`` of ``a`` and of ``b`` hold the same pixels on the same grid."""
-    va, vb = a.visuals, b.visuals
-    assert va is not None and vb is not None
-    if va is vb:
-        return True
-    if va.kind != vb.kind or not torch.equal(va.grid_thw[k], vb.grid_thw[k]):
-        return False
-    if (va.second_per_grid_ts is None) != (vb.second_per_grid_ts is None):
-        return False
-    if va.second_per_grid_ts is not None and not torch.equal(
-        va.second_per_grid_ts[k],
-        vb.second_per_grid_ts[k],  # type: ignore[index]
-    ):
-        return False
-    pa = va.pixel_values[a.pix_cum[k] : a.pix_cum[k + 1]]
-    pb = vb.pixel_values[b.pix_cum[k] : b.pix_cum[k + 1]]
-    if pa.data_ptr() == pb.data_ptr() and pa.stride() == pb.stride():
-        return True  # views of one tensor (a group's clip concatenated into each context)
-    return torch.equal(pa, pb)
+        segments wholly before ``p'`` (``paravt.models.prefix.clean_cut``)."""
+        return clean_cut(self.types, self.visuals, p)
 
 
 def _shareable(a: _Layout, b: _Layout) -> int:
-    """Prompt tokens ``a`` and ``b`` can prefill once: their longest common prefix of ids and
-    token types, cut before any visual segment they do not share (or that it would split), and
-    leaving each at least one token of its own (its logits start the decode)."""
-    n = min(len(a.ids), len(b.ids)) - 1
-    ta = torch.tensor(a.ids[:n], dtype=torch.long)
-    tb = torch.tensor(b.ids[:n], dtype=torch.long)
-    diff = (ta != tb) | (torch.tensor(a.types[:n]) != torch.tensor(b.types[:n]))
-    p = int(diff.nonzero()[0, 0]) if bool(diff.any()) else n
-    p, k = a.clean_cut(p)
-    for j in range(k):
-        if not _same_segment(a, b, j):
-            return a.vis_pos[a.tok_cum[j]]
-    return p
+    """Prompt tokens ``a`` and ``b`` can prefill once (``paravt.models.prefix.common_prefix``,
+    the trainer's rule too), leaving each at least one token of its own (its logits start the
+    decode)."""
+    limit = min(len(a.ids), len(b.ids)) - 1
+    return common_prefix(a.ids, a.types, a.visuals, b.ids, b.types, b.visuals, limit)[0]
 
 
 def _share_plan(reqs: list[GenerationRequest], bundle: ModelBundle) -> _SharePlan | None:
@@ -168,8 +126,7 @@ def _share_plan(reqs: list[GenerationRequest], bundle: ModelBundle) -> _SharePla
     (``U * P + B * S >= B * L``).
     """
     B = len(reqs)
-    merge = _merge_size(bundle.model)
-    lay = [_Layout(r, bundle.special, merge) for r in reqs]
+    lay = [_Layout(r, bundle.special) for r in reqs]
     order = sorted(range(B), key=lambda i: (list(reqs[i].prompt_ids), i))
     s = [_shareable(lay[order[i]], lay[order[i + 1]]) for i in range(B - 1)]
     # best[j]: most tokens saved over the first j requests of `order`; cut[j]: its last run's
@@ -673,7 +630,7 @@ class HFEngine:
             for v, k0, k1 in items:
                 for k in range(k0, k1):
                     assert v is not None
-                    uniq[v.kind].setdefault((id(v), k), _segment(v, k))
+                    uniq[v.kind].setdefault((id(v), k), split_visuals(v, k, k + 1))
         feats: dict[str, Any] = {}
         index: dict[str, dict[tuple[int, int], int]] = {}
         for kind, segs in uniq.items():
@@ -754,17 +711,4 @@ def from_config(cfg: Any, bundle: ModelBundle) -> HFEngine:
         max_batch_size=cfg.rollout.max_batch_size,
         seed=cfg.train.seed,
         share_prefix=cfg.rollout.share_prefix,
-    )
-
-
-def _segment(v: VisualInputs, k: int) -> VisualInputs:
-    """Segment ``k`` of ``v`` on its own (views of its pixels and grid)."""
-    rows = [int(t * h * w) for t, h, w in v.grid_thw.tolist()]
-    start = sum(rows[:k])
-    spg = v.second_per_grid_ts
-    return VisualInputs(
-        v.pixel_values[start : start + rows[k]],
-        v.grid_thw[k : k + 1],
-        v.kind,
-        None if spg is None else spg[k : k + 1],
     )
