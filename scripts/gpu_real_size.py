@@ -19,9 +19,9 @@ adds is measurement only:
   at each boundary), and a ``record_function`` range per phase for the profiler;
 - the vision tower's forward time per phase (each model's ``get_image_features`` /
   ``get_video_features`` timed, synchronised);
-- the packed tokens of every minibatch (``paravt.train.pack_units`` counted), for tokens/s and
-  the update's MFU = 6 · trained parameters · packed tokens · PPO epochs / update time, over
-  ``--peak-tflops`` (989: H100/H200 dense bf16);
+- from the step's own metrics (``packed_tokens``, ``time/overview`` ... ``time/sub_gen``):
+  tokens/s per phase and the update's MFU = 6 · trained parameters · packed tokens · PPO
+  epochs / update time, over ``--peak-tflops`` (989: H100/H200 dense bf16);
 - the memory plan of the same config (``paravt.plan.plan_memory``) beside the measured peaks;
 - the engine's generation alone at a fixed shape (``--gen-batch`` prompts of
   ``--gen-prompt`` tokens, ``--gen-tokens`` new tokens each);
@@ -243,25 +243,24 @@ def summarise(res: dict[str, Any], clock: PhaseClock, vision: VisionTimer, cfg: 
     res["phases_measured_steps"] = measured
     res["vision_forward_s_by_phase"] = vision.seconds
     res["vision_calls_by_phase"] = vision.calls
-    tok = res.get("packed_tokens_by_step", {})
     rows = [res["steps"][str(s)] for s in measured if str(s) in res["steps"]]
     if not rows:
         return
     mean = lambda k: sum(float(r.get(k, 0.0)) for r in rows) / len(rows)  # noqa: E731
-    packed = sum(tok.get(str(s), 0) for s in measured) / len(measured)
+    packed = mean("packed_tokens")
     epochs = cfg.algo.ppo_epochs
     passes = int(cfg.algo.kl_coef > 0) + 1  # reference + proximal (decoupled objective)
     upd = per.get("update", {}).get("seconds", 0.0)
     lp = per.get("logprobs", {}).get("seconds", 0.0)
     roll = per.get("rollout", {}).get("seconds", 0.0)
-    gen = mean("rollout/main_gen_s") + mean("rollout/sub_gen_s")
+    gen = mean("time/main_gen") + mean("time/sub_gen")
     n_params = res["trained_params"]
     flops = 6.0 * n_params * packed * epochs
     res["figures"] = {
         "packed_tokens_per_step": packed,
         "generated_tokens_per_step": mean("trained_tokens"),
         "rollout_s": roll,
-        "rollout_decode_and_pack_s": mean("rollout/overview_s") + mean("rollout/crop_s"),
+        "rollout_decode_and_pack_s": mean("time/overview") + mean("time/crops"),
         "rollout_generation_s": gen,
         "rollout_generated_tokens_per_s": mean("trained_tokens") / max(roll, 1e-9),
         "logprobs_s": lp,
@@ -357,17 +356,6 @@ def main(argv: list[str] | None = None) -> int:
             res["prompts_with_tool_calls"] = [len(picked), len(tr.sampler.samples)]
             if picked:
                 tr.sampler = PromptSampler(picked, seed=cfg.train.seed)
-        packed: dict[str, int] = {}
-        pack = train.pack_units
-
-        def counting_pack(units: Any) -> Any:
-            b = pack(units)
-            key = str(clock.step)
-            packed[key] = packed.get(key, 0) + int(b.input_ids.numel())
-            return b
-
-        train.pack_units = counting_pack
-        res["packed_tokens_by_step"] = packed
         save()
         for step in range(1, cfg.train.steps + 1):
             clock.enter(step, "start")
@@ -389,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
                     "phase_device_ms": phase_ranges(prof),
                 }
                 res["profile"]["analysis_s"] = time.perf_counter() - t_p
-            st = tr.runner.stats
-            m.update({f"rollout/{k}": float(v) for k, v in st.items() if k.endswith("_s")})
             res["steps"][str(step)] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
             res["phase_rows"] = clock.rows
             summarise(res, clock, vision, cfg)
@@ -399,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"[real_size] step {step}: {m['time/step']:.1f} s (rollout "
                 f"{m['time/rollout']:.1f}, logprobs {m['time/logprobs']:.1f}, update "
                 f"{m['time/update']:.1f}, sync {m['time/sync']:.1f}); packed tokens "
-                f"{packed.get(str(step), 0)}, generated {m.get('trained_tokens', 0):.0f}",
+                f"{m['packed_tokens']:.0f}, generated {m['trained_tokens']:.0f}",
                 flush=True,
             )
         if a.gen_tokens > 0:

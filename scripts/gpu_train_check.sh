@@ -187,7 +187,8 @@ else
     data.synth_num_videos=8 video.frame_budgets=[32,64] video.overview_min_pixels=$PIX
     video.overview_max_pixels=$PIX video.crop_min_pixels=$PIX video.crop_max_pixels=$PIX
     rollout.group_size=8 rollout.max_new_tokens=256 rollout.sub_max_new_tokens=128 train.steps=3)
-  REAL_TOOL=(--gen-batch 40 --gen-prompt 1024 --gen-tokens 128 --profile-step 3)
+  REAL_TOOL=(--gen-batch 40 --gen-prompt 1024 --gen-tokens 128
+    --profile-step "${PARAVT_GPU_PROFILE_STEP:-3}")
   ARCH_2B=qwen3vl_2b ARCH_8B=qwen3vl_8b ARCH_4B=qwen3vl_4b
   SFT_2B=${PARAVT_GPU_SFT_STEPS:-2} SFT_BIG=0
 fi
