@@ -26,6 +26,7 @@ code is exercised on any machine (``--size tiny`` for a CPU).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import sys
@@ -134,11 +135,8 @@ def run_case(name: str, spec: tuple, device: torch.device, dtype: torch.dtype, r
     qf, kf, vf = q.detach().float(), k.detach().float(), v.detach().float()
     kf, vf = kf.repeat_interleave(rep, 1), vf.repeat_interleave(rep, 1)
     ref = sdpa_path(qf, kf, vf, lengths, causal)
-    kk = k if rep == 1 else k.repeat_interleave(rep, 1)  # the vision path has no GQA
-    vv = v if rep == 1 else v.repeat_interleave(rep, 1)
-    out_sdpa = (
-        sdpa_path(q, k, v, lengths, causal) if causal else sdpa_path(q, kk, vv, lengths, False)
-    )
+    # The causal (LM) path broadcasts grouped K/V heads itself; the vision path has none.
+    out_sdpa = sdpa_path(q, k, v, lengths, causal)
 
     def err(o: torch.Tensor) -> dict[str, float]:
         o = o.detach().float()
@@ -165,18 +163,34 @@ def run_case(name: str, spec: tuple, device: torch.device, dtype: torch.dtype, r
         res["varlen"] = {"status": "skipped", "reason": why}
         return res
     cu = _cu(lengths, device)
-    kw: dict[str, Any] = {"scale": d**-0.5}
+    # The keyword API moved between releases: 2.10 has is_causal and no scale; later ones
+    # scale and window_size (causal = (-1, 0)); grouped heads (enable_gqa) came later still.
+    # Without enable_gqa the K/V heads are repeated inside the timed call (what paravt would
+    # have to do there).
+    params = inspect.signature(fn).parameters
+    kw: dict[str, Any] = {}
+    if "scale" in params:
+        kw["scale"] = d**-0.5  # else its default, the same 1/sqrt(d)
     if causal:
-        kw["window_size"] = (-1, 0)
-    if hkv != h:
+        kw["window_size" if "window_size" in params else "is_causal"] = (
+            (-1, 0) if "window_size" in params else True
+        )
+    gqa = hkv != h and "enable_gqa" in params
+    if gqa:
         kw["enable_gqa"] = True
+    res["varlen_kwargs"] = sorted(kw) + ([] if gqa or hkv == h else ["(K/V heads repeated)"])
 
     def varlen() -> torch.Tensor:
-        return fn(q, k, v, cu, cu, max(lengths), max(lengths), **kw)
+        kk, vv = (
+            (k, v)
+            if gqa or hkv == h
+            else (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+        )
+        return fn(q, kk, vv, cu, cu, max(lengths), max(lengths), **kw)
 
     try:
         out_v = varlen()
-    except (NotImplementedError, RuntimeError) as e:
+    except (NotImplementedError, RuntimeError, TypeError) as e:
         first = str(e).splitlines()[0].split(". ")[0][:200]  # torch's first sentence
         res["varlen"] = {
             "status": "skipped",
