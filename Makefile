@@ -6,7 +6,8 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 PIP     := $(VPY) -m pip --disable-pip-version-check
 
-.PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels browser
+.PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels browser \
+	gpu-train-wheels gpu-dali-parts gpu-snapshot
 
 # `python -m paravt_startup` writes paravt_startup.pth into the venv's site-packages: every
 # process started from the venv (not only those that import paravt) can then import PyPI's CUDA
@@ -107,6 +108,35 @@ gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu_wheels transformers==5.19.0 \
 	  liger-kernel==0.8.5 "setuptools>=77"
 	@ls -la .gpu_wheels
+
+# What scripts/gpu_train_check.sh needs beyond the device image (docs/gpu/README.md): the wheels
+# above plus PyAV (the synthetic videos and the CPU decode path; abi3, so cp312 takes it) and
+# DALI's small needs (cp312 builds of libcst, optree, nvtx) in .gpu_wheels/ (~56 MB: one call
+# carries it with the ~4.5 MB tree), and DALI's 199 MB wheel split into 4 parts of <= 55 MiB in
+# .gpu_dali/ (one call carries each part beside the tree, under the tool's 64 MiB; the script
+# joins them on the device and checks the sha256). Not carried: DALI's nvimgcodec and nvcomp
+# (image decoding and compression; video decoding does not import them).
+GPU_PIP := $(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64
+gpu-train-wheels: gpu-wheels gpu-dali-parts
+	$(GPU_PIP) -d .gpu_wheels av==18.1.0 "astunparse>=1.6,<=1.6.3" "gast>=0.3.3,<=0.7.0" \
+	  makefun nvtx optree "libcst~=1.8"
+	@du -sh .gpu_wheels .gpu_dali
+
+gpu-dali-parts: install
+	$(GPU_PIP) -d .gpu_dali_whl nvidia-dali-cuda130==2.4.0
+	bash scripts/gpu_train_check.sh --split-dali $$(ls .gpu_dali_whl/nvidia_dali_cuda130-*.whl) .gpu_dali
+
+# The code a device call runs: a `git archive` of REV (default HEAD) in .gpu_snap/, with its commit
+# id. A device call sends the session's own checkout, whose .git there is stale (docs/gpu, run
+# 1): the command unpacks this snapshot and runs from it (docs/gpu/README.md, "The training check").
+REV ?= HEAD
+gpu-snapshot:
+	@mkdir -p .gpu_snap
+	git archive --format=tar -o .gpu_snap/tree.tar $(REV)
+	git rev-parse --short $(REV) > .gpu_snap/COMMIT
+	@ls -la .gpu_snap
 
 clean:
 	rm -rf build *.egg-info .pytest_cache paravt/_C*.so

@@ -480,6 +480,17 @@ def _learn(
             "skipped_prompts": float(all_reduce_sum(float(len(batch.errors)), ctx)[0]),
         }
     )
+    # The rollout's parts (this rank's; an asynchronous step's: summed over its workers):
+    # overview decode + pixel pack, main-agent generation, crop decode + pack, sub-agents.
+    for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"), ("crop_s", "crops"),
+                    ("sub_gen_s", "sub_gen")):  # fmt: skip
+        m[f"time/{name}"] = float(batch.stats.get(k, 0.0))
+    # Tokens of the packed minibatches (every position of every trained sequence, prompts and
+    # visual placeholders included): what one PPO epoch's forwards process, the T of an
+    # update's 6 * params * T FLOPs.
+    m["packed_tokens"] = float(
+        all_reduce_sum(float(sum(int(b.input_ids.numel()) for b in batches)), ctx)[0]
+    )
     # Episodes the engine's context cut short (paravt.agent.loop: never a failed request).
     keys = ("context_forced_answers", "context_cut_answers", "context_ended")
     counts = all_reduce_sum(torch.tensor([float(batch.stats.get(k, 0)) for k in keys]), ctx)

@@ -61,6 +61,11 @@ def test_default_preset_two_steps_updates_parameters_and_logs_every_metric(asset
         assert torch.isfinite(torch.tensor(r["loss"]))
         assert r["grad_norm"] > 0
         assert 0.0 <= r["format_compliance"] <= 1.0 and 0.0 <= r["tool_call_rate"] <= 1.0
+        # The rollout's parts fit inside it; the packed tokens hold every generated one.
+        parts = ("time/overview", "time/main_gen", "time/crops", "time/sub_gen")
+        assert all(r[k] >= 0 for k in parts) and r["time/main_gen"] > 0
+        assert sum(r[k] for k in parts) <= r["time/rollout"]
+        assert r["packed_tokens"] > r["trained_tokens"] > 0
     assert res["last"]["loss"] == rows[-1]["loss"]
 
     # Parameters changed: the step-2 checkpoint differs from the SFT starting point.
