@@ -122,11 +122,14 @@ def test_frozen_vision_tower_keeps_its_blocks_and_trains_its_mergers(assets, tmp
 def test_packed_sft_loss_equals_one_forward_per_sequence(assets, tmp_path, max_tokens) -> None:
     """sft_loss packs the batch (main and sub-agent rows) into micro-batches of one forward
     each: the same NLL and the same gradient of every parameter as one ``sequence_logprobs``
-    forward per sequence (fp32), with one micro-batch and with a 700-token budget (several)."""
+    forward per sequence (fp32), with one micro-batch and with a 700-token budget (several).
+    One record appears twice, so its two main rows share their prompt (``algo.share_prefix``,
+    encoded once)."""
     from paravt.algo.logprobs import sequence_logprobs
     from paravt.algo.packing import microbatches, pack_units
     from paravt.data.readers import load_samples
     from paravt.models import load_model
+    from paravt.models.prefix import prefix_groups
     from paravt.sft import encode_records, sft_loss
     from paravt.types import SequenceUnit
 
@@ -134,11 +137,15 @@ def test_packed_sft_loss_equals_one_forward_per_sequence(assets, tmp_path, max_t
     bundle = load_model(assets["model"], device="cpu")
     model = bundle.model
     recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r["turns"]) > 1]
-    trajs = encode_records(recs[:2], load_samples(assets["data"]), bundle, cfg)
+    trajs = encode_records(recs[:2] + recs[:1], load_samples(assets["data"]), bundle, cfg)
     assert {t.role for t in trajs} == {"main", "sub"} and len(trajs) >= 4
     tokens = float(sum(sum(t.loss_mask) for t in trajs))
+    packed = pack_units([SequenceUnit(t, [], 0.0, t.group_id) for t in trajs], share_prefix=True)
+    assert [g.members for g in prefix_groups(packed, range(len(trajs)))] == [
+        tuple(i for i, t in enumerate(trajs) if t.role == "main" and t.uid == trajs[0].uid)
+    ]
     if max_tokens:  # the budget really splits the batch
-        assert len(microbatches(pack_units([SequenceUnit(t, [], 0.0, 0) for t in trajs]), 700)) > 2
+        assert len(microbatches(packed, 700)) > 2
     assert sum(len(t.tokens) for t in trajs) <= 16384  # the default budget: one forward
 
     model.zero_grad(set_to_none=True)
@@ -155,11 +162,12 @@ def test_packed_sft_loss_equals_one_forward_per_sequence(assets, tmp_path, max_t
     calls: list[int] = []
     hook = model.model.language_model.register_forward_hook(lambda *_: calls.append(1))
     try:
-        nll, count = sft_loss(model, trajs, global_tokens=tokens, max_tokens=max_tokens)
+        nll, count = sft_loss(
+            model, trajs, global_tokens=tokens, max_tokens=max_tokens, share_prefix=True
+        )
     finally:
         hook.remove()
     # One language-model forward per micro-batch, not one per sequence.
-    packed = pack_units([SequenceUnit(t, [], 0.0, 0) for t in trajs])
     assert len(calls) == len(microbatches(packed, max_tokens or 16384)) < len(trajs)
     assert count == tokens
     assert nll == pytest.approx(float(ref.detach()), rel=1e-6)
