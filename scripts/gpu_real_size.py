@@ -47,24 +47,6 @@ from typing import Any
 import torch
 
 GIB = 1 << 30
-ARCH_DIR = Path(__file__).resolve().parents[1] / "paravt" / "models" / "arch"
-
-
-def write_small_arch(path: str | Path) -> Path:
-    """Qwen3-VL-2B's config narrowed to a few MB (2 layers, hidden 64; the real 151,936-row
-    vocabulary, mrope and deepstack): ``model.config=PATH model.init=random`` then builds it
-    like a real size, so the dry run passes the real run's flags."""
-    c = json.loads((ARCH_DIR / "qwen3vl_2b.json").read_text())
-    t, v = c["text_config"], c["vision_config"]
-    t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16)  # fmt: skip
-    t["rope_scaling"]["mrope_section"] = [4, 2, 2]
-    v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-             deepstack_visual_indexes=[0, 1])  # fmt: skip
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(c, indent=1))
-    return p
 
 
 class PhaseClock:
@@ -294,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", default="h200-141gb", help="plan for this GPU without CUDA")
     a = ap.parse_args(argv)
     if a.small_arch:
-        print(write_small_arch(a.small_arch))
+        from paravt.models.tiny import write_narrow_arch
+
+        print(write_narrow_arch(a.small_arch))
         return 0
 
     from paravt import train

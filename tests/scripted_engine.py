@@ -111,3 +111,28 @@ def scripted_trainer(assets: dict[str, str], out_dir: str, score, **overrides: o
     )
     tr.runner.engine = ScriptedFirstTurn(tr.engine, "x\n</think>\n" + calls, score)
     return tr
+
+
+class _Captured(Exception):
+    pass
+
+
+def captured_update_batch(tr, step: int = 1):
+    """The packed batch step ``step`` of trainer ``tr`` hands to the policy update
+    (``paravt.algo.loss.minibatch_backward``), captured there; the update itself never runs."""
+    import pytest
+
+    import paravt.algo.loss as loss_mod
+    from paravt.train import train_step
+
+    rec = {}
+
+    def capture(batch, *a, **kw):
+        rec["batch"] = batch
+        raise _Captured
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loss_mod, "minibatch_backward", capture)
+        with pytest.raises(_Captured):
+            train_step(tr, step)
+    return rec["batch"]

@@ -13,11 +13,7 @@ import copy
 
 import pytest
 import torch
-from scripted_engine import MAIN_T, SUB_T, scripted_trainer
-
-
-class _Captured(Exception):
-    pass
+from scripted_engine import MAIN_T, SUB_T, captured_update_batch, scripted_trainer
 
 
 def _text_only(batch, i: int):
@@ -47,9 +43,7 @@ def _text_only(batch, i: int):
 @pytest.fixture(scope="module")
 def setup(assets, tmp_path_factory):
     """(model, batch): the step's weights and its packed batch + one text-only sequence."""
-    import paravt.algo.loss as loss_mod
     from paravt.algo.packing import concat_packed
-    from paravt.train import train_step
 
     def score(model, r, ids):
         return [-1.0] * (len(ids) - len(r.prompt_ids))
@@ -57,17 +51,7 @@ def setup(assets, tmp_path_factory):
     tr = scripted_trainer(
         assets, str(tmp_path_factory.mktemp("packed") / "run"), score, **{"algo.kl_coef": 0.0}
     )
-    rec = {}
-
-    def capture(batch, *a, **kw):
-        rec["batch"] = batch
-        raise _Captured
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loss_mod, "minibatch_backward", capture)
-        with pytest.raises(_Captured):
-            train_step(tr, 1)
-    batch = rec["batch"]
+    batch = captured_update_batch(tr)
     batch = concat_packed([batch, _text_only(batch, 0)])
     model = tr.policy
     model.eval()

@@ -262,17 +262,9 @@ def test_random_init_builds_an_architecture_offline(tmp_path):
     from paravt.assets import prepare_model
     from paravt.distributed import DistContext
     from paravt.models import load_model
-    from paravt.models.tiny import build_random_checkpoint, model_dir_of
+    from paravt.models.tiny import build_random_checkpoint, model_dir_of, write_narrow_arch
 
-    c = json.loads((ARCH_DIR / "qwen3vl_2b.json").read_text())
-    t, v = c["text_config"], c["vision_config"]
-    t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16)  # fmt: skip
-    t["rope_scaling"]["mrope_section"] = [4, 2, 2]
-    v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-             deepstack_visual_indexes=[0, 1])  # fmt: skip
-    arch = tmp_path / "small.json"
-    arch.write_text(json.dumps(c))
+    arch = write_narrow_arch(tmp_path / "small.json")
     cfg = _cfg("model.init=random", f"model.config={arch}", f"model.tiny_dir={tmp_path}/tiny")
     d = prepare_model(cfg, DistContext())
     assert d == model_dir_of(cfg) == str(tmp_path / "random-small-float32")

@@ -15,20 +15,14 @@ import copy
 
 import pytest
 import torch
-from scripted_engine import scripted_trainer
+from scripted_engine import captured_update_batch, scripted_trainer
 
 G = 8
-
-
-class _Captured(Exception):
-    pass
 
 
 @pytest.fixture(scope="module")
 def setup(assets, tmp_path_factory):
     """(model, batch, objective): the step's weights, its shared packed batch, the loss."""
-    import paravt.algo.loss as loss_mod
-    from paravt.train import train_step
 
     def score(model, r, ids):
         return [-1.0] * (len(ids) - len(r.prompt_ids))
@@ -37,19 +31,9 @@ def setup(assets, tmp_path_factory):
         assets, str(tmp_path_factory.mktemp("shared") / "run"), score,
         **{"algo.kl_coef": 0.0, "rollout.group_size": G, "agent.max_turns": 2},
     )  # fmt: skip
-    rec = {}
-
-    def capture(batch, *a, **kw):
-        rec["batch"] = batch
-        raise _Captured
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loss_mod, "minibatch_backward", capture)
-        with pytest.raises(_Captured):
-            train_step(tr, 1)
+    batch = captured_update_batch(tr)
     model = tr.policy
     model.eval()
-    batch = rec["batch"]
     # A gradient to compare: behaviour log-probs at the policy's (ratio 1, no clipping) and
     # advantages of both signs (the scripted rewards are all equal, so theirs are 0).
     from paravt.algo.logprobs import packed_logprobs

@@ -159,9 +159,7 @@ def balance_units(
         b = pack_units(g, share_prefix=True)
         return float(shared_rows(b, range(len(b.uids))))
 
-    out, stats = balance_buckets(
-        grouped, cost, ctx, portable=lambda g: [u.portable() for u in g]
-    )
+    out, stats = balance_buckets(grouped, cost, ctx, portable=lambda g: [u.portable() for u in g])
     return [[u for g in b for u in g] for b in out], stats
 
 

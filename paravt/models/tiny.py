@@ -570,6 +570,24 @@ def arch_config_path(name: str) -> Path:
     )
 
 
+def write_narrow_arch(path: str | Path, name: str = "qwen3vl_2b") -> Path:
+    """A shipped architecture narrowed to a few MB (2 layers, hidden 64; its real vocabulary,
+    mrope and deepstack) at ``path``: ``model.config=PATH model.init=random`` then builds it the
+    way a real size builds. For CPU runs of real-size command lines (the GPU training check's
+    dry mode, ``scripts/gpu_real_size.py``; ``tests/test_plan.py``)."""
+    c = json.loads(arch_config_path(name).read_text())
+    t, v = c["text_config"], c["vision_config"]
+    t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)  # fmt: skip
+    t["rope_scaling"]["mrope_section"] = [4, 2, 2]
+    v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+             deepstack_visual_indexes=[0, 1])  # fmt: skip
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(c, indent=1))
+    return p
+
+
 def build_random_checkpoint(out_dir: str | Path, config: str, *, seed: int = 0,
                             dtype: str = "bfloat16") -> Path:  # fmt: skip
     """``model.init=random``: write a checkpoint of the architecture ``config`` (a shipped name
