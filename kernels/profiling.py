@@ -11,6 +11,7 @@ outside Python's allocator) and process RSS is blurred by the allocator's cachin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -77,3 +78,120 @@ def report_ratios(
         + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in info.items())
     )
     return info
+
+
+# aten ops that launch no kernel on a GPU (allocation, views, metadata): not counted.
+NO_KERNEL_OPS = frozenset(
+    "aten::" + n
+    for n in (
+        "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "reshape", "as_strided",
+        "select", "slice", "unbind", "detach", "detach_", "alias", "t", "transpose", "expand",
+        "unsqueeze", "squeeze", "permute", "contiguous", "lift_fresh", "to", "resolve_conj",
+        "resolve_neg", "result_type", "is_nonzero", "_reshape_alias", "numpy_T", "item",
+        "_local_scalar_dense", "size", "stride", "lift_fresh_copy", "set_",
+    )
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class LaunchCount:
+    """What ``count_launches`` measured for one call of ``fn``: the Triton kernels launched
+    (names, in order), the torch ops that run a kernel (outermost ``aten::`` ops outside the
+    Triton launches, less ``NO_KERNEL_OPS``), and the tensor arguments of each Triton launch
+    (``(name, ((numel, bytes) of each tensor argument))``)."""
+
+    triton: list[str]
+    torch_ops: list[str]
+    triton_args: list[tuple[str, tuple[tuple[int, int], ...]]]
+
+    def tensor_bytes(self, numel: int) -> int:
+        """Bytes of the Triton launches' tensor arguments that have ``numel`` elements (the
+        per-token streams of a packed batch of ``numel`` tokens), summed over launches."""
+        return sum(b for _, args in self.triton_args for k, b in args if k == numel)
+
+    @property
+    def total(self) -> int:
+        """Kernel launches per call: Triton launches + torch ops that run a kernel."""
+        return len(self.triton) + len(self.torch_ops)
+
+
+def count_launches(fn: Callable[[], object]) -> LaunchCount:
+    """Run ``fn()`` once and count the kernel launches it makes (CPU or GPU).
+
+    Triton launches are recorded by the ``lazy_jit`` wrapper (``_triton_utils.record_launches``:
+    each launch, compiled or interpreted, appends its kernel name); torch ops by
+    ``torch.profiler``: the outermost ``aten::`` op of each call that runs work (one per op
+    the code calls: ``aten::sum``'s internal fill is not counted again), outside the Triton
+    launches' ranges (the interpreter's own copies); the ops that launch nothing on a GPU
+    (``NO_KERNEL_OPS``: allocations, views, a no-op ``to``) are looked into, not counted.
+    Used by
+    ``tests/test_kernels_policy_loss.py`` (<= 4 per call) and ``bench/gpu_kernels.py``."""
+    from ._triton_utils import record_launches
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_launches() as log:
+        fn()
+    ops: list[str] = []
+
+    def walk(ev, inside_triton: bool) -> None:
+        inside = inside_triton or ev.name.startswith("triton::")
+        if inside:
+            return
+        if ev.name.startswith("aten::") and ev.name not in NO_KERNEL_OPS:
+            ops.append(ev.name)  # the op the caller ran; its own sub-ops are its kernel(s)
+            return
+        for c in ev.cpu_children:  # e.g. aten::to -> aten::_to_copy, or a custom op's body
+            walk(c, inside)
+
+    for ev in prof.events():
+        if ev.cpu_parent is None:
+            walk(ev, False)
+    return LaunchCount([name for name, _ in log], ops, list(log))
+
+
+def sm90_registers(
+    kernel: object, types: dict[str, str], constexprs: dict[str, object], num_warps: int
+) -> dict[str, int]:
+    """Registers per thread (and spill bytes) of a ``lazy_jit`` kernel compiled for sm_90 by
+    Triton's own ptxas, without a GPU: ``{"registers", "local_bytes", "stack_bytes"}``.
+
+    ``types`` maps non-constexpr arguments to Triton signature types (``"*fp32"``, ``"i64"``,
+    ``"fp32"``, ...), ``constexprs`` gives the rest. Registers decide how many programs fit on
+    an SM (65,536 per SM); used by ``tests/test_kernels_policy_loss.py`` to pin the GPU launch
+    configuration of the forward kernel. Raises ``RuntimeError`` when Triton ships no
+    ``cuobjdump`` (the test then skips)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise RuntimeError(f"no {tool}: this Triton build ships no NVIDIA tools")
+    from triton.runtime.jit import JITFunction
+
+    # JITFunction directly: triton.jit would hand back an interpreted function under
+    # TRITON_INTERPRET=1, which cannot be compiled
+    fn = JITFunction(kernel.fn)  # type: ignore[attr-defined]
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
+    src = ASTSource(fn=fn, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
+    from ._triton_utils import compilable_stdlib
+
+    with compilable_stdlib():
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps})  # fmt: skip
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", out))
+    return {
+        "registers": int(found["REG"]),
+        "local_bytes": int(found.get("LOCAL", 0)),
+        "stack_bytes": int(found.get("STACK", 0)),
+    }
