@@ -20,7 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 
 
 def peak_cpu_alloc_bytes(fn: Callable[[], object]) -> int:
-    """Peak additional bytes allocated by torch on the CPU while ``fn()`` runs."""
+    """Peak additional bytes allocated by torch on the CPU while ``fn()`` runs.
+
+    Garbage is collected first: tensors left in reference cycles by an earlier call (the
+    Triton interpreter leaves its launch buffers so) would otherwise be freed during ``fn``
+    and count as negative steps (a run of the previous ``linear_logprob`` backward read
+    16 MiB, below its own 32 MiB weight gradient)."""
+    import gc
+
+    gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [
