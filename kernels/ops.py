@@ -208,7 +208,7 @@ policy_loss_op = torch.library.custom_op(
 
 
 @policy_loss_op.register_fake
-def _(*args):
+def _policy_loss_fake(*args):
     logprob, cu_seqlens = args[0], args[6]
     f32 = {"dtype": torch.float32, "device": logprob.device}
     n_seq = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1

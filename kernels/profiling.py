@@ -203,3 +203,60 @@ def sm90_registers(
         "local_bytes": int(found.get("LOCAL", 0)),
         "stack_bytes": int(found.get("STACK", 0)),
     }
+
+
+def policy_loss_op_host_cost(
+    device: str = "meta", impl: str = "torch", n_tokens: int = 64, calls: int = 200
+) -> dict[str, float]:
+    """Host cost of the ``torch.library`` registration of ``paravt::policy_loss``: seconds per
+    call of the registered op against a plain call of the Python function behind it, same
+    arguments, with autograd (a leaf log-prob: the op's autograd wrapper saves context) and
+    without. ``device="meta"``: the op dispatches to its fake kernel, compared with calling
+    that function directly: the work is a few allocations, so the difference is the
+    registration alone (dispatcher, custom-op wrappers, autograd node), measurable on a
+    loaded CPU. ``"cpu"``/``"cuda"``: the real implementation ``ops._policy_loss`` with
+    ``impl``, on ``n_tokens`` tokens in 4 sequences (on CUDA each timing ends with a
+    synchronize: the host cost when the device keeps up). Returns ``{op_s, plain_s, ratio,
+    extra_us, op_grad_s, ratio_grad, extra_grad_us}``. Used by
+    ``bench/test_bench_kernels_policy_loss.py`` and ``bench/gpu_kernels.py``."""
+    from . import ops
+    from .options import PolicyLossOptions
+
+    g = torch.Generator().manual_seed(0)
+    n = n_tokens
+    old = -torch.rand(n, generator=g) * 3
+    lp = old + 0.1 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    mask = torch.ones(n)
+    cu = torch.linspace(0, n, 5).long()
+    lp, old, adv, mask, cu = (t.to(device) for t in (lp, old, adv, mask, cu))
+    opts = PolicyLossOptions(agg="seq-mean-token-mean")
+    args = (lp, old, adv, mask, None, None, cu, None, *opts.schema_args(), impl)
+    args_grad = (lp.clone().requires_grad_(), *args[1:])
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    plain_fn = ops._policy_loss_fake if device == "meta" else ops._policy_loss
+
+    def per_call(fn, a) -> float:
+        fn(*a)
+        sync()
+        best = float("inf")
+        for _ in range(5):  # best of 5 blocks of `calls`: a loaded machine's noise is one-sided
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(*a)
+            sync()
+            best = min(best, (time.perf_counter() - t0) / calls)
+        return best
+
+    plain = per_call(plain_fn, args)
+    op = per_call(ops.policy_loss_op, args)
+    op_grad = per_call(ops.policy_loss_op, args_grad)
+    return {
+        "op_s": op,
+        "plain_s": plain,
+        "ratio": op / plain,
+        "extra_us": (op - plain) * 1e6,
+        "op_grad_s": op_grad,
+        "ratio_grad": op_grad / plain,
+        "extra_grad_us": (op_grad - plain) * 1e6,
+    }
