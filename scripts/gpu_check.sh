@@ -143,6 +143,13 @@ fi
 # Its own call (GPU_CHECK_ONLY=issue37): with it the whole script would pass the device tool's
 # 600 s per command.
 if [[ " $ONLY " == *" issue37 "* ]]; then
+  # the compiled kernels against the references first (CUDA cases of the kernel tests; the
+  # issue-37 one: 2^20 tokens, one-token/empty sequences, NaN rows, 3 launches)
+  ONLY="$ONLY issue37_tests"
+  step issue37_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -k cuda \
+    tests/test_kernels_reference_parity.py
+  [ -f "$OUT/issue37_tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " \
+    "$OUT/issue37_tests.txt" | tee -a "$OUT/summary.txt" || true; }
   step issue37 300 "$PY" bench/gpu_kernels.py --issue37 --out "$OUT/gpu_issue37.json"
 fi
 [ -f "$OUT/gpu_issue37.json" ] && "$PY" - "$OUT/gpu_issue37.json" <<'PYEOF' | tee -a "$OUT/summary.txt" || true
