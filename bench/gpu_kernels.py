@@ -307,15 +307,15 @@ def issue37_policy_loss(quick: bool) -> dict:
     for f in ("clip_low", "clip_high", "dual_clip", "behav_cap", "kl_coef", "k3_clamp",
               "k3_kl_clamp", "lr_clamp"):  # fmt: skip
         types[f] = "fp32"
-    regs = {}
-    for block, warps in ((512, 8), (256, 4), (512, 4), (1024, 4)):
-        consts = {"SPLIT": 1, "BLOCK": block, "HAS_CU": True, "HAS_REF": True,
-                  "HAS_PROX": True, "HAS_DUAL": False, "HAS_CAP": True, "KL_TYPE": 3}  # fmt: skip
-        try:
-            regs[f"{block}x{warps}"] = sm90_registers(pl._policy_loss_fwd_kernel, types, consts,
-                                                      warps)  # fmt: skip
-        except Exception as e:
-            regs[f"{block}x{warps}"] = f"{type(e).__name__}: {e}"
+    configs = ((512, 8), (256, 4), (512, 4), (1024, 4))
+    base = {"SPLIT": 1, "HAS_CU": True, "HAS_REF": True, "HAS_PROX": True, "HAS_DUAL": False,
+            "HAS_CAP": True, "KL_TYPE": 3}  # fmt: skip
+    try:
+        got = sm90_registers([(pl._policy_loss_fwd_kernel, types, {**base, "BLOCK": blk}, wp)
+                              for blk, wp in configs])  # fmt: skip
+        regs = {f"{blk}x{wp}": r for (blk, wp), r in zip(configs, got)}
+    except Exception as e:
+        regs = {"error": f"{type(e).__name__}: {e}"}
     res["sm90_registers"] = regs
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"

@@ -115,27 +115,6 @@ def _interpretable_stdlib():
 _TWINS: dict[int, object] = {}
 
 
-@contextlib.contextmanager
-def compilable_stdlib():
-    """The reverse of ``_interpretable_stdlib``: compile a kernel (``profiling.sm90_registers``)
-    in a process whose ``triton.language`` was imported under ``TRITON_INTERPRET=1`` (its
-    standard library then holds interpreted functions, which the compiler cannot inline)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    swapped = []
-    for mod in _stdlib_modules():
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, InterpretedFunction):
-                swapped.append((mod, name, obj))
-                setattr(mod, name, JITFunction(obj.fn))
-    try:
-        yield
-    finally:
-        for mod, name, obj in swapped:
-            setattr(mod, name, obj)
-
-
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

@@ -40,8 +40,10 @@ from .options import PolicyLossOptions, PolicyTokens
 from .reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
 
 # Partial-sum slots written per (sequence, slice) program.
-_P_LOSS, _P_MASS, _P_KL, _P_LOW, _P_HIGH, _P_DUAL, _P_ANY, _P_RATIO = range(8)
-_P_RMIN, _P_RMAX, _P_CAPPED, _P_MASKED_IN = range(8, 12)
+# constexpr: a compiled kernel may only read globals that are (the interpreter reads any, so
+# only a compile for sm_90, ``profiling.sm90_registers``, showed it)
+_P_LOSS, _P_MASS, _P_KL, _P_LOW, _P_HIGH, _P_DUAL, _P_ANY, _P_RATIO = map(tl.constexpr, range(8))
+_P_RMIN, _P_RMAX, _P_CAPPED, _P_MASKED_IN = map(tl.constexpr, range(8, 12))
 _NUM_PARTIALS = 12
 _KL_CODE = {"k1": 1, "k2": 2, "k3": 3}
 _AGG_CODE = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
@@ -297,8 +299,9 @@ def _policy_loss_finalize_kernel(
 
 
 def _fin_block(n_seq: int, split: int) -> int:
-    """Sequences per step of the finalize kernel: ~4096 partial slots per load."""
-    return max(16, min(1024, next_pow2(max(n_seq, 1)), 4096 // next_pow2(split)))
+    """Sequences per step of the finalize kernel: at most 256 (its 13 accumulators then fit
+    in registers: ptxas for sm_90 spilled 400 bytes at 1024), ~2048 partial slots per load."""
+    return max(16, min(256, next_pow2(max(n_seq, 1)), 2048 // next_pow2(split)))
 
 
 def _launch_shape(n_tokens: int, n_seq: int, device: torch.device) -> tuple[int, int]:

@@ -157,16 +157,53 @@ def count_launches(fn: Callable[[], object]) -> LaunchCount:
 
 
 def sm90_registers(
-    kernel: object, types: dict[str, str], constexprs: dict[str, object], num_warps: int
-) -> dict[str, int]:
-    """Registers per thread (and spill bytes) of a ``lazy_jit`` kernel compiled for sm_90 by
-    Triton's own ptxas, without a GPU: ``{"registers", "local_bytes", "stack_bytes"}``.
+    specs: list[tuple[object, dict[str, str], dict[str, object], int]],
+) -> list[dict[str, int]]:
+    """Registers per thread (and spill bytes) of ``lazy_jit`` kernels compiled for sm_90 by
+    Triton's own ptxas, without a GPU: one ``{"registers", "local_bytes", "stack_bytes"}``
+    per ``(kernel, types, constexprs, num_warps)`` of ``specs``.
 
     ``types`` maps non-constexpr arguments to Triton signature types (``"*fp32"``, ``"i64"``,
-    ``"fp32"``, ...), ``constexprs`` gives the rest. Registers decide how many programs fit on
-    an SM (65,536 per SM); used by ``tests/test_kernels_policy_loss.py`` to pin the GPU launch
-    configuration of the forward kernel. Raises ``RuntimeError`` when Triton ships no
-    ``cuobjdump`` (the test then skips)."""
+    ``"fp32"``, ...), ``constexprs`` gives the rest. Registers decide how many programs fit
+    on an SM (65,536 registers per SM); a compile also rejects what the interpreter accepts
+    (non-constexpr globals). The compiles run in one child process without
+    ``TRITON_INTERPRET``: in a process that has run the interpreter, Triton's language
+    module can be left patched (a compile then failed now and then in a test run). Used by
+    ``tests/test_kernels_policy_loss.py`` and ``bench/gpu_kernels.py``. Raises
+    ``RuntimeError`` when Triton ships no ``cuobjdump`` or a compile fails."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        raise RuntimeError(f"no {tool}: this Triton build ships no NVIDIA tools")
+    job = [
+        {"module": k.fn.__module__, "name": k.fn.__name__, "types": t, "constexprs": c,  # type: ignore[attr-defined]
+         "num_warps": w}
+        for k, t, c, w in specs
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import json, sys\n"
+        "from paravt_kernels.profiling import _sm90_compile\n"
+        "print(json.dumps([_sm90_compile(**j) for j in json.loads(sys.argv[1])]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(job)], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"sm_90 compile failed: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _sm90_compile(
+    module: str, name: str, types: dict, constexprs: dict, num_warps: int
+) -> dict[str, int]:
+    """One compile of ``sm90_registers`` (in its child process)."""
+    import importlib
     import os
     import re
     import subprocess
@@ -175,24 +212,17 @@ def sm90_registers(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        raise RuntimeError(f"no {tool}: this Triton build ships no NVIDIA tools")
     from triton.runtime.jit import JITFunction
 
-    # JITFunction directly: triton.jit would hand back an interpreted function under
-    # TRITON_INTERPRET=1, which cannot be compiled
-    fn = JITFunction(kernel.fn)  # type: ignore[attr-defined]
+    kernel = getattr(importlib.import_module(module), name)
+    fn = JITFunction(kernel.fn)
     names = fn.arg_names
     sig = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
     src = ASTSource(fn=fn, signature=sig,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})  # fmt: skip
-    from ._triton_utils import compilable_stdlib
-
-    with compilable_stdlib():
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps})  # fmt: skip
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps})  # fmt: skip
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
