@@ -104,9 +104,12 @@ bench: install
 
 # Wheels the GPU check (scripts/gpu_check.sh) carries to a device machine whose image lacks them
 # (py3-none-any, so the device's Python 3.12 takes them; setuptools>=77 reads the PEP 639 license).
+# cut-cross-entropy (22 kB, needs only torch + triton): a baseline of bench/gpu_kernels.py
+# --issue37. quack-kernels is not carried: its nvidia-cutlass-dsl-libs-cu12 (91.7 MB) is over
+# the device tool's 64 MiB per call.
 gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu_wheels transformers==5.19.0 \
-	  liger-kernel==0.8.5 "setuptools>=77"
+	  liger-kernel==0.8.5 "setuptools>=77" cut-cross-entropy==25.1.1
 	@ls -la .gpu_wheels
 
 # What scripts/gpu_train_check.sh needs beyond the device image (docs/gpu/README.md): the wheels

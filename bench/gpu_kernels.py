@@ -219,47 +219,416 @@ def bench_policy_loss(quick: bool) -> dict:
         loss.backward()
 
     sec = _time_cuda(step, repeats=10, warmup=3)
-    # bytes the fused path must move: fwd reads 6 fp32 streams + writes the gradient, the
-    # in-place scale reads+writes it, the backward reads it and writes d logprob.
-    bytes_moved = n * 4 * (6 + 1 + 2 + 2)
+    # bytes the three kernels must move (policy_loss_triton.policy_loss_bytes): the forward
+    # reads 6 fp32 streams and writes the gradient buffer, the backward reads it and writes
+    # d logprob: 36 B/token (this bench counted 44 before issue 37: an in-place scaling pass
+    # that the fused backward no longer makes) + O(B) partials.
+    from paravt_kernels import policy_loss_triton as pl
+    from paravt_kernels.options import PolicyTokens
+
+    split, _ = pl._launch_shape(n, b, lp.device)
+    per_token, fixed = pl.policy_loss_bytes(lp, PolicyTokens(old, adv, mask, ref, prox), cu,
+                                            None, split)  # fmt: skip
+    bytes_moved = per_token * n + fixed
     peak = _peak_bandwidth(torch.cuda.current_device())
     bw = bytes_moved / sec
     return {"tokens": n, "sequences": b, "seconds": sec, "bytes_moved": bytes_moved,
+            "bytes_per_token": per_token,
             "bandwidth_bytes_per_s": bw, "peak_bandwidth_bytes_per_s": peak,
             "fraction_of_peak": bw / peak}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# issue 37: launches, byte model, host cost, CUDA graph, tile sweep, baselines
+# --------------------------------------------------------------------------------------------
+def _skip(reason: str) -> dict:
+    return {"skipped": reason}
+
+
+def _cuda_kernels_per_call(fn) -> dict:
+    """CUDA kernels one call of ``fn`` runs on the device (torch.profiler's CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"cuda_kernels": len(names), "cuda_kernel_names": sorted(set(names))}
+
+
+def _policy_inputs(n: int, b: int, device: str):
+    g = torch.Generator(device=device).manual_seed(0)
+    old = -torch.rand(n, device=device, generator=g) * 3
+    return {
+        "lp": (old + 0.1 * torch.randn(n, device=device, generator=g)).requires_grad_(),
+        "old": old,
+        "prox": old + 0.05 * torch.randn(n, device=device, generator=g),
+        "ref": old + 0.05 * torch.randn(n, device=device, generator=g),
+        "adv": torch.randn(n, device=device, generator=g),
+        "mask": (torch.rand(n, device=device, generator=g) > 0.1).float(),
+        "cu": torch.linspace(0, n, b + 1, device=device).long(),
+    }
+
+
+def _policy_step(x: dict, seed: torch.Tensor):
+    from paravt_kernels import policy_loss
+
+    def step():
+        loss, _ = policy_loss(x["lp"], x["old"], x["adv"], x["mask"], ref_logprob=x["ref"],
+                              prox_logprob=x["prox"], behav_cap=2.0, kl_coef=0.01,
+                              kl_type="k3", agg="seq-mean-token-mean",
+                              cu_seqlens=x["cu"])  # fmt: skip
+        torch.autograd.grad(loss, x["lp"], grad_outputs=seed)
+
+    return step
+
+
+def issue37_policy_loss(quick: bool) -> dict:
+    """Item 1: launches per call (Triton + torch ops, and CUDA kernels on the device), the
+    byte model and the bandwidth it gives (min / median / max of 20 runs: the run-to-run
+    spread), a sweep of the forward kernel's (BLOCK, warps), the op registration's host cost,
+    and a CUDA graph of the two implementation calls against eager at 2^24 and 2^16 tokens.
+    Without CUDA: the CPU parts (interpreter launch count, byte model, host cost on meta
+    tensors, sm_90 registers)."""
+    from paravt_kernels import policy_loss_triton as pl
+    from paravt_kernels.options import PolicyLossOptions, PolicyTokens
+    from paravt_kernels.profiling import (
+        count_launches,
+        policy_loss_op_host_cost,
+        sm90_registers,
+    )
+
+    res: dict = {"host_cost_meta": policy_loss_op_host_cost("meta")}
+    types = {n: "*fp32" for n in ("lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "ref_ptr",
+                                   "prox_ptr", "gbuf_ptr", "part_ptr")}  # fmt: skip
+    types.update(cu_ptr="*i64", n_slots="i64", n_seq="i64", n_total="i64")
+    for f in ("clip_low", "clip_high", "dual_clip", "behav_cap", "kl_coef", "k3_clamp",
+              "k3_kl_clamp", "lr_clamp"):  # fmt: skip
+        types[f] = "fp32"
+    configs = ((512, 8), (256, 4), (512, 4), (1024, 4))
+    base = {"SPLIT": 1, "HAS_CU": True, "HAS_REF": True, "HAS_PROX": True, "HAS_DUAL": False,
+            "HAS_CAP": True, "KL_TYPE": 3}  # fmt: skip
+    try:
+        got = sm90_registers([(pl._policy_loss_fwd_kernel, types, {**base, "BLOCK": blk}, wp)
+                              for blk, wp in configs])  # fmt: skip
+        regs = {f"{blk}x{wp}": r for (blk, wp), r in zip(configs, got)}
+    except Exception as e:
+        regs = {"error": f"{type(e).__name__}: {e}"}
+    res["sm90_registers"] = regs
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    n, b = ((1 << 22, 1024) if quick else (1 << 24, 4096)) if cuda else (4096, 16)
+    if not cuda:  # the Triton kernels in the interpreter: the same launches as on a GPU
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.environ["PARAVT_IMPL"] = "triton"
+    x = _policy_inputs(n, b, dev)
+    seed = torch.ones((), device=dev)
+    step = _policy_step(x, seed)
+    step()
+    c = count_launches(step)
+    res["launches"] = {"triton": c.triton, "torch_ops": c.torch_ops, "total": c.total}
+    tok = PolicyTokens(x["old"], x["adv"], x["mask"], x["ref"], x["prox"])
+    split, _ = pl._launch_shape(n, b, x["lp"].device)
+    per_token, fixed = pl.policy_loss_bytes(x["lp"], tok, x["cu"], None, split)
+    res.update(tokens=n, sequences=b, bytes_per_token=per_token, bytes_fixed=fixed,
+               bytes_moved=per_token * n + fixed,
+               bytes_checked_vs_launch_args=c.tensor_bytes(n) == per_token * n)  # fmt: skip
+    if not cuda:
+        res["gpu"] = "skipped: no CUDA device"
+        return res
+    try:
+        res.update(_cuda_kernels_per_call(step))
+    except Exception as e:  # a profiler without CUDA activity: keep the rest
+        res["cuda_kernels_error"] = f"{type(e).__name__}: {e}"
+    peak = _peak_bandwidth(torch.cuda.current_device())
+
+    def bw_stats(fn, moved: int = per_token * n + fixed) -> dict:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s0.record()
+            fn()
+            s1.record()
+            torch.cuda.synchronize()
+            ts.append(s0.elapsed_time(s1) / 1e3)
+        ts.sort()
+        return {"seconds_min": ts[0], "seconds_median": ts[10], "seconds_max": ts[-1],
+                "fraction_of_peak_median": moved / ts[10] / peak,
+                "fraction_of_peak_best": moved / ts[0] / peak}  # fmt: skip
+
+    res["peak_bandwidth_bytes_per_s"] = peak
+    res["autograd_call"] = bw_stats(step)
+    sweep = {}
+    keep = (pl._GPU_BLOCK, pl._FWD_WARPS)
+    for block, warps in ((512, 8), (256, 4), (512, 4), (1024, 4), (1024, 8)):
+        pl._GPU_BLOCK, pl._FWD_WARPS = block, warps
+        try:
+            sweep[f"{block}x{warps}"] = bw_stats(step)
+        except Exception as e:
+            sweep[f"{block}x{warps}"] = {"error": f"{type(e).__name__}: {e}"}
+    pl._GPU_BLOCK, pl._FWD_WARPS = keep
+    res["block_warps_sweep"] = sweep
+    res["host_cost_cuda_4096_tokens"] = policy_loss_op_host_cost("cuda", "triton", 4096)
+    # CUDA graph of the implementation (no autograd wrapper): forward + backward at static
+    # shapes, against the same two calls eager, at 2^24 and 2^16 tokens
+    opts = PolicyLossOptions(clip_low=0.2, clip_high=0.2, behav_cap=2.0, kl_coef=0.01,
+                             kl_type="k3", agg="seq-mean-token-mean")  # fmt: skip
+    graphs = {}
+    for nn_, bb in ((n, b), (1 << 16, 64)):
+        y = _policy_inputs(nn_, bb, "cuda")
+        lp = y["lp"].detach()
+        tk = PolicyTokens(y["old"], y["adv"], y["mask"], y["ref"], y["prox"])
+
+        def impl(lp=lp, tk=tk, y=y):
+            _, gbuf, coef, _ = pl.policy_loss_fused_triton(lp, tk, y["cu"], None, opts)
+            return pl.policy_loss_grad_triton(gbuf, coef, y["cu"], seed, lp.dtype)
+
+        sp, _ = pl._launch_shape(nn_, bb, lp.device)
+        moved = per_token * nn_ + pl.policy_loss_bytes(lp, tk, y["cu"], None, sp)[1]
+        eager = bw_stats(impl, moved)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                impl()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            impl()
+        replay = bw_stats(graph.replay, moved)
+        graphs[f"tokens_{nn_}"] = {"eager_impl": eager, "graph_replay": replay,
+                                   "graph_over_eager_median": replay["seconds_median"]
+                                   / eager["seconds_median"]}  # fmt: skip
+    res["cuda_graph"] = graphs
+    return res
+
+
+def issue37_linear_logprob_tiles(quick: bool) -> dict:
+    """Item 2: ``linear_logprob`` fwd+bwd TFLOP/s (6 N d V counted) and peak memory per
+    logits-tile size, against Liger's fused linear cross-entropy's peak in the same run."""
+    if not torch.cuda.is_available():
+        return _skip("no CUDA device")
+    from paravt_kernels import linear_logprob
+    from paravt_kernels import linear_logprob_triton as llt
+
+    n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    gout = torch.randn(n, device="cuda", generator=g)
+    flops = 6.0 * n * d * v
+
+    def ours():
+        h.grad = w.grad = None
+        (linear_logprob(h, w, t) * gout).sum().backward()
+
+    res: dict = {"tokens": n, "d": d, "vocab": v}
+    keep = llt.LOGITS_TILE_BYTES
+    for mib in (32, 64, 128, 256):
+        llt.LOGITS_TILE_BYTES = mib << 20
+        try:
+            sec = _time_cuda(ours)
+            res[f"tile_{mib}MiB"] = {"seconds": sec, "tflops": flops / sec / 1e12,
+                                     "peak_mem_bytes": _peak_mem(ours)}  # fmt: skip
+        except Exception as e:
+            res[f"tile_{mib}MiB"] = {"error": f"{type(e).__name__}: {e}"}
+    llt.LOGITS_TILE_BYTES = keep
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        lce = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+        def liger():
+            h.grad = w.grad = None
+            lce(w, h, t).backward()
+
+        res["liger_flce_seconds"] = _time_cuda(liger)
+        res["liger_flce_peak_mem_bytes"] = _peak_mem(liger)
+        for k, r in list(res.items()):
+            if k.startswith("tile_") and "peak_mem_bytes" in r:
+                r["mem_ratio_vs_liger_flce"] = (
+                    r["peak_mem_bytes"] / res["liger_flce_peak_mem_bytes"]
+                )
+    except Exception as e:
+        res["liger_error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def issue37_baselines(quick: bool) -> dict:
+    """Item 4: the baselines at the ``linear_policy_loss`` shapes, fwd+bwd, TFLOP/s counted as
+    6 N d V and peak memory, in one run: Liger's GRPO loss as shipped and with TF32 allowed,
+    the full-logits no-fusion path (one bf16 cuBLAS GEMM, log-softmax in fp32, gather,
+    policy_loss), QuACK's chunked linear cross-entropy, Apple's cut-cross-entropy; ours
+    (``linear_policy_loss``, ``linear_logprob`` + ``policy_loss``) against the fastest."""
+    if not torch.cuda.is_available():
+        return _skip("no CUDA device")
+    from paravt_kernels import linear_logprob, linear_policy_loss, policy_loss
+
+    n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
+    b = 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    adv_seq = torch.randn(b, device="cuda", generator=g)
+    adv = adv_seq.repeat_interleave(n // b)
+    old = -torch.rand(n, device="cuda", generator=g) * 3 - 8
+    mask = torch.ones(n, device="cuda")
+    flops = 6.0 * n * d * v
+
+    def measure(fn) -> dict:
+        sec = _time_cuda(fn)
+        return {"seconds": sec, "tflops": flops / sec / 1e12, "peak_mem_bytes": _peak_mem(fn)}
+
+    def ours_fused():
+        h.grad = w.grad = None
+        linear_policy_loss(h, w, t, old, adv, mask, agg="token-mean")[0].backward()
+
+    def ours_pair():
+        h.grad = w.grad = None
+        lp = linear_logprob(h, w, t)
+        policy_loss(lp, old, adv, mask, agg="token-mean")[0].backward()
+
+    def full_logits():
+        h.grad = w.grad = None
+        z = h @ w.T  # one bf16 cuBLAS GEMM, (n, V) bf16
+        lp = torch.log_softmax(z.float(), -1).gather(1, t[:, None]).squeeze(1)
+        policy_loss(lp, old, adv, mask, agg="token-mean")[0].backward()
+
+    res: dict = {"tokens": n, "d": d, "vocab": v, "dtype": "bfloat16"}
+    base: dict = {}
+    for name, fn in (("ours_linear_policy_loss", ours_fused), ("ours_linear_logprob_pair",
+                     ours_pair)):  # fmt: skip
+        try:
+            res[name] = measure(fn)
+        except Exception as e:
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        base["full_logits_bf16_gemm"] = measure(full_logits)
+    except Exception as e:
+        base["full_logits_bf16_gemm"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        lf = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo")
+
+        def liger():
+            h.grad = w.grad = None
+            out = lf(h.view(b, n // b, d), w, t.view(b, n // b), mask.view(b, n // b), adv_seq,
+                     old_per_token_logps=old.view(b, n // b))  # fmt: skip
+            out[0].backward()
+
+        base["liger_grpo_shipped"] = measure(liger)
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True  # its fp32 backward GEMMs on TF32
+        try:
+            base["liger_grpo_tf32"] = measure(liger)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
+    except Exception as e:
+        base["liger_grpo_shipped"] = base["liger_grpo_tf32"] = _skip(f"{type(e).__name__}: {e}")
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        def quack():
+            h.grad = w.grad = None
+            chunked_linear_cross_entropy(h, w, t, reduction="sum").backward()
+
+        base["quack_linear_cross_entropy"] = measure(quack)
+    except ImportError as e:
+        base["quack_linear_cross_entropy"] = _skip(
+            f"quack-kernels not importable ({e}); its nvidia-cutlass-dsl-libs-cu12 wheel "
+            "(91.7 MB) is over the device tool's 64 MiB per call"
+        )
+    except Exception as e:
+        base["quack_linear_cross_entropy"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        def cce():
+            h.grad = w.grad = None
+            linear_cross_entropy(h, w, t, reduction="sum", impl="cce").backward()
+
+        base["cut_cross_entropy"] = measure(cce)
+    except ImportError as e:
+        base["cut_cross_entropy"] = _skip(f"cut-cross-entropy not importable ({e})")
+    except Exception as e:
+        base["cut_cross_entropy"] = {"error": f"{type(e).__name__}: {e}"}
+    res["baselines"] = base
+    timed = {k: r["seconds"] for k, r in base.items() if "seconds" in r}
+    if timed:
+        best = min(timed, key=timed.get)
+        res["strongest_baseline"] = best
+        for name in ("ours_linear_policy_loss", "ours_linear_logprob_pair"):
+            if "seconds" in res.get(name, {}):
+                res[name]["time_ratio_vs_strongest"] = res[name]["seconds"] / timed[best]
+                res[name]["mem_ratio_vs_strongest"] = (
+                    res[name]["peak_mem_bytes"] / base[best]["peak_mem_bytes"]
+                )
+    return res
+
+
+ISSUE37 = (
+    ("policy_loss_launches_bytes_graph", issue37_policy_loss),
+    ("linear_logprob_tiles", issue37_linear_logprob_tiles),
+    ("baselines", issue37_baselines),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_kernels.json")
     ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
+    ap.add_argument("--issue37", action="store_true",
+                    help="only the issue-37 sections (launches, byte model, host cost, CUDA "
+                         "graph, tile sweep, baselines); their CPU parts run without CUDA")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.issue37:
+        return _run_sections(args, ISSUE37)
     if not torch.cuda.is_available():
         out = {"skipped": "no CUDA device: the GPU benchmarks need one"}
         print(out["skipped"])
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
         return 0
-    os.environ.setdefault("PARAVT_IMPL", "triton")
+    return _run_sections(
+        args,
+        (
+            ("linear_logprob", bench_linear_logprob),
+            ("linear_policy_loss", bench_linear_policy_loss),
+            ("policy_loss", bench_policy_loss),
+        ),
+    )
+
+
+def _run_sections(args, sections) -> int:
+    """Runs each ``(name, fn)``; an exception is recorded as that section's ``error`` and the
+    next section still runs; writes one JSON to ``args.out``."""
+    if torch.cuda.is_available():
+        os.environ.setdefault("PARAVT_IMPL", "triton")
     t0 = time.time()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__}  # fmt: skip
     try:
         import triton
 
         results["triton"] = triton.__version__
     except ImportError:
         pass
-    for name, fn in (
-        ("linear_logprob", bench_linear_logprob),
-        ("linear_policy_loss", bench_linear_policy_loss),
-        ("policy_loss", bench_policy_loss),
-    ):
+    for name, fn in sections:
         try:
             results[name] = fn(args.quick)
         except Exception as e:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         print(name, json.dumps(results[name], indent=2), flush=True)
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     results["wall_seconds"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -90,3 +90,18 @@ def test_bench_advantage_and_policy_loss_vs_loop(benchmark, batch):
             "loop_s": t_loop, "time_ratio": t_ours / t_loop}  # fmt: skip
     benchmark.extra_info.update(info)
     print(f"\ngroup_advantage+policy_loss vs per-sample loop: {info}")
+
+
+def test_bench_policy_loss_op_registration_host_cost(benchmark):
+    """Host cost of the ``torch.library`` op around ``policy_loss``: the registered op on
+    meta tensors (its fake kernel: a few allocations) vs calling that function directly,
+    same run, with and without autograd: the registration's own cost per call, in
+    microseconds and as a ratio. The CPU torch path's own work (~100 small ops) is too noisy
+    on a shared machine to show a difference of this size; the GPU script measures it with
+    the Triton path (``bench/gpu_kernels.py``)."""
+    from paravt_kernels.profiling import policy_loss_op_host_cost
+
+    info = benchmark.pedantic(lambda: policy_loss_op_host_cost("meta"), rounds=1, iterations=1)
+    benchmark.extra_info.update(info)
+    print("\npolicy_loss op registration host cost (meta: fake kernel vs direct call):", info)
+    assert info["extra_us"] > 0 and info["extra_grad_us"] > 0, info

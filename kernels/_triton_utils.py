@@ -17,6 +17,30 @@ import triton
 
 from .dispatch import interpreting
 
+# The launch log of ``record_launches`` (None: not recording; checked once per launch).
+_LAUNCH_LOG: list[tuple[str, tuple[tuple[int, int], ...]]] | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Record every ``lazy_jit`` kernel launch made inside the block (compiled or interpreted):
+    yields a list of ``(kernel name, ((numel, bytes) of each tensor argument))``, filled as launches
+    happen. Used by ``profiling.count_launches`` (launch counts and the byte model's check)."""
+    global _LAUNCH_LOG
+    prev, log = _LAUNCH_LOG, []
+    _LAUNCH_LOG = log
+    try:
+        yield log
+    finally:
+        _LAUNCH_LOG = prev
+
+
+def _log_launch(name: str, args: tuple) -> None:
+    sizes = tuple(
+        (a.numel(), a.numel() * a.element_size()) for a in args if isinstance(a, torch.Tensor)
+    )
+    _LAUNCH_LOG.append((name, sizes))  # type: ignore[union-attr]
+
 
 class lazy_jit:  # noqa: N801 - used like a decorator, named like one
     """``@lazy_jit`` on a plain kernel function; launch as ``kernel[grid](...)``."""
@@ -32,6 +56,16 @@ class lazy_jit:  # noqa: N801 - used like a decorator, named like one
             k = triton.jit(self.fn)  # reads TRITON_INTERPRET now
             self._compiled[mode] = k
         launch = k[grid]
+        if _LAUNCH_LOG is not None:
+            inner, name = launch, self.fn.__name__
+
+            def launch(*args, **kwargs):
+                _log_launch(name, args)
+                # a profiler range, so that count_launches can tell the interpreter's own
+                # torch copies (inside the launch) from the op's torch kernels
+                with torch.profiler.record_function(f"triton::{name}"):
+                    return inner(*args, **kwargs)
+
         if not mode:
             return launch
 

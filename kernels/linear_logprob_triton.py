@@ -27,16 +27,19 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2
 from .dispatch import interpreting
-from .reference import (
-    inverse_temperature,
-    row_stats,
-    void_row_stand_ins,
-    zero_nonfinite_dead_rows,
-)
+from .reference import inverse_temperature, row_stats
 
-# GPU tile of the vocabulary: ~2^26 fp32 logits (256 MiB) per tile; at N = 8192 that is 8192
-# vocabulary rows, a matmul large enough to run at full tensor-core rate.
-_GPU_TILE_ELEMS = 1 << 26
+# GPU tile of the vocabulary: LOGITS_TILE_BYTES of fp32 logits per tile (read at every call;
+# the bench sweeps it). 64 MiB = 2^24 logits: 2048 vocabulary rows at N = 8192, a
+# (8192 x 4096) x (4096 x 2048) matmul, still large for the tensor cores; the 256 MiB tile of
+# before held 4x the memory (plus a bf16 dZ tile of half its size).
+LOGITS_TILE_BYTES = 64 << 20
+# Columns of hidden per dW GEMM (the select that zeroes dead NaN rows makes an (N, cols)
+# operand, not a copy of hidden): LOGITS_TILE_BYTES // 4 // N rounded to 128, at most d.
+# None: that rule; an int: fixed (tests force several chunks).
+DW_COLS: int | None = None
+# Interpreter (CPU) vocabulary tile; None: the whole vocabulary up to 8192, else 4096.
+CPU_VOCAB_TILE: int | None = None
 _GPU_FWD = {"BLOCK_M": 16, "BLOCK_N": 512, "num_warps": 4}
 _GPU_BWD = {"BLOCK_M": 16, "BLOCK_N": 512, "num_warps": 4}
 
@@ -95,9 +98,9 @@ def _llp_fwd_tile_kernel(
 @lazy_jit
 def _llp_bwd_tile_kernel(
     z_ptr, stride_z, dz_ptr, stride_dz, bias_ptr, tgt_ptr, lse_ptr, g_ptr, k_ptr, ent_ptr,
-    invt_ptr, n_rows, n_cols, v0, inv_t,
-    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, ROW_T: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    invt_ptr, void_ptr, n_rows, n_cols, v0, inv_t,
+    HAS_BIAS: tl.constexpr, ENTROPY: tl.constexpr, ROW_T: tl.constexpr, HAS_VOID: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -128,6 +131,9 @@ def _llp_bwd_tile_kernel(
     t = tl.load(tgt_ptr + rows, mask=rmask, other=-1)
     dz += tl.where((cols[None, :] + v0) == t[:, None], g[:, None], 0.0)
     dz = dz * it[:, None]
+    if HAS_VOID:  # dead rows with a NaN/inf hidden state: exactly 0 (their z, lse are NaN)
+        void = tl.load(void_ptr + rows, mask=rmask, other=0)
+        dz = tl.where(void[:, None] != 0, 0.0, dz)
     tl.store(
         dz_ptr + rows64[:, None] * stride_dz + cols[None, :],
         dz.to(dz_ptr.dtype.element_ty),
@@ -170,9 +176,52 @@ def _mm_lowp_out_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _vocab_tile(n_tok: int, vocab: int) -> int:
     if interpreting():
+        if CPU_VOCAB_TILE:
+            return min(vocab, CPU_VOCAB_TILE)
         return vocab if vocab <= 8192 else 4096
-    bv = max(1024, min(16384, _GPU_TILE_ELEMS // max(n_tok, 1)))
+    bv = max(512, min(16384, LOGITS_TILE_BYTES // 4 // max(n_tok, 1)))
     return min(vocab, bv // 128 * 128)
+
+
+def _dw_cols(n_tok: int, d: int, bv: int) -> int:
+    """Columns of hidden per dW GEMM (see ``DW_COLS``): the zeroed-row operand is at most
+    ``n_tok x cols`` in hidden's dtype, no larger than the logits tile."""
+    if DW_COLS:
+        return min(d, DW_COLS)
+    return min(d, max(128, bv // 128 * 128))
+
+
+def _dw_tile(out: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, void: torch.Tensor,
+             cols: int) -> None:  # fmt: skip
+    """``out = dz^T h`` with ``h``'s ``void`` rows taken as zeros: per chunk of ``cols``
+    columns, an ``(N, cols)`` select, then one GEMM into ``out[:, chunk]`` (the full
+    reduction over the N rows in one GEMM: same precision as one ``dz^T h``)."""
+    d = h.shape[1]
+    for c0 in range(0, d, cols):
+        c1 = min(c0 + cols, d)
+        h_c = torch.where(void[:, None], 0.0, h[:, c0:c1])
+        torch.mm(dz.T, h_c, out=out[:, c0:c1])
+
+
+def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 (the products of low-precision operands are formed
+    with an fp32 output, never rounded to the operand dtype).
+
+    On CUDA the low-precision product is accumulated by cuBLAS itself (``addmm`` with
+    ``out_dtype=float32``, beta 1, into ``acc``): no fp32 temporary of ``acc``'s size (at
+    V = 151936, d = 4096 that temporary is 2.5 GB written, read and added per call). Where
+    torch lacks that overload, the temporary path gives the same fp32 sums. Used by the
+    backward of ``linear_logprob`` (dH) and by ``linear_policy_loss`` (dW)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc += _mm_f32(a, b)
 
 
 def _blocks(n_tok: int, bv: int, fwd: bool) -> dict:
@@ -228,10 +277,11 @@ def fwd_tile(z, v0, bias, targets, m, s, u, zt, inv_t) -> None:
     )  # fmt: skip
 
 
-def bwd_tile(z, dz, v0, bias, targets, lse, g, k, entropy, inv_t) -> None:
+def bwd_tile(z, dz, v0, bias, targets, lse, g, k, entropy, inv_t, void=None) -> None:
     """Write ``dz = (g (1[j=t] - p) - k p (z - lse + H)) / T`` of the raw logits tile ``z``
     (columns ``v0 ..``) in ``dz``'s dtype; ``k is None``: no entropy term. ``dz`` may be
-    ``z`` itself (each element is read, then written, by the same program)."""
+    ``z`` itself (each element is read, then written, by the same program). ``void`` (rows,)
+    uint8: rows whose ``dz`` is selected to exactly 0 whatever ``z``/``lse`` hold."""
     n_rows, n_cols = z.shape
     cfg = _blocks(n_rows, n_cols, fwd=False)
     row_t = isinstance(inv_t, torch.Tensor)
@@ -239,8 +289,9 @@ def bwd_tile(z, dz, v0, bias, targets, lse, g, k, entropy, inv_t) -> None:
     _llp_bwd_tile_kernel[grid](
         z, z.stride(0), dz, dz.stride(0), z if bias is None else bias, targets, lse, g,
         g if k is None else k, lse if entropy is None else entropy, inv_t if row_t else lse,
-        n_rows, n_cols, v0, 1.0 if row_t else inv_t, HAS_BIAS=bias is not None,
-        ENTROPY=k is not None, ROW_T=row_t, **cfg,
+        lse if void is None else void, n_rows, n_cols, v0, 1.0 if row_t else inv_t,
+        HAS_BIAS=bias is not None, ENTROPY=k is not None, ROW_T=row_t,
+        HAS_VOID=void is not None, **cfg,
     )  # fmt: skip
 
 
@@ -266,12 +317,17 @@ def linear_logprob_bwd_triton(
     g = torch.where(valid, grad_logprob.float(), 0.0).contiguous()
     use_ent = grad_entropy is not None and entropy.numel() == n_tok
     k = torch.where(valid, grad_entropy.float(), 0.0).contiguous() if use_ent else g
-    # rows with no incoming gradient (masked by the loss, ignored) and a NaN/inf hidden state
-    # would still reach dW through 0 * NaN: zeroed (a copy of hidden, O(N d), no host sync)
+    # Rows with no incoming gradient (masked by the loss, ignored) and a NaN/inf hidden state
+    # must contribute nothing, but 0 * NaN = NaN would reach every row of dW through dZ^T H.
+    # Selected per tile, never a copy of hidden: their dZ rows are set to exactly 0 in the
+    # tile kernel (so dH = dZ W is 0 there), and the H operand of each dW GEMM is taken
+    # column chunk by column chunk with those rows zeroed (``_dw_tile``). ``void`` comes from
+    # a row sum in fp32, (N,) without an (N, d) temporary; a finite row whose sum overflows
+    # counts as void too, which is harmless: zeroing a dead row changes nothing.
     live = (g != 0) | (k != 0) if use_ent else g != 0
-    hidden, void = zero_nonfinite_dead_rows(hidden, live)
+    void = ~(live | torch.isfinite(hidden.sum(dim=1, dtype=torch.float32)))
+    void_u8 = void.to(torch.uint8)
     inv_t = inverse_temperature(temperature, dev)
-    lse, entropy = void_row_stand_ins(void, lse, entropy, bias, inv_t)
     lse = lse.contiguous()
     grad_h = torch.zeros(n_tok, d, dtype=torch.float32, device=dev)
     # dW is written once per vocabulary tile, in the weight's dtype on GPU (as cuBLAS emits).
@@ -285,8 +341,9 @@ def linear_logprob_bwd_triton(
         return grad_h, grad_w, grad_b
     # dZ feeds two matmuls: keep it in the operand dtype on GPU (tensor cores), fp32 on CPU.
     dz_dtype = hidden.dtype if dev.type == "cuda" else torch.float32
-    h_op = hidden if dev.type == "cuda" else hidden.float()
+    h_op = hidden if dev.type == "cuda" or hidden.dtype == torch.float32 else hidden.float()
     bv = _vocab_tile(n_tok, vocab)
+    dc = _dw_cols(n_tok, d, bv)
     dz_buf = torch.empty(n_tok, bv, dtype=dz_dtype, device=dev)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
@@ -294,11 +351,11 @@ def linear_logprob_bwd_triton(
         z = _mm_f32(hidden, w_j.T)
         dz = dz_buf[:, : v1 - v0]
         bwd_tile(z, dz, v0, bias, targets, lse, g, k if use_ent else None,
-                 entropy if use_ent else None, inv_t)  # fmt: skip
+                 entropy if use_ent else None, inv_t, void_u8)  # fmt: skip
         del z
         w_op = w_j if dev.type == "cuda" else w_j.float()
-        torch.mm(dz.T, h_op, out=grad_w[v0:v1])
-        grad_h += _mm_f32(dz, w_op)
+        _dw_tile(grad_w[v0:v1], dz, h_op, void, dc)
+        _addmm_f32(grad_h, dz, w_op)  # in place: no fp32 (N, d) product per tile
         if grad_b is not None:
             grad_b[v0:v1] = dz.sum(dim=0, dtype=torch.float32)
     return grad_h, grad_w, grad_b

@@ -208,7 +208,7 @@ policy_loss_op = torch.library.custom_op(
 
 
 @policy_loss_op.register_fake
-def _(*args):
+def _policy_loss_fake(*args):
     logprob, cu_seqlens = args[0], args[6]
     f32 = {"dtype": torch.float32, "device": logprob.device}
     n_seq = 1 if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -244,6 +244,8 @@ def _(gbuf, coef, cu_seqlens, grad_loss, dtype, impl):
 
 
 def _pl_setup_context(ctx, inputs, output):
+    # only the loss has a gradient: no zero tensors for gbuf/coef/stats (3 fills per backward)
+    ctx.set_materialize_grads(False)
     _, gbuf, coef, _ = output
     cu_seqlens = inputs[6]
     ctx.save_for_backward(gbuf, coef, cu_seqlens)

@@ -10,15 +10,21 @@ which belong to no sequence, so every row of an output is written, with 0 there)
   counts). Partials are written to distinct slots (no atomics), so results are deterministic.
   Masked tokens are selected away (``where``), never multiplied by 0: their inputs may be
   -inf or NaN (``0 * inf = NaN``).
-* a few ``(B,)``-sized torch ops turn the partials into per-sequence aggregation
-  coefficients ``coef_s`` (token-mean | seq-mean-token-mean | seq-mean-token-sum, see
-  ``reference.aggregation_weights``), the loss and the statistics, without host syncs.
+* ``_policy_loss_finalize_kernel`` (one program) turns the partials into per-sequence
+  aggregation coefficients ``coef_s`` (token-mean | seq-mean-token-mean |
+  seq-mean-token-sum, see ``reference.seq_coefficients``), the loss and the statistics,
+  without host syncs (it replaced ~36 small torch ops on the partials).
 * ``_policy_loss_grad_kernel`` (the autograd backward) writes
   ``dloss/dlogprob_t = grad_loss * coef_s gbuf_t`` in the log-prob dtype: the gradient is
   written once in the forward and read once in the backward.
 
 Without ``cu_seqlens`` the kernels take the whole batch as one sequence (``HAS_CU=False``),
 so no ``[0, N]`` tensor is copied to the device.
+
+Launches per call (forward + backward): 3, and no torch kernel (``profiling.count_launches``;
+the code before made 2 Triton launches and 36 torch ops, 3 of them autograd filling zero
+gradients for the outputs other than the loss). ``cu_seqlens`` is read on the device only.
+Bytes the kernels must move: ``policy_loss_bytes`` (36 per token in fp32 with ref and prox).
 
 The maths is ``reference.policy_token_terms`` / ``reference.policy_loss_fused_torch``.
 """
@@ -31,15 +37,23 @@ import triton.language as tl
 from ._triton_utils import lazy_jit, next_pow2, num_sms
 from .dispatch import interpreting
 from .options import PolicyLossOptions, PolicyTokens
-from .reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, seq_coefficients
+from .reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
 
 # Partial-sum slots written per (sequence, slice) program.
-_P_LOSS, _P_MASS, _P_KL, _P_LOW, _P_HIGH, _P_DUAL, _P_ANY, _P_RATIO = range(8)
-_P_RMIN, _P_RMAX, _P_CAPPED, _P_MASKED_IN = range(8, 12)
+# constexpr: a compiled kernel may only read globals that are (the interpreter reads any, so
+# only a compile for sm_90, ``profiling.sm90_registers``, showed it)
+_P_LOSS, _P_MASS, _P_KL, _P_LOW, _P_HIGH, _P_DUAL, _P_ANY, _P_RATIO = map(tl.constexpr, range(8))
+_P_RMIN, _P_RMAX, _P_CAPPED, _P_MASKED_IN = map(tl.constexpr, range(8, 12))
 _NUM_PARTIALS = 12
 _KL_CODE = {"k1": 1, "k2": 2, "k3": 3}
-# 1024 fp32 lanes x ~6 streams per iteration keeps enough bytes in flight per SM on Hopper.
-_GPU_BLOCK = 1024
+_AGG_CODE = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
+_NUM_STATS = 11  # len(reference.POLICY_STAT_NAMES), in that order
+# GPU: 512 tokens per iteration over 8 warps = 2 fp32 per thread and stream. ptxas (sm_90,
+# every HAS_* flag on, ``profiling.sm90_registers``) gives 59 registers per thread, so 4
+# programs (32 warps) fit on an SM; the 1024-token block over 4 warps of before needed 210
+# (2 programs, 8 warps per SM). ``bench/gpu_kernels.py`` sweeps these two on the device.
+_GPU_BLOCK = 512
+_FWD_WARPS = 8
 
 
 @lazy_jit
@@ -193,6 +207,103 @@ def _policy_loss_grad_kernel(
         tl.store(out_ptr + idx, g.to(out_ptr.dtype.element_ty), mask=inb)
 
 
+@lazy_jit
+def _policy_loss_finalize_kernel(
+    part_ptr, w_ptr, coef_ptr, loss_ptr, stats_ptr, n_seq, n_slots,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_S: tl.constexpr, HAS_W: tl.constexpr,
+    AGG: tl.constexpr,
+):  # fmt: skip
+    """One program: partials -> ``coef (B,)``, ``loss ()``, ``stats (11,)`` (replaces ~36 small
+    torch ops). Pass 1 sums each sequence's slices and the batch totals; pass 2 forms
+    ``coef_s`` (``reference.seq_coefficients``) and ``loss = sum_s coef_s loss_s``. Fixed
+    summation order: deterministic."""
+    cols = tl.arange(0, SPLIT_P2)
+    cmask = cols < SPLIT
+    t_mass = tl.zeros([BLOCK_S], tl.float32)
+    t_kl = tl.zeros([BLOCK_S], tl.float32)
+    t_low = tl.zeros([BLOCK_S], tl.float32)
+    t_high = tl.zeros([BLOCK_S], tl.float32)
+    t_dual = tl.zeros([BLOCK_S], tl.float32)
+    t_any = tl.zeros([BLOCK_S], tl.float32)
+    t_ratio = tl.zeros([BLOCK_S], tl.float32)
+    t_capped = tl.zeros([BLOCK_S], tl.float32)
+    t_masked = tl.zeros([BLOCK_S], tl.float32)
+    t_wm = tl.zeros([BLOCK_S], tl.float32)  # sum_s w_s M_s (token-mean denominator)
+    t_wn = tl.zeros([BLOCK_S], tl.float32)  # sum_s w_s [M_s > 0] (sequence count)
+    t_rmin = tl.full([BLOCK_S], float("inf"), tl.float32)
+    t_rmax = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, n_seq, BLOCK_S):
+        rows = s0 + tl.arange(0, BLOCK_S)
+        rmask = rows < n_seq
+        off = rows[:, None] * SPLIT + cols[None, :]
+        io = rmask[:, None] & cmask[None, :]
+        mass = tl.sum(tl.load(part_ptr + _P_MASS * n_slots + off, mask=io, other=0.0), 1)
+        if HAS_W:
+            w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
+        else:
+            w = tl.where(rmask, 1.0, 0.0)
+        t_mass += mass
+        t_wm += w * mass
+        t_wn += tl.where(mass > 0.0, w, 0.0)
+        t_kl += tl.sum(tl.load(part_ptr + _P_KL * n_slots + off, mask=io, other=0.0), 1)
+        t_low += tl.sum(tl.load(part_ptr + _P_LOW * n_slots + off, mask=io, other=0.0), 1)
+        t_high += tl.sum(tl.load(part_ptr + _P_HIGH * n_slots + off, mask=io, other=0.0), 1)
+        t_dual += tl.sum(tl.load(part_ptr + _P_DUAL * n_slots + off, mask=io, other=0.0), 1)
+        t_any += tl.sum(tl.load(part_ptr + _P_ANY * n_slots + off, mask=io, other=0.0), 1)
+        t_ratio += tl.sum(tl.load(part_ptr + _P_RATIO * n_slots + off, mask=io, other=0.0), 1)
+        t_capped += tl.sum(tl.load(part_ptr + _P_CAPPED * n_slots + off, mask=io, other=0.0), 1)
+        t_masked += tl.sum(tl.load(part_ptr + _P_MASKED_IN * n_slots + off, mask=io, other=0.0), 1)
+        rmin = tl.load(part_ptr + _P_RMIN * n_slots + off, mask=io, other=float("inf"))
+        rmax = tl.load(part_ptr + _P_RMAX * n_slots + off, mask=io, other=float("-inf"))
+        t_rmin = tl.minimum(t_rmin, tl.min(rmin, 1))
+        t_rmax = tl.maximum(t_rmax, tl.max(rmax, 1))
+    wm = tl.sum(t_wm, 0)
+    wn = tl.sum(t_wn, 0)
+    inv_s = tl.where(wn > 0.0, 1.0 / tl.maximum(wn, 1e-30), 0.0)
+    loss = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, n_seq, BLOCK_S):
+        rows = s0 + tl.arange(0, BLOCK_S)
+        rmask = rows < n_seq
+        off = rows[:, None] * SPLIT + cols[None, :]
+        io = rmask[:, None] & cmask[None, :]
+        mass = tl.sum(tl.load(part_ptr + _P_MASS * n_slots + off, mask=io, other=0.0), 1)
+        loss_s = tl.sum(tl.load(part_ptr + _P_LOSS * n_slots + off, mask=io, other=0.0), 1)
+        if HAS_W:
+            w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
+        else:
+            w = tl.where(rmask, 1.0, 0.0)
+        if AGG == 0:  # token-mean
+            coef = tl.where(wm > 0.0, w / tl.maximum(wm, 1e-30), 0.0)
+        elif AGG == 1:  # seq-mean-token-mean
+            coef = tl.where(mass > 0.0, w / tl.maximum(mass, 1e-30), 0.0) * inv_s
+        else:  # seq-mean-token-sum
+            coef = w * inv_s
+        tl.store(coef_ptr + rows, coef, mask=rmask)
+        loss += tl.where(rmask, coef * loss_s, 0.0)
+    tl.store(loss_ptr, tl.sum(loss, 0))
+    n_tok = tl.sum(t_mass, 0)
+    den = tl.maximum(n_tok, 1e-30)
+    any_on = n_tok > 0.0
+    tl.store(stats_ptr + 0, tl.sum(t_low, 0) / den)
+    tl.store(stats_ptr + 1, tl.sum(t_high, 0) / den)
+    tl.store(stats_ptr + 2, tl.sum(t_dual, 0) / den)
+    tl.store(stats_ptr + 3, tl.sum(t_any, 0) / den)
+    tl.store(stats_ptr + 4, tl.sum(t_kl, 0) / den)
+    tl.store(stats_ptr + 5, tl.sum(t_ratio, 0) / den)
+    tl.store(stats_ptr + 6, tl.where(any_on, tl.min(t_rmin, 0), 0.0))
+    tl.store(stats_ptr + 7, tl.where(any_on, tl.max(t_rmax, 0), 0.0))
+    tl.store(stats_ptr + 8, n_tok)
+    capped = tl.sum(t_capped, 0)
+    tl.store(stats_ptr + 9, tl.sum(t_masked, 0) + capped)
+    tl.store(stats_ptr + 10, capped)
+
+
+def _fin_block(n_seq: int, split: int) -> int:
+    """Sequences per step of the finalize kernel: at most 256 (its 13 accumulators then fit
+    in registers: ptxas for sm_90 spilled 400 bytes at 1024), ~2048 partial slots per load."""
+    return max(16, min(256, next_pow2(max(n_seq, 1)), 2048 // next_pow2(split)))
+
+
 def _launch_shape(n_tokens: int, n_seq: int, device: torch.device) -> tuple[int, int]:
     """(SPLIT, BLOCK). Interpreter: one program per sequence with one big block (programs run
     serially there). GPU: enough (sequence, slice) programs to fill every SM several times."""
@@ -221,8 +332,13 @@ def policy_loss_fused_triton(
     cu = cu_seqlens.to(torch.int64) if has_cu else logprob  # never read without cu_seqlens
     split, block = _launch_shape(n, n_seq, dev)
     n_slots = n_seq * split
-    gbuf = torch.empty(n, dtype=torch.float32, device=dev)
-    part = torch.empty(_NUM_PARTIALS * n_slots, dtype=torch.float32, device=dev)
+    f32 = {"dtype": torch.float32, "device": dev}
+    # cu_seqlens == [c]: no sequence, no forward program: every row is padding (gradient 0)
+    gbuf = torch.empty(n, **f32) if n_seq > 0 else torch.zeros(n, **f32)
+    part = torch.empty(_NUM_PARTIALS * n_slots, **f32)
+    coef = torch.empty(n_seq, **f32)
+    loss = torch.empty((), **f32)
+    stats = torch.empty(_NUM_STATS, **f32)
     dummy = logprob  # never read when the matching HAS_* flag is off
     if n_seq > 0:
         _policy_loss_fwd_kernel[(n_seq, split)](
@@ -235,41 +351,14 @@ def policy_loss_fused_triton(
             SPLIT=split, BLOCK=block, HAS_CU=has_cu, HAS_REF=ref_logprob is not None,
             HAS_PROX=prox_logprob is not None, HAS_DUAL=dual_clip is not None,
             HAS_CAP=behav_cap is not None and prox_logprob is not None,
-            KL_TYPE=_KL_CODE[opts.kl_type],
+            KL_TYPE=_KL_CODE[opts.kl_type], num_warps=_FWD_WARPS,
         )  # fmt: skip
-    else:  # cu_seqlens == [c]: no sequence, every row is padding
-        gbuf.zero_()
-    p = part.view(_NUM_PARTIALS, n_seq, split)
-    sums = p.sum(dim=2)
-    loss_s, mass_s = sums[_P_LOSS], sums[_P_MASS]
-    w = (
-        seq_weights.float()
-        if seq_weights is not None
-        else torch.ones(n_seq, dtype=torch.float32, device=dev)
-    )
-    coef = seq_coefficients(mass_s, w, opts.agg).contiguous()
-    loss = (coef * loss_s).sum()
-    tot = sums.sum(dim=1)
-    n_tok = tot[_P_MASS]
-    den = n_tok.clamp_min(1e-30)
-    any_on = n_tok > 0
-    rmin = p[_P_RMIN].amin() if n_slots else torch.zeros((), device=dev)
-    rmax = p[_P_RMAX].amax() if n_slots else torch.zeros((), device=dev)
-    stats = torch.stack(
-        [
-            tot[_P_LOW] / den,
-            tot[_P_HIGH] / den,
-            tot[_P_DUAL] / den,
-            tot[_P_ANY] / den,
-            tot[_P_KL] / den,
-            tot[_P_RATIO] / den,
-            torch.where(any_on, rmin, 0.0),
-            torch.where(any_on, rmax, 0.0),
-            n_tok,
-            tot[_P_MASKED_IN] + tot[_P_CAPPED],
-            tot[_P_CAPPED],
-        ]
-    )
+    has_w = seq_weights is not None
+    _policy_loss_finalize_kernel[(1,)](
+        part, seq_weights if has_w else part, coef, loss, stats, n_seq, n_slots,
+        SPLIT=split, SPLIT_P2=next_pow2(split), BLOCK_S=_fin_block(n_seq, split),
+        HAS_W=has_w, AGG=_AGG_CODE[opts.agg],
+    )  # fmt: skip
     return loss, gbuf, coef, stats
 
 
@@ -295,3 +384,32 @@ def policy_loss_grad_triton(
         SPLIT=split, BLOCK=block, HAS_CU=has_cu,
     )  # fmt: skip
     return out
+
+
+def policy_loss_bytes(
+    logprob: torch.Tensor,
+    tok: PolicyTokens,
+    cu_seqlens: torch.Tensor | None,
+    seq_weights: torch.Tensor | None,
+    split: int = 1,
+) -> tuple[int, int]:
+    """``(bytes per token, bytes per call)`` that the three kernels of one ``policy_loss``
+    forward + backward must move, from the tensors' element sizes (what a bandwidth figure
+    divides by; ``bench/gpu_kernels.py``).
+
+    Per token: the forward reads logprob, old, advantages, mask (+ ref, + prox) once and
+    writes the fp32 gradient buffer ``gbuf``; the backward reads ``gbuf`` and writes
+    ``dloss/dlogprob`` in the log-prob dtype. fp32 everywhere with ref and prox: 6 x 4 + 4
+    + 4 + 4 = 36 B (the bench had counted 44: an in-place scaling pass of ``gbuf`` that the
+    fused backward no longer makes). Per call (O(B)): ``cu_seqlens`` read by the forward and
+    the backward, the ``12 x B x split`` fp32 partials written and read, ``seq_weights``
+    read, ``coef`` written and read, loss and stats written. Checked against the tensor
+    arguments of the launches by ``tests/test_kernels_policy_loss.py::test_byte_model``."""
+    streams = [logprob, tok.old_logprob, tok.advantages, tok.loss_mask]
+    streams += [t for t in (tok.ref_logprob, tok.prox_logprob) if t is not None]
+    per_token = sum(t.element_size() for t in streams) + 4 + 4 + logprob.element_size()
+    n_seq = cu_seqlens.numel() - 1 if cu_seqlens is not None else 1
+    fixed = 2 * 8 * (n_seq + 1) if cu_seqlens is not None else 0
+    fixed += 2 * 4 * _NUM_PARTIALS * n_seq * split + 2 * 4 * n_seq + 4 * (1 + _NUM_STATS)
+    fixed += 4 * n_seq if seq_weights is not None else 0
+    return per_token, fixed

@@ -250,3 +250,64 @@ def test_low_precision_logits_never_fall_back_to_bf16_rounding():
         r"float32 output.*error of ~0.05.*pass float32 hidden and weight",
     ):
         llt._mm_f32(a, b)
+
+
+class _CopiesOf(__import__("torch.utils._python_dispatch", fromlist=["x"]).TorchDispatchMode):
+    """Records every op (matmuls aside) that reads ``src``'s storage and returns a tensor of
+    ``src``'s shape: a copy of ``src`` (``where``, ``clone``, ``to``, ``mul``, ...)."""
+
+    def __init__(self, src: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr, self.shape, self.copies = src.untyped_storage().data_ptr(), src.shape, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        reads = any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == self.ptr
+                    for a in torch.utils._pytree.tree_leaves((args, kwargs)))  # fmt: skip
+        mm = func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        if reads and not mm:
+            for o in torch.utils._pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor) and o.shape == self.shape:
+                    self.copies.append(str(func))
+        return out
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("impl", ["triton"], indirect=True)
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("triton") is None, reason="triton not installed"
+)
+def test_backward_selects_dead_nan_rows_per_tile_without_copying_hidden(impl, monkeypatch):
+    """The NaN-row fix of the backward is a select per (vocabulary tile, column chunk): no op
+    makes an (N, d) copy of hidden (the code before: ``torch.where(void, 0, hidden)``, a full
+    copy), and the gradients equal the torch path's on the zeroed rows, with 3 vocabulary
+    tiles and 4 column chunks forced."""
+    from paravt_kernels import linear_logprob_triton as llt
+
+    monkeypatch.setattr(llt, "CPU_VOCAB_TILE", 128, raising=False)
+    monkeypatch.setattr(llt, "DW_COLS", 16, raising=False)
+    h, w, b, t = _inputs(13, 59, 333, torch.float32, seed=12)
+    g_lp = torch.randn(13, generator=torch.Generator().manual_seed(13))
+    g_lp[[2, 9]] = 0.0
+    zeroed, dirty = h.clone(), h.clone()
+    zeroed[[2, 9]] = 0.0
+    dirty[2] = float("nan")
+    dirty[9, 0] = float("inf")
+
+    def grads(hidden):
+        leaves = [x.clone().requires_grad_() for x in (hidden, w, b)]
+        lp = linear_logprob(leaves[0], leaves[1], t, bias=leaves[2], temperature=0.9)
+        return leaves[0], torch.autograd.grad(lp, leaves, g_lp)
+
+    _, got = grads(dirty)
+    # the registered op hides its body from a dispatch mode: run the backward's body
+    _, ent, lse = llt.linear_logprob_fwd_triton(dirty, w, t, b, 0.9, False, -100)
+    mode = _CopiesOf(dirty)
+    with mode:
+        llt.linear_logprob_bwd_triton(g_lp, None, dirty, w, t, b, lse, ent, 0.9, -100)
+    assert mode.copies == [], mode.copies
+    monkeypatch.setenv("PARAVT_IMPL", "torch")
+    _, want = grads(zeroed)
+    for name, a, e in zip(("hidden", "weight", "bias"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5, msg=name)

@@ -330,3 +330,170 @@ def test_no_cu_seqlens_is_one_sequence(impl, dtype):
     (g1,) = torch.autograd.grad(out, lp)
     torch.testing.assert_close(g1, grad_n, atol=0, rtol=0)
     torch.testing.assert_close(g3, (3.0 * grad_n.float()).to(dtype))
+
+
+def _bench_batch(n=1000, lengths=(300, 1, 299, 400), lp_dtype=torch.float32):
+    """The bench's configuration (k3 KL, decoupled, behaviour cap, seq-mean-token-mean) on a
+    small packed batch with a one-token sequence."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(n, generator=g) * 3
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return {
+        "lp": (old + 0.1 * torch.randn(n, generator=g)).to(lp_dtype).requires_grad_(),
+        "old": old,
+        "adv": torch.randn(n, generator=g),
+        "mask": (torch.rand(n, generator=g) > 0.1).float(),
+        "ref": old + 0.05 * torch.randn(n, generator=g),
+        "prox": old + 0.05 * torch.randn(n, generator=g),
+        "cu": cu,
+    }
+
+
+def _bench_step(b, seed_grad):
+    def step():
+        loss, _ = policy_loss(b["lp"], b["old"], b["adv"], b["mask"], ref_logprob=b["ref"],
+                              prox_logprob=b["prox"], behav_cap=2.0, kl_coef=0.01,
+                              kl_type="k3", agg="seq-mean-token-mean",
+                              cu_seqlens=b["cu"])  # fmt: skip
+        torch.autograd.grad(loss, b["lp"], grad_outputs=seed_grad)
+
+    return step
+
+
+@pytest.mark.parametrize("impl", ["triton"], indirect=True)
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_at_most_four_launches_per_call(impl):
+    """Forward + backward of one call: the forward kernel, the finalize kernel (partials ->
+    coefficients, loss, stats) and the backward kernel, and no torch kernel (the code before
+    measured 2 Triton launches + 36 torch ops with this counter)."""
+    from paravt_kernels.profiling import count_launches
+
+    b = _bench_batch()
+    step = _bench_step(b, torch.ones(()))
+    step()  # warm-up: first-call work (lazy jit) is not per-call
+    c = count_launches(step)
+    assert c.triton == [
+        "_policy_loss_fwd_kernel",
+        "_policy_loss_finalize_kernel",
+        "_policy_loss_grad_kernel",
+    ], c
+    assert c.torch_ops == [], c.torch_ops
+    assert c.total <= 4
+    # without cu_seqlens (one sequence) too
+    lp, one = b["lp"], torch.ones(())
+
+    def no_cu():
+        loss, _ = policy_loss(lp, b["old"], b["adv"], b["mask"], kl_coef=0.0)
+        torch.autograd.grad(loss, lp, grad_outputs=one)
+
+    c = count_launches(no_cu)
+    assert len(c.triton) == 3 and c.torch_ops == [], c
+
+
+def test_launch_counter_counts_torch_ops_and_triton_launches():
+    """The counter is a measurement: it sees the torch ops a function runs (views and
+    allocations excluded) and nothing else."""
+    from paravt_kernels.profiling import count_launches
+
+    a, b = torch.randn(8), torch.randn(8)
+
+    def fn():
+        c = a + b
+        c = c.view(2, 4)[1:]  # views: no kernel
+        torch.empty(3)  # allocation: no kernel
+        return (c * 2).sum()
+
+    got = count_launches(fn)
+    assert got.triton == []
+    assert sorted(got.torch_ops) == ["aten::add", "aten::mul", "aten::sum"], got.torch_ops
+
+
+@pytest.mark.parametrize("impl", ["triton"], indirect=True)
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("lp_dtype", [torch.float32, torch.bfloat16])
+def test_byte_model_matches_the_launched_streams(impl, lp_dtype):
+    """bytes/token of the model = the bytes of the per-token tensors the three launches take
+    (fp32 with ref + prox: 36, not the 44 the bench counted); bf16 log-probs: 32."""
+    from paravt_kernels.options import PolicyTokens
+    from paravt_kernels.policy_loss_triton import policy_loss_bytes
+    from paravt_kernels.profiling import count_launches
+
+    n = 1000
+    b = _bench_batch(n, lp_dtype=lp_dtype)
+    c = count_launches(_bench_step(b, torch.ones(())))
+    tok = PolicyTokens(b["old"], b["adv"], b["mask"], b["ref"], b["prox"])
+    per_token, fixed = policy_loss_bytes(b["lp"], tok, b["cu"], None)
+    assert per_token == (36 if lp_dtype == torch.float32 else 32)
+    assert c.tensor_bytes(n) == per_token * n
+    assert 0 < fixed < 1000  # O(B): 4 sequences
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_one_token_sequences_with_nan_at_masked_rows(impl):
+    """Many one-token sequences (and empty ones) with -inf / NaN inputs at masked rows: same
+    loss, gradient and stats as the autograd reference on the finite batch."""
+    lengths = [1, 1, 0, 1, 5, 1, 0, 1]
+    for agg in AGGS:
+        b = _batch(lengths, seed=23)
+        m = torch.tensor([True, False, True, False, True, True, False, True, False, True])
+        b["loss_mask"] = m
+        cfg = {"prox": True, "kl_coef": 0.1, "kl_type": "k3", "dual_clip": 3.0}
+        loss_r, grad_r, stats_r = _run(ref.policy_loss_torch, b, cfg, agg)
+        dirty = dict(b)
+        for k, v in (("logprob", float("nan")), ("old_logprob", float("-inf")),
+                     ("ref_logprob", float("nan")), ("prox_logprob", float("inf"))):  # fmt: skip
+            dirty[k] = torch.where(m, b[k], v)
+        loss, grad, stats = _run(policy_loss, dirty, cfg, agg)
+        torch.testing.assert_close(loss, loss_r, atol=1e-6, rtol=1e-5)
+        assert (grad[~m] == 0).all()
+        torch.testing.assert_close(grad, grad_r, atol=1e-7, rtol=1e-5)
+        for k in POLICY_STAT_NAMES:
+            torch.testing.assert_close(stats[k], stats_r[k].float(), atol=1e-6, rtol=1e-5,
+                                       msg=k)  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_kernels_compile_for_sm90_registers_and_no_spills():
+    """The GPU launch configurations, compiled for sm_90 by Triton's ptxas on this CPU
+    machine (one child process): the policy_loss forward kernel at 512 tokens over 8 warps
+    uses <= 64 registers per thread without spills, so 4 programs (32 warps) fit on an SM
+    (the 1024-token, 4-warp block of before: 210 registers, 2 programs); the finalize kernel
+    compiles (it read non-constexpr globals, which only a compile rejects) without spilling
+    (400 bytes at 1024 sequences a step); so does ``linear_logprob``'s backward tile kernel
+    with the dead-row select."""
+    from paravt_kernels import linear_logprob_triton as llt
+    from paravt_kernels import policy_loss_triton as pl
+    from paravt_kernels.profiling import sm90_registers
+
+    fwd_t = {n: "*fp32" for n in ("lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "ref_ptr",
+                                   "prox_ptr", "gbuf_ptr", "part_ptr")}  # fmt: skip
+    fwd_t.update(cu_ptr="*i64", n_slots="i64", n_seq="i64", n_total="i64")
+    for f in ("clip_low", "clip_high", "dual_clip", "behav_cap", "kl_coef", "k3_clamp",
+              "k3_kl_clamp", "lr_clamp"):  # fmt: skip
+        fwd_t[f] = "fp32"
+    fwd_c = {"SPLIT": 1, "BLOCK": pl._GPU_BLOCK, "HAS_CU": True, "HAS_REF": True,
+             "HAS_PROX": True, "HAS_DUAL": True, "HAS_CAP": True, "KL_TYPE": 3}  # fmt: skip
+    fin_t = {n: "*fp32" for n in ("part_ptr", "w_ptr", "coef_ptr", "loss_ptr", "stats_ptr")}
+    fin_t.update(n_seq="i32", n_slots="i32")
+    fin_c = {"SPLIT": 2, "SPLIT_P2": 2, "BLOCK_S": pl._fin_block(4096, 2), "HAS_W": True,
+             "AGG": 1}  # fmt: skip
+    bwd_t = {n: "*fp32" for n in ("z_ptr", "bias_ptr", "lse_ptr", "g_ptr", "k_ptr", "ent_ptr",
+                                  "invt_ptr")}  # fmt: skip
+    bwd_t.update(dz_ptr="*bf16", tgt_ptr="*i64", void_ptr="*u8", stride_z="i64",
+                 stride_dz="i64", n_rows="i32", n_cols="i32", v0="i32", inv_t="fp32")  # fmt: skip
+    bwd_c = {"HAS_BIAS": False, "ENTROPY": True, "ROW_T": False, "HAS_VOID": True,
+             **{k: llt._GPU_BWD[k] for k in ("BLOCK_M", "BLOCK_N")}}  # fmt: skip
+    try:
+        fwd, fin, bwd = sm90_registers([
+            (pl._policy_loss_fwd_kernel, fwd_t, fwd_c, pl._FWD_WARPS),
+            (pl._policy_loss_finalize_kernel, fin_t, fin_c, 4),
+            (llt._llp_bwd_tile_kernel, bwd_t, bwd_c, llt._GPU_BWD["num_warps"]),
+        ])  # fmt: skip
+    except RuntimeError as e:
+        if "ships no NVIDIA tools" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert fwd["registers"] <= 64 and fwd["local_bytes"] == fwd["stack_bytes"] == 0, fwd
+    assert 65536 // (fwd["registers"] * 32 * pl._FWD_WARPS) >= 4
+    for r in (fin, bwd):
+        assert r["local_bytes"] == 0 and r["stack_bytes"] == 0, r
