@@ -386,3 +386,12 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
         "vanilla", "vanilla_ref", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"
     }  # fmt: skip
     assert list(ARMS) == list(ARM_NAMES)  # the collapse describes the shared arms, no others
+    # train.eval_every: the synchronous loop only; train.steps=0: an evaluation-only run
+    with pytest.raises(ConfigError, match="train.eval_every=5 needs the synchronous loop"):
+        load_config("tiny_cpu", overrides=["train.eval_every=5", "rollout.workers=1"])
+    from paravt.validate import validate_run
+
+    with pytest.raises(ConfigError, match="train.steps=0 must be >= 1 .0 only evaluates"):
+        validate_run(
+            load_config("tiny_cpu", overrides=["train.steps=0", "train.eval_prompts=0"]), 1
+        )
