@@ -114,3 +114,27 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
     assert main(["ablation", "--seeds", "0"]) == 2
     assert "--seeds 0 must be >= 1" in capsys.readouterr().err
     assert set(ARMS) >= {"vanilla", "paragrpo"}
+
+
+def test_no_second_training_loop_under_paravt_experiments() -> None:
+    """Issue 38 item 1: every arm run is ``paravt.train``'s (``python -m paravt.train`` through
+    ``arms.run_arms``, or ``train.run`` for the cold start's evaluation). No experiment module
+    imports a step's parts (``train_step``, ``build_trainer``, the agent loop, the engines,
+    the algorithm) to drive a loop of its own."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "paravt" / "experiments"
+    stages = ("paravt.agent", "paravt.rollout", "paravt.algo", "paravt.eval", "paravt.workers")
+    seen = set()
+    for path in sorted(pkg.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {a.name for a in node.names}
+                if node.module == "paravt.train":
+                    assert names == {"run"}, (path.name, names)
+                    seen.add(path.name)
+                assert not node.module.startswith(stages), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith((*stages, "paravt.train")) for a in node.names)
+    assert seen == {"collapse.py"}  # the cold start's evaluation: train.run itself
+    assert "paravt.train" in (pkg / "arms.py").read_text()  # the arm runs: python -m paravt.train
