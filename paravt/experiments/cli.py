@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from paravt.config import ConfigError, load_config, preset_errors
+from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, DriverInterrupted, parse_arms
 from paravt.experiments.collapse import main as collapse_main
@@ -27,14 +28,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["collapse"]:  # its own flags: paravt/experiments/collapse.py
         return collapse_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m paravt.experiments", description=__doc__)
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="python -m paravt.experiments", description=__doc__, formatter_class=raw
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser(
         "collapse",
         help="does vanilla GRPO lose tool use? (see python -m paravt.experiments collapse -h)",
         add_help=False,
     )
-    a = sub.add_parser("ablation", help="every arm x seed from one SFT checkpoint")
+    a = sub.add_parser(
+        "ablation",
+        help="every arm x seed from one SFT checkpoint",
+        description=ablation_module.__doc__,
+        formatter_class=raw,
+    )
     a.add_argument("--seeds", type=int, default=3)
     a.add_argument(
         "--arms", default=",".join(ABLATION_ARMS), help=f"comma list of {', '.join(ARMS)}"
