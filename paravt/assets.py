@@ -1,7 +1,7 @@
 """The run's inputs on disk: the dataset and the model directory, and the validated samples.
 
 ``prepare_assets`` is what every command that trains starts from (``paravt.train``,
-``paravt.sft``, ``paravt.experiments``, ``paravt.collapse``): the synthetic task and the tiny
+``paravt.sft``, ``paravt.experiments``): the synthetic task and the tiny
 model are built on rank 0 when the config names no dataset / model of its own, and the other
 ranks wait. It sits below all of them, so none imports another's CLI for it.
 """

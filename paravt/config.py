@@ -320,10 +320,27 @@ class RewardConfig:
     # Open-ended R_acc: 'f1' (multiset token F1; partial credit, 1 iff normalised exact match)
     # or 'exact' (normalised exact match, 0/1; sparser signal).
     oe_metric: str = "f1"
+    # The ParaVT reference's reward parts, for its vanilla GRPO (the collapse experiment's
+    # vanilla_ref arm; paravt.rewards.reference). base_format: 'strict' (R_base = the share of
+    # well-formed turns, each a closed <think>) or 'reference' (the reference's closure-blind
+    # score of the generated text: an unclosed <think> still earns its think credit).
+    base_format: str = "strict"
+    # The answer R_acc reads: 'strict' (the last complete <answer> block; none: 0) or
+    # 'reference' (the first <answer> block, else the text after </think>, else the last line).
+    answer_extraction: str = "strict"
+    # R_tool: 'structural' (tool_bonus for an executed crop and a right answer, minus
+    # tool_error_penalty per bad call) or 'reference' (read from the text: 0.1 for a parseable
+    # call, 0.3 if "<tool_response>" is in it, +0.5 when R_acc > 0; tool_bonus unused).
+    tool_mode: str = "structural"
 
     def validate(self) -> list[str]:
-        """This section's problems (ranges, open-ended metric)."""
+        """This section's problems (ranges, open-ended metric, the reference's reward parts)."""
         errs = _range_errors("reward", self)
+        errs += _choice_error("reward.base_format", self.base_format, ("strict", "reference"))
+        errs += _choice_error(
+            "reward.answer_extraction", self.answer_extraction, ("strict", "reference")
+        )
+        errs += _choice_error("reward.tool_mode", self.tool_mode, ("structural", "reference"))
         return errs + _choice_error("reward.oe_metric", self.oe_metric, ("f1", "exact"))
 
 
@@ -520,8 +537,15 @@ class TrainConfig:
     # Also evaluate before RL (the table's "before" column). Off for runs that share a start
     # checkpoint another run already evaluated (``python -m paravt.experiments ablation``).
     eval_before: bool = True
+    # Also evaluate every this many RL steps (kind "eval_step" rows of metrics.jsonl, per-prompt
+    # rows in heldout.jsonl; the last step's is eval_after). 0 = only before and after RL. The
+    # collapse experiment's held-out curves (python -m paravt.experiments collapse).
+    eval_every: int = 0
     # Show the tqdm progress bar (rank 0 only).
     progress: bool = True
+    # Draw summary.png at the end (the experiment drivers draw their own figures over the arms
+    # and turn it off: matplotlib's import and the panels are seconds per arm run).
+    summary_plot: bool = True
     # Steps that train on nothing (every prompt's video read failed: 0 groups) log no rollout
     # value and raise an alarm; this many in a row stop the run (exit 1) with an error quoting
     # the skipped prompts' errors (paravt.alarms.EmptySteps). 0 = never stop (alarms only).
@@ -816,6 +840,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "train.log_trajectories": (">= 0", "trajectories logged per step"),
     "train.eval_prompts": (">= 0", "validation prompts; 0 = no evaluation"),
     "train.eval_samples": (">= 1", "samples per validation prompt"),
+    "train.eval_every": (">= 0", "RL steps between held-out evaluations; 0 = before/after only"),
     "train.eval_frames": (">= 0", "overview frames of the evaluation; 0 = video.fixed_frames"),
     "train.max_empty_steps": (">= 0", "empty steps in a row that stop a run; 0 = never"),
     "train.alarm_window": (">= 1", "steps averaged by the collapse alarms"),
@@ -892,6 +917,14 @@ def _cross_section_errors(cfg: Config) -> list[str]:
         errs.append(
             "model.dtype=float16 under float32 masters needs loss scaling, which paravt does "
             "not do (small float16 gradients underflow to 0): use model.dtype=bfloat16"
+        )
+    if cfg.train.eval_every and cfg.rollout.workers:
+        # The trainer's evaluation engine is synced with the policy only after the workers
+        # stop (paravt.train._run); an evaluation between steps would read stale weights.
+        errs.append(
+            f"train.eval_every={cfg.train.eval_every} needs the synchronous loop "
+            f"(rollout.workers={cfg.rollout.workers} evaluates only before and after RL); set "
+            "train.eval_every=0 or rollout.workers=0"
         )
     return errs
 

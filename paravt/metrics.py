@@ -255,6 +255,7 @@ class MetricsLogger:
         self.disk = RunFolderWrites(on_disk_full, self.out_dir)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.traj_path = self.out_dir / "trajectories.jsonl"
+        self.heldout_path = self.out_dir / "heldout.jsonl"
         self._tb = None
         self._wandb = None
         if not enabled:
@@ -280,7 +281,7 @@ class MetricsLogger:
         """Keep only rows with ``step <= step`` (atomic rewrite)."""
         if not self.enabled or not self.metrics_path.is_file():
             return
-        for path in (self.metrics_path, self.traj_path):
+        for path in (self.metrics_path, self.traj_path, self.heldout_path):
             rows = [r for r in read_metrics(path) if _step_at_most(r, step)]
             tmp = path.with_suffix(".tmp")
             with self.disk.guard(f"{path.name} rewrite", tmp):
@@ -316,6 +317,17 @@ class MetricsLogger:
         text = "".join(json.dumps(json_safe({"step": int(step), **r})) + "\n" for r in records)
         with self.disk.guard("trajectories", self.traj_path):
             _append(self.traj_path, text)
+
+    def log_heldout(self, step: int, kind: str, rows: Iterable[dict[str, Any]]) -> None:
+        """``heldout.jsonl``: one row per held-out prompt and condition of an evaluation
+        (``paravt.eval.heldout.evaluate``'s ``per_prompt``), as ``{"step", "kind", ...}``."""
+        if not self.enabled:
+            return
+        text = "".join(
+            json.dumps(json_safe({"step": int(step), "kind": kind, **r})) + "\n" for r in rows
+        )
+        with self.disk.guard("held-out records", self.heldout_path):
+            _append(self.heldout_path, text)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -489,8 +501,9 @@ def call_record(c: Any) -> dict[str, Any]:
     }
 
 
-def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
-    """A light, picklable summary of one scored main trajectory (gathered across ranks)."""
+def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None) -> dict[str, Any]:
+    """A light, picklable summary of one scored main trajectory (gathered across ranks);
+    ``advantage``: its group advantage (a training step's; ``rollout_metrics``' ``adv/*``)."""
     from paravt.rewards.format import analyse_turn
 
     ok = bool(traj.turns)
@@ -515,6 +528,7 @@ def trajectory_record(traj: Any, num_frames: int) -> dict[str, Any]:
         "bad_calls": sum(c.status != "ok" for c in calls),
         "used_tool": float(any(c.status == "ok" for c in calls)),
         "response_tokens": int(sum(traj.loss_mask)),
+        **({} if advantage is None else {"advantage": float(advantage)}),
     }
 
 
@@ -618,6 +632,12 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
     * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket;
     * none of these for no records (an empty step: ``paravt.alarms.EmptySteps``);
+    * ``adv/mixed_groups``, ``adv/tool``, ``adv/no_tool`` (records with an ``advantage``: a
+      training step's): the share of groups (prompts) holding rollouts that executed a crop
+      and rollouts that did not, and over those mixed groups the mean group advantage of each
+      side (absent when no group is mixed). ``adv/tool`` < 0 < ``adv/no_tool`` pushes the
+      policy away from the tool: the measured reason for a collapse (the collapse
+      experiment, ``paravt.experiments.collapse``, reads them from ``metrics.jsonl``);
     * ``prompts/X``, ``prompt_sq/X`` for ``X`` = ``tool_call_rate`` and each ``tool_rate/K{k}``:
       the number of prompts and the mean of their squared per-prompt tool-call rates, which
       with ``X`` (every prompt has G rollouts, so ``X`` is also the mean of the per-prompt
@@ -650,6 +670,31 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         out[f"tool_rate/K{k}"] = _mean([r["used_tool"] for r in rs])
         _prompt_stats(out, f"tool_rate/K{k}", rs)
         out[f"count/K{k}"] = float(len(rs))
+    out.update(_tool_advantage(records))
+    return out
+
+
+def _tool_advantage(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """``adv/*`` of :func:`rollout_metrics` (none without advantages)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if "advantage" in r:
+            groups.setdefault(r["prompt"], []).append(r)
+    if not groups:
+        return {}
+    tool: list[float] = []
+    no_tool: list[float] = []
+    mixed = 0
+    for rs in groups.values():
+        used = [r["used_tool"] > 0 for r in rs]
+        if any(used) and not all(used):
+            mixed += 1
+            tool += [r["advantage"] for r, u in zip(rs, used) if u]
+            no_tool += [r["advantage"] for r, u in zip(rs, used) if not u]
+    out = {"adv/mixed_groups": mixed / len(groups)}
+    if mixed:
+        out["adv/tool"] = _mean(tool)
+        out["adv/no_tool"] = _mean(no_tool)
     return out
 
 

@@ -362,6 +362,9 @@ def _learn(
     t0 = time.perf_counter()
     units = build_units(groups, algo)
     guard.check_advantages(units)
+    # Each main rollout's group advantage, before balancing moves units between ranks: the
+    # tool-vs-no-tool advantage metrics (paravt.metrics.rollout_metrics, adv/*).
+    advantage = {u.main.uid: u.advantage for u in units}
     buckets = split_units(units, algo.minibatches)
     shaping: dict[str, float] = {}
     if algo.balance_ranks:  # the same global minibatches, each rank about the same tokens
@@ -455,7 +458,8 @@ def _learn(
     red_stats = dict(zip(keys, (float(x) for x in vec[4:])))
     n_tok = max(red_stats.get("n_tokens", 0.0), 1.0)
     records = [r for part in all_gather_objects(
-        [trajectory_record(t, g.num_frames) for g in groups for t in g.trajectories], ctx
+        [trajectory_record(t, g.num_frames, advantage.get(t.uid)) for g in groups
+         for t in g.trajectories], ctx
     ) for r in part]  # fmt: skip
     m = rollout_metrics(records)
     gen_tokens = float(all_reduce_sum(float(sum(sum(t.loss_mask) for u in units
@@ -611,8 +615,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         # Logged already (the rows kept are the start's: truncated above): not twice.
         before = logged_eval(out, "eval_before", ctx=ctx)
         if not before:
-            before = evaluate(tr, seed=t.seed)
-            tr.logger.log(tr.start_step, before, kind="eval_before")
+            before = _evaluate(tr, tr.start_step, "eval_before")
             if tr.pipeline is not None:  # its evaluation engine idles until the last one
                 getattr(tr.engine, "sleep", lambda: None)()
 
@@ -624,6 +627,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     empty = EmptySteps(t.max_empty_steps)
     if tr.start_step > 0:
         alarms.replay(read_metrics(out / "metrics.jsonl"))
+        _periodic_eval(tr, tr.start_step, pre, resumed=True)  # one a preemption skipped
     last: dict[str, float] = {}
     # Preemption (paravt.preempt): the last completed step, the step the newest checkpoint
     # holds, and what the step in progress started from (what an abandoned step leaves).
@@ -652,6 +656,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         empty.check(step)  # train.max_empty_steps empty steps in a row: EmptyStepsError
         bar.set_postfix(postfix(last))
         bar.update(1)
+        _periodic_eval(tr, step, pre)  # before the checkpoint: a resume from it has the row
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
             pre.enter(step, "checkpoint")
             t0 = time.perf_counter()
@@ -675,11 +680,11 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     # A resumed finished run has its evaluation logged already: reused, not logged twice.
     after = logged_eval(out, "eval_after", t.steps, ctx) if t.eval_prompts else {}
     if t.eval_prompts and not after:
-        after = evaluate(tr, seed=t.seed)
-        tr.logger.log(t.steps, after, kind="eval_after")
+        after = _evaluate(tr, t.steps, "eval_after")
     if ctx.is_main:
-        with tr.logger.disk.guard("summary plot", out / "summary.png"):
-            plot_summary(out / "metrics.jsonl", out / "summary.png")
+        if t.summary_plot:
+            with tr.logger.disk.guard("summary plot", out / "summary.png"):
+                plot_summary(out / "metrics.jsonl", out / "summary.png")
         print()
         print(
             format_table(
@@ -761,6 +766,31 @@ def _preempted(
         "ok": ok,
         "seconds": seconds,
     }
+
+
+def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
+    """The held-out evaluation (``paravt.eval.heldout.evaluate``) of the policy now, logged at
+    ``step`` as a ``kind`` row (``eval_before``, ``eval_step``, ``eval_after``) of
+    ``metrics.jsonl`` and one row per prompt and condition in ``heldout.jsonl``."""
+    prompts: list[dict[str, Any]] = []
+    m = evaluate(tr, seed=tr.cfg.train.seed, per_prompt=prompts)
+    tr.logger.log(step, m, kind=kind)
+    tr.logger.log_heldout(step, kind, prompts)
+    return m
+
+
+def _periodic_eval(tr: Trainer, step: int, pre: Any, *, resumed: bool = False) -> None:
+    """``train.eval_every``: after every that many steps (not the last: ``eval_after`` is
+    its evaluation), an ``eval_step`` evaluation. Skipped after a SIGTERM/SIGUSR1 (the run
+    stops at the next boundary); ``resumed``: at a resumed run's first step, the evaluation
+    its checkpoint's step is owed when the preempted run skipped it."""
+    t = tr.cfg.train
+    if not (t.eval_every and t.eval_prompts) or step % t.eval_every or not 0 < step < t.steps:
+        return
+    if pre.requested() or (resumed and logged_eval(t.out_dir, "eval_step", step, tr.ctx)):
+        return
+    pre.enter(step, "eval")
+    _evaluate(tr, step, "eval_step")
 
 
 def _data_state(tr: Trainer, done: int) -> dict[str, int]:

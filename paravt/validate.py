@@ -25,8 +25,11 @@ def validate_run(cfg: Config, world_size: int) -> None:
     """Checks that need the world size or files on disk, run before anything loads."""
     errs: list[str] = []
     t, r, a = cfg.train, cfg.rollout, cfg.algo
-    if t.steps < 1:
-        errs.append(f"train.steps={t.steps} must be >= 1")
+    if t.steps < 1 and not t.eval_prompts:  # steps 0 with prompts: evaluate only
+        errs.append(
+            f"train.steps={t.steps} must be >= 1 (0 only evaluates, which needs "
+            "train.eval_prompts >= 1)"
+        )
     if r.workers > 0:  # asynchronous: the last r.workers ranks generate, the others train
         if world_size <= r.workers:
             errs.append(

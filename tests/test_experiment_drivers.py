@@ -1,5 +1,5 @@
 """Issue 34 item 19: the experiment drivers (``python -m paravt.experiments ablation`` and
-``collapse``, their shared ``paravt.arms``) redo a finished arm run made with other settings,
+``collapse``, their shared ``paravt.experiments.arms``) redo a finished arm run made with other settings,
 forward SIGTERM to the arm run's process group, refuse a folder a live run holds, and refuse an
 empty ``--arms`` list."""
 
@@ -31,8 +31,8 @@ def test_an_empty_arms_list_is_refused(tmp_path: Path, capsys) -> None:
 
 
 def test_kept_run_compares_the_resolved_config(tmp_path: Path) -> None:
-    from paravt.arms import STAMP, kept_run, run_stamp, write_stamp
     from paravt.config import to_yaml
+    from paravt.experiments.arms import STAMP, kept_run, run_stamp, write_stamp
 
     a = load_config("tiny_cpu")
     b = load_config("tiny_cpu", overrides=["algo.lr=0.001", "rollout.group_size=3"])
@@ -57,7 +57,8 @@ def test_kept_run_compares_the_resolved_config(tmp_path: Path) -> None:
 def _ablation_args(assets, tmp_path: Path, out: Path, *extra: str, steps: int = 1) -> list[str]:
     kv = small_overrides(
         assets, tmp_path / "x", **{"train.steps": steps, "train.eval_prompts": 1,
-                                   "train.eval_samples": 1}
+                                   "train.eval_samples": 1,
+                                   "algo.kl_coef": 0.0}  # no reference model to load
     )  # fmt: skip
     return ["ablation", "--seeds", "1", "--arms", "vanilla", "--eval-k", "2", "--out", str(out),
             *kv, *extra]  # fmt: skip

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from paravt.arms import ARMS, arm_overrides
 from paravt.experiments import aggregate, main
+from paravt.experiments.arms import ABLATION_ARMS, ARMS, arm_overrides, run_finished
 from paravt.metrics import read_metrics
 
 
@@ -34,6 +34,7 @@ def _args(assets: dict[str, str], out: Path) -> list[str]:
         "video.fixed_frames": 2,
         "sft.steps": 2,
         "sft.batch_size": 2,
+        "algo.kl_coef": 0.0,  # no reference model: one model load per arm run, not two
     }
     return ["--out", str(out), "--eval-k", "2,4", *[f"{k}={v}" for k, v in kv.items()]]
 
@@ -49,6 +50,13 @@ def test_arms_differ_from_the_config_only_where_they_should() -> None:
         "video.fixed_frames=32",
     }
     assert arm_overrides("paragrpo_no_rtool", cfg) == ["reward.tool_bonus=0.0"]
+    # The reference's vanilla: vanilla's overrides, no pinned <think>, the reference's rewards.
+    ref = load_config("tiny_cpu", overrides=arm_overrides("vanilla_ref", cfg))
+    assert set(arm_overrides("vanilla", cfg)) < set(arm_overrides("vanilla_ref", cfg))
+    assert ref.agent.think_prefix == "" and ref.reward.base_format == "reference"
+    assert ref.reward.answer_extraction == "reference" and ref.reward.tool_mode == "reference"
+    assert (ref.reward.lambda_anchor, ref.video.gating, ref.reward.w_fmt) == (0.0, False, 1.0)
+    assert "vanilla_ref" in ARMS and "vanilla_ref" not in ABLATION_ARMS
     assert "video.gating=false" in arm_overrides("anchoring", cfg)
     assert arm_overrides("gating", cfg) == ["reward.lambda_anchor=0.0"]
     with pytest.raises(ConfigError, match="unknown arm 'nope'"):
@@ -86,14 +94,18 @@ def test_ablation_runs_every_arm_from_one_sft_and_resumes(assets, tmp_path, caps
     table = (out / "ablation.md").read_text()
     assert "mean ± std over 1 seed(s)" in table and "| vanilla | " in table
 
-    # A rerun keeps what finished and redoes a run cut short.
+    # A rerun keeps what finished and continues a run cut short from its checkpoint
+    # (paravt.experiments.arms.run_arms, the collapse experiment's driver too); without a
+    # checkpoint it is redone from scratch.
     logs = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/train.log")}
     (out / "paragrpo" / "seed0" / "metrics.jsonl").write_text("")  # as if killed mid-run
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert printed.count("finished before, kept") == 1 and "SFT checkpoint" in printed
+    assert "paragrpo seed 0: cut short, resumed from" in printed
     redone = [p for p, t in logs.items() if p.stat().st_mtime_ns != t]
     assert redone == [out / "paragrpo" / "seed0" / "train.log"]
+    assert run_finished(out / "paragrpo" / "seed0")
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
@@ -102,3 +114,27 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
     assert main(["ablation", "--seeds", "0"]) == 2
     assert "--seeds 0 must be >= 1" in capsys.readouterr().err
     assert set(ARMS) >= {"vanilla", "paragrpo"}
+
+
+def test_no_second_training_loop_under_paravt_experiments() -> None:
+    """Issue 38 item 1: every arm run is ``paravt.train``'s (``python -m paravt.train`` through
+    ``arms.run_arms``, or ``train.run`` for the cold start's evaluation). No experiment module
+    imports a step's parts (``train_step``, ``build_trainer``, the agent loop, the engines,
+    the algorithm) to drive a loop of its own."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[1] / "paravt" / "experiments"
+    stages = ("paravt.agent", "paravt.rollout", "paravt.algo", "paravt.eval", "paravt.workers")
+    seen = set()
+    for path in sorted(pkg.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {a.name for a in node.names}
+                if node.module == "paravt.train":
+                    assert names == {"run"}, (path.name, names)
+                    seen.add(path.name)
+                assert not node.module.startswith(stages), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith((*stages, "paravt.train")) for a in node.names)
+    assert seen == {"collapse.py"}  # the cold start's evaluation: train.run itself
+    assert "paravt.train" in (pkg / "arms.py").read_text()  # the arm runs: python -m paravt.train

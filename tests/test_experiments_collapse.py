@@ -1,5 +1,6 @@
 """``python -m paravt.experiments collapse``: the all-tool cold start, the tool-vs-no-tool
-advantage, the summary's schema, and a shrunken end-to-end run that resumes."""
+advantage (a ``paravt.train`` step metric), the summary's schema, and a shrunken end-to-end run
+whose arms are ``paravt.train`` runs and that resumes."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from paravt.arms import ARMS as ARM_NAMES
-from paravt.arms import run_finished
-from paravt.collapse import (
+from paravt.config import ConfigError, load_config
+from paravt.experiments import main
+from paravt.experiments.arms import ARMS as ARM_NAMES
+from paravt.experiments.arms import run_finished
+from paravt.experiments.collapse import (
     ARMS,
     all_tool_records,
     replay_records,
     seed_values,
     summarise,
-    tool_advantage_metrics,
 )
-from paravt.config import ConfigError, load_config
-from paravt.experiments import main
-from paravt.metrics import read_metrics
+from paravt.metrics import read_metrics, rollout_metrics, trajectory_record
+from paravt.types import ToolCall, Trajectory, Turn
 
 # The spot task, shrunk: 4 videos of 20 s (3 train, 1 held-out).
 TASK = {
@@ -113,7 +114,7 @@ def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
 
 
 def test_the_cold_start_evaluation_is_redone_for_a_missing_k(tmp_path) -> None:
-    from paravt.collapse import _evaluated_at
+    from paravt.experiments.collapse import _evaluated_at
 
     d = tmp_path / "sft_eval"
     assert not _evaluated_at(d, [4])  # nothing there
@@ -124,29 +125,47 @@ def test_the_cold_start_evaluation_is_redone_for_a_missing_k(tmp_path) -> None:
     assert _evaluated_at(d, [4]) and not _evaluated_at(d, [2, 4])
 
 
-def _group(rewards: list[float], used: list[bool]) -> SimpleNamespace:
+def _group(gid: int, rewards: list[float], used: list[bool]) -> SimpleNamespace:
+    """A scored group of main trajectories; ``used``: whether each executed a crop."""
     trajs = []
-    for r, u in zip(rewards, used):
-        calls = [SimpleNamespace(status="ok")] if u else []
-        trajs.append(SimpleNamespace(reward=r, turns=[SimpleNamespace(calls=calls)]))
-    return SimpleNamespace(trajectories=trajs)
+    for i, (r, u) in enumerate(zip(rewards, used)):
+        calls = [ToolCall(raw="{}", name="crop_video", status="ok")] if u else []
+        turn = Turn(text="x</think><answer>red</answer>", prefix="<think>\n", calls=calls)
+        t = Trajectory(f"g{gid}t{i}", "main", f"s{gid}", gid, [1], [1], [0.0], 0, turns=[turn])
+        t.reward, t.reward_breakdown = r, {"acc": r}
+        trajs.append(t)
+    return SimpleNamespace(trajectories=trajs, sub_trajectories=[], group_id=gid, num_frames=32)
 
 
 def test_tool_advantage_compares_tool_and_no_tool_rollouts_in_mixed_groups() -> None:
+    """``adv/*``: an ordinary step metric (``paravt.train._learn`` passes each rollout's group
+    advantage to ``trajectory_record``; ``rollout_metrics`` reduces them)."""
+    from paravt.algo.advantages import build_units
+
     algo = load_config("tiny_cpu").algo
     # Group 1: tool rollouts score 0, no-tool 1 -> A = -/+ 1/sqrt(4/3) (unbiased std 0.577).
     # Group 2: every rollout used the tool: not mixed, left out.
     groups = [
-        _group([0.0, 0.0, 1.0, 1.0], [True, True, False, False]),
-        _group([2.0, 0.0, 1.0, 1.0], [True, True, True, True]),
+        _group(0, [0.0, 0.0, 1.0, 1.0], [True, True, False, False]),
+        _group(1, [2.0, 0.0, 1.0, 1.0], [True, True, True, True]),
     ]
-    m = tool_advantage_metrics(groups, algo)
+
+    def metrics(gs: list) -> dict[str, float]:
+        adv = {u.main.uid: u.advantage for u in build_units(gs, algo)}  # as the trainer does
+        return rollout_metrics(
+            [trajectory_record(t, g.num_frames, adv[t.uid]) for g in gs for t in g.trajectories]
+        )
+
+    m = metrics(groups)
     a = 0.5 / math.sqrt(1 / 3)
     assert m["adv/tool"] == pytest.approx(-a, rel=1e-4)
     assert m["adv/no_tool"] == pytest.approx(a, rel=1e-4)
     assert m["adv/mixed_groups"] == 0.5
-    none = tool_advantage_metrics([groups[1]], algo)
-    assert math.isnan(none["adv/tool"]) and none["adv/mixed_groups"] == 0.0
+    none = metrics([groups[1]])  # no mixed group: no advantage to log
+    assert "adv/tool" not in none and none["adv/mixed_groups"] == 0.0
+    # Records without advantages (the held-out evaluation's) log none of these.
+    assert not any(k.startswith("adv/") for k in rollout_metrics(
+        [trajectory_record(t, 32) for t in groups[0].trajectories]))  # fmt: skip
 
 
 def _rows(kappas: list[float], acc4: float) -> list[dict]:
@@ -222,6 +241,7 @@ def _args(spot_task, assets: dict[str, str], out: Path) -> list[str]:
         "video.fixed_frames": 4,
         "sft.steps": 2,
         "sft.batch_size": 2,
+        "algo.kl_coef": 0.0,  # no reference model: one model load per arm run, not two
     }
     return [
         "--out", str(out), "--eval-k", "2,4", "--eval-every", "1", "--windows", "1,2",
@@ -234,13 +254,14 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     spot_task, assets, tmp_path, capsys
 ) -> None:
     out = tmp_path / "collapse"
-    args = ["collapse", "--arms", "vanilla,paragrpo", "--seeds", "1", "--first-seed", "7"]
+    # vanilla_ref (the reference's vanilla, no pinned <think>) stands for the ungated arms.
+    args = ["collapse", "--arms", "vanilla_ref,paragrpo", "--seeds", "1", "--first-seed", "7"]
     args += _args(spot_task, assets, out)
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "| vanilla |" in printed and "| paragrpo |" in printed
+    assert "| vanilla_ref |" in printed and "| paragrpo |" in printed
     res = json.loads((out / "collapse.json").read_text())
-    assert set(res["arms"]) == {"vanilla", "paragrpo"} and res["seeds"] == [7]
+    assert set(res["arms"]) == {"vanilla_ref", "paragrpo"} and res["seeds"] == [7]
     for arm, a in res["arms"].items():
         for key in ("kappa_start", "kappa_end", "format_start", "format_end"):
             assert set(a[key]) == {"mean", "std"} and a[key]["mean"] >= 0.0
@@ -257,13 +278,31 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
         run = out / arm / "seed7"
         cfg_text = (run / "config.yaml").read_text()
         assert f"path: {out / 'sft'}" in cfg_text and "seed: 7" in cfg_text
+        # The arm is a paravt.train run (run.json, the run folder's record, is train.run's),
+        # and every number the summary reads is that run's own metrics file.
+        assert (run / "run.json").is_file() and "eval_every: 1" in cfg_text
         rows = read_metrics(run / "metrics.jsonl")
         train = [r for r in rows if r["kind"] == "train"]
         assert len(train) == 2 and all("adv/mixed_groups" in r for r in train)
+        assert curves["adv/mixed_groups"]["mean"] == [r["adv/mixed_groups"] for r in train]
+        assert [r["step"] for r in rows if r["kind"] == "eval_step"] == [1]  # train.eval_every
+        evals = {r["kind"]: r for r in rows if r["kind"].startswith("eval_")}
+        assert curves["eval/K2"]["mean"][1:] == [
+            evals[k]["K2_tools/accuracy"] for k in ("eval_step", "eval_after")
+        ]
+        # ... and its per-prompt held-out records: one prompt, two conditions, two evaluations
+        held = read_metrics(run / "heldout.jsonl")
+        assert [(r["kind"], r["step"], r["condition"]) for r in held] == [
+            ("eval_step", 1, "K2_tools"), ("eval_step", 1, "K4_tools"),
+            ("eval_after", 2, "K2_tools"), ("eval_after", 2, "K4_tools"),
+        ]  # fmt: skip
+        assert all(r["samples"] == 1 and r["K"] in (2, 4) for r in held)
+        assert held[-1]["tool_call_rate"] == evals["eval_after"]["K4_tools/tool_call_rate"]
     # Vanilla trains at the largest K only; PARA-GRPO's arm is gated.
-    assert "tool_rate/K2" not in res["arms"]["vanilla"]["curves"]
-    van_cfg = (out / "vanilla" / "seed7" / "config.yaml").read_text()
+    assert "tool_rate/K2" not in res["arms"]["vanilla_ref"]["curves"]
+    van_cfg = (out / "vanilla_ref" / "seed7" / "config.yaml").read_text()
     assert "gating: false" in van_cfg and "lambda_anchor: 0.0" in van_cfg
+    assert "think_prefix: ''" in van_cfg and "base_format: reference" in van_cfg
     # The cold start: stage 1 (the preset's own SFT recipe, --base-steps) then stage 2 on the
     # all-tool records from stage 1's checkpoint, once for every arm.
     assert (out / "base_sft" / "config.json").is_file()
@@ -290,7 +329,7 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert main([*args, "video.crop_max_frames=8"]) == 2  # the oracle's crops changed
     assert "other cold-start settings" in capsys.readouterr().err
     md = (out / "collapse.md").read_text()
-    assert "κ start" in md and "| vanilla |" in md
+    assert "κ start" in md and "| vanilla_ref |" in md
     assert "tool rate K2 end" in md and "Held-out tool-call rate after RL" in md
     for a in res["arms"].values():  # every arm's held-out tool use at the same K
         assert set(a["tool_rate_heldout_k"]) == {"2", "4"}
@@ -305,18 +344,28 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert f"SFT checkpoint {out / 'base_sft'} exists: reused" in printed
     assert all(p.stat().st_mtime_ns == t for p, t in logs.items()) and len(logs) == 2
     assert (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns == evals
-    # ... and one cut short (no eval_after row) counts as unfinished: it is redone.
-    (out / "paragrpo" / "seed7" / "metrics.jsonl").write_text('{"step": 1, "kind": "train"}\n')
-    assert not run_finished(out / "paragrpo" / "seed7") and run_finished(out / "vanilla" / "seed7")
+    # ... and one cut short (no eval_after row, as if preempted before it) holding a checkpoint
+    # is resumed from it (python -m paravt.train --resume), as a training run is.
+    para = out / "paragrpo" / "seed7"
+    kept_rows = [r for r in read_metrics(para / "metrics.jsonl") if r["kind"] != "eval_after"]
+    (para / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept_rows))
+    assert not run_finished(para) and run_finished(out / "vanilla_ref" / "seed7")
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"paragrpo seed 7: cut short, resumed from {para / 'checkpoints'}" in printed
+    assert "vanilla_ref seed 7: finished before, kept" in printed
+    assert f"[train] resumed from {para / 'checkpoints'}" in (para / "train.log").read_text()
+    rows = read_metrics(para / "metrics.jsonl")
+    assert [r["kind"] for r in rows] == [r["kind"] for r in kept_rows] + ["eval_after"]
     # A rerun with other RL settings redoes the cold start's evaluation and the arm runs (their
     # stamp.json: the resolved config), where it used to keep them and report the old numbers.
-    assert main([*args, "--arms", "vanilla", "algo.kl_coef=0.5"]) == 0
+    assert main([*args, "--arms", "vanilla_ref", "algo.clip_high=0.5"]) == 0
     printed = capsys.readouterr().out
-    assert "cold start's evaluation made with other settings (algo.kl_coef: " in printed
-    assert "vanilla seed 7: made with other settings (algo.kl_coef: " in printed
-    assert "kl_coef: 0.5" in (out / "vanilla" / "seed7" / "config.yaml").read_text()
+    assert "cold start's evaluation made with other settings (algo.clip_high: " in printed
+    assert "vanilla_ref seed 7: made with other settings (algo.clip_high: " in printed
+    assert "clip_high: 0.5" in (out / "vanilla_ref" / "seed7" / "config.yaml").read_text()
     assert (
-        json.loads((out / "sft_eval" / "stamp.json").read_text())["config"]["algo"]["kl_coef"]
+        json.loads((out / "sft_eval" / "stamp.json").read_text())["config"]["algo"]["clip_high"]
         == 0.5
     )
 
@@ -333,5 +382,16 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
     assert "--replay 1.0 must be in [0, 1)" in capsys.readouterr().err and not x.exists()
     assert main(["collapse", "--out", str(x), "data.synth_task=cue"]) == 2
     assert "'spot' task" in capsys.readouterr().err and not x.exists()
-    assert set(ARMS) == {"vanilla", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"}
+    assert set(ARMS) == {
+        "vanilla", "vanilla_ref", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"
+    }  # fmt: skip
     assert list(ARMS) == list(ARM_NAMES)  # the collapse describes the shared arms, no others
+    # train.eval_every: the synchronous loop only; train.steps=0: an evaluation-only run
+    with pytest.raises(ConfigError, match="train.eval_every=5 needs the synchronous loop"):
+        load_config("tiny_cpu", overrides=["train.eval_every=5", "rollout.workers=1"])
+    from paravt.validate import validate_run
+
+    with pytest.raises(ConfigError, match="train.steps=0 must be >= 1 .0 only evaluates"):
+        validate_run(
+            load_config("tiny_cpu", overrides=["train.steps=0", "train.eval_prompts=0"]), 1
+        )

@@ -338,3 +338,39 @@ def test_sigterm_during_the_sft_stops_it_and_resume_continues_it(
     cfg = load_config(overrides=over)
     run_sft(cfg, model_dir=assets["model"], data_dir=assets["data"], out_dir=ref)
     assert_same_weights(ref, out / "sft")
+
+
+def test_an_evaluation_a_preemption_skipped_is_owed_on_resume(
+    assets: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.eval_every`` (issue 38): a SIGTERM during step 1 stops the run after it without
+    step 1's held-out evaluation (the grace is for the checkpoint); ``--resume`` evaluates step
+    1 first, then trains on, so the eval_step rows are those of an uninterrupted run."""
+    from paravt.train import main
+
+    out = tmp_path / "run"
+    argv = [
+        *tiny_overrides(assets, out, 2),
+        "train.save_every=0",
+        "train.eval_every=1",
+        "train.eval_prompts=1",
+        "train.eval_samples=1",
+        "train.eval_conditions=[2:tools]",
+        "train.eval_before=false",
+        "train.summary_plot=false",
+        "algo.kl_coef=0.0",  # no reference model: one load per run
+    ]
+    monkeypatch.setenv(ENV, "SIGTERM:1:metrics")
+    assert main(argv) == 0
+    assert [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")] == [("train", 1)]
+    assert not (out / "heldout.jsonl").is_file() or not read_metrics(out / "heldout.jsonl")
+    monkeypatch.delenv(ENV)
+    assert main([*argv, "--resume"]) == 0
+    kinds = [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")]
+    assert [k for k in kinds if k[0] != "alarm"] == [
+        ("train", 1), ("eval_step", 1), ("train", 2), ("eval_after", 2)
+    ]  # fmt: skip
+    held = read_metrics(out / "heldout.jsonl")  # one prompt, one condition per evaluation
+    assert [(r["kind"], r["step"], r["condition"], r["samples"]) for r in held] == [
+        ("eval_step", 1, "K2_tools", 1), ("eval_after", 2, "K2_tools", 1)
+    ]  # fmt: skip

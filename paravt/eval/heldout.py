@@ -1,6 +1,7 @@
 """The training run's held-out evaluation: the before/after numbers of its final table.
 
-``python -m paravt.train`` (and ``paravt.collapse``) roll out the validation prompts with the
+``python -m paravt.train`` (also every ``train.eval_every`` steps: the collapse experiment's
+held-out curves) rolls out the validation prompts with the
 run's own agent runner and policy, under each ``train.eval_conditions`` entry, at the rollout
 temperature; ``python -m paravt.eval`` is the standalone benchmark evaluation
 (``paravt.eval.runner``).
@@ -46,8 +47,33 @@ def table_rows(cfg: Config) -> list[tuple[str, str]]:
     return rows
 
 
+def prompt_row(name: str, g: Any, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``heldout.jsonl`` row: a held-out prompt's rollouts (``recs``, its group ``g``)
+    under condition ``name``: its K, the share of its rollouts that executed a crop, its
+    accuracy, format compliance, `</think>` closure (of its non-forced turns; NaN: none) and
+    calls per rollout, with the sample's scalar ``extra`` fields (what the generator recorded
+    about it). Per prompt, so that a tool rate can be checked prompt by prompt."""
+    closed = [c for r in recs for c in r["closed"]]
+    n = len(recs)
+    extra = {k: v for k, v in g.sample.extra.items() if isinstance(v, (bool, int, float, str))}
+    return {
+        "condition": name,
+        "prompt": g.sample.id,
+        "K": int(g.num_frames),
+        "samples": n,
+        "accuracy": sum(r["breakdown"].get("acc", 0.0) for r in recs) / n,
+        "tool_call_rate": sum(r["used_tool"] for r in recs) / n,
+        "tool_calls_per_rollout": sum(r["n_calls"] for r in recs) / n,
+        "format_compliance": sum(r["compliant"] for r in recs) / n,
+        "think_closure_rate": sum(closed) / len(closed) if closed else float("nan"),
+        **({"extra": extra} if extra else {}),
+    }
+
+
 @torch.no_grad()
-def evaluate(tr: Any, seed: int) -> dict[str, float]:
+def evaluate(
+    tr: Any, seed: int, per_prompt: list[dict[str, Any]] | None = None
+) -> dict[str, float]:
     """Roll out the validation prompts under each ``train.eval_conditions`` entry
     (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
     them: the before/after numbers of the final table. ``tr``: the run's
@@ -59,6 +85,9 @@ def evaluate(tr: Any, seed: int) -> dict[str, float]:
     calls per rollout and ``summary_accuracy`` — the share of executed crops whose sub-agent
     summary is right about the target (``paravt.data.synth.summary_correct``; synthetic task
     only). The first condition's metrics are also reported unprefixed (``rollout_metrics``).
+
+    ``per_prompt``: a list that gets one :func:`prompt_row` per prompt and condition (every
+    rank's; ``paravt.train`` writes them to ``heldout.jsonl``).
     """
     cfg = tr.cfg
     if not tr.val_samples:
@@ -76,8 +105,9 @@ def evaluate(tr: Any, seed: int) -> dict[str, float]:
             mine, [k] * len(mine), group_size=cfg.train.eval_samples, seed=stable_seed("eval", seed)
         )
         score_groups(groups, cfg.reward)
-        recs = []
+        recs, rows = [], []
         for g in groups:
+            mine_g = []
             for t in g.trajectories:
                 r = trajectory_record(t, g.num_frames)
                 r["prompt"] = g.sample.id
@@ -88,8 +118,13 @@ def evaluate(tr: Any, seed: int) -> dict[str, float]:
                     if c.status == "ok" and c.start is not None and c.end is not None
                 ]
                 r["summary_ok"] = [float(x) for x in checks if x is not None]
-                recs.append(r)
+                mine_g.append(r)
+            recs += mine_g
+            if per_prompt is not None and mine_g:
+                rows.append(prompt_row(name, g, mine_g))
         recs = [r for part in all_gather_objects(recs, tr.ctx) for r in part]
+        if per_prompt is not None:
+            per_prompt += [r for part in all_gather_objects(rows, tr.ctx) for r in part]
         m = rollout_metrics(recs)
         acc = [r["breakdown"].get("acc", 0.0) for r in recs]
         m["accuracy"], m["accuracy_ci95"] = clustered_mean_ci95(acc, [r["prompt"] for r in recs])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 
 from paravt.answers import (
     extract_answer,
@@ -116,13 +117,21 @@ def tvg_accuracy(pred: str, sample: Sample) -> float:
 
 
 # -------------------------------------------------------------------------------- dispatch
-def accuracy(text: str, sample: Sample, *, oe_metric: str = "f1") -> dict[str, float]:
+def accuracy(
+    text: str,
+    sample: Sample,
+    *,
+    oe_metric: str = "f1",
+    extract: Callable[[str], str | None] = extract_answer,
+) -> dict[str, float]:
     """``R_acc`` of a main agent's full text, with its parts.
 
     Returns ``{'acc': R_acc, 'has_answer': 0|1}`` plus ``'em'``/``'f1'`` for oe and ``'iou'``
-    for tvg.
+    for tvg. ``extract`` reads the answer out of ``text`` (None: no answer): the last complete
+    answer block, or the reference's fallbacks (``paravt.rewards.reference.extract_answer``,
+    ``reward.answer_extraction=reference``).
     """
-    pred = extract_answer(text)
+    pred = extract(text)
     out: dict[str, float] = {"has_answer": 0.0 if pred is None else 1.0}
     qt = sample.question_type
     if qt == "mcq":

@@ -9,9 +9,10 @@ its parent's reward (sub-agents are trained with the main agent's advantage; see
 from __future__ import annotations
 
 from paravt.config import RewardConfig
+from paravt.rewards import reference
 from paravt.rewards.accuracy import accuracy
 from paravt.rewards.format import format_reward
-from paravt.rewards.tool import tool_reward
+from paravt.rewards.tool import call_counts, tool_reward
 from paravt.types import Group, Sample, Trajectory
 
 
@@ -37,17 +38,26 @@ def score(traj: Trajectory, sample: Sample, cfg: RewardConfig) -> dict[str, floa
             f"trajectory {traj.uid} is a {traj.role} agent; score its parent main trajectory "
             "(sub-agents share the parent's reward via score_groups)"
         )
-    out = accuracy(full_text(traj), sample, oe_metric=cfg.oe_metric)
-    out.update(format_reward(traj.turns, lambda_anchor=cfg.lambda_anchor))
-    out.update(
-        tool_reward(
-            traj,
-            out["acc"],
-            tool_bonus=cfg.tool_bonus,
-            tool_error_penalty=cfg.tool_error_penalty,
-            correct_threshold=cfg.tool_correct_threshold,
+    # The reference's parts read what the policy generated (paravt.rewards.reference).
+    ref_text = reference.completion(traj.turns) if traj.turns else traj.answer_text
+    if cfg.answer_extraction == "reference":
+        out = accuracy(ref_text, sample, oe_metric=cfg.oe_metric, extract=reference.extract_answer)
+    else:
+        out = accuracy(full_text(traj), sample, oe_metric=cfg.oe_metric)
+    out.update(format_reward(traj.turns, lambda_anchor=cfg.lambda_anchor, base=cfg.base_format))
+    if cfg.tool_mode == "reference":
+        out["tool"] = reference.tool_reward(ref_text, out["acc"])
+        out.update({k: float(v) for k, v in call_counts(traj).items()})
+    else:
+        out.update(
+            tool_reward(
+                traj,
+                out["acc"],
+                tool_bonus=cfg.tool_bonus,
+                tool_error_penalty=cfg.tool_error_penalty,
+                correct_threshold=cfg.tool_correct_threshold,
+            )
         )
-    )
     out["num_turns"] = float(len(traj.turns))
     out["forced"] = float(any(t.forced_answer for t in traj.turns))
     out["total"] = out["acc"] + cfg.w_fmt * out["fmt"] + out["tool"]

@@ -93,11 +93,16 @@ def _forced_turn_ok(generated: str) -> bool:
     return bool(m and m.group(1).strip() and not _TAG_RE.search(m.group(1)))
 
 
-def format_reward(turns: list[Turn], *, lambda_anchor: float) -> dict[str, float]:
+def format_reward(
+    turns: list[Turn], *, lambda_anchor: float, base: str = "strict"
+) -> dict[str, float]:
     """``R_fmt`` of a main trajectory's turns, with its parts.
 
     Returns ``fmt`` (``R_base + lambda_anchor * R_anchor``), ``fmt_base``, ``anchor``,
     ``think_closed`` (fraction of non-forced turns), ``flow`` and ``unclosed_think`` (0/1).
+    ``base`` (``reward.base_format``): ``strict``, R_base as above; ``reference``, the
+    reference's closure-blind score of the generated text
+    (``paravt.rewards.reference.base_format``; R_anchor and the other parts unchanged).
     """
     if not turns:
         return dict.fromkeys(
@@ -119,11 +124,16 @@ def format_reward(turns: list[Turn], *, lambda_anchor: float) -> dict[str, float
         last = a
     flow = float(last is not None and last["closed"] and last["answer"])
     closure = sum(closed) / len(closed) if closed else 0.0
-    base = sum(wf) / len(wf)
+    if base == "reference":
+        from paravt.rewards import reference
+
+        r_base = reference.base_format(reference.completion(turns))
+    else:
+        r_base = sum(wf) / len(wf)
     anchor = 0.5 * closure + 0.5 * flow - 1.0 * float(unclosed)
     return {
-        "fmt": base + lambda_anchor * anchor,
-        "fmt_base": base,
+        "fmt": r_base + lambda_anchor * anchor,
+        "fmt_base": r_base,
         "anchor": anchor,
         "think_closed": closure,
         "flow": flow,

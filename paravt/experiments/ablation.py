@@ -1,5 +1,6 @@
 """``python -m paravt.experiments ablation`` — the PARA-GRPO ablation, every arm from one SFT.
-(``python -m paravt.experiments collapse``: the collapse experiment, ``paravt/collapse.py``.)
+(``python -m paravt.experiments collapse``: the collapse experiment,
+``paravt/experiments/collapse.py``.)
 
     python -m paravt.experiments ablation [--seeds 3] [--arms a,b,...] [--out runs/ablation]
         [--preset tiny_cpu] [--config F.yaml ...] [--eval-k 4,32] [key=value ...]
@@ -7,9 +8,11 @@
 1. One SFT cold start (``sft.*`` of the config) into ``OUT/sft``.
 2. Every arm × seed is one ``python -m paravt.train`` run from that checkpoint (``model.path``,
    ``sft.steps=0``, ``train.seed``) into ``OUT/ARM/seedN`` (its log in ``train.log``), with the
-   arm's overrides (``paravt.arms``) on top of the config:
+   arm's overrides (``paravt.experiments.arms``) on top of the config (default ``--arms``:
+   all but ``vanilla_ref``):
 
    - ``vanilla``: no anchoring, no gating (every prompt sees the largest budget);
+   - ``vanilla_ref``: the reference implementation's vanilla (``paravt.experiments.arms``);
    - ``anchoring``: anchoring only (no gating);
    - ``gating``: gating only (no anchoring);
    - ``paragrpo``: both (the config as given);
@@ -23,8 +26,10 @@
    (means over the training steps), and held-out accuracy after RL at each ``--eval-k``.
 
 A rerun into the same ``--out`` skips the runs that finished (their ``metrics.jsonl`` holds the
-after-RL evaluation) with the same resolved config (``stamp.json``, ``paravt.arms.kept_run``)
-and redoes the others from scratch; a failed run stops the command with its log's tail. The
+after-RL evaluation) with the same resolved config (``stamp.json``,
+``paravt.experiments.arms.kept_run``), resumes (``--resume``) the ones cut short that hold a
+checkpoint (a preempted run writes one) and redoes the others from scratch
+(``paravt.experiments.arms.run_arms``); a failed run stops the command with its log's tail. The
 folder is locked while the command runs (``OUT/.lock``: a second command into it is refused),
 and SIGTERM / SIGINT / SIGUSR1 to the command reach the arm run's process group: the run stops,
 then the command (exit 128 + the signal).
@@ -32,30 +37,21 @@ then the command (exit 128 + the signal).
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
-import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.arms import (
+from paravt.config import Config, ConfigError
+from paravt.experiments.arms import (
     ARMS,
-    DriverInterrupted,
     FolderLock,
     arm_overrides,
-    keep_arm_run,
-    load_args,
     parse_arms,
     reused_checkpoint,
-    run_child,
-    run_stamp,
+    run_arms,
     train_checkpoint,
-    write_stamp,
 )
-from paravt.config import Config, ConfigError, load_config, preset_errors
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 
@@ -198,46 +194,24 @@ def _ablation(
 ) -> dict[str, Any]:
     sft = _sft(cfg, out)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
-    runs: dict[str, list[Path]] = {a: [] for a in arms}
-    jobs = [(a, s) for a in arms for s in range(seeds)]
-    t0 = time.perf_counter()
-    for i, (arm, seed) in enumerate(jobs, 1):
-        run_dir = out / arm / f"seed{seed}"
-        runs[arm].append(run_dir)
-        args = [
+
+    def args_of(arm: str, seed: int) -> list[str]:
+        return [
             *arm_overrides(arm, cfg),
             f"model.path={sft}",
             "sft.steps=0",
             f"train.seed={seed}",
-            f"train.out_dir={run_dir}",
             f"train.eval_conditions={conds}",
             "train.progress=false",
+            "train.summary_plot=false",  # ablation.png is the figure
             "train.eval_before=false",  # one start checkpoint: only after RL differs
-            "train.save_every=0",
+            "train.save_every=0",  # the last step's checkpoint, and a preempted run's
             "train.keep_last=1",
         ]
-        stamp = run_stamp(load_args(base_args, args))  # what paravt.train will resolve
-        if keep_arm_run(run_dir, stamp, f"[ablation] {i}/{len(jobs)} {arm} seed {seed}"):
-            continue
-        shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
-        run_dir.mkdir(parents=True)
-        write_stamp(run_dir, stamp)
-        cmd = [sys.executable, "-m", "paravt.train", *base_args, *args]
-        t = time.perf_counter()
-        what = f"ablation run {arm} seed {seed}"
-        rc = run_child(cmd, run_dir / "train.log", what, lock)
-        if rc != 0:
-            tail = (run_dir / "train.log").read_text().splitlines()[-25:]
-            raise RuntimeError(
-                f"ablation run {arm} seed {seed} failed (exit {rc}); log {run_dir}/train.log:\n"
-                + "\n".join(tail)
-            )
-        done = time.perf_counter() - t0
-        print(
-            f"[ablation] {i}/{len(jobs)} {arm} seed {seed}: {time.perf_counter() - t:.0f} s "
-            f"(elapsed {done / 60:.1f} min)",
-            flush=True,
-        )
+
+    dirs = run_arms(out, [(a, s) for a in arms for s in range(seeds)], args_of, base_args,
+                    "ablation", lock)  # fmt: skip
+    runs = {a: [dirs[(a, s)] for s in range(seeds)] for a in arms}
     budgets = sorted(set(cfg.video.frame_budgets))
     rows = {a: [read_metrics(d / "metrics.jsonl") for d in runs[a]] for a in arms}  # read once
     per_seed = {a: [run_metrics(r, budgets, eval_k) for r in rows[a]] for a in arms}
@@ -260,67 +234,3 @@ def _ablation(
     )
     plot_curves(rows, out / "ablation.png")
     return {"table": table, "results": results, "runs": runs}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["collapse"]:  # its own flags: paravt/collapse.py
-        from paravt.collapse import main as collapse_main
-
-        return collapse_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m paravt.experiments", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser(
-        "collapse",
-        help="does vanilla GRPO lose tool use? (see python -m paravt.experiments collapse -h)",
-        add_help=False,
-    )
-    a = sub.add_parser("ablation", help="every arm x seed from one SFT checkpoint")
-    a.add_argument("--seeds", type=int, default=3)
-    a.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
-    a.add_argument("--out", default="runs/ablation")
-    a.add_argument("--eval-k", default="4,32", help="held-out accuracy at these K (with tools)")
-    a.add_argument("--preset", default="tiny_cpu")
-    a.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
-    a.add_argument("overrides", nargs="*", help="dotted key=value for every run")
-    args = p.parse_args(argv)
-    try:
-        if args.seeds < 1:
-            raise ConfigError(f"--seeds {args.seeds} must be >= 1")
-        arms = parse_arms(args.arms, list(ARMS))  # before the config: cheap flags first
-        try:
-            eval_k = [int(k) for k in args.eval_k.split(",") if k.strip()]
-        except ValueError:
-            raise ConfigError(f"--eval-k {args.eval_k!r} is not a comma list of K") from None
-        if not eval_k or min(eval_k) < 1:
-            raise ConfigError(f"--eval-k {args.eval_k!r}: give K >= 1, e.g. 4,32")
-        cfg = load_config(args.preset, args.config, args.overrides)
-        if errs := preset_errors(args.preset, cfg):  # e.g. the 8B presets' model.path
-            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
-        base = ["--preset", args.preset]
-        for c in args.config:
-            base += ["--config", c]
-        res = ablation(
-            cfg,
-            out=Path(args.out),
-            arms=arms,
-            seeds=args.seeds,
-            eval_k=eval_k,
-            base_args=[*base, *args.overrides],
-        )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
-        print(f"[ablation] {e}", file=sys.stderr)
-        return 128 + e.signum
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(res["table"])
-    print(f"[ablation] {args.out}/ablation.md, ablation.json, ablation.png")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,11 +1,18 @@
-"""The arms of the PARA-GRPO experiments, shared by the ablation (``paravt.experiments``) and
-the collapse experiment (``paravt.collapse``), the test that says a run of one is done, and
-the shared SFT checkpoint every arm starts from (made once, reused by a rerun).
+"""The arms of the PARA-GRPO experiments, shared by the ablation
+(``paravt.experiments.ablation``) and the collapse experiment (``paravt.experiments.collapse``),
+the one arms × seeds driver both run them with (:func:`run_arms`), the test that says a run of
+one is done, and the shared SFT checkpoint every arm starts from (made once, reused by a rerun).
 
-Both experiments run every arm × seed as its own training run; an arm is PARA-GRPO (the config
-as given) with some of its parts switched off by ``key=value`` overrides:
+Both experiments run every arm × seed as its own ``python -m paravt.train`` run (the one
+training loop: periodic held-out evaluation, ``train.eval_every``, and the tool-vs-no-tool
+advantage are ``paravt.train``'s own); an arm is PARA-GRPO (the config as given) with some of
+its parts switched off by ``key=value`` overrides:
 
 - ``vanilla``: no anchoring, no gating (every prompt sees the largest budget);
+- ``vanilla_ref``: the reference implementation's vanilla GRPO (``vanilla_grpo_8b.yaml`` of
+  EvolvingLMMs-Lab/ParaVT, :data:`REFERENCE_VANILLA`): as ``vanilla``, and no pinned
+  ``<think>`` (``agent.think_prefix=``), its closure-blind base format reward, its answer
+  fallbacks and its text-read R_tool (``paravt.rewards.reference``);
 - ``anchoring``: anchoring only (no gating);
 - ``gating``: gating only (no anchoring);
 - ``paragrpo``: both (the config as given);
@@ -15,8 +22,9 @@ Also the drivers' shared machinery: the stamp that says what an arm run was made
 rerun with other settings redoes it), the folder lock (a rerun never wipes a folder a live run
 writes into) and the arm-run launcher that forwards the driver's signals to the run.
 
-This module sits below both experiment modules (it imports only ``paravt.config`` and
-``paravt.metrics``), so neither has to import the other for them.
+This module sits below both experiment modules (it imports only ``paravt.config``,
+``paravt.checkpoint`` and ``paravt.metrics``, and ``paravt.sft`` for the cold start), so
+neither has to import the other for them.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +48,33 @@ from paravt.metrics import read_metrics
 #: Arm name -> one-line description (``ablation.json`` carries it).
 ARMS: dict[str, str] = {
     "vanilla": "GRPO: no anchoring, no gating",
+    "vanilla_ref": "the reference's vanilla GRPO (no pinned <think>, its format/answer/R_tool)",
     "anchoring": "anchoring only",
     "gating": "gating only",
     "paragrpo": "PARA-GRPO (anchoring + gating)",
     "paragrpo_no_rtool": "PARA-GRPO without R_tool",
 }
+
+
+#: The ablation's default arms (``--arms``): the paper's ablation rows; ``vanilla_ref`` is
+#: asked for by name there (the collapse experiment runs every arm by default).
+ABLATION_ARMS = ("vanilla", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool")
+
+#: What ``vanilla_ref`` sets besides ``vanilla``'s overrides: the reference's vanilla GRPO
+#: recipe, read from EvolvingLMMs-Lab/ParaVT (commit cf55249): ``paravt/rl/configs/
+#: vanilla_grpo_8b.yaml`` (``constrained.think_prefix: false``, ``answer_suffix: false``,
+#: ``anchoring.weight: 0.0``, ``gating.nframes_gating: false``, ``reward.format_weight: 1.0``),
+#: ``paravt/rl/workflow.py`` (``<think>\n`` is appended to the prompt only under
+#: THINK_PREFIX or ANSWER_SUFFIX), ``paravt/rl/rewards/compose.py`` (acc + format_weight ·
+#: format + tool), ``format.py``, ``tool.py`` and ``utils.py`` (``extract_answer``);
+#: ``paravt.rewards.reference`` is paravt's reading of the last four.
+REFERENCE_VANILLA = (
+    "agent.think_prefix=",
+    "reward.base_format=reference",
+    "reward.answer_extraction=reference",
+    "reward.tool_mode=reference",
+    "reward.w_fmt=1.0",
+)
 
 
 def arm_overrides(arm: str, cfg: Config) -> list[str]:
@@ -51,6 +84,7 @@ def arm_overrides(arm: str, cfg: Config) -> list[str]:
     no_gating = ["video.gating=false", f"video.fixed_frames={k_max}"]
     table = {
         "vanilla": no_anchor + no_gating,
+        "vanilla_ref": no_anchor + no_gating + list(REFERENCE_VANILLA),
         "anchoring": no_gating,
         "gating": no_anchor,
         "paragrpo": [],
@@ -157,16 +191,85 @@ def stamp_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     ]
 
 
-def keep_arm_run(run_dir: Path, stamp: dict[str, Any], label: str) -> bool:
-    """:func:`kept_run` for a driver's job ``label`` (``[ablation] 3/10 gating seed 1``), saying
-    what happens: ``finished before, kept``, or for a finished run made with other settings
-    ``<why>: redone`` (a run cut short is redone silently). Both drivers' arm loops use it."""
+def arm_action(run_dir: Path, stamp: dict[str, Any], label: str) -> str:
+    """What the driver does with the arm run in ``run_dir`` for job ``label`` (``[ablation]
+    3/10 gating seed 1``), saying it: ``"keep"`` (finished and made with ``stamp``:
+    :func:`kept_run`), ``"resume"`` (cut short, made with ``stamp``, and holding a checkpoint:
+    a SIGTERM to the driver reaches the run, which checkpoints its last step as any training
+    run does; ``python -m paravt.train --resume`` continues it) or ``"start"`` (anything else:
+    the folder is wiped and the run starts over; a finished run made with other settings says
+    ``<why>: redone``). :func:`run_arms` uses it for every job."""
+    from paravt.checkpoint import latest_checkpoint
+
     keep, why = kept_run(run_dir, stamp)
     if keep:
         print(f"{label}: finished before, kept")
-    elif why != NOT_FINISHED:
+        return "keep"
+    if why != NOT_FINISHED:
         print(f"{label}: {why}: redone", flush=True)
-    return keep
+        return "start"
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None and _stamped_with(run_dir, stamp):
+        print(f"{label}: cut short, resumed from {ckpt}", flush=True)
+        return "resume"
+    return "start"
+
+
+def _stamped_with(run_dir: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        return not stamp_diff(json.loads((run_dir / STAMP).read_text()), stamp)
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def run_arms(
+    out: Path,
+    jobs: Sequence[tuple[str, int]],
+    args_of: Callable[[str, int], list[str]],
+    base_args: Sequence[str],
+    tag: str,
+    lock: FolderLock | None,
+    **stamp_extra: Any,
+) -> dict[tuple[str, int], Path]:
+    """The one arms × seeds driver of both experiments: every ``(arm, seed)`` of ``jobs`` is
+    one ``python -m paravt.train`` run (the one training loop) of ``base_args`` (``--preset``,
+    ``--config``, overrides) + ``args_of(arm, seed)`` into ``out/ARM/seedN`` (its log in
+    ``train.log``), kept, resumed or started over by :func:`arm_action` (its ``stamp.json``:
+    the resolved config and ``stamp_extra``). A failed run stops the driver with its log's tail
+    (``RuntimeError``); a signal to the driver reaches the run (:func:`run_child`). Returns
+    ``(arm, seed) -> run folder``. Callers: ``paravt.experiments.ablation.ablation`` and
+    ``paravt.experiments.collapse.collapse``."""
+    t0 = time.perf_counter()
+    dirs: dict[tuple[str, int], Path] = {}
+    for i, (arm, seed) in enumerate(jobs, 1):
+        run_dir = out / arm / f"seed{seed}"
+        dirs[(arm, seed)] = run_dir
+        args = [*args_of(arm, seed), f"train.out_dir={run_dir}"]
+        stamp = run_stamp(load_args(base_args, args), **stamp_extra)  # what the run resolves
+        what = f"{tag} run {arm} seed {seed}"
+        action = arm_action(run_dir, stamp, f"[{tag}] {i}/{len(jobs)} {arm} seed {seed}")
+        if action == "keep":
+            continue
+        if action == "start":
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            write_stamp(run_dir, stamp)
+        cmd = [sys.executable, "-m", "paravt.train", *base_args, *args]
+        if action == "resume":
+            cmd.append("--resume")
+        t = time.perf_counter()
+        rc = run_child(cmd, run_dir / "train.log", what, lock, append=action == "resume")
+        if rc != 0:
+            tail = (run_dir / "train.log").read_text().splitlines()[-25:]
+            raise RuntimeError(
+                f"{what} failed (exit {rc}); log {run_dir}/train.log:\n" + "\n".join(tail)
+            )
+        print(
+            f"[{tag}] {i}/{len(jobs)} {arm} seed {seed}: {time.perf_counter() - t:.0f} s "
+            f"(elapsed {(time.perf_counter() - t0) / 60:.1f} min)",
+            flush=True,
+        )
+    return dirs
 
 
 NOT_FINISHED = "not finished"
@@ -231,7 +334,7 @@ class FolderLock:
     refuses a folder whose lock names a live process (``ConfigError``): a rerun would wipe a
     run folder while that run still writes into it. A lock whose processes are all gone (a
     driver killed with SIGKILL) is stale and taken over. Used by ``paravt.experiments.ablation``
-    and ``paravt.collapse.collapse``."""
+    and ``paravt.experiments.collapse``."""
 
     def __init__(self, out: Path, tag: str) -> None:
         self.path, self.tag = Path(out) / LOCK, tag
@@ -292,14 +395,17 @@ class DriverInterrupted(RuntimeError):
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
-def run_child(cmd: Sequence[str], log_path: Path, what: str, lock: FolderLock | None) -> int:
+def run_child(
+    cmd: Sequence[str], log_path: Path, what: str, lock: FolderLock | None, *, append: bool = False
+) -> int:
     """Run an arm's process ``cmd`` (stdout and stderr to ``log_path``) in a process group of
     its own, and forward SIGTERM / SIGINT / SIGUSR1 sent to the driver to that group (a
     scheduler's preemption reaches the run; it checkpoints or stops, and no orphan keeps
     writing into the folder). Returns its exit code; raises ``DriverInterrupted`` after a
-    forwarded signal, once the run has exited."""
+    forwarded signal, once the run has exited. ``append``: a resumed run's log continues the
+    first part's."""
     got: list[int] = []
-    with open(log_path, "w") as log:
+    with open(log_path, "a" if append else "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         def forward(signum: int, _frame: Any) -> None:

@@ -6,7 +6,7 @@ PARA-GRPO keep it? (docs/DESIGN.md, "Experiments" and "The collapse experiment, 
         [--windows 2,3] [--unclosed-think 1.0] [--replay 0.25] [--eval-every 25]
         [--eval-k 2,4,8,16,32] [key=value ...]
 
-The ablation (``paravt.experiments``) cannot show the paper's collapse: its cold start is too
+The ablation (``paravt.experiments.ablation``) cannot show the paper's collapse: its cold start is too
 good (format 1.000 after SFT, so anchoring is constant within a group) and its vanilla arm never
 calls the tool (its SFT taught answering from a 32-frame overview). This experiment changes the
 cold start, not the system:
@@ -25,15 +25,20 @@ cold start, not the system:
    answers, so that a clean answer without the tool survives the tool SFT, as a pretrained
    VLM's does. The embedded default's recipe is untouched.
 2. **One SFT checkpoint** ``OUT/sft``; the step-0 numbers of every arm (κ, format, held-out
-   accuracy per K) come from one evaluation of it, ``OUT/sft_eval``.
-3. **Arms** (``paravt.arms.arm_overrides``): ``vanilla`` (fixed K = the largest budget,
-   where the overview always shows the square: a call adds only risk; no anchoring),
-   ``anchoring``, ``gating``, ``paragrpo``, ``paragrpo_no_rtool``; every arm × seed is one
-   :func:`run_one` subprocess from ``OUT/sft`` into ``OUT/ARM/seedN``: the training loop of
-   ``paravt.train`` (its ``train_step`` and ``evaluate``), plus a held-out evaluation every
-   ``--eval-every`` steps (``kind: "eval_step"`` rows) and, per step, the mean group advantage
-   of rollouts that used the tool against those that did not (:func:`tool_advantage_metrics`,
-   the measured reason for a collapse or its absence).
+   accuracy per K) come from one evaluation of it, ``OUT/sft_eval`` (``paravt.train.run``
+   with ``train.steps=0``, in the driver's process).
+3. **Arms** (``paravt.experiments.arms.arm_overrides``): ``vanilla`` (fixed K = the largest
+   budget, where the overview always shows the square: a call adds only risk; no anchoring),
+   ``vanilla_ref`` (the reference implementation's vanilla: no pinned ``<think>``, its
+   closure-blind format reward, answer fallbacks and R_tool), ``anchoring``, ``gating``,
+   ``paragrpo``, ``paragrpo_no_rtool``; every arm × seed is one ``python -m paravt.train``
+   run from ``OUT/sft`` into ``OUT/ARM/seedN`` (``paravt.experiments.arms.run_arms``, the
+   one driver the ablation uses too). What this experiment reads is the training run's own:
+   a held-out evaluation every ``--eval-every`` steps (``train.eval_every``: ``kind:
+   "eval_step"`` rows of ``metrics.jsonl``, per-prompt rows in ``heldout.jsonl``) and, per
+   step, the mean group advantage of rollouts that used the tool against those that did not
+   in groups holding both (``adv/tool``, ``adv/no_tool``, ``adv/mixed_groups``:
+   ``paravt.metrics.rollout_metrics``), the measured reason for a collapse or its absence.
 4. ``OUT/collapse.json``, ``OUT/collapse.md`` (printed) and ``OUT/collapse.png``
    (:func:`summarise`): per arm κ and format compliance fτ at the start (step 1, the SFT
    policy's own rollouts) and the end (mean of the last 5 steps), held-out accuracy after RL
@@ -43,8 +48,9 @@ cold start, not the system:
 
 A rerun into the same ``--out`` keeps the SFT checkpoint (its stamp matching), its evaluation
 and every finished run (its ``metrics.jsonl`` holds ``eval_after``) whose ``stamp.json`` (the
-resolved config, and ``--eval-every``; ``paravt.arms.kept_run``) matches what the rerun would
-run, and redoes the others (a run cut short, or one made with other settings) from scratch.
+resolved config, ``train.eval_every`` included; ``paravt.experiments.arms.kept_run``) matches
+what the rerun would run, resumes (``--resume``) a run cut short that holds a checkpoint (a
+preempted run writes one) and redoes the others from scratch.
 ``OUT/.lock`` refuses a second command into a folder a live one holds; SIGTERM / SIGINT /
 SIGUSR1 to the command reach the arm run's process group (the run stops, then the command, exit
 128 + the signal).
@@ -65,6 +71,7 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -72,27 +79,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from paravt.arms import (
+from paravt.config import Config, ConfigError, load_config, preset_errors
+from paravt.experiments.arms import (
     DriverInterrupted,
     FolderLock,
     arm_overrides,
-    keep_arm_run,
     kept_run,
     load_args,
     parse_arms,
     reused_checkpoint,
-    run_child,
+    run_arms,
     run_finished,
     run_stamp,
     train_checkpoint,
     write_stamp,
 )
-from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
-#: The arms of ``paravt.arms.ARMS`` (same names, same order), described for this experiment.
+#: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
+#: experiment.
 ARMS: dict[str, str] = {
     "vanilla": "GRPO: fixed K (the largest), no anchoring",
+    "vanilla_ref": "the reference's vanilla GRPO: fixed K, no pinned <think>, its rewards",
     "anchoring": "anchoring only (fixed K)",
     "gating": "gating only (no anchoring)",
     "paragrpo": "PARA-GRPO (anchoring + gating)",
@@ -100,7 +108,7 @@ ARMS: dict[str, str] = {
 }
 
 #: The experiment's settings on top of the preset (``--config`` replaces it).
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "collapse.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "collapse.yaml"
 #: Steps averaged for the "end" values (the issue's "mean last 5 steps").
 END_STEPS = 5
 #: Per-step keys kept in ``collapse.json``'s curves and drawn in ``collapse.png``.
@@ -332,90 +340,6 @@ def cold_start(
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
     return train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
-
-
-# ------------------------------------------------------------------------------ one run
-def tool_advantage_metrics(groups: Sequence[Any], algo: Any) -> dict[str, float]:
-    """Why tool use rises or falls under GRPO, from one step's scored groups.
-
-    The group advantage (``paravt.algo.advantages.group_advantages``, the trainer's own) of
-    rollouts that executed at least one crop (``adv/tool``) and of those that did not
-    (``adv/no_tool``), over the groups that hold both (``adv/mixed_groups``: their share of the
-    step's groups); NaN when no group is mixed. ``adv/tool`` < 0 < ``adv/no_tool`` pushes the
-    policy away from calling the tool."""
-    from paravt.algo.advantages import group_advantages
-
-    adv = group_advantages(list(groups), algo).tolist()
-    tool, no_tool, mixed, i = [], [], 0, 0
-    for g in groups:
-        used = [any(c.status == "ok" for tn in t.turns for c in tn.calls) for t in g.trajectories]
-        a = adv[i : i + len(used)]
-        i += len(used)
-        if any(used) and not all(used):
-            mixed += 1
-            tool += [x for x, u in zip(a, used) if u]
-            no_tool += [x for x, u in zip(a, used) if not u]
-    return {
-        "adv/tool": mean_or_nan(tool),
-        "adv/no_tool": mean_or_nan(no_tool),
-        "adv/mixed_groups": mixed / len(groups) if groups else float("nan"),
-    }
-
-
-class _Recorder:
-    """The trainer's ``AgentRunner`` with the groups of its last ``rollout`` kept (they are
-    scored in place by ``train_step``), so that :func:`run_one` can read the advantages."""
-
-    def __init__(self, runner: Any) -> None:
-        self._runner = runner
-        self.groups: list[Any] = []
-
-    def rollout(self, *args: Any, **kwargs: Any) -> list[Any]:
-        self.groups = self._runner.rollout(*args, **kwargs)
-        return self.groups
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-
-def run_one(cfg: Config, eval_every: int) -> None:
-    """``paravt.train.run``'s loop for one arm × seed (``train.out_dir``), no checkpoints: each
-    step's metrics plus :func:`tool_advantage_metrics` (``kind: "train"``), a held-out
-    evaluation every ``eval_every`` steps (``kind: "eval_step"``, 0 = none) and after the last
-    step (``kind: "eval_after"``, the run's end marker). ``train.steps=0`` evaluates only."""
-    from paravt.distributed import cleanup, init_distributed
-    from paravt.eval.heldout import evaluate
-    from paravt.train import build_trainer, train_step
-    from paravt.validate import validate_run
-
-    validate_run(replace(cfg, train=replace(cfg.train, steps=max(cfg.train.steps, 1))), 1)
-    ctx = init_distributed(cfg.model.device)
-    out = Path(cfg.train.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(to_yaml(cfg))
-    tr = build_trainer(cfg, ctx)
-    rec = _Recorder(tr.runner)
-    tr.runner = rec
-    t0 = time.perf_counter()
-    for step in range(1, cfg.train.steps + 1):
-        m = train_step(tr, step)
-        m.update(tool_advantage_metrics(rec.groups, cfg.algo))
-        tr.logger.log(step, m)
-        v = {k: float(m.get(k, "nan")) for k in  # an empty step logs no rollout value
-             ("tool_calls_per_rollout", "tool_call_rate", "format_compliance", "accuracy",
-              "adv/tool", "adv/no_tool")}  # fmt: skip
-        print(
-            f"[collapse] step {step}: kappa {v['tool_calls_per_rollout']:.2f} tool rate "
-            f"{v['tool_call_rate']:.2f} format {v['format_compliance']:.2f} acc "
-            f"{v['accuracy']:.2f} adv tool/no-tool {v['adv/tool']:.2f}/{v['adv/no_tool']:.2f} "
-            f"({time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
-        if eval_every and step % eval_every == 0 and step < cfg.train.steps:
-            tr.logger.log(step, evaluate(tr, seed=cfg.train.seed), kind="eval_step")
-    tr.logger.log(cfg.train.steps, evaluate(tr, seed=cfg.train.seed), kind="eval_after")
-    tr.logger.close()
-    cleanup(ctx, getattr(tr.engine, "close", lambda: None))
 
 
 # ----------------------------------------------------------------------------- summary
@@ -670,21 +594,6 @@ def plot(res: dict[str, Any], out_png: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------ driver
-def _subprocess(
-    run_dir: Path, args: Sequence[str], what: str, stamp: dict[str, Any], lock: FolderLock
-) -> None:
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run cut short starts over
-    run_dir.mkdir(parents=True)
-    write_stamp(run_dir, stamp)
-    cmd = [sys.executable, "-m", "paravt.collapse", "run-one", *args]
-    rc = run_child(cmd, run_dir / "train.log", f"collapse {what}", lock)
-    if rc != 0:
-        tail = (run_dir / "train.log").read_text().splitlines()[-25:]
-        raise RuntimeError(
-            f"collapse {what} failed (exit {rc}); log {run_dir}/train.log:\n" + "\n".join(tail)
-        )
-
-
 def collapse(
     cfg: Config,
     *,
@@ -741,11 +650,18 @@ def _collapse(
         f"model.path={sft}",
         "sft.steps=0",
         f"train.eval_conditions={conds}",
+        f"train.eval_every={eval_every}",
+        "train.eval_before=false",  # every arm's start: the cold start's one evaluation
         "train.progress=false",
-        "train.save_every=0",
+        "train.summary_plot=false",  # collapse.png is the figure
+        "train.save_every=0",  # the last step's checkpoint, and a preempted run's
+        "train.keep_last=1",
     ]
     sft_eval_dir = out / "sft_eval"
-    eval_cfg = load_args(base_args, [*shared, "train.steps=0", f"train.out_dir={sft_eval_dir}"])
+    eval_cfg = load_args(
+        base_args,
+        [*shared, "train.steps=0", "train.eval_before=false", f"train.out_dir={sft_eval_dir}"],
+    )
     stamp = run_stamp(eval_cfg)
     keep, why = kept_run(sft_eval_dir, stamp)
     if not (keep and _evaluated_at(sft_eval_dir, eval_k)):  # in this process: one model load
@@ -754,31 +670,19 @@ def _collapse(
         shutil.rmtree(sft_eval_dir, ignore_errors=True)
         sft_eval_dir.mkdir(parents=True)
         write_stamp(sft_eval_dir, stamp)
-        run_one(eval_cfg, 0)
+        _evaluate_cold_start(eval_cfg)
     sft_eval = next(
         r for r in read_metrics(sft_eval_dir / "metrics.jsonl") if r.get("kind") == "eval_after"
     )
     print(f"[collapse] cold start evaluated ({(time.perf_counter() - t0) / 60:.1f} min)")
-    jobs = [(a, s) for a in arms for s in seeds]
-    for i, (arm, seed) in enumerate(jobs, 1):
-        run_dir = out / arm / f"seed{seed}"
-        args = [*shared, *arm_overrides(arm, cfg), f"train.seed={seed}", f"train.out_dir={run_dir}"]
-        stamp = run_stamp(load_args(base_args, args), eval_every=eval_every)
-        if keep_arm_run(run_dir, stamp, f"[collapse] {i}/{len(jobs)} {arm} seed {seed}"):
-            continue
-        t = time.perf_counter()
-        _subprocess(
-            run_dir,
-            [*base_args, *args, f"--eval-every={eval_every}"],
-            f"run {arm} seed {seed}",
-            stamp,
-            lock,
-        )
-        print(
-            f"[collapse] {i}/{len(jobs)} {arm} seed {seed}: {time.perf_counter() - t:.0f} s "
-            f"(elapsed {(time.perf_counter() - t0) / 60:.1f} min)",
-            flush=True,
-        )
+    run_arms(
+        out,
+        [(a, s) for a in arms for s in seeds],
+        lambda arm, seed: [*shared, *arm_overrides(arm, cfg), f"train.seed={seed}"],
+        base_args,
+        "collapse",
+        lock,
+    )
     runs = {
         a: {s: read_metrics(out / a / f"seed{s}" / "metrics.jsonl") for s in seeds} for a in arms
     }
@@ -793,6 +697,19 @@ def _collapse(
     (out / "collapse.json").write_text(json.dumps(json_safe(res), indent=1, allow_nan=False))
     plot(res, out / "collapse.png")
     return {"json": res, "table": table}
+
+
+def _evaluate_cold_start(cfg: Config) -> None:
+    """The cold start's held-out evaluation: ``paravt.train.run`` of ``cfg`` (``train.steps=0``:
+    no step, one ``eval_after`` evaluation), in this process (one model load, no interpreter
+    start). A SIGTERM/SIGUSR1 during it stops the run there (``paravt.preempt``) and then the
+    driver (``DriverInterrupted``); a rerun redoes the evaluation."""
+    from paravt.train import run
+
+    res = run(cfg)
+    if res.get("preempted"):
+        sig = signal.Signals[res["preempted"]["signal"]]
+        raise DriverInterrupted(sig, "the cold start's evaluation", 0)
 
 
 def _evaluated_at(run_dir: Path, eval_k: Sequence[int]) -> bool:
@@ -813,17 +730,8 @@ def _int_list(flag: str, raw: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m paravt.experiments collapse ...`` (and the internal ``run-one``)."""
+    """``python -m paravt.experiments collapse ...`` (``paravt.experiments.cli.main``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["run-one"]:  # one arm x seed, in its own process (see collapse())
-        p = argparse.ArgumentParser(prog="python -m paravt.collapse run-one")
-        p.add_argument("--preset", default="tiny_cpu")
-        p.add_argument("--config", action="append", default=[])
-        p.add_argument("--eval-every", type=int, default=0)
-        p.add_argument("overrides", nargs="*")
-        a = p.parse_args(argv[1:])
-        run_one(load_config(a.preset, a.config, a.overrides), a.eval_every)
-        return 0
     p = argparse.ArgumentParser(
         prog="python -m paravt.experiments collapse", description=__doc__.split("\n\n")[0]
     )

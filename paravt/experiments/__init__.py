@@ -1,0 +1,17 @@
+"""The PARA-GRPO experiments: ``python -m paravt.experiments ablation|collapse ...``.
+
+- ``arms``: the arms (``key=value`` overrides of the config), the one arms × seeds driver
+  (``run_arms``: every arm × seed one ``python -m paravt.train`` run, kept, resumed or redone
+  on a rerun), run stamps, the folder lock, the signal-forwarding launcher;
+- ``ablation``: every arm from one SFT checkpoint, the paper-style table;
+- ``collapse``: does vanilla GRPO lose tool use, and does PARA-GRPO keep it (its own cold
+  start, held-out evaluation every ``train.eval_every`` steps, the tool-vs-no-tool advantage);
+- ``cli``: the command line (``__main__`` runs it).
+
+There is no training loop here: each arm run is ``paravt.train``'s.
+"""
+
+from paravt.experiments.ablation import aggregate
+from paravt.experiments.cli import main
+
+__all__ = ["aggregate", "main"]
