@@ -495,6 +495,10 @@ def _learn(
     m["packed_tokens"] = float(
         all_reduce_sum(float(sum(int(b.input_ids.numel()) for b in batches)), ctx)[0]
     )
+    # What the forwards actually push through the backbone (algo.share_prefix: each group's
+    # prompt once; the update's MFU counts these), and the main rows' context mix: prompt
+    # (system text, overview, question) against what follows it (turns, tool responses).
+    m.update(context_mix(batches, units, ctx))
     # Episodes the engine's context cut short (paravt.agent.loop: never a failed request).
     keys = ("context_forced_answers", "context_cut_answers", "context_ended")
     counts = all_reduce_sum(torch.tensor([float(batch.stats.get(k, 0)) for k in keys]), ctx)
@@ -516,6 +520,24 @@ def _learn(
             ),
         )
     return m
+
+
+def context_mix(batches: list[Any], units: list[Any], ctx: Any) -> dict[str, float]:
+    """``backbone_rows`` (summed over ranks; ``paravt.models.prefix.shared_rows``), and the
+    mean prompt and suffix tokens of a main row (``tokens/main_prompt``,
+    ``tokens/main_suffix``): the mix the shared-prefix projection reads."""
+    from paravt.models.prefix import shared_rows
+
+    rows = sum(shared_rows(b, range(len(b.uids))) for b in batches)
+    prompt = sum(u.main.prompt_len for u in units)
+    suffix = sum(len(u.main.tokens) - u.main.prompt_len for u in units)
+    tot = all_reduce_sum(torch.tensor([float(rows), prompt, suffix, len(units)]), ctx)
+    n = max(float(tot[3]), 1.0)
+    return {
+        "backbone_rows": float(tot[0]),
+        "tokens/main_prompt": float(tot[1]) / n,
+        "tokens/main_suffix": float(tot[2]) / n,
+    }
 
 
 def _enter(tr: Trainer, step: int, phase: str) -> None:

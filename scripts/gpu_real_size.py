@@ -230,6 +230,9 @@ def summarise(res: dict[str, Any], clock: PhaseClock, vision: VisionTimer, cfg: 
         return
     mean = lambda k: sum(float(r.get(k, 0.0)) for r in rows) / len(rows)  # noqa: E731
     packed = mean("packed_tokens")
+    # The rows the backbone really computes (a group's prompt once under algo.share_prefix):
+    # what the update's FLOPs count.
+    rows = mean("backbone_rows") or packed
     epochs = cfg.algo.ppo_epochs
     passes = int(cfg.algo.kl_coef > 0) + 1  # reference + proximal (decoupled objective)
     upd = per.get("update", {}).get("seconds", 0.0)
@@ -237,18 +240,19 @@ def summarise(res: dict[str, Any], clock: PhaseClock, vision: VisionTimer, cfg: 
     roll = per.get("rollout", {}).get("seconds", 0.0)
     gen = mean("time/main_gen") + mean("time/sub_gen")
     n_params = res["trained_params"]
-    flops = 6.0 * n_params * packed * epochs
+    flops = 6.0 * n_params * rows * epochs
     res["figures"] = {
         "packed_tokens_per_step": packed,
+        "backbone_rows_per_step": rows,
         "generated_tokens_per_step": mean("trained_tokens"),
         "rollout_s": roll,
         "rollout_decode_and_pack_s": mean("time/overview") + mean("time/crops"),
         "rollout_generation_s": gen,
         "rollout_generated_tokens_per_s": mean("trained_tokens") / max(roll, 1e-9),
         "logprobs_s": lp,
-        "logprobs_tokens_per_s": packed * passes / max(lp, 1e-9),
+        "logprobs_tokens_per_s": rows * passes / max(lp, 1e-9),
         "update_s": upd,
-        "update_tokens_per_s": packed * epochs / max(upd, 1e-9),
+        "update_tokens_per_s": rows * epochs / max(upd, 1e-9),
         "update_tflops": flops / max(upd, 1e-9) / 1e12,
         "update_mfu": flops / max(upd, 1e-9) / (res["peak_tflops"] * 1e12),
         "sync_s": per.get("sync", {}).get("seconds", 0.0),
