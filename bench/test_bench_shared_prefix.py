@@ -37,7 +37,7 @@ import time
 
 import pytest
 import torch
-from paravt_kernels.profiling import median_seconds, peak_cpu_alloc_bytes, report_ratios
+from paravt_kernels.profiling import peak_cpu_alloc_bytes, report_ratios
 
 from paravt.algo.logprobs import packed_logprobs
 from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
@@ -253,13 +253,13 @@ def test_bench_peer_prefix_grouper(benchmark):
     # prefix-grouper returns the grouped layout [prompt; suffixes] of the sample: ours too.
     assert other.shape == mine.shape
     assert float((mine - other).abs().max()) <= 1e-5
-    benchmark.pedantic(ours, rounds=3, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(ours, rounds=1, iterations=1, warmup_rounds=1)
     info = report_ratios(
         benchmark, "shared-prefix attention (one layer, forward)",
         f"prompt {p}, {len(suffixes)} suffixes of {suffixes[0]}-{suffixes[-1]} tokens, "
         "8 heads / 2 kv heads, head_dim 32",
         "prefix-grouper 0.0.1.post1 (same SDPA inside)",
-        (benchmark.stats.stats.median, median_seconds(theirs, 3, 1)),
+        _alternating(ours, theirs, 3),
         (peak_cpu_alloc_bytes(ours), peak_cpu_alloc_bytes(theirs)),
     )  # fmt: skip
     assert info["time_ratio"] <= 2.0, info
