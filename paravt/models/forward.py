@@ -38,6 +38,14 @@ detection (``attention_mask=None`` with the restarting text row) builds a correc
 block-diagonal mask for Qwen3-VL. Qwen2.5-VL has the same ``get_rope_index`` /
 ``mm_encoder_outputs`` API but is not tested packed.
 
+Shared prompts (``algo.share_prefix``; ``paravt.models.prefix``): when a forward holds several
+rows of one prompt group, ``packed_forward`` lays the group out as ``[prompt; suffix_1; ...]``
+(the prompt's tokens and visual segments once) and the SDPA attention runs per block
+(``_prefix_block_attention``: each suffix sees the prompt fully and itself causally, through a
+lower-right causal mask); callers read rows through ``SharedLayout.row_of``
+(``packed_hidden_rows``), so every value and gradient is the unshared forward's
+(tests/test_shared_prefix.py).
+
 Under FSDP2 every such forward is a forward of the root unit (``as_root_forward``): the
 root's parameters (embeddings, lm_head, final norm) are gathered and their gradients reduced
 as in a normal forward, so a caller that applies the lm_head to the hidden rows does it
