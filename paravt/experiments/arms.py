@@ -456,3 +456,26 @@ def load_args(base_args: Sequence[str], extra: Sequence[str]) -> Config:
         else:
             kv.append(a)
     return load_config(preset, configs, [*kv, *extra])
+
+
+def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -> int:
+    """The exit of ``python -m paravt.experiments NAME``: run ``body`` (parse, run the arms,
+    aggregate: returns the result with its ``table``) and map its failures to exit codes: a
+    bad configuration 2, a forwarded SIGTERM/SIGINT/SIGUSR1 128 + the signal, another
+    failure 1; on success print the table and the files written under ``out``."""
+    from paravt.config import ConfigError
+
+    try:
+        res = body()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
+        print(f"[{name}] {e}", file=sys.stderr)
+        return 128 + e.signum
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(res["table"])
+    print(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
+    return 0

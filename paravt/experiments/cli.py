@@ -18,7 +18,7 @@ from pathlib import Path
 from paravt.config import ConfigError, load_config, preset_errors
 from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
-from paravt.experiments.arms import ABLATION_ARMS, ARMS, DriverInterrupted, parse_arms
+from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
 from paravt.experiments.collapse import main as collapse_main
 
 
@@ -54,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     a.add_argument("overrides", nargs="*", help="dotted key=value for every run")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> dict:
         if args.seeds < 1:
             raise ConfigError(f"--seeds {args.seeds} must be >= 1")
         arms = parse_arms(args.arms, list(ARMS))  # before the config: cheap flags first
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = ["--preset", args.preset]
         for c in args.config:
             base += ["--config", c]
-        res = ablation(
+        return ablation(
             cfg,
             out=Path(args.out),
             arms=arms,
@@ -78,15 +79,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             eval_k=eval_k,
             base_args=[*base, *args.overrides],
         )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
-        print(f"[ablation] {e}", file=sys.stderr)
-        return 128 + e.signum
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(res["table"])
-    print(f"[ablation] {args.out}/ablation.md, ablation.json, ablation.png")
-    return 0
+
+    return run_driver("ablation", body, args.out)

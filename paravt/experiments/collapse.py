@@ -89,6 +89,7 @@ from paravt.experiments.arms import (
     parse_arms,
     reused_checkpoint,
     run_arms,
+    run_driver,
     run_finished,
     run_stamp,
     train_checkpoint,
@@ -779,7 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # appends "--arms vanilla algo.lr=..." to the first command's line).
     args = p.parse_intermixed_args(argv)
     configs = args.config if args.config is not None else [str(DEFAULT_CONFIG)]
-    try:
+
+    def body() -> dict:
         if args.seeds < 1:
             raise ConfigError(f"--seeds {args.seeds} must be >= 1")
         if args.first_seed < 0:
@@ -800,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base = ["--preset", args.preset]
         for c in configs:
             base += ["--config", c]
-        res = collapse(
+        return collapse(
             cfg,
             out=Path(args.out),
             arms=arms,
@@ -813,18 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             replay=args.replay,
             base=stage1 if stage1.sft.steps > 0 else None,
         )
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
-        print(f"[collapse] {e}", file=sys.stderr)
-        return 128 + e.signum
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(res["table"])
-    print(f"[collapse] {args.out}/collapse.md, collapse.json, collapse.png")
-    return 0
+
+    return run_driver("collapse", body, args.out)
 
 
 if __name__ == "__main__":
