@@ -62,6 +62,8 @@ RESUME_MAY_CHANGE: dict[str, str] = {
     "model.gradient_checkpointing": "memory only: the same maths",
     "algo.max_tokens_per_microbatch": "memory only: the same sums, split otherwise",
     "algo.share_prefix": "speed and memory only: the same values, a prompt encoded once",
+    "rollout.share_prefix": "prefill speed only: the same tokens and log-probs",
+    "train.summary_plot": "a picture of the metrics",
     "video.decode_timeout_s": "decoding logistics",
     "video.cache_frames": "decoding logistics",
     "rollout.vllm_gpu_memory_utilization": "vLLM memory",
