@@ -286,3 +286,40 @@ def test_the_vision_tower_encodes_a_groups_overview_once(setup):
     assert counts["shared"]["patches"] == overview * 2 // len(mains) + sum(patches[i] for i in subs)
     assert counts["unshared"]["rows"] == int(batch.cu_seqlens[-1])
     assert counts["shared"]["rows"] < 0.6 * counts["unshared"]["rows"]
+
+
+def test_a_group_moved_between_ranks_sends_its_overview_once():
+    """Rank balancing pickles a group with its overview compacted once and shared by the
+    copies: the receiving rank sees one clip object (no pixel comparison) and the bytes
+    sent are about one overview, not G."""
+    import pickle
+
+    from paravt.algo.packing import _portable_group
+    from paravt.types import SequenceUnit, Trajectory
+
+    clip = _clip(*range(64))  # 64 segments of 8 patches
+    units = [
+        SequenceUnit(
+            Trajectory(
+                uid=f"r{r}",
+                role="main",
+                sample_id="s",
+                group_id=0,
+                tokens=[1, 2],
+                loss_mask=[0, 1],
+                logprobs=[0.0, -1.0],
+                prompt_len=1,
+                visuals=clip,
+            ),
+            [],
+            0.0,
+            0,
+        )  # fmt: skip
+        for r in range(G)
+    ]
+    each = pickle.dumps([u.portable() for u in units])
+    once = pickle.dumps(_portable_group(units))
+    assert len(once) < 1.5 * len(each) / G
+    moved = pickle.loads(once)
+    assert all(u.main.visuals is moved[0].main.visuals for u in moved)
+    assert torch.equal(moved[0].main.visuals.pixel_values, clip.pixel_values)

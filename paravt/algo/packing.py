@@ -159,8 +159,24 @@ def balance_units(
         b = pack_units(g, share_prefix=True)
         return float(shared_rows(b, range(len(b.uids))))
 
-    out, stats = balance_buckets(grouped, cost, ctx, portable=lambda g: [u.portable() for u in g])
+    out, stats = balance_buckets(grouped, cost, ctx, portable=_portable_group)
     return [[u for g in b for u in g] for b in out], stats
+
+
+def _portable_group(group: list[SequenceUnit]) -> list[SequenceUnit]:
+    """``SequenceUnit.portable`` of each unit of a group, with a clip the group's rows share
+    (the overview: one object) compacted once and shared again by the copies: one pickle
+    sends its pixels once, not G times, and the receiving rank's ``prefix_groups`` finds the
+    same object (no pixel comparison)."""
+    memo: dict[int, Any] = {}
+    out = []
+    for u in group:
+        p = u.portable()
+        for orig, new in zip(u.sequences, p.sequences):
+            if orig.visuals is not None:
+                new.visuals = memo.setdefault(id(orig.visuals), new.visuals)
+        out.append(p)
+    return out
 
 
 def select_sequences(batch: PackedBatch, seqs: Sequence[int]) -> PackedBatch:
