@@ -141,9 +141,10 @@ def bench_linear_logprob(quick: bool) -> dict:
     return res
 
 
-def bench_linear_policy_loss(quick: bool) -> dict:
-    from paravt_kernels import linear_policy_loss
-
+def _policy_inputs(quick: bool) -> tuple:
+    """The linear-policy-loss shapes of docs/gpu (tokens 8192, or 2048 with ``quick``; d 4096;
+    vocab 151,936; 8 sequences), bf16 on CUDA, seed 0: ``(n, d, v, b, h, w, t, adv_seq, adv,
+    old, mask)``."""
     n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
     b = 8
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -154,6 +155,13 @@ def bench_linear_policy_loss(quick: bool) -> dict:
     adv = adv_seq.repeat_interleave(n // b)
     old = -torch.rand(n, device="cuda", generator=g) * 3 - 8
     mask = torch.ones(n, device="cuda")
+    return n, d, v, b, h, w, t, adv_seq, adv, old, mask
+
+
+def bench_linear_policy_loss(quick: bool) -> dict:
+    from paravt_kernels import linear_policy_loss
+
+    n, d, v, b, h, w, t, adv_seq, adv, old, mask = _policy_inputs(quick)
 
     def ours():
         h.grad = w.grad = None
@@ -470,16 +478,7 @@ def issue37_baselines(quick: bool) -> dict:
         return _skip("no CUDA device")
     from paravt_kernels import linear_logprob, linear_policy_loss, policy_loss
 
-    n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
-    b = 8
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    adv_seq = torch.randn(b, device="cuda", generator=g)
-    adv = adv_seq.repeat_interleave(n // b)
-    old = -torch.rand(n, device="cuda", generator=g) * 3 - 8
-    mask = torch.ones(n, device="cuda")
+    n, d, v, b, h, w, t, adv_seq, adv, old, mask = _policy_inputs(quick)
     flops = 6.0 * n * d * v
 
     def measure(fn) -> dict:
