@@ -420,32 +420,13 @@ class HFEngine:
         encoded once and its features, deepstack levels included, are repeated in request
         order as the model's ``mm_encoder_outputs``. Vision attention is per segment, so a
         segment's features do not depend on its batch-mates. Returns None (encode as usual)
-        when no object repeats.
+        when no object repeats. The same mechanism as the shared-prefix prefill's
+        (``_segment_features``: each distinct segment once, features in row order).
         """
-        uniq: dict[int, VisualInputs] = {}
-        for v in videos:
-            uniq.setdefault(id(v), v)
-        if len(uniq) == len(videos):
+        if len({id(v) for v in videos}) == len(videos):
             return None
-        dev, dtype = self.bundle.device, next(self.model.parameters()).dtype
-        u = VisualInputs.concat(list(uniq.values()))
-        assert u is not None
-        feats = self.model.model.get_video_features(
-            u.pixel_values.to(dev, dtype), u.grid_thw.to(dev), return_dict=True
-        )
-        self.stats["vision_patches"] += int(u.pixel_values.shape[0])
-        first_seg: dict[int, int] = {}
-        k = 0
-        for key, v in uniq.items():
-            first_seg[key] = k
-            k += v.num_segments
-        order = [first_seg[id(v)] + j for v in videos for j in range(v.num_segments)]
-        feats.pooler_output = tuple(feats.pooler_output[i] for i in order)
-        if getattr(feats, "deepstack_features", None) is not None:  # Qwen3-VL
-            feats.deepstack_features = [
-                tuple(level[i] for i in order) for level in feats.deepstack_features
-            ]
-        return feats
+        rows = [(v, 0, v.num_segments) for v in videos]
+        return self._segment_features([rows])[0]["mm_encoder_outputs"]["video"]
 
     def _generate_batch(
         self, reqs: list[GenerationRequest], gens: list[torch.Generator]
