@@ -141,6 +141,23 @@ def bench_linear_logprob(quick: bool) -> dict:
     return res
 
 
+def _liger_grpo(h, w, t, mask, adv_seq, old, b: int) -> tuple:
+    """Liger's ``LigerFusedLinearGRPOLoss`` as shipped (bnpo, no KL) on the packed inputs
+    viewed as ``b`` equal sequences: ``(the loss module, one forward + backward)``."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    n, d = h.shape
+    lf = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo")
+
+    def liger() -> None:
+        h.grad = w.grad = None
+        out = lf(h.view(b, n // b, d), w, t.view(b, n // b), mask.view(b, n // b), adv_seq,
+                 old_per_token_logps=old.view(b, n // b))  # fmt: skip
+        out[0].backward()
+
+    return lf, liger
+
+
 def _policy_inputs(quick: bool) -> tuple:
     """The linear-policy-loss shapes of docs/gpu (tokens 8192, or 2048 with ``quick``; d 4096;
     vocab 151,936; 8 sequences), bf16 on CUDA, seed 0: ``(n, d, v, b, h, w, t, adv_seq, adv,
@@ -173,15 +190,7 @@ def bench_linear_policy_loss(quick: bool) -> dict:
     flops = 6.0 * n * d * v
     res.update(seconds=t_ours, tflops=flops / t_ours / 1e12, peak_mem_bytes=_peak_mem(ours))
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        lf = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo")
-
-        def liger():
-            h.grad = w.grad = None
-            out = lf(h.view(b, n // b, d), w, t.view(b, n // b), mask.view(b, n // b), adv_seq,
-                     old_per_token_logps=old.view(b, n // b))  # fmt: skip
-            out[0].backward()
+        lf, liger = _liger_grpo(h, w, t, mask, adv_seq, old, b)
 
         with torch.no_grad():  # same loss value both ways (spot check)
             ours_loss = linear_policy_loss(h, w, t, old, adv, mask)[0]
@@ -513,15 +522,7 @@ def issue37_baselines(quick: bool) -> dict:
     except Exception as e:
         base["full_logits_bf16_gemm"] = {"error": f"{type(e).__name__}: {e}"}
     try:
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        lf = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="bnpo")
-
-        def liger():
-            h.grad = w.grad = None
-            out = lf(h.view(b, n // b, d), w, t.view(b, n // b), mask.view(b, n // b), adv_seq,
-                     old_per_token_logps=old.view(b, n // b))  # fmt: skip
-            out[0].backward()
+        _, liger = _liger_grpo(h, w, t, mask, adv_seq, old, b)
 
         base["liger_grpo_shipped"] = measure(liger)
         prev = torch.backends.cuda.matmul.allow_tf32
