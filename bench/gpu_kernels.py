@@ -289,19 +289,6 @@ def _policy_inputs(n: int, b: int, device: str):
     }
 
 
-def _policy_step(x: dict, seed: torch.Tensor):
-    from paravt_kernels import policy_loss
-
-    def step():
-        loss, _ = policy_loss(x["lp"], x["old"], x["adv"], x["mask"], ref_logprob=x["ref"],
-                              prox_logprob=x["prox"], behav_cap=2.0, kl_coef=0.01,
-                              kl_type="k3", agg="seq-mean-token-mean",
-                              cu_seqlens=x["cu"])  # fmt: skip
-        torch.autograd.grad(loss, x["lp"], grad_outputs=seed)
-
-    return step
-
-
 def issue37_policy_loss(quick: bool) -> dict:
     """Item 1: launches per call (Triton + torch ops, and CUDA kernels on the device), the
     byte model and the bandwidth it gives (min / median / max of 20 runs: the run-to-run
@@ -342,7 +329,9 @@ def issue37_policy_loss(quick: bool) -> dict:
         os.environ["PARAVT_IMPL"] = "triton"
     x = _policy_inputs(n, b, dev)
     seed = torch.ones((), device=dev)
-    step = _policy_step(x, seed)
+    from paravt_kernels.profiling import policy_loss_step
+
+    step = policy_loss_step(x, seed)
     step()
     c = count_launches(step)
     res["launches"] = {"triton": c.triton, "torch_ops": c.torch_ops, "total": c.total}

@@ -290,3 +290,21 @@ def policy_loss_op_host_cost(
         "ratio_grad": op_grad / plain,
         "extra_grad_us": (op_grad - plain) * 1e6,
     }
+
+
+def policy_loss_step(x: dict[str, torch.Tensor], grad_seed: torch.Tensor) -> Callable[[], None]:
+    """One ``policy_loss`` forward + backward on the inputs ``x`` (``lp`` with grad, ``old``,
+    ``adv``, ``mask``, ``ref``, ``prox``, ``cu``), decoupled objective with the behaviour cap
+    and k3 KL, seq-mean-token-mean: the call whose launches the tests count
+    (tests/test_kernels_policy_loss.py) and whose bandwidth the device check measures
+    (``bench/gpu_kernels.py --issue37``)."""
+    from paravt_kernels import policy_loss
+
+    def step() -> None:
+        loss, _ = policy_loss(x["lp"], x["old"], x["adv"], x["mask"], ref_logprob=x["ref"],
+                              prox_logprob=x["prox"], behav_cap=2.0, kl_coef=0.01,
+                              kl_type="k3", agg="seq-mean-token-mean",
+                              cu_seqlens=x["cu"])  # fmt: skip
+        torch.autograd.grad(loss, x["lp"], grad_outputs=grad_seed)
+
+    return step

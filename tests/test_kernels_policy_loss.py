@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 from paravt_kernels import POLICY_STAT_NAMES, policy_loss  # noqa: E402
 from paravt_kernels import reference as ref  # noqa: E402
+from paravt_kernels.profiling import policy_loss_step  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 IMPLS = [
@@ -349,17 +350,6 @@ def _bench_batch(n=1000, lengths=(300, 1, 299, 400), lp_dtype=torch.float32):
     }
 
 
-def _bench_step(b, seed_grad):
-    def step():
-        loss, _ = policy_loss(b["lp"], b["old"], b["adv"], b["mask"], ref_logprob=b["ref"],
-                              prox_logprob=b["prox"], behav_cap=2.0, kl_coef=0.01,
-                              kl_type="k3", agg="seq-mean-token-mean",
-                              cu_seqlens=b["cu"])  # fmt: skip
-        torch.autograd.grad(loss, b["lp"], grad_outputs=seed_grad)
-
-    return step
-
-
 @pytest.mark.parametrize("impl", ["triton"], indirect=True)
 @pytest.mark.skipif(not HAS_TRITON, reason="no triton")
 def test_at_most_four_launches_per_call(impl):
@@ -369,7 +359,7 @@ def test_at_most_four_launches_per_call(impl):
     from paravt_kernels.profiling import count_launches
 
     b = _bench_batch()
-    step = _bench_step(b, torch.ones(()))
+    step = policy_loss_step(b, torch.ones(()))
     step()  # warm-up: first-call work (lazy jit) is not per-call
     c = count_launches(step)
     assert c.triton == [
@@ -420,7 +410,7 @@ def test_byte_model_matches_the_launched_streams(impl, lp_dtype):
 
     n = 1000
     b = _bench_batch(n, lp_dtype=lp_dtype)
-    c = count_launches(_bench_step(b, torch.ones(())))
+    c = count_launches(policy_loss_step(b, torch.ones(())))
     tok = PolicyTokens(b["old"], b["adv"], b["mask"], b["ref"], b["prox"])
     per_token, fixed = policy_loss_bytes(b["lp"], tok, b["cu"], None)
     assert per_token == (36 if lp_dtype == torch.float32 else 32)
