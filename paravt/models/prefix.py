@@ -153,8 +153,7 @@ def clean_cut(
     """``(p', k)``: the largest ``p' <= p`` that cuts no visual segment's placeholders of a
     sequence with modality ``types`` and visuals ``v``, and the ``k`` segments wholly before
     it (a cut inside segment ``k`` moves to its first placeholder)."""
-    pos = (torch.as_tensor(types) != MM_TEXT).nonzero().squeeze(-1).tolist()
-    seg = segment_tokens(v, len(pos))
+    pos, seg = _placeholders(types, v)
     before = sum(1 for t in pos if t < p)
     k, acc = 0, 0
     while k < len(seg) and acc + seg[k] <= before:
@@ -187,10 +186,18 @@ def common_prefix(
     return p, k
 
 
+def _placeholders(
+    types: Sequence[int] | torch.Tensor, v: VisualInputs | None
+) -> tuple[list[int], list[int]]:
+    """The positions of a sequence's visual placeholders and each segment's count of them."""
+    pos = (torch.as_tensor(types) != MM_TEXT).nonzero().squeeze(-1).tolist()
+    return pos, segment_tokens(v, len(pos))
+
+
 def _segment_start(types: torch.Tensor, v: VisualInputs | None, k: int) -> int:
     """Position of the first placeholder of segment ``k``."""
-    pos = (torch.as_tensor(types) != MM_TEXT).nonzero().squeeze(-1).tolist()
-    return pos[sum(segment_tokens(v, len(pos))[:k])]
+    pos, seg = _placeholders(types, v)
+    return pos[sum(seg[:k])]
 
 
 def prefix_groups(batch: PackedBatch, seqs: Sequence[int]) -> list[PrefixGroup]:
