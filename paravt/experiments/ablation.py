@@ -50,6 +50,7 @@ from paravt.experiments.arms import (
     parse_arms,
     reused_checkpoint,
     run_arms,
+    save_panels,
     train_checkpoint,
 )
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
@@ -149,12 +150,7 @@ def plot_curves(runs: dict[str, list[list[dict[str, Any]]]], out_png: Path) -> P
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=80)
-    plt.close(fig)
-    return out_png
+    return save_panels(fig, axes, out_png)
 
 
 def _sft(cfg: Config, out: Path) -> Path:

@@ -479,3 +479,16 @@ def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -
     print(res["table"])
     print(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
     return 0
+
+
+def save_panels(fig: Any, axes: Any, out_png: Path) -> Path:
+    """Write an experiment's figure of step panels (``ablation.png``, ``collapse.png``): the
+    arms' legend on the first panel, tight layout, 80 dpi; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return out_png

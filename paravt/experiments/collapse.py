@@ -92,6 +92,7 @@ from paravt.experiments.arms import (
     run_driver,
     run_finished,
     run_stamp,
+    save_panels,
     train_checkpoint,
     write_stamp,
 )
@@ -586,12 +587,7 @@ def plot(res: dict[str, Any], out_png: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=80)
-    plt.close(fig)
-    return out_png
+    return save_panels(fig, axes, out_png)
 
 
 # ------------------------------------------------------------------------------ driver
