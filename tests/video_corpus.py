@@ -226,6 +226,16 @@ def _cfr(n: int, fps: float) -> list[float]:
     return [k / fps for k in range(n)]
 
 
+def _write_vfr(p: Path, ticks: list[int]) -> Path:
+    """H.264 at the encoder's nominal 30 fps whose frame ``i`` sits at ``ticks[i] / 30`` s."""
+    c = av.open(str(p), "w")
+    s = _video_stream(c, "libx264", Fraction(30), (48, 64), gop=10)
+    s.codec_context.time_base = Fraction(1, 30)
+    _mux_video(c, s, list(range(len(ticks))), ticks, tb=Fraction(1, 30))
+    c.close()
+    return p
+
+
 def _write_simple(
     path: Path,
     encoder: str,
@@ -456,12 +466,7 @@ def build_corpus(root: str | Path) -> dict[str, Case]:
     # Variable frame rate in mp4: gaps of 1-3 ticks of 1/30 s.
     steps = [1, 3, 2, 1, 3, 3, 1, 2] * 5
     ticks = [0, *np.cumsum(steps[:-1]).tolist()]
-    p = root / "vfr.mp4"
-    c = av.open(str(p), "w")
-    s = _video_stream(c, "libx264", Fraction(30), (48, 64), gop=10)
-    s.codec_context.time_base = Fraction(1, 30)
-    _mux_video(c, s, list(range(len(ticks))), ticks, tb=Fraction(1, 30))
-    c.close()
+    p = _write_vfr(root / "vfr.mp4", ticks)
     vfr_times = [t / 30 for t in ticks]
     vfr_fps = (len(ticks) - 1) / vfr_times[-1]
     add(Case(p.name, str(p), "mp4", "h264", 64, 48, vfr_fps, vfr_times, list(range(len(ticks))),
@@ -469,12 +474,7 @@ def build_corpus(root: str | Path) -> dict[str, Case]:
 
     # --- issue 34 -------------------------------------------------------------------------
     # 10. VFR in mkv: the muxer writes the encoder's nominal 30 fps as DefaultDuration.
-    p = root / "vfr.mkv"
-    c = av.open(str(p), "w")
-    s = _video_stream(c, "libx264", Fraction(30), (48, 64), gop=10)
-    s.codec_context.time_base = Fraction(1, 30)
-    _mux_video(c, s, list(range(len(ticks))), ticks, tb=Fraction(1, 30))
-    c.close()
+    p = _write_vfr(root / "vfr.mkv", ticks)
     add(Case(p.name, str(p), "mkv", "h264", 64, 48, vfr_fps, vfr_times, list(range(len(ticks))),
              "issue 34.10: H.264 variable frame rate, mkv (nominal 30 fps)"))  # fmt: skip
 
