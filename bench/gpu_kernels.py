@@ -52,7 +52,8 @@ def _peak_bandwidth(dev: int) -> float:
     return float("nan")
 
 
-def _time_cuda(fn, repeats: int = 5, warmup: int = 2) -> float:
+def _cuda_times(fn, repeats: int = 5, warmup: int = 2) -> list[float]:
+    """Seconds of ``repeats`` CUDA-event-timed calls after ``warmup`` calls, sorted."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -64,7 +65,11 @@ def _time_cuda(fn, repeats: int = 5, warmup: int = 2) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    times.sort()
+    return sorted(times)
+
+
+def _time_cuda(fn, repeats: int = 5, warmup: int = 2) -> float:
+    times = _cuda_times(fn, repeats, warmup)
     return times[len(times) // 2]
 
 
@@ -351,18 +356,7 @@ def issue37_policy_loss(quick: bool) -> dict:
     peak = _peak_bandwidth(torch.cuda.current_device())
 
     def bw_stats(fn, moved: int = per_token * n + fixed) -> dict:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(20):
-            s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s0.record()
-            fn()
-            s1.record()
-            torch.cuda.synchronize()
-            ts.append(s0.elapsed_time(s1) / 1e3)
-        ts.sort()
+        ts = _cuda_times(fn, repeats=20, warmup=3)
         return {"seconds_min": ts[0], "seconds_median": ts[10], "seconds_max": ts[-1],
                 "fraction_of_peak_median": moved / ts[10] / peak,
                 "fraction_of_peak_best": moved / ts[0] / peak}  # fmt: skip
