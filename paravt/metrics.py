@@ -511,12 +511,15 @@ def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None
 
     ok = bool(traj.turns)
     closed: list[float] = []
+    closed_tool: list[float] = []  # the turns that call a tool: the collapse's tool-turn closure
     for i, turn in enumerate(traj.turns):
         if turn.forced_answer:
             ok = False
             continue
         a = analyse_turn(turn.prefix + turn.text)
         closed.append(float(a["closed"]))
+        if turn.calls:
+            closed_tool.append(float(a["closed"]))
         ok = ok and a["well_formed"] and (i < len(traj.turns) - 1 or a["answer"])
     calls = [c for turn in traj.turns for c in turn.calls]
     return {
@@ -527,6 +530,7 @@ def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None
         "breakdown": {k: float(v) for k, v in traj.reward_breakdown.items()},
         "compliant": float(ok),
         "closed": closed,
+        "closed_tool": closed_tool,
         "n_calls": len(calls),
         "bad_calls": sum(c.status != "ok" for c in calls),
         "used_tool": float(any(c.status == "ok" for c in calls)),

@@ -192,10 +192,11 @@ def test_summary_values_and_schema() -> None:
     assert d["tool_rate_heldout_k"] == {"4": 0.5}
     assert d["mixed_steps"] == 2.0 and d["adv_tool_mixed"] == -0.75
     assert d["adv_no_tool_mixed"] == 1.0
+    cold = {"K4_tools/tool_calls_per_rollout": 2.5, "K4_tools/accuracy": 0.25}
     res = summarise(
         {"vanilla": {0: _rows([2.0, 0.0], 0.5), 1: _rows([3.0, 1.0], 1.0)}},
         [4],
-        {"K4_tools/tool_calls_per_rollout": 2.5, "K4_tools/accuracy": 0.25},
+        {0: cold, 1: cold},  # each seed's own cold start (equal here)
     )
     van = res["arms"]["vanilla"]
     assert van["kappa_start"] == {"mean": 2.5, "std": pytest.approx(math.sqrt(0.5))}
@@ -204,7 +205,7 @@ def test_summary_values_and_schema() -> None:
     kappa = van["curves"]["tool_calls_per_rollout"]
     assert kappa["step"] == [1, 2] and kappa["mean"] == [2.5, 0.5]
     assert kappa["std"] == [pytest.approx(math.sqrt(0.5)), pytest.approx(math.sqrt(0.5))]
-    # Held-out accuracy: the cold start's at step 0, then the runs' (mean over seeds).
+    # Held-out accuracy: the cold starts' at step 0, then the runs' (mean over seeds).
     assert van["curves"]["eval/K4"]["step"] == [0, 2]
     assert van["curves"]["eval/K4"]["mean"] == [0.25, 0.75]
     assert res["sft"]["4"]["kappa"] == 2.5
@@ -221,10 +222,60 @@ def test_summary_values_and_schema() -> None:
     assert set(van["mixed_steps"]) == {"mean", "std"}
 
 
+def _held(k: int, rates: list[tuple[bool, float, float]], step: int = 5) -> list[dict]:
+    """``heldout.jsonl`` rows of one evaluation at K: per prompt (needs the tool, tool-call
+    rate, accuracy); an earlier evaluation's rows and another K's are mixed in to be ignored."""
+    rows = [
+        {"kind": "eval_after", "step": step, "condition": f"K{k}_tools", "K": k,
+         "tool_call_rate": t, "accuracy": a, "format_compliance": 1.0 - t / 2,
+         "tool_turn_closure": float("nan") if t == 0 else 0.5,
+         "extra": {f"need_K{k}": need, "need_K99": not need}}
+        for need, t, a in rates
+    ]  # fmt: skip
+    old = {**rows[0], "kind": "eval_step", "step": 1, "tool_call_rate": 0.123}
+    other = {**rows[0], "condition": "K99_tools", "K": 99, "tool_call_rate": 0.456}
+    return [old, *rows, other]
+
+
+def test_same_k_splits_prompt_by_prompt_by_need_and_the_bars_are_judged() -> None:
+    from paravt.experiments.collapse import bars, same_k
+
+    v = same_k(_held(32, [(True, 1.0, 1.0), (True, 0.5, 0.5), (False, 0.0, 1.0)]), [32])["32"]
+    assert v["tool_rate_need"] == 0.75 and v["acc_need"] == 0.75
+    assert v["tool_rate_no_need"] == 0.0 and v["acc_no_need"] == 1.0
+    assert v["share_need"] == pytest.approx(2 / 3) and v["prompts"] == 3.0
+    assert v["format"] == pytest.approx((0.5 + 0.75 + 1.0) / 3)
+    assert v["tool_turn_closure"] == 0.5  # prompts without a tool turn left out
+    assert math.isnan(same_k([], [32])["32"]["tool_rate_need"])
+    # Seeds: the cold start calls on needing prompts (rate 1.0, accuracy 0.5); vanilla stops
+    # calling there (0.0, accuracy 0.25), PARA-GRPO keeps calling (1.0, accuracy 1.0).
+    start = {s: _held(32, [(True, 1.0, 0.5), (False, 1.0, 1.0)]) for s in (0, 1)}
+    held = {
+        "vanilla": {s: _held(32, [(True, 0.0, 0.25 + s / 100), (False, 0.0, 1.0)]) for s in (0, 1)},
+        "paragrpo": {s: _held(32, [(True, 1.0, 1.0), (False, 1.0, 1.0)]) for s in (0, 1)},
+    }
+    runs = {a: {s: _rows([1.0, 0.0], 0.5) for s in (0, 1)} for a in held}
+    res = summarise(runs, [32], {0: {}, 1: {}}, held, start, same_ks=[32])
+    assert res["same_k_start"]["32"]["tool_rate_need"] == {"mean": 1.0, "std": 0.0}
+    van = res["arms"]["vanilla"]["same_k"]["32"]
+    assert van["acc_need"]["mean"] == pytest.approx(0.255)
+    assert [s["same_k"]["32"]["acc_need"] for s in res["arms"]["vanilla"]["seeds"]] == [0.25, 0.26]
+    judged = {b["id"]: b["met"] for b in res["bars"]}
+    assert judged["a1"] and judged["a2"] and judged["a3"] and judged["a4"] and judged["a5"]
+    assert judged["b1"] is None and judged["b2"] is None  # anchoring, gating not run
+    assert [(b["id"], b["met"]) for b in bars(res)] == list(judged.items())
+    # A vanilla that keeps calling fails its bars.
+    held["vanilla"] = held["paragrpo"]
+    res = summarise(runs, [32], {0: {}, 1: {}}, held, start, same_ks=[32])
+    judged = {b["id"]: b["met"] for b in res["bars"]}
+    assert judged["a1"] is False and judged["a4"] is False
+
+
 def _args(spot_task, assets: dict[str, str], out: Path) -> list[str]:
     data, _ = spot_task
     kv = {
         **TASK,
+        "data.synth_task": "spot_late",  # protocol 3's task; each seed makes its own instance
         "data.synth_dir": str(data),
         "model.tiny_dir": assets["model"],
         "train.prompts_per_step": 2,
@@ -277,7 +328,9 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
         assert curves["eval/K2"]["step"] == [0, 1, 2] and curves["eval/K4"]["step"] == [0, 1, 2]
         run = out / arm / "seed7"
         cfg_text = (run / "config.yaml").read_text()
-        assert f"path: {out / 'sft'}" in cfg_text and "seed: 7" in cfg_text
+        cold = out / "cold" / "seed7"  # the seed's own cold start and task instance
+        assert f"path: {cold / 'sft'}" in cfg_text and "seed: 7" in cfg_text
+        assert f"synth_dir: {out / 'data' / 'seed7'}" in cfg_text and "synth_seed: 7" in cfg_text
         # The arm is a paravt.train run (run.json, the run folder's record, is train.run's),
         # and every number the summary reads is that run's own metrics file.
         assert (run / "run.json").is_file() and "eval_every: 1" in cfg_text
@@ -305,20 +358,30 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert "think_prefix: ''" in van_cfg and "base_format: reference" in van_cfg
     # The cold start: stage 1 (the preset's own SFT recipe, --base-steps) then stage 2 on the
     # all-tool records from stage 1's checkpoint, once for every arm.
-    assert (out / "base_sft" / "config.json").is_file()
-    base_params = json.loads((out / "base_sft_params.json").read_text())
+    cold = out / "cold" / "seed7"
+    assert (cold / "base_sft" / "config.json").is_file()
+    base_params = json.loads((cold / "base_sft_params.json").read_text())
     assert base_params["sft"]["steps"] == 2 and base_params["sft"]["data"] == ""
-    stage2 = json.loads((out / "sft_params.json").read_text())
-    assert stage2["model_path"] == str(out / "base_sft") and stage2["sft"]["steps"] == 2
-    sft_cfg = (out / "sft" / "config.json").is_file()
-    assert sft_cfg and (out / "sft_data.jsonl").stat().st_size > 0
-    # Stage 2's data by default: every tool turn leaves <think> open, and a quarter of the
-    # records are stage 1's direct answers (replayed).
-    assert stage2["replay"] == 0.25 and stage2["unclosed_think"] == 1.0
-    recs = [json.loads(x) for x in (out / "sft_data.jsonl").read_text().splitlines()]
+    assert base_params["seed"] == 7 and base_params["think"] == "untagged"
+    # Stage 1 learns the task without <think> (the format prior of its own).
+    base_text = (cold / "base_data.jsonl").read_text()
+    assert base_text and "<think>" not in base_text and "</think>" not in base_text
+    stage2 = json.loads((cold / "sft_params.json").read_text())
+    assert stage2["model_path"] == str(cold / "base_sft") and stage2["sft"]["steps"] == 2
+    assert (cold / "sft" / "config.json").is_file() and stage2["seed"] == 7
+    # Stage 2's data by default: a share u = 0.75 of the tool turns leaves <think> open, and a
+    # quarter of the records are stage 1's direct answers (replayed).
+    assert stage2["replay"] == 0.25 and stage2["unclosed_think"] == 0.75
+    recs = [json.loads(x) for x in (cold / "sft_data.jsonl").read_text().splitlines()]
     calls = [r for r in recs if "<tool_call>" in r["turns"][0]["content"]]
-    assert all("</think>" not in r["turns"][0]["content"] for r in calls)
+    assert calls and all(r["turns"][0]["content"].startswith("<think>\n") for r in calls)
     assert len(recs) - len(calls) == round(len(calls) / 3)
+    # Every arm measured at the same K, split prompt by prompt by need; the bars judged.
+    for a in res["arms"].values():
+        for k in ("2", "4"):
+            assert set(a["same_k"][k]) >= {"tool_rate_need", "acc_need", "tool_turn_closure"}
+    assert set(res["same_k_start"]) == {"2", "4"} and len(res["bars"]) == 7
+    assert res["task"] == "spot_late" and "Every arm at the same K = 4" in printed
     assert set(res["sft"]) == {"2", "4"} and res["sft"]["4"]["kappa"] >= 0.0
     assert (out / "collapse.png").stat().st_size > 1000
     # Other cold-start settings into the same folder are refused, not silently mixed.
@@ -337,13 +400,13 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
 
     # A rerun keeps the SFT, its evaluation and the finished runs (nothing is rerun) ...
     logs = {p: p.stat().st_mtime_ns for p in out.glob("*/seed*/train.log")}
-    evals = (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns
+    evals = (cold / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert printed.count("finished before, kept") == 2 and "SFT checkpoint" in printed
-    assert f"SFT checkpoint {out / 'base_sft'} exists: reused" in printed
+    assert f"SFT checkpoint {cold / 'base_sft'} exists: reused" in printed
     assert all(p.stat().st_mtime_ns == t for p, t in logs.items()) and len(logs) == 2
-    assert (out / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns == evals
+    assert (cold / "sft_eval" / "metrics.jsonl").stat().st_mtime_ns == evals
     # ... and one cut short (no eval_after row, as if preempted before it) holding a checkpoint
     # is resumed from it (python -m paravt.train --resume), as a training run is.
     para = out / "paragrpo" / "seed7"
@@ -365,7 +428,7 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert "vanilla_ref seed 7: made with other settings (algo.clip_high: " in printed
     assert "clip_high: 0.5" in (out / "vanilla_ref" / "seed7" / "config.yaml").read_text()
     assert (
-        json.loads((out / "sft_eval" / "stamp.json").read_text())["config"]["algo"]["clip_high"]
+        json.loads((cold / "sft_eval" / "stamp.json").read_text())["config"]["algo"]["clip_high"]
         == 0.5
     )
 
@@ -381,7 +444,7 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
     assert main(["collapse", "--replay", "1.0", "--out", str(x)]) == 2
     assert "--replay 1.0 must be in [0, 1)" in capsys.readouterr().err and not x.exists()
     assert main(["collapse", "--out", str(x), "data.synth_task=cue"]) == 2
-    assert "'spot' task" in capsys.readouterr().err and not x.exists()
+    assert "'spot_late' task" in capsys.readouterr().err and not x.exists()
     assert set(ARMS) == {
         "vanilla", "vanilla_ref", "anchoring", "gating", "paragrpo", "paragrpo_no_rtool"
     }  # fmt: skip

@@ -83,7 +83,24 @@ SHAPES = ("square", "circle", "triangle")
 # shapes), while colours are read without error.
 SPOT_COLOURS = ("red", "yellow", "cyan", "magenta")
 SPOT_SHAPE = "square"
-TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot")
+TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late")
+# The "spot_late" task (:func:`_plan_spot_late`): a spot square in the first half of the video
+# and, in a share SPOT_LATE_SHARE of the videos, a brief square of another colour after it; the
+# question asks for the last square's colour. At 60 s and K = 32 (one overview frame per 1.9 s)
+# a 1 s square is missed about half the time, and the overview then looks like a one-square
+# video: the need for a crop is hidden from the overview (the collapse experiment's task).
+SPOT_LATE_EVENT = 1.0
+SPOT_LATE_SHARE = 0.5
+# The "spot_decoy" task (:func:`_plan_spot_decoy`): the "spot" task, but in a share
+# SPOT_DECOY_SHARE (q) of the videos the square shows another colour in exactly the frames the
+# K = DECOY_K overview samples; every other frame (the crops') shows the truth. The K = 32
+# overview then shows one square of a wrong colour, like any one-square video: the need for a
+# crop is hidden from it.
+SPOT_DECOY_SHARE = 0.25
+DECOY_K = 32
+# Each row records, per overview budget K here, whether the K-frame overview misses the square
+# the question asks about (``need_K{K}``: the overview cannot answer it; a crop can).
+NEED_BUDGETS = (2, 4, 8, 16, 32, 64)
 # How long the square shows, in seconds: 2-3 s squares fall in one of a crop's 2 s temporal
 # patches, and the tiny model learnt to find that one visual token among six in some SFT runs
 # and not in others (teacher-forced colour accuracy 0.23-1.0); at 4-6 s they fill 2-3 of them.
@@ -148,8 +165,9 @@ def write_video(
     crf: int = 15,
 ) -> Path:
     """Encode RGB uint8 frames (H, W, 3) to ``path`` with a fixed GOP (keyframe every ``gop``
-    frames, scene-cut keyframes off) and constant frame rate ``fps``. Single-threaded, so the
-    output is byte-deterministic. ``codec``: 'h264' (libx264, .mp4) or 'vp9' (libvpx, .webm).
+    frames, scene-cut keyframes off) and constant frame rate ``fps``. Single-threaded and
+    (H.264) without libx264's macroblock tree, so the output is byte-deterministic.
+    ``codec``: 'h264' (libx264, .mp4) or 'vp9' (libvpx, .webm).
     """
     if codec not in ENCODERS:
         raise ValueError(f"write_video: codec '{codec}' is not one of {sorted(ENCODERS)}")
@@ -165,12 +183,16 @@ def write_video(
         stream.gop_size = gop
         stream.thread_count = 1
         if codec == "h264":
-            # keyint_min=gop + scenecut=0: keyframes exactly every `gop` frames.
+            # keyint_min=gop + scenecut=0: keyframes exactly every `gop` frames. mbtree=0: with
+            # the macroblock tree on, libx264 (single-threaded too) reads uninitialised memory:
+            # the same frames gave other bytes from run to run (spot_late seed 0's vid_0118,
+            # decoded pixels off by up to 3 in frames 6-7; MALLOC_PERTURB_ changes the output),
+            # and so two "identical" data folders trained differently.
             stream.options = {
                 "crf": str(crf),
                 "preset": "veryfast",
                 "threads": "1",
-                "x264-params": f"scenecut=0:keyint={gop}:min-keyint={gop}",
+                "x264-params": f"scenecut=0:keyint={gop}:min-keyint={gop}:mbtree=0",
             }
         else:
             stream.options = {
@@ -250,6 +272,9 @@ class VideoPlan:
     target: Event
     distractors: list[Event]
     side: int = 0  # shape side in px (0: a third of the frame's shorter side)
+    # "spot_decoy": the colour the square shows in the frames the K = DECOY_K overview samples
+    # (None: no decoy)
+    decoy: str | None = None
 
 
 def _half(x: float) -> float:
@@ -307,6 +332,58 @@ def _plan_spot(
     return VideoPlan(name, duration, None, 0.0, 0.0, target, [], side)
 
 
+def _plan_spot_late(
+    rng: random.Random, name: str, min_d: float, max_d: float, size: tuple[int, int]
+) -> VideoPlan:
+    """A "spot_late" video: a ``SPOT_EVENT`` square in the first half, and with probability
+    ``SPOT_LATE_SHARE`` a brief (``SPOT_LATE_EVENT``) square of another colour at least 2 s
+    after it. ``target`` is the last square (the one asked about), ``distractors`` the earlier
+    one when there are two."""
+    h, w = size
+    duration = _half(rng.uniform(min_d, max_d))
+    ev_len = _half(rng.uniform(*SPOT_EVENT))
+    start = _half(rng.uniform(1, max(1.0, duration / 2 - ev_len)))
+    side = max(8, round(min(h, w) * SPOT_SIDE))
+    top = round(h * STRIP_FRAC) + 2
+
+    def pos() -> tuple[int, int]:
+        return rng.randrange(2, w - side - 1), rng.randrange(top, h - side - 1)
+
+    colours = list(SPOT_COLOURS)
+    rng.shuffle(colours)
+    first = Event(colours[0], SPOT_SHAPE, start, start + ev_len, *pos())
+    if rng.random() >= SPOT_LATE_SHARE:
+        return VideoPlan(name, duration, None, 0.0, 0.0, first, [], side)
+    lo, hi = first.end + 2.0, duration - SPOT_LATE_EVENT - 1.0
+    late_start = _half(rng.uniform(lo, max(lo, hi)))
+    late = Event(colours[1], SPOT_SHAPE, late_start, late_start + SPOT_LATE_EVENT, *pos())
+    return VideoPlan(name, duration, None, 0.0, 0.0, late, [first], side)
+
+
+def _plan_spot_decoy(
+    rng: random.Random, name: str, min_d: float, max_d: float, size: tuple[int, int]
+) -> VideoPlan:
+    """A "spot_decoy" video: a "spot" video (:func:`_plan_spot`) whose square, with
+    probability ``SPOT_DECOY_SHARE``, shows another ``SPOT_COLOURS`` colour (``decoy``) in the
+    frames the K = ``DECOY_K`` overview samples (:func:`decoy_frames`)."""
+    plan = _plan_spot(rng, name, min_d, max_d, size)
+    if rng.random() < SPOT_DECOY_SHARE:
+        plan.decoy = rng.choice([c for c in SPOT_COLOURS if c != plan.target.colour])
+    return plan
+
+
+def decoy_frames(plan: VideoPlan, fps: float) -> frozenset[int]:
+    """The frame indices of ``plan``'s video that show its ``decoy`` colour: the frames the
+    K = ``DECOY_K`` overview decodes (the last frame with pts <= each of its times); empty
+    without a decoy."""
+    from paravt.video import overview_timestamps
+
+    if plan.decoy is None:
+        return frozenset()
+    times = overview_timestamps(_meta(plan, fps), DECOY_K)
+    return frozenset(math.floor(t * fps + 1e-6) for t in times)
+
+
 def _shape_mask(shape: str, side: int) -> np.ndarray:
     yy, xx = np.mgrid[0:side, 0:side]
     if shape == "square":
@@ -323,6 +400,7 @@ def _render(plan: VideoPlan, fps: float, size: tuple[int, int]) -> Iterable[np.n
     side = plan.side or max(8, min(h, w) // 3)
     masks = {s: _shape_mask(s, side) for s in SHAPES}
     events = [plan.target, *plan.distractors]
+    decoys = decoy_frames(plan, fps)
     for i in range(round(plan.duration * fps)):
         t = i / fps
         f = np.empty((h, w, 3), np.uint8)
@@ -333,7 +411,8 @@ def _render(plan: VideoPlan, fps: float, size: tuple[int, int]) -> Iterable[np.n
         for e in events:
             if e.start <= t < e.end:
                 region = f[e.y : e.y + side, e.x : e.x + side]
-                region[masks[e.shape]] = SHAPE_COLOURS[e.colour]
+                colour = plan.decoy if (e is plan.target and i in decoys) else e.colour
+                region[masks[e.shape]] = SHAPE_COLOURS[colour]
         draw_frame_index(f, i)
         yield f
 
@@ -452,10 +531,13 @@ class _Seen:
         ts = [float(t) for t in times]
         ts += [ts[-1]] * (-len(ts) % tp)
         # The decoder returns the last frame with pts <= t; frame i shows the scene at i / fps.
-        shown = [math.floor(t * fps + 1e-6) / fps for t in ts]
+        frames = [math.floor(t * fps + 1e-6) for t in ts]
+        shown = [i / fps for i in frames]
         self.stamps = [round(x, 1) for x in patch_timestamps(ts, tp)]
         self.patches = [shown[i : i + tp] for i in range(0, len(shown), tp)]
+        self.frames = [frames[i : i + tp] for i in range(0, len(frames), tp)]
         self.plan = plan
+        self.decoys = decoy_frames(plan, fps)
 
     def cue(self) -> list[float]:
         p = self.plan
@@ -466,8 +548,22 @@ class _Seen:
         ]
 
     def event(self, e: Event) -> list[float]:
+        """The patches where a frame shows ``e`` in its own colour (for a "spot_decoy" target:
+        a frame that is not a decoy frame)."""
+        skip = self.decoys if e is self.plan.target else frozenset()
         return [
-            s for s, f in zip(self.stamps, self.patches) if any(e.start <= t < e.end for t in f)
+            s
+            for s, ts, ix in zip(self.stamps, self.patches, self.frames)
+            if any(e.start <= t < e.end and i not in skip for t, i in zip(ts, ix))
+        ]
+
+    def decoyed(self) -> list[float]:
+        """The patches where a frame shows the target in its decoy colour ("spot_decoy")."""
+        e = self.plan.target
+        return [
+            s
+            for s, ts, ix in zip(self.stamps, self.patches, self.frames)
+            if any(e.start <= t < e.end and i in self.decoys for t, i in zip(ts, ix))
         ]
 
 
@@ -634,12 +730,42 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     return _tool_record(row, num_frames, plan_text, windows, summaries, found, ans)
 
 
-def _spot_rows(plan: VideoPlan, rel_video: str, seed: int) -> list[dict]:
+def need_flags(plan: VideoPlan, fps: float, temporal_patch: int = 2) -> dict[str, bool]:
+    """``need_K{K}`` for every K of ``NEED_BUDGETS``: whether the K-frame overview misses the
+    square the question asks about (no overview patch shows it), so that only a crop can
+    answer. Recorded in every "spot"/"spot_late" row (``Sample.extra``, and so in the
+    held-out evaluation's ``heldout.jsonl`` rows): the collapse experiment splits its same-K
+    metrics by it, prompt by prompt."""
+    from paravt.video import overview_timestamps
+
+    meta = _meta(plan, fps)
+    return {
+        f"need_K{k}": not _Seen(plan, fps, overview_timestamps(meta, k), temporal_patch).event(
+            plan.target
+        )
+        for k in NEED_BUDGETS
+    }
+
+
+SPOT_QUESTIONS = {
+    "spot": "A coloured square briefly appears in the video. What colour is it?",
+    "spot_decoy": "A coloured square briefly appears in the video. What colour is it?",
+    "spot_late": "Coloured squares briefly appear in the video. What colour is the last one?",
+}
+
+
+def _spot_rows(
+    plan: VideoPlan, rel_video: str, seed: int, fps: float, task: str = "spot"
+) -> list[dict]:
     """A "spot" video's multiple-choice row: the square's colour, with the fixed options
     ``SPOT_COLOURS`` in that order. The letter is a fixed function of the colour, so what must
     be learnt is to see the square (the overview's frames or a crop's) and to carry the
-    sub-agents' colour word to the answer."""
+    sub-agents' colour word to the answer. ``task='spot_late'``: the last square's colour, and
+    how many squares the video shows (``squares``). Both record :func:`need_flags`."""
     tgt = plan.target
+    late = {"squares": 1 + len(plan.distractors)} if task == "spot_late" else {}
+    if task == "spot_decoy":
+        late = {"decoy": plan.decoy is not None}
     return [
         {
             "id": f"synth-s{seed}-{plan.name}-colour",
@@ -648,15 +774,40 @@ def _spot_rows(plan: VideoPlan, rel_video: str, seed: int) -> list[dict]:
             "event_end": tgt.end,
             "target": tgt.name,
             # The stem only: the prompt lists the options (see _mcq).
-            "question": "A coloured square briefly appears in the video. What colour is it?",
+            "question": SPOT_QUESTIONS[task],
             "answer": "ABCD"[SPOT_COLOURS.index(tgt.colour)],
             "question_type": "mcq",
             # In capitals: then the lower-case colour word of a sub-agent's summary appears
             # nowhere else in the main agent's context, and carrying it to the final thought
             # is a match on the word alone, not on where it stands.
             "options": [o.upper() for o in SPOT_COLOURS],
+            **late,
+            **need_flags(plan, fps),
         }
     ]
+
+
+def square_summary(plan: VideoPlan, crop: _Seen, end: float) -> str:
+    """The sub-agent's oracle summary of a "spot"/"spot_late" crop ending at ``end``: each
+    square its frames show, in order of time, as ``A <colour> square appears at <a>-<b> s.``;
+    ``Nothing notable happens.`` when none."""
+    parts = []
+    for e in sorted([plan.target, *plan.distractors], key=lambda e: e.start):
+        span = _span(crop, crop.event(e), end)
+        if span:
+            parts.append(f"A {e.name} appears at {span[0]:.1f}-{span[1]:.1f} s.")
+    return " ".join(parts) or "Nothing notable happens."
+
+
+def square_found(plan: VideoPlan, seen: bool) -> str:
+    """The main agent's thought after the crops of a "spot"/"spot_late" video: it repeats the
+    words of the summary sentence that names the square asked about (``A <colour> square
+    appears``, ``... appears last.`` when the video has two squares), or says the crops missed
+    it (``seen`` False)."""
+    tgt = plan.target
+    if not seen:
+        return f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
+    return f"A {tgt.name} appears last." if plan.distractors else f"A {tgt.name} appears."
 
 
 def _spot_sft(
@@ -670,40 +821,41 @@ def _spot_sft(
     crop the whole video in ``max_parallel`` equal windows — the same calls for every video of
     one duration, so the calls need no copying — and answer from the summary that names the
     shape (``A <colour> <shape> appears at <a>-<b> s.``, or ``Nothing notable happens.``),
-    repeating its ``A <colour> <shape> appears`` in the final thought."""
+    repeating its ``A <colour> <shape> appears`` in the final thought.
+
+    "spot_late" (two squares in some videos, the question asks for the last): the same, with
+    the last square as the shape; an overview that shows only the earlier square writes no
+    record (what the overview shows cannot tell that video from a one-square video, and the
+    oracle neither guesses nor calls on knowledge the model lacks), and summaries name every
+    square of their crop in order (:func:`square_summary`)."""
     from paravt.video import overview_timestamps
 
     meta = _meta(plan, fps)
     tgt = plan.target
     over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
+    if over.decoyed():
+        return []  # the overview shows a wrong colour (all of it, or some): no record
     if over.event(tgt):
+        last = " last" if plan.distractors else ""
         answer = (
-            f"<think>\nThe overview shows a {tgt.name}.\n</think>\n<answer>{row['answer']}</answer>"
+            f"<think>\nThe overview shows a {tgt.name}{last}.\n</think>\n"
+            f"<answer>{row['answer']}</answer>"
         )
         forced = {"role": "assistant", "content": f"{row['answer']}</answer>", "forced": True}
         return [
             _record(row, num_frames, {"role": "assistant", "content": answer}),
             _record(row, num_frames, forced),
         ]
+    if any(over.event(e) for e in plan.distractors):
+        return []  # the need is hidden from the overview: no record
     n = max(1, st.max_parallel)
     edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
     windows = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-    summaries, seen = [], False
-    for a, b in windows:
-        crop = _crop_seen(plan, meta, a, b, st)
-        span = _span(crop, crop.event(tgt), b)
-        seen = seen or span is not None
-        summaries.append(
-            f"A {tgt.name} appears at {span[0]:.1f}-{span[1]:.1f} s."
-            if span
-            else "Nothing notable happens."
-        )
+    crops = [_crop_seen(plan, meta, a, b, st) for a, b in windows]
+    summaries = [square_summary(plan, c, b) for c, (_, b) in zip(crops, windows)]
+    seen = any(c.event(tgt) for c in crops)
     plan_text = "The overview shows no shape; I will look at the whole video."
-    found = (
-        f"A {tgt.name} appears."
-        if seen
-        else f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
-    )
+    found = square_found(plan, seen)
     return [_tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])]
 
 
@@ -780,7 +932,8 @@ def generate(
     oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
-        "version": 4,
+        # 5: need_K* in the spot rows, spot_late, spot_decoy; 6: x264 mbtree=0 (deterministic)
+        "version": 6,
         "task": task,
         "num_videos": num_videos,
         "seed": seed,
@@ -811,7 +964,9 @@ def generate(
     for v, name in enumerate(names):
         # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
         rng = random.Random(f"paravt-synth:{seed}:{v}")
-        make_plan = _plan_spot if task == "spot" else _plan_video
+        make_plan = {
+            "spot": _plan_spot, "spot_late": _plan_spot_late, "spot_decoy": _plan_spot_decoy,
+        }.get(task, _plan_video)  # fmt: skip
         plan = make_plan(rng, name, min_duration, max_duration, size)
         plans.append(asdict(plan))
         rel = f"videos/{name}{ext}"
@@ -822,15 +977,15 @@ def generate(
         os.replace(tmp, out / rel)
         train_video = v < num_videos - n_val
         # Held-out videos keep one mcq row each (the evaluation's 3 questions per video).
-        if task == "spot":
-            rows = _spot_rows(plan, rel, seed)
+        if task in SPOT_QUESTIONS:
+            rows = _spot_rows(plan, rel, seed, fps, task)
         else:
             rows = _rows(plan, rel, rng, seed, mcq_variants if train_video else 1)
         if train_video:
             train.extend(rows)
             for r in rows:
                 for k in oracle.budgets:
-                    if task == "spot":
+                    if task in SPOT_QUESTIONS:
                         sft.extend(_spot_sft(r, plan, fps, k, oracle))
                     else:
                         sft.append(_sft(r, plan, fps, k, oracle))
@@ -867,7 +1022,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--num-videos", type=int, default=12)
-    p.add_argument("--task", choices=TASKS, default="cue", help="cue (default) | spot")
+    p.add_argument(
+        "--task", choices=TASKS, default="cue", help="cue (default) | spot | spot_late | spot_decoy"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--codec", choices=sorted(ENCODERS), default="h264")
     p.add_argument("--min-duration", type=float, default=60)

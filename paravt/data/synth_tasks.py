@@ -5,8 +5,10 @@ av and torch; it checks the same through :func:`synth_task_error`)."""
 from __future__ import annotations
 
 # The synthetic tasks (paravt.data.synth) and the shortest video each allows, in seconds: the
-# cue window alone is 20-30 s; a spot square lasts 4-6 s.
-SYNTH_TASK_MIN_SECONDS = {"cue": 30.0, "spot": 10.0}
+# cue window alone is 20-30 s; a spot square lasts 4-6 s; "spot_late" places a 4-6 s square in
+# the first half and may follow it with a brief one; "spot_decoy" is "spot" with a decoy colour
+# in the frames of the K = 32 overview.
+SYNTH_TASK_MIN_SECONDS = {"cue": 30.0, "spot": 10.0, "spot_late": 20.0, "spot_decoy": 10.0}
 
 
 def synth_task_error(task: str, min_duration: float, max_duration: float) -> str | None:

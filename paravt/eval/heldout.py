@@ -50,10 +50,11 @@ def table_rows(cfg: Config) -> list[tuple[str, str]]:
 def prompt_row(name: str, g: Any, recs: list[dict[str, Any]]) -> dict[str, Any]:
     """One ``heldout.jsonl`` row: a held-out prompt's rollouts (``recs``, its group ``g``)
     under condition ``name``: its K, the share of its rollouts that executed a crop, its
-    accuracy, format compliance, `</think>` closure (of its non-forced turns; NaN: none) and
-    calls per rollout, with the sample's scalar ``extra`` fields (what the generator recorded
+    accuracy, format compliance, `</think>` closure (of its non-forced turns, and of those that
+    call a tool: ``tool_turn_closure``; NaN: none) and calls per rollout, with the sample's scalar ``extra`` fields (what the generator recorded
     about it). Per prompt, so that a tool rate can be checked prompt by prompt."""
     closed = [c for r in recs for c in r["closed"]]
+    closed_tool = [c for r in recs for c in r.get("closed_tool", ())]
     n = len(recs)
     extra = {k: v for k, v in g.sample.extra.items() if isinstance(v, (bool, int, float, str))}
     return {
@@ -66,6 +67,7 @@ def prompt_row(name: str, g: Any, recs: list[dict[str, Any]]) -> dict[str, Any]:
         "tool_calls_per_rollout": sum(r["n_calls"] for r in recs) / n,
         "format_compliance": sum(r["compliant"] for r in recs) / n,
         "think_closure_rate": sum(closed) / len(closed) if closed else float("nan"),
+        "tool_turn_closure": (sum(closed_tool) / len(closed_tool) if closed_tool else float("nan")),
         **({"extra": extra} if extra else {}),
     }
 

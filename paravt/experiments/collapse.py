@@ -1,67 +1,60 @@
 """``python -m paravt.experiments collapse`` — does vanilla GRPO lose tool use, and does
-PARA-GRPO keep it? (docs/DESIGN.md, "Experiments" and "The collapse experiment, protocol 3".)
+PARA-GRPO keep it? (docs/DESIGN.md, "The collapse experiment, protocol 3".)
 
     python -m paravt.experiments collapse [--seeds 3] [--first-seed 0] [--arms a,b,...]
         [--out runs/collapse] [--preset tiny_cpu] [--config configs/collapse.yaml ...]
-        [--windows 2,3] [--unclosed-think 1.0] [--replay 0.25] [--eval-every 25]
-        [--eval-k 2,4,8,16,32] [key=value ...]
+        [--windows 2,3] [--unclosed-think 0.75] [--replay 0.25] [--eval-every 25]
+        [--eval-k 4,32] [key=value ...]
 
-The ablation (``paravt.experiments.ablation``) cannot show the paper's collapse: its cold start is too
-good (format 1.000 after SFT, so anchoring is constant within a group) and its vanilla arm never
-calls the tool (its SFT taught answering from a 32-frame overview). This experiment changes the
-cold start, not the system:
+Protocol 3 (``docs/collapse/protocol3/PREREGISTRATION.md``; protocols 1 and 2 in
+``docs/collapse/`` and ``docs/collapse_notes.md``):
 
-1. **Cold start like the paper's**, two stages. Stage 1 (:func:`base_sft`, ``--base-steps``,
-   default the preset's own recipe: 4000 steps for ``tiny_cpu``) is the embedded default's SFT,
-   so the model reads colours from the frames as a pretrained VLM does (``model.path=...``
-   skips it). Stage 2 (:func:`cold_start`, ``sft.*`` of ``configs/collapse.yaml``: 200 steps
-   at lr 1e-3) trains from it on :func:`all_tool_records` (written to ``OUT/sft_data.jsonl``):
-   on the same "spot" task every oracle trajectory calls ``crop_video`` whatever K — also when
-   the overview already shows the square — on ``n`` equal windows of the whole video, ``n``
-   drawn per (video, K) from ``--windows`` by a stable hash (2,3: κ = 2.5 calls per rollout),
-   then answers from the summaries. ``--unclosed-think`` (the share of tool turns that never
-   close ``<think>``; 1.0: all of them) is the fragile format: the tags that collapse under
-   sampling. ``--replay`` (:func:`replay_records`) mixes in a share of stage 1's own direct
-   answers, so that a clean answer without the tool survives the tool SFT, as a pretrained
-   VLM's does. The embedded default's recipe is untouched.
-2. **One SFT checkpoint** ``OUT/sft``; the step-0 numbers of every arm (κ, format, held-out
-   accuracy per K) come from one evaluation of it, ``OUT/sft_eval`` (``paravt.train.run``
-   with ``train.steps=0``, in the driver's process).
+1. **A task whose need for the tool the overview cannot show** (``data.synth_task=spot_late``,
+   ``configs/collapse.yaml``): a 4-6 s square and, in half the videos, a brief later one; the
+   question asks for the last. At vanilla's K = 32 the overview misses the brief square about
+   half the time and then looks like a one-square video. Every row records, per K, whether
+   its overview misses the square asked about (``need_K{K}``), and the held-out evaluation's
+   per-prompt rows carry it.
+2. **Per seed, its own task instance and cold start** (:func:`seed_config`; ``OUT/data/seedN``,
+   ``OUT/cold/seedN``; both SFT stages single-threaded, so thread counts do not change them).
+   Stage 1 (:func:`base_sft`, ``--base-steps``, default the preset's own 4000-step recipe;
+   ``model.path=...`` skips it) learns the task from its oracle records with the ``<think>``
+   tags removed (:func:`base_records`): a format prior of its own. Stage 2
+   (:func:`cold_start`, ``sft.*`` of ``configs/collapse.yaml``) lays the tags over it: every
+   trajectory calls ``crop_video`` on ``n`` equal windows of the whole video whatever K
+   (:func:`all_tool_records`, ``--windows``), a share ``--unclosed-think`` u of the tool
+   turns never closes ``<think>`` (below 1, so closed tool turns stay in the support), and
+   ``--replay`` mixes in direct answers (:func:`replay_records`). One evaluation of each cold
+   start (``OUT/cold/seedN/sft_eval``, ``paravt.train.run`` with ``train.steps=0``) gives the
+   start values.
 3. **Arms** (``paravt.experiments.arms.arm_overrides``): ``vanilla`` (fixed K = the largest
-   budget, where the overview always shows the square: a call adds only risk; no anchoring),
-   ``vanilla_ref`` (the reference implementation's vanilla: no pinned ``<think>``, its
-   closure-blind format reward, answer fallbacks and R_tool), ``anchoring``, ``gating``,
-   ``paragrpo``, ``paragrpo_no_rtool``; every arm × seed is one ``python -m paravt.train``
-   run from ``OUT/sft`` into ``OUT/ARM/seedN`` (``paravt.experiments.arms.run_arms``, the
-   one driver the ablation uses too). What this experiment reads is the training run's own:
-   a held-out evaluation every ``--eval-every`` steps (``train.eval_every``: ``kind:
-   "eval_step"`` rows of ``metrics.jsonl``, per-prompt rows in ``heldout.jsonl``) and, per
-   step, the mean group advantage of rollouts that used the tool against those that did not
-   in groups holding both (``adv/tool``, ``adv/no_tool``, ``adv/mixed_groups``:
-   ``paravt.metrics.rollout_metrics``), the measured reason for a collapse or its absence.
+   budget; no anchoring), ``vanilla_ref`` (the reference implementation's vanilla: no pinned
+   ``<think>``, its closure-blind format reward, answer fallbacks and R_tool), ``anchoring``,
+   ``gating``, ``paragrpo``, ``paragrpo_no_rtool``; every arm × seed is one ``python -m
+   paravt.train`` run from its seed's cold start into ``OUT/ARM/seedN``
+   (``paravt.experiments.arms.run_arms``, the one driver the ablation uses too). What this
+   experiment reads is the training run's own: a held-out evaluation every ``--eval-every``
+   steps (``train.eval_every``: ``eval_step`` rows, per-prompt rows in ``heldout.jsonl``) and
+   per step the mean group advantage of rollouts with and without a crop in groups holding
+   both (``adv/tool``, ``adv/no_tool``, ``adv/mixed_groups``).
 4. ``OUT/collapse.json``, ``OUT/collapse.md`` (printed) and ``OUT/collapse.png``
-   (:func:`summarise`): per arm κ and format compliance fτ at the start (step 1, the SFT
-   policy's own rollouts) and the end (mean of the last 5 steps), held-out accuracy after RL
-   per K, the tool-call rate at the end per K the arm trained at, and the diagnosis (steps
-   with a mixed group, the mean advantage of tool and no-tool rollouts there), each
-   ``{"mean", "std"}`` over seeds, the per-seed values and per-step curves.
+   (:func:`summarise`): per arm κ and fτ at the start (step 1) and the end (mean of the last
+   5 steps) at the arm's own K, held-out accuracy per K, the diagnosis, and **every arm at the
+   same K** (:func:`same_k`, each K of ``--eval-k``): tool-call rate on prompts that need the
+   tool and on those that do not, accuracy on each, fτ and tool-turn ``</think>`` closure, with
+   the cold starts' values before RL; then the pre-registered bars (:func:`bars`), each
+   ``{"mean", "std"}`` over seeds, with per-seed values and per-step curves.
 
-A rerun into the same ``--out`` keeps the SFT checkpoint (its stamp matching), its evaluation
-and every finished run (its ``metrics.jsonl`` holds ``eval_after``) whose ``stamp.json`` (the
-resolved config, ``train.eval_every`` included; ``paravt.experiments.arms.kept_run``) matches
-what the rerun would run, resumes (``--resume``) a run cut short that holds a checkpoint (a
-preempted run writes one) and redoes the others from scratch.
-``OUT/.lock`` refuses a second command into a folder a live one holds; SIGTERM / SIGINT /
-SIGUSR1 to the command reach the arm run's process group (the run stops, then the command, exit
-128 + the signal).
+A rerun into the same ``--out`` keeps each seed's data, cold start (its stamp matching), its
+evaluation and every finished run (``eval_after`` in ``metrics.jsonl``) whose ``stamp.json``
+matches what the rerun would run, resumes (``--resume``) a run cut short that holds a
+checkpoint and redoes the others. ``OUT/.lock`` refuses a second command into a folder a live
+one holds; SIGTERM / SIGINT / SIGUSR1 to the command reach the arm run's process group (the
+run stops, then the command, exit 128 + the signal).
 
 Honest limits: the crop windows are fixed per video duration (the tiny model cannot copy
-numbers, see README), so crop placement does not depend on the overview; "held-out accuracy
-per step" is measured every ``--eval-every`` steps, not at every step (each evaluation is a
-rollout of all held-out prompts per K). Results (README, ``docs/collapse_notes.md``): protocol
-1 (no replay, half the tool turns unclosed) lost no tool use in any arm, because a rollout
-without a crop was a failed call, never a safer direct answer; protocol 2 (these defaults)
-is the one the README reports.
+numbers, see README), so crop placement does not depend on the overview; held-out values are
+measured every ``--eval-every`` steps, not at every step.
 """
 
 from __future__ import annotations
@@ -70,6 +63,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import re
 import shutil
 import signal
 import sys
@@ -135,40 +129,67 @@ def _windows_for(key: str, choices: Sequence[int]) -> int:
     return int(choices[h % len(choices)])
 
 
+#: The tasks the cold start is written for (``data.synth_task``): "spot_late" is protocol 3's,
+#: whose need for the tool the K = 32 overview cannot show; "spot" is protocols 1 and 2's.
+TASKS = ("spot", "spot_late", "spot_decoy")
+
+
+def _check_task(cfg: Config) -> None:
+    if cfg.data.synth_task not in TASKS:
+        raise ConfigError(
+            f"data.synth_task={cfg.data.synth_task!r}: the collapse cold start is written for "
+            "the 'spot_late' task (protocol 3) and the 'spot' task (protocols 1 and 2); set "
+            "data.synth_task=spot_late"
+        )
+
+
+def _plans(data_dir: Path) -> tuple[float, dict[str, Any]]:
+    """The task's frame rate and its videos' plans (``manifest.json``), by video name."""
+    from paravt.data.synth import Event, VideoPlan
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    plans = {}
+    for v in manifest["videos"]:
+        ev = {"target": Event(**v["target"]), "distractors": [Event(**e) for e in v["distractors"]]}
+        plans[v["name"]] = VideoPlan(**{**v, **ev})
+    return float(manifest["params"]["fps"]), plans
+
+
+def _hash_share(key: str) -> float:
+    """A stable uniform draw in [0, 1) for ``key``."""
+    return _windows_for(key, range(1000)) / 1000
+
+
 def all_tool_records(
     data_dir: str | Path, cfg: Config, windows: Sequence[int], unclosed_think: float = 0.0
 ) -> list[dict]:
-    """The collapse cold start's SFT records for the "spot" task in ``data_dir``: for every
-    training row and every overview budget K of the run (``oracle_settings``), one trajectory
-    that calls ``crop_video`` on ``n`` equal windows of the whole video (``n`` from
+    """The collapse cold start's SFT records for the "spot"/"spot_late" task in ``data_dir``:
+    for every training row and every overview budget K of the run (``oracle_settings``), one
+    trajectory that calls ``crop_video`` on ``n`` equal windows of the whole video (``n`` from
     ``windows``, per (row, K) by a stable hash), whether or not the overview shows the square;
-    the sub-agents' summaries are the oracle's (only what the crop's frames show) and the
-    answer repeats the summary that names the square (``paravt.data.synth._spot_sft``'s text).
+    the sub-agents' summaries are the oracle's (only what the crop's frames show,
+    ``paravt.data.synth.square_summary``) and the final thought repeats the summary that names
+    the square asked about (``square_found``).
 
     ``unclosed_think``: the share of records (by a stable hash) whose tool-call turn never
     closes its ``<think>`` (the calls follow the thought directly; they still parse and run):
-    a second knob for a fragile format, one that breaks exactly the turns that call the tool,
-    as the paper's 8B does (0: off; the short SFT is the first knob).
+    the fragile format, one that breaks exactly the turns that call the tool, as the paper's
+    8B does (0: off).
 
-    Raises ``ConfigError`` for a task other than "spot" or a window count outside
+    Raises ``ConfigError`` for another task or a window count outside
     ``1..agent.max_parallel``."""
     from paravt.data.synth import (
-        Event,
-        VideoPlan,
         _crop_seen,
         _meta,
         _Seen,
-        _span,
         _tool_record,
         oracle_settings,
+        square_found,
+        square_summary,
     )
     from paravt.video import overview_timestamps
 
-    if cfg.data.synth_task != "spot":
-        raise ConfigError(
-            f"data.synth_task={cfg.data.synth_task!r}: the collapse cold start is written for "
-            "the 'spot' task (set data.synth_task=spot)"
-        )
+    _check_task(cfg)
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
     bad = [n for n in windows if not 1 <= n <= cfg.agent.max_parallel]
@@ -178,11 +199,7 @@ def all_tool_records(
             f"({cfg.agent.max_parallel})"
         )
     d = Path(data_dir)
-    manifest = json.loads((d / "manifest.json").read_text())
-    fps = float(manifest["params"]["fps"])
-    plans = {}
-    for v in manifest["videos"]:
-        plans[v["name"]] = VideoPlan(**{**v, "target": Event(**v["target"]), "distractors": []})
+    fps, plans = _plans(d)
     st = oracle_settings(cfg)
     out: list[dict] = []
     for line in (d / "train.jsonl").read_text().splitlines():
@@ -190,45 +207,64 @@ def all_tool_records(
             continue
         row = json.loads(line)
         plan = plans[Path(row["video"]).stem]
-        tgt = plan.target
         meta = _meta(plan, fps)
+        squares = sorted([plan.target, *plan.distractors], key=lambda e: e.start)
         for k in st.budgets:
             n = _windows_for(f"{row['id']}:{k}", windows)
             over = _Seen(plan, fps, overview_timestamps(meta, k), st.temporal_patch)
+            shown = [e.name for e in squares if over.event(e)]
+            if over.decoyed():  # "spot_decoy": the overview shows the wrong colour
+                shown.append(f"{plan.decoy} {plan.target.shape}")
             plan_text = (
-                f"The overview shows a {tgt.name}; I will check the whole video."
-                if over.event(tgt)
+                f"The overview shows a {shown[-1]}; I will check the whole video."
+                if shown
                 else "The overview shows no shape; I will look at the whole video."
             )
             edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
             wins = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-            summaries, seen = [], False
-            for a, b in wins:
-                span = _span(crop := _crop_seen(plan, meta, a, b, st), crop.event(tgt), b)
-                seen = seen or span is not None
-                summaries.append(
-                    f"A {tgt.name} appears at {span[0]:.1f}-{span[1]:.1f} s."
-                    if span
-                    else "Nothing notable happens."
-                )
-            found = (
-                f"A {tgt.name} appears."
-                if seen
-                else f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
-            )
+            crops = [_crop_seen(plan, meta, a, b, st) for a, b in wins]
+            summaries = [square_summary(plan, c, b) for c, (_, b) in zip(crops, wins)]
+            found = square_found(plan, any(c.event(plan.target) for c in crops))
             rec = _tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
-            if _windows_for(f"unclosed:{row['id']}:{k}", range(1000)) < unclosed_think * 1000:
+            if _hash_share(f"unclosed:{row['id']}:{k}") < unclosed_think:
                 first = rec["turns"][0]
                 first["content"] = first["content"].replace("\n</think>\n", "\n", 1)
             out.append(rec)
     return out
 
 
+_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n", re.S)
+
+
+def base_records(data_dir: str | Path) -> list[dict]:
+    """Stage 1's records: the task's own oracle records (``sft.jsonl``: direct answers where
+    the overview shows the square, crops of the whole video where it does not) with the
+    ``<think>``/``</think>`` tags removed and the thought kept as plain text (``The overview
+    shows a red square.\n<answer>A</answer>``), so that stage 1 learns the task, reading the
+    colour before the letter, in a format without the tags: the format prior the tags of stage
+    2 are laid over (stage 1 trains with ``agent.think_prefix`` empty). Forced-answer records
+    are left out (their prefix is the agent's, with ``</think>``).
+
+    Measured (seed 0): with the thought removed too, the cold start answered one letter
+    whatever the colour (held-out accuracy 0.14-0.29 at K = 32 after stage 2)."""
+    out = []
+    for line in (Path(data_dir) / "sft.jsonl").read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            if any(t.get("forced") for t in rec["turns"]):
+                continue
+            for t in rec["turns"]:
+                if t["role"] == "assistant":
+                    t["content"] = _THINK.sub(r"\1\n", t["content"], count=1)
+            out.append(rec)
+    return out
+
+
 def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict]:
     """Stage 1's direct answers, replayed in stage 2 of the cold start: ``share`` of stage 2's
-    records are the task's own oracle records (``sft.jsonl``, the embedded default's data) that
-    answer from the overview in one unforced turn, picked by a stable hash (with repeats when
-    more are asked for than exist).
+    records are the task's own oracle records (``sft.jsonl``, the embedded default's data,
+    with their closed ``<think>``) that answer from the overview in one unforced turn, picked
+    by a stable hash (with repeats when more are asked for than exist).
 
     Why (``docs/collapse_notes.md``, protocol 2): a 200-step all-tool SFT erases the base
     model's direct answer (tool-call rate 1.00 at every K), so a rollout without a crop is a
@@ -258,16 +294,7 @@ def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict
     return [ranked[i % len(ranked)] for i in range(n)]
 
 
-def _write_sft_data(
-    cfg: Config,
-    data_dir: str,
-    path: Path,
-    windows: Sequence[int],
-    unclosed_think: float,
-    replay: float = 0.0,
-) -> Path:
-    recs = all_tool_records(data_dir, cfg, windows, unclosed_think)
-    recs += replay_records(data_dir, len(recs), replay)
+def _write_jsonl(path: Path, recs: Sequence[dict]) -> Path:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
     tmp.replace(path)
@@ -275,60 +302,118 @@ def _write_sft_data(
 
 
 def _task_stamp(cfg: Config) -> dict[str, Any]:
-    """What shapes both stages' SFT records, for their stamps: the task, and the oracle's
-    budgets, crops and window cap (``paravt.data.synth.oracle_settings``)."""
+    """What shapes both stages' SFT records, for their stamps: the task (not its folder), and
+    the oracle's budgets, crops and window cap (``paravt.data.synth.oracle_settings``)."""
+    data = dataclasses.asdict(cfg.data)
+    data.pop("synth_dir")  # where the task lies, not what it is (its seed and settings are)
     return {
-        "data": dataclasses.asdict(cfg.data),
+        "data": data,
         "video": dataclasses.asdict(cfg.video),
         "max_parallel": cfg.agent.max_parallel,
     }
 
 
-def base_sft(cfg: Config, out: Path, base: Config) -> str:
-    """Stage 1 of the cold start: the model that already reads the task, as a pretrained VLM
-    does before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
+def seed_config(cfg: Config, out: Path, seed: int) -> Config:
+    """``cfg`` for seed ``seed``: its own task instance (``data.synth_seed`` = the seed, in
+    ``OUT/data/seedN``: videos, training rows and held-out prompts of its own) and
+    ``train.seed`` (the SFT's data order and the RL run's sampling)."""
+    data = replace(cfg.data, synth_seed=seed, synth_dir=str(out / "data" / f"seed{seed}"))
+    return replace(cfg, data=data, train=replace(cfg.train, seed=seed))
+
+
+def seed_overrides(out: Path, seed: int) -> list[str]:
+    """:func:`seed_config` as ``key=value`` overrides (the arm runs')."""
+    return [
+        f"data.synth_seed={seed}",
+        f"data.synth_dir={out / 'data' / f'seed{seed}'}",
+        f"train.seed={seed}",
+    ]
+
+
+class _OneThread:
+    """Torch on one intra-op thread inside the block: the cold start's SFT gives the same
+    weights whatever the machine's (or the caller's) thread count, on one kind of CPU."""
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.set_num_threads(self.n)
+
+
+def _no_think(cfg: Config) -> Config:
+    return replace(cfg, agent=replace(cfg.agent, think_prefix=""))
+
+
+def base_sft(cfg: Config, cold: Path, base: Config) -> str:
+    """Stage 1 of a seed's cold start (``cold`` = ``OUT/cold/seedN``; ``cfg``: the seed's,
+    :func:`seed_config`): the model that already reads the task, as a pretrained VLM does
+    before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
     without tools). ``cfg.model.path`` set: that checkpoint is the base (nothing trained).
-    Otherwise ``OUT/base_sft``: the embedded default's own SFT recipe (``base.sft``, the
-    preset's, e.g. 4000 cosine steps on the task's oracle rows, which call the tool only where
-    the overview misses the square) from the random tiny model; made once, reused by a rerun.
-    """
+    Otherwise ``cold/base_sft``: the embedded default's own SFT recipe (``base.sft``: 4000
+    cosine steps for ``tiny_cpu``) from the random tiny model on :func:`base_records` (the
+    task's oracle rows without ``<think>``, ``agent.think_prefix`` empty); made once, reused
+    by a rerun. Single-threaded (:class:`_OneThread`)."""
+    from paravt.assets import prepare_assets
+    from paravt.distributed import DistContext
+
     if cfg.model.path:
         return cfg.model.path
-    dst, stamp = out / "base_sft", out / "base_sft_params.json"
-    made = {"sft": dataclasses.asdict(base.sft), **_task_stamp(cfg)}
+    dst, stamp = cold / "base_sft", cold / "base_sft_params.json"
+    made = {
+        "sft": dataclasses.asdict(base.sft),
+        "seed": cfg.train.seed,
+        "think": "untagged",
+        **_task_stamp(cfg),
+    }
     if reused_checkpoint(dst, "collapse", stamp, made):
         return str(dst)
     if base.sft.steps < 1:
         raise ConfigError(
             "--base-steps must be >= 1 (or give model.path=CHECKPOINT as the base model)"
         )
-    what = f"base SFT {base.sft.steps} steps (the default's recipe)"
-    train_checkpoint(replace(cfg, sft=base.sft), dst, "collapse", what, stamp=stamp, made=made)
+    dirs = prepare_assets(cfg, DistContext())
+    data = _write_jsonl(cold / "base_data.jsonl", base_records(dirs[0]))
+    scfg = _no_think(replace(cfg, sft=replace(base.sft, data=str(data))))
+    what = f"base SFT {base.sft.steps} steps (the default's recipe, no <think>)"
+    with _OneThread():
+        train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
     return str(dst)
 
 
 def cold_start(
     cfg: Config,
-    out: Path,
+    cold: Path,
     windows: Sequence[int],
     unclosed_think: float = 0.0,
     base: Config | None = None,
     replay: float = 0.0,
 ) -> Path:
-    """The shared SFT checkpoint ``out/sft``: stage 1 (:func:`base_sft`; ``base`` None: train
-    from ``cfg.model.path`` or the random tiny model directly), then stage 2, ``cfg.sft`` on
-    :func:`all_tool_records` (made once; a rerun reuses it, and refuses one made with other
-    settings: ``out/sft_params.json``)."""
+    """A seed's SFT checkpoint ``cold/sft`` (``cfg``: the seed's, :func:`seed_config`): stage
+    1 (:func:`base_sft`; ``base`` None: train from ``cfg.model.path`` or the random tiny model
+    directly), then stage 2, ``cfg.sft`` on :func:`all_tool_records` and
+    :func:`replay_records`, with ``<think>`` pinned as the agent pins it
+    (``agent.think_prefix``: learnt with it empty, the model's own ``<think>\n`` tokenises
+    unlike the pinned one and the pinned arms' rollouts came out garbled: held-out accuracy
+    0.19-0.25 at K = 32, parse errors 0.5-0.7, seed 0). Made once, single-threaded (:class:`_OneThread`); a rerun reuses
+    it, and refuses one made with other settings (``cold/sft_params.json``)."""
     from paravt.assets import prepare_assets
     from paravt.distributed import DistContext
 
-    start = base_sft(cfg, out, base) if base is not None else cfg.model.path
-    dst, stamp = out / "sft", out / "sft_params.json"
+    start = base_sft(cfg, cold, base) if base is not None else cfg.model.path
+    dst, stamp = cold / "sft", cold / "sft_params.json"
     made = {
         "windows": list(windows),
         "unclosed_think": unclosed_think,
         **({"replay": replay} if replay else {}),
         "sft": dataclasses.asdict(cfg.sft),
+        "seed": cfg.train.seed,
+        "think_prefix": cfg.agent.think_prefix,
         **_task_stamp(cfg),
         "model_path": start,
     }
@@ -338,10 +423,13 @@ def cold_start(
         raise ConfigError("sft.steps must be >= 1: every arm starts from the collapse cold start")
     scfg = replace(cfg, model=replace(cfg.model, path=start))
     dirs = prepare_assets(scfg, DistContext())
-    data = _write_sft_data(cfg, dirs[0], out / "sft_data.jsonl", windows, unclosed_think, replay)
+    recs = all_tool_records(dirs[0], cfg, windows, unclosed_think)
+    recs += replay_records(dirs[0], len(recs), replay)
+    data = _write_jsonl(cold / "sft_data.jsonl", recs)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
-    return train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
+    with _OneThread():
+        return train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
 
 
 # ----------------------------------------------------------------------------- summary
@@ -394,6 +482,60 @@ def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[s
     }
 
 
+#: The same-K metrics (:func:`same_k`), each per K of ``--same-k`` and seed.
+SAME_K_KEYS = (
+    "tool_rate_need",
+    "tool_rate_no_need",
+    "acc_need",
+    "acc_no_need",
+    "format",
+    "tool_turn_closure",
+    "share_need",
+)
+
+
+def same_k(held: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Every arm measured at the same K, prompt by prompt: from the per-prompt rows of a run's
+    last held-out evaluation (``heldout.jsonl`` rows of kind ``eval_after``; the cold start's
+    evaluation is one too), for each K of ``ks`` (its ``K{K}_tools`` condition): the tool-call
+    rate on the prompts whose K-frame overview misses the square asked about (``need_K{K}``,
+    recorded by the generator: ``paravt.data.synth.need_flags``) and on the others, accuracy
+    on each, format compliance fτ and the ``</think>`` closure of tool-calling turns over all
+    of them, and the share of prompts that need the tool. Each is a mean over prompts of the
+    prompt's mean over its samples (NaN: no such prompt, or no tool turn)."""
+    last = [r for r in held if r.get("kind") == "eval_after"]
+    step = max((r["step"] for r in last), default=None)
+    out: dict[str, dict[str, float]] = {}
+    for k in ks:
+        rows = [
+            r
+            for r in last
+            if r["step"] == step and r.get("condition") == f"K{k}_tools" and int(r["K"]) == k
+        ]
+        need = [r for r in rows if (r.get("extra") or {}).get(f"need_K{k}") is True]
+        free = [r for r in rows if (r.get("extra") or {}).get(f"need_K{k}") is False]
+
+        def m(rs: Sequence[dict[str, Any]], key: str) -> float:
+            return mean_or_nan([x for x in (_num(r, key) for r in rs) if x == x])
+
+        out[str(k)] = {
+            "tool_rate_need": m(need, "tool_call_rate"),
+            "tool_rate_no_need": m(free, "tool_call_rate"),
+            "acc_need": m(need, "accuracy"),
+            "acc_no_need": m(free, "accuracy"),
+            "format": m(rows, "format_compliance"),
+            "tool_turn_closure": m(rows, "tool_turn_closure"),
+            "share_need": len(need) / len(rows) if rows else float("nan"),
+            "prompts": float(len(rows)),
+        }
+    return out
+
+
+def _same_k_ms(vals: Sequence[dict[str, dict[str, float]]], ks: Sequence[int]) -> dict:
+    """:func:`same_k` of several seeds as ``K -> key -> {"mean", "std"}``."""
+    return {str(k): {key: _ms([v[str(k)][key] for v in vals]) for key in SAME_K_KEYS} for k in ks}
+
+
 def _by_step(
     seed_rows: Sequence[Sequence[dict[str, Any]]], kinds: tuple[str, ...], key: str
 ) -> dict[str, list]:
@@ -432,18 +574,29 @@ def curves(seed_rows: Sequence[Sequence[dict[str, Any]]], keys: Sequence[str]) -
 def summarise(
     runs: dict[str, dict[int, list[dict[str, Any]]]],
     eval_k: Sequence[int],
-    sft_eval: dict[str, Any],
+    sft_eval: dict[int, dict[str, Any]],
+    held: dict[str, dict[int, list[dict[str, Any]]]] | None = None,
+    sft_held: dict[int, list[dict[str, Any]]] | None = None,
+    same_ks: Sequence[int] = (),
 ) -> dict[str, Any]:
     """``collapse.json``: per arm ``kappa_start``, ``kappa_end``, ``format_start``,
     ``format_end``, ``tool_rate_end``, ``mixed_steps``, ``adv_tool_mixed``,
     ``adv_no_tool_mixed`` as ``{"mean", "std"}`` over seeds; ``tool_rate_end_k``,
     ``acc_end_k`` and ``tool_rate_heldout_k`` (K -> ``{"mean", "std"}``; a seed whose value
-    is NaN is left out of that K's mean); ``seeds`` (per seed: its number and values) and
-    ``curves`` (the held-out ``eval/K*`` ones start at step 0 with the cold start's); plus
-    ``sft`` (the cold start's held-out evaluation). See :func:`seed_values`."""
+    is NaN is left out of that K's mean); ``same_k`` (K of ``same_ks`` -> :func:`same_k`'s
+    keys -> ``{"mean", "std"}``, from ``held``: arm -> seed -> ``heldout.jsonl`` rows);
+    ``seeds`` (per seed: its number and values) and ``curves`` (the held-out ``eval/K*`` ones
+    start at step 0 with the cold starts'). Also ``sft`` (the cold starts' held-out
+    evaluations, ``sft_eval``: seed -> its ``eval_after`` row; per K the mean over seeds, and
+    ``sft_std``), ``same_k_start`` (the cold starts' :func:`same_k`, from ``sft_held``) and
+    ``bars`` (:func:`bars`). See :func:`seed_values`."""
+    held = held or {}
+    sft_held = sft_held or {}
     arms: dict[str, Any] = {}
     for arm, by_seed in runs.items():
         vals = {s: seed_values(rows, eval_k) for s, rows in by_seed.items()}
+        for s, v in vals.items():
+            v["same_k"] = same_k(held.get(arm, {}).get(s, []), same_ks)
         entry: dict[str, Any] = {"description": ARMS.get(arm, arm)}
         for key in (
             "kappa_start",
@@ -462,26 +615,104 @@ def summarise(
         }
         for key in ("acc_end_k", "tool_rate_heldout_k"):
             entry[key] = {str(k): _ms([v[key][str(k)] for v in vals.values()]) for k in eval_k}
+        entry["same_k"] = _same_k_ms([v["same_k"] for v in vals.values()], same_ks)
         entry["seeds"] = [{"seed": s, **v} for s, v in vals.items()]
         entry["curves"] = curves(list(by_seed.values()), CURVE_KEYS)
-        for k in eval_k:  # step 0 of the held-out curves: the shared cold start's evaluation
-            if (x := _num(sft_eval, f"K{k}_tools/accuracy")) == x:
+        for k in eval_k:  # step 0 of the held-out curves: the cold starts' evaluations
+            xs = [_num(sft_eval.get(s, {}), f"K{k}_tools/accuracy") for s in by_seed]
+            if (start := _ms(xs))["mean"] == start["mean"]:
                 c = entry["curves"].setdefault(f"eval/K{k}", {"step": [], "mean": [], "std": []})
                 c["step"].insert(0, 0)
-                c["mean"].insert(0, x)
-                c["std"].insert(0, 0.0)  # one checkpoint, one evaluation
+                c["mean"].insert(0, start["mean"])
+                c["std"].insert(0, start["std"])
         arms[arm] = entry
-    sft = {}
+    sft: dict[str, dict[str, float]] = {}
+    sft_std: dict[str, dict[str, float]] = {}
     for k in eval_k:
         p = f"K{k}_tools/"
-        sft[str(k)] = {
-            "kappa": _num(sft_eval, p + "tool_calls_per_rollout"),
-            "tool_rate": _num(sft_eval, p + "tool_call_rate"),
-            "format": _num(sft_eval, p + "format_compliance"),
-            "parse_errors": _num(sft_eval, p + "parse_error_rate"),
-            "accuracy": _num(sft_eval, p + "accuracy"),
+        keys = {
+            "kappa": "tool_calls_per_rollout",
+            "tool_rate": "tool_call_rate",
+            "format": "format_compliance",
+            "parse_errors": "parse_error_rate",
+            "accuracy": "accuracy",
         }
-    return {"arms": arms, "sft": sft, "eval_k": list(eval_k), "end_steps": END_STEPS}
+        ms = {
+            name: _ms([_num(r, p + key) for r in sft_eval.values()]) for name, key in keys.items()
+        }
+        sft[str(k)] = {name: v["mean"] for name, v in ms.items()}
+        sft_std[str(k)] = {name: v["std"] for name, v in ms.items()}
+    start_vals = {s: same_k(rows, same_ks) for s, rows in sft_held.items()}
+    res = {
+        "arms": arms,
+        "sft": sft,
+        "sft_std": sft_std,
+        "same_k_start": _same_k_ms(list(start_vals.values()), same_ks),
+        "same_k_start_seeds": [{"seed": s, "same_k": v} for s, v in start_vals.items()],
+        "eval_k": list(eval_k),
+        "same_ks": list(same_ks),
+        "end_steps": END_STEPS,
+    }
+    res["bars"] = bars(res)
+    return res
+
+
+#: The pre-registered bars (docs/collapse/protocol3/PREREGISTRATION.md), at this K.
+BAR_K = 32
+
+
+def bars(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pre-registered bars of protocol 3 (``docs/collapse/protocol3/PREREGISTRATION.md``),
+    judged on ``res`` (:func:`summarise`) at K = ``BAR_K``, every arm at the same K, held out:
+
+    (a) vanilla's tool-call rate on prompts that need the tool ≤ 0.5× the cold start's, and
+    its accuracy on them not above the cold start's; PARA-GRPO's rate ≥ 0.5× the cold
+    start's; the PARA-GRPO − vanilla gaps in that rate and in that accuracy each larger than
+    twice the larger of the two arms' seed std;
+    (b) anchoring's fτ above vanilla's, and PARA-GRPO's tool-turn ``</think>`` closure above
+    gating's, each by more than twice the larger std.
+
+    Each bar: ``{"id", "bar", "lhs", "rhs", "met"}`` (``met`` None when an arm or value it
+    needs is missing). Means over seeds; the cold start's is the mean of the seeds' own."""
+    k = str(BAR_K)
+    arms = res["arms"]
+    start = res.get("same_k_start", {}).get(k, {})
+
+    def v(arm: str, key: str) -> tuple[float, float]:
+        if arm not in arms or k not in arms[arm].get("same_k", {}):
+            return float("nan"), float("nan")
+        x = arms[arm]["same_k"][k][key]
+        return x["mean"], x["std"]
+
+    def s0(key: str) -> float:
+        return start.get(key, {}).get("mean", float("nan"))
+
+    def bar(id_: str, text: str, lhs: float, rhs: float, op: str) -> dict[str, Any]:
+        ok = None if lhs != lhs or rhs != rhs else {"<=": lhs <= rhs, ">=": lhs >= rhs,
+                                                     ">": lhs > rhs}[op]  # fmt: skip
+        return {"id": id_, "bar": text, "lhs": lhs, "rhs": rhs, "met": ok}
+
+    def gap(a: str, b: str, key: str) -> tuple[float, float]:
+        (ma, sa), (mb, sb) = v(a, key), v(b, key)
+        return ma - mb, 2 * max(sa, sb)
+
+    van_rate, par_rate = v("vanilla", "tool_rate_need")[0], v("paragrpo", "tool_rate_need")[0]
+    return [
+        bar("a1", "vanilla's tool rate on needing prompts <= 0.5x the cold start's",
+            van_rate, 0.5 * s0("tool_rate_need"), "<="),
+        bar("a2", "vanilla's accuracy on needing prompts not above the cold start's",
+            v("vanilla", "acc_need")[0], s0("acc_need"), "<="),
+        bar("a3", "PARA-GRPO's tool rate on needing prompts >= 0.5x the cold start's",
+            par_rate, 0.5 * s0("tool_rate_need"), ">="),
+        bar("a4", "PARA-GRPO - vanilla tool rate on needing prompts > 2x the larger std",
+            *gap("paragrpo", "vanilla", "tool_rate_need"), ">"),
+        bar("a5", "PARA-GRPO - vanilla accuracy on needing prompts > 2x the larger std",
+            *gap("paragrpo", "vanilla", "acc_need"), ">"),
+        bar("b1", "anchoring - vanilla format compliance > 2x the larger std",
+            *gap("anchoring", "vanilla", "format"), ">"),
+        bar("b2", "PARA-GRPO - gating tool-turn </think> closure > 2x the larger std",
+            *gap("paragrpo", "gating", "tool_turn_closure"), ">"),
+    ]  # fmt: skip
 
 
 def _cell(ms: dict[str, float]) -> str:
@@ -495,7 +726,8 @@ def format_markdown(res: dict[str, Any]) -> str:
     lines = [
         "# Collapse experiment",
         "",
-        "Cold start (SFT checkpoint), held-out, with tools, T = rollout temperature:",
+        "Cold starts (one per seed; mean over seeds), held-out, with tools, T = rollout "
+        "temperature:",
         "",
         "| K | κ (calls/rollout) | tool-call rate | format compliance | parse errors | accuracy |",
         "|---|---|---|---|---|---|",
@@ -550,6 +782,40 @@ def format_markdown(res: dict[str, Any]) -> str:
     for arm, a in res["arms"].items():
         cells = [a["tool_rate_heldout_k"][str(k)] for k in ks]
         lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
+    names = {
+        "tool_rate_need": "tool rate, needs tool",
+        "tool_rate_no_need": "tool rate, does not",
+        "acc_need": "accuracy, needs tool",
+        "acc_no_need": "accuracy, does not",
+        "format": "fτ",
+        "tool_turn_closure": "tool-turn closure",
+        "share_need": "share needing",
+    }
+    for k in res.get("same_ks", []):
+        lines += [
+            "",
+            f"Every arm at the same K = {k}, held out, split prompt by prompt by whether the "
+            f"K = {k} overview misses the square asked about (cold start: before RL):",
+            "",
+            "| arm | " + " | ".join(names[key] for key in SAME_K_KEYS) + " |",
+            "|" + "---|" * (1 + len(SAME_K_KEYS)),
+        ]
+        rows = [("cold start", res["same_k_start"].get(str(k), {}))]
+        rows += [(arm, a["same_k"].get(str(k), {})) for arm, a in res["arms"].items()]
+        for arm, vals in rows:
+            cells = [vals.get(key, {"mean": float("nan"), "std": 0.0}) for key in SAME_K_KEYS]
+            lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
+    if res.get("bars"):
+        lines += [
+            "",
+            f"Pre-registered bars (docs/collapse/protocol3/PREREGISTRATION.md), K = {BAR_K}:",
+            "",
+            "| bar | | left | right | met |",
+            "|---|---|---|---|---|",
+        ]
+        for b in res["bars"]:
+            met = {True: "**met**", False: "not met", None: "n/a"}[b["met"]]
+            lines.append(f"| {b['id']} | {b['bar']} | {b['lhs']:.3f} | {b['rhs']:.3f} | {met} |")
     return "\n".join(lines)
 
 
@@ -610,11 +876,7 @@ def collapse(
     ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
     for a in parse_arms(",".join(arms), list(ARMS)):  # none, or an unknown one: refused
         arm_overrides(a, cfg)
-    if cfg.data.synth_task != "spot":
-        raise ConfigError(
-            f"data.synth_task={cfg.data.synth_task!r}: the collapse cold start needs the 'spot' "
-            "task"
-        )
+    _check_task(cfg)
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
     if not 0.0 <= replay < 1.0:
@@ -641,41 +903,58 @@ def _collapse(
     lock: FolderLock,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
-    sft = cold_start(cfg, out, windows, unclosed_think, base, replay)
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
     shared = [
-        f"model.path={sft}",
         "sft.steps=0",
         f"train.eval_conditions={conds}",
         f"train.eval_every={eval_every}",
-        "train.eval_before=false",  # every arm's start: the cold start's one evaluation
+        "train.eval_before=false",  # every arm's start: its cold start's one evaluation
         "train.progress=false",
         "train.summary_plot=false",  # collapse.png is the figure
         "train.save_every=0",  # the last step's checkpoint, and a preempted run's
         "train.keep_last=1",
     ]
-    sft_eval_dir = out / "sft_eval"
-    eval_cfg = load_args(
-        base_args,
-        [*shared, "train.steps=0", "train.eval_before=false", f"train.out_dir={sft_eval_dir}"],
-    )
-    stamp = run_stamp(eval_cfg)
-    keep, why = kept_run(sft_eval_dir, stamp)
-    if not (keep and _evaluated_at(sft_eval_dir, eval_k)):  # in this process: one model load
-        if run_finished(sft_eval_dir):
-            print(f"[collapse] cold start's evaluation {why}: redone", flush=True)
-        shutil.rmtree(sft_eval_dir, ignore_errors=True)
-        sft_eval_dir.mkdir(parents=True)
-        write_stamp(sft_eval_dir, stamp)
-        _evaluate_cold_start(eval_cfg)
-    sft_eval = next(
-        r for r in read_metrics(sft_eval_dir / "metrics.jsonl") if r.get("kind") == "eval_after"
-    )
-    print(f"[collapse] cold start evaluated ({(time.perf_counter() - t0) / 60:.1f} min)")
+    colds: dict[int, Path] = {}
+    sft_eval: dict[int, dict[str, Any]] = {}
+    sft_held: dict[int, list[dict[str, Any]]] = {}
+    for seed in seeds:  # each seed's own task instance and cold start
+        cold = out / "cold" / f"seed{seed}"
+        cold.mkdir(parents=True, exist_ok=True)
+        colds[seed] = cold_start(
+            seed_config(cfg, out, seed), cold, windows, unclosed_think, base, replay
+        )
+        ev_dir = cold / "sft_eval"
+        eval_cfg = load_args(
+            base_args,
+            [*shared, f"model.path={colds[seed]}", *seed_overrides(out, seed), "train.steps=0",
+             f"train.out_dir={ev_dir}"],
+        )  # fmt: skip
+        stamp = run_stamp(eval_cfg)
+        keep, why = kept_run(ev_dir, stamp)
+        if not (keep and _evaluated_at(ev_dir, eval_k)):  # in this process: one model load
+            if run_finished(ev_dir):
+                print(f"[collapse] seed {seed}: cold start's evaluation {why}: redone", flush=True)
+            shutil.rmtree(ev_dir, ignore_errors=True)
+            ev_dir.mkdir(parents=True)
+            write_stamp(ev_dir, stamp)
+            _evaluate_cold_start(eval_cfg)
+        rows = read_metrics(ev_dir / "metrics.jsonl")
+        sft_eval[seed] = next(r for r in rows if r.get("kind") == "eval_after")
+        sft_held[seed] = read_metrics(ev_dir / "heldout.jsonl")
+        print(
+            f"[collapse] seed {seed}: cold start evaluated "
+            f"({(time.perf_counter() - t0) / 60:.1f} min)",
+            flush=True,
+        )
     run_arms(
         out,
         [(a, s) for a in arms for s in seeds],
-        lambda arm, seed: [*shared, *arm_overrides(arm, cfg), f"train.seed={seed}"],
+        lambda arm, seed: [
+            *shared,
+            f"model.path={colds[seed]}",
+            *seed_overrides(out, seed),
+            *arm_overrides(arm, cfg),
+        ],  # fmt: skip
         base_args,
         "collapse",
         lock,
@@ -683,12 +962,17 @@ def _collapse(
     runs = {
         a: {s: read_metrics(out / a / f"seed{s}" / "metrics.jsonl") for s in seeds} for a in arms
     }
-    res = summarise(runs, eval_k, sft_eval)
+    held = {
+        a: {s: read_metrics(out / a / f"seed{s}" / "heldout.jsonl") for s in seeds} for a in arms
+    }
+    res = summarise(runs, eval_k, sft_eval, held, sft_held, same_ks=eval_k)
     res["seeds"] = list(seeds)
+    res["task"] = cfg.data.synth_task
     res["windows"] = list(windows)
     res["unclosed_think"] = unclosed_think
     res["replay"] = replay
     res["eval_every"] = eval_every
+    res["minutes"] = (time.perf_counter() - t0) / 60
     table = format_markdown(res)
     (out / "collapse.md").write_text(table + "\n")
     (out / "collapse.json").write_text(json.dumps(json_safe(res), indent=1, allow_nan=False))
@@ -736,7 +1020,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+seeds-1")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--out", default="runs/collapse")
-    p.add_argument("--eval-k", default="2,4,8,16,32", help="held-out accuracy at these K (tools)")
+    p.add_argument(
+        "--eval-k",
+        default="4,32",
+        help="held-out evaluation at these K (tools): accuracy, and the same-K values split by "
+        "need",
+    )
     p.add_argument(
         "--eval-every",
         type=int,
@@ -747,10 +1036,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--unclosed-think",
         type=float,
-        default=1.0,
-        help="share of the cold start's tool turns that never close <think> (the fragile "
-        "format; chosen on seeds 0-1, docs/collapse_notes.md: at 0.5 and 0.75 GRPO repairs the "
-        "tool turn and keeps calling, at 1.0 vanilla drops the tool)",
+        default=0.75,
+        help="share u of the cold start's tool turns that never close <think> (the fragile "
+        "format; protocol 3 runs u in {0.75, 0.9}: below 1, so that a closed tool turn can be "
+        "sampled and repaired)",
     )
     p.add_argument(
         "--replay",

@@ -1,0 +1,163 @@
+"""The tasks whose need for the tool the overview hides (the collapse experiment's, protocol
+3). "spot_decoy": the "spot" square shows a wrong colour in exactly the frames of the K = 32
+overview in some videos. "spot_late": a spot square and, in some videos, a brief later square;
+the question asks for the last one. Each row records, per K, whether the K-frame overview
+misses the square asked about (``need_K*``), checked here against the real H.264 frames the
+overview and the crops decode; the oracle writes no record where the need is hidden."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paravt.config import load_config
+from paravt.data.readers import load_samples
+from paravt.data.synth import (
+    NEED_BUDGETS,
+    SHAPE_COLOURS,
+    SPOT_COLOURS,
+    generate,
+    oracle_settings,
+)
+from paravt.models import load_model
+from paravt.rewards import score
+from paravt.sft import encode_records, read_sft_records
+from paravt.video import DecodePlanner, crop_timestamps, overview_timestamps, stream_index
+from paravt.video.planner import decode
+
+N_VIDEOS = 10
+
+
+def _cfg() -> object:
+    over = {
+        "video.frame_budgets": "[4,32]",
+        "video.fixed_frames": 32,
+        "video.crop_fps": 2.0,
+        "video.crop_max_frames": 64,
+        "data.synth_task": "spot_late",
+    }
+    return load_config("tiny_cpu", overrides=[f"{k}={v}" for k, v in over.items()])
+
+
+@pytest.fixture(scope="module")
+def late(tmp_path_factory: pytest.TempPathFactory):
+    cfg = _cfg()
+    root = tmp_path_factory.mktemp("spot_late")
+    data = generate(
+        root, N_VIDEOS, seed=3, min_duration=60, max_duration=60, oracle=oracle_settings(cfg),
+        val_fraction=0.0, task="spot_late",
+    )  # fmt: skip
+    return data, cfg
+
+
+def _shows(frames: np.ndarray, colour: str) -> bool:
+    """Whether any frame has a block of ``colour`` (the square covers 3/4 of the height)."""
+    want = np.array(SHAPE_COLOURS[colour], np.int16)
+    near = (np.abs(frames.astype(np.int16) - want).max(-1) < 40).reshape(len(frames), -1)
+    return bool((near.mean(-1) > 0.2).any())
+
+
+def test_rows_record_the_last_square_and_whether_each_overview_misses_it(late) -> None:
+    data, _ = late
+    rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+    plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
+    assert len(rows) == N_VIDEOS - 1  # one held-out video at least
+    two = [r for r in rows if r["squares"] == 2]
+    assert 0 < len(two) < len(rows)  # both kinds of video occur
+    hidden = 0
+    for r in rows:
+        plan = plans[Path(r["video"]).stem]
+        tgt = plan["target"]
+        assert r["question"].endswith("What colour is the last one?")
+        assert r["answer"] == "ABCD"[SPOT_COLOURS.index(tgt["colour"])]
+        if r["squares"] == 2:
+            (first,) = plan["distractors"]
+            assert first["end"] + 2.0 <= tgt["start"] and tgt["end"] - tgt["start"] == 1.0
+            assert first["colour"] != tgt["colour"]
+        assert set(r) >= {f"need_K{k}" for k in NEED_BUDGETS}
+        meta = stream_index(str(data / r["video"])).meta
+        for k in (4, 32):
+            # The real frames the overview decodes agree with the generator's record.
+            frames = decode(str(data / r["video"]), overview_timestamps(meta, k)).frames.numpy()
+            assert r[f"need_K{k}"] == (not _shows(frames, tgt["colour"])), (r["id"], k)
+        if r["need_K32"] and r["squares"] == 2:
+            frames = decode(str(data / r["video"]), overview_timestamps(meta, 32)).frames.numpy()
+            # Hidden need: the overview shows the first square only, as a one-square video.
+            assert _shows(frames, plan["distractors"][0]["colour"])
+            hidden += 1
+    assert hidden >= 1
+    assert not any(r["need_K64"] for r in rows if r["squares"] == 1)
+
+
+def test_oracle_answers_the_last_square_and_writes_nothing_where_the_need_is_hidden(
+    late, assets
+) -> None:
+    from paravt.experiments.collapse import all_tool_records
+
+    data, cfg = late
+    samples = {s.id: s for s in load_samples(data, split="train")}
+    rows = {r["id"]: r for r in map(json.loads, (data / "train.jsonl").read_text().splitlines())}
+    plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
+    records = read_sft_records(data / "sft.jsonl")
+    by = {(r["sample_id"], r["num_frames"]) for r in records}
+    missing = {(sid, k) for sid in rows for k in (4, 32) if (sid, k) not in by}
+    # No record only where the need is hidden: two squares, the overview misses the last.
+    assert missing and all(rows[sid][f"need_K{k}"] and rows[sid]["squares"] == 2
+                           for sid, k in missing)  # fmt: skip
+    bundle = load_model(assets["model"], dtype="float32", device="cpu")
+    trajs = encode_records(records, list(samples.values()), bundle, cfg, DecodePlanner())
+    for t in (t for t in trajs if t.role == "main"):
+        assert score(t, samples[t.sample_id], cfg.reward)["acc"] == 1.0, t.uid
+        calls = [c for turn in t.turns for c in turn.calls]
+        if calls and rows[t.sample_id]["squares"] == 2:
+            assert "appears last." in t.turns[-1].text
+    # The collapse cold start calls at every K; its summaries name both squares in order.
+    recs = all_tool_records(data, cfg, [2, 3])
+    assert len(recs) == 2 * len(rows)
+    for rec in recs:
+        r = rows[rec["sample_id"]]
+        first, tool, last = rec["turns"]
+        assert last["content"].endswith(f"<answer>{r['answer']}</answer>")
+        if r["squares"] == 2:
+            plan = plans[Path(r["video"]).stem]
+            text = " ".join(tool["content"])
+            a = text.index(f"A {plan['distractors'][0]['colour']} square appears")
+            assert a < text.index(f"A {plan['target']['colour']} square appears")
+            assert last["content"].startswith(f"<think>\nA {plan['target']['colour']} square "
+                                              "appears last.")  # fmt: skip
+
+
+def test_decoy_rows_show_a_wrong_colour_to_the_k32_overview_only(tmp_path) -> None:
+    cfg = load_config("tiny_cpu", overrides=["data.synth_task=spot_decoy"])
+    data = generate(
+        tmp_path, 12, seed=1, min_duration=60, max_duration=60, oracle=oracle_settings(cfg),
+        val_fraction=0.0, task="spot_decoy",
+    )  # fmt: skip
+    rows = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+    plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
+    decoys = [r for r in rows if r["decoy"]]
+    assert 0 < len(decoys) < len(rows)
+    records = {(r["sample_id"], r["num_frames"]) for r in read_sft_records(data / "sft.jsonl")}
+    for r in rows:
+        plan = plans[Path(r["video"]).stem]
+        tgt, path = plan["target"], str(data / r["video"])
+        meta = stream_index(path).meta
+        over = decode(path, overview_timestamps(meta, 32)).frames.numpy()
+        assert r["need_K32"] == r["decoy"] and r["decoy"] == (plan["decoy"] is not None)
+        assert _shows(over, tgt["colour"]) != r["decoy"]  # the K = 32 overview: wrong colour
+        # No oracle record where the overview shows the wrong colour.
+        assert ((r["id"], 32) in records) != r["decoy"]
+        if r["decoy"]:
+            assert _shows(over, plan["decoy"])
+            # A crop over the square (the crops' 1 frame/s) shows the true colour in most of
+            # its frames (a crop frame that is also an overview frame shows the decoy).
+            times = crop_timestamps(meta, tgt["start"], tgt["end"], fps=1.0, max_frames=32)
+            crop = decode(path, times).frames.numpy()
+            true = sum(_shows(f[None], tgt["colour"]) for f in crop)
+            assert true > sum(_shows(f[None], plan["decoy"]) for f in crop)
+        for k in (4, 16):  # smaller overviews show the truth, or miss the square
+            frames = decode(path, overview_timestamps(meta, k)).frames.numpy()
+            assert r[f"need_K{k}"] == (not _shows(frames, tgt["colour"])), (r["id"], k)
