@@ -83,7 +83,7 @@ SHAPES = ("square", "circle", "triangle")
 # shapes), while colours are read without error.
 SPOT_COLOURS = ("red", "yellow", "cyan", "magenta")
 SPOT_SHAPE = "square"
-TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late")
+TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_decoy")
 # The "spot_late" task (:func:`_plan_spot_late`): a spot square in the first half of the video
 # and, in a share SPOT_LATE_SHARE of the videos, a brief square of another colour after it; the
 # question asks for the last square's colour. At 60 s and K = 32 (one overview frame per 1.9 s)
@@ -915,7 +915,10 @@ def generate(
     ``task='spot'`` writes the "spot" task instead (:func:`_plan_spot`, :func:`_spot_rows`,
     :func:`_spot_sft`): one square per video, one fixed-option mcq row per video (its colour;
     ``mcq_variants`` does not apply), an oracle that crops the whole video in equal windows
-    whenever the overview misses the square, and a forced-answer twin of every direct answer. It is the embedded default's task (preset
+    whenever the overview misses the square, and a forced-answer twin of every direct answer.
+    ``task='spot_late'`` / ``'spot_decoy'``: the collapse experiment's tasks whose need for the
+    tool the K = 32 overview hides (:func:`_plan_spot_late`, :func:`_plan_spot_decoy`); every
+    spot row records :func:`need_flags`. It is the embedded default's task (preset
     ``tiny_cpu``): every step of it is seeing or a content match, none a copy of digits from an
     arbitrary place, which a 2-layer model does not learn within minutes (measured, see
     ``paravt/models/tiny.py``).
