@@ -398,10 +398,11 @@ def cold_start(
     1 (:func:`base_sft`; ``base`` None: train from ``cfg.model.path`` or the random tiny model
     directly), then stage 2, ``cfg.sft`` on :func:`all_tool_records` and
     :func:`replay_records`, with ``<think>`` pinned as the agent pins it
-    (``agent.think_prefix``: learnt with it empty, the model's own ``<think>\n`` tokenises
-    unlike the pinned one and the pinned arms' rollouts came out garbled: held-out accuracy
-    0.19-0.25 at K = 32, parse errors 0.5-0.7, seed 0). Made once, single-threaded (:class:`_OneThread`); a rerun reuses
-    it, and refuses one made with other settings (``cold/sft_params.json``)."""
+    (``agent.think_prefix``: learnt with it empty, the model's own ``<think>`` and newline
+    tokenise unlike the pinned prefix and the pinned arms' rollouts came out garbled: held-out
+    accuracy 0.19-0.25 at K = 32, parse errors 0.5-0.7, seed 0). Made once, single-threaded
+    (:class:`_OneThread`); a rerun reuses it, and refuses one made with other settings
+    (``cold/sft_params.json``)."""
     from paravt.assets import prepare_assets
     from paravt.distributed import DistContext
 
