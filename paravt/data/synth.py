@@ -810,6 +810,20 @@ def square_found(plan: VideoPlan, seen: bool) -> str:
     return f"A {tgt.name} appears last." if plan.distractors else f"A {tgt.name} appears."
 
 
+def whole_video_crops(
+    plan: VideoPlan, meta: VideoMeta, n: int, st: OracleSettings
+) -> tuple[list[tuple[float, float]], list[str], str]:
+    """The "spot" oracles' tool round: ``n`` equal windows of the whole video (the same calls
+    for every video of one duration), each crop's :func:`square_summary`, and the final
+    thought (:func:`square_found`). Used by :func:`_spot_sft` (``n`` = ``max_parallel``) and
+    the collapse cold start (``paravt.experiments.collapse.all_tool_records``)."""
+    edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
+    windows = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+    crops = [_crop_seen(plan, meta, a, b, st) for a, b in windows]
+    summaries = [square_summary(plan, c, b) for c, (_, b) in zip(crops, windows)]
+    return windows, summaries, square_found(plan, any(c.event(plan.target) for c in crops))
+
+
 def _spot_sft(
     row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings
 ) -> list[dict]:
@@ -848,14 +862,8 @@ def _spot_sft(
         ]
     if any(over.event(e) for e in plan.distractors):
         return []  # the need is hidden from the overview: no record
-    n = max(1, st.max_parallel)
-    edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
-    windows = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-    crops = [_crop_seen(plan, meta, a, b, st) for a, b in windows]
-    summaries = [square_summary(plan, c, b) for c, (_, b) in zip(crops, windows)]
-    seen = any(c.event(tgt) for c in crops)
+    windows, summaries, found = whole_video_crops(plan, meta, max(1, st.max_parallel), st)
     plan_text = "The overview shows no shape; I will look at the whole video."
-    found = square_found(plan, seen)
     return [_tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])]
 
 

@@ -178,15 +178,7 @@ def all_tool_records(
 
     Raises ``ConfigError`` for another task or a window count outside
     ``1..agent.max_parallel``."""
-    from paravt.data.synth import (
-        _crop_seen,
-        _meta,
-        _Seen,
-        _tool_record,
-        oracle_settings,
-        square_found,
-        square_summary,
-    )
+    from paravt.data.synth import _meta, _Seen, _tool_record, oracle_settings, whole_video_crops
     from paravt.video import overview_timestamps
 
     _check_task(cfg)
@@ -220,11 +212,7 @@ def all_tool_records(
                 if shown
                 else "The overview shows no shape; I will look at the whole video."
             )
-            edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
-            wins = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-            crops = [_crop_seen(plan, meta, a, b, st) for a, b in wins]
-            summaries = [square_summary(plan, c, b) for c, (_, b) in zip(crops, wins)]
-            found = square_found(plan, any(c.event(plan.target) for c in crops))
+            wins, summaries, found = whole_video_crops(plan, meta, n, st)
             rec = _tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
             if _hash_share(f"unclosed:{row['id']}:{k}") < unclosed_think:
                 first = rec["turns"][0]
@@ -247,16 +235,16 @@ def base_records(data_dir: str | Path) -> list[dict]:
 
     Measured (seed 0): with the thought removed too, the cold start answered one letter
     whatever the colour (held-out accuracy 0.14-0.29 at K = 32 after stage 2)."""
+    from paravt.sft import read_sft_records
+
     out = []
-    for line in (Path(data_dir) / "sft.jsonl").read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            if any(t.get("forced") for t in rec["turns"]):
-                continue
-            for t in rec["turns"]:
-                if t["role"] == "assistant":
-                    t["content"] = _THINK.sub(r"\1\n", t["content"], count=1)
-            out.append(rec)
+    for rec in read_sft_records(Path(data_dir) / "sft.jsonl"):
+        if any(t.get("forced") for t in rec["turns"]):
+            continue
+        for t in rec["turns"]:
+            if t["role"] == "assistant":
+                t["content"] = _THINK.sub(r"\1\n", t["content"], count=1)
+        out.append(rec)
     return out
 
 
@@ -277,14 +265,15 @@ def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict
     n = round(n_tool * share / (1.0 - share))
     if n == 0:
         return []
-    direct = []
-    for line in (Path(data_dir) / "sft.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        turns = rec["turns"]
-        if len(turns) == 1 and not turns[0].get("forced") and "<answer>" in turns[0]["content"]:
-            direct.append(rec)
+    from paravt.sft import read_sft_records
+
+    direct = [
+        rec
+        for rec in read_sft_records(Path(data_dir) / "sft.jsonl")
+        if len(turns := rec["turns"]) == 1
+        and not turns[0].get("forced")
+        and "<answer>" in turns[0]["content"]
+    ]
     if not direct:
         raise ConfigError(f"--replay {share}: {data_dir}/sft.jsonl has no direct-answer records")
     ranked = sorted(
@@ -292,13 +281,6 @@ def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict
         key=lambda r: hashlib.sha256(f"{r['sample_id']}:{r['num_frames']}".encode()).digest(),
     )
     return [ranked[i % len(ranked)] for i in range(n)]
-
-
-def _write_jsonl(path: Path, recs: Sequence[dict]) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    tmp.replace(path)
-    return path
 
 
 def _task_stamp(cfg: Config) -> dict[str, Any]:
@@ -378,7 +360,10 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
             "--base-steps must be >= 1 (or give model.path=CHECKPOINT as the base model)"
         )
     dirs = prepare_assets(cfg, DistContext())
-    data = _write_jsonl(cold / "base_data.jsonl", base_records(dirs[0]))
+    from paravt.data.synth import _write_jsonl
+
+    data = cold / "base_data.jsonl"
+    _write_jsonl(data, base_records(dirs[0]))
     scfg = _no_think(replace(cfg, sft=replace(base.sft, data=str(data))))
     what = f"base SFT {base.sft.steps} steps (the default's recipe, no <think>)"
     with _OneThread():
@@ -426,7 +411,10 @@ def cold_start(
     dirs = prepare_assets(scfg, DistContext())
     recs = all_tool_records(dirs[0], cfg, windows, unclosed_think)
     recs += replay_records(dirs[0], len(recs), replay)
-    data = _write_jsonl(cold / "sft_data.jsonl", recs)
+    from paravt.data.synth import _write_jsonl
+
+    data = cold / "sft_data.jsonl"
+    _write_jsonl(data, recs)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
     with _OneThread():
