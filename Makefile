@@ -90,8 +90,10 @@ browser:
 	    echo "WARNING: (PARAVT_REQUIRE_BROWSER=1 makes this an error)"; \
 	    test -z "$$PARAVT_REQUIRE_BROWSER"; }
 
+# --timeout (pytest-timeout): no test takes a minute on a 2-core CPU; one that hangs fails after
+# 10 with every thread's stack instead of running the suite into CI's 90-minute limit.
 test: install ext native-check install-vllm browser
-	$(VPY) -m pytest tests -q
+	$(VPY) -m pytest tests -q --timeout 600
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
