@@ -55,6 +55,9 @@ class DataConfig:
     synth_task: str = "cue"
     synth_min_duration: float = 60.0
     synth_max_duration: float = 180.0
+    # 'spot_decoy' only: the share q of videos whose square shows a wrong colour in exactly the
+    # frames the K = 32 overview decodes (paravt.data.synth._plan_spot_decoy).
+    synth_decoy_share: float = 0.25
     # Root prepended to relative video paths in dataset rows ('' = relative to the dataset file).
     video_root: str = ""
     # Keep at most this many training rows (0 = all); useful for smoke runs.
@@ -783,6 +786,7 @@ def preset_errors(preset: str, cfg: Config) -> list[str]:
 RANGES: dict[str, tuple[str, str]] = {
     "data.synth_num_videos": (">= 1", "synthetic videos to generate"),
     "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
+    "data.synth_decoy_share": ("[0, 1]", "share of spot_decoy videos with a decoy colour"),
     "data.max_samples": (">= 0", "training rows kept; 0 = all"),
     "video.fixed_frames": (">= 1", "overview frames when gating is off"),
     "video.overview_max_pixels": (">= 1", "pixel budget per overview frame"),

@@ -161,3 +161,30 @@ def test_decoy_rows_show_a_wrong_colour_to_the_k32_overview_only(tmp_path) -> No
         for k in (4, 16):  # smaller overviews show the truth, or miss the square
             frames = decode(path, overview_timestamps(meta, k)).frames.numpy()
             assert r[f"need_K{k}"] == (not _shows(frames, tgt["colour"])), (r["id"], k)
+
+
+def test_decoy_share_q_sets_the_decoyed_videos_and_nests() -> None:
+    """``data.synth_decoy_share`` (q) reaches the plans: none decoyed at q = 0, every one at
+    q = 1, and the videos decoyed at q = 0.25 are decoyed at 0.5 too (one draw per video), so
+    a phase diagram over q changes only the share; the manifest records q (a folder made at
+    another q is regenerated, not reused)."""
+    import random
+
+    from paravt.data.synth import _plan_spot_decoy
+
+    def decoyed(q: float) -> set[int]:
+        plans = [
+            _plan_spot_decoy(random.Random(f"t:{v}"), f"v{v}", 60, 60, (64, 64), q)
+            for v in range(400)
+        ]
+        return {v for v, p in enumerate(plans) if p.decoy is not None}
+
+    lo, hi = decoyed(0.25), decoyed(0.5)
+    assert decoyed(0.0) == set() and decoyed(1.0) == set(range(400))
+    assert lo < hi and 0.18 < len(lo) / 400 < 0.32 and 0.42 < len(hi) / 400 < 0.58
+    cfg = load_config("tiny_cpu", overrides=["data.synth_decoy_share=0.5"])
+    assert cfg.data.synth_decoy_share == 0.5
+    with pytest.raises(Exception, match="synth_decoy_share"):
+        load_config("tiny_cpu", overrides=["data.synth_decoy_share=1.5"])
+    with pytest.raises(ValueError, match="decoy_share"):
+        generate("unused", 1, task="spot_decoy", decoy_share=-0.1)

@@ -92,7 +92,7 @@ TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_deco
 SPOT_LATE_EVENT = 1.0
 SPOT_LATE_SHARE = 0.5
 # The "spot_decoy" task (:func:`_plan_spot_decoy`): the "spot" task, but in a share
-# SPOT_DECOY_SHARE (q) of the videos the square shows another colour in exactly the frames the
+# SPOT_DECOY_SHARE (q, the default of ``data.synth_decoy_share``) of the videos the square shows another colour in exactly the frames the
 # K = DECOY_K overview samples; every other frame (the crops') shows the truth. The K = 32
 # overview then shows one square of a wrong colour, like any one-square video: the need for a
 # crop is hidden from it.
@@ -361,13 +361,19 @@ def _plan_spot_late(
 
 
 def _plan_spot_decoy(
-    rng: random.Random, name: str, min_d: float, max_d: float, size: tuple[int, int]
+    rng: random.Random,
+    name: str,
+    min_d: float,
+    max_d: float,
+    size: tuple[int, int],
+    decoy_share: float = SPOT_DECOY_SHARE,
 ) -> VideoPlan:
     """A "spot_decoy" video: a "spot" video (:func:`_plan_spot`) whose square, with
-    probability ``SPOT_DECOY_SHARE``, shows another ``SPOT_COLOURS`` colour (``decoy``) in the
+    probability ``decoy_share`` (q), shows another ``SPOT_COLOURS`` colour (``decoy``) in the
     frames the K = ``DECOY_K`` overview samples (:func:`decoy_frames`)."""
     plan = _plan_spot(rng, name, min_d, max_d, size)
-    if rng.random() < SPOT_DECOY_SHARE:
+    # One draw per video whatever q: the videos decoyed at q are decoyed at every q' > q.
+    if rng.random() < decoy_share:
         plan.decoy = rng.choice([c for c in SPOT_COLOURS if c != plan.target.colour])
     return plan
 
@@ -909,6 +915,7 @@ def generate(
     oracle: OracleSettings | None = None,
     mcq_variants: int = 1,
     task: str = "cue",
+    decoy_share: float = SPOT_DECOY_SHARE,
 ) -> Path:
     """Write the synthetic task into ``out_dir`` and return it (see the module docstring).
 
@@ -925,7 +932,8 @@ def generate(
     ``mcq_variants`` does not apply), an oracle that crops the whole video in equal windows
     whenever the overview misses the square, and a forced-answer twin of every direct answer.
     ``task='spot_late'`` / ``'spot_decoy'``: the collapse experiment's tasks whose need for the
-    tool the K = 32 overview hides (:func:`_plan_spot_late`, :func:`_plan_spot_decoy`); every
+    tool the K = 32 overview hides (:func:`_plan_spot_late`, :func:`_plan_spot_decoy`, whose
+    share of decoyed videos is ``decoy_share``); every
     spot row records :func:`need_flags`. It is the embedded default's task (preset
     ``tiny_cpu``): every step of it is seeing or a content match, none a copy of digits from an
     arbitrary place, which a 2-layer model does not learn within minutes (measured, see
@@ -940,6 +948,8 @@ def generate(
         raise ValueError(f"generate: mcq_variants={mcq_variants} must be >= 1")
     if codec not in ENCODERS:
         raise ValueError(f"generate: codec '{codec}' is not one of {sorted(ENCODERS)}")
+    if not 0.0 <= decoy_share <= 1.0:
+        raise ValueError(f"generate: decoy_share={decoy_share} must be in [0, 1]")
     oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
@@ -958,6 +968,8 @@ def generate(
         "oracle": json.loads(json.dumps(asdict(oracle))),  # tuples as JSON lists
         "mcq_variants": mcq_variants,
     }
+    if task == "spot_decoy":
+        params["decoy_share"] = decoy_share
     manifest = out / "manifest.json"
     ext = ENCODERS[codec][1]
     names = [f"vid_{v:04d}" for v in range(num_videos)]
@@ -975,10 +987,11 @@ def generate(
     for v, name in enumerate(names):
         # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
         rng = random.Random(f"paravt-synth:{seed}:{v}")
-        make_plan = {
-            "spot": _plan_spot, "spot_late": _plan_spot_late, "spot_decoy": _plan_spot_decoy,
-        }.get(task, _plan_video)  # fmt: skip
-        plan = make_plan(rng, name, min_duration, max_duration, size)
+        if task == "spot_decoy":
+            plan = _plan_spot_decoy(rng, name, min_duration, max_duration, size, decoy_share)
+        else:
+            make_plan = {"spot": _plan_spot, "spot_late": _plan_spot_late}.get(task, _plan_video)
+            plan = make_plan(rng, name, min_duration, max_duration, size)
         plans.append(asdict(plan))
         rel = f"videos/{name}{ext}"
         # Write-then-rename: a crashed or concurrent (multi-rank) run never leaves a
@@ -1024,6 +1037,7 @@ def generate_from_config(cfg: Any, out_dir: str | Path | None = None) -> Path:
         oracle=oracle_settings(cfg),
         mcq_variants=d.synth_mcq_variants,
         task=d.synth_task,
+        decoy_share=float(d.synth_decoy_share),
     )
 
 
