@@ -382,6 +382,28 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
             assert set(a["same_k"][k]) >= {"tool_rate_need", "acc_need", "tool_turn_closure"}
     assert set(res["same_k_start"]) == {"2", "4"} and len(res["bars"]) == 7
     assert res["task"] == "spot_late" and "Every arm at the same K = 4" in printed
+    assert res["decoy_share"] is None  # q: spot_decoy's only
+    # The phase diagram (item 7) reads this folder as one (u, q) cell: the same numbers.
+    assert main(["phase", str(out), "--out", str(tmp_path / "phase")]) == 0
+    assert "| u | q | seeds |" in capsys.readouterr().out
+    ph = json.loads((tmp_path / "phase" / "phase.json").read_text())
+    (c,) = ph["cells"]
+    assert c["u"] == 0.75 and c["q"] is None and c["seeds"] == [7] and c["ks"] == [2, 4]
+    assert set(c["adv_k32"]) == {"vanilla_ref"}  # the ungated arm run here
+    v, a = res["arms"]["vanilla_ref"], c["adv_k32"]["vanilla_ref"]
+    assert a["mixed_steps"] == v["mixed_steps"]["mean"]
+    if v["mixed_steps"]["mean"]:  # a mixed group: the sign of the mean advantages' difference
+        adv = v["adv_tool_mixed"]["mean"] - v["adv_no_tool_mixed"]["mean"]
+        assert a["diff"] == pytest.approx(adv) and a["sign"] == "+-"[adv < 0]
+    else:  # none in 2 steps of 1 prompt: nothing compared
+        assert a["sign"] == "n/a" and v["adv_tool_mixed"]["mean"] is None
+    for k in ("2", "4"):
+        for key in ("tool_rate_need", "acc_need"):
+            want = res["arms"]["paragrpo"]["same_k"][k][key]["mean"]
+            got = c["arms"]["paragrpo"][k][key]
+            assert got == pytest.approx(want, nan_ok=True) or (got is None and want != want)
+    assert main(["phase", str(tmp_path / "nothing")]) == 2
+    assert "no collapse.json" in capsys.readouterr().err
     assert set(res["sft"]) == {"2", "4"} and res["sft"]["4"]["kappa"] >= 0.0
     assert (out / "collapse.png").stat().st_size > 1000
     # Other cold-start settings into the same folder are refused, not silently mixed.
@@ -458,3 +480,12 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
         validate_run(
             load_config("tiny_cpu", overrides=["train.steps=0", "train.eval_prompts=0"]), 1
         )
+
+
+def test_phase_advantage_sign() -> None:
+    from paravt.experiments.phase import advantage_sign
+
+    assert advantage_sign(-0.5, 0.2, 10) == "-" and advantage_sign(0.3, -0.1, 3) == "+"
+    assert advantage_sign(0.1, 0.1, 2) == "0"
+    assert advantage_sign(0.3, -0.1, 0) == "n/a"  # no mixed group: nothing compared
+    assert advantage_sign(float("nan"), 0.0, 4) == "n/a"

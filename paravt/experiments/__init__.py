@@ -6,6 +6,7 @@
 - ``ablation``: every arm from one SFT checkpoint, the paper-style table;
 - ``collapse``: does vanilla GRPO lose tool use, and does PARA-GRPO keep it (its own cold
   start, held-out evaluation every ``train.eval_every`` steps, the tool-vs-no-tool advantage);
+- ``phase``: the collapse's phase diagram over (u, q) from finished collapse folders;
 - ``cli``: the command line (``__main__`` runs it).
 
 There is no training loop here: each arm run is ``paravt.train``'s.

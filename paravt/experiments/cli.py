@@ -3,6 +3,7 @@
     python -m paravt.experiments ablation [--seeds 3] [--arms a,b,...] [--out runs/ablation]
         [--preset tiny_cpu] [--config F.yaml ...] [--eval-k 4,32] [key=value ...]
     python -m paravt.experiments collapse [...]    (flags: paravt/experiments/collapse.py)
+    python -m paravt.experiments phase DIR [DIR ...] [--out runs/phase]   (collapse cells)
 
 ``ablation``: ``paravt.experiments.ablation``; ``collapse``: ``paravt.experiments.collapse``;
 both run their arms with ``paravt.experiments.arms.run_arms``.
@@ -20,6 +21,7 @@ from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
 from paravt.experiments.collapse import main as collapse_main
+from paravt.experiments.phase import main as phase_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -28,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["collapse"]:  # its own flags: paravt/experiments/collapse.py
         return collapse_main(argv[1:])
+    if argv[:1] == ["phase"]:  # paravt/experiments/phase.py
+        return phase_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="python -m paravt.experiments", description=__doc__, formatter_class=raw
@@ -36,6 +40,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "collapse",
         help="does vanilla GRPO lose tool use? (see python -m paravt.experiments collapse -h)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "phase",
+        help="the collapse phase diagram over (u, q) from finished collapse folders (see "
+        "python -m paravt.experiments phase -h)",
         add_help=False,
     )
     a = sub.add_parser(

@@ -957,6 +957,8 @@ def _collapse(
     res = summarise(runs, eval_k, sft_eval, held, sft_held, same_ks=eval_k)
     res["seeds"] = list(seeds)
     res["task"] = cfg.data.synth_task
+    # q of the phase diagram (paravt.experiments.phase); None on the tasks without a decoy
+    res["decoy_share"] = cfg.data.synth_decoy_share if cfg.data.synth_task == "spot_decoy" else None
     res["windows"] = list(windows)
     res["unclosed_think"] = unclosed_think
     res["replay"] = replay
