@@ -489,3 +489,49 @@ def test_phase_advantage_sign() -> None:
     assert advantage_sign(0.1, 0.1, 2) == "0"
     assert advantage_sign(0.3, -0.1, 0) == "n/a"  # no mixed group: nothing compared
     assert advantage_sign(float("nan"), 0.0, 4) == "n/a"
+
+
+def test_tool_path_counts_coverage_summaries_and_the_copy(tmp_path, capsys) -> None:
+    """``tool-path`` on rows in ``paravt.eval``'s results format: a call list that stops
+    before the square's window (not covered), a right summary copied, a right summary not
+    copied, and a prompt answered from the overview."""
+    from paravt.experiments.cli import main as cli_main
+    from paravt.experiments.tool_path import tool_path
+
+    opts = ["RED", "YELLOW", "CYAN", "MAGENTA"]
+
+    def val(i: int, colour: str, start: float, need: bool) -> dict:
+        return {"id": f"v{i}", "target": f"{colour} square", "event_start": start,
+                "event_end": start + 5, "options": opts, "need_K4": need}  # fmt: skip
+
+    def res(i: int, letter: str, correct: bool, calls: list) -> dict:
+        trace = [{"text": "", "calls": [
+            {"status": "ok", "start": s, "end": e, "response": txt} for s, e, txt in calls
+        ]}]  # fmt: skip
+        return {"id": f"v{i}", "frames": 4, "parsed": letter, "correct": correct, "trace": trace}
+
+    nothing = "Nothing notable happens."
+    vals = [val(0, "cyan", 45, True), val(1, "red", 21, True), val(2, "yellow", 5, True),
+            val(3, "magenta", 30, False)]  # fmt: skip
+    rows = [
+        res(0, "A", False, [(0, 20, nothing), (20, 40, nothing)]),  # stops before 40-60 s
+        res(1, "A", True, [(0, 20, nothing), (20, 40, "A red square appears at 21-26 s.")]),
+        res(2, "C", False, [(0, 20, "A yellow square appears at 5-10 s.")]),  # not copied
+        res(3, "D", True, []),  # answered from the overview
+    ]
+    got = tool_path(rows, {v["id"]: v for v in vals}, 4)
+    assert got["need"] == {"n": 3, "correct": 1, "called": 3, "covered": 2, "summary_colour": 2,
+                           "summary_right": 2, "copied": 1, "copied_right": 1}  # fmt: skip
+    assert got["no_need"]["n"] == 1 and got["no_need"]["called"] == 0
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "val.jsonl").write_text("".join(json.dumps(v) + "\n" for v in vals))
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["tool-path", "--data", str(tmp_path / "task"), str(tmp_path / "ev")]
+    assert cli_main(argv) == 0
+    assert (
+        f"| {tmp_path / 'ev'} | 4 | need | 3 | 1 | 3 | 2 | 2 | 2 | 1 | 1 |"
+        in capsys.readouterr().out
+    )
+    assert cli_main(["tool-path", "--data", str(tmp_path), str(tmp_path / "ev")]) == 2
+    assert "no val.jsonl" in capsys.readouterr().err

@@ -7,6 +7,8 @@
 - ``collapse``: does vanilla GRPO lose tool use, and does PARA-GRPO keep it (its own cold
   start, held-out evaluation every ``train.eval_every`` steps, the tool-vs-no-tool advantage);
 - ``phase``: the collapse's phase diagram over (u, q) from finished collapse folders;
+- ``tool_path``: where a spot answer comes from in ``paravt.eval`` results (crops, summaries,
+  the copy into the answer);
 - ``cli``: the command line (``__main__`` runs it).
 
 There is no training loop here: each arm run is ``paravt.train``'s.

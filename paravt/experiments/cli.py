@@ -4,6 +4,7 @@
         [--preset tiny_cpu] [--config F.yaml ...] [--eval-k 4,32] [key=value ...]
     python -m paravt.experiments collapse [...]    (flags: paravt/experiments/collapse.py)
     python -m paravt.experiments phase DIR [DIR ...] [--out runs/phase]   (collapse cells)
+    python -m paravt.experiments tool-path --data TASK EVAL_DIR [...]   (where answers come from)
 
 ``ablation``: ``paravt.experiments.ablation``; ``collapse``: ``paravt.experiments.collapse``;
 both run their arms with ``paravt.experiments.arms.run_arms``.
@@ -22,6 +23,7 @@ from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
 from paravt.experiments.collapse import main as collapse_main
 from paravt.experiments.phase import main as phase_main
+from paravt.experiments.tool_path import main as tool_path_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return collapse_main(argv[1:])
     if argv[:1] == ["phase"]:  # paravt/experiments/phase.py
         return phase_main(argv[1:])
+    if argv[:1] == ["tool-path"]:  # paravt/experiments/tool_path.py
+        return tool_path_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="python -m paravt.experiments", description=__doc__, formatter_class=raw
@@ -46,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "phase",
         help="the collapse phase diagram over (u, q) from finished collapse folders (see "
         "python -m paravt.experiments phase -h)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "tool-path",
+        help="where a spot answer comes from in paravt.eval results (see python -m "
+        "paravt.experiments tool-path -h)",
         add_help=False,
     )
     a = sub.add_parser(
