@@ -482,8 +482,21 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:
         )
 
 
-def test_phase_advantage_sign() -> None:
-    from paravt.experiments.phase import advantage_sign
+def test_phase_advantage_sign_and_q_of_an_older_cell(tmp_path) -> None:
+    from paravt.experiments.phase import _manifest_q, advantage_sign
+
+    # A collapse.json from before q was recorded: q from its task's manifest (none there:
+    # the fixed 0.25 of that time); disagreeing manifests are an error, not a guess.
+    res = {"task": "spot_decoy", "seeds": [1, 2]}
+    for seed, params in ((1, {"version": 6}), (2, {"version": 6})):
+        (tmp_path / "data" / f"seed{seed}").mkdir(parents=True)
+        path = tmp_path / "data" / f"seed{seed}" / "manifest.json"
+        path.write_text(json.dumps({"params": params}))
+    assert _manifest_q(tmp_path, res) == 0.25
+    path.write_text(json.dumps({"params": {"decoy_share": 0.5}}))
+    with pytest.raises(ConfigError, match="manifests give"):
+        _manifest_q(tmp_path, res)
+    assert _manifest_q(tmp_path, {"task": "spot_late", "seeds": [1]}) is None
 
     assert advantage_sign(-0.5, 0.2, 10) == "-" and advantage_sign(0.3, -0.1, 3) == "+"
     assert advantage_sign(0.1, 0.1, 2) == "0"

@@ -55,8 +55,28 @@ def advantage_sign(adv_tool: float, adv_no_tool: float, mixed_steps: float) -> s
     return "+" if d > 0 else "-" if d < 0 else "0"
 
 
+def _manifest_q(cell_dir: Path, res: dict[str, Any]) -> float | None:
+    """q of a ``collapse.json`` written before it recorded one: from the task's own manifest
+    (``DIR/data/seedN/manifest.json``; one written before ``data.synth_decoy_share`` existed
+    had the fixed ``SPOT_DECOY_SHARE``)."""
+    if res.get("task") != "spot_decoy":
+        return None
+    qs = set()
+    for seed in res.get("seeds") or []:
+        path = cell_dir / "data" / f"seed{seed}" / "manifest.json"
+        if path.is_file():
+            qs.add(json.loads(path.read_text())["params"].get("decoy_share", SPOT_DECOY_SHARE))
+    if len(qs) != 1:
+        raise ConfigError(
+            f"{cell_dir}: collapse.json records no q (data.synth_decoy_share) and its tasks' "
+            f"manifests give {sorted(qs) or 'none'}; rerun the collapse into it"
+        )
+    return float(qs.pop())
+
+
 def cell(res: dict[str, Any], name: str = "") -> dict[str, Any]:
-    """One cell of the diagram from a ``collapse.json`` (see the module docstring)."""
+    """One cell of the diagram from a ``collapse.json`` (see the module docstring); ``name``:
+    its folder."""
     if "arms" not in res or "same_k_start" not in res:
         raise ConfigError(
             f"{name or 'cell'}: not a collapse.json of protocol 3 (no 'arms' / 'same_k_start'); "
@@ -82,9 +102,7 @@ def cell(res: dict[str, Any], name: str = "") -> dict[str, Any]:
         for arm, a in res["arms"].items()
     }
     share = {k: _mean(res["same_k_start"].get(k, {}).get("share_need")) for k in ks}
-    q = res.get("decoy_share")
-    if q is None and "decoy_share" not in res and res.get("task") == "spot_decoy":
-        q = SPOT_DECOY_SHARE  # written before data.synth_decoy_share existed: q was fixed
+    q = res.get("decoy_share", _manifest_q(Path(name), res) if name else None)
     return {
         "name": name,
         "u": res.get("unclosed_think"),
