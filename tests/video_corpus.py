@@ -184,7 +184,9 @@ def _video_stream(
         s.options = {
             "preset": "veryfast",
             "crf": "18",
-            "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}",
+            # mbtree=0: x264's macroblock tree reads uninitialised memory (the bytes change from
+            # run to run; paravt/data/synth.py found it)
+            "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes={bframes}:mbtree=0",
         }
     elif encoder == "libx265":
         s.options = {
