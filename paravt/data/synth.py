@@ -92,10 +92,10 @@ TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_deco
 SPOT_LATE_EVENT = 1.0
 SPOT_LATE_SHARE = 0.5
 # The "spot_decoy" task (:func:`_plan_spot_decoy`): the "spot" task, but in a share
-# SPOT_DECOY_SHARE (q, the default of ``data.synth_decoy_share``) of the videos the square shows another colour in exactly the frames the
-# K = DECOY_K overview samples; every other frame (the crops') shows the truth. The K = 32
-# overview then shows one square of a wrong colour, like any one-square video: the need for a
-# crop is hidden from it.
+# SPOT_DECOY_SHARE (q; the default of ``data.synth_decoy_share``) of the videos the square
+# shows another colour in exactly the frames the K = DECOY_K overview samples; every other
+# frame (the crops') shows the truth. The K = 32 overview then shows one square of a wrong
+# colour, like any one-square video: the need for a crop is hidden from it.
 SPOT_DECOY_SHARE = 0.25
 DECOY_K = 32
 # Each row records, per overview budget K here, whether the K-frame overview misses the square

@@ -102,7 +102,10 @@ def cell(res: dict[str, Any], name: str = "") -> dict[str, Any]:
         for arm, a in res["arms"].items()
     }
     share = {k: _mean(res["same_k_start"].get(k, {}).get("share_need")) for k in ks}
-    q = res.get("decoy_share", _manifest_q(Path(name), res) if name else None)
+    if "decoy_share" in res:
+        q = res["decoy_share"]
+    else:  # written before collapse.json recorded q
+        q = _manifest_q(Path(name), res) if name else None
     return {
         "name": name,
         "u": res.get("unclosed_think"),
