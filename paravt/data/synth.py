@@ -41,6 +41,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -987,11 +988,11 @@ def generate(
     for v, name in enumerate(names):
         # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
         rng = random.Random(f"paravt-synth:{seed}:{v}")
-        if task == "spot_decoy":
-            plan = _plan_spot_decoy(rng, name, min_duration, max_duration, size, decoy_share)
-        else:
-            make_plan = {"spot": _plan_spot, "spot_late": _plan_spot_late}.get(task, _plan_video)
-            plan = make_plan(rng, name, min_duration, max_duration, size)
+        make_plan = {
+            "spot": _plan_spot, "spot_late": _plan_spot_late,
+            "spot_decoy": partial(_plan_spot_decoy, decoy_share=decoy_share),
+        }.get(task, _plan_video)  # fmt: skip
+        plan = make_plan(rng, name, min_duration, max_duration, size)
         plans.append(asdict(plan))
         rel = f"videos/{name}{ext}"
         # Write-then-rename: a crashed or concurrent (multi-rank) run never leaves a

@@ -30,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import ConfigError
+from paravt.data.synth import SHAPE_COLOURS
+from paravt.metrics import read_metrics
 
-_COLOUR = re.compile(r"\b(red|yellow|cyan|magenta|green|blue|white|orange)\b", re.I)
+# Every colour the synthetic tasks draw (the sub-agents' summaries name them).
+_COLOUR = re.compile(r"\b(" + "|".join(SHAPE_COLOURS) + r")\b", re.I)
 COUNTS = (
     "n",
     "correct",
@@ -87,10 +90,6 @@ def tool_path(
     return out
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m paravt.experiments tool-path``: 0 printed, 2 bad input."""
     p = argparse.ArgumentParser(
@@ -104,13 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         vpath = Path(args.data) / "val.jsonl"
         if not vpath.is_file():
             raise ConfigError(f"--data {args.data}: no val.jsonl (give the synthetic task folder)")
-        val = {r["id"]: r for r in _read_jsonl(vpath)}
+        val = {r["id"]: r for r in read_metrics(vpath)}
         table = []
         for d in args.results:
             path = Path(d) / "results.jsonl"
             if not path.is_file():
                 raise ConfigError(f"{d}: no results.jsonl (a paravt.eval output folder)")
-            rows = _read_jsonl(path)
+            rows = read_metrics(path)
             ks = {int(r["frames"]) for r in rows}
             if len(ks) != 1:
                 raise ConfigError(f"{d}: results at several K {sorted(ks)}; give one K per folder")
