@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default="", help="write the figures here")
     ap.add_argument("--small-arch", default="", help="write the dry run's narrowed arch, exit")
+    ap.add_argument("--small-arch-vocab", type=int, default=0, help="... with this vocabulary")
     ap.add_argument("--no-oracle", action="store_true", help="main agents from the model itself")
     ap.add_argument("--gen-batch", type=int, default=40, help="fixed-shape generation: prompts")
     ap.add_argument("--gen-prompt", type=int, default=1024, help="... tokens per prompt")
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.small_arch:
         from paravt.models.tiny import write_narrow_arch
 
-        print(write_narrow_arch(a.small_arch))
+        print(write_narrow_arch(a.small_arch, vocab=a.small_arch_vocab))
         return 0
 
     from paravt import train

@@ -137,8 +137,10 @@ SETUP_OK=1
 # ---- setup: carried wheels, DALI, paravt's metadata (paravt_kernels) and its CUDA extension --
 if [ "$RUN" = 1 ] && [ "$DRY" != 1 ] && [ "${PARAVT_GPU_SETUP:-1}" != 0 ]; then
   if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
-    summary_txt "wheels: $(ls .gpu_wheels | tr '\n' ' ')"
-    "$PY" -m pip install -q --no-deps --no-index .gpu_wheels/*.whl >>"$OUT/setup.log" 2>&1 ||
+    WHL=(.gpu_wheels/*.whl)
+    compgen -G ".gpu_dali_deps/*.whl" >/dev/null && WHL+=(.gpu_dali_deps/*.whl)
+    summary_txt "wheels: $(printf '%s ' "${WHL[@]##*/}")"
+    "$PY" -m pip install -q --no-deps --no-index "${WHL[@]}" >>"$OUT/setup.log" 2>&1 ||
       summary_txt "wheels: install FAILED (see above)"
   else
     summary_txt "wheels: none carried (.gpu_wheels/ is empty: make gpu-wheels here first)"
@@ -305,7 +307,9 @@ REAL_COMMON=(--preset tiny_cpu model.init=random model.dtype=bfloat16 train.mast
 PLAN_GPU=()
 [ -n "$CARD" ] && PLAN_GPU=(--gpu "$CARD")
 if [ "$DRY" = 1 ]; then
-  "$PY" scripts/gpu_real_size.py --small-arch "$WORK/small_arch.json" >/dev/null
+  # PARAVT_GPU_DRY_VOCAB (CI: 4096) cuts the narrowed arch's 151,936-row vocabulary
+  "$PY" scripts/gpu_real_size.py --small-arch "$WORK/small_arch.json" \
+    --small-arch-vocab "${PARAVT_GPU_DRY_VOCAB:-0}" >/dev/null
   DEV=cpu
   REAL_SIZE=(model.device=cpu data.synth_min_duration=60 data.synth_max_duration=60
     data.synth_num_videos=4 video.frame_budgets=[4] video.overview_min_pixels=1024
@@ -373,10 +377,9 @@ for s in $STEPS; do
       fi
       ;;
     kernel_targets)
-      D=()
-      [ "$DRY" = 1 ] && D=(--dry)
-      step kernel_targets 150 "$PY" bench/gpu_kernels.py --targets "${D[@]}" \
-        --out "$SJ/kernel_targets.json"
+      D=(--targets)
+      [ "$DRY" = 1 ] && D=(--all --dry)  # the dry run: every section of the script, once
+      step kernel_targets 150 "$PY" bench/gpu_kernels.py "${D[@]}" --out "$SJ/kernel_targets.json"
       ;;
     real_size_2b) real_size real_size_2b "$ARCH_2B" "$SFT_2B" 240 ;;
     real_size_big)
