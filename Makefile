@@ -104,42 +104,46 @@ format: install
 bench: install
 	$(VPY) -m pytest bench/ --benchmark-only
 
-# Wheels the GPU check (scripts/gpu_check.sh) carries to a device machine whose image lacks them
-# (py3-none-any, so the device's Python 3.12 takes them; setuptools>=77 reads the PEP 639 license).
-# cut-cross-entropy (22 kB, needs only torch + triton): a baseline of bench/gpu_kernels.py
-# --issue37. quack-kernels is not carried: its nvidia-cutlass-dsl-libs-cu12 (91.7 MB) is over
-# the device tool's 64 MiB per call.
-gpu-wheels: install
-	$(PIP) download -q --no-deps --only-binary=:all: -d .gpu_wheels transformers==5.19.0 \
-	  liger-kernel==0.8.5 "setuptools>=77" cut-cross-entropy==25.1.1
-	@ls -la .gpu_wheels
-
-# What scripts/gpu_train_check.sh needs beyond the device image (docs/gpu/README.md): the wheels
-# above plus PyAV (the synthetic videos and the CPU decode path; abi3, so cp312 takes it) and
-# DALI's small needs (cp312 builds of libcst, optree, nvtx) in .gpu_wheels/ (~56 MB: one call
-# carries it with the ~4.5 MB tree), and DALI's 199 MB wheel split into 4 parts of <= 55 MiB in
-# .gpu_dali/ (one call carries each part beside the tree, under the tool's 64 MiB; the script
-# joins them on the device and checks the sha256). Not carried: DALI's nvimgcodec and nvcomp
-# (image decoding and compression; video decoding does not import them).
+# Wheels the prepared device calls carry (docs/gpu/README.md, "Prepared calls") for what the
+# device image lacks (scripts/device_packages.txt; tests/test_gpu_scripts.py fails when a GPU
+# script imports a package that is in neither): transformers 5.19 (the image has 5.17),
+# liger-kernel and cut-cross-entropy (kernel baselines), setuptools>=77 (PEP 639 license),
+# omegaconf (paravt.config: without it paravt.train and paravt.plan do not import there; 2.4
+# needs only PyYAML, which the image has) and PyAV (the synthetic videos, the CPU decode, NVDEC
+# through its hwaccel; abi3, so cp312 takes it). ~48 MiB. quack-kernels is not carried: its
+# nvidia-cutlass-dsl-libs-cu12 (91.7 MB) is over the device tool's 64 MiB per call.
 GPU_PIP := $(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64
+GPU_WHEELS := transformers==5.19.0 liger-kernel==0.8.5 "setuptools>=77" cut-cross-entropy==25.1.1 \
+  omegaconf==2.4.0 av==18.1.0
+gpu-wheels: install
+	$(GPU_PIP) -d .gpu_wheels $(GPU_WHEELS)
+	@ls -la .gpu_wheels
+
+# The dali step (scripts/dali_check.py) only: DALI's small needs (cp312 builds of libcst, optree,
+# nvtx) into .gpu_dali_deps/ and DALI's 199 MB wheel split into 4 parts of <= 55 MiB in
+# .gpu_dali/ (one call carries each part; the script joins them on the device and checks the
+# sha256). The prepared calls measure NVDEC through PyAV instead (no parts to carry).
 gpu-train-wheels: gpu-wheels gpu-dali-parts
-	$(GPU_PIP) -d .gpu_wheels av==18.1.0 "astunparse>=1.6,<=1.6.3" "gast>=0.3.3,<=0.7.0" \
-	  makefun nvtx optree "libcst~=1.8"
-	@du -sh .gpu_wheels .gpu_dali
+	$(GPU_PIP) -d .gpu_dali_deps "astunparse>=1.6,<=1.6.3" "gast>=0.3.3,<=0.7.0" makefun nvtx \
+	  optree "libcst~=1.8"
+	@du -sh .gpu_wheels .gpu_dali_deps .gpu_dali
 
 gpu-dali-parts: install
 	$(GPU_PIP) -d .gpu_dali_whl nvidia-dali-cuda130==2.4.0
 	bash scripts/gpu_train_check.sh --split-dali $$(ls .gpu_dali_whl/nvidia_dali_cuda130-*.whl) .gpu_dali
 
-# The code a device call runs: a `git archive` of REV (default HEAD) in .gpu_snap/, with its commit
-# id. A device call sends the session's own checkout, whose .git there is stale (docs/gpu, run
-# 1): the command unpacks this snapshot and runs from it (docs/gpu/README.md, "The training check").
+# The code a device call runs: a `git archive` of REV (default HEAD), code only (GPU_SNAP_PATHS:
+# no docs/, whose figures and images are 2.7 MB), gzipped (~1 MB), with its commit id. A device
+# call sends the session's own checkout, whose .git there is stale (docs/gpu, run 1): the
+# command unpacks this snapshot and runs from it. scripts/gpu_carry.py adds up what travels.
 REV ?= HEAD
+GPU_SNAP_PATHS := CMakeLists.txt Makefile README.md bench configs csrc kernels paravt \
+  paravt_startup.py pyproject.toml requirements.txt requirements-vllm-cpu.txt scripts setup.py tests
 gpu-snapshot:
-	@mkdir -p .gpu_snap
-	git archive --format=tar -o .gpu_snap/tree.tar $(REV)
+	@mkdir -p .gpu_snap && rm -f .gpu_snap/tree.tar
+	git archive --format=tar.gz -o .gpu_snap/tree.tar.gz $(REV) -- $(GPU_SNAP_PATHS)
 	git rev-parse --short $(REV) > .gpu_snap/COMMIT
 	@ls -la .gpu_snap
 

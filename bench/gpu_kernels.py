@@ -52,8 +52,38 @@ def _peak_bandwidth(dev: int) -> float:
     return float("nan")
 
 
+# Where the sections run: "cuda", or "cpu" for the dry run (``--dry``: every section at tiny
+# shapes through the same code, so that a broken section shows in CI, not on the device).
+DEV = "cuda"
+
+
+def _lm_shape(quick: bool) -> tuple[int, int, int]:
+    """``(tokens, d, vocab)`` of the linear_* sections (docs/gpu's shapes)."""
+    if DEV == "cpu":
+        return 64, 32, 1000
+    return (2048, 4096, 151936) if quick else (8192, 4096, 151936)
+
+
+def _policy_shape(quick: bool) -> tuple[int, int]:
+    """``(tokens, sequences)`` of the policy_loss sections."""
+    if DEV == "cpu":
+        return 4096, 16
+    return (1 << 22, 1024) if quick else (1 << 24, 4096)
+
+
 def _cuda_times(fn, repeats: int = 5, warmup: int = 2) -> list[float]:
-    """Seconds of ``repeats`` CUDA-event-timed calls after ``warmup`` calls, sorted."""
+    """Seconds of ``repeats`` CUDA-event-timed calls after ``warmup`` calls, sorted (host
+    clock in the dry run)."""
+    if DEV == "cpu":  # one call: the dry run checks the code, not the time
+        repeats, warmup = 1, 0
+        for _ in range(warmup):
+            fn()
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return sorted(out)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -74,6 +104,10 @@ def _time_cuda(fn, repeats: int = 5, warmup: int = 2) -> float:
 
 
 def _peak_mem(fn) -> int:
+    """Peak CUDA bytes allocated by ``fn`` over what was allocated before (0 in the dry run:
+    the CPU allocator keeps no peak)."""
+    if DEV == "cpu":
+        return 0
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -99,12 +133,12 @@ def _vs_liger(res: dict, liger, flops: float, t_ours: float) -> None:
 def bench_linear_logprob(quick: bool) -> dict:
     from paravt_kernels import linear_logprob
 
-    n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    gout = torch.randn(n, device="cuda", generator=g)
+    n, d, v = _lm_shape(quick)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = (torch.randn(n, d, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV, generator=g)
+    gout = torch.randn(n, device=DEV, generator=g)
 
     def ours():
         h.grad = w.grad = None
@@ -163,27 +197,27 @@ def _liger_grpo(h, w, t, mask, adv_seq, old, b: int) -> tuple:
     return lf, liger
 
 
-def _policy_inputs(quick: bool) -> tuple:
+def _linear_policy_inputs(quick: bool) -> tuple:
     """The linear-policy-loss shapes of docs/gpu (tokens 8192, or 2048 with ``quick``; d 4096;
     vocab 151,936; 8 sequences), bf16 on CUDA, seed 0: ``(n, d, v, b, h, w, t, adv_seq, adv,
     old, mask)``."""
-    n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
+    n, d, v = _lm_shape(quick)
     b = 8
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    adv_seq = torch.randn(b, device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = (torch.randn(n, d, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV, generator=g)
+    adv_seq = torch.randn(b, device=DEV, generator=g)
     adv = adv_seq.repeat_interleave(n // b)
-    old = -torch.rand(n, device="cuda", generator=g) * 3 - 8
-    mask = torch.ones(n, device="cuda")
+    old = -torch.rand(n, device=DEV, generator=g) * 3 - 8
+    mask = torch.ones(n, device=DEV)
     return n, d, v, b, h, w, t, adv_seq, adv, old, mask
 
 
 def bench_linear_policy_loss(quick: bool) -> dict:
     from paravt_kernels import linear_policy_loss
 
-    n, d, v, b, h, w, t, adv_seq, adv, old, mask = _policy_inputs(quick)
+    n, d, v, b, h, w, t, adv_seq, adv, old, mask = _linear_policy_inputs(quick)
 
     def ours():
         h.grad = w.grad = None
@@ -223,15 +257,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def bench_policy_loss(quick: bool) -> dict:
     from paravt_kernels import policy_loss
 
-    n, b = (1 << 22, 1024) if quick else (1 << 24, 4096)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    old = -torch.rand(n, device="cuda", generator=g) * 3
-    lp = (old + 0.1 * torch.randn(n, device="cuda", generator=g)).requires_grad_()
-    prox = old + 0.05 * torch.randn(n, device="cuda", generator=g)
-    ref = old + 0.05 * torch.randn(n, device="cuda", generator=g)
-    adv = torch.randn(n, device="cuda", generator=g)
-    mask = (torch.rand(n, device="cuda", generator=g) > 0.1).float()
-    cu = torch.linspace(0, n, b + 1, device="cuda").long()
+    n, b = _policy_shape(quick)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    old = -torch.rand(n, device=DEV, generator=g) * 3
+    lp = (old + 0.1 * torch.randn(n, device=DEV, generator=g)).requires_grad_()
+    prox = old + 0.05 * torch.randn(n, device=DEV, generator=g)
+    ref = old + 0.05 * torch.randn(n, device=DEV, generator=g)
+    adv = torch.randn(n, device=DEV, generator=g)
+    mask = (torch.rand(n, device=DEV, generator=g) > 0.1).float()
+    cu = torch.linspace(0, n, b + 1, device=DEV).long()
 
     def step():
         lp.grad = None
@@ -252,7 +286,7 @@ def bench_policy_loss(quick: bool) -> dict:
     per_token, fixed = pl.policy_loss_bytes(lp, PolicyTokens(old, adv, mask, ref, prox), cu,
                                             None, split)  # fmt: skip
     bytes_moved = per_token * n + fixed
-    peak = _peak_bandwidth(torch.cuda.current_device())
+    peak = _peak_bandwidth(torch.cuda.current_device()) if DEV == "cuda" else float("nan")
     bw = bytes_moved / sec
     return {"tokens": n, "sequences": b, "seconds": sec, "bytes_moved": bytes_moved,
             "bytes_per_token": per_token,
@@ -280,7 +314,11 @@ def _cuda_kernels_per_call(fn) -> dict:
     return {"cuda_kernels": len(names), "cuda_kernel_names": sorted(set(names))}
 
 
-def _policy_inputs(n: int, b: int, device: str):
+def _policy_loss_inputs(n: int, b: int, device: str) -> dict[str, torch.Tensor]:
+    """The policy_loss inputs of the issue-37 sections (seed 0): ``lp`` (with grad), ``old``,
+    ``prox``, ``ref``, ``adv``, ``mask`` over ``n`` tokens and ``cu`` of ``b`` equal
+    sequences. (Named apart from :func:`_linear_policy_inputs`: one name for both once
+    shadowed the first, and every section that used it raised a TypeError.)"""
     g = torch.Generator(device=device).manual_seed(0)
     old = -torch.rand(n, device=device, generator=g) * 3
     return {
@@ -326,13 +364,13 @@ def issue37_policy_loss(quick: bool) -> dict:
     except Exception as e:
         regs = {"error": f"{type(e).__name__}: {e}"}
     res["sm90_registers"] = regs
-    cuda = torch.cuda.is_available()
+    cuda = DEV == "cuda"
     dev = "cuda" if cuda else "cpu"
-    n, b = ((1 << 22, 1024) if quick else (1 << 24, 4096)) if cuda else (4096, 16)
+    n, b = _policy_shape(quick) if cuda else (4096, 16)
     if not cuda:  # the Triton kernels in the interpreter: the same launches as on a GPU
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["PARAVT_IMPL"] = "triton"
-    x = _policy_inputs(n, b, dev)
+    x = _policy_loss_inputs(n, b, dev)
     seed = torch.ones((), device=dev)
     from paravt_kernels.profiling import policy_loss_step
 
@@ -380,7 +418,7 @@ def issue37_policy_loss(quick: bool) -> dict:
                              kl_type="k3", agg="seq-mean-token-mean")  # fmt: skip
     graphs = {}
     for nn_, bb in ((n, b), (1 << 16, 64)):
-        y = _policy_inputs(nn_, bb, "cuda")
+        y = _policy_loss_inputs(nn_, bb, "cuda")
         lp = y["lp"].detach()
         tk = PolicyTokens(y["old"], y["adv"], y["mask"], y["ref"], y["prox"])
 
@@ -411,17 +449,17 @@ def issue37_policy_loss(quick: bool) -> dict:
 def issue37_linear_logprob_tiles(quick: bool) -> dict:
     """Item 2: ``linear_logprob`` fwd+bwd TFLOP/s (6 N d V counted) and peak memory per
     logits-tile size, against Liger's fused linear cross-entropy's peak in the same run."""
-    if not torch.cuda.is_available():
+    if DEV is None:
         return _skip("no CUDA device")
     from paravt_kernels import linear_logprob
     from paravt_kernels import linear_logprob_triton as llt
 
-    n, d, v = (2048, 4096, 151936) if quick else (8192, 4096, 151936)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    h = (torch.randn(n, d, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    gout = torch.randn(n, device="cuda", generator=g)
+    n, d, v = _lm_shape(quick)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    h = (torch.randn(n, d, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, d, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV, generator=g)
+    gout = torch.randn(n, device=DEV, generator=g)
     flops = 6.0 * n * d * v
 
     def ours():
@@ -466,11 +504,11 @@ def issue37_baselines(quick: bool) -> dict:
     the full-logits no-fusion path (one bf16 cuBLAS GEMM, log-softmax in fp32, gather,
     policy_loss), QuACK's chunked linear cross-entropy, Apple's cut-cross-entropy; ours
     (``linear_policy_loss``, ``linear_logprob`` + ``policy_loss``) against the fastest."""
-    if not torch.cuda.is_available():
+    if DEV is None:
         return _skip("no CUDA device")
     from paravt_kernels import linear_logprob, linear_policy_loss, policy_loss
 
-    n, d, v, b, h, w, t, adv_seq, adv, old, mask = _policy_inputs(quick)
+    n, d, v, b, h, w, t, adv_seq, adv, old, mask = _linear_policy_inputs(quick)
     flops = 6.0 * n * d * v
 
     def measure(fn) -> dict:
@@ -551,8 +589,8 @@ def issue37_baselines(quick: bool) -> dict:
         for name in ("ours_linear_policy_loss", "ours_linear_logprob_pair"):
             if "seconds" in res.get(name, {}):
                 res[name]["time_ratio_vs_strongest"] = res[name]["seconds"] / timed[best]
-                res[name]["mem_ratio_vs_strongest"] = (
-                    res[name]["peak_mem_bytes"] / base[best]["peak_mem_bytes"]
+                res[name]["mem_ratio_vs_strongest"] = res[name]["peak_mem_bytes"] / max(
+                    base[best]["peak_mem_bytes"], 1
                 )
     return res
 
@@ -564,58 +602,158 @@ ISSUE37 = (
 )
 
 
+DEFAULT = (
+    ("linear_logprob", bench_linear_logprob),
+    ("linear_policy_loss", bench_linear_policy_loss),
+    ("policy_loss", bench_policy_loss),
+)
+# Issue 49's three kernel targets, each with its baselines in the same run: policy_loss's
+# bandwidth and launches (the issue-37 section), linear_logprob's peak memory against Liger's
+# FLCE, linear_policy_loss's TFLOP/s against Liger's GRPO loss and the other baselines.
+TARGETS = (
+    ("policy_loss_launches_bytes_graph", issue37_policy_loss),
+    ("linear_logprob", bench_linear_logprob),
+    ("linear_policy_loss", bench_linear_policy_loss),
+    ("baselines", issue37_baselines),
+)
+POLICY_LOSS_BW_TARGET = 0.70  # fraction of peak HBM bandwidth, fwd + bwd
+POLICY_LOSS_LAUNCH_TARGET = 2  # CUDA kernels per fwd + bwd call
+LINEAR_LOGPROB_MEM_TARGET = 3.0  # peak memory over Liger FLCE's, same inputs
+LINEAR_POLICY_LOSS_TFLOPS_TARGET = 680.0  # fwd + bwd, 6 N d V counted
+
+
+def targets(r: dict) -> dict:
+    """The three kernel targets read off the sections' results: per target the measured
+    value, the target and ``met`` (``None`` where the run did not measure it)."""
+
+    def judge(x, ok) -> bool | None:
+        return None if x is None else bool(ok(x))
+
+    pl = r.get("policy_loss_launches_bytes_graph", {})
+    frac = pl.get("autograd_call", {}).get("fraction_of_peak_median")
+    kernels = pl.get("cuda_kernels")
+    mem = r.get("linear_logprob", {}).get("mem_ratio_vs_liger")
+    tf = r.get("linear_policy_loss", {}).get("tflops") if DEV == "cuda" else None
+    out = {
+        "policy_loss_bandwidth": {
+            "fraction_of_peak_median": frac,
+            "cuda_kernels_per_call": kernels,
+            "launches_counted": pl.get("launches", {}).get("total"),
+            "target": f">= {POLICY_LOSS_BW_TARGET} of peak HBM bandwidth in "
+            f"<= {POLICY_LOSS_LAUNCH_TARGET} CUDA kernels",
+            "met": None
+            if frac is None or kernels is None
+            else frac >= POLICY_LOSS_BW_TARGET and kernels <= POLICY_LOSS_LAUNCH_TARGET,
+        },
+        "linear_logprob_memory": {
+            "mem_ratio_vs_liger_flce": mem,
+            "target": f"<= {LINEAR_LOGPROB_MEM_TARGET}x Liger FLCE's peak memory",
+            "met": judge(mem if DEV == "cuda" else None, lambda x: x <= LINEAR_LOGPROB_MEM_TARGET),
+        },
+        "linear_policy_loss_tflops": {
+            "tflops": tf,
+            "target": f">= {LINEAR_POLICY_LOSS_TFLOPS_TARGET} TFLOP/s",
+            "met": judge(tf, lambda x: x >= LINEAR_POLICY_LOSS_TFLOPS_TARGET),
+        },
+    }
+    return out
+
+
+def section_errors(results: dict) -> list[str]:
+    """What went wrong in a run: every section that raised, and on CUDA every baseline or
+    Liger comparison that raised (a missing wheel: the comparison the run is for is then not
+    made). In the dry run Liger's Triton kernels cannot take CPU tensors: not counted there."""
+    errs = []
+    for name, r in results.items():
+        if not isinstance(r, dict):
+            continue
+        if "error" in r:
+            errs.append(f"{name}: {r['error']}")
+        if DEV == "cuda":
+            if "liger_error" in r:
+                errs.append(f"{name}: Liger: {r['liger_error']}")
+            for b, v in r.get("baselines", {}).items():
+                if isinstance(v, dict) and "error" in v:
+                    errs.append(f"{name}/{b}: {v['error']}")
+    return errs
+
+
 def main(argv: list[str] | None = None) -> int:
+    global DEV
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_kernels.json")
     ap.add_argument("--quick", action="store_true", help="smaller shapes (smoke test)")
     ap.add_argument("--issue37", action="store_true",
                     help="only the issue-37 sections (launches, byte model, host cost, CUDA "
                          "graph, tile sweep, baselines); their CPU parts run without CUDA")  # fmt: skip
+    ap.add_argument(
+        "--targets",
+        action="store_true",
+        help="the three kernel targets with their baselines (issue 49)",
+    )
+    ap.add_argument("--all", action="store_true", help="every section once")
+    ap.add_argument("--dry", action="store_true",
+                    help="on the CPU at tiny shapes, through the same code (CI)")  # fmt: skip
     args = ap.parse_args(argv)
+    DEV = "cuda" if torch.cuda.is_available() else ("cpu" if args.dry else None)
+    if args.all:
+        names = dict(DEFAULT + TARGETS + ISSUE37)
+        return _run_sections(args, tuple(names.items()))
+    if args.targets:
+        return _run_sections(args, TARGETS)
     if args.issue37:
         return _run_sections(args, ISSUE37)
-    if not torch.cuda.is_available():
+    if DEV is None:
         out = {"skipped": "no CUDA device: the GPU benchmarks need one"}
         print(out["skipped"])
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
         return 0
-    return _run_sections(
-        args,
-        (
-            ("linear_logprob", bench_linear_logprob),
-            ("linear_policy_loss", bench_linear_policy_loss),
-            ("policy_loss", bench_policy_loss),
-        ),
-    )
+    return _run_sections(args, DEFAULT)
 
 
 def _run_sections(args, sections) -> int:
     """Runs each ``(name, fn)``; an exception is recorded as that section's ``error`` and the
-    next section still runs; writes one JSON to ``args.out``."""
-    if torch.cuda.is_available():
+    next section still runs. The JSON at ``args.out`` is rewritten after every section (a run
+    cut by its time limit keeps what it measured), with ``targets`` and ``errors``. Exits 1
+    when :func:`section_errors` finds any."""
+    if DEV == "cuda":
         os.environ.setdefault("PARAVT_IMPL", "triton")
     t0 = time.time()
-    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__}  # fmt: skip
+    results = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+               "dry": DEV == "cpu", "torch": torch.__version__}  # fmt: skip
     try:
         import triton
 
         results["triton"] = triton.__version__
     except ImportError:
         pass
+
+    def write() -> None:
+        results["targets"] = targets(results)
+        results["errors"] = section_errors(results)
+        results["wall_seconds"] = time.time() - t0
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+    results["section_seconds"] = {}
     for name, fn in sections:
+        t_s = time.time()
         try:
             results[name] = fn(args.quick)
         except Exception as e:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(name, json.dumps(results[name], indent=2), flush=True)
-        if torch.cuda.is_available():
+        results["section_seconds"][name] = round(time.time() - t_s, 2)
+        print(name, json.dumps(results[name], indent=2, default=str), flush=True)
+        if DEV == "cuda":
             torch.cuda.empty_cache()
-    results["wall_seconds"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+        write()
+    write()
+    print("targets", json.dumps(results["targets"], indent=2), flush=True)
     print(f"wrote {args.out}")
+    if results["errors"]:
+        print("section errors:\n  " + "\n  ".join(results["errors"]), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -499,10 +499,15 @@ def _learn(
     # prompt once; the update's MFU counts these), and the main rows' context mix: prompt
     # (system text, overview, question) against what follows it (turns, tool responses).
     m.update(context_mix(batches, units, ctx))
-    # Episodes the engine's context cut short (paravt.agent.loop: never a failed request).
-    keys = ("context_forced_answers", "context_cut_answers", "context_ended")
-    counts = all_reduce_sum(torch.tensor([float(batch.stats.get(k, 0)) for k in keys]), ctx)
-    m.update({f"rollout/{k}": float(v) for k, v in zip(keys, counts)})
+    # Episodes the engine's context cut short (paravt.agent.loop: never a failed request), and
+    # how much of the step was PARA-GRPO's own work: crops decoded and sub-agent trajectories
+    # (a measurement run reads these to tell a step with tool calls from one without).
+    keys = ("context_forced_answers", "context_cut_answers", "context_ended", "crops")
+    counts = all_reduce_sum(
+        torch.tensor([float(batch.stats.get(k, 0)) for k in keys] +
+                     [float(sum(len(g.sub_trajectories) for g in groups))]), ctx
+    )  # fmt: skip
+    m.update({f"rollout/{k}": float(v) for k, v in zip((*keys, "sub_agents"), counts)})
     m.update(guard.metrics())
     if m["num_groups"] == 0:  # trained on nothing: no update statistic either (every rank)
         for k in ("loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",

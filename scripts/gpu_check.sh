@@ -20,8 +20,11 @@
 #    yet). The device image seen so far has neither: those steps only report.
 # Step limits sum to 590 s without vllm and DALI; 830 s with both (then raise timeout_s or
 # skip a step). Typical total on an H200: see docs/gpu/.
-# Results go to $OUT (the device tool brings them back) or ./gpu_out; a failed step is
-# recorded in summary.txt and the next step still runs; the script exits 1 if any step failed.
+# Results go to $OUT (the device tool brings them back, 8 files at most) or ./gpu_out:
+# env.txt, summary.txt, steps.log (every step's log, appended as it ends), gpu_kernels.json and
+# gpu_issue37.json (each rewritten after every section); a failed step is recorded in
+# summary.txt and the next step still runs; the script exits 1 if any step failed (and
+# bench/gpu_kernels.py exits 1 when any of its sections raised).
 # On a CPU-only machine every step reports that it skipped.
 #
 # GPU_CHECK_ONLY="issue37 ..." runs only the named steps (after env.txt and the wheels), e.g.
@@ -32,24 +35,29 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
+LOGS=${GPU_CHECK_LOGS:-gpu_out_work/check_logs}  # one log per step, appended to $OUT/steps.log
+mkdir -p "$OUT" "$LOGS"
+rm -f "$LOGS"/*.txt
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 FAILED=""
 ONLY=${GPU_CHECK_ONLY:-}
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.txt
+step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $LOGS/NAME.txt, appended
+  # to $OUT/steps.log when it ends (the device tool brings back 8 files: env.txt, summary.txt,
+  # steps.log and the JSONs)
   local name=$1 limit=$2
   shift 2
   if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
     return 0
   fi
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  timeout "$limit" "$@" >"$LOGS/$name.txt" 2>&1
   local rc=$?
+  { echo "==== $name: rc=$rc in $((SECONDS - t0)) s"; cat "$LOGS/$name.txt"; } >>"$OUT/steps.log"
   summary "$name: rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || FAILED="$FAILED $name"
-  tail -n 15 "$OUT/$name.txt"
+  tail -n 15 "$LOGS/$name.txt"
   return 0
 }
 
@@ -60,8 +68,13 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.tx
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# The wheels step runs whatever GPU_CHECK_ONLY names (Liger, cut-cross-entropy and omegaconf
+# are the baselines' and the imports' own: without them issue 37's comparisons were not made).
 if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
-  step wheels 40 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
+  ONLY_KEEP=$ONLY
+  ONLY=""
+  step wheels 60 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
+  ONLY=$ONLY_KEEP
 fi
 # PARAVT_FORCE_EXT=1: a CUDA build of paravt._C that fails fails this step (and the script),
 # instead of setup.py's warning + pure-torch fallback.
@@ -93,7 +106,7 @@ step build 170 bash -c "PARAVT_SKIP_EXT=1 $PY -m pip install -q --no-deps --no-b
 step native_cuda 20 "$PY" -c 'import torch; from paravt.vision import pack
 ok = pack.native_has_cuda(); print("native CUDA ops:", ok)
 assert ok or not torch.cuda.is_available(), "paravt._C has no CUDA ops on a CUDA machine"'
-[ -f "$OUT/native_cuda.txt" ] && tail -n 1 "$OUT/native_cuda.txt" | tee -a "$OUT/summary.txt"
+[ -f "$LOGS/native_cuda.txt" ] && tail -n 1 "$LOGS/native_cuda.txt" | tee -a "$OUT/summary.txt"
 
 # Every kernel test runs compiled Triton on the GPU here (the interpreter only on CPU); xdist
 # (in the image) spreads the ~100 kernel compilations over the cores.
@@ -113,7 +126,7 @@ step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST "${KSEL[@]}" \
   tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
   tests/test_kernels_linear_policy_loss.py tests/test_kernels_linear_logprob.py \
   tests/test_kernels_policy_loss.py tests/test_kernels_group_advantage.py
-[ -f "$OUT/tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$OUT/tests.txt" | tee -a "$OUT/summary.txt" || true; }
+[ -f "$LOGS/tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$LOGS/tests.txt" | tee -a "$OUT/summary.txt" || true; }
 step gpu_kernels 150 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
 [ -f "$OUT/gpu_kernels.json" ] && "$PY" - "$OUT/gpu_kernels.json" <<'PYEOF' | tee -a "$OUT/summary.txt" || true
 import json, sys
@@ -148,8 +161,8 @@ if [[ " $ONLY " == *" issue37 "* ]]; then
   ONLY="$ONLY issue37_tests"
   step issue37_tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs -k cuda \
     tests/test_kernels_reference_parity.py
-  [ -f "$OUT/issue37_tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " \
-    "$OUT/issue37_tests.txt" | tee -a "$OUT/summary.txt" || true; }
+  [ -f "$LOGS/issue37_tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " \
+    "$LOGS/issue37_tests.txt" | tee -a "$OUT/summary.txt" || true; }
   step issue37 300 "$PY" bench/gpu_kernels.py --issue37 --out "$OUT/gpu_issue37.json"
 fi
 [ -f "$OUT/gpu_issue37.json" ] && "$PY" - "$OUT/gpu_issue37.json" <<'PYEOF' | tee -a "$OUT/summary.txt" || true
@@ -175,7 +188,7 @@ print("issue37 baselines:", {k: v.get("tflops", v.get("skipped", v.get("error"))
 PYEOF
 step bench_pack 60 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_pack_vision.py \
   --benchmark-only -s -k cuda
-[ -f "$OUT/bench_pack.txt" ] && { grep -h "^\[" "$OUT/bench_pack.txt" | tee -a "$OUT/summary.txt" || true; }
+[ -f "$LOGS/bench_pack.txt" ] && { grep -h "^\[" "$LOGS/bench_pack.txt" | tee -a "$OUT/summary.txt" || true; }
 # NVDEC decode (DALI's mixed backend) vs PyAV on CPU: needs nvidia-dali (a 199 MB wheel, over
 # the device tool's 64 MiB per call) and PyAV to write the H.264 clips; both absent from the
 # image seen so far, so the step only reports there. test_video_corpus_dali.py runs DALI over
@@ -198,7 +211,7 @@ if [ -n "$ONLY" ]; then
 elif "$PY" -c "import vllm" >/dev/null 2>&1; then
   step bench_vllm 120 "$PY" -m pytest -q -p no:cacheprovider bench/test_bench_vllm_engine.py \
     --benchmark-only -s
-  grep -h -A2 "^rollout," "$OUT/bench_vllm.txt" | tee -a "$OUT/summary.txt" || true
+  grep -h -A2 "^rollout," "$LOGS/bench_vllm.txt" | tee -a "$OUT/summary.txt" || true
 else
   summary "bench_vllm: SKIPPED (vllm is not importable in this image)"
 fi

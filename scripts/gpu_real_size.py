@@ -12,7 +12,10 @@ adds is measurement only:
 - the main agents' turns come from the synthetic task's oracle
   (``paravt.rollout.oracle.OracleMainEngine``; ``--no-oracle`` turns this off): a
   random-initialised model never writes a tool call, so without it no crop, sub-agent or crop
-  decode would run. Sub-agents generate with the real engine;
+  decode would run. Sub-agents generate with the real engine. Only prompts whose oracle calls
+  the tool are drawn, and the run counts the tool calls, crops and sub-agent trajectories of
+  its RL steps (``tool_work``, from the step metrics ``rollout/crops`` and
+  ``rollout/sub_agents``): a run in which none ran is ``failed``, not ``ok``;
 - a phase clock installed where the run's preemption handler sits (``Trainer.preempt``:
   ``train_step`` calls its ``enter(step, phase)`` at every phase boundary): per phase the
   synchronised wall time and the peak CUDA memory (``torch.cuda.max_memory_allocated``, reset
@@ -225,10 +228,13 @@ def summarise(res: dict[str, Any], clock: PhaseClock, vision: VisionTimer, cfg: 
     res["phases_measured_steps"] = measured
     res["vision_forward_s_by_phase"] = vision.seconds
     res["vision_calls_by_phase"] = vision.calls
-    rows = [res["steps"][str(s)] for s in measured if str(s) in res["steps"]]
-    if not rows:
+    step_metrics = [res["steps"][str(s)] for s in measured if str(s) in res["steps"]]
+    if not step_metrics:
         return
-    mean = lambda k: sum(float(r.get(k, 0.0)) for r in rows) / len(rows)  # noqa: E731
+
+    def mean(key: str) -> float:
+        return sum(float(m.get(key, 0.0)) for m in step_metrics) / len(step_metrics)
+
     packed = mean("packed_tokens")
     # The rows the backbone really computes (a group's prompt once under algo.share_prefix):
     # what the update's FLOPs count.
@@ -260,6 +266,18 @@ def summarise(res: dict[str, Any], clock: PhaseClock, vision: VisionTimer, cfg: 
     }
 
 
+def tool_work(steps: dict[str, dict[str, float]]) -> dict[str, float]:
+    """What of PARA-GRPO's own work the RL steps ran, summed over ``steps`` (the step metrics
+    by step): tool calls made by the main agents, crops decoded, sub-agent trajectories."""
+    tot = {"tool_calls": 0.0, "crops": 0.0, "sub_agents": 0.0}
+    for m in steps.values():
+        n = sum(v for k, v in m.items() if k.startswith("count/K"))  # rollouts of the step
+        tot["tool_calls"] += m.get("tool_calls_per_rollout", 0.0) * n
+        tot["crops"] += m.get("rollout/crops", 0.0)
+        tot["sub_agents"] += m.get("rollout/sub_agents", 0.0)
+    return tot
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest: list[str] = []
@@ -271,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", default="", help="write the figures here")
     ap.add_argument("--small-arch", default="", help="write the dry run's narrowed arch, exit")
+    ap.add_argument("--small-arch-vocab", type=int, default=0, help="... with this vocabulary")
     ap.add_argument("--no-oracle", action="store_true", help="main agents from the model itself")
     ap.add_argument("--gen-batch", type=int, default=40, help="fixed-shape generation: prompts")
     ap.add_argument("--gen-prompt", type=int, default=1024, help="... tokens per prompt")
@@ -282,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.small_arch:
         from paravt.models.tiny import write_narrow_arch
 
-        print(write_narrow_arch(a.small_arch))
+        print(write_narrow_arch(a.small_arch, vocab=a.small_arch_vocab))
         return 0
 
     from paravt import train
@@ -342,8 +361,13 @@ def main(argv: list[str] | None = None) -> int:
             calls = {k for k, r in records.items() if "<tool_call>" in json.dumps(r)}
             picked = [s for s in tr.sampler.samples if s.id in calls]
             res["prompts_with_tool_calls"] = [len(picked), len(tr.sampler.samples)]
-            if picked:
-                tr.sampler = PromptSampler(picked, seed=cfg.train.seed)
+            if not picked:
+                raise RuntimeError(
+                    f"none of the {len(tr.sampler.samples)} training prompts has an oracle "
+                    "turn that calls the tool: the step would measure no crop and no "
+                    "sub-agent (raise data.synth_num_videos or use data.synth_task=spot)"
+                )
+            tr.sampler = PromptSampler(picked, seed=cfg.train.seed)
         save()
         for step in range(1, cfg.train.steps + 1):
             clock.enter(step, "start")
@@ -366,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 res["profile"]["analysis_s"] = time.perf_counter() - t_p
             res["steps"][str(step)] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+            res["tool_work"] = tool_work(res["steps"])
             res["phase_rows"] = clock.rows
             summarise(res, clock, vision, cfg)
             save()
@@ -387,6 +412,15 @@ def main(argv: list[str] | None = None) -> int:
             res["max_allocated_gib"] = max(r.get("peak_gib", 0.0) for r in clock.rows)
             res["max_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
         res["status"] = "ok"
+        missing = [k for k in ("crops", "sub_agents") if not res["tool_work"].get(k)]
+        if missing and not a.no_oracle:
+            # The oracle path is there to put crops and sub-agents into the step: a step
+            # without them measured a plain GRPO step, not PARA-GRPO's.
+            res["status"] = "failed"
+            res["error"] = (
+                f"the RL steps ran no {' and no '.join(missing)} (tool_work "
+                f"{res['tool_work']}): the measured step is not PARA-GRPO's"
+            )
     except Exception as e:
         res["status"] = "failed"
         res["error"] = f"{type(e).__name__}: {e}"
@@ -414,6 +448,11 @@ def report(res: dict[str, Any]) -> None:
         print(f"  plan ({pl['device']}): rollout {pl['rollout_gib']:.1f} GiB, update "
               f"{pl['update_gib']:.1f} GiB, fits {pl['fits']}; measured max allocated "
               f"{res.get('max_allocated_gib', float('nan')):.1f} GiB")  # fmt: skip
+    if "tool_work" in res:
+        t = res["tool_work"]
+        print(f"  tool work in the RL steps: {t['tool_calls']:.0f} tool calls, {t['crops']:.0f} "
+              f"crops, {t['sub_agents']:.0f} sub-agents (prompts with oracle tool calls "
+              f"{res.get('prompts_with_tool_calls')})")  # fmt: skip
     if "fixed_generation" in res:
         g = res["fixed_generation"]
         print(f"  fixed generation: {g['generated_tokens']} tokens in {g['seconds']:.2f} s "

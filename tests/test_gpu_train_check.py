@@ -2,8 +2,7 @@
 GPU step reported skipped, the files the device tool brings back written and well-formed, exit
 0; DALI's wheel split into parts, staged and joined back byte for byte (a missing part is
 named); the step scripts' pieces that run anywhere (varlen_attn_check's SDPA path and its skip
-reason, gpu_real_size's phase clock). The CPU dry run of every step
-(``PARAVT_GPU_DRY=1``, ~5 min on a 2-core machine) is run by hand, not here."""
+reason, gpu_real_size's phase clock). The CPU dry run of the steps: tests/test_gpu_scripts.py."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_train_check.sh"
-STEPS = ["real_size_2b", "varlen", "dali", "real_size_big", "default_train"]
+STEPS = ["kernel_tests", "kernel_targets", "real_size_2b", "varlen"]  # PARAVT_GPU_CALL=main
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int = 120) -> subprocess.CompletedProcess:
@@ -37,21 +36,30 @@ def test_without_cuda_every_step_is_skipped_and_the_output_is_well_formed(tmp_pa
     assert r.returncode == 0, r.stdout + r.stderr
     files = sorted(p.name for p in out.iterdir())
     # What the device tool returns: at most 8 files, names of letters, digits, '.', '_', '-'.
-    assert files == sorted(["summary.json", "summary.txt", "setup.log"] +
-                           [f"{s}.log" for s in STEPS])  # fmt: skip
+    assert files == sorted(["summary.json", "summary.txt", "setup.log", "steps.log"] +
+                           [f"{s}.json" for s in STEPS])  # fmt: skip
     assert len(files) <= 8 and all(re.fullmatch(r"[A-Za-z0-9._-]+", f) for f in files)
     s = json.loads((out / "summary.json").read_text())
     assert s["cuda"] is False and s["dry"] is False and s["failed"] == []
+    assert s["call"] == "main" and s["gpu"] is None
     assert list(s["steps"]) == STEPS
+    log = (out / "steps.log").read_text().splitlines()
+    assert log == [f"[{n}] skipped: no CUDA" for n in STEPS]
     for name, st in s["steps"].items():
         assert st["status"] == "skipped" and st["reason"] == "no CUDA", name
-        assert st["log"] == f"{name}.log" and st["rc"] is None
-        assert (out / st["log"]).read_text().strip() == "skipped: no CUDA"
-    assert (out / "summary.txt").read_text().splitlines() == [
+        assert st["log"] == "steps.log" and st["rc"] is None
+        assert json.loads((out / f"{name}.json").read_text()) == {
+            "status": "skipped", "reason": "no CUDA"}  # fmt: skip
+    assert (out / "summary.txt").read_text().splitlines()[1:] == [
         f"{n}: skipped: no CUDA" for n in STEPS
     ]
     setup = (out / "setup.log").read_text()
     assert "gpu False" in setup and "cuda=0" in setup
+
+
+def test_an_unknown_call_is_refused(tmp_path):
+    r = _run([], {"OUT": str(tmp_path / "o"), "PARAVT_GPU_CALL": "everything"})
+    assert r.returncode == 2 and "PARAVT_GPU_CALL=everything is not one of main, video" in r.stderr
 
 
 def test_dali_wheel_parts_are_joined_back_and_a_missing_part_is_named(tmp_path):

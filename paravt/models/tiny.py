@@ -570,13 +570,19 @@ def arch_config_path(name: str) -> Path:
     )
 
 
-def write_narrow_arch(path: str | Path, name: str = "qwen3vl_2b") -> Path:
+def write_narrow_arch(path: str | Path, name: str = "qwen3vl_2b", vocab: int = 0) -> Path:
     """A shipped architecture narrowed to a few MB (2 layers, hidden 64; its real vocabulary,
     mrope and deepstack) at ``path``: ``model.config=PATH model.init=random`` then builds it the
     way a real size builds. For CPU runs of real-size command lines (the GPU training check's
-    dry mode, ``scripts/gpu_real_size.py``; ``tests/test_plan.py``)."""
+    dry mode, ``scripts/gpu_real_size.py``; ``tests/test_plan.py``). ``vocab`` > 0 cuts the
+    vocabulary to that many rows (at least the tiny tokenizer's 4096 ids): the CI dry run's
+    lm_head then costs ~40x less on a CPU."""
     c = json.loads(arch_config_path(name).read_text())
     t, v = c["text_config"], c["vision_config"]
+    if vocab:
+        if vocab < 4096:
+            raise ValueError(f"write_narrow_arch: vocab={vocab} is under the tokenizer's 4096 ids")
+        t["vocab_size"] = vocab
     t.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)  # fmt: skip
     t["rope_scaling"]["mrope_section"] = [4, 2, 2]
