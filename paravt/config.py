@@ -58,6 +58,12 @@ class DataConfig:
     # 'spot_decoy' only: the share q of videos whose square shows a wrong colour in exactly the
     # frames the K = 32 overview decodes (paravt.data.synth._plan_spot_decoy).
     synth_decoy_share: float = 0.25
+    # "spot" tasks: besides each oracle tool record, this many (0-3) copies whose sub-agent
+    # summaries, final thought and answer name another colour (the main agent's overview misses
+    # the square, so nothing it sees contradicts them). They train the main agent only (no
+    # sub-agent rows: their summaries are not what the crops show), and teach it to carry what
+    # the tools returned instead of a colour remembered for the video (docs/copy_probe.md).
+    synth_colour_swaps: int = 0
     # Root prepended to relative video paths in dataset rows ('' = relative to the dataset file).
     video_root: str = ""
     # Keep at most this many training rows (0 = all); useful for smoke runs.
@@ -787,6 +793,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.synth_num_videos": (">= 1", "synthetic videos to generate"),
     "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
     "data.synth_decoy_share": ("[0, 1]", "share of spot_decoy videos with a decoy colour"),
+    "data.synth_colour_swaps": ("[0, 3]", "colour-swapped copies of each spot tool record"),
     "data.max_samples": (">= 0", "training rows kept; 0 = all"),
     "video.fixed_frames": (">= 1", "overview frames when gating is off"),
     "video.overview_max_pixels": (">= 1", "pixel budget per overview frame"),

@@ -128,7 +128,10 @@ def encode_records(
         try:
             main = encode_oracle_trajectory(bundle, cfg, sample, rec, planner)
             out.append(main)
-            if cfg.sft.sub_agents:  # the same weights learn to describe the crops it asks for
+            # The same weights learn to describe the crops it asks for; a "main_only" record
+            # (a colour-swapped copy, paravt.data.synth.colour_swaps) has summaries that are
+            # not what its crops show, and trains the main agent alone.
+            if cfg.sft.sub_agents and not rec.get("main_only"):
                 out += encode_oracle_sub_trajectories(bundle, cfg, sample, main, planner)
         except VideoError as e:
             print(f"[sft] skipping {sample.id}: {e}", file=sys.stderr)

@@ -122,3 +122,38 @@ def test_sft_lr_schedule() -> None:
     assert not math.isnan(lr_factor("cosine", 0, 0))
     with pytest.raises(ValueError, match="sft.schedule='step'"):
         lr_factor("step", 0, 1)
+
+
+def test_colour_swapped_copies_train_the_main_agent_only(tmp_path, spot) -> None:
+    """``data.synth_colour_swaps=3``: each tool record gets 3 copies naming each other colour
+    in every summary, the final thought and the answer; they encode as main trajectories only
+    (their summaries are not what the crops show), and score right against their own letter."""
+    _, _, bundle, _, _, _ = spot
+    cfg = _cfg(**{"data.synth_colour_swaps": 3})
+    data = generate(
+        tmp_path, 5, seed=4, min_duration=40, max_duration=40, oracle=oracle_settings(cfg),
+        task="spot",
+    )  # fmt: skip
+    records = read_sft_records(data / "sft.jsonl")
+    plain = [r for r in records if not r.get("main_only")]
+    swapped = [r for r in records if r.get("main_only")]
+    tools = [r for r in plain if len(r["turns"]) == 3]
+    assert tools and len(swapped) == 3 * len(tools)
+    for r in tools:
+        copies = [s for s in swapped if s["sample_id"] == r["sample_id"]
+                  and s["num_frames"] == r["num_frames"]]  # fmt: skip
+        answers = {c["turns"][2]["content"][-10] for c in copies} | {r["turns"][2]["content"][-10]}
+        assert answers == set("ABCD")  # every colour once: the truth and its 3 swaps
+        for c in copies:
+            letter = c["turns"][2]["content"][-10]
+            colour = SPOT_COLOURS["ABCD".index(letter)]
+            named = [s for s in c["turns"][1]["content"] if "Nothing" not in s]
+            assert named and all(f"A {colour} square" in s for s in named)
+            assert f"A {colour} square appears." in c["turns"][2]["content"]
+            assert c["turns"][0] == r["turns"][0]  # the same calls
+    samples = load_samples(data, split="train")
+    trajs = encode_records(records, samples, bundle, cfg, DecodePlanner())
+    n_sub = sum(t.role == "sub" for t in trajs)
+    plain_trajs = encode_records(plain, samples, bundle, cfg, DecodePlanner())
+    assert n_sub == sum(t.role == "sub" for t in plain_trajs) > 0
+    assert sum(t.role == "main" for t in trajs) == len(records)

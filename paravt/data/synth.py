@@ -511,6 +511,8 @@ class OracleSettings:
     crop_min_frames: int = 2
     max_parallel: int = 5
     temporal_patch: int = 2
+    # ``data.synth_colour_swaps``: colour-swapped main-agent copies of each spot tool record.
+    colour_swaps: int = 0
 
 
 def oracle_settings(cfg: Any) -> OracleSettings:
@@ -525,6 +527,7 @@ def oracle_settings(cfg: Any) -> OracleSettings:
         crop_max_frames=int(v.crop_max_frames),
         crop_min_frames=int(v.crop_min_frames),
         max_parallel=int(cfg.agent.max_parallel),
+        colour_swaps=int(cfg.data.synth_colour_swaps),
     )
 
 
@@ -871,7 +874,29 @@ def _spot_sft(
         return []  # the need is hidden from the overview: no record
     windows, summaries, found = whole_video_crops(plan, meta, max(1, st.max_parallel), st)
     plan_text = "The overview shows no shape; I will look at the whole video."
-    return [_tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])]
+    out = [_tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])]
+    for other in colour_swaps(tgt.colour, st.colour_swaps, f"{row['id']}:{num_frames}"):
+        swapped = [swap_colour(x, tgt.colour, other) for x in summaries]
+        letter = "ABCD"[SPOT_COLOURS.index(other)]
+        rec = _tool_record(
+            row, num_frames, plan_text, windows, swapped, swap_colour(found, tgt.colour, other),
+            letter,
+        )  # fmt: skip
+        out.append({**rec, "main_only": True})
+    return out
+
+
+def swap_colour(text: str, colour: str, other: str) -> str:
+    """``text`` with the colour word ``colour`` (as a whole word) replaced by ``other``."""
+    return re.sub(rf"\b{colour}\b", other, text)
+
+
+def colour_swaps(colour: str, n: int, key: str) -> list[str]:
+    """The ``n`` (at most 3) other ``SPOT_COLOURS`` a tool record of a ``colour`` square is
+    copied with (``data.synth_colour_swaps``), drawn by a stable hash of ``key``."""
+    others = [c for c in SPOT_COLOURS if c != colour]
+    random.Random(f"paravt-swap:{key}").shuffle(others)
+    return others[: max(0, min(n, len(others)))]
 
 
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -1021,6 +1046,18 @@ def generate(
     _write_jsonl(out / "sft.jsonl", sft)
     manifest.write_text(json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
     return out
+
+
+def read_plans(data_dir: str | Path) -> tuple[float, dict[str, VideoPlan]]:
+    """A task folder's frame rate and its videos' plans (``manifest.json``), by video name:
+    what each video shows, for the oracles and probes that lay out a tool round after the
+    fact (the collapse cold start, ``paravt.experiments.copy_probe``)."""
+    manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
+    plans = {}
+    for v in manifest["videos"]:
+        ev = {"target": Event(**v["target"]), "distractors": [Event(**e) for e in v["distractors"]]}
+        plans[v["name"]] = VideoPlan(**{**v, **ev})
+    return float(manifest["params"]["fps"]), plans
 
 
 def generate_from_config(cfg: Any, out_dir: str | Path | None = None) -> Path:

@@ -5,6 +5,7 @@
     python -m paravt.experiments collapse [...]    (flags: paravt/experiments/collapse.py)
     python -m paravt.experiments phase DIR [DIR ...] [--out runs/phase]   (collapse cells)
     python -m paravt.experiments tool-path --data TASK EVAL_DIR [...]   (where answers come from)
+    python -m paravt.experiments copy-probe --model DIR --data TASK [--k 4]   (the copy, forced)
 
 ``ablation``: ``paravt.experiments.ablation``; ``collapse``: ``paravt.experiments.collapse``;
 both run their arms with ``paravt.experiments.arms.run_arms``.
@@ -22,6 +23,7 @@ from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
 from paravt.experiments.collapse import main as collapse_main
+from paravt.experiments.copy_probe import main as copy_probe_main
 from paravt.experiments.phase import main as phase_main
 from paravt.experiments.tool_path import main as tool_path_main
 
@@ -36,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return phase_main(argv[1:])
     if argv[:1] == ["tool-path"]:  # paravt/experiments/tool_path.py
         return tool_path_main(argv[1:])
+    if argv[:1] == ["copy-probe"]:  # paravt/experiments/copy_probe.py
+        return copy_probe_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="python -m paravt.experiments", description=__doc__, formatter_class=raw
@@ -56,6 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool-path",
         help="where a spot answer comes from in paravt.eval results (see python -m "
         "paravt.experiments tool-path -h)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "copy-probe",
+        help="does the main agent carry a summary's colour into its answer? teacher-forced "
+        "(see python -m paravt.experiments copy-probe -h)",
         add_help=False,
     )
     a = sub.add_parser(

@@ -143,18 +143,6 @@ def _check_task(cfg: Config) -> None:
         )
 
 
-def _plans(data_dir: Path) -> tuple[float, dict[str, Any]]:
-    """The task's frame rate and its videos' plans (``manifest.json``), by video name."""
-    from paravt.data.synth import Event, VideoPlan
-
-    manifest = json.loads((data_dir / "manifest.json").read_text())
-    plans = {}
-    for v in manifest["videos"]:
-        ev = {"target": Event(**v["target"]), "distractors": [Event(**e) for e in v["distractors"]]}
-        plans[v["name"]] = VideoPlan(**{**v, **ev})
-    return float(manifest["params"]["fps"]), plans
-
-
 def _hash_share(key: str) -> float:
     """A stable uniform draw in [0, 1) for ``key``."""
     return _windows_for(key, range(1000)) / 1000
@@ -178,7 +166,14 @@ def all_tool_records(
 
     Raises ``ConfigError`` for another task or a window count outside
     ``1..agent.max_parallel``."""
-    from paravt.data.synth import _meta, _Seen, _tool_record, oracle_settings, whole_video_crops
+    from paravt.data.synth import (
+        _meta,
+        _Seen,
+        _tool_record,
+        oracle_settings,
+        read_plans,
+        whole_video_crops,
+    )
     from paravt.video import overview_timestamps
 
     _check_task(cfg)
@@ -191,7 +186,7 @@ def all_tool_records(
             f"({cfg.agent.max_parallel})"
         )
     d = Path(data_dir)
-    fps, plans = _plans(d)
+    fps, plans = read_plans(d)
     st = oracle_settings(cfg)
     out: list[dict] = []
     for line in (d / "train.jsonl").read_text().splitlines():
