@@ -54,6 +54,7 @@ from paravt.distributed import (
     full_optimizer_state,
     full_state_dict,
 )
+from paravt.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -204,19 +205,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # the old ``path`` is untouched
-        raise
-
-
 def _move_aside(path: Path) -> Path:
     """Rename ``path`` out of the ``step_*`` namespace (atomic); delete the result later."""
     aside = path.with_name(f".tmp-del-{path.name}")
@@ -327,7 +315,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         moved_in = True
         _fsync_dir(root)
-        _write_text_atomic(root / LATEST, name)
+        write_atomic(root / LATEST, name)
     except OSError as e:
         # Undo: the new copy out of the step_* namespace, the replaced copy back in its place.
         if moved_in:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from paravt.files import open_append, write_atomic
+
 # Metrics every RL step must log (the smoke test asserts each is present). Per-K metrics
 # (``acc/K{k}``, ``tool_rate/K{k}``) are added for each K drawn in the step.
 STEP_METRICS: tuple[str, ...] = (
@@ -222,9 +224,10 @@ class RunFolderWrites:
 def _append(path: Path, text: str) -> None:
     """Append ``text`` to ``path``; on a failed write cut the file back to where it was, so a
     row cut short by a full disk never glues itself to the next one."""
-    start = path.stat().st_size if path.exists() else 0
+    start = path.stat().st_size if path.is_file() else 0
+    f = open_append(path)  # a link or a FIFO in its place: refused, never written through
     try:
-        with open(path, "a") as f:
+        with f:
             f.write(text)
     except OSError:
         with contextlib.suppress(OSError):
@@ -286,14 +289,8 @@ class MetricsLogger:
             return
         for path in (self.metrics_path, self.traj_path, self.heldout_path):
             rows = [r for r in read_metrics(path) if _step_at_most(r, step)]
-            tmp = path.with_suffix(".tmp")
-            with self.disk.guard(f"{path.name} rewrite", tmp):
-                try:
-                    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                except OSError:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                os.replace(tmp, path)
+            with self.disk.guard(f"{path.name} rewrite", path):
+                write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> None:
         if not self.enabled:
@@ -401,7 +398,7 @@ class ThumbnailStore:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for n, b in zip(names, blobs):
-                (self.dir.parent / n).write_bytes(b)
+                write_atomic(self.dir.parent / n, b, fsync=False)
         except OSError as e:
             for n in names:  # nothing partial kept: a torn JPEG would pass the is_file check
                 with contextlib.suppress(OSError):

@@ -27,12 +27,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError, to_dict
+from paravt.files import write_atomic
 from paravt.metrics import read_metrics
 
 RUN_FILE = "run.json"
@@ -212,9 +212,7 @@ def record_run(cfg: Config) -> None:
     tiny model's fingerprint); a resume rewrites it with its allowed changes. Rank 0 only."""
     out = Path(cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(run_record(cfg), indent=1) + "\n")
-    os.replace(tmp, out / RUN_FILE)
+    write_atomic(out / RUN_FILE, json.dumps(run_record(cfg), indent=1) + "\n")
 
 
 def logged_eval(

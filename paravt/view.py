@@ -33,13 +33,13 @@ import html
 import json
 import os
 import re
-import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paravt.files import write_atomic
 from paravt.metrics import read_metrics
 
 # Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
@@ -633,6 +633,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rep = load_report(run_dir)
     root = rep.run_dir.resolve()
     dst = Path(out) if out else Path(run_dir) / "view"
+    if not out:  # the run's folder is not ours: its view/ must be a folder, not a link
+        _own_folder(dst)
     dst.mkdir(parents=True, exist_ok=True)
     inside = root == dst.resolve() or root in dst.resolve().parents
     thumbs: dict[str, str] = {}
@@ -649,12 +651,25 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 continue
             name = "thumbs/" + src.relative_to(root).as_posix().replace("/", "_")
             target = dst / name
+            _own_folder(target.parent)
             target.parent.mkdir(exist_ok=True)
-            shutil.copyfile(src, target)
+            write_atomic(target, src.read_bytes(), fsync=False)
             thumbs[rel] = name
-    (dst / "index.html").write_text(render_index(rep), encoding="utf-8")
-    (dst / "trajectories.html").write_text(render_trajectories(rep, thumbs), encoding="utf-8")
+    # Through a temporary and a rename: a link planted at a page is replaced, not followed.
+    write_atomic(dst / "index.html", render_index(rep))
+    write_atomic(dst / "trajectories.html", render_trajectories(rep, thumbs))
     return dst / "index.html"
+
+
+def _own_folder(d: Path) -> None:
+    """Refuse (:class:`ViewError`) a symlink at ``d``, a folder the viewer makes inside a folder
+    it does not own (``RUN_DIR/view``, ``thumbs/``): writing through it would put the pages
+    wherever the link points (any folder of the machine, for a viewer run as root)."""
+    if d.is_symlink():
+        raise ViewError(
+            f"{d} is a symbolic link (to {os.readlink(d)}); the report is written into a real "
+            f"folder only: remove the link, or pass --out DIR to write the report elsewhere"
+        )
 
 
 def make_server(index: Path, run_dir: Path, port: int) -> tuple[Any, str]:

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         settings_refusal,
         weights_fingerprint,
     )
+    from paravt.files import NotRegularFile
     from paravt.models import load_model_from_config
     from paravt.rollout import make_engine
 
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NotRegularFile as e:  # a link or a FIFO planted where results are written
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         cleanup(ctx, getattr(engine, "close", lambda: None))
     if ctx.is_main:

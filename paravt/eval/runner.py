@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paravt.files import open_append, write_atomic
 from paravt.metrics import read_metrics
 from paravt.types import Group, Sample, Trajectory
 
@@ -290,7 +291,7 @@ class _Appender:
 
     def __init__(self, path: Path) -> None:
         torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-        self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.f = open_append(path)  # a link or a FIFO in its place: refused
         if torn:  # a killed run's half-written last line: never glue the next row onto it
             self.f.write("\n")
 
@@ -393,7 +394,7 @@ def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> s
     nothing and return the message that refuses it ("" when fine)."""
     refused = settings_refusal(out, settings) if has_results else ""
     if not refused:
-        (out / RUN_FILE).write_text(json.dumps(asdict(settings), indent=2) + "\n")
+        write_atomic(out / RUN_FILE, json.dumps(asdict(settings), indent=2) + "\n")
     return refused
 
 
@@ -424,11 +425,8 @@ def merge_results(out: Path, samples: Sequence[Sample]) -> list[dict[str, Any]]:
     mine = {s.id for s in samples}
     rows = [done[s.id] for s in samples if s.id in done]
     lost = [s.id for s in samples if s.id not in done]
-    tmp = out / (RESULTS + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows + [r for i, r in done.items() if i not in mine]:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, out / RESULTS)
+    kept = rows + [r for i, r in done.items() if i not in mine]
+    write_atomic(out / RESULTS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
     for part in out.glob("results.rank*.jsonl"):
         part.unlink()
     if lost:
@@ -552,7 +550,7 @@ def run_eval(
             summary = summarize(settings.benchmark, rows)
             # The settings without the whole config (run.json, beside it, has that).
             summary["settings"] = {k: v for k, v in asdict(settings).items() if k != "config"}
-            (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+            write_atomic(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
             print(markdown_table(summary), file=stream or sys.stdout, flush=True)
     summary, lost = broadcast_object((summary, lost), ctx)
     if lost:

@@ -90,6 +90,7 @@ from paravt.experiments.arms import (
     train_checkpoint,
     write_stamp,
 )
+from paravt.files import write_atomic
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
@@ -965,8 +966,8 @@ def _collapse(
     res["eval_every"] = eval_every
     res["minutes"] = (time.perf_counter() - t0) / 60
     table = format_markdown(res)
-    (out / "collapse.md").write_text(table + "\n")
-    (out / "collapse.json").write_text(json.dumps(json_safe(res), indent=1, allow_nan=False))
+    write_atomic(out / "collapse.md", table + "\n")
+    write_atomic(out / "collapse.json", json.dumps(json_safe(res), indent=1, allow_nan=False))
     plot(res, out / "collapse.png")
     return {"json": res, "table": table}
 

@@ -1,0 +1,101 @@
+"""How paravt reads and writes files in folders it did not create (a run folder, an evaluation's
+``--out``, a report's folder, a data set): one helper per idea, used by every module.
+
+* :func:`write_atomic`: a whole file (``run.json``, ``config.yaml``, ``results.jsonl``, the
+  viewer's pages, …) is written into a fresh temporary of a random name beside it (created with
+  ``O_EXCL``: a symlink planted at that name is never followed) and renamed over the target with
+  ``os.replace``. A symlink planted at the target is replaced, not written through (the viewer,
+  run as root, would otherwise overwrite any file on the machine); a reader sees the old file or
+  the new one, never a torn one; a failed write (a full disk) leaves the old file and no
+  temporary.
+* :func:`open_append`: a file written a line at a time (``metrics.jsonl``, the evaluation's
+  ``results.jsonl``) is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink or a
+  FIFO in its place is refused (:class:`NotRegularFile`), never written through or waited on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import TextIO
+
+
+class NotRegularFile(OSError):
+    """A path paravt reads or writes holds a symlink, a FIFO, a device or a directory where a
+    regular file belongs; the message names the path, what it is and the fix."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular(path: str | Path, mode: int, doing: str) -> NotRegularFile:
+    """The error for ``path`` (of ``st_mode`` ``mode``) found where ``doing`` needs a file."""
+    return NotRegularFile(
+        f"{path} is {_kind(mode)}, not a regular file: paravt {doing} regular files only "
+        "(never through a link, never waiting on a pipe). Fix: remove it (or replace it with "
+        "the file itself) and rerun"
+    )
+
+
+def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` through a fresh temporary and ``os.replace``
+    (module docstring): never through a symlink, never torn. Raises the ``OSError`` of a failed
+    write (a full disk: ``ENOSPC``) with the old ``path`` intact and no temporary left."""
+    path = Path(path)
+    blob = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        # "x": O_CREAT | O_EXCL, which fails on anything already at tmp (a planted link
+        # included) and gives 0o666 less the umask, as "w" would.
+        with open(tmp, "xb") as f:
+            f.write(blob)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # the old ``path`` is untouched
+        raise
+
+
+def _append_opener(path: str, flags: int) -> int:
+    """``os.open`` for :func:`open_append`: no link followed, no FIFO waited on, and only a
+    regular file kept open (checked on the open file: no race between check and write)."""
+    extra = os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | extra, 0o666)
+    except OSError as e:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISREG(mode):
+            raise
+        raise not_regular(path, mode, "appends to") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_regular(path, mode, "appends to")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_append(path: str | Path, encoding: str = "utf-8") -> TextIO:
+    """``path`` opened to append text, created if absent; raises :class:`NotRegularFile` for a
+    symlink, FIFO or other non-file in its place (module docstring)."""
+    return open(path, "a", encoding=encoding, opener=_append_opener)
