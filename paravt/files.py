@@ -11,11 +11,16 @@
 * :func:`open_append`: a file written a line at a time (``metrics.jsonl``, the evaluation's
   ``results.jsonl``) is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink or a
   FIFO in its place is refused (:class:`NotRegularFile`), never written through or waited on.
+* :func:`read_regular`: the bytes of a regular file, or None when there is none; a FIFO, a
+  device or a directory in its place is no file (opened without blocking, checked with
+  ``fstat`` on the open file: no race between the check and the read, no reader left waiting
+  on a pipe).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -28,7 +33,8 @@ class NotRegularFile(OSError):
     regular file belongs; the message names the path, what it is and the fix."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words ("a FIFO (named pipe)", "a symbolic link", …)."""
     for test, name in (
         (stat.S_ISLNK, "a symbolic link"),
         (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -45,7 +51,7 @@ def _kind(mode: int) -> str:
 def not_regular(path: str | Path, mode: int, doing: str) -> NotRegularFile:
     """The error for ``path`` (of ``st_mode`` ``mode``) found where ``doing`` needs a file."""
     return NotRegularFile(
-        f"{path} is {_kind(mode)}, not a regular file: paravt {doing} regular files only "
+        f"{path} is {file_kind(mode)}, not a regular file: paravt {doing} regular files only "
         "(never through a link, never waiting on a pipe). Fix: remove it (or replace it with "
         "the file itself) and rerun"
     )
@@ -99,3 +105,31 @@ def open_append(path: str | Path, encoding: str = "utf-8") -> TextIO:
     """``path`` opened to append text, created if absent; raises :class:`NotRegularFile` for a
     symlink, FIFO or other non-file in its place (module docstring)."""
     return open(path, "a", encoding=encoding, opener=_append_opener)
+
+
+def read_regular(path: str | Path) -> bytes | None:
+    """The bytes of the regular file at ``path`` (symlinks followed), or None when nothing, or
+    something other than a regular file (a FIFO, a directory, a device), is there: opened with
+    ``O_NONBLOCK`` so that a FIFO never blocks the reader, and checked on the open file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None  # nothing there (or a link loop): no file, as Path.is_file() says
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def read_text_regular(path: str | Path) -> str | None:
+    """:func:`read_regular` decoded as UTF-8 (undecodable bytes replaced): a page shows it."""
+    blob = read_regular(path)
+    return None if blob is None else blob.decode("utf-8", errors="replace")

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.files import open_append, write_atomic
+from paravt.files import open_append, read_regular, write_atomic
 
 # Metrics every RL step must log (the smoke test asserts each is present). Per-K metrics
 # (``acc/K{k}``, ``tool_rate/K{k}``) are added for each K drawn in the step.
@@ -124,15 +124,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     multi-byte UTF-8 character (``paravt.view`` and the evaluation's resume read through
     here)."""
     rows: list[dict[str, Any]] = []
-    p = Path(path)
-    if not p.is_file():
+    blob = read_regular(path)  # a FIFO (or a directory) in its place is no file: no rows
+    if blob is None:
         return rows
     # Split the bytes on b"\n", then decode each line: a kill mid-write can cut the last line
     # inside a multi-byte character (results.jsonl is written with ensure_ascii=False), which
     # must cost that line only, not the file. A UTF-8 continuation byte is never 0x0A, so this
     # is the same split as on the text. Not splitlines(): JSON leaves U+2028/U+2029/U+0085
     # unescaped inside strings and splitlines() would cut rows there.
-    for raw in p.read_bytes().split(b"\n"):
+    for raw in blob.split(b"\n"):
         try:
             line = raw.decode("utf-8").strip()
             if not line:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paravt.files import write_atomic
+from paravt.files import file_kind, read_text_regular, write_atomic
 from paravt.metrics import read_metrics
 
 # Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
@@ -238,32 +238,44 @@ def _eval_traj(r: dict[str, Any]) -> TrajView:
 
 def load_report(run_dir: str | Path) -> Report:
     """Read a training run folder (``metrics.jsonl``) or an evaluation folder
-    (``results.jsonl``); raises :class:`ViewError` for anything else."""
+    (``results.jsonl``); raises :class:`ViewError` for anything else. Regular files only
+    (``paravt.files.read_regular``): a FIFO in a record's place is refused by name, never read
+    (a read would wait for a writer forever)."""
     d = Path(run_dir)
     if not d.is_dir():
         raise ViewError(f"{d} is not a directory (pass a training run or evaluation folder)")
+    for name in ("metrics.jsonl", "results.jsonl"):
+        p = d / name
+        if p.exists() and not p.is_file():
+            raise ViewError(
+                f"{p} is {file_kind(p.stat().st_mode)}, not a regular file: the viewer reads "
+                f"regular files only; replace it with the run's {name} (or remove it)"
+            )
     if (d / "metrics.jsonl").is_file():
         rows = read_metrics(d / "metrics.jsonl")
-        cfg = d / "config.yaml"
+        cfg = read_text_regular(d / "config.yaml")
         return Report(
             "train",
             d,
             [r for r in rows if r.get("kind") != "alarm"],
             [r for r in rows if r.get("kind") == "alarm"],
-            cfg.read_text() if cfg.is_file() else "(no config.yaml in the run folder)",
+            cfg if cfg is not None else "(no config.yaml in the run folder)",
             [_train_traj(r) for r in read_metrics(d / "trajectories.jsonl")],
         )
     if (d / "results.jsonl").is_file():
-        summary = d / "summary.json"
-        run = d / "run.json"
+        run = read_text_regular(d / "run.json")
+        try:
+            summary = json.loads(read_text_regular(d / "summary.json") or "{}")
+        except json.JSONDecodeError:
+            summary = {}
         return Report(
             "eval",
             d,
             [],
             [],
-            run.read_text() if run.is_file() else "(no run.json in the evaluation folder)",
+            run if run is not None else "(no run.json in the evaluation folder)",
             [_eval_traj(r) for r in read_metrics(d / "results.jsonl")],
-            json.loads(summary.read_text()) if summary.is_file() else {},
+            summary if isinstance(summary, dict) else {},
         )
     raise ViewError(
         f"{d} has neither metrics.jsonl (a training run: `make train` or `python -m paravt.train "

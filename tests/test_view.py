@@ -716,3 +716,34 @@ def test_planted_symlinks_are_replaced_never_written_through(tmp_path, capsys) -
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{run / 'view'} is a symbolic link" in err
     assert "--out" in err and list(elsewhere.iterdir()) == []
+
+
+def test_a_fifo_in_a_record_s_place_is_named_never_read(tmp_path, capsys) -> None:
+    """A FIFO is no file: reading one waits for a writer forever. The viewer names a FIFO
+    metrics.jsonl (exit 2, one line) and renders a run whose config.yaml or trajectories.jsonl
+    is one without them; every read runs in a thread that must finish."""
+    import threading
+
+    def view(*argv: str) -> int:
+        res: list[int] = []
+        t = threading.Thread(target=lambda: res.append(main(list(argv))), daemon=True)
+        t.start()
+        t.join(20)
+        assert res, f"python -m paravt.view {' '.join(argv)} hangs"
+        return res[0]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    assert view(str(run)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{run / 'metrics.jsonl'} is a FIFO (named pipe), not a regular file" in err
+    (run / "metrics.jsonl").unlink()
+    _tiny_train_folder(run, [{"step": 1, "kind": "train", "tool_call_rate": 0.5}])
+    for name in ("config.yaml", "trajectories.jsonl"):
+        (run / name).unlink()
+        os.mkfifo(run / name)
+    assert view(str(run)) == 0
+    index = (run / "view" / "index.html").read_text()
+    assert "(no config.yaml in the run folder)" in index and "0 trajectories" in index
