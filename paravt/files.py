@@ -15,17 +15,28 @@
   device or a directory in its place is no file (opened without blocking, checked with
   ``fstat`` on the open file: no race between the check and the read, no reader left waiting
   on a pipe).
+* :func:`jsonl_lines`: every JSONL file the project reads is split here, on ``"\\n"`` only.
+  Not ``str.splitlines()``: JSON leaves U+2028, U+2029 and U+0085 unescaped inside strings
+  and ``splitlines()`` cuts a row there. ``paravt.metrics.read_metrics`` (files the project
+  appends to: skips a torn line) and :func:`read_jsonl` (data sets: a bad line is an error
+  naming it) read through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+
+class JsonlError(ValueError):
+    """A line of a JSONL data file that is no JSON object (``path:line: problem``)."""
 
 
 class NotRegularFile(OSError):
@@ -133,3 +144,37 @@ def read_text_regular(path: str | Path) -> str | None:
     """:func:`read_regular` decoded as UTF-8 (undecodable bytes replaced): a page shows it."""
     blob = read_regular(path)
     return None if blob is None else blob.decode("utf-8", errors="replace")
+
+
+def jsonl_lines(blob: bytes) -> Iterator[tuple[int, bytes]]:
+    """``(line number from 1, line)`` of each non-blank line of a JSONL file's bytes, split on
+    ``b"\\n"`` only (module docstring). Bytes, not text: a line cut inside a multi-byte UTF-8
+    character by a kill costs that line only (a continuation byte is never ``0x0A``)."""
+    for n, raw in enumerate(blob.split(b"\n"), 1):
+        if raw.strip():
+            yield n, raw
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of every non-blank line of the JSONL data file ``path`` (an
+    annotation file, SFT records, an oracle's ``sft.jsonl``), in order. Strict, unlike
+    ``paravt.metrics.read_metrics``: a line that is not UTF-8, not JSON or not an object raises
+    :class:`JsonlError` naming ``path:line``; a missing file raises ``FileNotFoundError`` and a
+    FIFO or other non-file :class:`NotRegularFile`."""
+    blob = read_regular(path)
+    if blob is None:
+        mode = os.stat(path).st_mode  # FileNotFoundError when nothing is there
+        raise not_regular(path, mode, "reads")
+    rows = []
+    for n, raw in jsonl_lines(blob):
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise JsonlError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise JsonlError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise JsonlError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        rows.append((n, row))
+    return rows

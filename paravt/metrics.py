@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.files import open_append, read_regular, write_atomic
+from paravt.files import jsonl_lines, open_append, read_regular, write_atomic
 
 # Metrics every RL step must log (the smoke test asserts each is present). Per-K metrics
 # (``acc/K{k}``, ``tool_rate/K{k}``) are added for each K drawn in the step.
@@ -127,17 +127,12 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     blob = read_regular(path)  # a FIFO (or a directory) in its place is no file: no rows
     if blob is None:
         return rows
-    # Split the bytes on b"\n", then decode each line: a kill mid-write can cut the last line
-    # inside a multi-byte character (results.jsonl is written with ensure_ascii=False), which
-    # must cost that line only, not the file. A UTF-8 continuation byte is never 0x0A, so this
-    # is the same split as on the text. Not splitlines(): JSON leaves U+2028/U+2029/U+0085
-    # unescaped inside strings and splitlines() would cut rows there.
-    for raw in blob.split(b"\n"):
+    # paravt.files.jsonl_lines: split on b"\n" only, then each line decoded on its own (a kill
+    # mid-write can cut the last line inside a multi-byte character: results.jsonl is written
+    # with ensure_ascii=False; that costs the line only).
+    for _, raw in jsonl_lines(blob):
         try:
-            line = raw.decode("utf-8").strip()
-            if not line:
-                continue
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             continue  # a line cut short by a kill mid-write
         if isinstance(row, dict):  # every reader takes rows as objects: a [..] or "..." line

@@ -84,3 +84,63 @@ def test_appended_files_refuse_a_symlink_or_fifo(tmp_path) -> None:
     os.mkfifo(out / "results.jsonl")
     with pytest.raises(NotRegularFile, match=r"results.jsonl is a FIFO \(named pipe\)"):
         run_eval(_missing(tmp_path), _NoEngine(), out, _settings(), show_progress=False)
+
+
+# ---------------------------------------------------------------------------- JSONL readers
+# Legal inside a JSON string, and line breaks to str.splitlines(): each reader of a JSONL must
+# keep a row holding one whole.
+SEPARATORS = "\u2028\u2029\u0085"
+
+
+def _with_separators(rows: list[dict], key: str) -> tuple[str, list[dict]]:
+    rows = [dict(r) for r in rows]
+    rows[0][key] = f"{rows[0][key]}{SEPARATORS}(continued)"
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), rows
+
+
+def test_every_jsonl_reader_keeps_a_row_with_unicode_line_separators(synth_dir, tmp_path):
+    """load_benchmark("synth"), the dataset reader, read_sft_records, the oracle engine's
+    load_oracle and read_metrics split on "\\n" only (paravt.files.jsonl_lines)."""
+    from paravt.data import load_samples
+    from paravt.eval.benchmarks import load_benchmark
+    from paravt.files import read_jsonl
+    from paravt.metrics import read_metrics
+    from paravt.rollout.oracle import load_oracle
+    from paravt.sft import read_sft_records
+
+    d = tmp_path / "task"
+    d.mkdir()
+    (d / "videos").symlink_to(synth_dir / "videos")
+    val = [r for _, r in read_jsonl(synth_dir / "val.jsonl")]
+    text, val = _with_separators(val, "question")
+    (d / "val.jsonl").write_text(text, encoding="utf-8")
+    assert SEPARATORS in (d / "val.jsonl").read_text(encoding="utf-8")  # raw, not escaped
+    bench = load_benchmark("synth", d)
+    assert len(bench) == len(val) and bench[0].question.endswith(f"{SEPARATORS}(continued)")
+    assert [s.question for s in load_samples(d, split="val")] == [r["question"] for r in val]
+
+    sft = [r for _, r in read_jsonl(synth_dir / "sft.jsonl")][:3]
+    first = sft[0]["turns"][0]
+    first["content"] = f"{first['content']}{SEPARATORS}"
+    (d / "sft.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sft))
+    got = read_sft_records(d / "sft.jsonl")
+    assert len(got) == 3 and got[0]["turns"][0]["content"] == first["content"]
+    assert load_oracle(d)[sft[0]["sample_id"]]["turns"][0]["content"] == first["content"]
+
+    (d / "m.jsonl").write_text(text, encoding="utf-8")
+    assert read_metrics(d / "m.jsonl") == val
+
+
+def test_a_bad_jsonl_data_line_is_named(tmp_path) -> None:
+    from paravt.files import JsonlError, read_jsonl
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"a": 1}\n\n[1, 2]\n')
+    with pytest.raises(JsonlError, match=r"d\.jsonl:3: expected a JSON object, got list"):
+        read_jsonl(f)
+    f.write_bytes(b'{"a": 1}\n{"a": \xff}\n')
+    with pytest.raises(JsonlError, match=r"d\.jsonl:2: not UTF-8 text"):
+        read_jsonl(f)
+    f.write_bytes(b'{"a": 1}\n{"a": \n')
+    with pytest.raises(JsonlError, match=r"d\.jsonl:2: invalid JSON \(Expecting value"):
+        read_jsonl(f)

@@ -90,7 +90,7 @@ from paravt.experiments.arms import (
     train_checkpoint,
     write_stamp,
 )
-from paravt.files import write_atomic
+from paravt.files import read_jsonl, write_atomic
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
@@ -195,10 +195,7 @@ def all_tool_records(
     fps, plans = _plans(d)
     st = oracle_settings(cfg)
     out: list[dict] = []
-    for line in (d / "train.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for _, row in read_jsonl(d / "train.jsonl"):
         plan = plans[Path(row["video"]).stem]
         meta = _meta(plan, fps)
         squares = sorted([plan.target, *plan.distractors], key=lambda e: e.start)
