@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="tiny_cpu", choices=sorted(PRESETS))
     ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
-    return ap.parse_args(argv)
+    # Intermixed: `k=v --limit 3 k2=v2` (overrides on both sides of a flag), as train takes.
+    return ap.parse_intermixed_args(argv)
 
 
 def sampling_errors(cfg: Config) -> list[str]:
