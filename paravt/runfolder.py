@@ -122,6 +122,37 @@ def run_evidence(out: str | Path) -> list[str]:
     return found
 
 
+def _record(out: Path) -> dict[str, Any]:
+    """``out/run.json`` as a dict ({} when absent, not JSON or no object)."""
+    try:
+        rec = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def training_run_in(out: str | Path) -> str:
+    """What in ``out`` shows a training run ("" for none): :func:`run_evidence`, or a
+    training ``run.json`` (a run that has just started). ``paravt.eval`` refuses such a folder
+    as its ``--out``: its own ``run.json`` would replace the run's, which ``--resume`` needs."""
+    out = Path(out)
+    found = run_evidence(out)
+    rec = _record(out)
+    if "config" in rec and "benchmark" not in rec:
+        found.append(f"{RUN_FILE} of a training run")
+    return "; ".join(found)
+
+
+def evaluation_in(out: str | Path) -> str:
+    """What in ``out`` shows an evaluation (``python -m paravt.eval --out``; "" for none): its
+    results or its ``run.json`` (one with a ``benchmark``)."""
+    out = Path(out)
+    found = [p.name for p in sorted(out.glob("results*.jsonl"))]
+    if "benchmark" in _record(out):
+        found.append(f"{RUN_FILE} of an evaluation of {_record(out)['benchmark']!r}")
+    return "; ".join(found)
+
+
 def _flat(d: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
     for k, v in d.items():
         if isinstance(v, dict) and v:
@@ -177,6 +208,12 @@ def check_run_folder(cfg: Config) -> None:
     writes anything (``paravt.train.run``, on every rank, before they connect)."""
     t = cfg.train
     out = Path(t.out_dir)
+    if ev := evaluation_in(out):
+        raise ConfigError(
+            f"{out} holds an evaluation ({ev}), not a training run: a run there would replace "
+            "its run.json and mix metric rows with its results. Pass another train.out_dir "
+            f"(e.g. train.out_dir={out}-train)"
+        )
     if not t.resume:
         found = run_evidence(out)
         if found:

@@ -352,10 +352,26 @@ def _flat(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def training_refusal(out: Path) -> str:
+    """Why ``out`` cannot take an evaluation's files: it holds a training run
+    (``paravt.runfolder.training_run_in``); "" when it does not."""
+    from paravt.runfolder import training_run_in
+
+    if run := training_run_in(out):
+        return (
+            f"{out} holds a training run ({run}): the evaluation's run.json would replace the "
+            "run's, and the run could no longer be resumed; pass another --out (e.g. "
+            f"--out {out / 'eval'}, a folder of its own)"
+        )
+    return ""
+
+
 def settings_refusal(out: Path, settings: EvalSettings) -> str:
     """Why a run into ``out`` with ``settings`` must not resume the results there ("" when it
     may: no results yet, or the same settings). Reads only; each differing key is named with
     its saved and new values."""
+    if refused := training_refusal(out):
+        return refused
     f = out / RUN_FILE
     if not f.is_file() or not any(p.is_file() and p.stat().st_size for p in result_files(out)):
         return ""
@@ -392,7 +408,7 @@ def settings_refusal(out: Path, settings: EvalSettings) -> str:
 def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> str:
     """Write ``run.json``; or, for a resume whose settings differ from the saved ones, write
     nothing and return the message that refuses it ("" when fine)."""
-    refused = settings_refusal(out, settings) if has_results else ""
+    refused = settings_refusal(out, settings) if has_results else training_refusal(out)
     if not refused:
         write_atomic(out / RUN_FILE, json.dumps(asdict(settings), indent=2) + "\n")
     return refused

@@ -1,0 +1,65 @@
+"""An evaluation and a training run never share a folder: both keep a ``run.json`` (of other
+contents), so ``python -m paravt.eval --out RUN`` would replace a training run's record (its
+``--resume`` then fails on a misleading diff of the eval's settings) and a training run into an
+evaluation's folder would mix metric rows with its results. Each refuses the other's folder
+before writing anything. Hand-made folders, no model: seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paravt.config import ConfigError, load_config
+from paravt.eval.runner import EvalError, EvalSettings, run_eval, settings_refusal
+from paravt.runfolder import check_run_folder, record_run
+from paravt.types import Sample
+
+
+def _settings() -> EvalSettings:
+    return EvalSettings("synth", "x", "m", "hf", 4, "subagent", 0.0, 1.0, 0.0, 3, 5, 24)
+
+
+class _NoEngine:
+    def rollout(self, *a, **k):
+        raise AssertionError("no sample had a video")
+
+
+def _missing(tmp_path: Path) -> list[Sample]:
+    return [Sample(f"s{i}", str(tmp_path / f"none{i}.mp4"), "q?", "A") for i in range(2)]
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_an_evaluation_into_a_training_run_folder_is_refused(tmp_path, started) -> None:
+    """``started``: the run has logged a step; without, only its run.json is there (a run
+    that has just begun)."""
+    run = tmp_path / "run"
+    cfg = load_config("tiny_cpu", overrides=[f"train.out_dir={run}"])
+    record_run(cfg)
+    if started:
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "kind": "train"}) + "\n")
+    before = (run / "run.json").read_bytes()
+    said = settings_refusal(run, _settings())
+    assert f"{run} holds a training run" in said and "pass another --out" in said
+    with pytest.raises(EvalError, match="holds a training run"):
+        run_eval(_missing(tmp_path), _NoEngine(), run, _settings(), show_progress=False)
+    assert (run / "run.json").read_bytes() == before  # its record is untouched
+    assert not (run / "results.jsonl").exists() and not (run / "summary.json").exists()
+    # A folder inside the run is the evaluation's own.
+    summary = run_eval(
+        _missing(tmp_path), _NoEngine(), run / "eval", _settings(), show_progress=False
+    )
+    assert summary["n"] == 2
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_training_run_into_an_evaluation_folder_is_refused(tmp_path, resume) -> None:
+    out = tmp_path / "eval"
+    run_eval(_missing(tmp_path), _NoEngine(), out, _settings(), show_progress=False)
+    before = (out / "run.json").read_bytes()
+    cfg = load_config("tiny_cpu", overrides=[f"train.out_dir={out}", f"train.resume={resume}"])
+    with pytest.raises(ConfigError, match=f"{out} holds an evaluation") as e:
+        check_run_folder(cfg)
+    assert "train.out_dir" in str(e.value)
+    assert (out / "run.json").read_bytes() == before
