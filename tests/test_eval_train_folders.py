@@ -63,3 +63,46 @@ def test_a_training_run_into_an_evaluation_folder_is_refused(tmp_path, resume) -
         check_run_folder(cfg)
     assert "train.out_dir" in str(e.value)
     assert (out / "run.json").read_bytes() == before
+
+
+class _Recorder:
+    """A runner that records which samples it was asked to roll out and fails them (engine
+    error rows): enough to see what a resume redoes."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def rollout(self, samples, *a, **k):
+        self.asked += [s.id for s in samples]
+        raise RuntimeError("no engine here")
+
+
+def test_rows_scored_against_changed_annotations_are_redone(tmp_path, capsys) -> None:
+    """A rerun after the benchmark's annotations changed (another gold answer, question or
+    options) redoes those samples instead of keeping rows scored against the old answers
+    ("4 of 4 already done"); unchanged samples stay done."""
+    from paravt.eval.runner import load_results, result_row
+
+    video = tmp_path / "v.mp4"
+    video.write_bytes(b"not read: the runner is scripted")
+    old = [Sample(f"s{i}", str(video), f"q{i}?", "A", "mcq", options=["A. x", "B. y"])
+           for i in range(4)]  # fmt: skip
+    out = tmp_path / "eval"
+    out.mkdir()
+    # Finished rows (an error kind that is not retried counts as done) of the old annotations.
+    rows = [result_row(s, None, frames=4, error="done", kind="unsupported") for s in old]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "run.json").write_text(json.dumps(_settings().__dict__))
+    new = [Sample(s.id, s.video, s.question, s.answer, "mcq", options=list(s.options))
+           for s in old]  # fmt: skip
+    new[1].answer = "B"  # the gold answer was fixed
+    new[2].question = "q2, reworded?"
+    new[3].options = ["A. x", "B. z"]
+    runner = _Recorder()
+    run_eval(new, runner, out, _settings(), show_progress=False, stream=None)
+    assert sorted(set(runner.asked)) == ["s1", "s2", "s3"]
+    said = capsys.readouterr().out
+    assert "3 of 4 finished rows were scored against other annotations" in said
+    got = load_results(out)
+    assert got["s1"]["answer"] == "B" and got["s2"]["question"] == "q2, reworded?"
+    assert got["s0"]["error"] == "done"  # unchanged: kept, not redone

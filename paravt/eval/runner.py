@@ -115,14 +115,18 @@ def result_files(out: Path) -> list[Path]:
     return [out / RESULTS, *sorted(out.glob("results.rank*.jsonl"))]
 
 
-def load_results(out: Path) -> dict[str, dict[str, Any]]:
+def load_results(out: Path, samples: Sequence[Sample] = ()) -> dict[str, dict[str, Any]]:
     """Every row in ``out`` by id. A finished row is never replaced by a retryable failure of
     the same id (the files are not in time order: a stale failure in a rank's part must not
-    undo its successful retry); otherwise a later line wins."""
+    undo its successful retry); otherwise a later line wins. A row of one of ``samples``
+    scored against another annotation of it (:func:`is_current`) is left out."""
     rows: dict[str, dict[str, Any]] = {}
+    now = {s.id: s for s in samples}
     for f in result_files(out):
         for r in read_metrics(f):  # any JSONL written line by line; skips a torn line
             i = str(r["id"])
+            if i in now and not is_current(r, now[i]):
+                continue
             if i not in rows or is_done(r) or not is_done(rows[i]):
                 rows[i] = r
     return rows
@@ -131,6 +135,25 @@ def load_results(out: Path) -> dict[str, dict[str, Any]]:
 def is_done(row: dict[str, Any]) -> bool:
     """A row a rerun keeps: everything except the :data:`RETRYABLE` errors (retried)."""
     return row.get("error_kind") not in RETRYABLE
+
+
+def sample_fingerprint(sample: Sample) -> str:
+    """Identity of what a row was scored against: sha256 of the sample's annotation (video,
+    question, gold answer, type, options, event window). Each ``results.jsonl`` row keeps it
+    (``sample_fp``), so a rerun after the benchmark's annotation file changed redoes the rows
+    it changed (:func:`is_current`) and keeps the others."""
+    ann = [sample.video, sample.question, sample.answer, sample.question_type,
+           list(sample.options), sample.event_start, sample.event_end]  # fmt: skip
+    return hashlib.sha256(json.dumps(ann).encode()).hexdigest()[:16]
+
+
+def is_current(row: dict[str, Any], sample: Sample) -> bool:
+    """Whether ``row`` was scored against ``sample``'s annotation as it is now (a row of an
+    older paravt, without ``sample_fp``: the question and gold answer it holds are compared)."""
+    if "sample_fp" in row:
+        return row["sample_fp"] == sample_fingerprint(sample)
+    said = (("question", sample.question), ("answer", sample.answer))
+    return all(row[k] == v for k, v in said if k in row)
 
 
 def result_row(
@@ -150,6 +173,7 @@ def result_row(
         "question": sample.question,
         "answer": sample.answer,
         "frames": frames,
+        "sample_fp": sample_fingerprint(sample),
     }
     if traj is None:
         row.update(
@@ -437,7 +461,7 @@ def merge_results(out: Path, samples: Sequence[Sample]) -> list[dict[str, Any]]:
     dataset order, then the rows of samples outside it (an earlier run without ``--limit``:
     kept, not deleted); per-rank parts and retried rows are folded in. Returns this run's rows
     and raises if one of its samples has none."""
-    done = load_results(out)
+    done = load_results(out, samples)
     mine = {s.id for s in samples}
     rows = [done[s.id] for s in samples if s.id in done]
     lost = [s.id for s in samples if s.id not in done]
@@ -502,11 +526,15 @@ def run_eval(
     # pending list (ranks reading on their own could see another rank's first rows).
     plan: tuple[str, list[str]] = ("", [])
     prev: dict[str, dict[str, Any]] = {}
+    stale: list[str] = []
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         prev = load_results(out)
         refused = check_settings(out, settings, has_results=bool(prev))
-        plan = (refused, [i for i in ids if i not in prev or not is_done(prev[i])])
+        # A finished row scored against annotations that have changed since is redone.
+        stale = [s.id for s in samples
+                 if s.id in prev and is_done(prev[s.id]) and not is_current(prev[s.id], s)]  # fmt: skip
+        plan = (refused, [i for i in ids if i not in prev or not is_done(prev[i]) or i in stale])
     refused, pending_ids = broadcast_object(plan, ctx)
     if refused:
         raise EvalError(refused)
@@ -514,6 +542,14 @@ def run_eval(
     pending = [s for s in samples if s.id in todo_ids]
     mine = pending[ctx.rank :: ctx.world_size]
     done = set(ids) - todo_ids
+    if ctx.is_main and stale:
+        print(
+            f"[eval] {len(stale)} of {sum(i in prev and is_done(prev[i]) for i in ids)} finished "
+            f"rows were scored against other annotations (the benchmark's question, answer or "
+            f"options changed since; first: {stale[0]}): redone",
+            file=stream or sys.stdout,
+            flush=True,
+        )
     if ctx.is_main and done:
         print(
             f"[eval] resuming in {out}: {len(done)} of {len(ids)} samples already "
