@@ -11,6 +11,10 @@
 * :func:`open_append`: a file written a line at a time (``metrics.jsonl``, the evaluation's
   ``results.jsonl``) is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink or a
   FIFO in its place is refused (:class:`NotRegularFile`), never written through or waited on.
+* :func:`append_text`: one row (or a few) appended through :func:`open_append`; a write that
+  fails (a full disk) cuts the file back to where it was, so it holds whole rows only.
+* :func:`write_failure`: what a failed write says (the path, the error, the free bytes), the
+  first half of every full-disk message (training's, the evaluation's, the viewer's).
 * :func:`read_regular`: the bytes of a regular file, or None when there is none; a FIFO, a
   device or a directory in its place is no file (opened without blocking, checked with
   ``fstat`` on the open file: no race between the check and the read, no reader left waiting
@@ -29,10 +33,14 @@ import errno
 import json
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
+
+# What a full file system raises: no space (ENOSPC) or the user's quota spent (EDQUOT).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class JsonlError(ValueError):
@@ -84,9 +92,11 @@ def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = True) -> 
             if fsync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()  # the old ``path`` is untouched
+        if isinstance(e, OSError):
+            e.filename = str(path)  # the file that was not written, not its temporary
         raise
 
 
@@ -116,6 +126,41 @@ def open_append(path: str | Path, encoding: str = "utf-8") -> TextIO:
     """``path`` opened to append text, created if absent; raises :class:`NotRegularFile` for a
     symlink, FIFO or other non-file in its place (module docstring)."""
     return open(path, "a", encoding=encoding, opener=_append_opener)
+
+
+def append_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
+    """Append ``text`` to ``path`` (:func:`open_append`: never through a link); on a failed
+    write cut the file back to where it was, so a row cut short by a full disk never glues
+    itself to the next one (``OSError.filename``: ``path``). ``fsync``: on disk before this
+    returns (a kill loses no row written)."""
+    path = Path(path)
+    start = path.stat().st_size if path.is_file() else 0
+    f = open_append(path)  # a link or a FIFO in its place: refused, never written through
+    try:
+        with f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.truncate(path, start)  # needs no free space
+        e.filename = e.filename or str(path)
+        raise
+
+
+def write_failure(what: str, path: str | Path, e: OSError, folder: str | Path) -> str:
+    """``the {what} {path} could not be written: {error} ({code}); N bytes are free on the
+    file system of {folder}.``: the first half of a full-disk message, the fix its caller's."""
+    try:
+        free = int(shutil.disk_usage(folder).free)
+    except OSError:
+        free = -1
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return (
+        f"the {what} {path} could not be written: {e.strerror or e} ({code}); {free} bytes "
+        f"are free on the file system of {folder}."
+    )
 
 
 def read_regular(path: str | Path) -> bytes | None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paravt.files import file_kind, read_text_regular, write_atomic
+from paravt.files import DISK_FULL, file_kind, read_text_regular, write_atomic, write_failure
 from paravt.metrics import read_metrics
 
 # Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
@@ -754,6 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="report folder (default RUN_DIR/view)")
     ap.add_argument("--serve", type=int, default=None, metavar="PORT", help="serve it after")
     a = ap.parse_args(argv)
+    dst = Path(a.out) if a.out else Path(a.run_dir) / "view"
     try:
         index = write_report(a.run_dir, a.out or None)
         print(f"wrote {index} and {index.parent / 'trajectories.html'}", flush=True)
@@ -762,6 +763,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ViewError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        print(
+            f"error: {write_failure('report page', e.filename or dst, e, dst)} The run's own "
+            "files are untouched, and a page is written whole or not at all. Fix: free space "
+            "there, or pass --out DIR on another disk, and rerun",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

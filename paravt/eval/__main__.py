@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         weights_fingerprint,
     )
     from paravt.files import NotRegularFile
+    from paravt.metrics import DiskFullError
     from paravt.models import load_model_from_config
     from paravt.rollout import make_engine
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except NotRegularFile as e:  # a link or a FIFO planted where results are written
+    except (NotRegularFile, DiskFullError) as e:  # a link or a FIFO planted; a full disk
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -36,19 +36,19 @@ error never stays in the score; the merged ``results.jsonl`` keeps one row per s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paravt.files import open_append, write_atomic
+from paravt.files import DISK_FULL, append_text, write_atomic, write_failure
 from paravt.metrics import read_metrics
 from paravt.types import Group, Sample, Trajectory
 
@@ -311,21 +311,39 @@ def evaluate_samples(
 
 
 class _Appender:
-    """Appends JSON lines and flushes each batch to disk (a kill loses at most one line)."""
+    """Appends JSON lines, each on disk before the next batch (a kill loses at most one line);
+    a write cut short by a full disk is cut back (``paravt.files.append_text``), so the file
+    holds whole rows only."""
 
     def __init__(self, path: Path) -> None:
-        torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-        self.f = open_append(path)  # a link or a FIFO in its place: refused
-        if torn:  # a killed run's half-written last line: never glue the next row onto it
-            self.f.write("\n")
+        self.path = path
+        if path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n"):
+            append_text(path, "\n")  # a killed run's half-written last line: never glue onto it
 
     def __call__(self, row: dict[str, Any]) -> None:
-        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        append_text(self.path, json.dumps(row, ensure_ascii=False) + "\n", fsync=True)
 
     def close(self) -> None:
-        self.f.close()
+        pass  # each row is written whole and closed
+
+
+@contextlib.contextmanager
+def disk_full(what: str, out: Path) -> Iterator[None]:
+    """Turn a full disk (``ENOSPC``, quota) met by a write of ``what`` into ``out`` into the
+    one-line :class:`paravt.metrics.DiskFullError` (path, free bytes, how to go on); any other
+    ``OSError`` passes as it is."""
+    from paravt.metrics import DiskFullError
+
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        raise DiskFullError(
+            f"{write_failure(what, e.filename or out, e, out)} Every finished row is kept in "
+            f"{out} ({RESULTS} and its per-rank parts, whole rows only). Fix: free space there "
+            "(or pass another --out on a larger disk) and rerun the same command: it resumes."
+        ) from e
 
 
 def eval_config(cfg: Any) -> dict[str, Any]:
@@ -530,7 +548,8 @@ def run_eval(
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         prev = load_results(out)
-        refused = check_settings(out, settings, has_results=bool(prev))
+        with disk_full("evaluation record", out):
+            refused = check_settings(out, settings, has_results=bool(prev))
         # A finished row scored against annotations that have changed since is redone.
         stale = [s.id for s in samples
                  if s.id in prev and is_done(prev[s.id]) and not is_current(prev[s.id], s)]  # fmt: skip
@@ -575,7 +594,8 @@ def run_eval(
 
     def write(row: dict[str, Any]) -> None:
         row["rank"] = ctx.rank
-        writer(row)
+        with disk_full("result row", out):
+            writer(row)
 
     try:
         evaluate_samples(
@@ -595,14 +615,16 @@ def run_eval(
     lost = ""
     if ctx.is_main:
         try:
-            rows = merge_results(out, samples)
+            with disk_full("merged results", out):
+                rows = merge_results(out, samples)
         except EvalError as e:
             lost = str(e)
         else:
             summary = summarize(settings.benchmark, rows)
             # The settings without the whole config (run.json, beside it, has that).
             summary["settings"] = {k: v for k, v in asdict(settings).items() if k != "config"}
-            write_atomic(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
+            with disk_full("summary", out):
+                write_atomic(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
             print(markdown_table(summary), file=stream or sys.stdout, flush=True)
     summary, lost = broadcast_object((summary, lost), ctx)
     if lost:
