@@ -13,8 +13,9 @@ import os
 from pathlib import Path
 
 import pytest
+from eval_stubs import FailingRunner, eval_settings
 
-from paravt.eval.runner import EvalSettings, load_results, run_eval
+from paravt.eval.runner import load_results, run_eval
 from paravt.metrics import DiskFullError, read_metrics
 from paravt.types import Sample
 
@@ -62,17 +63,6 @@ def _fill(monkeypatch, under: Path, *, after: int = 0, name: str = "") -> None:
     monkeypatch.setattr(builtins, "open", open_)
 
 
-def _settings() -> EvalSettings:
-    return EvalSettings("synth", "x", "m", "hf", 4, "subagent", 0.0, 1.0, 0.0, 3, 5, 24)
-
-
-class _Scripted:
-    """Every sample fails in the engine (an engine error row each), one batch per sample."""
-
-    def rollout(self, samples, *a, **k):
-        raise RuntimeError("no engine here")
-
-
 def _samples(tmp_path: Path, n: int = 3) -> list[Sample]:
     video = tmp_path / "v.mp4"
     video.write_bytes(b"never read")
@@ -91,12 +81,14 @@ def test_eval_results_row_on_a_full_disk_keeps_every_finished_row(tmp_path, monk
     with monkeypatch.context() as m:
         _fill(m, out, after=1, name="results.jsonl")  # the second row's write fails
         with pytest.raises(DiskFullError) as e:
-            run_eval(samples, _Scripted(), out, _settings(), batch_size=1, show_progress=False)
+            run_eval(
+                samples, FailingRunner(), out, eval_settings(), batch_size=1, show_progress=False
+            )
     _one_line(str(e.value), out / "results.jsonl")
     lines = (out / "results.jsonl").read_bytes().split(b"\n")
     assert lines[-1] == b"" and [json.loads(x)["id"] for x in lines[:-1]] == ["s0"]
     # Room again: the same command resumes and finishes.
-    summary = run_eval(samples, _Scripted(), out, _settings(), show_progress=False)
+    summary = run_eval(samples, FailingRunner(), out, eval_settings(), show_progress=False)
     assert summary["n"] == 3 and sorted(load_results(out)) == ["s0", "s1", "s2"]
 
 
@@ -105,12 +97,12 @@ def test_eval_records_on_a_full_disk_are_one_line(tmp_path, monkeypatch, name):
     out = tmp_path / "eval"
     samples = _samples(tmp_path, 2)
     if name != "run.json":  # a first run with room: the rows are there
-        run_eval(samples, _Scripted(), out, _settings(), show_progress=False)
+        run_eval(samples, FailingRunner(), out, eval_settings(), show_progress=False)
         before = (out / "results.jsonl").read_bytes()
     with monkeypatch.context() as m:
         _fill(m, out, name=name.removesuffix(".tmp"))
         with pytest.raises(DiskFullError) as e:
-            run_eval(samples, _Scripted(), out, _settings(), show_progress=False)
+            run_eval(samples, FailingRunner(), out, eval_settings(), show_progress=False)
     _one_line(str(e.value), out / name.removesuffix(".tmp"))
     if name != "run.json":
         assert len(load_results(out)) == 2

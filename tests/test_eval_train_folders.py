@@ -7,27 +7,14 @@ before writing anything. Hand-made folders, no model: seconds."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from eval_stubs import FailingRunner, NoEngine, eval_settings, missing_samples
 
 from paravt.config import ConfigError, load_config
-from paravt.eval.runner import EvalError, EvalSettings, run_eval, settings_refusal
+from paravt.eval.runner import EvalError, run_eval, settings_refusal
 from paravt.runfolder import check_run_folder, record_run
 from paravt.types import Sample
-
-
-def _settings() -> EvalSettings:
-    return EvalSettings("synth", "x", "m", "hf", 4, "subagent", 0.0, 1.0, 0.0, 3, 5, 24)
-
-
-class _NoEngine:
-    def rollout(self, *a, **k):
-        raise AssertionError("no sample had a video")
-
-
-def _missing(tmp_path: Path) -> list[Sample]:
-    return [Sample(f"s{i}", str(tmp_path / f"none{i}.mp4"), "q?", "A") for i in range(2)]
 
 
 @pytest.mark.parametrize("started", [False, True])
@@ -40,15 +27,15 @@ def test_an_evaluation_into_a_training_run_folder_is_refused(tmp_path, started) 
     if started:
         (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "kind": "train"}) + "\n")
     before = (run / "run.json").read_bytes()
-    said = settings_refusal(run, _settings())
+    said = settings_refusal(run, eval_settings())
     assert f"{run} holds a training run" in said and "pass another --out" in said
     with pytest.raises(EvalError, match="holds a training run"):
-        run_eval(_missing(tmp_path), _NoEngine(), run, _settings(), show_progress=False)
+        run_eval(missing_samples(tmp_path), NoEngine(), run, eval_settings(), show_progress=False)
     assert (run / "run.json").read_bytes() == before  # its record is untouched
     assert not (run / "results.jsonl").exists() and not (run / "summary.json").exists()
     # A folder inside the run is the evaluation's own.
     summary = run_eval(
-        _missing(tmp_path), _NoEngine(), run / "eval", _settings(), show_progress=False
+        missing_samples(tmp_path), NoEngine(), run / "eval", eval_settings(), show_progress=False
     )
     assert summary["n"] == 2
 
@@ -56,25 +43,13 @@ def test_an_evaluation_into_a_training_run_folder_is_refused(tmp_path, started) 
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_training_run_into_an_evaluation_folder_is_refused(tmp_path, resume) -> None:
     out = tmp_path / "eval"
-    run_eval(_missing(tmp_path), _NoEngine(), out, _settings(), show_progress=False)
+    run_eval(missing_samples(tmp_path), NoEngine(), out, eval_settings(), show_progress=False)
     before = (out / "run.json").read_bytes()
     cfg = load_config("tiny_cpu", overrides=[f"train.out_dir={out}", f"train.resume={resume}"])
     with pytest.raises(ConfigError, match=f"{out} holds an evaluation") as e:
         check_run_folder(cfg)
     assert "train.out_dir" in str(e.value)
     assert (out / "run.json").read_bytes() == before
-
-
-class _Recorder:
-    """A runner that records which samples it was asked to roll out and fails them (engine
-    error rows): enough to see what a resume redoes."""
-
-    def __init__(self) -> None:
-        self.asked: list[str] = []
-
-    def rollout(self, samples, *a, **k):
-        self.asked += [s.id for s in samples]
-        raise RuntimeError("no engine here")
 
 
 def test_rows_scored_against_changed_annotations_are_redone(tmp_path, capsys) -> None:
@@ -92,14 +67,14 @@ def test_rows_scored_against_changed_annotations_are_redone(tmp_path, capsys) ->
     # Finished rows (an error kind that is not retried counts as done) of the old annotations.
     rows = [result_row(s, None, frames=4, error="done", kind="unsupported") for s in old]
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (out / "run.json").write_text(json.dumps(_settings().__dict__))
+    (out / "run.json").write_text(json.dumps(eval_settings().__dict__))
     new = [Sample(s.id, s.video, s.question, s.answer, "mcq", options=list(s.options))
            for s in old]  # fmt: skip
     new[1].answer = "B"  # the gold answer was fixed
     new[2].question = "q2, reworded?"
     new[3].options = ["A. x", "B. z"]
-    runner = _Recorder()
-    run_eval(new, runner, out, _settings(), show_progress=False, stream=None)
+    runner = FailingRunner()
+    run_eval(new, runner, out, eval_settings(), show_progress=False, stream=None)
     assert sorted(set(runner.asked)) == ["s1", "s2", "s3"]
     said = capsys.readouterr().out
     assert "3 of 4 finished rows were scored against other annotations" in said

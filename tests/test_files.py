@@ -8,34 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
+from eval_stubs import NoEngine, eval_settings, missing_samples
 
 from paravt.config import load_config
-from paravt.eval.runner import EvalSettings, run_eval
+from paravt.eval.runner import run_eval
 from paravt.files import NotRegularFile
 from paravt.metrics import MetricsLogger
 from paravt.runfolder import record_run
-from paravt.types import Sample
 
 
 def _victim(tmp_path: Path) -> Path:
     v = tmp_path / "victim"
     v.write_text("precious\n")
     return v
-
-
-def _settings() -> EvalSettings:
-    return EvalSettings("synth", "x", "m", "hf", 4, "subagent", 0.0, 1.0, 0.0, 3, 5, 24)
-
-
-class _NoEngine:
-    """A runner that is never asked to roll out: every sample's video is missing."""
-
-    def rollout(self, *a, **k):
-        raise AssertionError("no sample had a video")
-
-
-def _missing(tmp_path: Path, n: int = 2) -> list[Sample]:
-    return [Sample(f"s{i}", str(tmp_path / f"none{i}.mp4"), "q?", "A") for i in range(n)]
 
 
 def test_run_records_replace_a_planted_symlink(tmp_path) -> None:
@@ -56,7 +41,9 @@ def test_run_records_replace_a_planted_symlink(tmp_path) -> None:
     out.mkdir()
     for name in ("run.json", "summary.json", "results.jsonl.tmp"):
         (out / name).symlink_to(victim)
-    summary = run_eval(_missing(tmp_path), _NoEngine(), out, _settings(), show_progress=False)
+    summary = run_eval(
+        missing_samples(tmp_path), NoEngine(), out, eval_settings(), show_progress=False
+    )
     assert summary["n"] == 2 and summary["n_errors"] == 2
     assert victim.read_text() == "precious\n"
     assert json.loads((out / "run.json").read_text())["benchmark"] == "synth"
@@ -83,7 +70,7 @@ def test_appended_files_refuse_a_symlink_or_fifo(tmp_path) -> None:
     out.mkdir()
     os.mkfifo(out / "results.jsonl")
     with pytest.raises(NotRegularFile, match=r"results.jsonl is a FIFO \(named pipe\)"):
-        run_eval(_missing(tmp_path), _NoEngine(), out, _settings(), show_progress=False)
+        run_eval(missing_samples(tmp_path), NoEngine(), out, eval_settings(), show_progress=False)
 
 
 # ---------------------------------------------------------------------------- JSONL readers
