@@ -36,6 +36,7 @@ bytes needed and free, and the fix. The previous checkpoint stays the newest and
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -471,6 +472,20 @@ def resolve_model_path(cfg: Any, given: str) -> str:
             "pass --model PATH"
         )
     return str(ckpt)
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """Identity of a model folder's files, cheap (no byte is read): sha256 over the name, size
+    and modification time of each top-level file (weights, config.json, tokenizer; not a
+    checkpoint's ``trainer_state.pt``). A checkpoint rewritten in place gets another one;
+    so does a copy of the same weights (new times): a false alarm the message explains."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.name == STATE_FILE or f.name.startswith(".") or not f.is_file():
+            continue
+        st = f.stat()  # follows links (an HF cache's blobs)
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def run_config(model_path: str) -> Path | None:

@@ -13,7 +13,7 @@
   ``train.log``) or a run that died before any of these do not count.
 * **``--resume`` with other settings is refused** the same way, naming every key that differs
   (old -> new). ``run.json`` records what a run is: the whole resolved configuration and a
-  fingerprint of the starting model's files (``paravt.eval.runner.weights_fingerprint``, as the
+  fingerprint of the starting model's files (``paravt.checkpoint.weights_fingerprint``, as the
   evaluation's ``run.json`` does). A resume with another ``model.path``, lr, group size, seed or
   reward weight would otherwise run under the old optimizer state, reference model and data
   order with the new values, and rewrite ``config.yaml`` as if it had always been so. Only
@@ -90,7 +90,7 @@ def base_model_dir(cfg: Config) -> str:
 def run_record(cfg: Config) -> dict[str, Any]:
     """What ``run.json`` holds: the resolved configuration, the starting model's directory and
     its files' fingerprint ("" while the tiny model is not built yet)."""
-    from paravt.eval.runner import weights_fingerprint
+    from paravt.checkpoint import weights_fingerprint
 
     model = base_model_dir(cfg)
     weights = weights_fingerprint(model) if (Path(model) / "config.json").is_file() else ""

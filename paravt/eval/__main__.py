@@ -33,7 +33,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from paravt.checkpoint import resolve_model_path, run_config
+from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
 from paravt.config import PRESETS, Config, ConfigError, load_config
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         failed_run,
         run_eval,
         settings_refusal,
-        weights_fingerprint,
     )
     from paravt.files import NotRegularFile
     from paravt.metrics import DiskFullError

@@ -16,7 +16,7 @@ Files in ``out``:
   Written as each batch finishes (``results.rank{r}.jsonl`` per rank under ``torchrun``, merged
   into ``results.jsonl`` in dataset order at the end).
 * ``run.json`` — what the numbers depend on (:class:`EvalSettings`): benchmark, data, model
-  path and a fingerprint of its files (:func:`weights_fingerprint`), frames, the preset and the
+  path and a fingerprint of its files (``paravt.checkpoint.weights_fingerprint``), frames, the preset and the
   whole resolved configuration (prompts, crop sizes, dtype, sampling, … :func:`eval_config`).
   A rerun with the same settings skips every id already in the results (a killed run loses at
   most the batch in flight); a rerun that differs in any of them is refused before the model
@@ -99,7 +99,7 @@ class EvalSettings:
     seed: int = 0
     # ``--preset`` (the config's base layer).
     preset: str = ""
-    # :func:`weights_fingerprint` of the model folder.
+    # ``paravt.checkpoint.weights_fingerprint`` of the model folder.
     weights: str = ""
     # :func:`eval_config`: the whole resolved configuration, as nested dicts.
     config: dict[str, Any] = field(default_factory=dict)
@@ -356,22 +356,6 @@ def eval_config(cfg: Any) -> dict[str, Any]:
         section, name = key.split(".")
         d.get(section, {}).pop(name, None)
     return d
-
-
-def weights_fingerprint(model_dir: str | Path) -> str:
-    """Identity of a model folder's files, cheap (no byte is read): sha256 over the name, size
-    and modification time of each top-level file (weights, config.json, tokenizer; not a
-    checkpoint's ``trainer_state.pt``). A checkpoint rewritten in place gets another one;
-    so does a copy of the same weights (new times): a false alarm the message explains."""
-    from paravt.checkpoint import STATE_FILE
-
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).iterdir()):
-        if f.name == STATE_FILE or f.name.startswith(".") or not f.is_file():
-            continue
-        st = f.stat()  # follows links (an HF cache's blobs)
-        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
 
 
 _UNRECORDED = object()
