@@ -36,6 +36,7 @@ bytes needed and free, and the fix. The previous checkpoint stays the newest and
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -54,6 +55,7 @@ from paravt.distributed import (
     full_optimizer_state,
     full_state_dict,
 )
+from paravt.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -204,19 +206,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)  # the old ``path`` is untouched
-        raise
-
-
 def _move_aside(path: Path) -> Path:
     """Rename ``path`` out of the ``step_*`` namespace (atomic); delete the result later."""
     aside = path.with_name(f".tmp-del-{path.name}")
@@ -327,7 +316,7 @@ def save_checkpoint(
         os.replace(tmp, final)
         moved_in = True
         _fsync_dir(root)
-        _write_text_atomic(root / LATEST, name)
+        write_atomic(root / LATEST, name)
     except OSError as e:
         # Undo: the new copy out of the step_* namespace, the replaced copy back in its place.
         if moved_in:
@@ -483,6 +472,20 @@ def resolve_model_path(cfg: Any, given: str) -> str:
             "pass --model PATH"
         )
     return str(ckpt)
+
+
+def weights_fingerprint(model_dir: str | Path) -> str:
+    """Identity of a model folder's files, cheap (no byte is read): sha256 over the name, size
+    and modification time of each top-level file (weights, config.json, tokenizer; not a
+    checkpoint's ``trainer_state.pt``). A checkpoint rewritten in place gets another one;
+    so does a copy of the same weights (new times): a false alarm the message explains."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).iterdir()):
+        if f.name == STATE_FILE or f.name.startswith(".") or not f.is_file():
+            continue
+        st = f.stat()  # follows links (an HF cache's blobs)
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
 
 
 def run_config(model_path: str) -> Path | None:

@@ -22,16 +22,22 @@ Only rank 0 writes (``enabled=False`` on other ranks makes every method a no-op)
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
-import os
-import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from paravt.files import (
+    DISK_FULL,
+    append_text,
+    jsonl_lines,
+    read_regular,
+    write_atomic,
+    write_failure,
+)
 
 # Metrics every RL step must log (the smoke test asserts each is present). Per-K metrics
 # (``acc/K{k}``, ``tool_rate/K{k}``) are added for each K drawn in the step.
@@ -122,20 +128,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     multi-byte UTF-8 character (``paravt.view`` and the evaluation's resume read through
     here)."""
     rows: list[dict[str, Any]] = []
-    p = Path(path)
-    if not p.is_file():
+    blob = read_regular(path)  # a FIFO (or a directory) in its place is no file: no rows
+    if blob is None:
         return rows
-    # Split the bytes on b"\n", then decode each line: a kill mid-write can cut the last line
-    # inside a multi-byte character (results.jsonl is written with ensure_ascii=False), which
-    # must cost that line only, not the file. A UTF-8 continuation byte is never 0x0A, so this
-    # is the same split as on the text. Not splitlines(): JSON leaves U+2028/U+2029/U+0085
-    # unescaped inside strings and splitlines() would cut rows there.
-    for raw in p.read_bytes().split(b"\n"):
+    # paravt.files.jsonl_lines: split on b"\n" only, then each line decoded on its own (a kill
+    # mid-write can cut the last line inside a multi-byte character: results.jsonl is written
+    # with ensure_ascii=False; that costs the line only).
+    for _, raw in jsonl_lines(blob):
         try:
-            line = raw.decode("utf-8").strip()
-            if not line:
-                continue
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             continue  # a line cut short by a kill mid-write
         if isinstance(row, dict):  # every reader takes rows as objects: a [..] or "..." line
@@ -154,13 +155,34 @@ def _step_at_most(row: dict[str, Any], step: int) -> bool:
 
 
 class DiskFullError(RuntimeError):
-    """A run-folder write other than a checkpoint (a metrics row, TensorBoard, trajectories,
-    thumbnails, the summary plot) found the disk full under ``train.on_save_error=fail``;
-    ``paravt.train.main`` exits 1 with its message, as for a checkpoint that cannot fit."""
+    """A write found the disk full: a run-folder write other than a checkpoint (a metrics row,
+    TensorBoard, trajectories, thumbnails, the summary plot) under
+    ``train.on_save_error=fail``, or an evaluation's ``results.jsonl`` / ``run.json`` /
+    ``summary.json`` (``paravt.eval.runner``). ``paravt.train.main`` and ``paravt.eval`` exit 1
+    with its one-line message (``paravt.files.write_failure`` + the fix), as for a checkpoint
+    that cannot fit."""
 
 
-# What a full file system raises: no space (ENOSPC) or the user's quota spent (EDQUOT).
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+def _quiet_tensorboard_thread() -> None:
+    """Keep TensorBoard's writer thread from printing a traceback of its own for a full disk:
+    the thread keeps the error and the main thread gets it at the next add/flush, where
+    ``RunFolderWrites`` turns it into the run's one-line message. Installed once
+    (``threading.excepthook``, chained to the one before it)."""
+    import threading
+
+    before = threading.excepthook
+    if getattr(before, "_paravt_tb", False):
+        return
+
+    def hook(args: Any) -> None:
+        tb_thread = type(args.thread).__name__ == "_AsyncWriterThread"
+        e = args.exc_value
+        if tb_thread and isinstance(e, OSError) and e.errno in DISK_FULL:
+            return
+        before(args)
+
+    hook._paravt_tb = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class RunFolderWrites:
@@ -191,15 +213,7 @@ class RunFolderWrites:
         """Handle ``e`` raised by the write of ``what`` to ``path`` (see the class)."""
         if e.errno not in DISK_FULL:
             raise e
-        try:
-            free = int(shutil.disk_usage(self.out_dir).free)
-        except OSError:
-            free = -1
-        code = errno.errorcode.get(e.errno, str(e.errno))
-        problem = (
-            f"the {what} {path} could not be written: {e.strerror or e} ({code}); {free} "
-            f"bytes are free on the file system of {self.out_dir}."
-        )
+        problem = write_failure(what, path, e, self.out_dir)
         if self.policy != "continue":
             raise DiskFullError(
                 f"{problem} The newest checkpoint is intact and is what --resume loads. Fix: "
@@ -217,19 +231,6 @@ class RunFolderWrites:
                 file=sys.stderr,
                 flush=True,
             )
-
-
-def _append(path: Path, text: str) -> None:
-    """Append ``text`` to ``path``; on a failed write cut the file back to where it was, so a
-    row cut short by a full disk never glues itself to the next one."""
-    start = path.stat().st_size if path.exists() else 0
-    try:
-        with open(path, "a") as f:
-            f.write(text)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.truncate(path, start)  # needs no free space
-        raise
 
 
 class MetricsLogger:
@@ -267,6 +268,7 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_thread()
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tb"))
         if wandb:
             try:
@@ -286,21 +288,15 @@ class MetricsLogger:
             return
         for path in (self.metrics_path, self.traj_path, self.heldout_path):
             rows = [r for r in read_metrics(path) if _step_at_most(r, step)]
-            tmp = path.with_suffix(".tmp")
-            with self.disk.guard(f"{path.name} rewrite", tmp):
-                try:
-                    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-                except OSError:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                os.replace(tmp, path)
+            with self.disk.guard(f"{path.name} rewrite", path):
+                write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> None:
         if not self.enabled:
             return
         row = {"step": int(step), "kind": kind, **{k: _clean(v) for k, v in metrics.items()}}
         with self.disk.guard("metrics row", self.metrics_path):
-            _append(self.metrics_path, json.dumps(row) + "\n")
+            append_text(self.metrics_path, json.dumps(row) + "\n")
         prefix = "" if kind == "train" else f"{kind}/"
         if self._tb is not None:
             # TensorBoard writes from a thread of its own and reports its error at the next
@@ -319,7 +315,7 @@ class MetricsLogger:
             return
         text = "".join(json.dumps(json_safe({"step": int(step), **r})) + "\n" for r in records)
         with self.disk.guard("trajectories", self.traj_path):
-            _append(self.traj_path, text)
+            append_text(self.traj_path, text)
 
     def log_heldout(self, step: int, kind: str, rows: Iterable[dict[str, Any]]) -> None:
         """``heldout.jsonl``: one row per held-out prompt and condition of an evaluation
@@ -330,7 +326,7 @@ class MetricsLogger:
             json.dumps(json_safe({"step": int(step), "kind": kind, **r})) + "\n" for r in rows
         )
         with self.disk.guard("held-out records", self.heldout_path):
-            _append(self.heldout_path, text)
+            append_text(self.heldout_path, text)
 
     def close(self) -> None:
         if self._tb is not None:
@@ -401,7 +397,7 @@ class ThumbnailStore:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             for n, b in zip(names, blobs):
-                (self.dir.parent / n).write_bytes(b)
+                write_atomic(self.dir.parent / n, b, fsync=False)
         except OSError as e:
             for n in names:  # nothing partial kept: a torn JPEG would pass the is_file check
                 with contextlib.suppress(OSError):

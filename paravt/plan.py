@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -661,6 +662,21 @@ def check_device_memory(cfg: Config, world: int) -> None:
 # --------------------------------------------------------------------------------- main
 
 
+def _layout_errors(a: argparse.Namespace) -> str:
+    """The first impossible layout argument ("" when none): ranks and nodes are counts (>= 1),
+    a device size a positive finite number of GiB (0 or absent: from --gpu or the device)."""
+    for flag, v in (("--nproc-per-node", a.nproc_per_node), ("--nnodes", a.nnodes)):
+        if v < 1:
+            return f"{flag} {v} must be >= 1 (a count of ranks / nodes)"
+    m = a.device_memory_gib
+    if not (math.isfinite(m) and m >= 0) or (m and int(m * GIB) < 1):
+        return (
+            f"--device-memory-gib {m:g} is not a positive number of GiB; pass the device's "
+            "memory (e.g. --device-memory-gib 80), or --gpu NAME"
+        )
+    return ""
+
+
 def _device_bytes(a: argparse.Namespace) -> tuple[int, str]:
     if a.cpu and not a.device_memory_gib:
         import os
@@ -708,8 +724,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="plan a CPU run (no CUDA context or slack; CPU chunk sizes; vLLM's share not counted)",
     )
     p.add_argument("overrides", nargs="*", help="dotted key=value, as python -m paravt.train")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)  # key=value on both sides of a flag, as train takes
     try:
+        if bad := _layout_errors(a):
+            raise ConfigError(bad)
         cfg = load_plan_config(a.preset, a.config, a.overrides)
         dev, name = _device_bytes(a)
         lay = Layout(a.nproc_per_node, a.nnodes, dev, name, gpu=not a.cpu)

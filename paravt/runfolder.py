@@ -13,7 +13,7 @@
   ``train.log``) or a run that died before any of these do not count.
 * **``--resume`` with other settings is refused** the same way, naming every key that differs
   (old -> new). ``run.json`` records what a run is: the whole resolved configuration and a
-  fingerprint of the starting model's files (``paravt.eval.runner.weights_fingerprint``, as the
+  fingerprint of the starting model's files (``paravt.checkpoint.weights_fingerprint``, as the
   evaluation's ``run.json`` does). A resume with another ``model.path``, lr, group size, seed or
   reward weight would otherwise run under the old optimizer state, reference model and data
   order with the new values, and rewrite ``config.yaml`` as if it had always been so. Only
@@ -27,12 +27,12 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError, to_dict
+from paravt.files import write_atomic
 from paravt.metrics import read_metrics
 
 RUN_FILE = "run.json"
@@ -90,7 +90,7 @@ def base_model_dir(cfg: Config) -> str:
 def run_record(cfg: Config) -> dict[str, Any]:
     """What ``run.json`` holds: the resolved configuration, the starting model's directory and
     its files' fingerprint ("" while the tiny model is not built yet)."""
-    from paravt.eval.runner import weights_fingerprint
+    from paravt.checkpoint import weights_fingerprint
 
     model = base_model_dir(cfg)
     weights = weights_fingerprint(model) if (Path(model) / "config.json").is_file() else ""
@@ -120,6 +120,37 @@ def run_evidence(out: str | Path) -> list[str]:
     if sft_resume_file(out / "sft").is_file():
         found.append(f"{sft_resume_file(out / 'sft').name} (an interrupted cold-start SFT)")
     return found
+
+
+def _record(out: Path) -> dict[str, Any]:
+    """``out/run.json`` as a dict ({} when absent, not JSON or no object)."""
+    try:
+        rec = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def training_run_in(out: str | Path) -> str:
+    """What in ``out`` shows a training run ("" for none): :func:`run_evidence`, or a
+    training ``run.json`` (a run that has just started). ``paravt.eval`` refuses such a folder
+    as its ``--out``: its own ``run.json`` would replace the run's, which ``--resume`` needs."""
+    out = Path(out)
+    found = run_evidence(out)
+    rec = _record(out)
+    if "config" in rec and "benchmark" not in rec:
+        found.append(f"{RUN_FILE} of a training run")
+    return "; ".join(found)
+
+
+def evaluation_in(out: str | Path) -> str:
+    """What in ``out`` shows an evaluation (``python -m paravt.eval --out``; "" for none): its
+    results or its ``run.json`` (one with a ``benchmark``)."""
+    out = Path(out)
+    found = [p.name for p in sorted(out.glob("results*.jsonl"))]
+    if "benchmark" in _record(out):
+        found.append(f"{RUN_FILE} of an evaluation of {_record(out)['benchmark']!r}")
+    return "; ".join(found)
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
@@ -177,6 +208,12 @@ def check_run_folder(cfg: Config) -> None:
     writes anything (``paravt.train.run``, on every rank, before they connect)."""
     t = cfg.train
     out = Path(t.out_dir)
+    if ev := evaluation_in(out):
+        raise ConfigError(
+            f"{out} holds an evaluation ({ev}), not a training run: a run there would replace "
+            "its run.json and mix metric rows with its results. Pass another train.out_dir "
+            f"(e.g. train.out_dir={out}-train)"
+        )
     if not t.resume:
         found = run_evidence(out)
         if found:
@@ -212,9 +249,7 @@ def record_run(cfg: Config) -> None:
     tiny model's fingerprint); a resume rewrites it with its allowed changes. Rank 0 only."""
     out = Path(cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(run_record(cfg), indent=1) + "\n")
-    os.replace(tmp, out / RUN_FILE)
+    write_atomic(out / RUN_FILE, json.dumps(run_record(cfg), indent=1) + "\n")
 
 
 def logged_eval(

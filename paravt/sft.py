@@ -54,6 +54,7 @@ import torch
 
 from paravt.assets import prepare_assets
 from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
+from paravt.files import read_jsonl
 from paravt.types import Sample, Trajectory
 
 
@@ -90,10 +91,7 @@ def read_sft_records(path: str | Path) -> list[dict[str, Any]]:
             "leave it empty to use the synthetic task's sft.jsonl"
         )
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for n, row in read_jsonl(p):  # split on "\n" only: a string may hold U+2028
         where = f"{p}:{n}"
         if "messages" in row:
             out.append(_record_from_messages(row, where))

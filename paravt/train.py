@@ -84,6 +84,7 @@ from paravt.distributed import (
     world_size_from_env,
 )
 from paravt.eval.heldout import evaluate, table_rows
+from paravt.files import NotRegularFile, write_atomic
 from paravt.metrics import (
     DiskFullError,
     MetricsLogger,
@@ -617,7 +618,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         with RunFolderWrites(cfg.train.on_save_error, out).guard("config", out / "config.yaml"):
-            (out / "config.yaml").write_text(to_yaml(cfg))
+            write_atomic(out / "config.yaml", to_yaml(cfg))
             record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
         print(to_yaml(cfg), flush=True)
     t_run = time.perf_counter()
@@ -838,7 +839,8 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointSaveError, DiskFullError, EmptyStepsError) as e:  # full disk; no data
+    # A full disk; no data; a link or a FIFO planted where the run writes a file.
+    except (CheckpointSaveError, DiskFullError, EmptyStepsError, NotRegularFile) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except WorkerFailed as e:  # asynchronous: a rollout worker died or raised

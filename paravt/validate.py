@@ -61,6 +61,18 @@ def validate_run(cfg: Config, world_size: int) -> None:
         errs.append(
             f"sft.batch_size={cfg.sft.batch_size} is smaller than the world size {world_size}"
         )
+    if r.group_size < 2:
+        errs.append(
+            f"rollout.group_size={r.group_size}: GRPO's baseline is the group's mean, so one "
+            "rollout per prompt has advantage r - mean(r) = 0 and the run trains on nothing; "
+            "set rollout.group_size >= 2 (8 in the reference recipe)"
+        )
+    if not t.out_dir.strip():
+        errs.append(
+            f"train.out_dir is empty ({t.out_dir!r}): the run would write its checkpoints, "
+            "metrics and run.json into the current directory; name a folder, e.g. "
+            "train.out_dir=runs/train/default"
+        )
     if r.temperature <= 0:
         errs.append(
             f"rollout.temperature={r.temperature}: RL needs sampling (> 0); greedy rollouts "

@@ -33,13 +33,13 @@ import html
 import json
 import os
 import re
-import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paravt.files import DISK_FULL, file_kind, read_text_regular, write_atomic, write_failure
 from paravt.metrics import read_metrics
 
 # Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
@@ -238,32 +238,44 @@ def _eval_traj(r: dict[str, Any]) -> TrajView:
 
 def load_report(run_dir: str | Path) -> Report:
     """Read a training run folder (``metrics.jsonl``) or an evaluation folder
-    (``results.jsonl``); raises :class:`ViewError` for anything else."""
+    (``results.jsonl``); raises :class:`ViewError` for anything else. Regular files only
+    (``paravt.files.read_regular``): a FIFO in a record's place is refused by name, never read
+    (a read would wait for a writer forever)."""
     d = Path(run_dir)
     if not d.is_dir():
         raise ViewError(f"{d} is not a directory (pass a training run or evaluation folder)")
+    for name in ("metrics.jsonl", "results.jsonl"):
+        p = d / name
+        if p.exists() and not p.is_file():
+            raise ViewError(
+                f"{p} is {file_kind(p.stat().st_mode)}, not a regular file: the viewer reads "
+                f"regular files only; replace it with the run's {name} (or remove it)"
+            )
     if (d / "metrics.jsonl").is_file():
         rows = read_metrics(d / "metrics.jsonl")
-        cfg = d / "config.yaml"
+        cfg = read_text_regular(d / "config.yaml")
         return Report(
             "train",
             d,
             [r for r in rows if r.get("kind") != "alarm"],
             [r for r in rows if r.get("kind") == "alarm"],
-            cfg.read_text() if cfg.is_file() else "(no config.yaml in the run folder)",
+            cfg if cfg is not None else "(no config.yaml in the run folder)",
             [_train_traj(r) for r in read_metrics(d / "trajectories.jsonl")],
         )
     if (d / "results.jsonl").is_file():
-        summary = d / "summary.json"
-        run = d / "run.json"
+        run = read_text_regular(d / "run.json")
+        try:
+            summary = json.loads(read_text_regular(d / "summary.json") or "{}")
+        except json.JSONDecodeError:
+            summary = {}
         return Report(
             "eval",
             d,
             [],
             [],
-            run.read_text() if run.is_file() else "(no run.json in the evaluation folder)",
+            run if run is not None else "(no run.json in the evaluation folder)",
             [_eval_traj(r) for r in read_metrics(d / "results.jsonl")],
-            json.loads(summary.read_text()) if summary.is_file() else {},
+            summary if isinstance(summary, dict) else {},
         )
     raise ViewError(
         f"{d} has neither metrics.jsonl (a training run: `make train` or `python -m paravt.train "
@@ -633,6 +645,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     rep = load_report(run_dir)
     root = rep.run_dir.resolve()
     dst = Path(out) if out else Path(run_dir) / "view"
+    if not out:  # the run's folder is not ours: its view/ must be a folder, not a link
+        _own_folder(dst)
     dst.mkdir(parents=True, exist_ok=True)
     inside = root == dst.resolve() or root in dst.resolve().parents
     thumbs: dict[str, str] = {}
@@ -649,12 +663,25 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 continue
             name = "thumbs/" + src.relative_to(root).as_posix().replace("/", "_")
             target = dst / name
+            _own_folder(target.parent)
             target.parent.mkdir(exist_ok=True)
-            shutil.copyfile(src, target)
+            write_atomic(target, src.read_bytes(), fsync=False)
             thumbs[rel] = name
-    (dst / "index.html").write_text(render_index(rep), encoding="utf-8")
-    (dst / "trajectories.html").write_text(render_trajectories(rep, thumbs), encoding="utf-8")
+    # Through a temporary and a rename: a link planted at a page is replaced, not followed.
+    write_atomic(dst / "index.html", render_index(rep))
+    write_atomic(dst / "trajectories.html", render_trajectories(rep, thumbs))
     return dst / "index.html"
+
+
+def _own_folder(d: Path) -> None:
+    """Refuse (:class:`ViewError`) a symlink at ``d``, a folder the viewer makes inside a folder
+    it does not own (``RUN_DIR/view``, ``thumbs/``): writing through it would put the pages
+    wherever the link points (any folder of the machine, for a viewer run as root)."""
+    if d.is_symlink():
+        raise ViewError(
+            f"{d} is a symbolic link (to {os.readlink(d)}); the report is written into a real "
+            f"folder only: remove the link, or pass --out DIR to write the report elsewhere"
+        )
 
 
 def make_server(index: Path, run_dir: Path, port: int) -> tuple[Any, str]:
@@ -727,6 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="report folder (default RUN_DIR/view)")
     ap.add_argument("--serve", type=int, default=None, metavar="PORT", help="serve it after")
     a = ap.parse_args(argv)
+    dst = Path(a.out) if a.out else Path(a.run_dir) / "view"
     try:
         index = write_report(a.run_dir, a.out or None)
         print(f"wrote {index} and {index.parent / 'trajectories.html'}", flush=True)
@@ -735,6 +763,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ViewError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        print(
+            f"error: {write_failure('report page', e.filename or dst, e, dst)} The run's own "
+            "files are untouched, and a page is written whole or not at all. Fix: free space "
+            "there, or pass --out DIR on another disk, and rerun",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

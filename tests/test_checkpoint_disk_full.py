@@ -101,7 +101,7 @@ def _arm(point: str, monkeypatch: pytest.MonkeyPatch) -> None:
     elif point == "latest":  # the pointer file
 
         def open_(file, mode="r", *a, **k):
-            if "w" in mode and Path(file).name.startswith(f".{C.LATEST}"):
+            if any(c in mode for c in "wax") and Path(file).name.startswith(f".{C.LATEST}"):
                 raise _enospc(file)
             return real_open(file, mode, *a, **k)
 

@@ -172,3 +172,37 @@ def test_cross_field_ranges() -> None:
 def test_every_preset_passes_the_range_checks() -> None:
     for name in PRESETS:
         load_config(name, overrides=["model.path="])  # model.path: checked by the trainer
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("rollout.group_size=1", "rollout.group_size=1: GRPO's baseline is the group's mean"),
+        ("train.out_dir=", "train.out_dir is empty"),
+        ("train.out_dir=' '", "train.out_dir is empty"),
+    ],
+)
+def test_train_refuses_a_run_that_would_train_on_nothing_or_write_here(
+    tmp_path, monkeypatch, capsys, override, said
+) -> None:
+    """One rollout per prompt has advantage r - mean(r) = 0: a run of nothing, refused as
+    greedy sampling is; an empty train.out_dir would put the run into the current folder."""
+    import paravt.train as T
+
+    def started(*a, **k):
+        raise AssertionError("the run started: it should have been refused before")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(T, "_run", started)
+    assert T.main([override]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing written, here or anywhere in the cwd
+
+
+def test_eval_takes_overrides_on_both_sides_of_a_flag() -> None:
+    from paravt.eval.__main__ import parse_args
+
+    a = parse_args(["agent.max_turns=2", "--benchmark", "synth", "--limit", "3", "seed=1"])
+    assert a.overrides == ["agent.max_turns=2", "seed=1"] and a.benchmark == "synth"
+    assert a.limit == 3

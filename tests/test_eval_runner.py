@@ -325,7 +325,8 @@ def test_a_last_line_torn_inside_a_utf8_character_is_dropped_on_resume(tmp_path)
     w({"id": "z", "score": 0.0, "error_kind": ""})
     w.close()
     assert sorted(load_results(tmp_path)) == ["x", "z"]
-    samples = [Sample(id=i, video="v.mp4", question="q", answer="A") for i in ("x", "z")]
+    samples = [Sample(id=i, video="v.mp4", question=done["question"], answer="A")
+               for i in ("x", "z")]  # fmt: skip
     rows = merge_results(tmp_path, samples)
     assert [r["id"] for r in rows] == ["x", "z"] and rows[0]["question"] == done["question"]
 

@@ -316,3 +316,21 @@ def test_train_stops_before_loading_when_the_plan_does_not_fit_the_cuda_device(
     assert not built and not (tmp_path / "d").exists()
     with pytest.raises(ZeroDivisionError):  # past the check: the next stage starts
         train.main([*args, "train.memory_check=false"])
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (("--nproc-per-node", "0"), "--nproc-per-node 0 must be >= 1"),
+        (("--nproc-per-node", "-2"), "--nproc-per-node -2 must be >= 1"),
+        (("--nnodes", "0"), "--nnodes 0 must be >= 1"),
+        (("--nnodes", "-1"), "--nnodes -1 must be >= 1"),
+        (("--device-memory-gib", "nan"), "--device-memory-gib nan is not a positive number"),
+        (("--device-memory-gib", "inf"), "--device-memory-gib inf is not a positive number"),
+        (("--device-memory-gib", "-8"), "--device-memory-gib -8 is not a positive number"),
+    ],
+)
+def test_cli_refuses_impossible_layouts_in_one_line(capsys, args, said):
+    rc, out, err = _plan_here(capsys, "--preset", "tiny_cpu", "--cpu", *args)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert said in err and "Traceback" not in err

@@ -680,3 +680,70 @@ def test_serve_of_a_training_run_resolves_its_thumbnails(tmp_path) -> None:
     finally:
         p.terminate()
         p.wait(timeout=10)
+
+
+def test_planted_symlinks_are_replaced_never_written_through(tmp_path, capsys) -> None:
+    """A run folder is not the viewer's: a symlink planted at ``view/index.html`` (or at a
+    page's temporary, or at a copied thumbnail) must not make ``python -m paravt.view`` (run as
+    root) write the file it points to; the default ``view/`` folder being a link is refused."""
+    run = _tiny_train_folder(tmp_path / "run", [{"step": 1, "kind": "train"}])
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (run / "view").mkdir()
+    for name in ("index.html", "trajectories.html", ".index.html.tmp"):
+        (run / "view" / name).symlink_to(victim)
+    assert main([str(run)]) == 0
+    assert victim.read_text() == "precious\n"
+    assert "<h1>train run: " in (run / "view" / "index.html").read_text()
+    assert not (run / "view" / "index.html").is_symlink()
+    assert [p.name for p in (run / "view").iterdir() if p.name.endswith(".tmp")] == [
+        ".index.html.tmp"  # the planted link is left alone; no temporary of ours remains
+    ]
+    # A copied report: its thumbnails are written the same way.
+    out = tmp_path / "report"
+    (out / "thumbs").mkdir(parents=True)
+    (out / "thumbs" / "thumbs_u-0.jpg").symlink_to(victim)
+    assert main([str(run), "--out", str(out)]) == 0
+    assert victim.read_text() == "precious\n"
+    assert (out / "thumbs" / "thumbs_u-0.jpg").read_bytes()[:2] == b"\xff\xd8"  # a JPEG
+    # The default view/ as a link to another folder: refused, nothing written there.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.rmtree(run / "view")
+    (run / "view").symlink_to(elsewhere)
+    capsys.readouterr()
+    assert main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run / 'view'} is a symbolic link" in err
+    assert "--out" in err and list(elsewhere.iterdir()) == []
+
+
+def test_a_fifo_in_a_record_s_place_is_named_never_read(tmp_path, capsys) -> None:
+    """A FIFO is no file: reading one waits for a writer forever. The viewer names a FIFO
+    metrics.jsonl (exit 2, one line) and renders a run whose config.yaml or trajectories.jsonl
+    is one without them; every read runs in a thread that must finish."""
+    import threading
+
+    def view(*argv: str) -> int:
+        res: list[int] = []
+        t = threading.Thread(target=lambda: res.append(main(list(argv))), daemon=True)
+        t.start()
+        t.join(20)
+        assert res, f"python -m paravt.view {' '.join(argv)} hangs"
+        return res[0]
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    assert view(str(run)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{run / 'metrics.jsonl'} is a FIFO (named pipe), not a regular file" in err
+    (run / "metrics.jsonl").unlink()
+    _tiny_train_folder(run, [{"step": 1, "kind": "train", "tool_call_rate": 0.5}])
+    for name in ("config.yaml", "trajectories.jsonl"):
+        (run / name).unlink()
+        os.mkfifo(run / name)
+    assert view(str(run)) == 0
+    index = (run / "view" / "index.html").read_text()
+    assert "(no config.yaml in the run folder)" in index and "0 trajectories" in index

@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from paravt.answers import parse_window
+from paravt.files import JsonlError, NotRegularFile, read_jsonl
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.data")
@@ -296,40 +297,35 @@ def _answer_text(ans: Any, where: str) -> str:
 
 def _jsonl_samples(file: Path, root: Path) -> list[_Row]:
     out = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: invalid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in ("video", "question", "answer"):
-                if key not in row:
-                    raise DatasetError(f"{where}: missing required key '{key}'")
-            qtype = row.get("question_type", "oe")
-            if qtype not in QUESTION_TYPES:
-                raise DatasetError(
-                    f"{where}: question_type '{qtype}' is not one of {list(QUESTION_TYPES)}"
-                )
-            known = {"id", "video", "question", "answer", "question_type", "options"}
-            known |= {"event_start", "event_end"}
-            sid = _id_or_none(row.get("id"))
-            sample = Sample(
-                id=sid if sid is not None else f"{file.stem}-{lineno}",
-                video=_video_path(_text(row, where, "video", "the video's path"), root),
-                question=_text(row, where, "question", "the question"),
-                answer=_answer_text(row["answer"], where),
-                question_type=qtype,
-                event_start=_float_or_none(row.get("event_start"), where, "event_start"),
-                event_end=_float_or_none(row.get("event_end"), where, "event_end"),
-                options=_options(row.get("options"), where),
-                extra={k: v for k, v in row.items() if k not in known},
+    try:
+        lines = read_jsonl(file)
+    except (JsonlError, NotRegularFile) as e:  # a bad line; a FIFO in the file's place
+        raise DatasetError(str(e)) from None
+    for lineno, row in lines:
+        where = f"{file}:{lineno}"
+        for key in ("video", "question", "answer"):
+            if key not in row:
+                raise DatasetError(f"{where}: missing required key '{key}'")
+        qtype = row.get("question_type", "oe")
+        if qtype not in QUESTION_TYPES:
+            raise DatasetError(
+                f"{where}: question_type '{qtype}' is not one of {list(QUESTION_TYPES)}"
             )
-            out.append(_Row(_checked(sample, where), where, lineno, sid is None))
+        known = {"id", "video", "question", "answer", "question_type", "options"}
+        known |= {"event_start", "event_end"}
+        sid = _id_or_none(row.get("id"))
+        sample = Sample(
+            id=sid if sid is not None else f"{file.stem}-{lineno}",
+            video=_video_path(_text(row, where, "video", "the video's path"), root),
+            question=_text(row, where, "question", "the question"),
+            answer=_answer_text(row["answer"], where),
+            question_type=qtype,
+            event_start=_float_or_none(row.get("event_start"), where, "event_start"),
+            event_end=_float_or_none(row.get("event_end"), where, "event_end"),
+            options=_options(row.get("options"), where),
+            extra={k: v for k, v in row.items() if k not in known},
+        )
+        out.append(_Row(_checked(sample, where), where, lineno, sid is None))
     return out
 
 

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from paravt.data.synth_tasks import SYNTH_TASK_MIN_SECONDS, synth_task_error
+from paravt.files import write_atomic
 from paravt.types import Sample, VideoMeta
 
 # Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS
@@ -919,11 +920,7 @@ def summary_correct(summary: str, start: float, end: float, sample: Sample) -> b
 
 
 def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def generate(
@@ -1044,7 +1041,7 @@ def generate(
     _write_jsonl(out / "train.jsonl", train)
     _write_jsonl(out / "val.jsonl", val)
     _write_jsonl(out / "sft.jsonl", sft)
-    manifest.write_text(json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
+    write_atomic(manifest, json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
     return out
 
 

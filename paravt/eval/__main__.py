@@ -33,7 +33,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from paravt.checkpoint import resolve_model_path, run_config
+from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
 from paravt.config import PRESETS, Config, ConfigError, load_config
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--preset", default="tiny_cpu", choices=sorted(PRESETS))
     ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
-    return ap.parse_args(argv)
+    # Intermixed: `k=v --limit 3 k2=v2` (overrides on both sides of a flag), as train takes.
+    return ap.parse_intermixed_args(argv)
 
 
 def sampling_errors(cfg: Config) -> list[str]:
@@ -153,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         failed_run,
         run_eval,
         settings_refusal,
-        weights_fingerprint,
     )
+    from paravt.files import NotRegularFile
+    from paravt.metrics import DiskFullError
     from paravt.models import load_model_from_config
     from paravt.rollout import make_engine
 
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (NotRegularFile, DiskFullError) as e:  # a link or a FIFO planted; a full disk
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     finally:
         cleanup(ctx, getattr(engine, "close", lambda: None))
     if ctx.is_main:

@@ -84,6 +84,7 @@ from typing import Any
 
 from paravt.answers import option_text
 from paravt.data.readers import DatasetError, describe_value, read_samples
+from paravt.files import read_jsonl
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.eval")
@@ -731,8 +732,7 @@ def _synth(root: Path, bench: str) -> list[Sample]:
         ) from None
     # The rows with their line numbers (read_samples has validated every line already, and
     # kept one sample per non-blank line, in order).
-    lines = [json.loads(x) if x.strip() else {} for x in f.path.read_text().splitlines()]
-    rows = [(n, r) for n, r in enumerate(lines, 1) if r]
+    rows = read_jsonl(f.path)
     line_of: dict[str, int] = {}
     for n, r in rows:
         line_of.setdefault(str(r.get("id")), n)

@@ -16,7 +16,7 @@ Files in ``out``:
   Written as each batch finishes (``results.rank{r}.jsonl`` per rank under ``torchrun``, merged
   into ``results.jsonl`` in dataset order at the end).
 * ``run.json`` — what the numbers depend on (:class:`EvalSettings`): benchmark, data, model
-  path and a fingerprint of its files (:func:`weights_fingerprint`), frames, the preset and the
+  path and a fingerprint of its files (``paravt.checkpoint.weights_fingerprint``), frames, the preset and the
   whole resolved configuration (prompts, crop sizes, dtype, sampling, … :func:`eval_config`).
   A rerun with the same settings skips every id already in the results (a killed run loses at
   most the batch in flight); a rerun that differs in any of them is refused before the model
@@ -36,18 +36,19 @@ error never stays in the score; the merged ``results.jsonl`` keeps one row per s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
-import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paravt.files import DISK_FULL, append_text, write_atomic, write_failure
 from paravt.metrics import read_metrics
 from paravt.types import Group, Sample, Trajectory
 
@@ -98,7 +99,7 @@ class EvalSettings:
     seed: int = 0
     # ``--preset`` (the config's base layer).
     preset: str = ""
-    # :func:`weights_fingerprint` of the model folder.
+    # ``paravt.checkpoint.weights_fingerprint`` of the model folder.
     weights: str = ""
     # :func:`eval_config`: the whole resolved configuration, as nested dicts.
     config: dict[str, Any] = field(default_factory=dict)
@@ -114,14 +115,18 @@ def result_files(out: Path) -> list[Path]:
     return [out / RESULTS, *sorted(out.glob("results.rank*.jsonl"))]
 
 
-def load_results(out: Path) -> dict[str, dict[str, Any]]:
+def load_results(out: Path, samples: Sequence[Sample] = ()) -> dict[str, dict[str, Any]]:
     """Every row in ``out`` by id. A finished row is never replaced by a retryable failure of
     the same id (the files are not in time order: a stale failure in a rank's part must not
-    undo its successful retry); otherwise a later line wins."""
+    undo its successful retry); otherwise a later line wins. A row of one of ``samples``
+    scored against another annotation of it (:func:`is_current`) is left out."""
     rows: dict[str, dict[str, Any]] = {}
+    now = {s.id: s for s in samples}
     for f in result_files(out):
         for r in read_metrics(f):  # any JSONL written line by line; skips a torn line
             i = str(r["id"])
+            if i in now and not is_current(r, now[i]):
+                continue
             if i not in rows or is_done(r) or not is_done(rows[i]):
                 rows[i] = r
     return rows
@@ -130,6 +135,25 @@ def load_results(out: Path) -> dict[str, dict[str, Any]]:
 def is_done(row: dict[str, Any]) -> bool:
     """A row a rerun keeps: everything except the :data:`RETRYABLE` errors (retried)."""
     return row.get("error_kind") not in RETRYABLE
+
+
+def sample_fingerprint(sample: Sample) -> str:
+    """Identity of what a row was scored against: sha256 of the sample's annotation (video,
+    question, gold answer, type, options, event window). Each ``results.jsonl`` row keeps it
+    (``sample_fp``), so a rerun after the benchmark's annotation file changed redoes the rows
+    it changed (:func:`is_current`) and keeps the others."""
+    ann = [sample.video, sample.question, sample.answer, sample.question_type,
+           list(sample.options), sample.event_start, sample.event_end]  # fmt: skip
+    return hashlib.sha256(json.dumps(ann).encode()).hexdigest()[:16]
+
+
+def is_current(row: dict[str, Any], sample: Sample) -> bool:
+    """Whether ``row`` was scored against ``sample``'s annotation as it is now (a row of an
+    older paravt, without ``sample_fp``: the question and gold answer it holds are compared)."""
+    if "sample_fp" in row:
+        return row["sample_fp"] == sample_fingerprint(sample)
+    said = (("question", sample.question), ("answer", sample.answer))
+    return all(row[k] == v for k, v in said if k in row)
 
 
 def result_row(
@@ -149,6 +173,7 @@ def result_row(
         "question": sample.question,
         "answer": sample.answer,
         "frames": frames,
+        "sample_fp": sample_fingerprint(sample),
     }
     if traj is None:
         row.update(
@@ -286,21 +311,39 @@ def evaluate_samples(
 
 
 class _Appender:
-    """Appends JSON lines and flushes each batch to disk (a kill loses at most one line)."""
+    """Appends JSON lines, each on disk before the next batch (a kill loses at most one line);
+    a write cut short by a full disk is cut back (``paravt.files.append_text``), so the file
+    holds whole rows only."""
 
     def __init__(self, path: Path) -> None:
-        torn = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-        self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        if torn:  # a killed run's half-written last line: never glue the next row onto it
-            self.f.write("\n")
+        self.path = path
+        if path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n"):
+            append_text(path, "\n")  # a killed run's half-written last line: never glue onto it
 
     def __call__(self, row: dict[str, Any]) -> None:
-        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        append_text(self.path, json.dumps(row, ensure_ascii=False) + "\n", fsync=True)
 
     def close(self) -> None:
-        self.f.close()
+        pass  # each row is written whole and closed
+
+
+@contextlib.contextmanager
+def disk_full(what: str, out: Path) -> Iterator[None]:
+    """Turn a full disk (``ENOSPC``, quota) met by a write of ``what`` into ``out`` into the
+    one-line :class:`paravt.metrics.DiskFullError` (path, free bytes, how to go on); any other
+    ``OSError`` passes as it is."""
+    from paravt.metrics import DiskFullError
+
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        raise DiskFullError(
+            f"{write_failure(what, e.filename or out, e, out)} Every finished row is kept in "
+            f"{out} ({RESULTS} and its per-rank parts, whole rows only). Fix: free space there "
+            "(or pass another --out on a larger disk) and rerun the same command: it resumes."
+        ) from e
 
 
 def eval_config(cfg: Any) -> dict[str, Any]:
@@ -313,22 +356,6 @@ def eval_config(cfg: Any) -> dict[str, Any]:
         section, name = key.split(".")
         d.get(section, {}).pop(name, None)
     return d
-
-
-def weights_fingerprint(model_dir: str | Path) -> str:
-    """Identity of a model folder's files, cheap (no byte is read): sha256 over the name, size
-    and modification time of each top-level file (weights, config.json, tokenizer; not a
-    checkpoint's ``trainer_state.pt``). A checkpoint rewritten in place gets another one;
-    so does a copy of the same weights (new times): a false alarm the message explains."""
-    from paravt.checkpoint import STATE_FILE
-
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).iterdir()):
-        if f.name == STATE_FILE or f.name.startswith(".") or not f.is_file():
-            continue
-        st = f.stat()  # follows links (an HF cache's blobs)
-        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:16]
 
 
 _UNRECORDED = object()
@@ -351,10 +378,26 @@ def _flat(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def training_refusal(out: Path) -> str:
+    """Why ``out`` cannot take an evaluation's files: it holds a training run
+    (``paravt.runfolder.training_run_in``); "" when it does not."""
+    from paravt.runfolder import training_run_in
+
+    if run := training_run_in(out):
+        return (
+            f"{out} holds a training run ({run}): the evaluation's run.json would replace the "
+            "run's, and the run could no longer be resumed; pass another --out (e.g. "
+            f"--out {out / 'eval'}, a folder of its own)"
+        )
+    return ""
+
+
 def settings_refusal(out: Path, settings: EvalSettings) -> str:
     """Why a run into ``out`` with ``settings`` must not resume the results there ("" when it
     may: no results yet, or the same settings). Reads only; each differing key is named with
     its saved and new values."""
+    if refused := training_refusal(out):
+        return refused
     f = out / RUN_FILE
     if not f.is_file() or not any(p.is_file() and p.stat().st_size for p in result_files(out)):
         return ""
@@ -391,9 +434,9 @@ def settings_refusal(out: Path, settings: EvalSettings) -> str:
 def check_settings(out: Path, settings: EvalSettings, *, has_results: bool) -> str:
     """Write ``run.json``; or, for a resume whose settings differ from the saved ones, write
     nothing and return the message that refuses it ("" when fine)."""
-    refused = settings_refusal(out, settings) if has_results else ""
+    refused = settings_refusal(out, settings) if has_results else training_refusal(out)
     if not refused:
-        (out / RUN_FILE).write_text(json.dumps(asdict(settings), indent=2) + "\n")
+        write_atomic(out / RUN_FILE, json.dumps(asdict(settings), indent=2) + "\n")
     return refused
 
 
@@ -420,15 +463,12 @@ def merge_results(out: Path, samples: Sequence[Sample]) -> list[dict[str, Any]]:
     dataset order, then the rows of samples outside it (an earlier run without ``--limit``:
     kept, not deleted); per-rank parts and retried rows are folded in. Returns this run's rows
     and raises if one of its samples has none."""
-    done = load_results(out)
+    done = load_results(out, samples)
     mine = {s.id for s in samples}
     rows = [done[s.id] for s in samples if s.id in done]
     lost = [s.id for s in samples if s.id not in done]
-    tmp = out / (RESULTS + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows + [r for i, r in done.items() if i not in mine]:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, out / RESULTS)
+    kept = rows + [r for i, r in done.items() if i not in mine]
+    write_atomic(out / RESULTS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
     for part in out.glob("results.rank*.jsonl"):
         part.unlink()
     if lost:
@@ -488,11 +528,16 @@ def run_eval(
     # pending list (ranks reading on their own could see another rank's first rows).
     plan: tuple[str, list[str]] = ("", [])
     prev: dict[str, dict[str, Any]] = {}
+    stale: list[str] = []
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         prev = load_results(out)
-        refused = check_settings(out, settings, has_results=bool(prev))
-        plan = (refused, [i for i in ids if i not in prev or not is_done(prev[i])])
+        with disk_full("evaluation record", out):
+            refused = check_settings(out, settings, has_results=bool(prev))
+        # A finished row scored against annotations that have changed since is redone.
+        stale = [s.id for s in samples
+                 if s.id in prev and is_done(prev[s.id]) and not is_current(prev[s.id], s)]  # fmt: skip
+        plan = (refused, [i for i in ids if i not in prev or not is_done(prev[i]) or i in stale])
     refused, pending_ids = broadcast_object(plan, ctx)
     if refused:
         raise EvalError(refused)
@@ -500,6 +545,14 @@ def run_eval(
     pending = [s for s in samples if s.id in todo_ids]
     mine = pending[ctx.rank :: ctx.world_size]
     done = set(ids) - todo_ids
+    if ctx.is_main and stale:
+        print(
+            f"[eval] {len(stale)} of {sum(i in prev and is_done(prev[i]) for i in ids)} finished "
+            f"rows were scored against other annotations (the benchmark's question, answer or "
+            f"options changed since; first: {stale[0]}): redone",
+            file=stream or sys.stdout,
+            flush=True,
+        )
     if ctx.is_main and done:
         print(
             f"[eval] resuming in {out}: {len(done)} of {len(ids)} samples already "
@@ -525,7 +578,8 @@ def run_eval(
 
     def write(row: dict[str, Any]) -> None:
         row["rank"] = ctx.rank
-        writer(row)
+        with disk_full("result row", out):
+            writer(row)
 
     try:
         evaluate_samples(
@@ -545,14 +599,16 @@ def run_eval(
     lost = ""
     if ctx.is_main:
         try:
-            rows = merge_results(out, samples)
+            with disk_full("merged results", out):
+                rows = merge_results(out, samples)
         except EvalError as e:
             lost = str(e)
         else:
             summary = summarize(settings.benchmark, rows)
             # The settings without the whole config (run.json, beside it, has that).
             summary["settings"] = {k: v for k, v in asdict(settings).items() if k != "config"}
-            (out / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+            with disk_full("summary", out):
+                write_atomic(out / SUMMARY, json.dumps(summary, indent=2) + "\n")
             print(markdown_table(summary), file=stream or sys.stdout, flush=True)
     summary, lost = broadcast_object((summary, lost), ctx)
     if lost:

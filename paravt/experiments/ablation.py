@@ -53,6 +53,7 @@ from paravt.experiments.arms import (
     save_panels,
     train_checkpoint,
 )
+from paravt.files import write_atomic
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 
@@ -213,8 +214,9 @@ def _ablation(
     per_seed = {a: [run_metrics(r, budgets, eval_k) for r in rows[a]] for a in arms}
     results = {a: aggregate(per_seed[a]) for a in arms}
     table = format_table(results, seeds)
-    (out / "ablation.md").write_text(table + "\n")
-    (out / "ablation.json").write_text(
+    write_atomic(out / "ablation.md", table + "\n")
+    write_atomic(
+        out / "ablation.json",
         json.dumps(
             json_safe(
                 {
@@ -226,7 +228,7 @@ def _ablation(
             ),
             indent=1,
             allow_nan=False,
-        )
+        ),
     )
     plot_curves(rows, out / "ablation.png")
     return {"table": table, "results": results, "runs": runs}

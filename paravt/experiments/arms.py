@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError
+from paravt.files import write_atomic
 from paravt.metrics import read_metrics
 
 #: Arm name -> one-line description (``ablation.json`` carries it).
@@ -146,7 +147,7 @@ def train_checkpoint(
     data_dir, model_dir = dirs if dirs is not None else prepare_assets(cfg, ctx)
     res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
     if stamp is not None:
-        stamp.write_text(json.dumps(made, indent=1) + "\n")
+        write_atomic(stamp, json.dumps(made, indent=1) + "\n")
     print(
         f"[{tag}] {what}: nll/token {res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} "
         f"({res['sft/seconds']:.0f} s) -> {dst}",
@@ -169,7 +170,7 @@ def run_stamp(cfg: Config, **extra: Any) -> dict[str, Any]:
 
 
 def write_stamp(run_dir: Path, stamp: dict[str, Any]) -> None:
-    (run_dir / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+    write_atomic(run_dir / STAMP, json.dumps(stamp, indent=1) + "\n")
 
 
 def _flat(d: Any, pre: str = "") -> dict[str, Any]:
@@ -368,9 +369,7 @@ class FolderLock:
         self._write()
 
     def _write(self) -> None:
-        tmp = self.path.with_name(f"{LOCK}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.state) + "\n")
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(self.state) + "\n")
 
     def __exit__(self, *exc: Any) -> None:
         with contextlib.suppress(OSError):

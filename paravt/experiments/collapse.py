@@ -90,6 +90,7 @@ from paravt.experiments.arms import (
     train_checkpoint,
     write_stamp,
 )
+from paravt.files import read_jsonl, write_atomic
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
@@ -189,10 +190,7 @@ def all_tool_records(
     fps, plans = read_plans(d)
     st = oracle_settings(cfg)
     out: list[dict] = []
-    for line in (d / "train.jsonl").read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for _, row in read_jsonl(d / "train.jsonl"):
         plan = plans[Path(row["video"]).stem]
         meta = _meta(plan, fps)
         squares = sorted([plan.target, *plan.distractors], key=lambda e: e.start)
@@ -960,8 +958,8 @@ def _collapse(
     res["eval_every"] = eval_every
     res["minutes"] = (time.perf_counter() - t0) / 60
     table = format_markdown(res)
-    (out / "collapse.md").write_text(table + "\n")
-    (out / "collapse.json").write_text(json.dumps(json_safe(res), indent=1, allow_nan=False))
+    write_atomic(out / "collapse.md", table + "\n")
+    write_atomic(out / "collapse.json", json.dumps(json_safe(res), indent=1, allow_nan=False))
     plot(res, out / "collapse.png")
     return {"json": res, "table": table}
 

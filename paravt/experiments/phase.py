@@ -30,6 +30,7 @@ from typing import Any
 
 from paravt.config import ConfigError
 from paravt.data.synth import SPOT_DECOY_SHARE
+from paravt.files import write_atomic
 from paravt.metrics import json_safe
 
 #: The arms whose every step trains at K = 32 (gating off): their mixed groups give the sign.
@@ -207,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = format_markdown(ph)
-    (out / "phase.json").write_text(json.dumps(json_safe(ph), indent=1, allow_nan=False) + "\n")
-    (out / "phase.md").write_text(md + "\n")
+    write_atomic(out / "phase.json", json.dumps(json_safe(ph), indent=1, allow_nan=False) + "\n")
+    write_atomic(out / "phase.md", md + "\n")
     print(md)
     return 0

@@ -31,6 +31,7 @@ from typing import Any
 
 from paravt.config import ConfigError
 from paravt.data.synth import SHAPE_COLOURS
+from paravt.files import write_atomic
 from paravt.metrics import read_metrics
 
 # Every colour the synthetic tasks draw (the sub-agents' summaries name them).
@@ -128,5 +129,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             + " |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
+        write_atomic(args.json, json.dumps(table, indent=1) + "\n")
     return 0

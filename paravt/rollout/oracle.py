@@ -74,16 +74,13 @@ def load_oracle(data: Path) -> dict[str, dict]:
 
     A sample may have one row per overview budget; the first row that calls the tool is kept
     (the oracle main agent is there to show real crops and sub-agents), else the first row."""
-    import json
+    from paravt.files import read_jsonl
 
     f = data / "sft.jsonl" if data.is_dir() else data.parent / "sft.jsonl"
     if not f.is_file():
         return {}
     out: dict[str, dict] = {}
-    for x in f.read_text().splitlines():
-        if not x.strip():
-            continue
-        r = json.loads(x)
+    for _, r in read_jsonl(f):
         old = out.get(r["sample_id"])
         if old is None or (len(old["turns"]) < 2 <= len(r["turns"])):
             out[r["sample_id"]] = r

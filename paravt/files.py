@@ -1,0 +1,225 @@
+"""How paravt reads and writes files in folders it did not create (a run folder, an evaluation's
+``--out``, a report's folder, a data set): one helper per idea, used by every module.
+
+* :func:`write_atomic`: a whole file (``run.json``, ``config.yaml``, ``results.jsonl``, the
+  viewer's pages, …) is written into a fresh temporary of a random name beside it (created with
+  ``O_EXCL``: a symlink planted at that name is never followed) and renamed over the target with
+  ``os.replace``. A symlink planted at the target is replaced, not written through (the viewer,
+  run as root, would otherwise overwrite any file on the machine); a reader sees the old file or
+  the new one, never a torn one; a failed write (a full disk) leaves the old file and no
+  temporary.
+* :func:`open_append`: a file written a line at a time (``metrics.jsonl``, the evaluation's
+  ``results.jsonl``) is opened with ``O_NOFOLLOW`` and must be a regular file: a symlink or a
+  FIFO in its place is refused (:class:`NotRegularFile`), never written through or waited on.
+* :func:`append_text`: one row (or a few) appended through :func:`open_append`; a write that
+  fails (a full disk) cuts the file back to where it was, so it holds whole rows only.
+* :func:`write_failure`: what a failed write says (the path, the error, the free bytes), the
+  first half of every full-disk message (training's, the evaluation's, the viewer's).
+* :func:`read_regular`: the bytes of a regular file, or None when there is none; a FIFO, a
+  device or a directory in its place is no file (opened without blocking, checked with
+  ``fstat`` on the open file: no race between the check and the read, no reader left waiting
+  on a pipe).
+* :func:`jsonl_lines`: every JSONL file the project reads is split here, on ``"\\n"`` only.
+  Not ``str.splitlines()``: JSON leaves U+2028, U+2029 and U+0085 unescaped inside strings
+  and ``splitlines()`` cuts a row there. ``paravt.metrics.read_metrics`` (files the project
+  appends to: skips a torn line) and :func:`read_jsonl` (data sets: a bad line is an error
+  naming it) read through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+# What a full file system raises: no space (ENOSPC) or the user's quota spent (EDQUOT).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class JsonlError(ValueError):
+    """A line of a JSONL data file that is no JSON object (``path:line: problem``)."""
+
+
+class NotRegularFile(OSError):
+    """A path paravt reads or writes holds a symlink, a FIFO, a device or a directory where a
+    regular file belongs; the message names the path, what it is and the fix."""
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words ("a FIFO (named pipe)", "a symbolic link", …)."""
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular(path: str | Path, mode: int, doing: str) -> NotRegularFile:
+    """The error for ``path`` (of ``st_mode`` ``mode``) found where ``doing`` needs a file."""
+    return NotRegularFile(
+        f"{path} is {file_kind(mode)}, not a regular file: paravt {doing} regular files only "
+        "(never through a link, never waiting on a pipe). Fix: remove it (or replace it with "
+        "the file itself) and rerun"
+    )
+
+
+def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` (text as UTF-8) to ``path`` through a fresh temporary and ``os.replace``
+    (module docstring): never through a symlink, never torn. Raises the ``OSError`` of a failed
+    write (a full disk: ``ENOSPC``) with the old ``path`` intact and no temporary left."""
+    path = Path(path)
+    blob = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        # "x": O_CREAT | O_EXCL, which fails on anything already at tmp (a planted link
+        # included) and gives 0o666 less the umask, as "w" would.
+        with open(tmp, "xb") as f:
+            f.write(blob)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # the old ``path`` is untouched
+        if isinstance(e, OSError):
+            e.filename = str(path)  # the file that was not written, not its temporary
+        raise
+
+
+def _append_opener(path: str, flags: int) -> int:
+    """``os.open`` for :func:`open_append`: no link followed, no FIFO waited on, and only a
+    regular file kept open (checked on the open file: no race between check and write)."""
+    extra = os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | extra, 0o666)
+    except OSError as e:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise e from None
+        if stat.S_ISREG(mode):
+            raise
+        raise not_regular(path, mode, "appends to") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise not_regular(path, mode, "appends to")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_append(path: str | Path, encoding: str = "utf-8") -> TextIO:
+    """``path`` opened to append text, created if absent; raises :class:`NotRegularFile` for a
+    symlink, FIFO or other non-file in its place (module docstring)."""
+    return open(path, "a", encoding=encoding, opener=_append_opener)
+
+
+def append_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
+    """Append ``text`` to ``path`` (:func:`open_append`: never through a link); on a failed
+    write cut the file back to where it was, so a row cut short by a full disk never glues
+    itself to the next one (``OSError.filename``: ``path``). ``fsync``: on disk before this
+    returns (a kill loses no row written)."""
+    path = Path(path)
+    start = path.stat().st_size if path.is_file() else 0
+    f = open_append(path)  # a link or a FIFO in its place: refused, never written through
+    try:
+        with f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.truncate(path, start)  # needs no free space
+        e.filename = e.filename or str(path)
+        raise
+
+
+def write_failure(what: str, path: str | Path, e: OSError, folder: str | Path) -> str:
+    """``the {what} {path} could not be written: {error} ({code}); N bytes are free on the
+    file system of {folder}.``: the first half of a full-disk message, the fix its caller's."""
+    try:
+        free = int(shutil.disk_usage(folder).free)
+    except OSError:
+        free = -1
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return (
+        f"the {what} {path} could not be written: {e.strerror or e} ({code}); {free} bytes "
+        f"are free on the file system of {folder}."
+    )
+
+
+def read_regular(path: str | Path) -> bytes | None:
+    """The bytes of the regular file at ``path`` (symlinks followed), or None when nothing, or
+    something other than a regular file (a FIFO, a directory, a device), is there: opened with
+    ``O_NONBLOCK`` so that a FIFO never blocks the reader, and checked on the open file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return None  # nothing there (or a link loop): no file, as Path.is_file() says
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def read_text_regular(path: str | Path) -> str | None:
+    """:func:`read_regular` decoded as UTF-8 (undecodable bytes replaced): a page shows it."""
+    blob = read_regular(path)
+    return None if blob is None else blob.decode("utf-8", errors="replace")
+
+
+def jsonl_lines(blob: bytes) -> Iterator[tuple[int, bytes]]:
+    """``(line number from 1, line)`` of each non-blank line of a JSONL file's bytes, split on
+    ``b"\\n"`` only (module docstring). Bytes, not text: a line cut inside a multi-byte UTF-8
+    character by a kill costs that line only (a continuation byte is never ``0x0A``)."""
+    for n, raw in enumerate(blob.split(b"\n"), 1):
+        if raw.strip():
+            yield n, raw
+
+
+def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` of every non-blank line of the JSONL data file ``path`` (an
+    annotation file, SFT records, an oracle's ``sft.jsonl``), in order. Strict, unlike
+    ``paravt.metrics.read_metrics``: a line that is not UTF-8, not JSON or not an object raises
+    :class:`JsonlError` naming ``path:line``; a missing file raises ``FileNotFoundError`` and a
+    FIFO or other non-file :class:`NotRegularFile`."""
+    blob = read_regular(path)
+    if blob is None:
+        mode = os.stat(path).st_mode  # FileNotFoundError when nothing is there
+        raise not_regular(path, mode, "reads")
+    rows = []
+    for n, raw in jsonl_lines(blob):
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise JsonlError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        except json.JSONDecodeError as e:
+            raise JsonlError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise JsonlError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        rows.append((n, row))
+    return rows
