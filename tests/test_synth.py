@@ -13,8 +13,8 @@ import pytest
 
 from paravt.data import synth
 from paravt.data.synth import (
+    COLOUR_RGB,
     CUE_COLOURS,
-    SHAPE_COLOURS,
     draw_frame_index,
     generate,
     read_frame_index,
@@ -140,7 +140,7 @@ def test_videos_show_what_the_labels_say(synth_dir) -> None:
         side = 128 // 3
         cx, cy = tgt["x"] + side // 2, tgt["y"] + side // 2
         centre = fb.frames[0, cy, cx].int().numpy()
-        assert np.abs(centre - SHAPE_COLOURS[tgt["colour"]]).max() <= 12
+        assert np.abs(centre - COLOUR_RGB[tgt["colour"]]).max() <= 12
         # background pixel (bottom-left corner area, away from the moving dot row)
         cue_rgb = np.array(CUE_COLOURS[plan["cue"]])
         assert np.abs(fb.frames[1, 30, 2].int().numpy() - cue_rgb).max() <= 12

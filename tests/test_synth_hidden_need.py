@@ -16,8 +16,8 @@ import pytest
 from paravt.config import load_config
 from paravt.data.readers import load_samples
 from paravt.data.synth import (
+    COLOUR_RGB,
     NEED_BUDGETS,
-    SHAPE_COLOURS,
     SPOT_COLOURS,
     generate,
     oracle_settings,
@@ -55,7 +55,7 @@ def late(tmp_path_factory: pytest.TempPathFactory):
 
 def _shows(frames: np.ndarray, colour: str) -> bool:
     """Whether any frame has a block of ``colour`` (the square covers 3/4 of the height)."""
-    want = np.array(SHAPE_COLOURS[colour], np.int16)
+    want = np.array(COLOUR_RGB[colour], np.int16)
     near = (np.abs(frames.astype(np.int16) - want).max(-1) < 40).reshape(len(frames), -1)
     return bool((near.mean(-1) > 0.2).any())
 

@@ -77,13 +77,22 @@ SHAPE_COLOURS = {
     "magenta": (230, 40, 230),
     "orange": (250, 140, 20),
 }
+# Every colour a synthetic video draws, by name: the cue task's shape colours and the spot
+# task's (``SPOT_COLOURS``: its scarlet and lemon are the shapes' red and yellow).
+COLOUR_RGB = {**SHAPE_COLOURS, "scarlet": SHAPE_COLOURS["red"], "lemon": SHAPE_COLOURS["yellow"]}
 SHAPES = ("square", "circle", "triangle")
 # The "spot" task (:func:`_plan_spot`): one square per video, its colour asked about with these
 # options in this order (the RGB corners most apart at a tiny pixel budget). One shape only: at
 # the tiny default's 32x32 px per frame (one visual token per 2 frames) the frozen random tower
 # does not tell squares, circles and triangles apart (measured: 0.20-0.35 teacher-forced on 3
 # shapes), while colours are read without error.
-SPOT_COLOURS = ("red", "yellow", "cyan", "magenta")
+#
+# Their names are words the tiny tokenizer splits into several tokens with distinct first
+# tokens (" sc"/" l"/" c"/" m"). With "red" and "yellow" (one token each) the 2-layer main agent
+# carried a summary's colour into its answer for cyan and magenta but mixed up red and yellow
+# (teacher-forced on held-out rows: log-p -0.56 vs -0.88 for either, whichever the summary
+# said; docs/copy_probe.md); the pixels are the same red and yellow.
+SPOT_COLOURS = ("scarlet", "lemon", "cyan", "magenta")
 SPOT_SHAPE = "square"
 TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_decoy")
 # The "spot_late" task (:func:`_plan_spot_late`): a spot square in the first half of the video
@@ -420,7 +429,7 @@ def _render(plan: VideoPlan, fps: float, size: tuple[int, int]) -> Iterable[np.n
             if e.start <= t < e.end:
                 region = f[e.y : e.y + side, e.x : e.x + side]
                 colour = plan.decoy if (e is plan.target and i in decoys) else e.colour
-                region[masks[e.shape]] = SHAPE_COLOURS[colour]
+                region[masks[e.shape]] = COLOUR_RGB[colour]
         draw_frame_index(f, i)
         yield f
 
@@ -976,8 +985,9 @@ def generate(
     oracle = oracle or OracleSettings()
     out = Path(out_dir)
     params = {
-        # 5: need_K* in the spot rows, spot_late, spot_decoy; 6: x264 mbtree=0 (deterministic)
-        "version": 6,
+        # 5: need_K* in the spot rows, spot_late, spot_decoy; 6: x264 mbtree=0 (deterministic);
+        # 7: the spot colours scarlet and lemon (were red and yellow), colour_swaps
+        "version": 7,
         "task": task,
         "num_videos": num_videos,
         "seed": seed,

@@ -6,6 +6,7 @@
     python -m paravt.experiments phase DIR [DIR ...] [--out runs/phase]   (collapse cells)
     python -m paravt.experiments tool-path --data TASK EVAL_DIR [...]   (where answers come from)
     python -m paravt.experiments copy-probe --model DIR --data TASK [--k 4]   (the copy, forced)
+    python -m paravt.experiments tools-pay RUN_DIR [...] [--k 4]   (greedy, with vs without tools)
 
 ``ablation``: ``paravt.experiments.ablation``; ``collapse``: ``paravt.experiments.collapse``;
 both run their arms with ``paravt.experiments.arms.run_arms``.
@@ -26,6 +27,7 @@ from paravt.experiments.collapse import main as collapse_main
 from paravt.experiments.copy_probe import main as copy_probe_main
 from paravt.experiments.phase import main as phase_main
 from paravt.experiments.tool_path import main as tool_path_main
+from paravt.experiments.tools_pay import main as tools_pay_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return tool_path_main(argv[1:])
     if argv[:1] == ["copy-probe"]:  # paravt/experiments/copy_probe.py
         return copy_probe_main(argv[1:])
+    if argv[:1] == ["tools-pay"]:  # paravt/experiments/tools_pay.py
+        return tools_pay_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog="python -m paravt.experiments", description=__doc__, formatter_class=raw
@@ -66,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "copy-probe",
         help="does the main agent carry a summary's colour into its answer? teacher-forced "
         "(see python -m paravt.experiments copy-probe -h)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "tools-pay",
+        help="greedy accuracy with and without tools by need, over finished runs (see "
+        "python -m paravt.experiments tools-pay -h)",
         add_help=False,
     )
     a = sub.add_parser(

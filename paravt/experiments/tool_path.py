@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import ConfigError
-from paravt.data.synth import SHAPE_COLOURS
+from paravt.data.synth import COLOUR_RGB
 from paravt.files import write_atomic
 from paravt.metrics import read_metrics
 
 # Every colour the synthetic tasks draw (the sub-agents' summaries name them).
-_COLOUR = re.compile(r"\b(" + "|".join(SHAPE_COLOURS) + r")\b", re.I)
+_COLOUR = re.compile(r"\b(" + "|".join(COLOUR_RGB) + r")\b", re.I)
 COUNTS = (
     "n",
     "correct",
