@@ -639,7 +639,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train.steps": 30,
         "train.prompts_per_step": 4,
         "train.save_every": 10,
-        # All 32 held-out prompts (one per held-out video), 4 samples each, per condition.
+        # 32 of the 64 held-out prompts (one per held-out video), 4 samples each, per condition.
         "train.eval_prompts": 32,
         "train.eval_samples": 4,
         "train.eval_conditions": ["4:tools", "4:notools", "32:notools"],
@@ -649,11 +649,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         # 32 crop frames: the cue oracle's widest crop (K=4) still samples every 2 s target
         # (the spot oracle's crops are 12 s).
         "video.crop_max_frames": 32,
-        # The "spot" task, 60 s videos: 160 videos (128 train, 32 held-out, a question each).
+        # The "spot" task, 60 s videos: 320 videos (256 train, 64 held-out, a question each).
+        # Measured (docs/copy_probe.md, seed 1): at 160 videos the sub-agents named the right
+        # colour in 6 of 19 held-out crops that show it, at 320 in 39 of 39.
         "data.synth_task": "spot",
         "data.synth_min_duration": 60.0,
         "data.synth_max_duration": 60.0,
-        "data.synth_num_videos": 160,
+        "data.synth_num_videos": 320,
+        # Each tool record also with the 3 other colours in its summaries and answer (main
+        # agent only): the copy cannot be learnt as a colour remembered per video, and the
+        # call turn is 55% of the first turns instead of 23% (greedy, the cold start at 160
+        # videos without them never called at K = 4; docs/copy_probe.md).
+        "data.synth_colour_swaps": 3,
     },
     # The reference recipe (ParaVT paper): Qwen3-VL-8B, PARA-GRPO.
     "qwen3vl_8b_paragrpo": {

@@ -188,3 +188,34 @@ def test_decoy_share_q_sets_the_decoyed_videos_and_nests() -> None:
         load_config("tiny_cpu", overrides=["data.synth_decoy_share=1.5"])
     with pytest.raises(ValueError, match="decoy_share"):
         generate("unused", 1, task="spot_decoy", decoy_share=-0.1)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_spot_need_labels_and_colours_agree_with_the_decoded_frames(tmp_path, seed) -> None:
+    """The embedded default's world ("spot", the seeds ``data.synth_seed`` of the README's
+    3-seed table): each row's ``need_K*`` is what the real decoded overview frames show, the
+    square's colour is in the frames during its event and in no frame outside it, and another
+    seed draws other videos."""
+    data = generate(tmp_path, 4, seed=seed, min_duration=60, max_duration=60, task="spot",
+                    val_fraction=0.25)  # fmt: skip
+    rows = [json.loads(x) for f in ("train.jsonl", "val.jsonl")
+            for x in (data / f).read_text().splitlines()]  # fmt: skip
+    plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
+    assert len(rows) == 4
+    for r in rows:
+        tgt = plans[Path(r["video"]).stem]["target"]
+        assert r["answer"] == "ABCD"[SPOT_COLOURS.index(tgt["colour"])]
+        path = str(data / r["video"])
+        meta = stream_index(path).meta
+        for k in (4, 8, 32):
+            frames = decode(path, overview_timestamps(meta, k)).frames.numpy()
+            assert r[f"need_K{k}"] == (not _shows(frames, tgt["colour"])), (seed, r["id"], k)
+        inside = decode(path, [tgt["start"] + 0.5, tgt["end"] - 0.5]).frames.numpy()
+        outside = decode(path, [tgt["start"] - 1.0, tgt["end"] + 0.5]).frames.numpy()
+        assert all(_shows(f[None], tgt["colour"]) for f in inside)
+        assert not any(_shows(f[None], c) for f in outside for c in SPOT_COLOURS)
+    if seed:
+        other = json.loads((data / "manifest.json").read_text())["videos"]
+        first = generate(tmp_path / "s0", 4, seed=0, min_duration=60, max_duration=60,
+                         task="spot", val_fraction=0.25)  # fmt: skip
+        assert json.loads((first / "manifest.json").read_text())["videos"] != other
