@@ -633,7 +633,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         # cosine decay: frames 0.85-0.95, copy 0.87, letter 0.97-1.0.
         "sft.steps": 4000,
         "sft.batch_size": 4,
-        "sft.lr": 3e-3,
+        # 1e-3, not 3e-3: at 3e-3 the loss spiked (0.15-0.25 per token late in the run) and the
+        # main agent carried only one of the colour choice's two bits from a summary, which
+        # one depending on the seed (teacher-forced copy 0.42-0.63 on held-out rows); at 1e-3
+        # it copied 38 of 38 and 39 of 39 (seeds 0, 1; docs/copy_probe.md).
+        "sft.lr": 1e-3,
         "sft.schedule": "cosine",
         "sft.freeze_vision_tower": True,
         "train.steps": 30,
