@@ -58,7 +58,7 @@ class DataConfig:
     # 'spot_decoy' only: the share q of videos whose square shows a wrong colour in exactly the
     # frames the K = 32 overview decodes (paravt.data.synth._plan_spot_decoy).
     synth_decoy_share: float = 0.25
-    # "spot" tasks: besides each oracle tool record, this many (0-3) copies whose sub-agent
+    # "spot" task only: besides each oracle tool record, this many (0-3) copies whose sub-agent
     # summaries, final thought and answer name another colour (the main agent's overview misses
     # the square, so nothing it sees contradicts them). They train the main agent only (no
     # sub-agent rows: their summaries are not what the crops show), and teach it to carry what

@@ -24,7 +24,9 @@ from paravt.video import DecodePlanner
 
 
 def _cfg(**kv: object) -> object:
-    base = {"video.frame_budgets": "[4,32]", "video.fixed_frames": 32}
+    # The oracle's own records (no colour-swapped copies, whose answers are not the video's).
+    base = {"video.frame_budgets": "[4,32]", "video.fixed_frames": 32,
+            "data.synth_colour_swaps": 0}  # fmt: skip
     base.update(kv)
     return load_config("tiny_cpu", overrides=[f"{k}={v}" for k, v in base.items()])
 

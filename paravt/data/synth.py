@@ -39,7 +39,7 @@ import os
 import random
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from functools import partial
 from pathlib import Path
@@ -983,6 +983,8 @@ def generate(
     if not 0.0 <= decoy_share <= 1.0:
         raise ValueError(f"generate: decoy_share={decoy_share} must be in [0, 1]")
     oracle = oracle or OracleSettings()
+    if task != "spot":  # the collapse tasks keep their oracle's own records only
+        oracle = replace(oracle, colour_swaps=0)
     out = Path(out_dir)
     params = {
         # 5: need_K* in the spot rows, spot_late, spot_decoy; 6: x264 mbtree=0 (deterministic);
