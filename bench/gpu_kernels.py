@@ -130,15 +130,21 @@ def _vs_liger(res: dict, liger, flops: float, t_ours: float) -> None:
     res["mem_ratio_vs_liger"] = res["peak_mem_bytes"] / max(res["liger_peak_mem_bytes"], 1)
 
 
-def bench_linear_logprob(quick: bool) -> dict:
-    from paravt_kernels import linear_logprob
-
+def _lm_inputs(quick: bool) -> tuple:
+    """The lm-head benchmarks' inputs: ``(n, d, v, h, w, targets, grad_out)``, seeded."""
     n, d, v = _lm_shape(quick)
     g = torch.Generator(device=DEV).manual_seed(0)
     h = (torch.randn(n, d, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(v, d, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
     t = torch.randint(0, v, (n,), device=DEV, generator=g)
     gout = torch.randn(n, device=DEV, generator=g)
+    return n, d, v, h, w, t, gout
+
+
+def bench_linear_logprob(quick: bool) -> dict:
+    from paravt_kernels import linear_logprob
+
+    n, d, v, h, w, t, gout = _lm_inputs(quick)
 
     def ours():
         h.grad = w.grad = None
@@ -454,12 +460,7 @@ def issue37_linear_logprob_tiles(quick: bool) -> dict:
     from paravt_kernels import linear_logprob
     from paravt_kernels import linear_logprob_triton as llt
 
-    n, d, v = _lm_shape(quick)
-    g = torch.Generator(device=DEV).manual_seed(0)
-    h = (torch.randn(n, d, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
-    w = (torch.randn(v, d, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device=DEV, generator=g)
-    gout = torch.randn(n, device=DEV, generator=g)
+    n, d, v, h, w, t, gout = _lm_inputs(quick)
     flops = 6.0 * n * d * v
 
     def ours():
