@@ -1,4 +1,4 @@
-"""The copy probe (``python -m paravt.experiments copy-probe``) on tiny checkpoints built here:
+"""The copy probe (``python -m paravt.eval.copy_probe``) on tiny checkpoints built here:
 an untrained model does not carry a summary's colour into its answer, and the probe says so;
 the same model after a short SFT on colour-swapped tool records (``data.synth_colour_swaps``)
 does, and follows a swapped summary. The assertion that passes on the trained model is the one
@@ -15,8 +15,8 @@ import torch
 from paravt.config import load_config
 from paravt.data.readers import load_samples
 from paravt.data.synth import generate, oracle_settings
-from paravt.experiments.copy_probe import main as probe_main
-from paravt.experiments.copy_probe import probe_rows
+from paravt.eval.copy_probe import main as probe_main
+from paravt.eval.copy_probe import probe_rows
 from paravt.models import load_model
 from paravt.sft import encode_records, read_sft_records, sft_loss
 from paravt.video import DecodePlanner

@@ -1060,7 +1060,7 @@ def generate(
 def read_plans(data_dir: str | Path) -> tuple[float, dict[str, VideoPlan]]:
     """A task folder's frame rate and its videos' plans (``manifest.json``), by video name:
     what each video shows, for the oracles and probes that lay out a tool round after the
-    fact (the collapse cold start, ``paravt.experiments.copy_probe``)."""
+    fact (the collapse cold start, ``paravt.eval.copy_probe``)."""
     manifest = json.loads((Path(data_dir) / "manifest.json").read_text())
     plans = {}
     for v in manifest["videos"]:

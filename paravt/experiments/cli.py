@@ -5,7 +5,6 @@
     python -m paravt.experiments collapse [...]    (flags: paravt/experiments/collapse.py)
     python -m paravt.experiments phase DIR [DIR ...] [--out runs/phase]   (collapse cells)
     python -m paravt.experiments tool-path --data TASK EVAL_DIR [...]   (where answers come from)
-    python -m paravt.experiments copy-probe --model DIR --data TASK [--k 4]   (the copy, forced)
     python -m paravt.experiments tools-pay RUN_DIR [...] [--k 4]   (greedy, with vs without tools)
 
 ``ablation``: ``paravt.experiments.ablation``; ``collapse``: ``paravt.experiments.collapse``;
@@ -24,7 +23,6 @@ from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
 from paravt.experiments.collapse import main as collapse_main
-from paravt.experiments.copy_probe import main as copy_probe_main
 from paravt.experiments.phase import main as phase_main
 from paravt.experiments.tool_path import main as tool_path_main
 from paravt.experiments.tools_pay import main as tools_pay_main
@@ -40,8 +38,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return phase_main(argv[1:])
     if argv[:1] == ["tool-path"]:  # paravt/experiments/tool_path.py
         return tool_path_main(argv[1:])
-    if argv[:1] == ["copy-probe"]:  # paravt/experiments/copy_probe.py
-        return copy_probe_main(argv[1:])
     if argv[:1] == ["tools-pay"]:  # paravt/experiments/tools_pay.py
         return tools_pay_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
@@ -64,12 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tool-path",
         help="where a spot answer comes from in paravt.eval results (see python -m "
         "paravt.experiments tool-path -h)",
-        add_help=False,
-    )
-    sub.add_parser(
-        "copy-probe",
-        help="does the main agent carry a summary's colour into its answer? teacher-forced "
-        "(see python -m paravt.experiments copy-probe -h)",
         add_help=False,
     )
     sub.add_parser(

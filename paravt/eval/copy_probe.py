@@ -1,6 +1,6 @@
 """Does the main agent carry a sub-agent's colour into its answer? A teacher-forced probe.
 
-    python -m paravt.experiments copy-probe --model DIR --data TASK_DIR [--k 4]
+    python -m paravt.eval.copy_probe --model DIR --data TASK_DIR [--k 4]
         [--split val|train] [--limit N] [--json FILE] [key=value ...]
 
 For every row of the "spot" task ``TASK_DIR`` whose K-frame overview misses the square
@@ -189,13 +189,13 @@ def probe_rows(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m paravt.experiments copy-probe``: 0 printed, 2 bad input."""
+    """``python -m paravt.eval.copy_probe``: 0 printed, 2 bad input."""
     from paravt.checkpoint import run_config
     from paravt.config import load_config
     from paravt.models import load_model
 
     p = argparse.ArgumentParser(
-        prog="python -m paravt.experiments copy-probe", description=__doc__.split("\n\n")[0]
+        prog="python -m paravt.eval.copy_probe", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--model", required=True, help="checkpoint folder (an SFT or RL checkpoint)")
     p.add_argument("--data", required=True, help="the synthetic 'spot' task folder")
@@ -222,3 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
