@@ -300,6 +300,8 @@ def save_checkpoint(
         raise _save_error(step, root, root, needed, e, prev) from e
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST}.*.tmp"):  # a pointer write killed mid-way (write_atomic)
+        stale.unlink(missing_ok=True)
     free = _free_bytes(root)
     if 0 <= free < needed:  # fail before filling the disk that other writers (metrics) share
         raise _save_error(step, root, final, needed, None, prev)
