@@ -91,7 +91,10 @@ SHAPES = ("square", "circle", "triangle")
 # tokens (" sc"/" l"/" c"/" m"). With "red" and "yellow" (one token each) the 2-layer main agent
 # carried a summary's colour into its answer for cyan and magenta but mixed up red and yellow
 # (teacher-forced on held-out rows: log-p -0.56 vs -0.88 for either, whichever the summary
-# said; docs/copy_probe.md); the pixels are the same red and yellow.
+# said; docs/copy_probe.md); the pixels are the same red and yellow. The names alone did not
+# make the copy reliable (another seed then mixed up lemon/cyan and scarlet/magenta): the SFT's
+# learning rate did, in 5 of 6 cold starts (preset tiny_cpu, sft.lr). Protocols 1-3 of the
+# collapse experiment (docs/collapse/) ran with the old names.
 SPOT_COLOURS = ("scarlet", "lemon", "cyan", "magenta")
 SPOT_SHAPE = "square"
 TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_decoy")
