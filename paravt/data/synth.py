@@ -97,6 +97,8 @@ SHAPES = ("square", "circle", "triangle")
 # collapse experiment (docs/collapse/) ran with the old names.
 SPOT_COLOURS = ("scarlet", "lemon", "cyan", "magenta")
 SPOT_SHAPE = "square"
+# The oracle's thought before it crops the whole video (the spot tasks' tool round).
+SPOT_PLAN_TEXT = "The overview shows no shape; I will look at the whole video."
 TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_decoy")
 # The "spot_late" task (:func:`_plan_spot_late`): a spot square in the first half of the video
 # and, in a share SPOT_LATE_SHARE of the videos, a brief square of another colour after it; the
@@ -798,7 +800,7 @@ def _spot_rows(
             "target": tgt.name,
             # The stem only: the prompt lists the options (see _mcq).
             "question": SPOT_QUESTIONS[task],
-            "answer": "ABCD"[SPOT_COLOURS.index(tgt.colour)],
+            "answer": spot_letter(tgt.colour),
             "question_type": "mcq",
             # In capitals: then the lower-case colour word of a sub-agent's summary appears
             # nowhere else in the main agent's context, and carrying it to the final thought
@@ -886,17 +888,36 @@ def _spot_sft(
     if any(over.event(e) for e in plan.distractors):
         return []  # the need is hidden from the overview: no record
     windows, summaries, found = whole_video_crops(plan, meta, max(1, st.max_parallel), st)
-    plan_text = "The overview shows no shape; I will look at the whole video."
-    out = [_tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])]
+    out = [_tool_record(row, num_frames, SPOT_PLAN_TEXT, windows, summaries, found, row["answer"])]
     for other in colour_swaps(tgt.colour, st.colour_swaps, f"{row['id']}:{num_frames}"):
-        swapped = [swap_colour(x, tgt.colour, other) for x in summaries]
-        letter = "ABCD"[SPOT_COLOURS.index(other)]
-        rec = _tool_record(
-            row, num_frames, plan_text, windows, swapped, swap_colour(found, tgt.colour, other),
-            letter,
-        )  # fmt: skip
+        rec = swapped_tool_record(row, num_frames, windows, summaries, found, tgt.colour, other)
         out.append({**rec, "main_only": True})
     return out
+
+
+def spot_letter(colour: str) -> str:
+    """The option letter of a ``SPOT_COLOURS`` colour (the options' fixed order)."""
+    return "ABCD"[SPOT_COLOURS.index(colour)]
+
+
+def swapped_tool_record(
+    row: dict,
+    num_frames: int,
+    windows: list[tuple[float, float]],
+    summaries: list[str],
+    found: str,
+    colour: str,
+    other: str,
+) -> dict:
+    """A spot tool record (:func:`_tool_record`, the thought ``SPOT_PLAN_TEXT``) whose
+    summaries, final thought ``found`` and answer name ``other`` where they named ``colour``
+    (``other == colour``: the record as the oracle wrote it). Used by the colour-swapped copies
+    of ``data.synth_colour_swaps`` and by ``paravt.eval.copy_probe``."""
+    return _tool_record(
+        row, num_frames, SPOT_PLAN_TEXT, windows,
+        [swap_colour(x, colour, other) for x in summaries], swap_colour(found, colour, other),
+        spot_letter(other),
+    )  # fmt: skip
 
 
 def swap_colour(text: str, colour: str, other: str) -> str:

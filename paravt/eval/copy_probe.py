@@ -35,6 +35,7 @@ import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +44,17 @@ import torch
 from paravt.config import Config, ConfigError
 from paravt.data.synth import (
     SPOT_COLOURS,
+    SPOT_PLAN_TEXT,
     VideoPlan,
     _meta,
     _tool_record,
     oracle_settings,
     read_plans,
+    spot_letter,
     swap_colour,
     whole_video_crops,
 )
 from paravt.metrics import read_metrics
-
-PLAN_TEXT = "The overview shows no shape; I will look at the whole video."
 
 
 @dataclass
@@ -113,12 +114,23 @@ def _region_scores(
     return out
 
 
-def _record(
-    row: dict, k: int, windows: list, summaries: list[str], colour: str, letter: str
-) -> dict:
-    return _tool_record(
-        row, k, PLAN_TEXT, windows, summaries, f"A {colour} square appears.", letter
-    )
+def _round(
+    row: dict, k: int, windows: list, found: str, truth: str,
+    summaries: list[str], thought: str, letter: str,
+) -> dict:  # fmt: skip
+    """The oracle's tool round of ``row`` at ``k`` with ``summaries``, its final thought
+    ``found`` naming ``thought`` instead of ``truth``, and the answer ``letter``."""
+    found_as = swap_colour(found, truth, thought)
+    return _tool_record(row, k, SPOT_PLAN_TEXT, windows, summaries, found_as, letter)
+
+
+def _most_likely(
+    bundle: Any, cfg: Config, sample: Any, planner: Any, options: Sequence[str], records: list
+) -> str:
+    """The option whose record (``records[i]`` for ``options[i]``) the model scores highest
+    (:func:`_region_scores`)."""
+    scores = _region_scores(bundle, cfg, sample, records, planner)
+    return options[max(range(len(options)), key=scores.__getitem__)]
 
 
 def probe_rows(
@@ -150,19 +162,18 @@ def probe_rows(
     for row in rows:
         plan: VideoPlan = plans[Path(row["video"]).stem]
         sample = samples[row["id"]]
-        windows, summaries, _ = whole_video_crops(
+        windows, summaries, found = whole_video_crops(
             plan, _meta(plan, fps), max(1, st.max_parallel), st
         )
         truth = plan.target.colour
         hits = [j for j, s in enumerate(summaries) if f" {truth} " in s]
         if not hits:
             continue  # the crops miss the square: nothing to copy
-        letter = "ABCD"[SPOT_COLOURS.index(truth)]
-        scores = _region_scores(
-            bundle, cfg, sample,
-            [_record(row, k, windows, summaries, c, letter) for c in SPOT_COLOURS], planner,
-        )  # fmt: skip
-        pred = SPOT_COLOURS[max(range(4), key=scores.__getitem__)]
+
+        record = partial(_round, row, k, windows, found, truth)
+        letter = spot_letter(truth)
+        pred = _most_likely(bundle, cfg, sample, planner, SPOT_COLOURS,
+                            [record(summaries, c, letter) for c in SPOT_COLOURS])  # fmt: skip
         ok = pred == truth
         counts.n += 1
         counts.copy += ok
@@ -171,18 +182,13 @@ def probe_rows(
         w[0], w[1] = w[0] + 1, w[1] + ok
         c = counts.by_colour.setdefault(truth, [0, 0])
         c[0], c[1] = c[0] + 1, c[1] + ok
-        lscores = _region_scores(
-            bundle, cfg, sample,
-            [_record(row, k, windows, summaries, truth, x) for x in "ABCD"], planner,
-        )  # fmt: skip
-        counts.letter += "ABCD"[max(range(4), key=lscores.__getitem__)] == letter
+        got = _most_likely(bundle, cfg, sample, planner, "ABCD",
+                           [record(summaries, truth, x) for x in "ABCD"])  # fmt: skip
+        counts.letter += got == letter
         other = SPOT_COLOURS[(SPOT_COLOURS.index(truth) + 1) % 4]
         swapped = [swap_colour(x, truth, other) for x in summaries]
-        sscores = _region_scores(
-            bundle, cfg, sample,
-            [_record(row, k, windows, swapped, c, letter) for c in SPOT_COLOURS], planner,
-        )  # fmt: skip
-        spred = SPOT_COLOURS[max(range(4), key=sscores.__getitem__)]
+        spred = _most_likely(bundle, cfg, sample, planner, SPOT_COLOURS,
+                             [record(swapped, c, letter) for c in SPOT_COLOURS])  # fmt: skip
         counts.swap_follow += spred == other
         counts.swap_truth += spred == truth
     return counts

@@ -168,6 +168,7 @@ def all_tool_records(
     Raises ``ConfigError`` for another task or a window count outside
     ``1..agent.max_parallel``."""
     from paravt.data.synth import (
+        SPOT_PLAN_TEXT,
         _meta,
         _Seen,
         _tool_record,
@@ -203,7 +204,7 @@ def all_tool_records(
             plan_text = (
                 f"The overview shows a {shown[-1]}; I will check the whole video."
                 if shown
-                else "The overview shows no shape; I will look at the whole video."
+                else SPOT_PLAN_TEXT
             )
             wins, summaries, found = whole_video_crops(plan, meta, n, st)
             rec = _tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
