@@ -911,8 +911,8 @@ def swapped_tool_record(
 ) -> dict:
     """A spot tool record (:func:`_tool_record`, the thought ``SPOT_PLAN_TEXT``) whose
     summaries, final thought ``found`` and answer name ``other`` where they named ``colour``
-    (``other == colour``: the record as the oracle wrote it). Used by the colour-swapped copies
-    of ``data.synth_colour_swaps`` and by ``paravt.eval.copy_probe``."""
+    (``other == colour``: the record as the oracle wrote it): the colour-swapped copies of
+    ``data.synth_colour_swaps``."""
     return _tool_record(
         row, num_frames, SPOT_PLAN_TEXT, windows,
         [swap_colour(x, colour, other) for x in summaries], swap_colour(found, colour, other),
