@@ -58,7 +58,7 @@ class DataConfig:
     # 'spot_decoy' only: the share q of videos whose square shows a wrong colour in exactly the
     # frames the K = 32 overview decodes (paravt.data.synth._plan_spot_decoy).
     synth_decoy_share: float = 0.25
-    # "spot" task only: besides each oracle tool record, this many (0-3) copies whose sub-agent
+    # "spot" and "spot_decoy" tasks: besides each oracle tool record, this many (0-3) copies whose sub-agent
     # summaries, final thought and answer name another colour (the main agent's overview misses
     # the square, so nothing it sees contradicts them). They train the main agent only (no
     # sub-agent rows: their summaries are not what the crops show), and teach it to carry what
@@ -483,6 +483,9 @@ class SFTConfig:
     freeze_vision_tower: bool = False
     # Learning-rate schedule: 'constant' or 'cosine' (from sft.lr down to a tenth of it).
     schedule: str = "constant"
+    # AdamW's second-moment decay (torch's default 0.999; 0.95 is the usual LLM choice against
+    # loss spikes when a rare batch's gradient is large against a long-remembered average).
+    adam_beta2: float = 0.999
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, schedule)."""
@@ -638,6 +641,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         # one depending on the seed (teacher-forced copy 0.42-0.63 on held-out rows); at 1e-3
         # it copied 38 of 38 and 39 of 39 (seeds 0, 1; docs/copy_probe.md).
         "sft.lr": 1e-3,
+        # 0.95, not torch's 0.999: at 0.999 one draw of six (seed 1, algo.share_prefix off, the
+        # SFT's fp32 sums) copied 18 of 39 held-out summaries (teacher-forced, the pair
+        # confusions cyan -> lemon, scarlet -> magenta); at 0.95 39 of 39, as lr 5e-4 also did
+        # (docs/copy_probe.md).
+        "sft.adam_beta2": 0.95,
         "sft.schedule": "cosine",
         "sft.freeze_vision_tower": True,
         "train.steps": 30,
@@ -804,7 +812,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.synth_num_videos": (">= 1", "synthetic videos to generate"),
     "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
     "data.synth_decoy_share": ("[0, 1]", "share of spot_decoy videos with a decoy colour"),
-    "data.synth_colour_swaps": ("[0, 3]", "colour-swapped copies of each spot tool record"),
+    "data.synth_colour_swaps": ("[0, 3]", "colour-swapped copies of each spot/spot_decoy tool record"),
     "data.max_samples": (">= 0", "training rows kept; 0 = all"),
     "video.fixed_frames": (">= 1", "overview frames when gating is off"),
     "video.overview_max_pixels": (">= 1", "pixel budget per overview frame"),
@@ -853,6 +861,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sft.steps": (">= 0", "SFT steps; 0 = skip"),
     "sft.lr": ("> 0", "SFT learning rate"),
     "sft.batch_size": (">= 1", "SFT records per step"),
+    "sft.adam_beta2": ("[0, 1)", "AdamW second-moment decay"),
     "sft.vision_lr": (">= 0", "vision tower learning rate; 0 = sft.lr"),
     "train.steps": (">= 0", "RL steps"),
     "train.prompts_per_step": (">= 1", "prompts per RL step"),

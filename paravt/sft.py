@@ -362,7 +362,9 @@ def _run_sft(
         if ctx.is_main:
             log(f"[sft] vision tower frozen except its mergers ({len(frozen)} tensors)")
     shard_model(model, ctx, prec)
-    opt = torch.optim.AdamW(param_groups(model, s.lr, s.vision_lr), lr=s.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        param_groups(model, s.lr, s.vision_lr), lr=s.lr, betas=(0.9, s.adam_beta2), weight_decay=0.0
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(s.schedule, i, s.steps))
     rng = random.Random(f"paravt-sft:{cfg.train.seed}:{ctx.rank}")
     per_rank = max(1, s.batch_size // ctx.world_size)

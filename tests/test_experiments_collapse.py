@@ -263,6 +263,7 @@ def test_same_k_splits_prompt_by_prompt_by_need_and_the_bars_are_judged() -> Non
     judged = {b["id"]: b["met"] for b in res["bars"]}
     assert judged["a1"] and judged["a2"] and judged["a3"] and judged["a4"] and judged["a5"]
     assert judged["b1"] is None and judged["b2"] is None  # anchoring, gating not run
+    assert judged["c1"]  # the cold start's accuracy on needing prompts: 0.5
     assert [(b["id"], b["met"]) for b in bars(res)] == list(judged.items())
     # A vanilla that keeps calling fails its bars.
     held["vanilla"] = held["paragrpo"]
@@ -380,7 +381,7 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     for a in res["arms"].values():
         for k in ("2", "4"):
             assert set(a["same_k"][k]) >= {"tool_rate_need", "acc_need", "tool_turn_closure"}
-    assert set(res["same_k_start"]) == {"2", "4"} and len(res["bars"]) == 7
+    assert set(res["same_k_start"]) == {"2", "4"} and len(res["bars"]) == 8
     assert res["task"] == "spot_late" and "Every arm at the same K = 4" in printed
     assert res["decoy_share"] is None  # q: spot_decoy's only
     # The phase diagram (item 7) reads this folder as one (u, q) cell: the same numbers.

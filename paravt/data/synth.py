@@ -526,7 +526,8 @@ class OracleSettings:
     crop_min_frames: int = 2
     max_parallel: int = 5
     temporal_patch: int = 2
-    # ``data.synth_colour_swaps``: colour-swapped main-agent copies of each spot tool record.
+    # ``data.synth_colour_swaps``: colour-swapped main-agent copies of each spot/spot_decoy
+    # tool record.
     colour_swaps: int = 0
 
 
@@ -1007,7 +1008,10 @@ def generate(
     if not 0.0 <= decoy_share <= 1.0:
         raise ValueError(f"generate: decoy_share={decoy_share} must be in [0, 1]")
     oracle = oracle or OracleSettings()
-    if task != "spot":  # the collapse tasks keep their oracle's own records only
+    # spot_late keeps its oracle's own records only (its summaries name two squares, and a
+    # swap of one colour word could name the other); spot_decoy's crops show the truth, as
+    # spot's do, so its tool records are swapped as spot's are (collapse protocol 4).
+    if task == "spot_late":
         oracle = replace(oracle, colour_swaps=0)
     out = Path(out_dir)
     params = {

@@ -653,7 +653,10 @@ def bars(res: dict[str, Any]) -> list[dict[str, Any]]:
     start's; the PARA-GRPO − vanilla gaps in that rate and in that accuracy each larger than
     twice the larger of the two arms' seed std;
     (b) anchoring's fτ above vanilla's, and PARA-GRPO's tool-turn ``</think>`` closure above
-    gating's, each by more than twice the larger std.
+    gating's, each by more than twice the larger std;
+    (c1, protocol 4, ``docs/collapse/protocol4/PREREGISTRATION.md``) the precondition that the
+    question is asked on a world where the tools pay: the cold start's accuracy on the
+    prompts that need the tool at least 0.5 (protocol 3's cold starts: 0.08-0.31).
 
     Each bar: ``{"id", "bar", "lhs", "rhs", "met"}`` (``met`` None when an arm or value it
     needs is missing). Means over seeds; the cold start's is the mean of the seeds' own."""
@@ -695,6 +698,8 @@ def bars(res: dict[str, Any]) -> list[dict[str, Any]]:
             *gap("anchoring", "vanilla", "format"), ">"),
         bar("b2", "PARA-GRPO - gating tool-turn </think> closure > 2x the larger std",
             *gap("paragrpo", "gating", "tool_turn_closure"), ">"),
+        bar("c1", "the cold start's accuracy on needing prompts >= 0.5 (its tools pay)",
+            s0("acc_need"), 0.5, ">="),
     ]  # fmt: skip
 
 
@@ -791,7 +796,8 @@ def format_markdown(res: dict[str, Any]) -> str:
     if res.get("bars"):
         lines += [
             "",
-            f"Pre-registered bars (docs/collapse/protocol3/PREREGISTRATION.md), K = {BAR_K}:",
+            f"Pre-registered bars (docs/collapse/protocol3/ and protocol4/PREREGISTRATION.md), "
+            f"K = {BAR_K}:",
             "",
             "| bar | | left | right | met |",
             "|---|---|---|---|---|",
