@@ -812,7 +812,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.synth_num_videos": (">= 1", "synthetic videos to generate"),
     "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
     "data.synth_decoy_share": ("[0, 1]", "share of spot_decoy videos with a decoy colour"),
-    "data.synth_colour_swaps": ("[0, 3]", "colour-swapped copies of each spot/spot_decoy tool record"),
+    "data.synth_colour_swaps": ("[0, 3]", "swapped copies of each spot/spot_decoy tool record"),
     "data.max_samples": (">= 0", "training rows kept; 0 = all"),
     "video.fixed_frames": (">= 1", "overview frames when gating is off"),
     "video.overview_max_pixels": (">= 1", "pixel budget per overview frame"),
