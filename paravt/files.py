@@ -223,3 +223,132 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
             raise JsonlError(f"{where}: expected a JSON object, got {type(row).__name__}")
         rows.append((n, row))
     return rows
+
+
+# ------------------------------------------------------------------------- folder claims
+class FolderBusy(RuntimeError):
+    """Another live process holds the folder a run, an evaluation or a driver was pointed at
+    (:class:`FolderClaim`); the message names the holder and the ways out."""
+
+
+class FolderClaim:
+    """An exclusive claim on a folder for a process's life: ``FOLDER/.lock``, opened without
+    following a symlink and held with ``flock(LOCK_EX | LOCK_NB)``, which the kernel drops when
+    the process ends however it ends (no stale lock after a ``kill -9``). The file records who
+    holds it (``pid``, ``what``, the command line, the start time) for the refusal's message.
+
+    Taking it is atomic: two processes started at the same moment cannot both hold it (a check
+    of the folder followed by a write could both pass), so a caller takes the claim *before* it
+    checks what the folder holds. The second raises :class:`FolderBusy` naming the holder.
+    On release the file is removed; a claim taken on a file that was removed meanwhile (its
+    holder released it between our open and our lock) is retried on the new file.
+
+    Users: ``paravt.train.run`` (``train.out_dir``, rank 0), ``paravt.eval`` (``--out``) and
+    the experiments' drivers (``paravt.experiments.arms.FolderLock``)."""
+
+    NAME = ".lock"
+
+    def __init__(self, folder: str | Path, what: str, fix: str = "") -> None:
+        self.folder, self.what, self.fix = Path(folder), what, fix
+        self.path = self.folder / self.NAME
+        self.fd: int | None = None
+
+    def holder(self) -> dict[str, Any]:
+        """What the lock file says of its holder ({} when unreadable)."""
+        try:
+            raw = read_regular(self.path)
+            got = json.loads(raw) if raw else {}
+        except (OSError, ValueError):
+            return {}
+        return got if isinstance(got, dict) else {}
+
+    def _busy(self) -> FolderBusy:
+        import time
+
+        h = self.holder()
+        for _ in range(20):  # a holder that has just locked writes its record a moment later
+            if h:
+                break
+            time.sleep(0.05)
+            h = self.holder()
+        who = f"pid {h.get('pid', '?')}"
+        if h.get("what"):
+            who += f", {h['what']}"
+        if h.get("since"):
+            who += f", since {h['since']}"
+        if h.get("argv"):
+            who += f": {' '.join(map(str, h['argv']))[:200]}"
+        fix = self.fix or "wait for it to end, stop it, or choose another folder"
+        return FolderBusy(f"{self.folder} is in use by another process ({who}); {fix}")
+
+    def acquire(self) -> FolderClaim:
+        """Take the claim or raise :class:`FolderBusy`; returns self."""
+        import fcntl
+        import sys
+        import time
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for _ in range(20):
+            try:
+                fd = os.open(
+                    self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+                )
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise not_regular(self.path, os.lstat(self.path).st_mode, "lock") from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self._busy() from None
+            try:  # the file we locked is still the one at the path: ours
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            self.fd = fd
+            self.record(
+                {
+                    "pid": os.getpid(),
+                    "what": self.what,
+                    "argv": sys.argv,
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            )
+            return self
+        raise FolderBusy(f"{self.path}: the lock file keeps being replaced; retry")
+
+    def record(self, info: dict[str, Any]) -> None:
+        """Rewrite what the lock file says of its holder (through the held file: a rename
+        would put an unlocked file at the path)."""
+        assert self.fd is not None, "record() on a claim not held"
+        blob = (json.dumps(info) + "\n").encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, blob, 0)
+
+    def release(self) -> None:
+        """Remove the lock file and drop the claim (idempotent)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> FolderClaim:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_folder(folder: str | Path, what: str, fix: str = "") -> FolderClaim | None:
+    """The :class:`FolderClaim` on ``folder`` of a command's rank 0 (the environment's ``RANK``
+    unset or 0: the process that writes the folder's records); None on the other ranks, which
+    write nothing there before rank 0 has its claim. Raises :class:`FolderBusy`."""
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return None
+    return FolderClaim(folder, what, fix).acquire()

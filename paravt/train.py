@@ -84,7 +84,7 @@ from paravt.distributed import (
     world_size_from_env,
 )
 from paravt.eval.heldout import evaluate, table_rows
-from paravt.files import NotRegularFile, write_atomic
+from paravt.files import FolderBusy, NotRegularFile, claim_folder, write_atomic
 from paravt.metrics import (
     DiskFullError,
     MetricsLogger,
@@ -590,12 +590,33 @@ def run(cfg: Config, *, keep_handlers: bool = False) -> dict[str, Any]:
     """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``, and
     ``"preempted"`` (``_preempted``) when a SIGTERM/SIGUSR1 stopped it early (``after`` then
     empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``;
-    ``keep_handlers``: until the process exits, as ``main`` does). A folder that holds another
-    run, or a ``--resume`` with other settings, is refused first (``paravt.runfolder``).
+    ``keep_handlers``: until the process exits, as ``main`` does). A folder another live
+    process holds (``paravt.files.FolderClaim``: rank 0 holds ``train.out_dir`` for the run's
+    life), a folder that holds another run, or a ``--resume`` with other settings, is refused
+    first (``paravt.runfolder``).
     """
     pin_worker_gpu(cfg.rollout.workers, cfg.model.device)  # before anything starts CUDA
     validate_run(cfg, world_size_from_env())  # before anything heavy loads
     check_device_memory(cfg, world_size_from_env())  # CUDA: the memory plan fits the device
+    try:  # rank 0 holds the folder for the run's life; a second run into it is refused
+        claim = claim_folder(cfg.train.out_dir, "a paravt.train run", _BUSY_FIX)
+    except FolderBusy as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return _claimed_run(cfg, keep_handlers)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+#: What a run refused by another live run's claim on ``train.out_dir`` may do.
+_BUSY_FIX = (
+    "wait for that run to end (or stop it: kill -TERM saves it), or pass another train.out_dir"
+)
+
+
+def _claimed_run(cfg: Config, keep_handlers: bool) -> dict[str, Any]:
+    """:func:`run` once rank 0 holds ``train.out_dir``: the folder check, then the run."""
     check_run_folder(cfg)  # every rank (workers too), before any of them writes there
     roles = None
     if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out

@@ -32,9 +32,11 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
 from paravt.config import PRESETS, Config, ConfigError, load_config
+from paravt.files import FolderBusy, claim_folder
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
 # calls per turn), unless the user overrides them (their key=value items come after these).
@@ -144,21 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from paravt.agent import AgentRunner
-    from paravt.distributed import cleanup, init_distributed
     from paravt.eval.benchmarks import BenchmarkFormatError, load_benchmark
-    from paravt.eval.runner import (
-        EvalError,
-        EvalSettings,
-        eval_config,
-        failed_run,
-        run_eval,
-        settings_refusal,
-    )
-    from paravt.files import NotRegularFile
-    from paravt.metrics import DiskFullError
-    from paravt.models import load_model_from_config
-    from paravt.rollout import make_engine
+    from paravt.eval.runner import EvalSettings, eval_config
 
     try:
         samples = load_benchmark(a.benchmark, data_root, limit=a.limit)
@@ -194,6 +183,38 @@ def main(argv: list[str] | None = None) -> int:
         config=eval_config(cfg),
     )
     out = a.out or f"runs/eval/{a.benchmark}"
+    # The folder is this evaluation's for its life (rank 0 holds the claim): a second one into
+    # it, started at the same moment, is refused instead of interleaving its rows.
+    try:
+        claim = claim_folder(out, "a paravt.eval evaluation", "pass another --out")
+    except FolderBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _evaluate(a, cfg, samples, settings, out, model_path, trained_with)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _evaluate(
+    a: argparse.Namespace,
+    cfg: Config,
+    samples: list,
+    settings: Any,
+    out: str,
+    model_path: str,
+    trained_with: Any,
+) -> int:
+    """Load the model and run the evaluation of :func:`main` into ``out`` (held)."""
+    from paravt.agent import AgentRunner
+    from paravt.distributed import cleanup, init_distributed
+    from paravt.eval.runner import EvalError, failed_run, run_eval, settings_refusal
+    from paravt.files import NotRegularFile
+    from paravt.metrics import DiskFullError
+    from paravt.models import load_model_from_config
+    from paravt.rollout import make_engine
+
     # Refuse a mismatched resume before the model loads (run_eval checks again, on rank 0,
     # and writes run.json); every rank reads the same files, so all refuse together.
     refused = settings_refusal(Path(out), settings)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.config import Config, ConfigError
-from paravt.files import write_atomic
+from paravt.files import FolderBusy, FolderClaim, write_atomic
 from paravt.metrics import read_metrics
 
 #: Arm name -> one-line description (``ablation.json`` carries it).
@@ -303,7 +303,7 @@ def kept_run(run_dir: Path, stamp: dict[str, Any]) -> tuple[bool, str]:
 
 
 # ------------------------------------------------------------------- the drivers' folder lock
-LOCK = ".lock"
+LOCK = FolderClaim.NAME
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -334,7 +334,9 @@ class FolderLock:
     (and the arm run it is waiting for, :meth:`child`), each with its start time. A driver
     refuses a folder whose lock names a live process (``ConfigError``): a rerun would wipe a
     run folder while that run still writes into it. A lock whose processes are all gone (a
-    driver killed with SIGKILL) is stale and taken over. Used by ``paravt.experiments.ablation``
+    driver killed with SIGKILL) is stale and taken over. The claim itself is a
+    ``paravt.files.FolderClaim`` (``flock``): two drivers started at the same moment cannot
+    both pass the check. Used by ``paravt.experiments.ablation``
     and ``paravt.experiments.collapse``."""
 
     def __init__(self, out: Path, tag: str) -> None:
@@ -357,6 +359,10 @@ class FolderLock:
                         f"{old.get('pid')}: the driver stops its arm run too), or pass another "
                         "--out"
                     )
+        try:  # atomic: of two drivers started at the same moment, one holds the folder
+            self.claim = FolderClaim(self.path.parent, f"a {self.tag} driver").acquire()
+        except FolderBusy as e:
+            raise ConfigError(f"{e} (or pass another --out)") from None
         me = os.getpid()
         self.state = {"tag": self.tag, "pid": me, "pid_start": _start_ticks(me)}
         self._write()
@@ -369,11 +375,10 @@ class FolderLock:
         self._write()
 
     def _write(self) -> None:
-        write_atomic(self.path, json.dumps(self.state) + "\n")
+        self.claim.record({**self.state, "what": f"a {self.tag} driver", "argv": sys.argv})
 
     def __exit__(self, *exc: Any) -> None:
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        self.claim.release()
 
 
 # ------------------------------------------------------------------------- the arm runs
