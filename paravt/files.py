@@ -37,7 +37,7 @@ import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 # What a full file system raises: no space (ENOSPC) or the user's quota spent (EDQUOT).
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -80,14 +80,23 @@ def write_atomic(path: str | Path, data: str | bytes, *, fsync: bool = True) -> 
     """Write ``data`` (text as UTF-8) to ``path`` through a fresh temporary and ``os.replace``
     (module docstring): never through a symlink, never torn. Raises the ``OSError`` of a failed
     write (a full disk: ``ENOSPC``) with the old ``path`` intact and no temporary left."""
-    path = Path(path)
     blob = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_file(path, fsync=fsync) as f:
+        f.write(blob)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, *, fsync: bool = True) -> Iterator[BinaryIO]:
+    """:func:`write_atomic` for a writer that streams (``torch.save(state, f)``): the block
+    writes into a binary file that becomes ``path`` when it ends, or is removed (the old
+    ``path`` intact) when it raises."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         # "x": O_CREAT | O_EXCL, which fails on anything already at tmp (a planted link
         # included) and gives 0o666 less the umask, as "w" would.
         with open(tmp, "xb") as f:
-            f.write(blob)
+            yield f
             f.flush()
             if fsync:
                 os.fsync(f.fileno())

@@ -50,6 +50,7 @@ RESUME_MAY_CHANGE: dict[str, str] = {
     "train.viewer_thumb_px": "the viewer's thumbnails",
     "train.dump_batches": "debug output",
     "train.save_every": "checkpoint cadence",
+    "sft.save_every": "the cold-start SFT's state cadence",
     "train.keep_last": "checkpoint retention",
     "train.on_save_error": "checkpoint failure policy",
     "train.preempt_grace_s": "the scheduler's notice",

@@ -54,7 +54,7 @@ import torch
 
 from paravt.assets import prepare_assets
 from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
-from paravt.files import read_jsonl
+from paravt.files import atomic_file, read_jsonl
 from paravt.types import Sample, Trajectory
 
 
@@ -237,10 +237,12 @@ def _sft_settings(
     """What a saved SFT state must match to be continued (``run_sft``)."""
     from dataclasses import asdict
 
+    sft = asdict(cfg.sft)
+    sft.pop("save_every")  # how often the state is saved, not what it is
     return json.loads(
         json.dumps(
             {
-                "sft": asdict(cfg.sft),
+                "sft": sft,
                 "seed": cfg.train.seed,
                 "model_dir": str(model_dir),
                 "data": str(sft_path),
@@ -251,18 +253,30 @@ def _sft_settings(
     )
 
 
+def _sft_state(
+    settings: dict[str, Any], step: int, model: Any, opt: Any, sched: Any, rng: random.Random,
+    order: list[int], losses: list[float], ctx: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """The SFT's whole state after ``step`` steps (collective: every rank's shuffle state is
+    gathered, the sharded weights and moments made full): what ``run_sft`` continues from."""
+    from paravt.distributed import all_gather_objects, full_optimizer_state, full_state_dict
+
+    return {
+        "settings": settings,
+        "step": step,
+        "model": full_state_dict(model, ctx),
+        "optimizer": full_optimizer_state(model, opt, ctx),
+        "scheduler": sched.state_dict(),
+        "ranks": all_gather_objects((rng.getstate(), list(order)), ctx),
+        "losses": list(losses),
+    }
+
+
 def _save_sft_state(path: Path, state: dict[str, Any]) -> None:
-    """``torch.save`` to ``path`` atomically (a kill mid-write leaves the previous file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    """``torch.save`` to ``path`` atomically (``paravt.files.atomic_file``: a kill mid-write
+    leaves the previous file; the temporary's name is random, never a planted link)."""
+    with atomic_file(path) as f:
+        torch.save(state, f)
 
 
 def run_sft(
@@ -308,7 +322,6 @@ def _run_sft(
         barrier,
         cast_floats,
         clip_grad_norm,
-        full_optimizer_state,
         full_state_dict,
         load_full_optimizer_state,
         shard_model,
@@ -385,15 +398,8 @@ def _run_sft(
         if pre is not None:
             pre.enter(0, f"sft step {step + 1}")
             if pre.requested():  # collective: every rank is at this step
-                _stop_sft(pre, resume_file, step, first, s.steps, ctx, log, {
-                    "settings": settings,
-                    "step": step,
-                    "model": full_state_dict(model, ctx),
-                    "optimizer": full_optimizer_state(model, opt, ctx),
-                    "scheduler": sched.state_dict(),
-                    "ranks": all_gather_objects((rng.getstate(), list(order)), ctx),
-                    "losses": losses,
-                })  # fmt: skip
+                state = _sft_state(settings, step, model, opt, sched, rng, order, losses, ctx)
+                _stop_sft(pre, resume_file, step, first, s.steps, ctx, log, state)
         batch = []
         while len(batch) < per_rank:
             if not order:
@@ -412,6 +418,16 @@ def _run_sft(
         opt.zero_grad(set_to_none=True)
         loss = float(all_reduce_sum(nll, ctx).sum()) / max(global_tok, 1.0)
         losses.append(loss)
+        if s.save_every and (step + 1) % s.save_every == 0 and step + 1 < s.steps:
+            # sft.save_every: the state a signal would save, so that a kill -9 loses at most
+            # one interval (the next run_sft of these settings continues from it).
+            t0 = time.perf_counter()
+            state = _sft_state(settings, step + 1, model, opt, sched, rng, order, losses, ctx)
+            if ctx.is_main:
+                _save_sft_state(resume_file, state)
+                log(f"[sft] state after step {step + 1} saved to {resume_file} "
+                    f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+            barrier(ctx)
         if ctx.is_main and (step % max(1, s.steps // 8) == 0 or step == s.steps - 1):
             log(f"[sft] step {step + 1}/{s.steps} nll/token {loss:.4f}")
     if pre is not None:  # past the SFT's steps: a signal now stops the run before any RL step

@@ -340,6 +340,47 @@ def test_sigterm_during_the_sft_stops_it_and_resume_continues_it(
     assert_same_weights(ref, out / "sft")
 
 
+def test_a_kill_9_mid_sft_loses_at_most_one_save_interval(
+    assets: dict[str, str], tmp_path: Path
+) -> None:
+    """``sft.save_every=2``: the run killed with SIGKILL before SFT step 6 of 6 (no handler,
+    nothing saved at the kill) leaves the state after step 4; ``--resume`` continues from step
+    4 (steps 1-4 not redone) and the SFT's weights equal an uninterrupted SFT's bitwise."""
+    from paravt.config import load_config
+    from paravt.runfolder import sft_resume_file
+    from paravt.sft import run_sft
+
+    out = tmp_path / "run"
+    over = [
+        *_overrides(assets, out, 1),
+        "sft.steps=6",
+        "sft.batch_size=2",
+        "sft.save_every=2",
+        "train.eval_prompts=1",
+        "train.eval_samples=1",
+    ]
+    argv = [sys.executable, "-m", "paravt.train", *over]
+    log = tmp_path / "train.log"
+    rc = _train(argv, log, _env(**{ENV: "SIGKILL:0:sft step 6"})).wait(timeout=300)
+    text = log.read_text()
+    assert rc == -signal.SIGKILL, text[-3000:]
+    state = sft_resume_file(out / "sft")
+    assert f"[sft] state after step 4 saved to {state}" in text, text[-3000:]
+    assert state.is_file() and not (out / "sft").exists()
+    assert not list(out.glob(".sft.resume.pt.*"))  # no temporary left by the saves
+    resumed = subprocess.run(
+        [*argv, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 4 of 6 done" in resumed.stdout, resumed.stdout[-3000:]
+    assert "[sft] step 1/6" not in resumed.stdout
+    assert not state.exists() and train_steps(out) == [1]
+    ref = tmp_path / "ref_sft"
+    run_sft(load_config(overrides=over), model_dir=assets["model"], data_dir=assets["data"],
+            out_dir=ref)  # fmt: skip
+    assert_same_weights(ref, out / "sft")
+
+
 def test_an_evaluation_a_preemption_skipped_is_owed_on_resume(
     assets: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
