@@ -176,6 +176,11 @@ def bad_files(tmp_path_factory, make_clip) -> dict[str, str]:
     c.mux(s.encode(None))
     c.close()
     files["audio_only"] = str(d / "audio.mka")
+    # The sample entry's codec tag flipped (issue 50 item 8: a bit-flipped HEVC file did this):
+    # the stream has no decoder, and the probe raised a raw AttributeError.
+    assert data.count(b"avc1") >= 1
+    (d / "unknown_codec.mp4").write_bytes(data.replace(b"avc1", b"zq91"))
+    files["unknown_codec"] = str(d / "unknown_codec.mp4")
     shutil.copy(good, d / "good.mp4")
     files["good"] = str(d / "good.mp4")
     return files
@@ -192,6 +197,7 @@ def bad_files(tmp_path_factory, make_clip) -> dict[str, str]:
         ("undecodable", "decoding failed .* the stream is corrupt"),
         ("truncated_webm", r"outside the video \[0, \d+\.\d+\] s \(the file is truncated"),
         ("truncated_faststart_mp4", r"header declares 30\.000 s"),
+        ("unknown_codec", "codec is unknown or has no decoder here"),
     ],
 )
 def test_bad_input_fails_only_its_own_requests(bad_files, case: str, pattern: str) -> None:

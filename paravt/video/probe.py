@@ -239,6 +239,20 @@ def _sample_aspect(stream: av.VideoStream) -> Fraction:
 
 
 def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
+    """:func:`_probe_fields`; whatever else a corrupt file makes PyAV raise (an
+    ``AttributeError`` on a stream without a decoder, a ``ValueError`` on a nonsense field)
+    becomes a ``VideoError`` naming the file, which the agent loop skips like any other."""
+    try:
+        return _probe_fields(path, file_key)
+    except VideoError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt file must not escape as a raw error
+        raise VideoError(
+            path, f"probing failed ({type(e).__name__}: {e}); the file is corrupt or truncated"
+        ) from None
+
+
+def _probe_fields(path: str, file_key: tuple[int, int]) -> StreamIndex:
     try:
         container = av.open(path, metadata_errors="ignore")
     except av.error.FFmpegError as e:
@@ -251,6 +265,12 @@ def _probe_uncached(path: str, file_key: tuple[int, int]) -> StreamIndex:
             raise VideoError(path, "has no video stream (audio-only or data file)")
         if stream.time_base is None:
             raise VideoError(path, "video stream has no time base; re-mux the file")
+        if stream.codec_context is None:  # an unknown or corrupt codec tag: nothing decodes it
+            raise VideoError(
+                path,
+                "video stream's codec is unknown or has no decoder here (a corrupt codec "
+                "tag, or a codec this FFmpeg lacks); re-encode the file to H.264",
+            )
         pts_kf: list[tuple[int, bool]] = []
         first: av.VideoFrame | None = None
         fed = 0

@@ -66,6 +66,13 @@ def _frames(
             yield frame, not broken
 
 
+def _near(sidx: StreamIndex, pos: int) -> str:
+    """`` after frame I (T s)`` for the last frame the decoder produced (``pos``; -1: none)."""
+    if pos < 0:
+        return " before the first frame"
+    return f" after frame {pos} of {sidx.meta.num_frames} ({float(sidx.times[pos]):.2f} s)"
+
+
 def iter_indices(
     sidx: StreamIndex, indices: list[int], stats: dict[str, int] | None = None
 ) -> Iterator[tuple[int, np.ndarray]]:
@@ -95,12 +102,12 @@ def iter_indices(
     reformatter = VideoReformatter()
     got = 0
     first_missing = None
+    pos = -1  # display index of the last frame the decoder produced
     try:
         # By overall index: the probed stream, also when audio or another video track
         # comes before it.
         stream = container.streams[sidx.stream_index]
         gen: Iterator | None = None
-        pos = -1  # display index of the last frame the decoder produced
         for keyframe, wanted in gop_plan(sidx.meta.keyframes, indices):
             if gen is None or not (keyframe <= pos + 1 <= wanted[0]):
                 container.seek(
@@ -136,14 +143,23 @@ def iter_indices(
                 first_missing = min(want)
     except av.error.FFmpegError as e:
         raise VideoError(
-            path, f"decoding failed ({e}); the stream is corrupt or truncated"
+            path, f"decoding failed ({e}){_near(sidx, pos)}; the stream is corrupt or truncated"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a corrupt stream must not escape as a raw error
+        raise VideoError(
+            path,
+            f"decoding failed ({type(e).__name__}: {e}){_near(sidx, pos)}; the stream is "
+            "corrupt or truncated",
         ) from None
     finally:
         container.close()
     if got < len(indices):
         rejected = st.get("decode_errors", 0) - rejected_before
         missing = f"{len(indices) - got} of {len(indices)} needed frames"
-        near = f"near frame {first_missing} of {sidx.meta.num_frames}"
+        near = (
+            f"near frame {first_missing} of {sidx.meta.num_frames}, "
+            f"{float(sidx.times[first_missing]):.2f} s"
+        )
         if rejected:
             raise VideoError(
                 path,
