@@ -176,6 +176,12 @@ def bad_files(tmp_path_factory, make_clip) -> dict[str, str]:
     c.mux(s.encode(None))
     c.close()
     files["audio_only"] = str(d / "audio.mka")
+    # 2000 bytes zeroed 40% into a VP9 webm: the demuxer skips the cluster, and the probe saw
+    # a 30 s video whose frames 11-21 s were one held frame (issue 50 item 8).
+    zw = bytearray(wdata)
+    zw[int(len(zw) * 0.4) : int(len(zw) * 0.4) + 2000] = bytes(2000)
+    (d / "zeroed.webm").write_bytes(bytes(zw))
+    files["zeroed_webm"] = str(d / "zeroed.webm")
     # The sample entry's codec tag flipped (issue 50 item 8: a bit-flipped HEVC file did this):
     # the stream has no decoder, and the probe raised a raw AttributeError.
     assert data.count(b"avc1") >= 1
@@ -198,6 +204,7 @@ def bad_files(tmp_path_factory, make_clip) -> dict[str, str]:
         ("truncated_webm", r"outside the video \[0, \d+\.\d+\] s \(the file is truncated"),
         ("truncated_faststart_mp4", r"header declares 30\.000 s"),
         ("unknown_codec", "codec is unknown or has no decoder here"),
+        ("zeroed_webm", r"timestamps jump from \d+\.\d+ s to \d+\.\d+ s \(\d+ frame intervals"),
     ],
 )
 def test_bad_input_fails_only_its_own_requests(bad_files, case: str, pattern: str) -> None:
@@ -276,3 +283,15 @@ def test_crop_and_overview_requests_follow_the_sampling_rules(make_clip) -> None
     assert [f.shape[0] for f in (out[0].frames, out[1].frames)] == [6, 5]
     with pytest.raises(VideoError, match="outside the video"):
         crop_request(CropRequest(p, start=31.0, end=40.0))
+
+
+def test_a_variable_rate_mp4_that_holds_still_is_not_a_hole(tmp_path) -> None:
+    """A 3 s hold in a variable-rate mp4 (a screen recording): its declared rate is its average,
+    which its frames match, so the hole rule (``probe.HOLE_INTERVALS``) does not look at it."""
+    from video_corpus import _write_vfr
+
+    ticks = [*range(30), *range(120, 150)]  # 1 s at 30 fps, a 3 s hold, 1 s more
+    p = _write_vfr(tmp_path / "hold.mp4", ticks)
+    m = probe(str(p))
+    assert m.num_frames == 60 and m.duration == pytest.approx(150 / 30, abs=0.1)
+    assert decode(str(p), [0.5, 2.5, 4.5]).indices.tolist() == [15, 29, 45]

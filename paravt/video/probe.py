@@ -231,6 +231,40 @@ def _rotation(frame: av.VideoFrame | None) -> int:
     return int(round(deg / 90.0)) * 90 % 360
 
 
+#: A gap between two frames' timestamps this many intervals of the declared rate (and at
+#: least ``HOLE_MIN_S``) in a stream that lacks at least as many frames of that rate is a hole:
+#: the frames of that span are lost (a zeroed or cut cluster of a webm/mkv demuxes as a jump,
+#: and every frame sampled in it would be the one before it, held).
+HOLE_INTERVALS = 10
+HOLE_MIN_S = 1.0
+
+
+def _refuse_hole(path: str, times: np.ndarray, rate: float) -> None:
+    """Raise ``VideoError`` when ``times`` (seconds, sorted) jump by a hole (``HOLE_*``) of a
+    stream that declares ``rate`` fps but whose frames do not fill its span at that rate.
+    A variable-rate mp4 (a screen recording that holds still) declares its average rate,
+    which its frame count matches, and passes. A variable-rate mkv that holds still for
+    ``HOLE_INTERVALS`` frames declares its encoder's nominal rate and is refused like a hole:
+    the two are the same timestamps; re-muxed to mp4 it passes."""
+    if rate <= 0 or len(times) < 2:
+        return
+    if float(times[-1]) * rate - (len(times) - 1) < HOLE_INTERVALS:
+        return  # the frames fill the span at the declared rate, but for a few
+    gaps = np.diff(times)
+    i = int(np.argmax(gaps))
+    gap = float(gaps[i])
+    if gap < max(HOLE_INTERVALS / rate, HOLE_MIN_S):
+        return
+    raise VideoError(
+        path,
+        f"timestamps jump from {times[i]:.2f} s to {times[i + 1]:.2f} s ({gap * rate:.0f} frame "
+        f"intervals of its declared {rate:g} fps): the frames between are lost, and every "
+        "frame sampled there would be the one before, held; the file is corrupt or was cut: "
+        "re-encode or re-download it (a variable-rate mkv that holds still that long: re-mux "
+        "it to mp4)",
+    )
+
+
 def _sample_aspect(stream: av.VideoStream) -> Fraction:
     sar = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
     if not sar or sar <= 0:
@@ -325,6 +359,8 @@ def _probe_fields(path: str, file_key: tuple[int, int]) -> StreamIndex:
             if declared_rate and abs(float(declared_rate) - measured) <= 0.01 * measured:
                 fps = float(declared_rate)
             frame_dur = span / (n - 1)  # the last frame lasts one average frame interval
+            if declared_rate and fps != float(declared_rate):
+                _refuse_hole(path, times, float(declared_rate))
         else:
             fps = float(declared_rate) if declared_rate else 0.0
             frame_dur = 1 / fps if fps > 0 else 0.0
