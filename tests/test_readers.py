@@ -379,3 +379,49 @@ def test_wrong_typed_fields_are_format_errors_naming_file_row_and_field(
     assert msg.startswith(f"{f}{where}:"), msg
     for n in needles:
         assert n in msg, (n, msg)
+
+
+def test_training_rows_get_the_evaluations_answer_checks(synth_dir, tmp_path, caplog):
+    """Issue 50 item 10: an mcq answer that names no option ("Z" of four, or ""), an empty
+    answer, a negative or day-long window are refused at load with the row named; an answer
+    that is an option's letter (any case) or its text loads; a FIFO or a directory where a video
+    belongs is named as such in the skipped-rows warning, not as "missing"."""
+    import os
+
+    root = str(synth_dir)
+    f = tmp_path / "d.jsonl"
+    opts = {"options": ["red", "green", "blue", "cyan"], "question_type": "mcq"}
+    listed = "What colour?\nA. red\nB. green\nC. blue"
+    bad = [
+        (_row(0, answer="Z", **opts), r"d\.jsonl:1: mcq 'answer' 'Z' names none of its 4 options"),
+        (
+            _row(0, answer="D", question=listed, question_type="mcq"),
+            r"'D' names none of its 3 options",
+        ),
+        (_row(0, answer="  "), r"d\.jsonl:1: 'answer' is empty"),
+        (_row(0, event_start=-2.0, event_end=3.0), r"'event_start' = -2.0 s is outside"),
+        (_row(0, event_start=1.0, event_end=1e6), r"'event_end' = 1000000.0 s is outside"),
+    ]
+    for row, pattern in bad:
+        _jsonl(f, [row])
+        with pytest.raises(DatasetError, match=pattern):
+            load_samples(f, video_root=root)
+    good = [
+        _row(0, answer="b", **opts),
+        _row(1, answer="Blue", **opts),
+        _row(2, answer="Z", question_type="mcq"),
+    ]
+    _jsonl(f, good)  # the last: no options known, so only its emptiness is checked
+    assert [s.answer for s in load_samples(f, video_root=root)] == ["b", "Blue", "Z"]
+    os.mkfifo(tmp_path / "fifo.mp4")
+    (tmp_path / "dir.mp4").mkdir()
+    rows = [
+        _row(0),
+        _row(1, video=str(tmp_path / "fifo.mp4")),
+        _row(2, video=str(tmp_path / "dir.mp4")),
+    ]
+    _jsonl(f, rows)
+    with pytest.warns(UserWarning) as got:
+        assert len(load_samples(f, video_root=root)) == 1
+    text = " ".join(str(w.message) for w in got)
+    assert "fifo.mp4 (is a FIFO (named pipe)" in text and "dir.mp4 (is a directory" in text, text

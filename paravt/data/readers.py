@@ -53,12 +53,13 @@ import logging
 import math
 import os
 import stat
+import string
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from paravt.answers import parse_window
+from paravt.answers import normalize_text, option_text, options_from_question, parse_window
 from paravt.files import JsonlError, NotRegularFile, read_jsonl
 from paravt.types import Sample
 
@@ -259,6 +260,16 @@ def _checked(sample: Sample, where: str) -> Sample:
     if (start is None) != (end is None):
         missing = "event_end" if end is None else "event_start"
         raise DatasetError(f"{where}: '{missing}' is missing while its pair is set; set both")
+    if not sample.answer.strip() and not (sample.question_type == "tvg" and start is not None):
+        raise DatasetError(f"{where}: 'answer' is empty; every row needs a ground-truth answer")
+    for key, t in (("event_start", start), ("event_end", end)):
+        if t is not None and not 0.0 <= t <= MAX_VIDEO_S:
+            raise DatasetError(
+                f"{where}: '{key}' = {t} s is outside [0, {MAX_VIDEO_S:.0f}] s (seconds from the "
+                "video's start; a negative time or one past a day is a unit or sign error)"
+            )
+    if sample.question_type == "mcq":
+        _check_mcq_answer(sample, where)
     if sample.question_type != "tvg":
         return sample
     if start is None:
@@ -275,6 +286,33 @@ def _checked(sample: Sample, where: str) -> Sample:
             f"{where}: tvg window event_start={start} event_end={end} is empty; need start < end"
         )
     return sample
+
+
+#: The longest video a row's times may point into (24 h): a larger time is a unit error
+#: (milliseconds written as seconds), not a video.
+MAX_VIDEO_S = 24 * 3600.0
+
+
+def _check_mcq_answer(sample: Sample, where: str) -> None:
+    """An mcq answer names an option: the letter of one (``"B"``, any case) or the text of one.
+    Checked when the options are known (``options``, or listed in the question one per line as
+    the evaluation's readers parse them): an answer naming none would score 0 on every rollout,
+    whatever the policy does. Without known options only an empty answer is refused."""
+    opts = sample.options or options_from_question(sample.question)
+    if not opts:
+        return
+    a = sample.answer.strip()
+    letters = string.ascii_uppercase[: len(opts)]
+    if len(a) == 1 and a.upper() in letters:
+        return
+    texts = {normalize_text(option_text(o)[1]) for o in opts} | {normalize_text(o) for o in opts}
+    if normalize_text(a) in texts:
+        return
+    raise DatasetError(
+        f"{where}: mcq 'answer' {sample.answer!r} names none of its {len(opts)} options "
+        f"(expected one letter of {list(letters)} or an option's text); fix the answer or the "
+        "options"
+    )
 
 
 def _answer_text(ans: Any, where: str) -> str:
@@ -505,9 +543,11 @@ def load_samples(
         )
     if rep.missing_videos:
         uniq = list(dict.fromkeys(rep.missing_videos))
+        # Each named as what it is: a FIFO, a directory or a device is no "missing" file.
+        shown = [f"{v} ({video_path_problem(v) or 'unreadable'})" for v in uniq[:_SHOW_MISSING]]
         _warn(
-            f"{rep.file}: skipped {rep.n_missing} row(s) whose video is missing (of "
-            f"{rep.rows}; {len(uniq)} file(s), e.g. {uniq[:_SHOW_MISSING]}); check video_root"
+            f"{rep.file}: skipped {rep.n_missing} row(s) whose video is missing or no file (of "
+            f"{rep.rows}; {len(uniq)} path(s), e.g. {shown}); check video_root"
         )
     log.info("%s: %d sample(s) loaded", rep.file, len(samples))
     return samples
