@@ -61,6 +61,18 @@ def validate_run(cfg: Config, world_size: int) -> None:
         errs.append(
             f"sft.batch_size={cfg.sft.batch_size} is smaller than the world size {world_size}"
         )
+    if cfg.sft.steps > 0 and cfg.data.path and not cfg.sft.data:  # own data, no records
+        sft = Path(cfg.data.path) / "sft.jsonl"
+        if not sft.is_file():
+            errs.append(
+                f"sft.steps={cfg.sft.steps}: the cold-start SFT trains on tool-use records, but "
+                f"data.path={cfg.data.path} has no sft.jsonl. Either give them: sft.data=FILE.jsonl, one "
+                'trajectory a line (ParaVT\'s {"id", "messages": [system, user, assistant, '
+                'tool, ..., assistant]} or paravt\'s {"sample_id", "num_frames", "turns"}, '
+                "joined to data.path's rows by id; docs in paravt/sft.py), or skip the cold "
+                "start: sft.steps=0 (RL starts from model.path, which should already call the "
+                "tool)"
+            )
     if r.group_size < 2:
         errs.append(
             f"rollout.group_size={r.group_size}: GRPO's baseline is the group's mean, so one "

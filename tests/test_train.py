@@ -144,6 +144,14 @@ def test_config_errors_are_reported_before_loading(tmp_path) -> None:
     cfg = load_config(overrides=[f"sft.data={tmp_path}/missing.jsonl"])
     with pytest.raises(ConfigError, match="sft.data"):
         validate_run(cfg, world_size=1)
+    # Own data (issue 50 item 11): the default's cold start needs SFT records; say so first.
+    own = tmp_path / "own"
+    own.mkdir()
+    cfg = load_config(overrides=[f"data.path={own}"])
+    with pytest.raises(ConfigError, match=r"sft.steps=4000: .* has no sft.jsonl. Either give") as e:
+        validate_run(cfg, world_size=1)
+    assert "sft.data=FILE.jsonl" in str(e.value) and "sft.steps=0" in str(e.value)
+    validate_run(load_config(overrides=[f"data.path={own}", "sft.steps=0"]), world_size=1)
     cfg = load_config(overrides=["train.resume=true", f"train.out_dir={tmp_path}/nope"])
     with pytest.raises(ConfigError, match="nothing to resume"):
         validate_run(cfg, world_size=1)
