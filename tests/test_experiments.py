@@ -106,6 +106,11 @@ def test_ablation_runs_every_arm_from_one_sft_and_resumes(assets, tmp_path, caps
     redone = [p for p, t in logs.items() if p.stat().st_mtime_ns != t]
     assert redone == [out / "paragrpo" / "seed0" / "train.log"]
     assert run_finished(out / "paragrpo" / "seed0")
+    # The shared sft/ carries its settings (issue 50 item 5): another SFT lr is refused, not
+    # silently reused by every arm.
+    assert main([*args, "sft.lr=5e-3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'sft'} was trained with other cold-start settings" in err, err
 
 
 def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys) -> None:

@@ -51,6 +51,8 @@ from paravt.experiments.arms import (
     reused_checkpoint,
     run_arms,
     save_panels,
+    sft_stamp,
+    task_stamp,
     train_checkpoint,
 )
 from paravt.files import write_atomic
@@ -155,13 +157,22 @@ def plot_curves(runs: dict[str, list[list[dict[str, Any]]]], out_png: Path) -> P
 
 
 def _sft(cfg: Config, out: Path) -> Path:
-    """The shared SFT checkpoint ``out/sft`` (made once; a rerun reuses it)."""
-    dst = out / "sft"
-    if reused_checkpoint(dst, "ablation"):
+    """The shared SFT checkpoint ``out/sft`` (made once; a rerun with the same SFT settings,
+    seed, task and starting model reuses it, one with others is refused: ``out/sft_params.json``,
+    ``paravt.experiments.arms.reused_checkpoint``)."""
+    dst, stamp = out / "sft", out / "sft_params.json"
+    made = {
+        "sft": sft_stamp(cfg.sft),
+        "seed": cfg.train.seed,
+        **task_stamp(cfg),
+        "model_path": cfg.model.path,
+    }
+    if reused_checkpoint(dst, "ablation", stamp, made):
         return dst
     if cfg.sft.steps < 1:
         raise ConfigError("sft.steps must be >= 1: every arm starts from the shared SFT")
-    return train_checkpoint(cfg, dst, "ablation", f"SFT {cfg.sft.steps} steps")
+    what = f"SFT {cfg.sft.steps} steps"
+    return train_checkpoint(cfg, dst, "ablation", what, stamp=stamp, made=made)
 
 
 def ablation(

@@ -101,6 +101,27 @@ def run_finished(run_dir: Path) -> bool:
     return any(r.get("kind") == "eval_after" for r in read_metrics(run_dir / "metrics.jsonl"))
 
 
+def task_stamp(cfg: Config) -> dict[str, Any]:
+    """What shapes an experiment's SFT records, for its cold starts' stamps: the task (not its
+    folder), and the oracle's budgets, crops and window cap
+    (``paravt.data.synth.oracle_settings``)."""
+    data = dataclasses.asdict(cfg.data)
+    data.pop("synth_dir")  # where the task lies, not what it is (its seed and settings are)
+    return {
+        "data": data,
+        "video": dataclasses.asdict(cfg.video),
+        "max_parallel": cfg.agent.max_parallel,
+    }
+
+
+def sft_stamp(sft: Any) -> dict[str, Any]:
+    """An SFT's settings (``cfg.sft``) as its checkpoint's stamp records them: all but how
+    often its state is saved (``sft.save_every``: the same weights either way)."""
+    out = dataclasses.asdict(sft)
+    out.pop("save_every", None)
+    return out
+
+
 def reused_checkpoint(
     dst: Path, tag: str, stamp: Path | None = None, made: dict[str, Any] | None = None
 ) -> bool:

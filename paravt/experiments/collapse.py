@@ -60,7 +60,6 @@ measured every ``--eval-every`` steps, not at every step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import re
@@ -87,6 +86,8 @@ from paravt.experiments.arms import (
     run_finished,
     run_stamp,
     save_panels,
+    sft_stamp,
+    task_stamp,
     train_checkpoint,
     write_stamp,
 )
@@ -277,18 +278,6 @@ def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict
     return [ranked[i % len(ranked)] for i in range(n)]
 
 
-def _task_stamp(cfg: Config) -> dict[str, Any]:
-    """What shapes both stages' SFT records, for their stamps: the task (not its folder), and
-    the oracle's budgets, crops and window cap (``paravt.data.synth.oracle_settings``)."""
-    data = dataclasses.asdict(cfg.data)
-    data.pop("synth_dir")  # where the task lies, not what it is (its seed and settings are)
-    return {
-        "data": data,
-        "video": dataclasses.asdict(cfg.video),
-        "max_parallel": cfg.agent.max_parallel,
-    }
-
-
 def seed_config(cfg: Config, out: Path, seed: int) -> Config:
     """``cfg`` for seed ``seed``: its own task instance (``data.synth_seed`` = the seed, in
     ``OUT/data/seedN``: videos, training rows and held-out prompts of its own) and
@@ -342,10 +331,10 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
         return cfg.model.path
     dst, stamp = cold / "base_sft", cold / "base_sft_params.json"
     made = {
-        "sft": dataclasses.asdict(base.sft),
+        "sft": sft_stamp(base.sft),
         "seed": cfg.train.seed,
         "think": "untagged",
-        **_task_stamp(cfg),
+        **task_stamp(cfg),
     }
     if reused_checkpoint(dst, "collapse", stamp, made):
         return str(dst)
@@ -391,10 +380,10 @@ def cold_start(
         "windows": list(windows),
         "unclosed_think": unclosed_think,
         **({"replay": replay} if replay else {}),
-        "sft": dataclasses.asdict(cfg.sft),
+        "sft": sft_stamp(cfg.sft),
         "seed": cfg.train.seed,
         "think_prefix": cfg.agent.think_prefix,
-        **_task_stamp(cfg),
+        **task_stamp(cfg),
         "model_path": start,
     }
     if reused_checkpoint(dst, "collapse", stamp, made):
