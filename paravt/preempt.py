@@ -1,4 +1,9 @@
-"""Preemption: on SIGTERM / SIGUSR1, finish or abandon the step, checkpoint, exit 0.
+"""Preemption: on SIGTERM / SIGUSR1 / SIGINT, finish or abandon the step, checkpoint, exit 0.
+
+A user's Ctrl-C (SIGINT) is a preemption too: one line says it was received (as for every
+signal, at once, whatever the run is doing), the run saves and exits 0 as below; a second
+Ctrl-C exits at once with 130, no traceback, nothing saved since the last checkpoint and no
+file torn (every file is written whole through a temporary, or a line at a time).
 
 Schedulers announce a kill: SLURM ``--signal=TERM@60`` (or ``USR1@60``) signals the job 60 s
 before its time limit; Kubernetes sends SIGTERM and kills ``terminationGracePeriodSeconds``
@@ -49,10 +54,22 @@ from typing import Any
 
 from paravt.distributed import DistContext, all_gather_objects, all_reduce_max
 
-#: The signals that request a checkpoint and a clean exit.
-SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: The signals that request a checkpoint and a clean exit: a scheduler's SIGTERM / SIGUSR1 and
+#: a user's Ctrl-C (SIGINT; a second Ctrl-C stops at once, see ``Preemption._handle``).
+SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 #: Test hook (see the module docstring).
 TEST_SIGNAL_ENV = "PARAVT_PREEMPT_TEST_SIGNAL"
+
+
+SIGINT = signal.SIGINT
+
+
+def _say(line: str) -> None:
+    """One line to stderr from a signal handler (``os.write``: no buffered stream re-entered)."""
+    try:
+        os.write(2, (line + "\n").encode())
+    except OSError:
+        pass
 
 
 class StepAbandoned(Exception):
@@ -176,10 +193,25 @@ class Preemption:
         self.installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.arrival is None:  # a repeated signal changes nothing
-            self.arrival = Arrival(
-                signal.Signals(signum).name, self.step, self.phase, self.ctx.rank, time.monotonic()
+        name = signal.Signals(signum).name
+        if self.arrival is None:  # a repeated SIGTERM / SIGUSR1 changes nothing
+            self.arrival = Arrival(name, self.step, self.phase, self.ctx.rank, time.monotonic())
+            # Said at once (a long rollout or evaluation would otherwise be silent until its
+            # next check); os.write, not print: a handler may run inside a print.
+            again = " (Ctrl-C again: stop at once, without saving)" if signum == SIGINT else ""
+            _say(
+                f"[signal] {name} received on rank {self.ctx.rank} at step {self.step} "
+                f"({self.phase}): the run saves and exits 0 at its next check{again}"
             )
+        elif signum == SIGINT and self.arrival.signal == "SIGINT":
+            # A second Ctrl-C: the user wants out now. Every file the run writes is written
+            # whole (a temporary renamed) or a line at a time (a torn line is skipped on read),
+            # so stopping here tears none; what the last checkpoint holds is kept.
+            _say(
+                f"[signal] a second SIGINT on rank {self.ctx.rank}: exiting at once (130), "
+                "nothing saved since the last checkpoint"
+            )
+            os._exit(130)
 
     # -- where the run is
 

@@ -867,6 +867,9 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     except WorkerFailed as e:  # asynchronous: a rollout worker died or raised
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the run's handlers (paravt.preempt) are set
+        print("interrupted before the run started; nothing was written", file=sys.stderr)
+        return 130
     except DatasetError as e:  # raised before any model loads (read_datasets)
         print(
             f"error: {e}\n(the dataset is checked before any model loads: fix it, or point "

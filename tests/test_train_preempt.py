@@ -200,6 +200,41 @@ def test_sigusr1_from_outside_exits_0_and_resume_matches(
     _resume_and_compare(argv, out, reference, kept, _env())
 
 
+def test_ctrl_c_saves_and_exits_0_and_a_second_one_stops_at_once(
+    assets: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 50 item 6: a Ctrl-C (SIGINT) is said at once and handled as a preemption: the
+    step is finished, checkpointed, exit 0, no traceback. Two Ctrl-C: exit 130 at once, no
+    traceback, every metrics row whole and the newest checkpoint loadable."""
+    from paravt.checkpoint import latest_checkpoint, load_trainer_state
+
+    for presses, want in ((1, 0), (2, 130)):
+        out = tmp_path / f"run{presses}"
+        argv = [sys.executable, "-m", "paravt.train", *_overrides(assets, out)]
+        log = tmp_path / f"train{presses}.log"
+        proc = _train(argv, log, _env())
+        wait_for(lambda o=out: 1 in train_rows(o), proc, "step 1's metrics")
+        for _ in range(presses):
+            os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+        rc = proc.wait(timeout=300)
+        text = log.read_text()
+        assert rc == want, text[-3000:]
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+        assert re.search(r"\[signal\] SIGINT received on rank 0 at step \d", text), text[-3000:]
+        assert "Ctrl-C again: stop at once" in text
+        steps = train_steps(out)
+        assert steps == list(range(1, len(steps) + 1))  # whole rows only
+        if presses == 1:
+            line = next(x for x in text.splitlines() if x.startswith("[preempt] "))
+            assert "SIGINT at step" in line and "exiting 0" in line, line
+        else:
+            assert "a second SIGINT on rank 0: exiting at once (130)" in text, text[-3000:]
+        ckpt = latest_checkpoint(out)
+        if ckpt is not None:  # the newest checkpoint reads back whole
+            assert load_trainer_state(ckpt)
+
+
 # ------------------------------------------------------------------------------- two ranks
 
 RANKS_STEPS = 3

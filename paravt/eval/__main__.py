@@ -192,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _evaluate(a, cfg, samples, settings, out, model_path, trained_with)
+    except KeyboardInterrupt:  # Ctrl-C: every finished row is in results.jsonl already
+        print(
+            f"interrupted: the rows finished so far are in {out}/results.jsonl; rerun the same "
+            "command to continue from them",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         if claim is not None:
             claim.release()
