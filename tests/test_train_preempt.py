@@ -325,62 +325,16 @@ def test_a_repeated_sigterm_during_the_teardown_still_exits_0(
     assert "finished step 1, checkpoint" in text and train_steps(out) == [1]
 
 
-def test_sigterm_during_the_sft_stops_it_and_resume_continues_it(
+def test_sigterm_and_kill_9_during_the_sft_and_resume_continues_it(
     assets: dict[str, str], tmp_path: Path
 ) -> None:
     """A SIGTERM during the cold-start SFT is honoured within the grace: the SFT stops before
     its next step, saves its state (no ``sft/`` yet, no evaluation, no RL step) and the run
-    exits 0; ``--resume`` continues the SFT from that step (it is not redone: the final SFT
-    weights equal an uninterrupted SFT's bitwise) and then trains."""
-    from paravt.config import load_config
-    from paravt.runfolder import sft_resume_file
-    from paravt.sft import run_sft
-
-    out = tmp_path / "run"
-    over = [
-        *_overrides(assets, out, 1),
-        "sft.steps=3",
-        "sft.batch_size=2",
-        "train.eval_prompts=1",
-        "train.eval_samples=1",
-    ]
-    argv = [sys.executable, "-m", "paravt.train", *over]
-    log = tmp_path / "train.log"
-    proc = _train(argv, log, _env(**{ENV: "SIGTERM:0:sft step 3"}))
-    rc = proc.wait(timeout=300)
-    t_exit = time.time()
-    text = log.read_text()
-    assert rc == 0, text[-3000:]
-    line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
-    state = sft_resume_file(out / "sft")
-    assert "SIGTERM at step 0 (sft step 3): stopped the cold-start SFT after step 2 of 3" in line
-    assert f"state {state} written" in line and "exiting 0" in line, line
-    took = t_exit - _sent_at(text)
-    _report("SIGTERM mid-SFT, 1 process", took, line)
-    assert took < GRACE_S
-    assert state.is_file() and not (out / "sft").exists()
-    assert read_metrics(out / "metrics.jsonl") == []  # no evaluation, no step
-
-    resumed = subprocess.run(
-        [*argv, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "[sft] continuing from" in resumed.stdout and "step 2 of 3 done" in resumed.stdout
-    assert "[sft] step 1/3" not in resumed.stdout  # not redone
-    assert not state.exists() and train_steps(out) == [1]
-
-    ref = tmp_path / "ref_sft"
-    cfg = load_config(overrides=over)
-    run_sft(cfg, model_dir=assets["model"], data_dir=assets["data"], out_dir=ref)
-    assert_same_weights(ref, out / "sft")
-
-
-def test_a_kill_9_mid_sft_loses_at_most_one_save_interval(
-    assets: dict[str, str], tmp_path: Path
-) -> None:
-    """``sft.save_every=2``: the run killed with SIGKILL before SFT step 6 of 6 (no handler,
-    nothing saved at the kill) leaves the state after step 4; ``--resume`` continues from step
-    4 (steps 1-4 not redone) and the SFT's weights equal an uninterrupted SFT's bitwise."""
+    exits 0. ``--resume`` continues the SFT from that step (it is not redone); killed with
+    SIGKILL before SFT step 6 of 6 (no handler, nothing saved at the kill), it leaves the state
+    ``sft.save_every=2`` saved after step 4 (issue 50 item 1: a kill -9 loses at most one
+    interval), and a second ``--resume`` continues from there. The final SFT weights equal an
+    uninterrupted SFT's bitwise, and the run then trains."""
     from paravt.config import load_config
     from paravt.runfolder import sft_resume_file
     from paravt.sft import run_sft
@@ -396,23 +350,42 @@ def test_a_kill_9_mid_sft_loses_at_most_one_save_interval(
     ]
     argv = [sys.executable, "-m", "paravt.train", *over]
     log = tmp_path / "train.log"
-    rc = _train(argv, log, _env(**{ENV: "SIGKILL:0:sft step 6"})).wait(timeout=300)
+    proc = _train(argv, log, _env(**{ENV: "SIGTERM:0:sft step 3"}))
+    rc = proc.wait(timeout=300)
+    t_exit = time.time()
     text = log.read_text()
-    assert rc == -signal.SIGKILL, text[-3000:]
+    assert rc == 0, text[-3000:]
+    line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
     state = sft_resume_file(out / "sft")
+    assert "SIGTERM at step 0 (sft step 3): stopped the cold-start SFT after step 2 of 6" in line
+    assert f"state {state} written" in line and "exiting 0" in line, line
+    took = t_exit - _sent_at(text)
+    _report("SIGTERM mid-SFT, 1 process", took, line)
+    assert took < GRACE_S
+    assert state.is_file() and not (out / "sft").exists()
+    assert read_metrics(out / "metrics.jsonl") == []  # no evaluation, no step
+
+    log2 = tmp_path / "resumed.log"
+    proc = _train([*argv, "--resume"], log2, _env(**{ENV: "SIGKILL:0:sft step 6"}))
+    rc = proc.wait(timeout=300)
+    text = log2.read_text()
+    assert rc == -signal.SIGKILL, text[-3000:]
+    assert "[sft] continuing from" in text and "step 2 of 6 done" in text, text[-3000:]
+    assert "[sft] step 1/6" not in text  # not redone
     assert f"[sft] state after step 4 saved to {state}" in text, text[-3000:]
     assert state.is_file() and not (out / "sft").exists()
     assert not list(out.glob(".sft.resume.pt.*"))  # no temporary left by the saves
+
     resumed = subprocess.run(
         [*argv, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step 4 of 6 done" in resumed.stdout, resumed.stdout[-3000:]
-    assert "[sft] step 1/6" not in resumed.stdout
     assert not state.exists() and train_steps(out) == [1]
+
     ref = tmp_path / "ref_sft"
-    run_sft(load_config(overrides=over), model_dir=assets["model"], data_dir=assets["data"],
-            out_dir=ref)  # fmt: skip
+    cfg = load_config(overrides=over)
+    run_sft(cfg, model_dir=assets["model"], data_dir=assets["data"], out_dir=ref)
     assert_same_weights(ref, out / "sft")
 
 
