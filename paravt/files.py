@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import secrets
 import shutil
 import stat
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
@@ -272,8 +275,6 @@ class FolderClaim:
         return got if isinstance(got, dict) else {}
 
     def _busy(self) -> FolderBusy:
-        import time
-
         h = self.holder()
         for _ in range(20):  # a holder that has just locked writes its record a moment later
             if h:
@@ -292,10 +293,6 @@ class FolderClaim:
 
     def acquire(self) -> FolderClaim:
         """Take the claim or raise :class:`FolderBusy`; returns self."""
-        import fcntl
-        import sys
-        import time
-
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(20):
             try:
