@@ -227,7 +227,8 @@ def test_bad_data_row_is_reported_before_any_model_loads(
     for name, rs in rows.items():
         (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
     out = tmp_path / "out"
-    rc = main([f"data.path={data}", f"train.out_dir={out}", "train.progress=false"])
+    argv = [f"data.path={data}", f"train.out_dir={out}", "train.progress=false", "sft.steps=0"]
+    rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 2, err
     line = len(rows[split])
