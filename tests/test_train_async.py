@@ -97,6 +97,7 @@ def _overrides(assets: dict[str, str], out: Path, **extra: object) -> list[str]:
         "train.keep_last": 10,
         "train.eval_prompts": 0,
         "train.progress": "false",
+        "train.summary_plot": "false",
         "train.dump_batches": "true",
         "rollout.group_size": 2,
         "rollout.max_new_tokens": 6,

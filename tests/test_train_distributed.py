@@ -44,6 +44,7 @@ def _overrides(assets: dict[str, str], out: Path, dtype: str = "float32") -> lis
         "train.keep_last=2",
         "train.eval_prompts=0",
         "train.progress=false",
+        "train.summary_plot=false",
         "train.dump_batches=true",
         "rollout.group_size=2",
         "rollout.max_new_tokens=6",
@@ -63,7 +64,9 @@ def _overrides(assets: dict[str, str], out: Path, dtype: str = "float32") -> lis
     ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bfloat16 (the GPU recipe: bf16 compute, fp32 masters under FSDP2); float32 exactness of the
+# sharded step is test_distributed.py::test_fsdp2_two_ranks_equal_single_process_step.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> None:
     from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
     from paravt.algo.packing import concat_packed

@@ -130,13 +130,13 @@ def test_a_signal_at_the_step_boundary_names_the_step_that_then_runs(monkeypatch
 @pytest.mark.parametrize(
     ("phase", "grace", "outcome", "kept"),
     [
-        ("rollout", GRACE_S, "finished step 3", 3),
+        # (A SIGTERM mid-rollout that finishes its step: test_two_ranks_sigterm_on_one_rank.)
         ("update", GRACE_S, "finished step 3", 3),
         # A grace too short to finish the step: step 3 is abandoned after its rollout and
         # step 2 is checkpointed (from the state saved when step 3 began).
         ("rollout", 0.001, "abandoned step 3", 2),
     ],
-    ids=["mid-rollout", "mid-update", "mid-rollout-abandon"],
+    ids=["mid-update", "mid-rollout-abandon"],
 )
 def test_sigterm_mid_step_exits_0_and_resume_matches(
     assets: dict[str, str],
@@ -171,41 +171,14 @@ def test_sigterm_mid_step_exits_0_and_resume_matches(
     _resume_and_compare(argv, out, reference, kept, _env())
 
 
-def test_sigusr1_from_outside_exits_0_and_resume_matches(
+def test_ctrl_c_saves_and_exits_0_and_a_second_one_stops_at_once(
     assets: dict[str, str], reference: Path, tmp_path: Path
 ) -> None:
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "paravt.train", *_overrides(assets, out)]
-    log = tmp_path / "train.log"
-    proc = _train(argv, log, _env())
-    # Right after step 2's row the process is in step 3 (~1 s a step here).
-    wait_for(lambda: 2 in train_rows(out), proc, "step 2's metrics")
-    t_sent = time.time()
-    os.kill(proc.pid, signal.SIGUSR1)
-    rc = proc.wait(timeout=300)
-    took = time.time() - t_sent
-    text = log.read_text()
-    assert rc == 0, text[-3000:]
-    line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
-    # It lands at the end of step 2 (after its row) or in step 3: either is finished.
-    m = re.search(
-        r"SIGUSR1 at step (\d) \(\w+\): finished step (\d), checkpoint \S+step_(\d{6})", line
-    )
-    assert m and m.group(1) == m.group(2) and int(m.group(3)) == int(m.group(1)), line
-    assert "exiting 0" in line, line
-    kept = int(m.group(1))
-    assert kept in (2, 3) and train_steps(out) == list(range(1, kept + 1))
-    _report("SIGUSR1 from outside, 1 process", took, line)
-    assert took < GRACE_S
-    _resume_and_compare(argv, out, reference, kept, _env())
-
-
-def test_ctrl_c_saves_and_exits_0_and_a_second_one_stops_at_once(
-    assets: dict[str, str], tmp_path: Path
-) -> None:
-    """Issue 50 item 6: a Ctrl-C (SIGINT) is said at once and handled as a preemption: the
-    step is finished, checkpointed, exit 0, no traceback. Two Ctrl-C: exit 130 at once, no
-    traceback, every metrics row whole and the newest checkpoint loadable."""
+    """Issue 50 item 6: a Ctrl-C (SIGINT) from outside is said at once and handled as a
+    preemption: the step is finished, checkpointed, exit 0, no traceback, and --resume matches
+    the uninterrupted run (SIGUSR1, the same handler, is sent for real in
+    test_a_signal_at_the_step_boundary_names_the_step_that_then_runs). Two Ctrl-C: exit 130 at
+    once, no traceback, every metrics row whole and the newest checkpoint loadable."""
     from paravt.checkpoint import latest_checkpoint, load_trainer_state
 
     for presses, want in ((1, 0), (2, 130)):
@@ -227,7 +200,11 @@ def test_ctrl_c_saves_and_exits_0_and_a_second_one_stops_at_once(
         assert steps == list(range(1, len(steps) + 1))  # whole rows only
         if presses == 1:
             line = next(x for x in text.splitlines() if x.startswith("[preempt] "))
-            assert "SIGINT at step" in line and "exiting 0" in line, line
+            m = re.search(r"SIGINT at step (\d) \(\w+\): finished step (\d)", line)
+            assert m and m.group(1) == m.group(2) and "exiting 0" in line, line
+            kept = int(m.group(1))
+            assert f"step_{kept:06d}" in line and steps == list(range(1, kept + 1)), line
+            _resume_and_compare(argv, out, reference, kept, _env())
         else:
             assert "a second SIGINT on rank 0: exiting at once (130)" in text, text[-3000:]
         ckpt = latest_checkpoint(out)
@@ -262,7 +239,9 @@ def _torchrun_popen(args: list[str], log: Path, env: dict[str, Any]) -> subproce
     return _train(cmd, log, env)
 
 
-@pytest.mark.parametrize(("phase", "rank"), [("rollout", 0), ("update", 1)])
+# Rank 1 (not the writer) signalled mid-update; a signal mid-rollout is
+# test_sigterm_mid_step_exits_0_and_resume_matches[mid-rollout-abandon] and the Ctrl-C test.
+@pytest.mark.parametrize(("phase", "rank"), [("update", 1)])
 def test_two_ranks_sigterm_on_one_rank(
     assets: dict[str, str], reference_2ranks: Path, tmp_path: Path, phase: str, rank: int
 ) -> None:
@@ -406,7 +385,6 @@ def test_an_evaluation_a_preemption_skipped_is_owed_on_resume(
         "train.eval_samples=1",
         "train.eval_conditions=[2:tools]",
         "train.eval_before=false",
-        "train.summary_plot=false",
         "algo.kl_coef=0.0",  # no reference model: one load per run
     ]
     monkeypatch.setenv(ENV, "SIGTERM:1:metrics")

@@ -36,6 +36,7 @@ def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
         "train.keep_last=1",
         "train.eval_prompts=0",
         "train.progress=false",
+        "train.summary_plot=false",  # 1.7 s a run (matplotlib); test_train.py checks it
         "rollout.group_size=2",
         "rollout.max_new_tokens=6",
         "rollout.sub_max_new_tokens=4",

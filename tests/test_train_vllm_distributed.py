@@ -45,6 +45,7 @@ def test_torchrun_vllm_engine_per_rank_follows_the_sharded_policy(
         "train.save_every=0",
         "train.eval_prompts=0",
         "train.progress=false",
+        "train.summary_plot=false",
         "train.dump_batches=true",
         "rollout.group_size=2",
         "rollout.max_new_tokens=12",

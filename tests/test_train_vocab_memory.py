@@ -61,6 +61,7 @@ def _run(assets: dict[str, str], root: Path, vocab: int) -> tuple[int, Path]:
         "train.save_every": 0,
         "train.eval_prompts": 0,
         "train.progress": False,
+        "train.summary_plot": False,
         "rollout.group_size": 2,
         "rollout.max_new_tokens": 48,
         "rollout.sub_max_new_tokens": 16,
