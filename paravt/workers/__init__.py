@@ -11,11 +11,12 @@ finished rollouts. ``roles`` builds the process groups, ``worker`` is a worker's
 
 from paravt.workers.pipeline import RolloutPipeline, WorkerFailed, staleness_metrics
 from paravt.workers.roles import AsyncRoles, init_async
-from paravt.workers.worker import run_worker
+from paravt.workers.worker import TrainerGone, run_worker
 
 __all__ = [
     "AsyncRoles",
     "RolloutPipeline",
+    "TrainerGone",
     "WorkerFailed",
     "init_async",
     "run_worker",

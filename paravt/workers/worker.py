@@ -145,7 +145,9 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             except WorkerStopped:
                 break  # the trainer said stop (or is gone: raised below)
             busy = time.perf_counter() - t1  # (the engine owns its device: it never sleeps)
-            results.send(
+            _send_or_gone(
+                results,
+                roles.rank,
                 {
                     "kind": "batch",
                     "step": job["step"],
@@ -156,18 +158,17 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                     "busy_s": busy,
                     "idle_s": idle,
                 },
-                0,
             )
             totals["steps"] += 1
             totals["busy_s"] += busy
             totals["idle_s"] += idle
             idle = 0.0
     except BaseException as e:  # tell the trainer which worker failed and why, then exit 1
-        if not isinstance(e, _TrainerGone):
+        if not isinstance(e, TrainerGone):
             _report(results, roles.rank, e)
         raise
     if weights.gone:
-        raise _TrainerGone(weights.gone)
+        raise TrainerGone(weights.gone)
     try:
         results.send({"kind": "bye", "worker": roles.rank}, 0)
     except Exception:  # the trainer stopped us and has exited already: nothing left to say
@@ -183,6 +184,18 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     return totals
 
 
+def _send_or_gone(results: Any, rank: int, msg: dict[str, Any]) -> None:
+    """Send a finished batch to trainer rank 0; a transport error means the trainer is gone
+    (killed or exited): :class:`TrainerGone`, one line at ``paravt.train.main``."""
+    try:
+        results.send(msg, 0)
+    except RuntimeError as e:
+        raise TrainerGone(
+            f"rollout worker rank {rank}: the trainer (rank 0) is gone, sending step "
+            f"{msg.get('step')}'s rollouts failed ({str(e).splitlines()[0][:200]}); stopping"
+        ) from None
+
+
 def _report(results: Any, rank: int, e: BaseException) -> None:
     """Send the trainer this worker's error (best effort: the trainer may be gone)."""
     try:
@@ -192,8 +205,9 @@ def _report(results: Any, rank: int, e: BaseException) -> None:
         pass
 
 
-class _TrainerGone(RuntimeError):
-    """The control stream failed: trainer rank 0 exited or was killed."""
+class TrainerGone(RuntimeError):
+    """The control stream failed: trainer rank 0 exited or was killed. ``paravt.train.main``
+    prints its message as one ``error:`` line (no traceback) and exits 1."""
 
 
 def _control_loop(
@@ -228,7 +242,7 @@ def _control_loop(
             f"rollout worker rank {roles.rank}: the trainer (rank 0) is gone, its control "
             f"stream failed ({type(e).__name__}: {e}); stopping"
         )
-        jobs.put(_TrainerGone(weights.gone))
+        jobs.put(TrainerGone(weights.gone))
     finally:
         stop.set()
         with weights.arrived:
