@@ -143,3 +143,22 @@ def test_no_second_training_loop_under_paravt_experiments() -> None:
                 assert not any(a.name.startswith((*stages, "paravt.train")) for a in node.names)
     assert seen == {"collapse.py"}  # the cold start's evaluation: train.run itself
     assert "paravt.train" in (pkg / "arms.py").read_text()  # the arm runs: python -m paravt.train
+
+
+def test_a_stamp_from_before_sft_save_every_left_it_still_matches(tmp_path, capsys) -> None:
+    """Stamps written while ``sft_stamp`` still recorded ``sft.save_every`` (how often the
+    SFT's state is saved, not what it trains) match today's; any other difference refuses."""
+    from paravt.config import ConfigError, load_config
+    from paravt.experiments.arms import reused_checkpoint, sft_stamp
+
+    dst = tmp_path / "sft"
+    dst.mkdir()
+    (dst / "config.json").write_text("{}")
+    made = {"sft": sft_stamp(load_config("tiny_cpu").sft), "seed": 0}
+    assert "save_every" not in made["sft"]
+    stamp = tmp_path / "sft_params.json"
+    stamp.write_text(json.dumps({**made, "sft": {**made["sft"], "save_every": 500}}))
+    assert reused_checkpoint(dst, "t", stamp, made) is True
+    stamp.write_text(json.dumps({**made, "sft": {**made["sft"], "steps": 1}}))
+    with pytest.raises(ConfigError, match="other cold-start settings"):
+        reused_checkpoint(dst, "t", stamp, made)

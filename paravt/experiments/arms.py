@@ -135,6 +135,8 @@ def reused_checkpoint(
     unchecked = ""
     if stamp is not None:
         old = json.loads(stamp.read_text()) if stamp.is_file() else None
+        if old is not None and isinstance(old.get("sft"), dict):
+            old["sft"].pop("save_every", None)  # stamps written before sft_stamp dropped it
         if old is not None and old != json.loads(json.dumps(made)):
             raise ConfigError(
                 f"{dst} was trained with other cold-start settings ({stamp}: {old}); use "
