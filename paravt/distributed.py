@@ -190,6 +190,25 @@ def cleanup(ctx: DistContext, *closers: Callable[[], None]) -> None:
         gc.collect()
 
 
+#: What a collective raises when a peer process is gone: gloo's socket to it closed or reset
+#: (a ``RuntimeError``, at once), NCCL's remote error; and the rendezvous store's network error.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "ncclRemoteError",
+    "remote process exited",
+)
+
+
+def peer_lost(e: BaseException) -> bool:
+    """True when ``e`` says another rank of the job is gone (its process or its node died)
+    rather than that this rank's own work failed: ``paravt.train.main`` then prints one line
+    naming it, not the collective's traceback."""
+    if isinstance(e, dist.DistNetworkError):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST)
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
         dist.barrier()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
 import sys
 import time
@@ -78,6 +79,7 @@ from paravt.distributed import (
     init_distributed,
     is_sharded,
     load_full_optimizer_state,
+    peer_lost,
     release_single_rank_group,
     shard_list,
     shard_model,
@@ -692,6 +694,11 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         except StepAbandoned:
             abandoned = step
             break
+        except WorkerFailed:  # raised by collect: the policy is still step `done`'s
+            _save_after_worker_failure(tr, done, saved, begin)
+            tr.logger.close()
+            cleanup(ctx, getattr(tr.engine, "close", lambda: None))
+            raise
         done = step
         pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
         tr.logger.log(step, last)
@@ -747,6 +754,31 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     tr.logger.close()
     cleanup(ctx, getattr(tr.engine, "close", lambda: None))
     return {"before": before, "after": after, "last": last, "out_dir": str(out)}
+
+
+def _save_after_worker_failure(
+    tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any]
+) -> None:
+    """Asynchronous: a rollout worker died or failed (``WorkerFailed``, raised by ``collect``
+    on every trainer rank before anything of step ``done + 1`` ran): checkpoint step ``done``
+    with the sampler position and RNG states that step started from, so ``--resume`` loses
+    nothing, and say so on rank 0. A node that dies takes its workers with it: the same path."""
+    path = Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)
+    if done > saved:
+        tr.preempt.enter(done, "checkpoint")
+        t0 = time.perf_counter()
+        ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
+        what = (
+            f"checkpoint {path} written in {time.perf_counter() - t0:.1f} s"
+            if ok
+            else f"checkpoint {path} NOT written (see the warning above)"
+        )
+    elif done > 0:
+        what = f"checkpoint {path} (already written)"
+    else:
+        what = "no step completed, nothing to checkpoint (--resume starts at step 0)"
+    if tr.ctx.is_main:
+        print(f"[async] a rollout worker is gone after step {done}: {what}", flush=True)
 
 
 def _preempted(
@@ -848,10 +880,29 @@ def _data_state(tr: Trainer, done: int) -> dict[str, int]:
     return tr.pipeline.data_state(done) if tr.pipeline is not None else tr.sampler.state()
 
 
+def _lost_peer(e: BaseException, cfg: Config | None) -> str:
+    """The one line for a rank whose collective failed because another rank is gone: which
+    rank saw it, the backend's words, and the checkpoint ``--resume`` continues from (the
+    training state is sharded over the ranks, so the survivors cannot save it)."""
+    rank = os.environ.get("RANK", "0")
+    words = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    newest = latest_checkpoint(cfg.train.out_dir) if cfg is not None else None
+    resume = (
+        f"--resume continues from {newest}"
+        if newest is not None
+        else "no checkpoint was written yet: --resume starts at step 0"
+    )
+    return (
+        f"rank {rank} lost a peer rank of the job (its process or node died): {words}. The "
+        f"training state is sharded over the ranks, so the run stops without saving; {resume}"
+    )
+
+
 def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> int:
     """The command line; ``keep_handlers`` (``python -m paravt.train``): the preemption
     handlers stay until the process exits, so a repeated signal during the teardown after the
     ``[preempt]`` line cannot turn its exit 0 into 143."""
+    cfg = None
     try:
         cfg, _ = parse_args(argv)
         res = run(cfg, keep_handlers=keep_handlers)
@@ -868,6 +919,11 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
     # (a worker's view): one line each, no traceback.
     except (WorkerFailed, TrainerGone) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as e:  # another rank's process or node died mid-collective
+        if not peer_lost(e):
+            raise
+        print(f"error: {_lost_peer(e, cfg)}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the run's handlers (paravt.preempt) are set
         print("interrupted before the run started; nothing was written", file=sys.stderr)

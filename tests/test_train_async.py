@@ -5,8 +5,9 @@ trainer rank and one rollout worker with its own engine.
 * η = 1: staleness never exceeds η and does reach it, an episode spans a weight update, every
   trained token's behaviour log-prob is the log-prob under the version recorded for it (and
   not under its neighbours), the PPO ratio against the proximal policy is 1;
-* a worker killed with SIGKILL stops the run with an error naming it; a killed trainer stops
-  the worker; a preempted asynchronous run resumes;
+* a worker's node lost (two nodes, c10d rendezvous) stops the run with an error naming it
+  after the trainer checkpoints its last step, which resumes; a killed trainer stops the
+  worker; a preempted asynchronous run resumes;
 * bad settings are errors before anything loads.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from assets_task import ASSETS_TASK
-from torchrun import torchrun
+from torchrun import kill_node, launch_nodes, torchrun
 from train_runs import ROOT, assert_same_row, assert_same_weights, train_rows
 from vllm_required import HAVE_VLLM, skip_without_vllm
 
@@ -310,20 +311,45 @@ def _wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float 
         time.sleep(0.05)
 
 
-def test_killed_worker_stops_the_run_naming_it(assets, tmp_path) -> None:
-    """SIGKILL on the worker mid-run: the trainer notices within 60 s (its receiving thread's
-    socket closes) and the job exits non-zero with an error naming worker rank 1."""
+def test_lost_worker_node_is_named_and_the_trainer_saves(assets, tmp_path) -> None:
+    """Two nodes (``--nnodes 2 --nproc-per-node 1`` twice, c10d rendezvous): the trainer on
+    node 0, the rollout worker on node 1, so async steps run with their worker on the second
+    node. Then node 1 is lost (its agent and worker SIGKILLed): the trainer names worker rank
+    1 within 60 s, checkpoints its last completed step (``train.save_every`` is off, so that
+    checkpoint is the failure path's own) and exits 1 with one ``error:`` line; ``--resume``
+    from it (one node) trains the next step and every step is logged once."""
     out = tmp_path / "run"
-    proc = _launch(tmp_path, assets, out, **{"train.dump_batches": "false"})
-    pid = int(_wait_for_line(proc, r"\[worker 1\] pid (\d+):", 120).group(1))
-    _wait_for_step(out, proc, 2)
-    t0 = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
-    rest, _ = proc.communicate(timeout=90)
+    extra = {"rollout.workers": 1, "train.save_every": 0, "train.dump_batches": "false"}
+    trainer, worker = launch_nodes(
+        2, "-m", "paravt.train", *_overrides(assets, out, **{"train.steps": 40, **extra}),
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        _wait_for_line(worker, r"\[worker 1\] pid (\d+):", 120)  # the worker is on node 1
+        _wait_for_step(out, trainer, 2)
+        t0 = time.monotonic()
+        kill_node(worker)
+        rest, _ = trainer.communicate(timeout=90)
+    finally:
+        for node in (trainer, worker):
+            kill_node(node)
     took = time.monotonic() - t0
-    assert proc.returncode != 0
+    assert trainer.returncode != 0
     assert took < 60, took
     assert re.search(r"error: rollout worker rank 1 (is gone|failed)", rest), rest[-3000:]
+    m = re.search(r"\[async\] a rollout worker is gone after step (\d+): checkpoint (\S+) written", rest)
+    assert m, rest[-3000:]
+    done = int(m.group(1))
+    assert done >= 2 and sorted(train_rows(out)) == list(range(1, done + 1))
+    assert Path(m.group(2)).name == f"step_{done:06d}" and Path(m.group(2)).is_dir()
+    assert "paravt/workers/pipeline.py" not in rest, rest[-3000:]  # one line, no traceback
+    proc = torchrun(
+        2, "-m", "paravt.train", "--resume",
+        *_overrides(assets, out, **{"train.steps": done + 1, **extra}), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "train"] == list(range(1, done + 2))
 
 
 def test_killed_trainer_stops_the_worker(assets, tmp_path) -> None:

@@ -1,6 +1,9 @@
-"""torchrun --nproc-per-node 2 on CPU (gloo, FSDP2): 2 PARA-GRPO steps whose loss, gradient
-norm and updated weights match a single-process computation on the same data; the ranks
-encode each group's prompt once (``algo.share_prefix``), the single process every row whole.
+"""Two ranks on CPU (gloo, FSDP2), as two nodes: ``torchrun --nnodes 2 --nproc-per-node 1``
+twice on this host with the c10d rendezvous (the multi-node launch; one node's two ranks,
+``--standalone``, is test_train_async.py's three-process run and test_distributed.py): 2
+PARA-GRPO steps whose loss, gradient norm and updated weights match a single-process
+computation on the same data; the ranks encode each group's prompt once
+(``algo.share_prefix``), the single process every row whole.
 
 "The same data" is taken literally: the ranks dump the packed batches they trained on
 (``train.dump_batches``); the test merges both ranks' batches and recomputes, in one process
@@ -18,12 +21,15 @@ on both sides, the single process on a world of one) the same comparison runs on
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from assets_task import ASSETS_TASK
-from torchrun import torchrun
+from torchrun import kill_node, launch_nodes, torchrun_nodes
+from train_runs import ROOT, train_rows
 
 from paravt.metrics import read_metrics
 
@@ -83,8 +89,9 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     from paravt.models import load_model
 
     out = tmp_path / "run"
-    proc = torchrun(2, "-m", "paravt.train", *_overrides(assets, out, dtype), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    nodes = torchrun_nodes(2, "-m", "paravt.train", *_overrides(assets, out, dtype), timeout=600)
+    for node, (rc, text) in enumerate(nodes):
+        assert rc == 0, f"node {node}:\n{text[-4000:]}"
 
     rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
     assert sorted(rows) == [1, 2]
@@ -164,3 +171,34 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     )
     assert worst <= 2 * LR + 1e-7
     assert off < 0.01 * total, f"{off}/{total} weights differ by > 1e-6"
+
+
+def test_lost_node_is_named_in_one_line(assets, tmp_path) -> None:
+    """Two nodes training synchronously (FSDP2 over both); node 1 is lost mid-run (its agent
+    and rank SIGKILLed). Rank 0's next collective fails at once: it exits 1 within 60 s with
+    one ``error:`` line naming the lost peer and the checkpoint ``--resume`` continues from,
+    not the collective's traceback."""
+    out = tmp_path / "run"
+    args = [a for a in _overrides(assets, out) if not a.startswith(("train.steps", "sft.steps"))]
+    first, second = launch_nodes(
+        2, "-m", "paravt.train", *args, "train.steps=40", "sft.steps=0",
+        "train.dump_batches=false", cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while 2 not in (train_rows(out) if (out / "metrics.jsonl").exists() else {}):
+            assert first.poll() is None, first.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "step 2 not reached"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        kill_node(second)
+        rest, _ = first.communicate(timeout=90)
+    finally:
+        for node in (first, second):
+            kill_node(node)
+    assert first.returncode != 0
+    assert time.monotonic() - t0 < 60
+    m = re.search(r"error: rank 0 lost a peer rank of the job .*--resume continues from (\S+)", rest)
+    assert m, rest[-3000:]
+    assert re.search(r"step_0000\d\d$", m.group(1)), m.group(1)
+    assert "paravt/train.py" not in rest, rest[-3000:]  # no traceback of ours

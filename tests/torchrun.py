@@ -4,8 +4,10 @@ module: tests import it by name, as pytest puts ``tests/`` on ``sys.path``."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -21,6 +23,77 @@ def torchrun(
         "--standalone", *args,
     ]  # fmt: skip
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch_nodes(
+    nnodes: int, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> list[subprocess.Popen]:
+    """Start ``nnodes`` torchrun agents on this host as the nodes of one job, one rank each:
+    ``--nnodes N --nproc-per-node 1`` with the c10d rendezvous on a free local port, as on N
+    machines. Each agent's output (stdout and stderr merged) is its Popen's ``stdout``.
+
+    Torch's dynamic rendezvous orders the nodes by (host, agent pid): the agent started first
+    is node 0 (global rank 0; it also hosts the rendezvous store). A node is an agent and its
+    worker process (torchrun starts each in its own session): ``kill_node`` kills both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **(env or {})}
+    procs = []
+    for _ in range(nnodes):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"paravt-test-{port}", *args,
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        )
+        time.sleep(0.3)  # the first agent's pid is the lower one, and its store is up first
+    return procs
+
+
+def torchrun_nodes(nnodes: int, *args: str, timeout: float = 300) -> list[tuple[int, str]]:
+    """``launch_nodes`` and wait: each node's (exit code, output)."""
+    procs = launch_nodes(nnodes, *args)
+    out = []
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                kill_node(q)
+            raise
+        out.append((p.returncode, text))
+    return out
+
+
+def node_children(agent: int) -> list[int]:
+    """The pids whose parent is the torchrun agent ``agent`` (its worker processes)."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[1]) == agent:
+            kids.append(int(d.name))
+    return kids
+
+
+def kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL a node: the torchrun agent and its worker processes at once (a lost machine)."""
+    kids = node_children(agent.pid)
+    for pid in [agent.pid, *kids]:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
 
 
 def run_worker(

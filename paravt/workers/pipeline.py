@@ -26,15 +26,20 @@ version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`
   position checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn
   (``data_state``), so ``--resume`` re-issues exactly the prompts not yet trained on.
 
-Faults: each worker has a receiving thread on its own group; a worker that dies (SIGKILL, OOM)
-closes its sockets and the thread's receive fails at once, and a worker whose rollout raises
-sends its traceback: ``collect`` then raises ``WorkerFailed`` naming the worker's rank (the run
-stops; ``--resume`` continues from the last checkpoint). A trainer that dies fails the
-workers' control stream and they exit (``paravt.workers.worker``).
+Faults: each worker has a receiving thread on its own group; a worker that dies (SIGKILL, OOM,
+its node lost) closes its sockets and the thread's receive fails at once, and a worker whose
+rollout raises sends its traceback. The failure is raised by ``collect`` only, on every trainer
+rank (rank 0 posts it on the rendezvous store where the others wait), as ``WorkerFailed``
+naming the worker's rank: the policy is then exactly the last completed step's, which the
+training loop checkpoints before it stops (``paravt.train``). A failure noticed while pushing
+weights (the step's update is done) skips the rest of the push and is raised by the next
+``collect``, so that step is logged and saved too. A trainer that dies fails the workers'
+control stream and they exit (``paravt.workers.worker``).
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -56,6 +61,10 @@ class WorkerFailed(RuntimeError):
     """A rollout worker died or its rollout raised; the message names its rank."""
 
 
+#: How rank 0 posts a worker failure on the rendezvous store for the other trainer ranks.
+_FAILED = "failed:"
+
+
 class RolloutPipeline:
     """Trainer-side state of the asynchronous schedule (every trainer rank holds one; only
     rank 0 talks to the workers). ``sampler``: the run's ``PromptSampler`` (rank 0's draws
@@ -71,6 +80,9 @@ class RolloutPipeline:
         self._threads: list[threading.Thread] = []
         self._closing = False
         self.failed = False
+        #: The failure noticed outside ``collect`` (while pushing weights), raised by the next
+        #: ``collect`` (the step in progress then finishes: its update is done).
+        self._failure: WorkerFailed | None = None
         if ctx.is_main:
             for w in roles.workers:
                 th = threading.Thread(
@@ -95,23 +107,54 @@ class RolloutPipeline:
         if version >= self.cfg.train.steps:
             return  # the run's last update: no worker will generate again
         main, ctrl = self.ctx.is_main, self.roles.ctrl
-        if main:  # a worker that died meanwhile is named here, not by a broadcast error
-            self._drain(f"before pushing version {version}")
+        when = f"while pushing version {version}"
         # The workers' engines hold the compute dtype: float32 masters go out cast to it.
         dtype = Precision.from_config(self.cfg).compute
-        if main:
+        # A worker that died meanwhile is named before the push, not by a broadcast error; a
+        # failure stops rank 0's sends, while every trainer rank still walks ``full_weights``
+        # (under FSDP2 each entry is a collective among the trainers).
+        send = main and self._noticed(lambda: self._drain(f"before pushing version {version}"))
+        if send:
             specs = [
                 (n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
                 for n, t in policy.state_dict().items()
             ]
-            ctrl.bcast({"kind": "weights", "version": int(version), "specs": specs})
+            send = self._noticed(
+                lambda: ctrl.bcast({"kind": "weights", "version": int(version), "specs": specs}),
+                when,
+            )
         for _, t in full_weights(policy, dtype):
-            if main:
-                ctrl.bcast_tensor(t.detach().to("cpu").contiguous())
-        if main:
+            if send:
+                cpu = t.detach().to("cpu").contiguous()
+                send = self._noticed(functools.partial(ctrl.bcast_tensor, cpu), when)
+        if send:
             last = min(self.cfg.train.steps, version + 1 + self.eta)
-            while self.assigned < last:
-                self._assign(self.assigned + 1)
+            while send and self.assigned < last:
+                send = self._noticed(lambda: self._assign(self.assigned + 1), when)
+
+    def _noticed(self, op: Any, when: str = "") -> bool:
+        """Run ``op`` (rank 0, outside ``collect``); False, with the failure kept for the next
+        ``collect``, when a worker is gone or failed (``WorkerFailed``) or a send to the
+        workers fails (a peer's sockets closed: its receiving thread names it)."""
+        if self._failure is not None:
+            return False
+        try:
+            op()
+            return True
+        except WorkerFailed as e:
+            self._failure = e
+        except Exception as e:  # noqa: BLE001 - a send failed: a worker died mid-send
+            self.failed = True
+            time.sleep(0.5)  # its receiving thread's error names the worker
+            try:
+                self._drain(when)
+                self._failure = WorkerFailed(
+                    f"a rollout worker is gone ({type(e).__name__}: {e}), noticed {when}; the "
+                    "run stops (--resume continues from the last checkpoint)"
+                )
+            except WorkerFailed as w:
+                self._failure = w
+        return False
 
     def _assign(self, step: int) -> None:
         """Draw step ``step``'s prompts with their K and send them to the workers."""
@@ -213,13 +256,23 @@ class RolloutPipeline:
             return self._collect_main(step, preempt)
         # Trainer ranks > 0 wait on the rendezvous store (CTRL_TIMEOUT), not inside the scatter
         # (a collective, under NCCL's 10-minute watchdog), while rank 0 waits for the workers.
+        # A worker failure is posted there too, so every trainer rank raises it at this step
+        # (and the loop's checkpoint of the last step, a collective, runs on all of them).
         key = f"paravt/async/ready/{step}"
         batch = None
         if self.ctx.is_main:
-            batch = self._collect_main(step, preempt)
+            try:
+                batch = self._collect_main(step, preempt)
+            except WorkerFailed as e:
+                self.roles.store.set(key, _FAILED + str(e))
+                raise
             self.roles.store.set(key, "1")
         else:
             self.roles.store.wait([key], CTRL_TIMEOUT)
+            posted = self.roles.store.get(key).decode()
+            if posted.startswith(_FAILED):
+                self.failed = True
+                raise WorkerFailed(posted[len(_FAILED) :])
         shares: list[Any] = [None]
         out = self._split(batch) if batch is not None else [None] * self.ctx.world_size
         dist.scatter_object_list(shares, out if self.ctx.is_main else None, src=0)
@@ -235,6 +288,8 @@ class RolloutPipeline:
         return out
 
     def _collect_main(self, step: int, preempt: Any) -> RolloutBatch | None:
+        if self._failure is not None:  # noticed while pushing the last weights
+            raise self._failure
         t0 = time.perf_counter()
         workers = self.roles.workers
         while len(self._buffer.get(step, {})) < len(workers):
