@@ -14,11 +14,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from test_train_resume import tiny_overrides
-from train_runs import ROOT, assert_same_row, train_rows, wait_for
+from train_runs import ROOT, assert_same_row, train_rows
 
 from paravt.metrics import read_metrics
 
@@ -32,20 +31,15 @@ def test_kill_9_mid_step_then_resume_matches_uninterrupted_run(assets, tmp_path)
     full, cut = tmp_path / "full", tmp_path / "cut"
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "cwd": ROOT}
     ref = subprocess.Popen(_argv(assets, full), **pipe)  # uninterrupted, alongside
-    proc = subprocess.Popen(_argv(assets, cut), **pipe)
-    latest = cut / "checkpoints" / "latest"
-    wait_for(
-        lambda: latest.is_file() and latest.read_text().strip() == "step_000002",
-        proc,
-        "the step-2 checkpoint",
-    )
-    # Step 3's row is the last thing of step 3 (no checkpoint at 3): right after it the
-    # process is in step 4's rollout (~1 s a step here), so the kill lands mid-step.
-    wait_for(lambda: 3 in train_rows(cut), proc, "step 3's metrics")
-    time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    # The run SIGKILLs itself as it enters step 4's update (paravt.preempt's test hook: the
+    # real signal, which no handler can catch), after the step-2 checkpoint and step 3's row.
+    # A kill from here after seeing step 3's row raced the run (~1 s a step) on a busy machine.
+    env = {**os.environ, "PARAVT_PREEMPT_TEST_SIGNAL": "SIGKILL:4:update"}
+    proc = subprocess.Popen(_argv(assets, cut), **pipe, env=env)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    assert "sends itself SIGKILL at step 4 (update)" in out
+    assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000002"
     assert not (cut / "checkpoints" / "step_000004").exists(), "the run finished before the kill"
     before_kill = train_rows(cut)
     assert 4 not in before_kill
