@@ -94,8 +94,13 @@ browser:
 
 # --timeout (pytest-timeout): no test takes a minute on a 2-core CPU; one that hangs fails after
 # 10 with every thread's stack instead of running the suite into CI's 90-minute limit.
+# -n (pytest-xdist): TEST_WORKERS processes, one torch thread each (two torch processes of two
+# threads each on two cores slow each other many times over); --dist loadfile keeps a file's
+# tests in one process (a module's vLLM engine starts once). Serial: `make test TEST_WORKERS=0`.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install ext native-check install-vllm browser
-	$(VPY) -m pytest tests -q --timeout 600
+	$(if $(XDIST),OMP_NUM_THREADS=1 )$(VPY) -m pytest tests -q --timeout 600 $(XDIST)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
