@@ -96,11 +96,18 @@ browser:
 # 10 with every thread's stack instead of running the suite into CI's 90-minute limit.
 # -n (pytest-xdist): TEST_WORKERS processes, one torch thread each (two torch processes of two
 # threads each on two cores slow each other many times over); --dist loadfile keeps a file's
-# tests in one process (a module's vLLM engine starts once). Serial: `make test TEST_WORKERS=0`.
+# tests in one process (a module's vLLM engine starts once). The viewer's Chromium tests
+# (tests/test_view.py) run after them, alone: beside a busy worker a page load took 72 s
+# instead of 7, and one renderer spun for minutes. Serial: `make test TEST_WORKERS=0`.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: install ext native-check install-vllm browser
-	$(if $(XDIST),OMP_NUM_THREADS=1 )$(VPY) -m pytest tests -q --timeout 600 $(XDIST)
+ifeq ($(TEST_WORKERS),0)
+	$(VPY) -m pytest tests -q --timeout 600
+else
+	OMP_NUM_THREADS=1 $(VPY) -m pytest tests -q --timeout 600 -n $(TEST_WORKERS) --dist loadfile \
+	  --ignore tests/test_view.py
+	$(VPY) -m pytest tests/test_view.py -q --timeout 600
+endif
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -7,6 +7,9 @@
 - ``make_clip``: ``make_clip(gop=12, codec="h264", fps=4.0, duration=10.0, size=(128, 160))``
   writes (once per parameter set) a real clip whose frames carry their index (read it back
   with ``paravt.data.synth.read_frame_index``) and returns its path as ``str``.
+- a ``torch.distributed`` process group a test file leaves up is taken down after it, with a
+  warning (autouse): a group left by one file changed what a later file in the same process
+  did (``make test`` runs the files in two processes, in an order that varies).
 - ``impl`` (per test, parametrised ``indirect=True`` with ``"torch"`` / ``"triton"`` / …):
   sets ``PARAVT_IMPL`` for the kernel dispatch, and ``TRITON_INTERPRET=1`` for ``"triton"``
   (the tests' tensors live on the CPU); returns the name.
@@ -104,3 +107,21 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     if request.param == "triton":  # the tests' tensors live on the CPU: interpret
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left(request: pytest.FixtureRequest):
+    """Take down a default process group a test file left up, with a warning naming the file,
+    so that the next file in this process starts clean: a group of one left by an unclosed
+    in-process vLLM engine made a later single-process FSDP2 test join it instead of starting
+    (and then taking down) its own. Runs after the file's own fixtures are torn down."""
+    yield
+    import warnings
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        warnings.warn(
+            f"{request.node.nodeid} left a torch.distributed process group up", stacklevel=1
+        )

@@ -47,7 +47,9 @@ def bundle(tiny32_dir):
 def vllm_engine(bundle):
     from paravt.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(bundle, load_config("tiny_cpu", overrides=GREEDY))
+    eng = VLLMEngine(bundle, load_config("tiny_cpu", overrides=GREEDY))
+    yield eng
+    eng.close()  # its teardown takes down the process groups vLLM started in this process
 
 
 def _predictions(bundle, engine, synth_dir, out, crop_mode):

@@ -337,7 +337,9 @@ def test_lost_worker_node_is_named_and_the_trainer_saves(assets, tmp_path) -> No
     assert trainer.returncode != 0
     assert took < 60, took
     assert re.search(r"error: rollout worker rank 1 (is gone|failed)", rest), rest[-3000:]
-    m = re.search(r"\[async\] a rollout worker is gone after step (\d+): checkpoint (\S+) written", rest)
+    m = re.search(
+        r"\[async\] a rollout worker is gone after step (\d+): checkpoint (\S+) written", rest
+    )
     assert m, rest[-3000:]
     done = int(m.group(1))
     assert done >= 2 and sorted(train_rows(out)) == list(range(1, done + 1))
@@ -368,6 +370,26 @@ def test_killed_trainer_stops_the_worker(assets, tmp_path) -> None:
     # The worker says it in one line (issue 50 item 6), without a traceback of its own.
     assert re.search(r"error: rollout worker rank 1: the trainer \(rank 0\) is gone", rest), rest
     assert "paravt/workers/worker.py" not in rest and "TrainerGone" not in rest, rest[-3000:]
+
+
+def test_ctrl_c_on_torchrun_saves_and_stops_the_worker(assets, tmp_path) -> None:
+    """Ctrl-C on the job (SIGINT to the torchrun agent, which forwards it to every process):
+    the trainer takes it as a preemption (checkpoint, then ``stop`` to the worker), the worker
+    ignores it and stops when told, with no traceback of either."""
+    out = tmp_path / "run"
+    proc = _launch(tmp_path, assets, out, **{"train.dump_batches": "false"})
+    _wait_for_line(proc, r"\[worker 1\] pid (\d+):", 120)
+    _wait_for_step(out, proc, 2)
+    os.kill(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=90)
+    m = re.search(
+        r"\[preempt\] SIGINT at step (\d+) .*checkpoint (\S+)(?: written| \(already)", rest
+    )
+    assert m, rest[-3000:]
+    assert re.search(r"\[worker 1\] stopped after \d+ step", rest), rest[-3000:]
+    assert "KeyboardInterrupt" not in rest, rest[-3000:]  # torchrun's own report aside,
+    assert "paravt/workers" not in rest and "paravt/train.py" not in rest  # no traceback of ours
+    assert Path(m.group(2)).is_dir()
 
 
 def _trainer_pid(torchrun_pid: int) -> int:

@@ -198,7 +198,9 @@ def test_lost_node_is_named_in_one_line(assets, tmp_path) -> None:
             kill_node(node)
     assert first.returncode != 0
     assert time.monotonic() - t0 < 60
-    m = re.search(r"error: rank 0 lost a peer rank of the job .*--resume continues from (\S+)", rest)
+    m = re.search(
+        r"error: rank 0 lost a peer rank of the job .*--resume continues from (\S+)", rest
+    )
     assert m, rest[-3000:]
     assert re.search(r"step_0000\d\d$", m.group(1)), m.group(1)
     assert "paravt/train.py" not in rest, rest[-3000:]  # no traceback of ours

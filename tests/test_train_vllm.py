@@ -115,3 +115,4 @@ def test_vllm_first_minibatch_ratios_are_one_and_weights_follow_the_step(
           f"|vLLM - pre-step policy| {float((got - old).abs().max()):.2e}")  # fmt: skip
     torch.testing.assert_close(got, new, atol=TOL, rtol=0)
     assert float((got - old).abs().max()) > 10 * TOL
+    tr.engine.close()  # vLLM takes down the process groups it started in this process

@@ -47,7 +47,9 @@ def engine(bundle):
         warnings.warn(f"{NO_VLLM} ({why})", stacklevel=1)
         pytest.skip(f"{NO_VLLM} ({why})")
     # A private copy of the weights for the HF side: the sync tests change the engine's.
-    return VLLMEngine(bundle, dtype="float32", max_model_len=4096, max_num_seqs=64, seed=0)
+    eng = VLLMEngine(bundle, dtype="float32", max_model_len=4096, max_num_seqs=64, seed=0)
+    yield eng
+    eng.close()  # its teardown takes down the process groups vLLM started in this process
 
 
 def _frames(t: int, h: int, w: int, seed: int) -> torch.Tensor:

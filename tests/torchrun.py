@@ -48,7 +48,11 @@ def launch_nodes(
         ]  # fmt: skip
         procs.append(
             subprocess.Popen(
-                cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                cmd,
+                env=full_env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
                 text=True,
             )  # fmt: skip
         )

@@ -18,7 +18,8 @@ The result of a step goes to trainer rank 0 on the worker's own ``roles.results`
 the runner's errors and counters and the worker's busy / idle seconds. A rollout that raises
 sends its traceback and the worker exits 1; a trainer that disappears fails the control
 thread's receive, and the worker exits 1 naming it. SIGTERM / SIGUSR1 (a cluster preempting
-the job) are left to the trainer, which checkpoints and then sends ``stop``.
+the job) and SIGINT (a Ctrl-C, which torchrun forwards to every process) are left to the
+trainer, which checkpoints and then sends ``stop``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,9 @@ class _Weights:
 
 def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, Any]:
     """Serve the trainer until it says stop; returns this worker's totals."""
-    for s in (signal.SIGTERM, signal.SIGUSR1):  # the trainer decides; see the docstring
+    # The trainer decides (see the docstring). SIGINT too: torchrun forwards a Ctrl-C to every
+    # process of the job, and a worker that died of it would fail the trainer's checkpoint.
+    for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, lambda *_: None)
     hello = roles.ctrl.bcast()
     if hello.get("kind") != "hello":
