@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from assets_task import ASSETS_TASK
-from torchrun import kill_node, launch_nodes, torchrun
+from torchrun import lose_node, running_nodes, torchrun
 from train_runs import ROOT, assert_same_row, assert_same_weights, train_rows
 from vllm_required import HAVE_VLLM, skip_without_vllm
 
@@ -320,20 +320,11 @@ def test_lost_worker_node_is_named_and_the_trainer_saves(assets, tmp_path) -> No
     from it (one node) trains the next step and every step is logged once."""
     out = tmp_path / "run"
     extra = {"rollout.workers": 1, "train.save_every": 0, "train.dump_batches": "false"}
-    trainer, worker = launch_nodes(
-        2, "-m", "paravt.train", *_overrides(assets, out, **{"train.steps": 40, **extra}),
-        cwd=ROOT,
-    )  # fmt: skip
-    try:
+    args = _overrides(assets, out, **{"train.steps": 40, **extra})
+    with running_nodes(2, "-m", "paravt.train", *args, cwd=ROOT) as (trainer, worker):
         _wait_for_line(worker, r"\[worker 1\] pid (\d+):", 120)  # the worker is on node 1
         _wait_for_step(out, trainer, 2)
-        t0 = time.monotonic()
-        kill_node(worker)
-        rest, _ = trainer.communicate(timeout=90)
-    finally:
-        for node in (trainer, worker):
-            kill_node(node)
-    took = time.monotonic() - t0
+        rest, took = lose_node(trainer, worker)
     assert trainer.returncode != 0
     assert took < 60, took
     assert re.search(r"error: rollout worker rank 1 (is gone|failed)", rest), rest[-3000:]

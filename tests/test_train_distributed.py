@@ -22,14 +22,13 @@ on both sides, the single process on a world of one) the same comparison runs on
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from assets_task import ASSETS_TASK
-from torchrun import kill_node, launch_nodes, torchrun_nodes
-from train_runs import ROOT, train_rows
+from torchrun import lose_node, running_nodes, torchrun_nodes
+from train_runs import ROOT, train_rows, wait_for
 
 from paravt.metrics import read_metrics
 
@@ -180,24 +179,13 @@ def test_lost_node_is_named_in_one_line(assets, tmp_path) -> None:
     not the collective's traceback."""
     out = tmp_path / "run"
     args = [a for a in _overrides(assets, out) if not a.startswith(("train.steps", "sft.steps"))]
-    first, second = launch_nodes(
-        2, "-m", "paravt.train", *args, "train.steps=40", "sft.steps=0",
-        "train.dump_batches=false", cwd=ROOT,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 180
-        while 2 not in (train_rows(out) if (out / "metrics.jsonl").exists() else {}):
-            assert first.poll() is None, first.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "step 2 not reached"
-            time.sleep(0.05)
-        t0 = time.monotonic()
-        kill_node(second)
-        rest, _ = first.communicate(timeout=90)
-    finally:
-        for node in (first, second):
-            kill_node(node)
+    args += ["train.steps=40", "sft.steps=0", "train.dump_batches=false"]
+    with running_nodes(2, "-m", "paravt.train", *args, cwd=ROOT) as (first, second):
+        rows = out / "metrics.jsonl"
+        wait_for(lambda: rows.exists() and 2 in train_rows(out), first, "step 2's row", 180)
+        rest, took = lose_node(first, second)
     assert first.returncode != 0
-    assert time.monotonic() - t0 < 60
+    assert took < 60, took
     m = re.search(
         r"error: rank 0 lost a peer rank of the job .*--resume continues from (\S+)", rest
     )

@@ -3,11 +3,13 @@ module: tests import it by name, as pytest puts ``tests/`` on ``sys.path``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -98,6 +100,28 @@ def kill_node(agent: subprocess.Popen) -> None:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+@contextlib.contextmanager
+def running_nodes(
+    nnodes: int, *args: str, cwd: Path | None = None
+) -> Iterator[list[subprocess.Popen]]:
+    """``launch_nodes`` for a ``with`` block: every node is killed when it ends, however."""
+    procs = launch_nodes(nnodes, *args, cwd=cwd)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            kill_node(p)
+
+
+def lose_node(survivor: subprocess.Popen, lost: subprocess.Popen) -> tuple[str, float]:
+    """``kill_node(lost)``, then wait (90 s at most) for ``survivor`` to exit: its output and
+    the seconds it took."""
+    t0 = time.monotonic()
+    kill_node(lost)
+    rest, _ = survivor.communicate(timeout=90)
+    return rest, time.monotonic() - t0
 
 
 def run_worker(
