@@ -23,6 +23,7 @@ comment lines directly above each field.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -985,3 +986,79 @@ def to_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# --help: the presets, the keys a user sets most, where the rest lives.
+
+#: One line per preset for the commands' ``--help``.
+PRESET_NOTES: dict[str, str] = {
+    "tiny_cpu": "the embedded default: a tiny Qwen3-VL built offline, synthetic videos, CPU",
+    "tiny_cpu_vanilla": "tiny_cpu trained with vanilla GRPO (no anchor, no K gating)",
+    "qwen3vl_8b_paragrpo": "Qwen3-VL-8B, PARA-GRPO, vLLM rollouts, GPUs (needs model.path)",
+    "qwen3vl_8b_vanilla": "qwen3vl_8b_paragrpo with vanilla GRPO (no anchor, no K gating)",
+}
+
+#: The keys a user sets most (``--help`` shows each with its default under two presets).
+COMMON_KEYS: dict[str, str] = {
+    "model.path": "a Qwen3-VL checkpoint folder ('' builds the tiny model)",
+    "model.dtype": "float32 | bfloat16 (bf16 compute, float32 master weights)",
+    "data.path": "your dataset (JSONL rows; '' generates the synthetic task)",
+    "train.out_dir": "the run folder (checkpoints, metrics, viewer)",
+    "train.steps": "RL steps",
+    "train.prompts_per_step": "prompts a step (each sampled rollout.group_size times)",
+    "train.save_every": "checkpoint every N steps (and at the end)",
+    "rollout.engine": "hf | vllm",
+    "rollout.group_size": "G: rollouts a prompt",
+    "rollout.workers": "asynchronous: this many of the torchrun ranks roll out",
+    "algo.lr": "the RL learning rate",
+    "algo.kl_coef": "KL to the reference policy (0: no reference model)",
+    "reward.lambda_anchor": "the format anchor's weight (0: vanilla GRPO)",
+    "video.frame_budgets": "the overview budgets K drawn per prompt",
+    "sft.steps": "cold-start SFT steps before RL (0: start from model.path as it is)",
+}
+
+
+def _shown(preset: str, key: str) -> str:
+    if PRESETS.get(preset, {}).get(key) is MISSING:
+        return "(required)"
+    value = OmegaConf.select(OmegaConf.structured(load_config(preset, validate_=False)), key)
+    if OmegaConf.is_list(value):  # as it is written on a command line
+        return "[" + ",".join(map(str, value)) + "]"
+    return "''" if value == "" else str(value)
+
+
+def config_help(presets: tuple[str, str] = ("tiny_cpu", "qwen3vl_8b_paragrpo")) -> str:
+    """The end of a config-taking command's ``--help``: the presets, :data:`COMMON_KEYS` with
+    their defaults under ``presets``, and where every other key is described."""
+    a, b = presets
+    width = max(map(len, PRESETS))
+    lines = ["presets (--preset NAME; tiny_cpu when none is given):"]
+    lines += [f"  {n:<{width}}  {PRESET_NOTES.get(n, '')}" for n in PRESETS]
+    rows = [(k, _shown(a, k), _shown(b, k), what) for k, what in COMMON_KEYS.items()]
+    kw = max(len(r[0]) for r in rows)
+    aw = max(len(a), *(len(r[1]) for r in rows))
+    bw = max(len(b), *(len(r[2]) for r in rows))
+    lines += [
+        "",
+        "most used keys (key=value, before or after the flags), with their defaults:",
+        f"  {'':<{kw}}  {a:<{aw}}  {b:<{bw}}",
+    ]
+    lines += [f"  {k:<{kw}}  {va:<{aw}}  {vb:<{bw}}  {what}" for k, va, vb, what in rows]
+    lines += [
+        "",
+        "Every key, with its default and what it does: paravt/config.py (one dataclass per",
+        "section; the presets in PRESETS). A run's resolved settings: RUN/config.yaml.",
+    ]
+    return "\n".join(lines)
+
+
+class ConfigHelpParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose ``--help`` ends with :func:`config_help` (built only when
+    shown). Used by ``paravt.train``, ``paravt.eval``, ``paravt.plan`` and the experiments'
+    drivers."""
+
+    def format_help(self) -> str:
+        self.epilog = config_help()
+        self.formatter_class = argparse.RawDescriptionHelpFormatter
+        return super().format_help()

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from paravt.config import Config, ConfigError, load_config, validate
+from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, validate
 from paravt.models.tiny import ARCH_DIR, arch_config_path
 
 GIB = float(1 << 30)
@@ -711,7 +711,7 @@ def load_plan_config(preset: str, files: list[str], overrides: list[str]) -> Con
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m paravt.plan", description=__doc__.split("\n\n")[0])
+    p = ConfigHelpParser(prog="python -m paravt.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny_cpu")
     p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     p.add_argument("--nproc-per-node", type=int, default=1)

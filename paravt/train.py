@@ -66,7 +66,15 @@ from paravt.checkpoint import (
     set_rng_state,
     step_dirname,
 )
-from paravt.config import Config, ConfigError, load_config, preset_errors, to_dict, to_yaml
+from paravt.config import (
+    Config,
+    ConfigError,
+    ConfigHelpParser,
+    load_config,
+    preset_errors,
+    to_dict,
+    to_yaml,
+)
 from paravt.data.readers import DatasetError
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import (
@@ -118,8 +126,8 @@ from paravt.workers.roles import pin_worker_gpu
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m paravt.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny_cpu", help="tiny_cpu | tiny_cpu_vanilla | ...")
+    p = ConfigHelpParser(prog="python -m paravt.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny_cpu", help="see the presets below")
     p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. algo.kl_coef=0.02")

@@ -749,7 +749,14 @@ def serve(index: Path, run_dir: Path, port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m paravt.view", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m paravt.view",
+        description=__doc__.split("\n")[0],
+        epilog="It writes RUN_DIR/view/index.html (the metrics' panels, alarms, evaluations) and "
+        "trajectories.html (each logged episode: overview frames, tool calls, crops, sub-agent "
+        "summaries, rewards); open them in a browser, or pass --serve PORT. RUN_DIR: a "
+        "python -m paravt.train run folder (train.out_dir) or a python -m paravt.eval --out folder.",
+    )
     ap.add_argument("run_dir", help="training run folder (metrics.jsonl) or eval folder")
     ap.add_argument("--out", default="", help="report folder (default RUN_DIR/view)")
     ap.add_argument("--serve", type=int, default=None, metavar="PORT", help="serve it after")

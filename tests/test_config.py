@@ -206,3 +206,41 @@ def test_eval_takes_overrides_on_both_sides_of_a_flag() -> None:
     a = parse_args(["agent.max_turns=2", "--benchmark", "synth", "--limit", "3", "seed=1"])
     assert a.overrides == ["agent.max_turns=2", "seed=1"] and a.benchmark == "synth"
     assert a.limit == 3
+
+
+@pytest.mark.parametrize(
+    "command", ["paravt.train", "paravt.eval", "paravt.plan", "paravt.experiments", "collapse"]
+)
+def test_help_shows_the_presets_the_common_keys_and_their_defaults(command, capsys) -> None:
+    """``--help`` of every config-taking command (issue 46 item 4): each preset with its line,
+    each of ``COMMON_KEYS`` with its default under tiny_cpu and under the 8B preset as
+    ``load_config`` resolves them (read here independently), and where every key lives."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    from paravt.config import COMMON_KEYS, PRESET_NOTES
+
+    module = {"collapse": "paravt.experiments.collapse"}.get(command, command)
+    mod = importlib.import_module(module + (".__main__" if command == "paravt.eval" else ""))
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert set(PRESET_NOTES) == set(PRESETS)  # a new preset gets its line
+    for name, note in PRESET_NOTES.items():
+        assert re.search(rf"^  {name} +{re.escape(note)}$", text, re.M), name
+    tiny = OmegaConf.structured(load_config("tiny_cpu"))
+    big = OmegaConf.structured(load_config("qwen3vl_8b_paragrpo", validate_=False))
+
+    def shown(cfg, key: str) -> str:
+        v = OmegaConf.select(cfg, key, throw_on_missing=True)
+        return "[" + ",".join(map(str, v)) + "]" if OmegaConf.is_list(v) else (str(v) or "''")
+
+    for key in COMMON_KEYS:
+        row = re.search(rf"^  {re.escape(key)} +(\S+) +(\S+) +", text, re.M)
+        assert row, key
+        assert row.group(1) == shown(tiny, key), key
+        want = "(required)" if key == "model.path" else shown(big, key)
+        assert row.group(2) == want, key
+    assert "paravt/config.py" in text and "RUN/config.yaml" in text

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
-from paravt.config import PRESETS, Config, ConfigError, load_config
+from paravt.config import PRESETS, Config, ConfigError, ConfigHelpParser, load_config
 from paravt.files import FolderBusy, claim_folder
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from paravt.eval.benchmarks import BENCHMARK_SPECS
     from paravt.rollout import ENGINES
 
-    ap = argparse.ArgumentParser(prog="python -m paravt.eval", description=__doc__.split("\n\n")[0])
+    ap = ConfigHelpParser(prog="python -m paravt.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--benchmark", required=True, choices=tuple(BENCHMARK_SPECS))
     ap.add_argument("--data-root", default="", help="the benchmark as distributed (see docs)")
     ap.add_argument("--model", default="", help="HF model dir or paravt checkpoint dir")

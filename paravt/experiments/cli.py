@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from paravt.config import ConfigError, load_config, preset_errors
+from paravt.config import ConfigError, ConfigHelpParser, load_config, preset_errors
 from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
@@ -41,9 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["tools-pay"]:  # paravt/experiments/tools_pay.py
         return tools_pay_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
-        prog="python -m paravt.experiments", description=__doc__, formatter_class=raw
-    )
+    p = ConfigHelpParser(prog="python -m paravt.experiments", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser(
         "collapse",

@@ -59,7 +59,6 @@ measured every ``--eval-every`` steps, not at every step.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import re
@@ -72,7 +71,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from paravt.config import Config, ConfigError, load_config, preset_errors
+from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, preset_errors
 from paravt.experiments.arms import (
     DriverInterrupted,
     FolderLock,
@@ -993,7 +992,7 @@ def _int_list(flag: str, raw: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m paravt.experiments collapse ...`` (``paravt.experiments.cli.main``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(
+    p = ConfigHelpParser(
         prog="python -m paravt.experiments collapse", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--seeds", type=int, default=3, help="number of seeds")
