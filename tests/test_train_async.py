@@ -5,8 +5,8 @@ trainer rank and one rollout worker with its own engine.
 * η = 1: staleness never exceeds η and does reach it, an episode spans a weight update, every
   trained token's behaviour log-prob is the log-prob under the version recorded for it (and
   not under its neighbours), the PPO ratio against the proximal policy is 1;
-* a worker's node lost (two nodes, c10d rendezvous) stops the run with an error naming it
-  after the trainer checkpoints its last step, which resumes; a killed trainer stops the
+* a worker's node lost (two nodes, c10d rendezvous; two trainer ranks on the first) stops
+  the run with an error naming it after the trainers checkpoint the last step, which resumes; a killed trainer stops the
   worker; a preempted asynchronous run resumes;
 * bad settings are errors before anything loads.
 """
@@ -291,10 +291,12 @@ def _wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float) -> re.M
     pytest.fail(f"no line matching {pattern!r}:\n{''.join(seen)[-3000:]}")
 
 
-def _launch(tmp_path: Path, assets: dict[str, str], out: Path, **extra: object) -> subprocess.Popen:
+def _launch(
+    tmp_path: Path, assets: dict[str, str], out: Path, nproc: int = 2, **extra: object
+) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-        "-m", "paravt.train",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--standalone", "-m", "paravt.train",
         *_overrides(assets, out, **{"rollout.workers": 1, "train.steps": 40, **extra}),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
@@ -311,23 +313,28 @@ def _wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float 
         time.sleep(0.05)
 
 
-def test_lost_worker_node_is_named_and_the_trainer_saves(assets, tmp_path) -> None:
-    """Two nodes (``--nnodes 2 --nproc-per-node 1`` twice, c10d rendezvous): the trainer on
-    node 0, the rollout worker on node 1, so async steps run with their worker on the second
-    node. Then node 1 is lost (its agent and worker SIGKILLed): the trainer names worker rank
-    1 within 60 s, checkpoints its last completed step (``train.save_every`` is off, so that
-    checkpoint is the failure path's own) and exits 1 with one ``error:`` line; ``--resume``
-    from it (one node) trains the next step and every step is logged once."""
+def test_lost_worker_node_is_named_and_the_trainers_save(assets, tmp_path) -> None:
+    """Two nodes (c10d rendezvous): node 0 runs two FSDP2 trainer ranks, node 1 the rollout
+    worker (global rank 2), so async steps run with their worker on the second node. Then
+    node 1 is lost (its agent and worker SIGKILLed): within 60 s both trainer ranks name worker
+    rank 2 (rank 0 from its receiving thread, rank 1 from the failure rank 0 posts on the
+    rendezvous store where rank 1 waits for the step's rollouts), write the last completed
+    step's checkpoint together (``train.save_every`` is off, so that checkpoint is the failure
+    path's own) and exit 1, one ``error:`` line each; ``--resume`` from it (one node) trains
+    the next step and every step is logged once."""
     out = tmp_path / "run"
     extra = {"rollout.workers": 1, "train.save_every": 0, "train.dump_batches": "false"}
     args = _overrides(assets, out, **{"train.steps": 40, **extra})
-    with running_nodes(2, "-m", "paravt.train", *args, cwd=ROOT) as (trainer, worker):
-        _wait_for_line(worker, r"\[worker 1\] pid (\d+):", 120)  # the worker is on node 1
-        _wait_for_step(out, trainer, 2)
-        rest, took = lose_node(trainer, worker)
-    assert trainer.returncode != 0
+    with running_nodes(2, "-m", "paravt.train", *args, cwd=ROOT, nprocs=(2, 1)) as (
+        trainers,
+        worker,
+    ):
+        _wait_for_line(worker, r"\[worker 2\] pid (\d+):", 120)  # the worker is on node 1
+        _wait_for_step(out, trainers, 2)
+        rest, took = lose_node(trainers, worker)
+    assert trainers.returncode != 0
     assert took < 60, took
-    assert re.search(r"error: rollout worker rank 1 (is gone|failed)", rest), rest[-3000:]
+    assert len(re.findall(r"error: rollout worker rank 2 is gone", rest)) == 2, rest[-3000:]
     m = re.search(
         r"\[async\] a rollout worker is gone after step (\d+): checkpoint (\S+) written", rest
     )
@@ -337,7 +344,7 @@ def test_lost_worker_node_is_named_and_the_trainer_saves(assets, tmp_path) -> No
     assert Path(m.group(2)).name == f"step_{done:06d}" and Path(m.group(2)).is_dir()
     assert "paravt/workers/pipeline.py" not in rest, rest[-3000:]  # one line, no traceback
     proc = torchrun(
-        2, "-m", "paravt.train", "--resume",
+        3, "-m", "paravt.train", "--resume",
         *_overrides(assets, out, **{"train.steps": done + 1, **extra}), timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

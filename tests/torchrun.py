@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -28,11 +28,16 @@ def torchrun(
 
 
 def launch_nodes(
-    nnodes: int, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+    nnodes: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    nprocs: Sequence[int] | None = None,
 ) -> list[subprocess.Popen]:
-    """Start ``nnodes`` torchrun agents on this host as the nodes of one job, one rank each:
-    ``--nnodes N --nproc-per-node 1`` with the c10d rendezvous on a free local port, as on N
-    machines. Each agent's output (stdout and stderr merged) is its Popen's ``stdout``.
+    """Start ``nnodes`` torchrun agents on this host as the nodes of one job: ``--nnodes N
+    --nproc-per-node nprocs[i]`` (1 each by default) with the c10d rendezvous on a free local
+    port, as on N machines. Each agent's output (stdout and stderr merged) is its Popen's
+    ``stdout``.
 
     Torch's dynamic rendezvous orders the nodes by (host, agent pid): the agent started first
     is node 0 (global rank 0; it also hosts the rendezvous store). A node is an agent and its
@@ -42,10 +47,10 @@ def launch_nodes(
         port = s.getsockname()[1]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **(env or {})}
     procs = []
-    for _ in range(nnodes):
+    for node in range(nnodes):
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--nproc-per-node", str(nprocs[node] if nprocs else 1), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"paravt-test-{port}", *args,
         ]  # fmt: skip
         procs.append(
@@ -104,10 +109,10 @@ def kill_node(agent: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def running_nodes(
-    nnodes: int, *args: str, cwd: Path | None = None
+    nnodes: int, *args: str, cwd: Path | None = None, nprocs: Sequence[int] | None = None
 ) -> Iterator[list[subprocess.Popen]]:
     """``launch_nodes`` for a ``with`` block: every node is killed when it ends, however."""
-    procs = launch_nodes(nnodes, *args, cwd=cwd)
+    procs = launch_nodes(nnodes, *args, cwd=cwd, nprocs=nprocs)
     try:
         yield procs
     finally:
