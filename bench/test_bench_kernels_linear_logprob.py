@@ -96,7 +96,7 @@ def _previous_bwd_triton(grad_logprob, hidden, weight, targets, lse, bv):
     here as the memory baseline: a full NaN-safe copy of ``hidden``, a fresh fp32 ``dZ W``
     product per vocabulary tile added into ``dH``, a ``bv``-column logits tile (no entropy,
     no bias, temperature 1: the bench's case)."""
-    from paravt_kernels.linear_logprob_triton import _mm_f32, bwd_tile
+    from paravt_kernels.linear_logprob_triton import bwd_tile, mm_f32
     from paravt_kernels.reference import void_row_stand_ins, zero_nonfinite_dead_rows
 
     n_tok, d = hidden.shape
@@ -109,12 +109,12 @@ def _previous_bwd_triton(grad_logprob, hidden, weight, targets, lse, bv):
     dz_buf = torch.empty(n_tok, bv)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
-        z = _mm_f32(hidden, weight[v0:v1].T)
+        z = mm_f32(hidden, weight[v0:v1].T)
         dz = dz_buf[:, : v1 - v0]
         bwd_tile(z, dz, v0, None, targets, lse.contiguous(), g, None, None, 1.0)
         del z
         torch.mm(dz.T, hidden, out=grad_w[v0:v1])
-        grad_h += _mm_f32(dz, weight[v0:v1])
+        grad_h += mm_f32(dz, weight[v0:v1])
     return grad_h, grad_w
 
 

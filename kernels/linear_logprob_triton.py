@@ -141,7 +141,7 @@ def _llp_bwd_tile_kernel(
     )
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` with an fp32 result. Low-precision CUDA operands use the tensor cores with an
     fp32 output (no rounding of the logits to bf16); on CPU they are upcast first."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
@@ -203,7 +203,7 @@ def _dw_tile(out: torch.Tensor, dz: torch.Tensor, h: torch.Tensor, void: torch.T
         torch.mm(dz.T, h_c, out=out[:, c0:c1])
 
 
-def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32 (the products of low-precision operands are formed
     with an fp32 output, never rounded to the operand dtype).
 
@@ -221,7 +221,7 @@ def _addmm_f32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             return
         except (RuntimeError, TypeError):
             pass
-    acc += _mm_f32(a, b)
+    acc += mm_f32(a, b)
 
 
 def _blocks(n_tok: int, bv: int, fwd: bool) -> dict:
@@ -257,7 +257,7 @@ def linear_logprob_fwd_triton(
     inv_t = inverse_temperature(temperature, dev)
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
-        z = _mm_f32(hidden, weight[v0:v1].T)
+        z = mm_f32(hidden, weight[v0:v1].T)
         fwd_tile(z, v0, bias, targets, m, s, u, zt, inv_t)
     logprob, entropy, lse = row_stats(m, s, u, zt, targets != ignore_index)
     return logprob, torch.empty(0, **f32) if entropy is None else entropy, lse
@@ -348,14 +348,14 @@ def linear_logprob_bwd_triton(
     for v0 in range(0, vocab, bv):
         v1 = min(v0 + bv, vocab)
         w_j = weight[v0:v1]
-        z = _mm_f32(hidden, w_j.T)
+        z = mm_f32(hidden, w_j.T)
         dz = dz_buf[:, : v1 - v0]
         bwd_tile(z, dz, v0, bias, targets, lse, g, k if use_ent else None,
                  entropy if use_ent else None, inv_t, void_u8)  # fmt: skip
         del z
         w_op = w_j if dev.type == "cuda" else w_j.float()
         _dw_tile(grad_w[v0:v1], dz, h_op, void, dc)
-        _addmm_f32(grad_h, dz, w_op)  # in place: no fp32 (N, d) product per tile
+        addmm_f32(grad_h, dz, w_op)  # in place: no fp32 (N, d) product per tile
         if grad_b is not None:
             grad_b[v0:v1] = dz.sum(dim=0, dtype=torch.float32)
     return grad_h, grad_w, grad_b

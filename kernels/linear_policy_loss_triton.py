@@ -27,7 +27,7 @@ import torch
 
 from . import reference as ref
 from .dispatch import interpreting
-from .linear_logprob_triton import _addmm_f32, _mm_f32, bwd_tile, fwd_tile
+from .linear_logprob_triton import addmm_f32, bwd_tile, fwd_tile, mm_f32
 from .policy_loss_triton import policy_loss_fused_triton
 
 # (c, V) fp32 logits of one row chunk on GPU; bf16 operands add a (c, V) bf16 dlogits buffer.
@@ -53,7 +53,7 @@ class TritonRowChunks:
         return self.inv_t[r0:r1] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
 
     def forward(self, h: torch.Tensor, r0: int, r1: int, t: torch.Tensor, valid: torch.Tensor):
-        z = _mm_f32(h, self.weight.T)  # GEMM 1, (c, V) fp32
+        z = mm_f32(h, self.weight.T)  # GEMM 1, (c, V) fp32
         f32 = {"dtype": torch.float32, "device": z.device}
         m = torch.full((r1 - r0,), float("-inf"), **f32)
         s, u, zt = (torch.zeros(r1 - r0, **f32) for _ in range(3))
@@ -65,8 +65,8 @@ class TritonRowChunks:
         dz = z if self.dz_dtype == torch.float32 else torch.empty_like(z, dtype=self.dz_dtype)
         bwd_tile(z, dz, 0, self.bias, t, lse.contiguous(), g.contiguous(), None, None,
                  self._it(r0, r1))  # fmt: skip
-        grad_h[r0:r1] = _mm_f32(dz, self.w_op)  # GEMM 2
-        _addmm_f32(grad_w, dz.T, h if h.is_cuda else h.float())  # GEMM 3
+        grad_h[r0:r1] = mm_f32(dz, self.w_op)  # GEMM 2
+        addmm_f32(grad_w, dz.T, h if h.is_cuda else h.float())  # GEMM 3
         if grad_b is not None:
             grad_b += dz.sum(dim=0, dtype=torch.float32)
 

@@ -365,7 +365,7 @@ def all_reduce_max(x: float | Sequence[float] | torch.Tensor, ctx: DistContext) 
     return t.cpu()
 
 
-def _block_classes(model: torch.nn.Module) -> tuple[type, ...]:
+def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
     """Transformer block classes to wrap as FSDP units: HF ``_no_split_modules`` if declared,
     else the element type of every ``nn.ModuleList`` (decoder layers, vision blocks)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -398,7 +398,7 @@ def shard_model(
     mp = MixedPrecisionPolicy()
     if mixed:
         mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
-    classes = _block_classes(model)
+    classes = block_classes(model)
     for m in list(model.modules()):
         if m is not model and classes and isinstance(m, classes):
             fully_shard(m, mesh=mesh, mp_policy=mp)

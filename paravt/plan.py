@@ -153,14 +153,14 @@ def _hf_config(cfg: Config, d: dict[str, Any] | None) -> Any:
     import transformers
 
     if d is None:  # the tiny model: its config needs only the tokenizer's special-token ids
-        from paravt.models.tiny import QWEN_SPECIAL, _tiny_config, tiny_checkpoint_args
+        from paravt.models.tiny import QWEN_SPECIAL, tiny_checkpoint_args, tiny_config
 
         class _Ids:
             def convert_tokens_to_ids(self, s: str) -> int:
                 return 4000 + QWEN_SPECIAL.index(s)
 
         _, head_dim = tiny_checkpoint_args(cfg)
-        c = _tiny_config(_Ids(), head_dim)
+        c = tiny_config(_Ids(), head_dim)
         c.text_config.vocab_size = cfg.model.tiny_vocab
         return c
     d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version")}
@@ -172,7 +172,7 @@ def model_shape(cfg: Config) -> ModelShape:
     and read off its parameter counts, FSDP2 units and dimensions."""
     import transformers
 
-    from paravt.distributed import _block_classes
+    from paravt.distributed import block_classes
 
     source, d = config_source(cfg)
     hf = _hf_config(cfg, d)
@@ -188,7 +188,7 @@ def model_shape(cfg: Config) -> ModelShape:
         from paravt.sft import freeze_vit
 
         freeze_vit(model)
-    classes = _block_classes(model)
+    classes = block_classes(model)
     blocks = [m for m in model.modules() if classes and isinstance(m, classes)]
     in_block: set[int] = set()
     sizes: dict[str, int] = {}

@@ -205,10 +205,10 @@ def _medium_shape(shape, model, params, ModelShape):
     """The plan's shape of the in-process medium model (counted like ``model_shape``)."""
     import dataclasses
 
-    from paravt.distributed import _block_classes
+    from paravt.distributed import block_classes
 
     m = MEDIUM
-    classes = _block_classes(model)
+    classes = block_classes(model)
     blocks = [x for x in model.modules() if isinstance(x, classes)]
     in_block = {id(q) for b in blocks for q in b.parameters()}
     text = max(sum(q.numel() for q in b.parameters()) for b in blocks if "Text" in type(b).__name__)

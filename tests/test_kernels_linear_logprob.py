@@ -249,7 +249,7 @@ def test_low_precision_logits_never_fall_back_to_bf16_rounding():
         match=r"hidden \(torch.bfloat16\) x weight \(torch.bfloat16\).*needs a matmul with "
         r"float32 output.*error of ~0.05.*pass float32 hidden and weight",
     ):
-        llt._mm_f32(a, b)
+        llt.mm_f32(a, b)
 
 
 class _CopiesOf(__import__("torch.utils._python_dispatch", fromlist=["x"]).TorchDispatchMode):

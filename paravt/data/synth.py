@@ -402,7 +402,7 @@ def decoy_frames(plan: VideoPlan, fps: float) -> frozenset[int]:
 
     if plan.decoy is None:
         return frozenset()
-    times = overview_timestamps(_meta(plan, fps), DECOY_K)
+    times = overview_timestamps(plan_meta(plan, fps), DECOY_K)
     return frozenset(math.floor(t * fps + 1e-6) for t in times)
 
 
@@ -547,7 +547,7 @@ def oracle_settings(cfg: Any) -> OracleSettings:
     )
 
 
-class _Seen:
+class Seen:
     """What a model sees of a video at given sample times: one entry per temporal patch, with
     its printed timestamp (``<t seconds>``, one decimal) and what any of its frames shows."""
 
@@ -593,14 +593,14 @@ class _Seen:
         ]
 
 
-def _visible(seen: _Seen, e: Event, end: float) -> tuple[float, float] | None:
+def _visible(seen: Seen, e: Event, end: float) -> tuple[float, float] | None:
     """When ``e`` is seen during the cue colour (:func:`_span` of those timestamps); ``None``
     when not seen so."""
     cue = seen.cue()
     return _span(seen, [t for t in seen.event(e) if t in cue], end)
 
 
-def _span(seen: _Seen, stamps: list[float], end: float) -> tuple[float, float] | None:
+def _span(seen: Seen, stamps: list[float], end: float) -> tuple[float, float] | None:
     """From the first of ``stamps`` (printed timestamps of ``seen``) to the printed one after
     the last (or the crop's end, printed in the sub-agent's instruction): a window of times the
     sub-agent can read. ``None`` for no stamps."""
@@ -611,7 +611,7 @@ def _span(seen: _Seen, stamps: list[float], end: float) -> tuple[float, float] |
     return stamps[0], stop
 
 
-def _summary(plan: VideoPlan, seen: _Seen, end: float) -> str:
+def _summary(plan: VideoPlan, seen: Seen, end: float) -> str:
     """The sub-agent's oracle summary of one crop ending at ``end``: only what its frames show.
     Numbers only for the shape seen during the cue colour (:func:`_visible`), because copying
     digits is the hardest thing for a small model; other shapes are named without times.
@@ -646,7 +646,7 @@ def _windows(bounds: list[float], max_parallel: int) -> list[tuple[float, float]
     return [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
 
 
-def _meta(plan: VideoPlan, fps: float) -> VideoMeta:
+def plan_meta(plan: VideoPlan, fps: float) -> VideoMeta:
     """What the decoder would report for ``plan``'s video (the oracle samples frame times the
     way the run does, from this)."""
     return VideoMeta(
@@ -655,14 +655,14 @@ def _meta(plan: VideoPlan, fps: float) -> VideoMeta:
     )  # fmt: skip
 
 
-def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleSettings) -> _Seen:
+def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleSettings) -> Seen:
     """What a crop ``[a, b]`` shows, sampled as ``video.crop_*`` samples it."""
     from paravt.video import crop_timestamps
 
     times = crop_timestamps(
         meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames, min_frames=st.crop_min_frames
     )
-    return _Seen(plan, meta.fps, times, st.temporal_patch)
+    return Seen(plan, meta.fps, times, st.temporal_patch)
 
 
 def _record(row: dict, num_frames: int, *turns: dict) -> dict:
@@ -670,7 +670,7 @@ def _record(row: dict, num_frames: int, *turns: dict) -> dict:
     return {"sample_id": row["id"], "num_frames": num_frames, "turns": list(turns)}
 
 
-def _tool_record(
+def tool_record(
     row: dict,
     num_frames: int,
     plan_text: str,
@@ -713,9 +713,9 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     """
     from paravt.video import overview_timestamps
 
-    meta = _meta(plan, fps)
+    meta = plan_meta(plan, fps)
     tgt = plan.target
-    over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
+    over = Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
     seen_tgt = [s for s in over.event(tgt) if s in over.cue()]
     if seen_tgt and row["question_type"] != "tvg":
         answer = (
@@ -753,7 +753,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     else:  # the crops' frames missed the target: the oracle still answers (rare)
         found = f"No crop shows the shape clearly; the likeliest is the {tgt.name}."
         ans = row["answer"]
-    return _tool_record(row, num_frames, plan_text, windows, summaries, found, ans)
+    return tool_record(row, num_frames, plan_text, windows, summaries, found, ans)
 
 
 def need_flags(plan: VideoPlan, fps: float, temporal_patch: int = 2) -> dict[str, bool]:
@@ -764,9 +764,9 @@ def need_flags(plan: VideoPlan, fps: float, temporal_patch: int = 2) -> dict[str
     metrics by it, prompt by prompt."""
     from paravt.video import overview_timestamps
 
-    meta = _meta(plan, fps)
+    meta = plan_meta(plan, fps)
     return {
-        f"need_K{k}": not _Seen(plan, fps, overview_timestamps(meta, k), temporal_patch).event(
+        f"need_K{k}": not Seen(plan, fps, overview_timestamps(meta, k), temporal_patch).event(
             plan.target
         )
         for k in NEED_BUDGETS
@@ -813,7 +813,7 @@ def _spot_rows(
     ]
 
 
-def square_summary(plan: VideoPlan, crop: _Seen, end: float) -> str:
+def square_summary(plan: VideoPlan, crop: Seen, end: float) -> str:
     """The sub-agent's oracle summary of a "spot"/"spot_late" crop ending at ``end``: each
     square its frames show, in order of time, as ``A <colour> square appears at <a>-<b> s.``;
     ``Nothing notable happens.`` when none."""
@@ -870,9 +870,9 @@ def _spot_sft(
     square of their crop in order (:func:`square_summary`)."""
     from paravt.video import overview_timestamps
 
-    meta = _meta(plan, fps)
+    meta = plan_meta(plan, fps)
     tgt = plan.target
-    over = _Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
+    over = Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
     if over.decoyed():
         return []  # the overview shows a wrong colour (all of it, or some): no record
     if over.event(tgt):
@@ -889,7 +889,7 @@ def _spot_sft(
     if any(over.event(e) for e in plan.distractors):
         return []  # the need is hidden from the overview: no record
     windows, summaries, found = whole_video_crops(plan, meta, max(1, st.max_parallel), st)
-    out = [_tool_record(row, num_frames, SPOT_PLAN_TEXT, windows, summaries, found, row["answer"])]
+    out = [tool_record(row, num_frames, SPOT_PLAN_TEXT, windows, summaries, found, row["answer"])]
     for other in colour_swaps(tgt.colour, st.colour_swaps, f"{row['id']}:{num_frames}"):
         rec = swapped_tool_record(row, num_frames, windows, summaries, found, tgt.colour, other)
         out.append({**rec, "main_only": True})
@@ -910,11 +910,11 @@ def swapped_tool_record(
     colour: str,
     other: str,
 ) -> dict:
-    """A spot tool record (:func:`_tool_record`, the thought ``SPOT_PLAN_TEXT``) whose
+    """A spot tool record (:func:`tool_record`, the thought ``SPOT_PLAN_TEXT``) whose
     summaries, final thought ``found`` and answer name ``other`` where they named ``colour``
     (``other == colour``: the record as the oracle wrote it): the colour-swapped copies of
     ``data.synth_colour_swaps``."""
-    return _tool_record(
+    return tool_record(
         row, num_frames, SPOT_PLAN_TEXT, windows,
         [swap_colour(x, colour, other) for x in summaries], swap_colour(found, colour, other),
         spot_letter(other),
@@ -953,7 +953,7 @@ def summary_correct(summary: str, start: float, end: float, sample: Sample) -> b
     return named and any(a - 2 <= t <= b + 2 for t in times)
 
 
-def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -1078,9 +1078,9 @@ def generate(
                         sft.append(_sft(r, plan, fps, k, oracle))
         else:
             val.extend(rows)
-    _write_jsonl(out / "train.jsonl", train)
-    _write_jsonl(out / "val.jsonl", val)
-    _write_jsonl(out / "sft.jsonl", sft)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "val.jsonl", val)
+    write_jsonl(out / "sft.jsonl", sft)
     write_atomic(manifest, json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
     return out
 

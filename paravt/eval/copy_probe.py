@@ -46,12 +46,12 @@ from paravt.data.synth import (
     SPOT_COLOURS,
     SPOT_PLAN_TEXT,
     VideoPlan,
-    _meta,
-    _tool_record,
     oracle_settings,
+    plan_meta,
     read_plans,
     spot_letter,
     swap_colour,
+    tool_record,
     whole_video_crops,
 )
 from paravt.metrics import read_metrics
@@ -121,7 +121,7 @@ def _round(
     """The oracle's tool round of ``row`` at ``k`` with ``summaries``, its final thought
     ``found`` naming ``thought`` instead of ``truth``, and the answer ``letter``."""
     found_as = swap_colour(found, truth, thought)
-    return _tool_record(row, k, SPOT_PLAN_TEXT, windows, summaries, found_as, letter)
+    return tool_record(row, k, SPOT_PLAN_TEXT, windows, summaries, found_as, letter)
 
 
 def _most_likely(
@@ -163,7 +163,7 @@ def probe_rows(
         plan: VideoPlan = plans[Path(row["video"]).stem]
         sample = samples[row["id"]]
         windows, summaries, found = whole_video_crops(
-            plan, _meta(plan, fps), max(1, st.max_parallel), st
+            plan, plan_meta(plan, fps), max(1, st.max_parallel), st
         )
         truth = plan.target.colour
         hits = [j for j, s in enumerate(summaries) if f" {truth} " in s]

@@ -169,11 +169,11 @@ def all_tool_records(
     ``1..agent.max_parallel``."""
     from paravt.data.synth import (
         SPOT_PLAN_TEXT,
-        _meta,
-        _Seen,
-        _tool_record,
+        Seen,
         oracle_settings,
+        plan_meta,
         read_plans,
+        tool_record,
         whole_video_crops,
     )
     from paravt.video import overview_timestamps
@@ -193,11 +193,11 @@ def all_tool_records(
     out: list[dict] = []
     for _, row in read_jsonl(d / "train.jsonl"):
         plan = plans[Path(row["video"]).stem]
-        meta = _meta(plan, fps)
+        meta = plan_meta(plan, fps)
         squares = sorted([plan.target, *plan.distractors], key=lambda e: e.start)
         for k in st.budgets:
             n = _windows_for(f"{row['id']}:{k}", windows)
-            over = _Seen(plan, fps, overview_timestamps(meta, k), st.temporal_patch)
+            over = Seen(plan, fps, overview_timestamps(meta, k), st.temporal_patch)
             shown = [e.name for e in squares if over.event(e)]
             if over.decoyed():  # "spot_decoy": the overview shows the wrong colour
                 shown.append(f"{plan.decoy} {plan.target.shape}")
@@ -207,7 +207,7 @@ def all_tool_records(
                 else SPOT_PLAN_TEXT
             )
             wins, summaries, found = whole_video_crops(plan, meta, n, st)
-            rec = _tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
+            rec = tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
             if _hash_share(f"unclosed:{row['id']}:{k}") < unclosed_think:
                 first = rec["turns"][0]
                 first["content"] = first["content"].replace("\n</think>\n", "\n", 1)
@@ -342,10 +342,10 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
             "--base-steps must be >= 1 (or give model.path=CHECKPOINT as the base model)"
         )
     dirs = prepare_assets(cfg, DistContext())
-    from paravt.data.synth import _write_jsonl
+    from paravt.data.synth import write_jsonl
 
     data = cold / "base_data.jsonl"
-    _write_jsonl(data, base_records(dirs[0]))
+    write_jsonl(data, base_records(dirs[0]))
     scfg = _no_think(replace(cfg, sft=replace(base.sft, data=str(data))))
     what = f"base SFT {base.sft.steps} steps (the default's recipe, no <think>)"
     with _OneThread():
@@ -393,10 +393,10 @@ def cold_start(
     dirs = prepare_assets(scfg, DistContext())
     recs = all_tool_records(dirs[0], cfg, windows, unclosed_think)
     recs += replay_records(dirs[0], len(recs), replay)
-    from paravt.data.synth import _write_jsonl
+    from paravt.data.synth import write_jsonl
 
     data = cold / "sft_data.jsonl"
-    _write_jsonl(data, recs)
+    write_jsonl(data, recs)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
     with _OneThread():

@@ -116,7 +116,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 @contextmanager
-def _quiet_progress() -> Iterator[None]:
+def quiet_progress() -> Iterator[None]:
     """Silence transformers' progress bars for the block, restoring the previous setting."""
     from transformers.utils import logging as hf_logging
 
@@ -232,7 +232,7 @@ def load_model(
         )
     dev = resolve_device(device)
     cls = getattr(transformers, _SUPPORTED[model_type])
-    with _quiet_progress():  # no "Loading weights" bar inside the run's own progress bar
+    with quiet_progress():  # no "Loading weights" bar inside the run's own progress bar
         model = cls.from_pretrained(
             d,
             dtype=DTYPES[dtype],

@@ -12,7 +12,7 @@ vision attention, ``second_per_grid_ts`` M-RoPE) with the same tokenizer and tex
 
 Sizes (``TINY_*`` below): text hidden 64, 2 layers, 4 heads of 16 (2 KV heads), vocab 4096;
 vision depth 2, hidden 64, patch 16, merge 2, temporal patch 2 — about 0.8 M parameters.
-Architecture rules Qwen3-VL imposes (checked in ``_tiny_config``):
+Architecture rules Qwen3-VL imposes (checked in ``tiny_config``):
 ``sum(mrope_section) == head_dim / 2``; ``num_position_embeddings`` is a perfect square;
 deepstack indexes < vision depth; vision ``out_hidden_size`` == text hidden size.
 
@@ -223,7 +223,7 @@ def build_tiny_tokenizer(seed: int = 0):
     return fast
 
 
-def _tiny_config(tokenizer, head_dim: int = TINY_TEXT["head_dim"]):
+def tiny_config(tokenizer, head_dim: int = TINY_TEXT["head_dim"]):
     from transformers import Qwen3VLConfig
 
     t, v = {**TINY_TEXT, "head_dim": head_dim}, TINY_VISION
@@ -397,7 +397,7 @@ def build_tiny_checkpoint(
     import transformers
 
     archs = {
-        "qwen3_vl": (_tiny_config, "Qwen3VLForConditionalGeneration"),
+        "qwen3_vl": (tiny_config, "Qwen3VLForConditionalGeneration"),
         "qwen2_5_vl": (_tiny_config_qwen2_5, "Qwen2_5_VLForConditionalGeneration"),
     }
     if arch not in archs:
@@ -441,9 +441,9 @@ def build_tiny_checkpoint(
         tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    from paravt.models.loader import _quiet_progress
+    from paravt.models.loader import quiet_progress
 
-    with _quiet_progress():
+    with quiet_progress():
         model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     image_cfg, video_cfg = _processor_configs(arch)
@@ -643,7 +643,7 @@ def build_random_checkpoint(out_dir: str | Path, config: str, *, seed: int = 0,
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     from paravt.distributed import DTYPES
-    from paravt.models.loader import _quiet_progress
+    from paravt.models.loader import quiet_progress
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -655,7 +655,7 @@ def build_random_checkpoint(out_dir: str | Path, config: str, *, seed: int = 0,
             torch.set_default_dtype(prev)
     model.generation_config.eos_token_id = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    with _quiet_progress():
+    with quiet_progress():
         model.save_pretrained(tmp, safe_serialization=True)
     del model
     tokenizer.save_pretrained(tmp)
