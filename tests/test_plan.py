@@ -334,3 +334,29 @@ def test_cli_refuses_impossible_layouts_in_one_line(capsys, args, said):
     rc, out, err = _plan_here(capsys, "--preset", "tiny_cpu", "--cpu", *args)
     assert rc == 2 and out == "" and err.count("\n") == 1, err
     assert said in err and "Traceback" not in err
+
+
+def test_the_engine_terms_come_from_the_engine_registry(monkeypatch) -> None:
+    """What an engine holds is asked of its registry entry (issue 52 item 6), not of its name:
+    an engine registered under another name with a device-share key gets the reserve term on a
+    GPU (given back in the update when its sleep key is on) and its own weights + KV cache on a
+    CPU; one without gets the HF replica terms."""
+    from paravt.rollout import ENGINES, EngineSpec
+
+    spec = EngineSpec(
+        "other", "paravt.rollout.hf:from_config", "Other", own_weights=True,
+        device_share_key="vllm_gpu_memory_utilization", sleep_key="vllm_sleep",
+        cpu_kv_cache_key="vllm_kv_cache_gib",
+    )  # fmt: skip
+    monkeypatch.setitem(ENGINES, "other", spec)
+    cfg = dataclasses.replace(_cfg(), rollout=dataclasses.replace(_cfg().rollout, engine="other"))
+    gpu = {t.name: t for t in plan_memory(cfg, Layout(device_bytes=100 * GIB), SHAPE).terms}
+    reserve = gpu["Other engine reserve"]
+    frac = cfg.rollout.vllm_gpu_memory_utilization
+    assert reserve.rollout == pytest.approx(frac * 100 * GIB)
+    assert reserve.update == (0 if cfg.rollout.vllm_sleep else reserve.rollout)
+    assert not any(n.startswith("HF engine") for n in gpu)
+    cpu = {t.name for t in plan_memory(cfg, Layout(device_bytes=GIB, gpu=False), SHAPE).terms}
+    assert "Other engine (CPU)" in cpu
+    hf = {t.name for t in plan_memory(_cfg(), Layout(device_bytes=100 * GIB), SHAPE).terms}
+    assert "HF engine replica" in hf and not any("reserve" in n for n in hf)

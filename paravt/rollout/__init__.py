@@ -59,6 +59,14 @@ class EngineSpec:
     own_weights: bool = False
     # The engine refuses greedy requests (temperature 0) with top_p < 1.
     greedy_rejects_top_p: bool = False
+    # Memory (``paravt.plan``). On a GPU the engine reserves the share of the device that this
+    # ``rollout`` key sets ('' = it reserves nothing: it decodes with an HF model, the policy
+    # itself in one process, a replica under FSDP, plus its KV cache), given back during the
+    # update when ``sleep_key`` is true; on a CPU it holds its own weights plus the KV cache of
+    # ``cpu_kv_cache_key`` GiB.
+    device_share_key: str = ""
+    sleep_key: str = ""
+    cpu_kv_cache_key: str = ""
 
 
 def _register(*engines: EngineSpec) -> dict[str, EngineSpec]:
@@ -79,6 +87,9 @@ ENGINES: dict[str, EngineSpec] = _register(
         min_head_dim=32,  # vLLM's CPU attention supports head sizes >= 32 only
         own_weights=True,
         greedy_rejects_top_p=True,
+        device_share_key="vllm_gpu_memory_utilization",
+        sleep_key="vllm_sleep",
+        cpu_kv_cache_key="vllm_kv_cache_gib",
     ),
 )
 
