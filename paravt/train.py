@@ -39,7 +39,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,12 @@ from paravt.algo.advantages import apply_kl_reward, build_units
 from paravt.algo.gating import step_budgets
 from paravt.algo.guard import NonFiniteGuard
 from paravt.algo.logprobs import packed_logprobs
-from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
+from paravt.algo.loss import (
+    PolicyObjective,
+    agg_denominator,
+    make_objective,
+    policy_minibatch_backward,
+)
 from paravt.algo.packing import balance_units, microbatches, pack_units, split_units
 from paravt.algo.reference import ReferencePolicy
 from paravt.assets import prepare_data, prepare_model, read_datasets
@@ -78,6 +83,7 @@ from paravt.config import (
 from paravt.data.readers import DatasetError
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import (
+    DistContext,
     Precision,
     all_gather_objects,
     all_reduce_sum,
@@ -109,14 +115,15 @@ from paravt.metrics import (
     trajectory_record,
     trajectory_samples,
 )
-from paravt.models import load_model_from_config
+from paravt.models import ModelBundle, load_model_from_config
 from paravt.plan import check_device_memory
 from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout import engine_spec, make_engine
+from paravt.rollout.engine import Engine
 from paravt.runfolder import check_run_folder, logged_eval, record_run
 from paravt.sft import freeze_vit, run_sft
-from paravt.types import RolloutBatch
+from paravt.types import RolloutBatch, Sample, VideoMeta
 from paravt.validate import validate_run
 from paravt.video import probe
 from paravt.workers import RolloutPipeline, TrainerGone, WorkerFailed, init_async, run_worker
@@ -155,26 +162,27 @@ class Trainer:
     """Everything a step touches (built once by ``build_trainer``)."""
 
     cfg: Config
-    ctx: Any
+    ctx: DistContext
     policy: torch.nn.Module
-    bundle: Any  # the policy's ModelBundle (tokenizer, vision spec)
-    engine: Any
-    runner: Any
-    reference: Any  # ReferencePolicy or None
-    objective: Any
+    bundle: ModelBundle  # the policy's (tokenizer, vision spec)
+    engine: Engine | None  # None: an asynchronous trainer rank without an evaluation engine
+    runner: AgentRunner | None  # the agent loop over ``engine`` (None with it)
+    reference: ReferencePolicy | None  # None: no KL term (algo.kl_coef = 0)
+    objective: PolicyObjective
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
-    val_samples: list[Any]
-    logger: Any
+    val_samples: list[Sample]
+    logger: MetricsLogger
     init_dir: str
     start_step: int = 0
-    thumbs: Any = None  # ThumbnailStore of the viewer's overview thumbnails (rank 0)
-    preempt: Any = None  # paravt.preempt.Preemption of the run (None: no mid-step check)
+    thumbs: ThumbnailStore | None = None  # the viewer's overview thumbnails (rank 0)
+    preempt: Preemption | None = None  # the run's signal handling (None: no mid-step check)
     # Asynchronous run (rollout.workers > 0): the rollout workers' trainer end
     # (paravt.workers.RolloutPipeline); None: this process rolls out itself (synchronous).
     pipeline: RolloutPipeline | None = None
-    video_meta: Any = None  # video path -> VideoMeta, probed once (the viewer's records)
+    # video path -> VideoMeta (the runner's probe cache, or a probe), for the viewer's records
+    video_meta: Callable[[str], VideoMeta] | None = None
     # The skipped prompts' errors of the last step that trained on nothing (every rank's):
     # what the empty-step alarm and error quote (paravt.alarms.EmptySteps).
     empty_errors: list[str] = field(default_factory=list)
