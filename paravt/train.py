@@ -362,7 +362,7 @@ def _rollout(tr: Trainer, step: int, times: dict[str, float]) -> RolloutBatch:
     # train.preempt_grace_s; otherwise the step is finished and the run stops after it.
     if tr.preempt is not None and tr.preempt.should_abandon():
         raise StepAbandoned(step)
-    return RolloutBatch(groups, list(tr.runner.errors), dict(tr.runner.stats))
+    return RolloutBatch(groups, list(tr.runner.errors), tr.runner.stats)
 
 
 def _learn(
@@ -507,7 +507,7 @@ def _learn(
     # overview decode + pixel pack, main-agent generation, crop decode + pack, sub-agents.
     for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"), ("crop_s", "crops"),
                     ("sub_gen_s", "sub_gen")):  # fmt: skip
-        m[f"time/{name}"] = float(batch.stats.get(k, 0.0))
+        m[f"time/{name}"] = float(getattr(batch.stats, k))
     # Tokens of the packed minibatches (every position of every trained sequence, prompts and
     # visual placeholders included): what one PPO epoch's forwards process, the T of an
     # update's 6 * params * T FLOPs.
@@ -523,7 +523,7 @@ def _learn(
     # (a measurement run reads these to tell a step with tool calls from one without).
     keys = ("context_forced_answers", "context_cut_answers", "context_ended", "crops")
     counts = all_reduce_sum(
-        torch.tensor([float(batch.stats.get(k, 0)) for k in keys] +
+        torch.tensor([float(getattr(batch.stats, k)) for k in keys] +
                      [float(sum(len(g.sub_trajectories) for g in groups))]), ctx
     )  # fmt: skip
     m.update({f"rollout/{k}": float(v) for k, v in zip((*keys, "sub_agents"), counts)})

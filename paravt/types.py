@@ -5,7 +5,8 @@ Shapes are written ``(dim, ...)``. Tensors are CPU tensors unless a field says o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections import Counter
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 import torch
@@ -274,6 +275,44 @@ class Group:
 
 
 @dataclass
+class RolloutStats:
+    """The agent loop's counters of one ``AgentRunner.rollout`` call (``AgentRunner.stats``),
+    named: a misspelt counter is an ``AttributeError``, not a metric that stays 0. Several
+    runners' counters (an asynchronous step's workers) add up with ``+``."""
+
+    episodes: int = 0
+    main_engine_calls: int = 0
+    sub_engine_calls: int = 0
+    planner_runs: int = 0  # decode-planner runs (the overviews, each turn's crops)
+    crops: int = 0  # crops decoded
+    forced_answers: int = 0
+    visual_token_stops: int = 0  # generations stopped at a visual token
+    truncated_responses: int = 0  # tool responses cut to agent.max_tool_response_tokens
+    context_forced_answers: int = 0  # the engine's context forced the answer turn
+    context_cut_answers: int = 0  # ... and cut that answer short
+    context_ended: int = 0  # ... and left no room for an answer: the episode ended
+    rollout_s: float = 0.0
+    overview_s: float = 0.0  # overview decode + pixel pack
+    main_gen_s: float = 0.0
+    crop_s: float = 0.0  # crop plan + decode + encode
+    sub_gen_s: float = 0.0
+    # Tool calls by ``ToolCall.status`` (ok, decode_error, sub_agent_error, ...).
+    calls: Counter[str] = field(default_factory=Counter)
+
+    def __add__(self, other: RolloutStats) -> RolloutStats:
+        out = RolloutStats(
+            **{
+                f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in fields(self)
+                if f.name != "calls"
+            }
+        )
+        out.calls.update(self.calls)  # update, not Counter +: a count of 0 stays a key
+        out.calls.update(other.calls)
+        return out
+
+
+@dataclass
 class RolloutBatch:
     """One step's rollouts as the trainer receives them: from its own ``AgentRunner``
     (synchronous) or from the rollout workers (``paravt.workers.pipeline``).
@@ -285,7 +324,7 @@ class RolloutBatch:
 
     groups: list[Group]
     errors: list[str] = field(default_factory=list)
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: RolloutStats = field(default_factory=RolloutStats)
     metrics: dict[str, float] = field(default_factory=dict)
 
 

@@ -22,7 +22,7 @@ from paravt.models import build_tiny_checkpoint, load_model
 from paravt.models.tiny import QWEN_SPECIAL, TAG_TOKENS
 from paravt.rollout.engine import GenerationRequest, GenerationResult, context_limit
 from paravt.rollout.hf import HFEngine
-from paravt.types import Sample
+from paravt.types import RolloutStats, Sample
 from paravt.video import DecodePlanner
 
 N_CALLS = 74  # the issue's turn: 74 minimal calls in ~224 tokens
@@ -129,7 +129,7 @@ def test_over_limit_calls_share_one_error_and_the_turn_stays_in_budget(hf, make_
         shown = tok.decode(tool)
         assert "Error: calls 6-74 were not run: at most 5 tool calls run per turn." in shown
         assert shown.count("at most 5 tool calls") == 1
-    assert runner.stats["calls_over_parallel_limit"] == 2 * (N_CALLS - 5)  # still counted
+    assert runner.stats.calls["over_parallel_limit"] == 2 * (N_CALLS - 5)  # still counted
 
 
 def test_request_past_the_context_ends_the_episode_with_a_counted_status(hf, make_clip):
@@ -152,7 +152,7 @@ def test_request_past_the_context_ends_the_episode_with_a_counted_status(hf, mak
     assert all(len(r.prompt_ids) + r.sampling.max_new_tokens <= eng.max_model_len
                for r in eng.requests)  # fmt: skip
     st = runner.stats
-    assert (st["context_forced_answers"], st["context_cut_answers"], st["context_ended"]) == (
+    assert (st.context_forced_answers, st.context_cut_answers, st.context_ended) == (
         2, 2, 0,
     )  # fmt: skip
     for t in grp.trajectories:
@@ -165,7 +165,7 @@ def test_request_past_the_context_ends_the_episode_with_a_counted_status(hf, mak
     grp, eng, runner = _run(hf, video, limit=p1 - pre + fpre, max_turns=2)
     assert len(eng.requests) == 2  # turn 0 only
     st = runner.stats
-    assert (st["context_forced_answers"], st["context_ended"]) == (2, 2)
+    assert (st.context_forced_answers, st.context_ended) == (2, 2)
     for t in grp.trajectories:
         assert len(t.turns) == 1 and t.turns[0].calls
         assert any("the episode ended without an answer" in e for e in t.errors)
@@ -247,7 +247,7 @@ def test_fuzz_hostile_turns_never_pass_the_context(make_clip) -> None:
     )
     runner = AgentRunner(eng, bundle, cfg, planner=DecodePlanner("pyav", cache_frames=512))
     main_turns, step = 0, 0
-    totals: dict[str, float] = {}
+    totals = RolloutStats()
     while main_turns < 2_000:
         n_req = len(eng.requests)
         groups = runner.rollout(samples, [2, 4], group_size=32, seed=step)  # must not raise
@@ -259,14 +259,14 @@ def test_fuzz_hostile_turns_never_pass_the_context(make_clip) -> None:
         for g in groups:
             for t in g.trajectories + g.sub_trajectories:
                 _check_trajectory(t, eng, special, im_end)
-        for k, v in runner.stats.items():
-            totals[k] = totals.get(k, 0) + v
+        totals = totals + runner.stats  # as an asynchronous step sums its workers'
+    over = totals.calls["over_parallel_limit"]
     print(f"fuzz: {main_turns} main turns, limit {limit}, " + json.dumps(
-        {k: totals[k] for k in ("context_forced_answers", "context_cut_answers",
-                                "context_ended", "calls_over_parallel_limit")}))  # fmt: skip
+        {k: getattr(totals, k) for k in ("context_forced_answers", "context_cut_answers",
+                                         "context_ended")} | {"over_parallel_limit": over}))  # fmt: skip
     # The limit was reached every way it can be, and each was counted.
-    assert totals["context_forced_answers"] > 0 and totals["context_ended"] > 0
-    assert totals["context_cut_answers"] > 0 and totals["calls_over_parallel_limit"] > 0
+    assert totals.context_forced_answers > 0 and totals.context_ended > 0
+    assert totals.context_cut_answers > 0 and over > 0
 
 
 def test_the_pre_run_check_counts_the_tool_turn_bound(hf) -> None:

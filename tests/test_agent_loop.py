@@ -210,8 +210,8 @@ def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip, monkeyp
             prompt = bundle.tokenizer.decode(s.tokens[: s.prompt_len])
             assert g.sample.question in prompt  # sub_agent_include_question default on
     st = runner.stats
-    assert st["calls_ok"] == 8 and st["calls_bad_json"] == 4 and st["crops"] == 8
-    assert st["main_engine_calls"] == 2 and st["sub_engine_calls"] == 1
+    assert st.calls["ok"] == 8 and st.calls["bad_json"] == 4 and st.crops == 8
+    assert st.main_engine_calls == 2 and st.sub_engine_calls == 1
     score_groups(groups, cfg.reward)
     ga, gb = groups
     assert ga.trajectories[0].reward_breakdown["acc"] == 1.0
@@ -256,7 +256,7 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip, caplog):
     head = text.removesuffix(" [truncated]")
     assert head != text and head.startswith("[10.0-14.0 s] Long summary")
     assert ("[10.0-14.0 s] " + c2.response).startswith(head)  # a prefix of the summary, cut
-    assert runner.stats["truncated_responses"] == 1
+    assert runner.stats.truncated_responses == 1
     # The batch raised, so each request was retried alone (3 single calls).
     assert [len(b) for b in eng.requests] == [1, 3, 1, 1, 1, 1]
     # The run continued to the answer; only the good sub-agent has a trajectory.
@@ -264,7 +264,7 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip, caplog):
     assert [s.uid for s in g.sub_trajectories] == [f"{t.uid}:t0:c2"]
     text = bundle.tokenizer.decode(t.tokens[t.prompt_len :])
     assert "Error: the sub-agent failed (TimeoutError" in text
-    assert runner.stats["calls_sub_agent_error"] == 2 and runner.stats["calls_ok"] == 1
+    assert runner.stats.calls["sub_agent_error"] == 2 and runner.stats.calls["ok"] == 1
     _check_token_exact(t, eng)
 
 
@@ -294,7 +294,7 @@ def test_forced_answer_after_max_turns_and_length_cut(bundle, make_clip):
     first_res = eng.results[id(eng.requests[0][0])]
     end0 = len(eng.requests[0][0].prompt_ids) + len(first_res.token_ids)
     assert t.tokens[end0] == im_end and t.loss_mask[end0] == 0
-    assert runner.stats["forced_answers"] == 1
+    assert runner.stats.forced_answers == 1
     score_groups([g], cfg.reward)
     b = t.reward_breakdown
     assert b["acc"] == 1.0 and b["forced"] == 1.0 and b["flow"] == 0.0 and b["n_ok"] == 2.0
@@ -341,7 +341,7 @@ def test_generated_visual_token_is_cut(bundle, make_clip):
     vp = bundle.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     assert vp not in t.tokens[t.prompt_len :]
     assert t.turns[0].finish_reason == "visual_token" and len(t.turns) == 1
-    assert runner.stats["visual_token_stops"] == 1
+    assert runner.stats.visual_token_stops == 1
     _check_token_exact(t, eng)
 
 
@@ -436,8 +436,26 @@ def test_crop_decode_error_is_per_call(bundle, make_clip):
     assert "Error: the crop could not be decoded (frame 17 is corrupt)" in bundle.tokenizer.decode(
         t.tokens
     )
-    assert runner.stats["calls_decode_error"] == 1 and runner.stats["calls_ok"] == 1
+    assert runner.stats.calls["decode_error"] == 1 and runner.stats.calls["ok"] == 1
     score_groups([g], runner.cfg.reward)
     assert (
         t.reward_breakdown["n_system_errors"] == 1.0 and t.reward_breakdown["n_model_errors"] == 0
     )
+
+
+def test_rollout_stats_add_up_by_name() -> None:
+    """``RolloutStats + RolloutStats`` (an asynchronous step summing its workers): every
+    counter and time adds, tool calls add by status and a status counted 0 stays a key; a
+    misspelt counter is an error, not a metric that stays 0."""
+    from collections import Counter
+
+    from paravt.types import RolloutStats
+
+    a = RolloutStats(episodes=4, crops=3, main_gen_s=1.5, calls=Counter(ok=2, bad_json=1))
+    b = RolloutStats(episodes=2, crops=1, main_gen_s=0.25, calls=Counter(ok=1, decode_error=0))
+    s = sum((a, b), RolloutStats())
+    assert (s.episodes, s.crops, s.main_gen_s) == (6, 4, 1.75)
+    assert s.calls == Counter(ok=3, bad_json=1, decode_error=0) and "decode_error" in s.calls
+    assert a.calls == Counter(ok=2, bad_json=1)  # the operands are left as they were
+    with pytest.raises(AttributeError):
+        s.crop  # noqa: B018

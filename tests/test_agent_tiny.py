@@ -181,8 +181,8 @@ def test_frames_crop_mode_puts_the_crops_in_the_main_context(tiny, synth_dir):
     runner = AgentRunner(eng, tiny, cfg)
     (g,) = runner.rollout([sample], [4], group_size=1, seed=0)
     (t,) = g.trajectories
-    assert g.sub_trajectories == [] and runner.stats["sub_engine_calls"] == 0
-    assert runner.stats["crops"] == 2
+    assert g.sub_trajectories == [] and runner.stats.sub_engine_calls == 0
+    assert runner.stats.crops == 2
     assert [c.status for c in t.turns[0].calls] == ["ok", "ok"]
     assert all(c.response == "4 frames of this window are shown above." for c in t.turns[0].calls)
     assert len(t.turns) == 2 and t.visuals is not None and t.visuals.num_segments == 3

@@ -105,10 +105,10 @@ def test_oracle_main_agent_crops_for_real_and_scores(tiny, oracle_task, tmp_path
     responses = [c["response"] for r in rows for t in r["trace"] for c in t["calls"]]
     if crop_mode == "frames":
         assert all(x.endswith("frames of this window are shown above.") for x in responses)
-        assert runner.stats["sub_engine_calls"] == 0
+        assert runner.stats.sub_engine_calls == 0
     else:
         assert not any("frames of this window" in x for x in responses)
-        assert runner.stats["sub_engine_calls"] >= 1
+        assert runner.stats.sub_engine_calls >= 1
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["settings"]["crop_mode"] == crop_mode and saved["n"] == summary["n"]
 

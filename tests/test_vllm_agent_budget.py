@@ -14,7 +14,7 @@ from paravt.agent import AgentRunner
 from paravt.agent.context import TextCache
 from paravt.models import load_model
 from paravt.models.tiny import QWEN_SPECIAL, TAG_TOKENS
-from paravt.types import Sample
+from paravt.types import RolloutStats, Sample
 from paravt.video import DecodePlanner
 
 NO_VLLM, pytestmark = skip_without_vllm("the agent's context-limit tests against vLLM")
@@ -70,7 +70,7 @@ def test_hostile_turns_never_fail_vllm(tiny32_dir, make_clip) -> None:
     rng = random.Random(7)
     eng = HostileOverVLLM(real, lambda: _fuzz_turn(rng, text, tag))
     runner = AgentRunner(eng, bundle, cfg, planner=DecodePlanner("pyav", cache_frames=512))
-    totals: dict[str, float] = {}
+    totals = RolloutStats()
     main_turns, step = 0, 0
     while main_turns < 120:
         n_req = len(eng.requests)
@@ -80,11 +80,10 @@ def test_hostile_turns_never_fail_vllm(tiny32_dir, make_clip) -> None:
         main_turns += sum(not IdEngine.is_sub(r) for r in new)
         for r in new:
             assert len(r.prompt_ids) + r.sampling.max_new_tokens <= limit, r.request_id
-        for k, v in runner.stats.items():
-            totals[k] = totals.get(k, 0) + v
+        totals = totals + runner.stats
     keys = ("context_forced_answers", "context_cut_answers", "context_ended")
     print(f"vLLM fuzz: {main_turns} main turns, limit {limit}, "
-          + json.dumps({k: totals[k] for k in keys}))  # fmt: skip
-    assert totals["context_forced_answers"] > 0 and totals["context_ended"] > 0
-    assert totals["sub_engine_calls"] > 0  # sub-agents ran on vLLM too
+          + json.dumps({k: getattr(totals, k) for k in keys}))  # fmt: skip
+    assert totals.context_forced_answers > 0 and totals.context_ended > 0
+    assert totals.sub_engine_calls > 0  # sub-agents ran on vLLM too
     real.close()

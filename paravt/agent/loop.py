@@ -58,7 +58,16 @@ from paravt.agent.subagent import SubOutcome, run_sub_agents
 from paravt.agent.tools import plan_crops
 from paravt.config import Config
 from paravt.rollout.engine import Engine, GenerationResult, SamplingParams, context_limit
-from paravt.types import FrameRequest, Group, Sample, ToolCall, Trajectory, Turn, VideoMeta
+from paravt.types import (
+    FrameRequest,
+    Group,
+    RolloutStats,
+    Sample,
+    ToolCall,
+    Trajectory,
+    Turn,
+    VideoMeta,
+)
 from paravt.video import (
     DecodePlanner,
     VideoError,
@@ -117,11 +126,9 @@ class AgentRunner:
 
     ``engine`` serves both the main agents and the sub-agents (same weights). ``bundle`` is a
     ``paravt.models.ModelBundle`` (its ``tokenizer`` and ``vision`` spec are used). ``stats``
-    holds counters of the last rollout: ``calls_<status>`` (tool calls by final status),
-    ``main_engine_calls``, ``sub_engine_calls``, ``planner_runs``, ``crops``,
-    ``forced_answers``, ``visual_token_stops``, ``truncated_responses``,
-    ``context_forced_answers``, ``context_cut_answers``, ``context_ended``, ``episodes`` and wall
-    times ``overview_s``, ``main_gen_s``, ``crop_s``, ``sub_gen_s``, ``rollout_s``.
+    holds the last rollout's counters (``paravt.types.RolloutStats``: tool calls by final
+    status, engine calls, crops, forced and context-cut answers, wall times), a new record per
+    rollout.
 
     A failing *main-agent* engine call raises (nothing can continue without it); sub-agent
     failures, unreadable crops and malformed calls become error tool responses, and prompts
@@ -159,7 +166,7 @@ class AgentRunner:
         }
         self._metas: dict[str, VideoMeta] = {}
         self.errors: list[str] = []
-        self.stats: dict[str, float] = {}
+        self.stats = RolloutStats()
         # The policy version the engine's weights are (recorded on every sampled token), and
         # an optional hook called before every turn that may swap the engine's weights and
         # returns the version then loaded (``paravt.workers``: an asynchronous run's worker).
@@ -264,25 +271,11 @@ class AgentRunner:
         acfg = self.cfg.agent
         t_start = time.perf_counter()
         self.errors = []
-        st: dict[str, float] = {
-            "main_engine_calls": 0,
-            "sub_engine_calls": 0,
-            "planner_runs": 0,
-            "crops": 0,
-            "forced_answers": 0,
-            "visual_token_stops": 0,
-            "truncated_responses": 0,
-            "context_forced_answers": 0,
-            "context_cut_answers": 0,
-            "context_ended": 0,
-            "main_gen_s": 0.0,
-            "crop_s": 0.0,
-            "sub_gen_s": 0.0,
-        }
+        st = RolloutStats()
         t0 = time.perf_counter()
         contexts = self.encode_overviews(samples, frame_budgets)
-        st["planner_runs"] += 1
-        st["overview_s"] = time.perf_counter() - t0
+        st.planner_runs += 1
+        st.overview_s = time.perf_counter() - t0
 
         episodes: list[_Episode] = []
         groups: dict[int, Group] = {}
@@ -331,8 +324,8 @@ class AgentRunner:
             t0 = time.perf_counter()
             results = self.engine.generate(reqs)
             dt = time.perf_counter() - t0
-            st["main_engine_calls"] += 1
-            st["main_gen_s"] += dt
+            st.main_engine_calls += 1
+            st.main_gen_s += dt
             if len(results) != len(reqs):
                 raise RuntimeError(
                     f"engine returned {len(results)} results for {len(reqs)} main-agent requests"
@@ -350,13 +343,13 @@ class AgentRunner:
                 raise RuntimeError(f"episode {e.uid} did not finish after the forced answer")
             e.ctx.check_special_tokens(e.uid)
         out = self._collect(episodes, groups)
-        st["episodes"] = len(episodes)
-        st["rollout_s"] = time.perf_counter() - t_start
+        st.episodes = len(episodes)
+        st.rollout_s = time.perf_counter() - t_start
         self.stats = st
         return out
 
     def _plan_turn(
-        self, e: _Episode, turn: int, seed: int, st: dict[str, float]
+        self, e: _Episode, turn: int, seed: int, st: RolloutStats
     ) -> tuple[str, bool, SamplingParams] | None:
         """This turn's forced prefix, whether it forces the answer, and its sampling — within
         the engine's context (``paravt.rollout.engine.context_limit``); None when the episode
@@ -387,13 +380,13 @@ class AgentRunner:
         if not forced:
             forced, prefix = True, acfg.think_prefix + acfg.force_answer_text
             room = limit - n - len(self.text.markup(prefix))
-            st["context_forced_answers"] += 1
+            st.context_forced_answers += 1
             e.errors.append(
                 f"turn {turn}: a tool turn does not fit the engine's context ({n} of {limit} "
                 "tokens used); the answer was forced"
             )
         if room < 1:
-            st["context_ended"] += 1
+            st.context_ended += 1
             if not e.turns:  # nothing generated yet: the question itself does not fit
                 e.errors.append(
                     f"turn {turn}: {PROMPT_TOO_LONG} ({n} tokens: the overview frames and the "
@@ -411,7 +404,7 @@ class AgentRunner:
             e.done = True
             return None
         if room < sampling.max_new_tokens:
-            st["context_cut_answers"] += 1
+            st.context_cut_answers += 1
             sampling = replace(sampling, max_new_tokens=room)
         return prefix, forced, sampling
 
@@ -422,7 +415,7 @@ class AgentRunner:
         prefix: str,
         forced: bool,
         turn: int,
-        st: dict[str, float],
+        st: RolloutStats,
     ) -> None:
         """Append a main-agent generation; decide whether the episode continues with tools."""
         acfg = self.cfg.agent
@@ -434,11 +427,11 @@ class AgentRunner:
         if cut:
             t.finish_reason = "visual_token"
             e.errors.append(f"turn {turn}: generated a visual placeholder token; episode ended")
-            st["visual_token_stops"] += 1
+            st.visual_token_stops += 1
             e.done = True
             return
         if forced:
-            st["forced_answers"] += 1
+            st.forced_answers += 1
             e.done = True
             return
         t.calls = parse_tool_calls(
@@ -448,7 +441,7 @@ class AgentRunner:
             allow_unclosed_final=acfg.allow_unclosed_final_call,
         )
         for k, c in enumerate(t.calls):
-            st[f"calls_{c.status}"] = st.get(f"calls_{c.status}", 0) + 1
+            st.calls[c.status] += 1
             if c.status != "ok":
                 e.errors.append(f"turn {turn} call {k}: {c.status}: {c.error}")
         if not t.calls:
@@ -466,9 +459,7 @@ class AgentRunner:
                 return ids[:i], lps[:i], True
         return ids, lps, False
 
-    def _run_tools(
-        self, calling: list[_Episode], turn: int, seed: int, st: dict[str, float]
-    ) -> None:
+    def _run_tools(self, calling: list[_Episode], turn: int, seed: int, st: RolloutStats) -> None:
         """Crops (one planner run) and sub-agents (one engine call) for all calling episodes."""
         acfg = self.cfg.agent
         jobs: list[tuple[_Episode, int, ToolCall]] = [
@@ -480,7 +471,7 @@ class AgentRunner:
         )
         live = [i for i, p in enumerate(plans) if isinstance(p, FrameRequest)]
         batches = self.planner.run([plans[i] for i in live]) if live else []
-        st["planner_runs"] += 1 if live else 0
+        st.planner_runs += 1 if live else 0
         decoded: dict[int, Any] = dict(zip(live, batches))
         ok: list[tuple[int, Any]] = []  # (job index, decoded frames)
         for i, (e, k, c) in enumerate(jobs):
@@ -488,8 +479,8 @@ class AgentRunner:
             if isinstance(fb, VideoError):
                 c.status, c.error = "decode_error", f"the crop could not be decoded ({fb.problem})"
                 e.errors.append(f"turn {turn} call {k}: decode_error: {fb}")
-                st["calls_ok"] -= 1
-                st["calls_decode_error"] = st.get("calls_decode_error", 0) + 1
+                st.calls["ok"] -= 1
+                st.calls["decode_error"] += 1
             else:
                 ok.append((i, fb))
         # ONE pixel pack for every crop of every rollout in this turn.
@@ -500,9 +491,9 @@ class AgentRunner:
                 e, k, c = jobs[i]
                 c.response = f"{int(fb.frames.shape[0])} frames of this window are shown above."
                 shown[(e.uid, k)] = clip
-            st["crops"] += len(ok)
+            st.crops += len(ok)
             dt_tool = time.perf_counter() - t0
-            st["crop_s"] += dt_tool
+            st.crop_s += dt_tool
             for e in calling:
                 _add_time(e, "tool_s", dt_tool)
                 self._add_responses(
@@ -513,7 +504,7 @@ class AgentRunner:
             (i, self.sub_context(jobs[i][0].sample, jobs[i][2], clip), int(fb.frames.shape[0]))
             for (i, fb), clip in zip(ok, clips)
         ]
-        st["crops"] += len(sub_ctx)
+        st.crops += len(sub_ctx)
         dt_tool = time.perf_counter() - t0
 
         reqs = [
@@ -555,17 +546,17 @@ class AgentRunner:
         ):
             outcomes[j] = o
         dt_sub = time.perf_counter() - t0
-        st["sub_engine_calls"] += 1 if send else 0
-        st["crop_s"] += dt_tool  # plan + decode + encode of the crops
-        st["sub_gen_s"] += dt_sub
+        st.sub_engine_calls += 1 if send else 0
+        st.crop_s += dt_tool  # plan + decode + encode of the crops
+        st.sub_gen_s += dt_sub
         for (i, ctx, nframes), req, o in zip(sub_ctx, reqs, outcomes):
             assert o is not None
             e, k, c = jobs[i]
             if o.error:
                 c.status, c.error = "sub_agent_error", o.error
                 e.errors.append(f"turn {turn} call {k}: sub_agent_error: {o.error}")
-                st["calls_ok"] -= 1
-                st["calls_sub_agent_error"] = st.get("calls_sub_agent_error", 0) + 1
+                st.calls["ok"] -= 1
+                st.calls["sub_agent_error"] += 1
             else:
                 c.response = o.summary
             if o.result is None or o.error:
@@ -598,7 +589,9 @@ class AgentRunner:
             _add_time(e, "tool_s", dt_tool + dt_sub)
             self._add_responses(e, None, st)
 
-    def _add_responses(self, e: _Episode, clips: list[Clip | None] | None, st: dict) -> None:
+    def _add_responses(
+        self, e: _Episode, clips: list[Clip | None] | None, st: RolloutStats
+    ) -> None:
         """Close the episode's last turn and append its tool responses (with the crop's
         frames in ``agent.crop_mode=frames``): one per allowed call, one shared error for the
         calls past ``agent.max_parallel`` (``prompts.tool_turn_texts``), so the turn appends
@@ -613,7 +606,7 @@ class AgentRunner:
             clips = [cl for cl, c in zip(clips, t.calls) if c.status != "over_parallel_limit"]
             clips += [None] * (len(contents) - len(clips))
         cut = add_tool_turn(e.ctx, self.text, contents, acfg.max_tool_response_tokens, clips)
-        st["truncated_responses"] += sum(cut)
+        st.truncated_responses += sum(cut)
         visual = sum(len(cl.token_ids) for cl in clips or [] if cl is not None)
         added = len(e.ctx.tokens) - n0 - visual
         bound = tool_turn_max_tokens(acfg.max_parallel, acfg.max_tool_response_tokens)

@@ -191,15 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     n_ep = sum(len(g.trajectories) for g in groups)
     print("=" * _WRAP)
     st = runner.stats
-    calls = {k[6:]: int(v) for k, v in st.items() if k.startswith("calls_") and v}
+    calls = {k: int(v) for k, v in st.calls.items() if v}
     print(
         f"{len(groups)} prompt(s) x G={G}: {n_ep} episodes in {dt:.2f} s "
         f"({n_ep / max(dt, 1e-9):.2f} episodes/s; setup {t_setup:.1f} s)"
     )
     print(
-        f"engine calls: main {int(st['main_engine_calls'])}, sub {int(st['sub_engine_calls'])}; "
-        f"planner runs {int(st['planner_runs'])}; crops {int(st['crops'])}; "
-        f"forced answers {int(st['forced_answers'])}; tool calls {calls or 'none'}"
+        f"engine calls: main {st.main_engine_calls}, sub {st.sub_engine_calls}; "
+        f"planner runs {st.planner_runs}; crops {st.crops}; "
+        f"forced answers {st.forced_answers}; tool calls {calls or 'none'}"
     )
     if groups:
         rewards = [t.reward for g in groups for t in g.trajectories]

@@ -53,7 +53,7 @@ from paravt.agent.loop import stable_seed
 from paravt.algo.gating import step_budgets
 from paravt.config import Config
 from paravt.distributed import DistContext, Precision, full_weights
-from paravt.types import Group, RolloutBatch
+from paravt.types import Group, RolloutBatch, RolloutStats
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
 
@@ -304,10 +304,7 @@ class RolloutPipeline:
         parts = self._buffer.pop(step)
         groups: list[Group] = [g for w in workers for g in parts[w]["groups"]]
         errors = [e for w in workers for e in parts[w]["errors"]]
-        stats: dict[str, float] = {}
-        for w in workers:
-            for k, v in parts[w]["stats"].items():
-                stats[k] = stats.get(k, 0) + v
+        stats = sum((parts[w]["stats"] for w in workers), RolloutStats())
         now = step - 1  # the version this step trains
         kept, dropped = [], 0
         for g in groups:

@@ -157,7 +157,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                     "worker": roles.rank,
                     "groups": groups,
                     "errors": list(runner.errors),
-                    "stats": dict(runner.stats),
+                    "stats": runner.stats,  # a new RolloutStats per rollout
                     "busy_s": busy,
                     "idle_s": idle,
                 },
