@@ -52,10 +52,37 @@ from typing import Any
 
 import torch
 
+from paravt import preempt
+from paravt.agent.loop import encode_oracle_sub_trajectories, encode_oracle_trajectory
+from paravt.algo.logprobs import packed_logprob_rows
+from paravt.algo.packing import microbatches, pack_units
 from paravt.assets import prepare_assets
-from paravt.config import Config, ConfigError, load_config, preset_errors, to_yaml
+from paravt.checkpoint import save_model_dir, sft_save_error
+from paravt.config import AlgoConfig, Config, ConfigError, load_config, preset_errors, to_yaml
+from paravt.data.readers import load_samples
+from paravt.distributed import (
+    DistContext,
+    Precision,
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    cast_floats,
+    cleanup,
+    clip_grad_norm,
+    full_optimizer_state,
+    full_state_dict,
+    init_distributed,
+    load_full_optimizer_state,
+    release_single_rank_group,
+    shard_model,
+)
 from paravt.files import atomic_file, read_jsonl
-from paravt.types import Sample, Trajectory
+from paravt.models import load_model_from_config
+from paravt.models.forward import as_root_forward
+from paravt.preempt import SFTPreempted
+from paravt.runfolder import sft_resume_file
+from paravt.types import Sample, SequenceUnit, Trajectory
+from paravt.video import DecodePlanner, VideoError
 
 
 def _record_from_messages(row: dict[str, Any], where: str) -> dict[str, Any]:
@@ -112,8 +139,6 @@ def encode_records(
     """Token-exact SFT trajectories (records whose sample or video is missing are skipped):
     each record's main trajectory and, with ``sft.sub_agents``, one sub-agent trajectory per
     answered crop (the crop's frames → the record's summary)."""
-    from paravt.agent.loop import encode_oracle_sub_trajectories, encode_oracle_trajectory
-    from paravt.video import VideoError
 
     by_id = {s.id: s for s in samples}
     out: list[Trajectory] = []
@@ -161,11 +186,6 @@ def sft_loss(
     same 4-row batches: 38-46 ms per step against 73 ms for one forward per sequence. Returns
     ``(sum of -log p over masked tokens, masked token count)``.
     """
-    from paravt.algo.logprobs import packed_logprob_rows
-    from paravt.algo.packing import microbatches, pack_units
-    from paravt.config import AlgoConfig
-    from paravt.models.forward import as_root_forward
-    from paravt.types import SequenceUnit
 
     for t in trajs:
         if t.temperature != 1.0 or t.top_p != 1.0:
@@ -259,7 +279,6 @@ def _sft_state(
 ) -> dict[str, Any]:  # fmt: skip
     """The SFT's whole state after ``step`` steps (collective: every rank's shuffle state is
     gathered, the sharded weights and moments made full): what ``run_sft`` continues from."""
-    from paravt.distributed import all_gather_objects, full_optimizer_state, full_state_dict
 
     return {
         "settings": settings,
@@ -297,8 +316,6 @@ def run_sft(
     """
     import torch.distributed as dist
 
-    from paravt.distributed import release_single_rank_group
-
     fresh = not dist.is_initialized()
     try:
         return _run_sft(cfg, model_dir, data_dir, out_dir, ctx, log)
@@ -311,24 +328,6 @@ def _run_sft(
     cfg: Config, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, ctx: Any,
     log: Any,
 ) -> dict[str, float]:  # fmt: skip
-    from paravt import preempt
-    from paravt.checkpoint import save_model_dir, sft_save_error
-    from paravt.data.readers import load_samples
-    from paravt.distributed import (
-        DistContext,
-        Precision,
-        all_gather_objects,
-        all_reduce_sum,
-        barrier,
-        cast_floats,
-        clip_grad_norm,
-        full_state_dict,
-        load_full_optimizer_state,
-        shard_model,
-    )
-    from paravt.models import load_model_from_config
-    from paravt.runfolder import sft_resume_file
-    from paravt.video import DecodePlanner
 
     ctx = ctx or DistContext()
     t_start = time.perf_counter()
@@ -466,8 +465,6 @@ def _stop_sft(
     """After a signal before SFT step ``step + 1`` (every rank): rank 0 saves ``state`` (the
     state after ``step`` steps) unless this run did no step (the file, if any, holds it
     already); the ``[preempt]`` line is printed; raises ``SFTPreempted``."""
-    from paravt.distributed import barrier
-    from paravt.preempt import SFTPreempted
 
     t0 = time.perf_counter()
     if ctx.is_main and step > first:
@@ -523,7 +520,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from paravt.distributed import cleanup, init_distributed
 
     ctx = init_distributed(cfg.model.device)
     if ctx.is_main:
