@@ -41,7 +41,11 @@ from typing import Any
 
 import torch
 
-from paravt.config import Config, ConfigError
+from paravt.agent.loop import encode_oracle_trajectory
+from paravt.algo.logprobs import sequence_logprobs
+from paravt.checkpoint import run_config
+from paravt.config import Config, ConfigError, load_config
+from paravt.data.readers import load_samples
 from paravt.data.synth import (
     SPOT_COLOURS,
     SPOT_PLAN_TEXT,
@@ -55,6 +59,8 @@ from paravt.data.synth import (
     whole_video_crops,
 )
 from paravt.metrics import read_metrics
+from paravt.models import load_model
+from paravt.video import DecodePlanner
 
 
 @dataclass
@@ -91,8 +97,6 @@ def _region_scores(
     """For records that differ in one stretch of their last turn: the summed teacher-forced
     log-probability of each record's own stretch (the tokens between the records' common
     prefix and common suffix)."""
-    from paravt.agent.loop import encode_oracle_trajectory
-    from paravt.algo.logprobs import sequence_logprobs
 
     trajs = [encode_oracle_trajectory(bundle, cfg, sample, r, planner) for r in records]
     toks = [t.tokens for t in trajs]
@@ -145,8 +149,6 @@ def probe_rows(
     """The probe of the module docstring over ``split``'s rows of ``data_dir`` that need the
     tool at ``k`` (at most ``limit``; 0: all), with the loaded model ``bundle`` and the run
     config ``cfg`` (its crop sampling and ``agent.max_parallel`` lay out the tool round)."""
-    from paravt.data.readers import load_samples
-    from paravt.video import DecodePlanner
 
     d = Path(data_dir)
     fps, plans = read_plans(d)
@@ -196,9 +198,6 @@ def probe_rows(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m paravt.eval.copy_probe``: 0 printed, 2 bad input."""
-    from paravt.checkpoint import run_config
-    from paravt.config import load_config
-    from paravt.models import load_model
 
     p = argparse.ArgumentParser(
         prog="python -m paravt.eval.copy_probe", description=__doc__.split("\n\n")[0]

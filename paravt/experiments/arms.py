@@ -42,9 +42,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from paravt.config import Config, ConfigError
+from paravt.assets import prepare_assets
+from paravt.checkpoint import latest_checkpoint
+from paravt.config import Config, ConfigError, load_config
+from paravt.distributed import DistContext
 from paravt.files import FolderBusy, FolderClaim, write_atomic
 from paravt.metrics import read_metrics
+from paravt.sft import run_sft
 
 #: Arm name -> one-line description (``ablation.json`` carries it).
 ARMS: dict[str, str] = {
@@ -162,9 +166,6 @@ def train_checkpoint(
     ``[tag] what: nll/token ...``; ``dirs``: the (data, model) directories when the caller
     prepared them already (else ``paravt.assets.prepare_assets``). ``made`` is recorded in
     ``stamp`` once the checkpoint is written (:func:`reused_checkpoint` reads it)."""
-    from paravt.assets import prepare_assets
-    from paravt.distributed import DistContext
-    from paravt.sft import run_sft
 
     ctx = DistContext()
     data_dir, model_dir = dirs if dirs is not None else prepare_assets(cfg, ctx)
@@ -223,7 +224,6 @@ def arm_action(run_dir: Path, stamp: dict[str, Any], label: str) -> str:
     run does; ``python -m paravt.train --resume`` continues it) or ``"start"`` (anything else:
     the folder is wiped and the run starts over; a finished run made with other settings says
     ``<why>: redone``). :func:`run_arms` uses it for every job."""
-    from paravt.checkpoint import latest_checkpoint
 
     keep, why = kept_run(run_dir, stamp)
     if keep:
@@ -470,7 +470,6 @@ def parse_arms(raw: str, known: Sequence[str]) -> list[str]:
 def load_args(base_args: Sequence[str], extra: Sequence[str]) -> Config:
     """The config of ``base_args`` (``--preset P --config F ... key=value ...``, what the
     drivers pass every arm run) + ``extra``: what the run resolves (its stamp's config)."""
-    from paravt.config import load_config
 
     args = list(base_args)
     preset, configs, kv = "tiny_cpu", [], []
@@ -490,7 +489,6 @@ def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -
     aggregate: returns the result with its ``table``) and map its failures to exit codes: a
     bad configuration 2, a forwarded SIGTERM/SIGINT/SIGUSR1 128 + the signal, another
     failure 1; on success print the table and the files written under ``out``."""
-    from paravt.config import ConfigError
 
     try:
         res = body()

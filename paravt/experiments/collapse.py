@@ -71,7 +71,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from paravt.assets import prepare_assets
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, preset_errors
+from paravt.data.synth import (
+    SPOT_PLAN_TEXT,
+    Seen,
+    oracle_settings,
+    plan_meta,
+    read_plans,
+    tool_record,
+    whole_video_crops,
+    write_jsonl,
+)
+from paravt.distributed import DistContext
 from paravt.experiments.arms import (
     DriverInterrupted,
     FolderLock,
@@ -92,6 +104,9 @@ from paravt.experiments.arms import (
 )
 from paravt.files import read_jsonl, write_atomic
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
+from paravt.sft import read_sft_records
+from paravt.train import run
+from paravt.video import overview_timestamps
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
 #: experiment.
@@ -167,16 +182,6 @@ def all_tool_records(
 
     Raises ``ConfigError`` for another task or a window count outside
     ``1..agent.max_parallel``."""
-    from paravt.data.synth import (
-        SPOT_PLAN_TEXT,
-        Seen,
-        oracle_settings,
-        plan_meta,
-        read_plans,
-        tool_record,
-        whole_video_crops,
-    )
-    from paravt.video import overview_timestamps
 
     _check_task(cfg)
     if not 0.0 <= unclosed_think <= 1.0:
@@ -229,7 +234,6 @@ def base_records(data_dir: str | Path) -> list[dict]:
 
     Measured (seed 0): with the thought removed too, the cold start answered one letter
     whatever the colour (held-out accuracy 0.14-0.29 at K = 32 after stage 2)."""
-    from paravt.sft import read_sft_records
 
     out = []
     for rec in read_sft_records(Path(data_dir) / "sft.jsonl"):
@@ -259,7 +263,6 @@ def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict
     n = round(n_tool * share / (1.0 - share))
     if n == 0:
         return []
-    from paravt.sft import read_sft_records
 
     direct = [
         rec
@@ -323,8 +326,6 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
     cosine steps for ``tiny_cpu``) from the random tiny model on :func:`base_records` (the
     task's oracle rows without ``<think>``, ``agent.think_prefix`` empty); made once, reused
     by a rerun. Single-threaded (:class:`_OneThread`)."""
-    from paravt.assets import prepare_assets
-    from paravt.distributed import DistContext
 
     if cfg.model.path:
         return cfg.model.path
@@ -342,7 +343,6 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
             "--base-steps must be >= 1 (or give model.path=CHECKPOINT as the base model)"
         )
     dirs = prepare_assets(cfg, DistContext())
-    from paravt.data.synth import write_jsonl
 
     data = cold / "base_data.jsonl"
     write_jsonl(data, base_records(dirs[0]))
@@ -370,8 +370,6 @@ def cold_start(
     accuracy 0.19-0.25 at K = 32, parse errors 0.5-0.7, seed 0). Made once, single-threaded
     (:class:`_OneThread`); a rerun reuses it, and refuses one made with other settings
     (``cold/sft_params.json``)."""
-    from paravt.assets import prepare_assets
-    from paravt.distributed import DistContext
 
     start = base_sft(cfg, cold, base) if base is not None else cfg.model.path
     dst, stamp = cold / "sft", cold / "sft_params.json"
@@ -393,7 +391,6 @@ def cold_start(
     dirs = prepare_assets(scfg, DistContext())
     recs = all_tool_records(dirs[0], cfg, windows, unclosed_think)
     recs += replay_records(dirs[0], len(recs), replay)
-    from paravt.data.synth import write_jsonl
 
     data = cold / "sft_data.jsonl"
     write_jsonl(data, recs)
@@ -964,7 +961,6 @@ def _evaluate_cold_start(cfg: Config) -> None:
     no step, one ``eval_after`` evaluation), in this process (one model load, no interpreter
     start). A SIGTERM/SIGUSR1 during it stops the run there (``paravt.preempt``) and then the
     driver (``DriverInterrupted``); a rerun redoes the evaluation."""
-    from paravt.train import run
 
     res = run(cfg)
     if res.get("preempted"):
