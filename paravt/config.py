@@ -1019,10 +1019,11 @@ COMMON_KEYS: dict[str, str] = {
 }
 
 
-def _shown(preset: str, key: str) -> str:
+def _shown(preset: str, resolved: Any, key: str) -> str:
+    """``key``'s default under ``preset`` (``resolved``: that preset's config as OmegaConf)."""
     if PRESETS.get(preset, {}).get(key) is MISSING:
         return "(required)"
-    value = OmegaConf.select(OmegaConf.structured(load_config(preset, validate_=False)), key)
+    value = OmegaConf.select(resolved, key)
     if OmegaConf.is_list(value):  # as it is written on a command line
         return "[" + ",".join(map(str, value)) + "]"
     return "''" if value == "" else str(value)
@@ -1035,7 +1036,8 @@ def config_help(presets: tuple[str, str] = ("tiny_cpu", "qwen3vl_8b_paragrpo")) 
     width = max(map(len, PRESETS))
     lines = ["presets (--preset NAME; tiny_cpu when none is given):"]
     lines += [f"  {n:<{width}}  {PRESET_NOTES.get(n, '')}" for n in PRESETS]
-    rows = [(k, _shown(a, k), _shown(b, k), what) for k, what in COMMON_KEYS.items()]
+    ra, rb = (OmegaConf.structured(load_config(n, validate_=False)) for n in presets)
+    rows = [(k, _shown(a, ra, k), _shown(b, rb, k), what) for k, what in COMMON_KEYS.items()]
     kw = max(len(r[0]) for r in rows)
     aw = max(len(a), *(len(r[1]) for r in rows))
     bw = max(len(b), *(len(r[2]) for r in rows))

@@ -772,6 +772,28 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     return {"before": before, "after": after, "last": last, "out_dir": str(out)}
 
 
+def _checkpoint_last(
+    tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any] | None
+) -> tuple[bool, str, str]:
+    """A run that stops early (a preemption, a lost rollout worker; every rank): checkpoint the
+    last completed step ``done`` unless ``saved`` (the newest checkpoint's step) is it already.
+
+    ``begin``: when the step after ``done`` was abandoned before its update, the sampler
+    position and RNG states it started from, to save instead of the current ones. Returns
+    ``(ok, path, wrote)``: ``ok`` False when the write failed (``train.on_save_error=continue``),
+    ``path`` '' when no step completed, ``wrote`` " written in N s" or " (already written)"."""
+    path = str(Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)) if done else ""
+    if done <= saved:
+        return True, path, " (already written)" if done else ""
+    tr.preempt.enter(done, "checkpoint")
+    t0 = time.perf_counter()
+    if begin is None:
+        ok = save_trainer(tr, done, data=_data_state(tr, done))
+    else:
+        ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
+    return ok, path, f" written in {time.perf_counter() - t0:.1f} s"
+
+
 def _save_after_worker_failure(
     tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any]
 ) -> None:
@@ -779,20 +801,13 @@ def _save_after_worker_failure(
     on every trainer rank before anything of step ``done + 1`` ran): checkpoint step ``done``
     with the sampler position and RNG states that step started from, so ``--resume`` loses
     nothing, and say so on rank 0. A node that dies takes its workers with it: the same path."""
-    path = Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)
-    if done > saved:
-        tr.preempt.enter(done, "checkpoint")
-        t0 = time.perf_counter()
-        ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
-        what = (
-            f"checkpoint {path} written in {time.perf_counter() - t0:.1f} s"
-            if ok
-            else f"checkpoint {path} NOT written (see the warning above)"
-        )
-    elif done > 0:
-        what = f"checkpoint {path} (already written)"
-    else:
+    ok, path, wrote = _checkpoint_last(tr, done, saved, begin)
+    if not path:
         what = "no step completed, nothing to checkpoint (--resume starts at step 0)"
+    elif ok:
+        what = f"checkpoint {path}{wrote}"
+    else:
+        what = f"checkpoint {path} NOT written (see the warning above)"
     if tr.ctx.is_main:
         print(f"[async] a rollout worker is gone after step {done}: {what}", flush=True)
 
@@ -809,21 +824,7 @@ def _preempted(
     checkpoint could not be written (``train.on_save_error=continue``; ``main`` exits 1).
     """
     pre, t = tr.preempt, tr.cfg.train
-    ckpt_dir = Path(t.out_dir) / "checkpoints"
-    ok, wrote = True, ""
-    if done > saved:
-        pre.enter(done, "checkpoint")
-        t0 = time.perf_counter()
-        if begin is None:
-            ok = save_trainer(tr, done, data=_data_state(tr, done))
-        else:
-            ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
-        wrote = f" written in {time.perf_counter() - t0:.1f} s"
-        path = str(ckpt_dir / step_dirname(done))
-    elif done > 0:
-        wrote, path = " (already written)", str(ckpt_dir / step_dirname(done))
-    else:
-        path = ""
+    ok, path, wrote = _checkpoint_last(tr, done, saved, begin)
     arrivals = pre.arrivals()  # after the save: how long since the earliest signal
     first, seconds = arrivals[0]
     where = f"{first.signal} at step {first.step} ({first.phase})"

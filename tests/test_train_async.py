@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from assets_task import ASSETS_TASK
-from torchrun import lose_node, running_nodes, torchrun
+from torchrun import lose_node, node_children, running_nodes, torchrun
 from train_runs import ROOT, assert_same_row, assert_same_weights, train_rows
 from vllm_required import HAVE_VLLM, skip_without_vllm
 
@@ -392,18 +392,13 @@ def test_ctrl_c_on_torchrun_saves_and_stops_the_worker(assets, tmp_path) -> None
 
 def _trainer_pid(torchrun_pid: int) -> int:
     """Rank 0's pid: the torchrun agent's child whose environment says RANK=0."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
+    for pid in node_children(torchrun_pid):
         try:
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[1]) != torchrun_pid:
-                continue
-            env = (d / "environ").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"RANK=0" in env:
-            return int(d.name)
+            return pid
     raise AssertionError("rank 0 not found")
 
 

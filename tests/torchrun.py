@@ -69,17 +69,9 @@ def launch_nodes(
 
 def torchrun_nodes(nnodes: int, *args: str, timeout: float = 300) -> list[tuple[int, str]]:
     """``launch_nodes`` and wait: each node's (exit code, output)."""
-    procs = launch_nodes(nnodes, *args)
-    out = []
-    for p in procs:
-        try:
-            text, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                kill_node(q)
-            raise
-        out.append((p.returncode, text))
-    return out
+    with running_nodes(nnodes, *args) as procs:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [(p.returncode, text) for p, text in zip(procs, outs)]
 
 
 def node_children(agent: int) -> list[int]:
