@@ -341,7 +341,7 @@ def save_checkpoint(
 def save_trainer(
     tr: Any, step: int, *, data: dict[str, int] | None = None, rng: Any = None
 ) -> bool:
-    """Checkpoint the run ``tr`` (a ``paravt.train.Trainer``) at ``step``: rank 0 writes,
+    """Checkpoint the run ``tr`` (a ``paravt.trainer.Trainer``) at ``step``: rank 0 writes,
     every rank takes part in gathering the state (``load_trainer_state`` reads it back).
 
     ``data`` / ``rng``: the prompt sampler's position and this rank's RNG states to record

@@ -439,7 +439,7 @@ def full_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's full (unsharded) state dict, one ``(name, tensor)`` at a time, on the rank's
     device: what the trainer streams into each rank's rollout engine after an update
-    (``paravt.train.sync_engine``, the asynchronous workers' ``RolloutPipeline.publish``).
+    (``paravt.rollout_source.push_weights``, the asynchronous workers' ``RolloutPipeline.publish``).
     ``dtype``: floating-point entries cast to it (the compute dtype the engines hold, from
     float32 masters), one entry at a time. Under FSDP2 each sharded entry is all-gathered only
     when the consumer asks for it (``DTensor.full_tensor``), so the extra memory is one

@@ -8,15 +8,17 @@ long-video task if absent, builds the tiny Qwen3-VL model if absent, cold-starts
 short SFT on oracle tool-use trajectories, evaluates, runs PARA-GRPO steps with a progress bar,
 evaluates again and prints a before/after table. Everything lands in ``train.out_dir``.
 
-One RL step (``train_step``)::
+One RL step (``train_step``, its numbered steps)::
 
-    prompts ─► K per prompt (gating) ─► rollouts (engine + tools + sub-agents) ─► rewards
-      ─► group advantages ─► packed minibatches ─► π_ref / π_prox log-probs (no grad)
-      ─► PPO epochs × minibatches × micro-batches (``algo.max_tokens_per_microbatch``):
-         one packed forward per micro-batch, the trained rows' hidden states through the
-         fused ``paravt_kernels.linear_policy_loss`` (``paravt.algo.loss.policy_part_loss``),
-         backward; clip, optimizer step per minibatch
-      ─► push weights to the engine ─► metrics
+    1 collect: prompts ─► K per prompt (gating) ─► rollouts (engine + tools + sub-agents),
+      from ``tr.source`` (this rank: ``LocalRollout``; the async workers: ``RolloutPipeline``)
+    2 score ─► 3 units (group advantages) ─► 4 packed minibatches, π_ref / π_prox (no grad)
+    5 update: PPO epochs × minibatches × micro-batches (``algo.max_tokens_per_microbatch``):
+      one packed forward per micro-batch, the trained rows' hidden states through the
+      fused ``paravt_kernels.linear_policy_loss`` (``paravt.algo.loss.policy_part_loss``),
+      backward; clip, optimizer step per minibatch
+    6 publish the weights (``tr.source.publish``) ─► 7 stats (``paravt.step_stats``: one
+      all-reduce and one gather over the ranks)
 
 No ``(tokens, vocab)`` logits exist anywhere in a step's log-prob passes: only the rows whose
 next token is trained meet the lm_head weight, inside the fused kernels. ``rollout.engine``:
@@ -39,22 +41,19 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from paravt.agent.loop import AgentRunner, stable_seed
+from paravt.agent.loop import AgentRunner
 from paravt.alarms import CollapseDetector, EmptySteps, EmptyStepsError
 from paravt.algo.advantages import apply_kl_reward, build_units
-from paravt.algo.gating import step_budgets
 from paravt.algo.guard import NonFiniteGuard
 from paravt.algo.logprobs import packed_logprobs
 from paravt.algo.loss import (
-    PolicyObjective,
     agg_denominator,
     make_objective,
     policy_minibatch_backward,
@@ -89,13 +88,10 @@ from paravt.distributed import (
     all_reduce_sum,
     cleanup,
     clip_grad_norm,
-    full_weights,
     init_distributed,
-    is_sharded,
     load_full_optimizer_state,
     peer_lost,
     release_single_rank_group,
-    shard_list,
     shard_model,
     world_size_from_env,
 )
@@ -111,8 +107,6 @@ from paravt.metrics import (
     postfix,
     progress_bar,
     read_metrics,
-    rollout_metrics,
-    trajectory_record,
     trajectory_samples,
 )
 from paravt.models import ModelBundle, load_model_from_config
@@ -120,14 +114,16 @@ from paravt.plan import check_device_memory
 from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout import engine_spec, make_engine
-from paravt.rollout.engine import Engine
+from paravt.rollout_source import LocalRollout, RolloutSource
 from paravt.runfolder import check_run_folder, logged_eval, record_run
 from paravt.sft import freeze_vit, run_sft
-from paravt.types import RolloutBatch, Sample, VideoMeta
+from paravt.step_stats import StepStats
+from paravt.trainer import Trainer
+from paravt.types import PackedBatch
 from paravt.validate import validate_run
 from paravt.video import probe
 from paravt.workers import RolloutPipeline, TrainerGone, WorkerFailed, init_async, run_worker
-from paravt.workers.roles import pin_worker_gpu
+from paravt.workers.roles import AsyncRoles, pin_worker_gpu
 
 # ----------------------------------------------------------------------------------- config
 
@@ -157,38 +153,10 @@ def seed_everything(seed: int) -> None:
 # --------------------------------------------------------------------------------- state
 
 
-@dataclass
-class Trainer:
-    """Everything a step touches (built once by ``build_trainer``)."""
-
-    cfg: Config
-    ctx: DistContext
-    policy: torch.nn.Module
-    bundle: ModelBundle  # the policy's (tokenizer, vision spec)
-    engine: Engine | None  # None: an asynchronous trainer rank without an evaluation engine
-    runner: AgentRunner | None  # the agent loop over ``engine`` (None with it)
-    reference: ReferencePolicy | None  # None: no KL term (algo.kl_coef = 0)
-    objective: PolicyObjective
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: PromptSampler
-    val_samples: list[Sample]
-    logger: MetricsLogger
-    init_dir: str
-    start_step: int = 0
-    thumbs: ThumbnailStore | None = None  # the viewer's overview thumbnails (rank 0)
-    preempt: Preemption | None = None  # the run's signal handling (None: no mid-step check)
-    # Asynchronous run (rollout.workers > 0): the rollout workers' trainer end
-    # (paravt.workers.RolloutPipeline); None: this process rolls out itself (synchronous).
-    pipeline: RolloutPipeline | None = None
-    # video path -> VideoMeta (the runner's probe cache, or a probe), for the viewer's records
-    video_meta: Callable[[str], VideoMeta] | None = None
-    # The skipped prompts' errors of the last step that trained on nothing (every rank's):
-    # what the empty-step alarm and error quote (paravt.alarms.EmptySteps).
-    empty_errors: list[str] = field(default_factory=list)
-
-
-def build_trainer(cfg: Config, ctx: Any) -> Trainer:
+def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None) -> Trainer:
+    """Everything a step touches, once: data, SFT cold start, policy, reference, engine,
+    optimizer, the rollout source (``roles``: this trainer rank's view of an asynchronous run,
+    whose workers then roll out; None: this rank rolls out itself), the resumed state."""
     t = cfg.train
     out = Path(t.out_dir)
     # 0. Data first: a malformed row fails before any model is built or loaded.
@@ -213,7 +181,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     if t.resume and ckpt is None and ctx.is_main:
         print(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
 
-    def load(path: Any, dtype: str | None = None) -> Any:
+    def load(path: str | Path, dtype: str | None = None) -> ModelBundle:
         return load_model_from_config(path, cfg.model, device=str(ctx.device), dtype=dtype)
 
     # The policy holds the masters (train.master_dtype); the reference model and the HF
@@ -242,7 +210,7 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
     reference = None
     if objective.needs_ref:
         reference = ReferencePolicy(load(init_dir).model)
-    builds_engine = cfg.rollout.workers == 0 or t.eval_prompts > 0  # (async: to evaluate)
+    builds_engine = roles is None or t.eval_prompts > 0  # (async: to evaluate)
     own_weights = engine_spec(cfg.rollout.engine).own_weights
     if builds_engine and (ctx.distributed or prec.mixed) and not own_weights:
         # The HF engine decodes with its own full replica in the compute dtype: sharded
@@ -270,24 +238,37 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
         optimizer, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0
     )
 
+    # 4. Where the rollouts come from: this rank, or the asynchronous workers (which start on
+    # the first η + 1 steps once ``source.start`` runs, while the trainer evaluates).
     sampler = PromptSampler(train_samples, seed=t.seed)
+    source: RolloutSource
+    if roles is None:
+        assert runner is not None and engine is not None
+        source = LocalRollout(cfg, ctx, sampler, runner, engine)
+    else:
+        source = RolloutPipeline(cfg, ctx, roles, sampler, engine)
 
     logger = MetricsLogger(
         out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg),
         on_disk_full=t.on_save_error,
     )  # fmt: skip
+    # video path -> VideoMeta: the runner's probe cache; an engine-less asynchronous trainer
+    # probes (``probe`` caches what it read per file).
+    video_meta = (
+        runner.meta
+        if runner is not None
+        else functools.partial(probe, timeout_s=cfg.video.decode_timeout_s)
+    )
     trainer = Trainer(
         cfg, ctx, policy, bundle, engine, runner, reference, objective, optimizer, scheduler,
-        sampler, val_samples, logger, init_dir,
+        sampler, source, val_samples, logger, init_dir, video_meta,
     )  # fmt: skip
-
-    trainer.video_meta = runner.meta if runner is not None else _video_meta(cfg)
     if ctx.is_main:
         trainer.thumbs = ThumbnailStore(
             out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px, disk=logger.disk
         )
 
-    # 4. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
+    # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if st is not None:
         load_full_optimizer_state(policy, optimizer, st["optimizer"], ctx)
         scheduler.load_state_dict(st["scheduler"])
@@ -309,116 +290,118 @@ def build_trainer(cfg: Config, ctx: Any) -> Trainer:
 
 
 def train_step(tr: Trainer, step: int) -> dict[str, float]:
-    """One PARA-GRPO step; returns the step's metrics (global over ranks, on every rank)."""
-    cfg, ctx = tr.cfg, tr.ctx
-    times: dict[str, float] = {}
+    """One PARA-GRPO step, top to bottom; returns its metrics (global over ranks, on every
+    rank). Each phase's seconds are ``time/<phase>`` (``Trainer.phase``)."""
+    cfg, ctx, algo = tr.cfg, tr.ctx, tr.cfg.algo
+    tr.times = {}
     t_step = time.perf_counter()
-    if tr.pipeline is not None:  # asynchronous: the workers rolled this step out already
-        _enter(tr, step, "rollout")
-        t0 = time.perf_counter()
+    stats = StepStats()
+
+    # 1. Collect: the step's prompts, their frame budgets K and G rollouts each (main agents,
+    # parallel crops, sub-agents), rolled out by this rank or by the asynchronous workers.
+    with tr.phase(step, "rollout"):
         tr.policy.eval()
-        batch = tr.pipeline.collect(step, tr.preempt)
-        times["time/rollout"] = time.perf_counter() - t0  # the trainer's wait for it
-        if batch is None or (tr.preempt is not None and tr.preempt.should_abandon()):
-            raise StepAbandoned(step)
-    else:
-        batch = _rollout(tr, step, times)
-    groups = batch.groups
-
-    # 3. Rewards (sub-agents inherit their parent's). A non-finite reward or advantage on any
-    # rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite loss
-    # or gradient norm, per optimizer step.
-    _enter(tr, step, "reward")
-    t0 = time.perf_counter()
-    score_groups(groups, cfg.reward)
-    guard = NonFiniteGuard(ctx, step)
-    guard.check_rewards(groups)
-    times["time/reward"] = time.perf_counter() - t0
-    return _learn(tr, step, batch, guard, times, t_step)
-
-
-def _rollout(tr: Trainer, step: int, times: dict[str, float]) -> RolloutBatch:
-    """Steps 1-2 of a synchronous step: this rank's prompts, their K, the rollouts."""
-    cfg, ctx = tr.cfg, tr.ctx
-
-    # 1. Prompts and their frame budgets K (stable hash of seed, epoch, sample id).
-    picked = shard_list(tr.sampler.next(cfg.train.prompts_per_step), ctx)
-    samples = [s for s, _ in picked]
-    budgets = step_budgets(picked, cfg)
-
-    # 2. Roll out G samples per prompt (main agents, parallel crops, sub-agents).
-    _enter(tr, step, "rollout")
-    t0 = time.perf_counter()
-    tr.policy.eval()
-    groups = tr.runner.rollout(
-        samples, budgets, group_size=cfg.rollout.group_size, seed=stable_seed(cfg.train.seed, step)
-    )
-    times["time/rollout"] = time.perf_counter() - t0
-    # GPU vLLM: free the device for the update (weights to host, KV cache dropped); the weight
-    # push of step 6 wakes it. A no-op for the HF engine and on the CPU.
-    getattr(tr.engine, "sleep", lambda: None)()
+        batch = tr.source.collect(step, tr.preempt)
     # Preemption (paravt.preempt): nothing this step changed is saved state yet. After a
     # SIGTERM/SIGUSR1 on any rank, every rank abandons the step here if finishing it would pass
     # train.preempt_grace_s; otherwise the step is finished and the run stops after it.
-    if tr.preempt is not None and tr.preempt.should_abandon():
+    if batch is None or (tr.preempt is not None and tr.preempt.should_abandon()):
         raise StepAbandoned(step)
-    return RolloutBatch(groups, list(tr.runner.errors), tr.runner.stats)
+
+    # 2. Score: rewards (sub-agents inherit their parent's). A non-finite reward or advantage on
+    # any rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite
+    # loss or gradient norm, per optimizer step.
+    with tr.phase(step, "reward"):
+        score_groups(batch.groups, cfg.reward)
+        guard = NonFiniteGuard(ctx, step)
+        guard.check_rewards(batch.groups)
+
+    # 3. Units: each main rollout with its sub-agents and its group advantage, cut into
+    # minibatches (the same global ones on every rank, about the same tokens each).
+    # 4. Pack them, and the reference / proximal log-probs (no grad).
+    with tr.phase(step, "logprobs"):
+        units = build_units(batch.groups, algo)
+        guard.check_advantages(units)
+        # Each main rollout's group advantage, before balancing moves units between ranks
+        # (the tool-vs-no-tool advantage metrics, adv/*).
+        advantage = {u.main.uid: u.advantage for u in units}
+        buckets = split_units(units, algo.minibatches)
+        if algo.balance_ranks:
+            buckets, stats.extra = balance_units(buckets, ctx, algo.share_prefix)
+            units = [u for b in buckets for u in b]
+        batches = [pack_units(mb, algo.share_prefix) for mb in buckets]
+        old_logprobs(tr, batches, stats)
+    if cfg.train.dump_batches:
+        _dump_batches(tr, step, batches)
+
+    # 5. Update: PPO epochs × minibatches, packed micro-batch forward/backward through the
+    # fused loss, one optimizer step each.
+    with tr.phase(step, "update"):
+        update_policy(tr, step, batches, len(units), guard, stats)
+
+    # 6. Publish the new weights to whoever rolls out next (this rank's engine, or streamed to
+    # the workers as version ``step``, which admits the prompts that version allows).
+    with tr.phase(step, "sync"):
+        tr.source.publish(tr.policy, step)
+
+    # 7. Stats: every rank's sums in one all-reduce, the trajectory records in one gather.
+    with tr.phase(step, "metrics"):
+        stats.add_rollout(batch, units, batches, advantage)
+        reduced = stats.reduce(ctx)
+        tr.times["time/step"] = time.perf_counter() - t_step
+        m = reduced.metrics(stats, tr.times["time/step"], float(tr.scheduler.get_last_lr()[0]))
+        m.update(tr.times)
+        # The rollout's parts (this rank's; an asynchronous step's: summed over its workers):
+        # overview decode + pixel pack, main-agent generation, crop decode + pack, sub-agents.
+        for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"),
+                        ("crop_s", "crops"), ("sub_gen_s", "sub_gen")):  # fmt: skip
+            m[f"time/{name}"] = float(getattr(batch.stats, k))
+        m.update(guard.metrics())
+        if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
+            m.update(batch.metrics)
+            m["async/trainer_idle_frac"] = m["time/rollout"] / max(m["time/step"], 1e-9)
+        tr.step_errors = reduced.errors
+        if ctx.is_main and cfg.train.log_trajectories:
+            tr.logger.log_trajectories(
+                step,
+                trajectory_samples(batch.groups, cfg.train.log_trajectories,
+                                   video_meta=tr.video_meta, store=tr.thumbs),
+            )  # fmt: skip
+    return m
 
 
-def _learn(
-    tr: Trainer,
-    step: int,
-    batch: RolloutBatch,
-    guard: NonFiniteGuard,
-    times: dict[str, float],
-    t_step: float,
-) -> dict[str, float]:
-    """Steps 4-7 of a step: advantages, the update, the weight push, the metrics."""
-    cfg, ctx, algo, groups = tr.cfg, tr.ctx, tr.cfg.algo, batch.groups
-
-    # 4. Advantages, packed minibatches, reference / proximal log-probs (no grad).
-    _enter(tr, step, "logprobs")
-    t0 = time.perf_counter()
-    units = build_units(groups, algo)
-    guard.check_advantages(units)
-    # Each main rollout's group advantage, before balancing moves units between ranks: the
-    # tool-vs-no-tool advantage metrics (paravt.metrics.rollout_metrics, adv/*).
-    advantage = {u.main.uid: u.advantage for u in units}
-    buckets = split_units(units, algo.minibatches)
-    shaping: dict[str, float] = {}
-    if algo.balance_ranks:  # the same global minibatches, each rank about the same tokens
-        buckets, shaping = balance_units(buckets, ctx, algo.share_prefix)
-        units = [u for b in buckets for u in b]
-    batches = [pack_units(mb, algo.share_prefix) for mb in buckets]
-    kl_pen = torch.zeros(2, dtype=torch.float64)  # sum of per-row KL penalties, rows
+def old_logprobs(tr: Trainer, batches: list[PackedBatch], stats: StepStats) -> None:
+    """Step 4's no-grad passes over each packed minibatch: π_ref (``algo.kl_coef`` > 0) and
+    π_prox (the decoupled objective) log-probs, then ``algo.kl_mode=reward``'s KL penalty
+    folded into the advantages (its sum and rows into ``stats``)."""
+    algo = tr.cfg.algo
     with torch.no_grad():
         for b in batches:
             if tr.reference is not None:
                 b.ref_logprobs = tr.reference.logprobs(b, max_tokens=algo.max_tokens_per_microbatch)
             if tr.objective.needs_prox:
                 b.prox_logprobs = proximal_logprobs(tr, b)
-            pen = apply_kl_reward(b, algo)  # kl_mode=reward: KL penalty into the advantages
-            kl_pen += torch.tensor([float(pen.sum()), float(pen.numel())], dtype=torch.float64)
-    kl_pen = all_reduce_sum(kl_pen, ctx)
-    shaping["kl_penalty"] = float(kl_pen[0] / kl_pen[1]) if kl_pen[1] > 0 else 0.0
-    times["time/logprobs"] = time.perf_counter() - t0
-    if cfg.train.dump_batches:
-        dump = Path(cfg.train.out_dir) / "debug" / f"step{step}_rank{ctx.rank}.pt"
-        with tr.logger.disk.guard("debug batch dump", dump):  # a full disk: train.on_save_error
-            dump.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"batches": batches, "world_size": ctx.world_size}, dump)
+            pen = apply_kl_reward(b, algo)
+            stats.add(kl_pen=float(pen.sum()), kl_rows=float(pen.numel()))
 
-    # 5. PPO epochs × minibatches: packed micro-batch forward/backward, one optimizer step each.
-    _enter(tr, step, "update")
-    t0 = time.perf_counter()
-    acc: dict[str, float] = {"loss_num": 0.0, "den": 0.0, "ent": 0.0, "ent_n": 0.0}
-    stat_sums: dict[str, float] = {}
-    grad_norms: list[float] = []
+
+def update_policy(
+    tr: Trainer,
+    step: int,
+    batches: list[PackedBatch],
+    n_units: int,
+    guard: NonFiniteGuard,
+    stats: StepStats,
+) -> None:
+    """Step 5: ``algo.ppo_epochs`` × minibatches; per minibatch, micro-batches by token budget
+    (``algo.max_tokens_per_microbatch``), one packed forward + fused loss + backward each, then
+    clip and one optimizer step (skipped on every rank when the loss or gradient norm is not
+    finite). ``n_units``: this rank's units; a rank with none (every prompt failed to decode)
+    skips the step's update on every rank (FSDP ranks take the same optimizer steps)."""
+    algo, ctx = tr.cfg.algo, tr.ctx
     params = [p for p in tr.policy.parameters() if p.requires_grad]
     tr.policy.train()  # Qwen-VL has no dropout by default; train mode enables grad checkpointing
-    # A rank whose prompts all failed to decode has nothing to train on; ranks must take the
-    # same number of optimizer steps (FSDP collectives), so the step's update is skipped.
-    epochs = algo.ppo_epochs if min(all_gather_objects(len(units), ctx)) > 0 else 0
+    epochs = algo.ppo_epochs if min(all_gather_objects(n_units, ctx)) > 0 else 0
     if epochs == 0 and ctx.is_main:
         print(f"[train] step {step}: a rank has no trajectories (videos unreadable); no update")
     epochs = guard.planned_epochs(epochs, len(batches))
@@ -426,8 +409,7 @@ def _learn(
         for b in batches:
             local_den = agg_denominator(tr.objective.effective_mask(b), b, algo.agg)
             global_den = float(all_reduce_sum(torch.tensor([local_den]), ctx)[0])
-            # Micro-batches by token budget, one packed forward + fused loss each; under FSDP
-            # every rank runs the same number of forwards (max over ranks).
+            # Under FSDP every rank runs the same number of forwards (max over ranks).
             parts = microbatches(b, algo.max_tokens_per_microbatch)
             n_parts = int(max(all_gather_objects(len(parts), ctx)))
             res = policy_minibatch_backward(
@@ -441,136 +423,12 @@ def _learn(
                 tr.optimizer.step()
                 tr.scheduler.step()
             tr.optimizer.zero_grad(set_to_none=True)
-            if not finite:
-                continue  # a skipped update adds nothing to the loss / grad-norm metrics
-            grad_norms.append(grad_norm)
-            acc["loss_num"] += res.loss_num
-            acc["den"] += local_den
-            acc["ent"] += res.entropy_sum
-            acc["ent_n"] += res.entropy_count
-            n_tok = res.stats["n_tokens"]
-            for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "kl_mean", "ratio_mean"):
-                stat_sums[k] = stat_sums.get(k, 0.0) + res.stats[k] * n_tok
-            stat_sums["n_tokens"] = stat_sums.get("n_tokens", 0.0) + n_tok
+            if finite:  # a skipped update adds nothing to the loss / grad-norm metrics
+                stats.add_update(res, local_den, grad_norm)
     tr.policy.eval()
-    times["time/update"] = time.perf_counter() - t0
-
-    # 6. Push the new weights to the rollout engine (asynchronous: stream them to the workers
-    # as version ``step`` and admit the prompts that version allows).
-    _enter(tr, step, "sync")
-    t0 = time.perf_counter()
-    if tr.pipeline is not None:
-        tr.pipeline.publish(tr.policy, step)
-    else:
-        sync_engine(tr)
-    times["time/sync"] = time.perf_counter() - t0
-
-    # 7. Metrics, reduced over ranks.
-    _enter(tr, step, "metrics")
-    keys = sorted(stat_sums)
-    vec = all_reduce_sum(
-        torch.tensor([acc["loss_num"], acc["den"], acc["ent"], acc["ent_n"]] +
-                     [stat_sums[k] for k in keys], dtype=torch.float64),
-        ctx,
-    )  # fmt: skip
-    loss_num, den, ent, ent_n = (float(x) for x in vec[:4])
-    red_stats = dict(zip(keys, (float(x) for x in vec[4:])))
-    n_tok = max(red_stats.get("n_tokens", 0.0), 1.0)
-    records = [r for part in all_gather_objects(
-        [trajectory_record(t, g.num_frames, advantage.get(t.uid)) for g in groups
-         for t in g.trajectories], ctx
-    ) for r in part]  # fmt: skip
-    m = rollout_metrics(records)
-    gen_tokens = float(all_reduce_sum(float(sum(sum(t.loss_mask) for u in units
-                                                for t in u.sequences)), ctx)[0])  # fmt: skip
-    times["time/step"] = time.perf_counter() - t_step
-    m.update(times)
-    m.update(shaping)
-    m.update(
-        {
-            "loss": loss_num / den if den > 0 else 0.0,
-            "kl": red_stats.get("kl_mean", 0.0) / n_tok,
-            "clip_frac": red_stats.get("clip_frac", 0.0) / n_tok,
-            "clip_frac_low": red_stats.get("clip_frac_low", 0.0) / n_tok,
-            "clip_frac_high": red_stats.get("clip_frac_high", 0.0) / n_tok,
-            "ratio_mean": red_stats.get("ratio_mean", 0.0) / n_tok,
-            "entropy": ent / ent_n if ent_n > 0 else 0.0,
-            "grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-            "lr": float(tr.scheduler.get_last_lr()[0]),
-            "tokens_per_s": gen_tokens / max(times["time/step"], 1e-9),
-            "trained_tokens": gen_tokens,
-            "num_groups": float(all_reduce_sum(float(len(groups)), ctx)[0]),
-            "skipped_prompts": float(all_reduce_sum(float(len(batch.errors)), ctx)[0]),
-        }
-    )
-    # The rollout's parts (this rank's; an asynchronous step's: summed over its workers):
-    # overview decode + pixel pack, main-agent generation, crop decode + pack, sub-agents.
-    for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"), ("crop_s", "crops"),
-                    ("sub_gen_s", "sub_gen")):  # fmt: skip
-        m[f"time/{name}"] = float(getattr(batch.stats, k))
-    # Tokens of the packed minibatches (every position of every trained sequence, prompts and
-    # visual placeholders included): what one PPO epoch's forwards process, the T of an
-    # update's 6 * params * T FLOPs.
-    m["packed_tokens"] = float(
-        all_reduce_sum(float(sum(int(b.input_ids.numel()) for b in batches)), ctx)[0]
-    )
-    # What the forwards actually push through the backbone (algo.share_prefix: each group's
-    # prompt once; the update's MFU counts these), and the main rows' context mix: prompt
-    # (system text, overview, question) against what follows it (turns, tool responses).
-    m.update(context_mix(batches, units, ctx))
-    # Episodes the engine's context cut short (paravt.agent.loop: never a failed request), and
-    # how much of the step was PARA-GRPO's own work: crops decoded and sub-agent trajectories
-    # (a measurement run reads these to tell a step with tool calls from one without).
-    keys = ("context_forced_answers", "context_cut_answers", "context_ended", "crops")
-    counts = all_reduce_sum(
-        torch.tensor([float(getattr(batch.stats, k)) for k in keys] +
-                     [float(sum(len(g.sub_trajectories) for g in groups))]), ctx
-    )  # fmt: skip
-    m.update({f"rollout/{k}": float(v) for k, v in zip((*keys, "sub_agents"), counts)})
-    m.update(guard.metrics())
-    if m["num_groups"] == 0:  # trained on nothing: no update statistic either (every rank)
-        for k in ("loss", "kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean",
-                  "entropy", "grad_norm"):  # fmt: skip
-            m.pop(k)
-        tr.empty_errors = [e for part in all_gather_objects(batch.errors, ctx) for e in part]
-    if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
-        m.update(batch.metrics)
-        m["async/trainer_idle_frac"] = times["time/rollout"] / max(times["time/step"], 1e-9)
-    if ctx.is_main and cfg.train.log_trajectories:
-        tr.logger.log_trajectories(
-            step,
-            trajectory_samples(
-                groups, cfg.train.log_trajectories, video_meta=tr.video_meta, store=tr.thumbs
-            ),
-        )
-    return m
 
 
-def context_mix(batches: list[Any], units: list[Any], ctx: Any) -> dict[str, float]:
-    """``backbone_rows`` (summed over ranks; ``paravt.models.prefix.shared_rows``), and the
-    mean prompt and suffix tokens of a main row (``tokens/main_prompt``,
-    ``tokens/main_suffix``): the mix the shared-prefix projection reads."""
-    from paravt.models.prefix import shared_rows
-
-    rows = sum(shared_rows(b, range(len(b.uids))) for b in batches)
-    prompt = sum(u.main.prompt_len for u in units)
-    suffix = sum(len(u.main.tokens) - u.main.prompt_len for u in units)
-    tot = all_reduce_sum(torch.tensor([float(rows), prompt, suffix, len(units)]), ctx)
-    n = max(float(tot[3]), 1.0)
-    return {
-        "backbone_rows": float(tot[0]),
-        "tokens/main_prompt": float(tot[1]) / n,
-        "tokens/main_suffix": float(tot[2]) / n,
-    }
-
-
-def _enter(tr: Trainer, step: int, phase: str) -> None:
-    """Tell the run's preemption handler where the step is (its log line names it)."""
-    if tr.preempt is not None:
-        tr.preempt.enter(step, phase)
-
-
-def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
+def proximal_logprobs(tr: Trainer, batch: PackedBatch) -> torch.Tensor:
     """π_prox: the policy before this step's updates, no-grad packed forwards (one per
     micro-batch of ``algo.max_tokens_per_microbatch`` tokens; ``packed_logprobs``) through
     the policy itself (under FSDP2 the sharded policy: no replica is needed for it; the
@@ -581,24 +439,12 @@ def proximal_logprobs(tr: Trainer, batch: Any) -> torch.Tensor:
     return lp.float().cpu()
 
 
-def sync_engine(tr: Trainer) -> None:
-    """Push the updated policy into the rollout engine.
-
-    One process: the HF engine shares the policy module (nothing to copy); vLLM gets its state
-    dict. FSDP2 (several ranks, or fp32 masters under bf16 compute on one): the full weights
-    are streamed (``paravt.distributed.full_weights``: one entry all-gathered and cast to the
-    compute dtype at a time, never a full state dict) into the rank's engine: vLLM's reload
-    path, or the HF engine's replica, copied in place."""
-    if is_sharded(tr.policy):
-        tr.engine.sync_weights(full_weights(tr.policy, Precision.from_config(tr.cfg).compute))
-    else:
-        tr.engine.sync_weights(tr.policy)
-
-
-def _video_meta(cfg: Config) -> Any:
-    """A video's ``VideoMeta`` for an asynchronous trainer without an engine of its own
-    (``probe`` caches what it read per file)."""
-    return functools.partial(probe, timeout_s=cfg.video.decode_timeout_s)
+def _dump_batches(tr: Trainer, step: int, batches: list[PackedBatch]) -> None:
+    """``train.dump_batches``: the step's packed batches of this rank, for parity tests."""
+    dump = Path(tr.cfg.train.out_dir) / "debug" / f"step{step}_rank{tr.ctx.rank}.pt"
+    with tr.logger.disk.guard("debug batch dump", dump):  # a full disk: train.on_save_error
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"batches": batches, "world_size": tr.ctx.world_size}, dump)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -652,7 +498,9 @@ def _claimed_run(cfg: Config, keep_handlers: bool) -> dict[str, Any]:
             release_single_rank_group()
 
 
-def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
+def _run(
+    cfg: Config, ctx: DistContext, pre: Preemption, roles: AsyncRoles | None = None
+) -> dict[str, Any]:
     out = Path(cfg.train.out_dir)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -662,7 +510,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         print(to_yaml(cfg), flush=True)
     t_run = time.perf_counter()
     try:
-        tr = build_trainer(cfg, ctx)
+        tr = build_trainer(cfg, ctx, roles)
     except SFTPreempted as e:  # its state is saved: --resume continues the SFT
         cleanup(ctx)
         return {"before": {}, "after": {}, "last": {}, "out_dir": str(out), "preempted": e.info}
@@ -671,9 +519,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
             record_run(cfg)
     tr.preempt = pre
     t = cfg.train
-    if roles is not None:  # the workers start on the first η + 1 steps while we evaluate
-        tr.pipeline = RolloutPipeline(cfg, ctx, roles, tr.sampler)
-        tr.pipeline.start(tr.policy, tr.init_dir, tr.start_step)
+    tr.source.start(tr.policy, tr.init_dir, tr.start_step)  # async: workers start rolling out
 
     before: dict[str, float] = {}
     pre.enter(tr.start_step, "eval")
@@ -683,8 +529,6 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         before = logged_eval(out, "eval_before", ctx=ctx)
         if not before:
             before = _evaluate(tr, tr.start_step, "eval_before")
-            if tr.pipeline is not None:  # its evaluation engine idles until the last one
-                getattr(tr.engine, "sleep", lambda: None)()
 
     bar = progress_bar(
         t.steps, initial=tr.start_step, enabled=ctx.is_main and t.progress, desc="PARA-GRPO"
@@ -704,7 +548,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
     for step in range(tr.start_step + 1, t.steps + 1):
         if pre.start_step(step):  # any rank, during the previous step or before the first
             break
-        begin = (_data_state(tr, step - 1), rng_state())
+        begin = (tr.source.data_state(step - 1), rng_state())
         try:
             last = train_step(tr, step)
         except StepAbandoned:
@@ -719,7 +563,7 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
         tr.logger.log(step, last)
         fired = alarms.update(step, last)
-        if (a := empty.update(step, last, tr.empty_errors)) is not None:
+        if (a := empty.update(step, last, tr.step_errors)) is not None:
             fired.append(a)
         for a in fired:
             tr.logger.log(step, a.row(), kind="alarm")
@@ -730,24 +574,19 @@ def _run(cfg: Config, ctx: Any, pre: Any, roles: Any = None) -> dict[str, Any]:
         bar.update(1)
         _periodic_eval(tr, step, pre)  # before the checkpoint: a resume from it has the row
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
-            pre.enter(step, "checkpoint")
-            t0 = time.perf_counter()
-            if save_trainer(tr, step, data=_data_state(tr, step)):
-                saved = step
-            pre.save_s = time.perf_counter() - t0
+            with tr.phase(step, "checkpoint"):
+                if save_trainer(tr, step, data=tr.source.data_state(step)):
+                    saved = step
+            pre.save_s = tr.times["time/checkpoint"]
     bar.close()
     if abandoned or pre.requested():
         info = _preempted(tr, done, saved, begin if abandoned else None)
-        if tr.pipeline is not None:
-            tr.pipeline.close()
+        tr.source.close()
         tr.logger.close()
         cleanup(ctx, getattr(tr.engine, "close", lambda: None))
         return {"before": before, "after": {}, "last": last, "out_dir": str(out), "preempted": info}
     pre.enter(t.steps, "eval")
-    if tr.pipeline is not None:  # the workers are done; the evaluation runs here
-        tr.pipeline.close()
-        if tr.engine is not None:
-            sync_engine(tr)
+    tr.source.close()  # async: the workers are done; the evaluation runs here
 
     # A resumed finished run has its evaluation logged already: reused, not logged twice.
     after = logged_eval(out, "eval_after", t.steps, ctx) if t.eval_prompts else {}
@@ -785,13 +624,12 @@ def _checkpoint_last(
     path = str(Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)) if done else ""
     if done <= saved:
         return True, path, " (already written)" if done else ""
-    tr.preempt.enter(done, "checkpoint")
-    t0 = time.perf_counter()
-    if begin is None:
-        ok = save_trainer(tr, done, data=_data_state(tr, done))
-    else:
-        ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
-    return ok, path, f" written in {time.perf_counter() - t0:.1f} s"
+    with tr.phase(done, "checkpoint"):
+        if begin is None:
+            ok = save_trainer(tr, done, data=tr.source.data_state(done))
+        else:
+            ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
+    return ok, path, f" written in {tr.times['time/checkpoint']:.1f} s"
 
 
 def _save_after_worker_failure(
@@ -832,11 +670,7 @@ def _preempted(
         ranks = sorted(a[0].rank for a in arrivals)
         where += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     if begin is not None:
-        outcome = (
-            f"abandoned step {done + 1} while waiting for its rollouts"
-            if tr.pipeline is not None
-            else f"abandoned step {done + 1} after its rollout (finishing it would pass the grace)"
-        )
+        outcome = f"abandoned step {done + 1} {tr.source.abandon_when}"
     elif first.phase in ("startup", "eval"):
         outcome = "no step in progress"
     else:
@@ -871,13 +705,14 @@ def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
     ``step`` as a ``kind`` row (``eval_before``, ``eval_step``, ``eval_after``) of
     ``metrics.jsonl`` and one row per prompt and condition in ``heldout.jsonl``."""
     prompts: list[dict[str, Any]] = []
-    m = evaluate(tr, seed=tr.cfg.train.seed, per_prompt=prompts)
+    with tr.source.evaluating(tr.policy, step):  # async: the eval engine gets the weights
+        m = evaluate(tr, seed=tr.cfg.train.seed, per_prompt=prompts)
     tr.logger.log(step, m, kind=kind)
     tr.logger.log_heldout(step, kind, prompts)
     return m
 
 
-def _periodic_eval(tr: Trainer, step: int, pre: Any, *, resumed: bool = False) -> None:
+def _periodic_eval(tr: Trainer, step: int, pre: Preemption, *, resumed: bool = False) -> None:
     """``train.eval_every``: after every that many steps (not the last: ``eval_after`` is
     its evaluation), an ``eval_step`` evaluation. Skipped after a SIGTERM/SIGUSR1 (the run
     stops at the next boundary); ``resumed``: at a resumed run's first step, the evaluation
@@ -889,12 +724,6 @@ def _periodic_eval(tr: Trainer, step: int, pre: Any, *, resumed: bool = False) -
         return
     pre.enter(step, "eval")
     _evaluate(tr, step, "eval_step")
-
-
-def _data_state(tr: Trainer, done: int) -> dict[str, int]:
-    """The prompt sampler's position after step ``done``'s prompts (what a checkpoint of step
-    ``done`` records): asynchronous runs draw up to η + 1 steps ahead."""
-    return tr.pipeline.data_state(done) if tr.pipeline is not None else tr.sampler.state()
 
 
 def _lost_peer(e: BaseException, cfg: Config | None) -> str:

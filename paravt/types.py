@@ -315,7 +315,8 @@ class RolloutStats:
 @dataclass
 class RolloutBatch:
     """One step's rollouts as the trainer receives them: from its own ``AgentRunner``
-    (synchronous) or from the rollout workers (``paravt.workers.pipeline``).
+    (synchronous, ``paravt.rollout_source.LocalRollout``) or from the rollout workers
+    (``paravt.workers.pipeline``).
 
     ``errors`` / ``stats``: the runners' skipped prompts and counters (``AgentRunner.errors``,
     ``.stats``; an asynchronous run's are on trainer rank 0 only, so sums over ranks count

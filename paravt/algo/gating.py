@@ -34,7 +34,8 @@ def frame_budget(
 def step_budgets(picked: Sequence[tuple[Any, int]], cfg: Any) -> list[int]:
     """K for each ``(sample, epoch)`` a step drew (``PromptSampler.next``) under ``cfg``'s
     ``video`` gating: the trainer's synchronous rollout and an asynchronous run's prompt
-    assignment (``paravt.workers.pipeline``) both call it."""
+    assignment (``paravt.workers.pipeline``) both call it, through
+    ``paravt.rollout_source.plan_prompts``."""
     v = cfg.video
     return [
         frame_budget(

@@ -79,7 +79,7 @@ def evaluate(
     """Roll out the validation prompts under each ``train.eval_conditions`` entry
     (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
     them: the before/after numbers of the final table. ``tr``: the run's
-    ``paravt.train.Trainer`` (its config, distributed context, policy, agent runner and
+    ``paravt.trainer.Trainer`` (its config, distributed context, policy, agent runner and
     ``val_samples``).
 
     Per condition ``{name}/accuracy`` with ``{name}/accuracy_ci95`` (the half-width of its 95%

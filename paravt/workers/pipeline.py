@@ -44,15 +44,17 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from paravt.agent.loop import stable_seed
-from paravt.algo.gating import step_budgets
 from paravt.config import Config
 from paravt.distributed import DistContext, Precision, full_weights
+from paravt.rollout.engine import Engine
+from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
@@ -67,11 +69,23 @@ _FAILED = "failed:"
 
 class RolloutPipeline:
     """Trainer-side state of the asynchronous schedule (every trainer rank holds one; only
-    rank 0 talks to the workers). ``sampler``: the run's ``PromptSampler`` (rank 0's draws
-    are the run's prompts)."""
+    rank 0 talks to the workers): the asynchronous ``paravt.rollout_source.RolloutSource``.
+    ``sampler``: the run's ``PromptSampler`` (rank 0's draws are the run's prompts);
+    ``engine``: the trainer's own engine, which only evaluates (None: no evaluation)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, roles: AsyncRoles, sampler: Any) -> None:
+    abandon_when = "while waiting for its rollouts"
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        roles: AsyncRoles,
+        sampler: Any,
+        engine: Engine | None = None,
+    ) -> None:
         self.cfg, self.ctx, self.roles, self.sampler = cfg, ctx, roles, sampler
+        self.engine = engine
+        self._engine_version = 0  # the policy version the evaluation engine holds
         self.eta = int(cfg.rollout.max_staleness)
         self.assigned = 0  # the last step whose prompts went out
         self._data_before: dict[int, dict[str, int]] = {}
@@ -95,7 +109,7 @@ class RolloutPipeline:
     def start(self, policy: torch.nn.Module, init_dir: str, start_step: int) -> None:
         """Tell the workers where the model is, send them version ``start_step``'s weights
         and the first η + 1 steps' prompts (every trainer rank calls it)."""
-        self.assigned = start_step
+        self.assigned = self._engine_version = start_step
         if self.ctx.is_main:
             self.roles.ctrl.bcast({"kind": "hello", "init_dir": str(init_dir)})
         self.publish(policy, start_step)
@@ -158,15 +172,13 @@ class RolloutPipeline:
 
     def _assign(self, step: int) -> None:
         """Draw step ``step``'s prompts with their K and send them to the workers."""
-        cfg = self.cfg
         self._data_before[step] = self.sampler.state()
-        picked = self.sampler.next(cfg.train.prompts_per_step)
-        prompts = list(zip([s for s, _ in picked], step_budgets(picked, cfg)))
+        plan = plan_prompts(self.sampler, self.cfg, step)
         msg = {
             "kind": "assign",
             "step": step,
-            "prompts": prompts,
-            "seed": stable_seed(cfg.train.seed, step),
+            "prompts": list(zip(plan.samples, plan.budgets)),
+            "seed": plan.seed,
             "min_version": max(step - 1 - self.eta, 0),
         }
         self.roles.ctrl.bcast(msg)
@@ -178,6 +190,21 @@ class RolloutPipeline:
         if not self.ctx.is_main:
             return self.sampler.state()
         return dict(self._data_before.get(done + 1, self.sampler.state()))
+
+    @contextmanager
+    def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+        """Around an evaluation after step ``step`` with the trainer's own engine: the policy's
+        weights pushed into it first when it holds another version (every trainer rank: under
+        FSDP2 the push is a collective), and the engine put to sleep after (vLLM on a GPU: it
+        idles until the next evaluation) unless this is the run's last."""
+        if self.engine is not None and self._engine_version != step:
+            push_weights(self.engine, policy, self.cfg)
+            self._engine_version = step
+        try:
+            yield
+        finally:
+            if self.engine is not None and step < self.cfg.train.steps:
+                getattr(self.engine, "sleep", lambda: None)()
 
     def close(self) -> None:
         """Stop the workers (each says bye; its receiving thread ends). Not after a failure:
