@@ -37,11 +37,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import logging
 import os
 import random
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +54,9 @@ from paravt.distributed import (
     full_state_dict,
 )
 from paravt.files import write_atomic
+from paravt.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -387,11 +386,9 @@ def save_trainer(
         return True
     if tr.cfg.train.on_save_error == "continue":
         if tr.ctx.is_main:
-            print(
+            log.warning(
                 f"[train] warning: {said} Training goes on without it "
-                "(train.on_save_error=continue).",
-                file=sys.stderr,
-                flush=True,
+                "(train.on_save_error=continue)."
             )
         return False
     raise failed or CheckpointSaveError(said)

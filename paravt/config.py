@@ -980,8 +980,30 @@ def validate(cfg: Config) -> None:
 
 
 def to_yaml(cfg: Config) -> str:
-    """The resolved configuration as YAML (saved in the run folder, printed at start)."""
+    """The resolved configuration as YAML (saved in the run folder as ``config.yaml``; the
+    console gets ``config_summary``, and the YAML with ``PARAVT_LOG_LEVEL=DEBUG``)."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_summary(cfg: Config) -> str:
+    """One screen of the settings that say what a run is (the console's view at a run's start:
+    ``paravt.train``); every setting is in the run folder's ``config.yaml`` (``to_yaml``)."""
+    d, m, r, a, t, v = cfg.data, cfg.model, cfg.rollout, cfg.algo, cfg.train, cfg.video
+    data = d.path or f"synthetic task '{d.synth_task}', {d.synth_num_videos} videos ({d.synth_dir})"
+    model = m.path or f"tiny Qwen3-VL ({m.tiny_dir})"
+    k = f"K in {list(v.frame_budgets)}" + (" (random per prompt)" if v.gating else "")
+    lines = [
+        f"[train] run folder {t.out_dir} (config.yaml there holds every setting)",
+        f"  data     {data}",
+        f"  model    {model}, {m.dtype} compute, {t.master_dtype} masters, device {m.device}",
+        f"  SFT      {cfg.sft.steps} steps" if cfg.sft.steps else "  SFT      none",
+        f"  RL       {t.steps} steps x {t.prompts_per_step} prompts x G={r.group_size}, "
+        f"{k}, loss {a.loss}, lr {a.lr:g}, kl {a.kl_coef:g}",
+        f"  rollout  engine {r.engine}, "
+        + (f"{r.workers} async workers (staleness <= {r.max_staleness})" if r.workers else "sync")
+        + f", up to {cfg.agent.max_turns} tool turns",
+    ]
+    return "\n".join(lines)
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import math
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,9 @@ from paravt.files import (
     write_atomic,
     write_failure,
 )
+from paravt.log import get_logger
+
+log = get_logger(__name__)
 
 # Metrics every RL step must log (the smoke test asserts each is present). Per-K metrics
 # (``acc/K{k}``, ``tool_rate/K{k}``) are added for each K drawn in the step.
@@ -224,12 +226,10 @@ class RunFolderWrites:
         self.skipped[what] = self.skipped.get(what, 0) + 1
         if what not in self.warned:
             self.warned.add(what)
-            print(
+            log.warning(
                 f"[train] warning: {problem} Training goes on without it "
                 f"(train.on_save_error=continue); later {what} writes are tried again and "
-                "skipped silently while the disk is full.",
-                file=sys.stderr,
-                flush=True,
+                "skipped silently while the disk is full."
             )
 
 

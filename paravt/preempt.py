@@ -53,6 +53,9 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from paravt.distributed import DistContext, all_gather_objects, all_reduce_max
+from paravt.log import ALL_RANKS, get_logger
+
+log = get_logger(__name__)
 
 #: The signals that request a checkpoint and a clean exit: a scheduler's SIGTERM / SIGUSR1 and
 #: a user's Ctrl-C (SIGINT; a second Ctrl-C stops at once, see ``Preemption._handle``).
@@ -222,10 +225,10 @@ class Preemption:
             sig, _, _, rank = self._test
             if rank is None or rank == self.ctx.rank:
                 self._test = None
-                print(
+                log.info(
                     f"[preempt-test] rank {self.ctx.rank} sends itself {sig.name} at step {step} "
                     f"({phase}) at wall time {time.time():.6f}",
-                    flush=True,
+                    extra=ALL_RANKS,
                 )
                 os.kill(os.getpid(), sig)
 

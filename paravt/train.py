@@ -74,6 +74,7 @@ from paravt.config import (
     Config,
     ConfigError,
     ConfigHelpParser,
+    config_summary,
     load_config,
     preset_errors,
     to_dict,
@@ -97,6 +98,7 @@ from paravt.distributed import (
 )
 from paravt.eval.heldout import evaluate, table_rows
 from paravt.files import FolderBusy, NotRegularFile, claim_folder, write_atomic
+from paravt.log import ALL_RANKS, get_logger
 from paravt.metrics import (
     DiskFullError,
     MetricsLogger,
@@ -124,6 +126,8 @@ from paravt.validate import validate_run
 from paravt.video import probe
 from paravt.workers import RolloutPipeline, TrainerGone, WorkerFailed, init_async, run_worker
 from paravt.workers.roles import AsyncRoles, pin_worker_gpu
+
+log = get_logger(__name__)
 
 # ----------------------------------------------------------------------------------- config
 
@@ -170,16 +174,15 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
         init_dir = str(out / "sft")
         if not (Path(init_dir) / "config.json").is_file():
             res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=init_dir, ctx=ctx)
-            if ctx.is_main:
-                print(
-                    f"[sft] {cfg.sft.steps} steps, nll/token {res['sft/loss_first']:.3f} -> "
-                    f"{res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s)"
-                )
+            log.info(
+                f"[sft] {cfg.sft.steps} steps, nll/token {res['sft/loss_first']:.3f} -> "
+                f"{res['sft/loss_last']:.3f} ({res['sft/seconds']:.0f} s)"
+            )
 
     # 2. Policy (from the latest checkpoint on --resume), reference, engine.
     ckpt = latest_checkpoint(out) if t.resume else None
-    if t.resume and ckpt is None and ctx.is_main:
-        print(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
+    if t.resume and ckpt is None:
+        log.info(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
 
     def load(path: str | Path, dtype: str | None = None) -> ModelBundle:
         return load_model_from_config(path, cfg.model, device=str(ctx.device), dtype=dtype)
@@ -187,8 +190,8 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     # The policy holds the masters (train.master_dtype); the reference model and the HF
     # engine's replica hold the compute dtype (model.dtype); see paravt.distributed.Precision.
     prec = Precision.from_config(cfg)
-    if not prec.mixed and cfg.model.dtype != "float32" and ctx.is_main:
-        print(
+    if not prec.mixed and cfg.model.dtype != "float32":
+        log.warning(
             f"[train] warning: train.master_dtype={cfg.train.master_dtype} (as model.dtype): "
             "the trained weights and AdamW's moments are "
             f"{cfg.model.dtype}; an update smaller than half a {cfg.model.dtype} ulp of its "
@@ -277,8 +280,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
         if len(rngs) == ctx.world_size:
             set_rng_state(rngs[ctx.rank])
         trainer.start_step = int(st["step"])
-        if ctx.is_main:
-            print(f"[train] resumed from {ckpt} (step {trainer.start_step})")
+        log.info(f"[train] resumed from {ckpt} (step {trainer.start_step})")
     else:
         seed_everything(t.seed + ctx.rank)
     if t.resume:  # metrics past the start dropped (no checkpoint: every row of the old run)
@@ -402,8 +404,8 @@ def update_policy(
     params = [p for p in tr.policy.parameters() if p.requires_grad]
     tr.policy.train()  # Qwen-VL has no dropout by default; train mode enables grad checkpointing
     epochs = algo.ppo_epochs if min(all_gather_objects(n_units, ctx)) > 0 else 0
-    if epochs == 0 and ctx.is_main:
-        print(f"[train] step {step}: a rank has no trajectories (videos unreadable); no update")
+    if epochs == 0:
+        log.info(f"[train] step {step}: a rank has no trajectories (videos unreadable); no update")
     epochs = guard.planned_epochs(epochs, len(batches))
     for _ in range(epochs):
         for b in batches:
@@ -507,7 +509,8 @@ def _run(
         with RunFolderWrites(cfg.train.on_save_error, out).guard("config", out / "config.yaml"):
             write_atomic(out / "config.yaml", to_yaml(cfg))
             record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
-        print(to_yaml(cfg), flush=True)
+        log.info(config_summary(cfg))
+        log.debug(to_yaml(cfg))
     t_run = time.perf_counter()
     try:
         tr = build_trainer(cfg, ctx, roles)
@@ -596,13 +599,9 @@ def _run(
         if t.summary_plot:
             with tr.logger.disk.guard("summary plot", out / "summary.png"):
                 plot_summary(out / "metrics.jsonl", out / "summary.png")
-        print()
-        print(
-            format_table(
-                {"before RL": before, "after RL": after, "last step": last}, table_rows(cfg)
-            )
-        )
-        print(
+        table = {"before RL": before, "after RL": after, "last step": last}
+        log.info("\n" + format_table(table, table_rows(cfg)))
+        log.info(
             f"\n[train] {t.steps} steps in {time.perf_counter() - t_run:.0f} s; run folder: "
             f"{out} (metrics.jsonl, tb/, trajectories.jsonl, summary.png, checkpoints/)"
         )
@@ -646,8 +645,7 @@ def _save_after_worker_failure(
         what = f"checkpoint {path}{wrote}"
     else:
         what = f"checkpoint {path} NOT written (see the warning above)"
-    if tr.ctx.is_main:
-        print(f"[async] a rollout worker is gone after step {done}: {what}", flush=True)
+    log.info(f"[async] a rollout worker is gone after step {done}: {what}")
 
 
 def _preempted(
@@ -682,12 +680,10 @@ def _preempted(
     else:
         what = "no step completed, nothing to checkpoint (--resume starts at step 0); exiting 0"
     late = f", past the grace of {t.preempt_grace_s:g} s" if seconds > t.preempt_grace_s else ""
-    if tr.ctx.is_main:
-        print(
-            f"[preempt] {where}: {outcome}, {what} {seconds:.1f} s after the signal"
-            f"{late or f' (grace {t.preempt_grace_s:g} s)'}",
-            flush=True,
-        )
+    log.info(
+        f"[preempt] {where}: {outcome}, {what} {seconds:.1f} s after the signal"
+        f"{late or f' (grace {t.preempt_grace_s:g} s)'}"
+    )
     return {
         "signal": first.signal,
         "step": first.step,
@@ -755,30 +751,30 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
         if not res.get("preempted", {}).get("ok", True):
             return 1
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}", extra=ALL_RANKS)
         return 2
     # A full disk; no data; a link or a FIFO planted where the run writes a file.
     except (CheckpointSaveError, DiskFullError, EmptyStepsError, NotRegularFile) as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}", extra=ALL_RANKS)
         return 1
     # Asynchronous: a rollout worker died or raised (the trainer's view), or the trainer died
     # (a worker's view): one line each, no traceback.
     except (WorkerFailed, TrainerGone) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        log.error(f"error: {e}", extra=ALL_RANKS)
         return 1
     except RuntimeError as e:  # another rank's process or node died mid-collective
         if not peer_lost(e):
             raise
-        print(f"error: {_lost_peer(e, cfg)}", file=sys.stderr, flush=True)
+        log.error(f"error: {_lost_peer(e, cfg)}", extra=ALL_RANKS)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the run's handlers (paravt.preempt) are set
-        print("interrupted before the run started; nothing was written", file=sys.stderr)
+        log.error("interrupted before the run started; nothing was written", extra=ALL_RANKS)
         return 130
     except DatasetError as e:  # raised before any model loads (read_datasets)
-        print(
+        log.error(
             f"error: {e}\n(the dataset is checked before any model loads: fix it, or point "
             "data.path at another dataset)",
-            file=sys.stderr,
+            extra=ALL_RANKS,
         )
         return 2
     return 0

@@ -229,8 +229,12 @@ def test_bad_data_row_is_reported_before_any_model_loads(
     out = tmp_path / "out"
     argv = [f"data.path={data}", f"train.out_dir={out}", "train.progress=false", "sft.steps=0"]
     rc = main(argv)
-    err = capsys.readouterr().err
+    cap = capsys.readouterr()
+    err = cap.err
     assert rc == 2, err
+    # The console gets a one-screen summary; every setting is in the run folder's config.yaml.
+    assert f"[train] run folder {out}" in cap.out and "viewer_thumb_px" not in cap.out
+    assert "viewer_thumb_px" in (out / "config.yaml").read_text()
     line = len(rows[split])
     assert f"{data / f'{split}.jsonl'}:{line}: 'options' is int 5" in err, err
     assert "data.path" in err  # the fix names the setting that points at the file

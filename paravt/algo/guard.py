@@ -30,7 +30,10 @@ from typing import Any
 import torch
 
 from paravt.distributed import DistContext, all_gather_objects, all_reduce_sum
+from paravt.log import get_logger
 from paravt.types import Group
+
+log = get_logger(__name__)
 
 # What is checked, in step order; each is a ``nonfinite/<what>`` metric.
 CHECKS: tuple[str, ...] = ("reward", "advantage", "loss", "grad_norm")
@@ -134,4 +137,4 @@ class NonFiniteGuard:
 
     def _print(self, msg: str) -> None:
         if self.ctx.is_main:
-            print(f"[guard] step {self.step}: {msg}", flush=True)
+            log.info(f"[guard] step {self.step}: {msg}")

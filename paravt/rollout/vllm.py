@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from paravt.log import get_logger, quiet_libraries
 from paravt.models.loader import ModelBundle
 from paravt.rollout import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
@@ -80,11 +81,12 @@ from paravt.vision.preprocess import (
     patch_timestamps,
 )
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # vLLM runs in the calling process (the trainer's): weights can be handed over as tensors and
 # nothing is pickled. Must be set before vLLM is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+quiet_libraries()  # vLLM's INFO chatter off unless PARAVT_LOG_LEVEL=DEBUG (before vllm loads)
 
 
 class _Catch(logging.Handler):

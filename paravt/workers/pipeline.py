@@ -53,10 +53,13 @@ import torch.distributed as dist
 
 from paravt.config import Config
 from paravt.distributed import DistContext, Precision, full_weights
+from paravt.log import get_logger
 from paravt.rollout.engine import Engine
 from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
+
+log = get_logger(__name__)
 
 
 class WorkerFailed(RuntimeError):
@@ -216,7 +219,7 @@ class RolloutPipeline:
             self._closing = True
             self.roles.ctrl.bcast({"kind": "stop"})
         except WorkerFailed as e:  # e.g. a preemption that came because a worker died
-            print(f"error: {e}", flush=True)
+            log.info(f"error: {e}")
             return
         except Exception as e:  # a worker died meanwhile: name it if its thread saw it
             self.failed = True
@@ -225,9 +228,9 @@ class RolloutPipeline:
             try:
                 self._drain("while stopping the workers")
             except WorkerFailed as w:
-                print(f"error: {w}", flush=True)
+                log.info(f"error: {w}")
                 return
-            print(f"[async] could not tell the workers to stop ({type(e).__name__}: {e})")
+            log.info(f"[async] could not tell the workers to stop ({type(e).__name__}: {e})")
             return
         for th in self._threads:
             th.join(timeout=60)

@@ -37,9 +37,12 @@ import torch
 from paravt.agent.loop import AgentRunner
 from paravt.config import Config
 from paravt.distributed import DistContext
+from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
 from paravt.rollout import make_engine
 from paravt.workers.roles import AsyncRoles
+
+log = get_logger(__name__)
 
 #: Test hook: seconds a worker sleeps before every turn (``PARAVT_WORKER_TURN_PAUSE_S``), so
 #: that a test sees weights arrive in the middle of an episode.
@@ -84,9 +87,9 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     )
     ctrl.start()
     results = roles.results[roles.rank]
-    print(
+    log.info(
         f"{tag} pid {os.getpid()}: loading {hello['init_dir']} ({cfg.rollout.engine} engine)",
-        flush=True,
+        extra=ALL_RANKS,
     )
     try:
         bundle = load_model_from_config(hello["init_dir"], cfg.model, device=str(ctx.device))
@@ -179,10 +182,10 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             raise
     ctrl.join(timeout=30)
     getattr(engine, "close", lambda: None)()
-    print(
+    log.info(
         f"{tag} stopped after {totals['steps']} step(s): busy {totals['busy_s']:.1f} s, "
         f"idle {totals['idle_s']:.1f} s",
-        flush=True,
+        extra=ALL_RANKS,
     )
     return totals
 

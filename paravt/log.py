@@ -1,0 +1,101 @@
+"""paravt's one logger: the standard ``logging`` module, rank-aware, with levels.
+
+Every module logs through ``get_logger(__name__)`` (a child of the ``paravt`` logger) instead of
+``print``. What a user sees is unchanged in form: the message alone, INFO and DEBUG on stdout,
+WARNING and above on stderr, flushed at once. What changes:
+
+* **Rank 0 by default.** Under torchrun only global rank 0 (``RANK``) speaks; a message every
+  rank must say (a rank's own error, a rollout worker's line) passes ``extra=ALL_RANKS``.
+* **Levels.** ``PARAVT_LOG_LEVEL`` (``DEBUG``, ``INFO``: the default, ``WARNING``, ``ERROR``)
+  sets how much is said; ``WARNING`` leaves a run's warnings and errors only.
+* **Libraries stay quiet.** vLLM's own INFO chatter (engine start-up, every weight reload) is
+  raised to WARNING unless ``PARAVT_LOG_LEVEL=DEBUG`` or ``VLLM_LOGGING_LEVEL`` asks for it
+  (``quiet_libraries``, called by ``paravt.rollout.vllm`` before vLLM is imported).
+
+The handlers look up ``sys.stdout`` / ``sys.stderr`` when they write, not when they are made,
+so a redirected stream (pytest's capture, ``contextlib.redirect_stdout``) gets the messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import TextIO
+
+#: ``extra=`` of a message every rank says (not only rank 0).
+ALL_RANKS = {"all_ranks": True}
+
+_ROOT = "paravt"
+
+
+class _CurrentStream(logging.StreamHandler):
+    """A stream handler bound to ``sys.stdout`` or ``sys.stderr`` as they are at each write."""
+
+    def __init__(self, err: bool) -> None:
+        self._err = err
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr if self._err else sys.stdout
+
+    @stream.setter
+    def stream(self, value: TextIO) -> None:  # logging sets it in __init__; the property wins
+        pass
+
+
+class _RankFilter(logging.Filter):
+    """Rank 0's messages, and every rank's ``ALL_RANKS`` ones; ``max_level``: only records
+    below it (stdout's handler leaves WARNING and above to stderr's)."""
+
+    def __init__(self, max_level: int | None = None) -> None:
+        super().__init__()
+        self.max_level = max_level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.max_level is not None and record.levelno >= self.max_level:
+            return False
+        return getattr(record, "all_ranks", False) or os.environ.get("RANK", "0") == "0"
+
+
+def level() -> int:
+    """The level ``PARAVT_LOG_LEVEL`` names (INFO when unset); a bad name is INFO too, with a
+    warning (logging must never be why a run does not start)."""
+    name = os.environ.get("PARAVT_LOG_LEVEL", "INFO").strip().upper()
+    lvl = logging.getLevelName(name)
+    if not isinstance(lvl, int):
+        sys.stderr.write(
+            f"warning: PARAVT_LOG_LEVEL={name!r} is not a level (DEBUG, INFO, WARNING, ERROR); "
+            "using INFO\n"
+        )
+        return logging.INFO
+    return lvl
+
+
+def _configure() -> logging.Logger:
+    root = logging.getLogger(_ROOT)
+    if not any(isinstance(h, _CurrentStream) for h in root.handlers):
+        out, err = _CurrentStream(err=False), _CurrentStream(err=True)
+        out.addFilter(_RankFilter(max_level=logging.WARNING))
+        err.setLevel(logging.WARNING)
+        err.addFilter(_RankFilter())
+        for h in (out, err):
+            h.setFormatter(logging.Formatter("%(message)s"))
+            root.addHandler(h)
+        root.propagate = False  # not twice through a handler an application put on the root
+    root.setLevel(level())
+    return root
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger of module ``name`` (``__name__``), under the configured ``paravt`` logger."""
+    _configure()
+    return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def quiet_libraries() -> None:
+    """vLLM's INFO lines raised to WARNING unless asked for (``PARAVT_LOG_LEVEL=DEBUG`` or an
+    explicit ``VLLM_LOGGING_LEVEL``); read by vLLM when it is first imported."""
+    if level() > logging.DEBUG:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
