@@ -9,16 +9,18 @@ PIP     := $(VPY) -m pip --disable-pip-version-check
 .PHONY: install install-vllm train test lint format bench clean ext native-check gpu-wheels browser \
 	gpu-train-wheels gpu-dali-parts gpu-snapshot
 
+# kernels/ is its own distribution (paravt-kernels, kernels/pyproject.toml) that paravt depends
+# on: both are installed editable, --no-deps (requirements.txt holds every dependency).
 # The editable install skips paravt._C (PARAVT_SKIP_EXT=1): pip would compile it into a wheel
 # build folder (30 s) that `make ext` then compiles again in place; `make ext` builds it once.
 # `python -m paravt_startup` writes paravt_startup.pth into the venv's site-packages: every
 # process started from the venv (not only those that import paravt) can then import PyPI's CUDA
 # torchvision on the CPU torch pinned here (the fix runs on torchvision's first import).
-$(STAMP): requirements.txt pyproject.toml setup.py paravt_startup.py
+$(STAMP): requirements.txt pyproject.toml setup.py paravt_startup.py kernels/pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
-	PARAVT_SKIP_EXT=1 $(PIP) install -q --no-build-isolation --no-deps -e .
+	PARAVT_SKIP_EXT=1 $(PIP) install -q --no-build-isolation --no-deps -e ./kernels -e .
 	$(VPY) -m paravt_startup
 	@touch $(STAMP)
 

@@ -1,7 +1,9 @@
-"""Build script: the Python packages (paravt, paravt_kernels) and the optional native extension.
+"""Build script: the Python package ``paravt`` and the optional native extension.
 
-``kernels/`` is installed as ``paravt_kernels`` (never a bare ``kernels`` import: PyPI's
-``kernels`` package, which transformers probes for, would collide). ``paravt_startup`` is a
+``kernels/`` (the package ``paravt_kernels``) is its own distribution, ``paravt-kernels``
+(``kernels/pyproject.toml``), which ``paravt`` depends on (``pyproject.toml``): this
+distribution does not ship those files, so that one distribution owns them. ``make install``
+installs both editable (``pip install -e ./kernels -e .``). ``paravt_startup`` is a
 top-level, stdlib-only module (the torchvision fix and its interpreter start-up hook, which
 ``make install`` enables with ``python -m paravt_startup``).
 """
@@ -9,9 +11,6 @@ top-level, stdlib-only module (the torchvision fix and its interpreter start-up 
 from setuptools import find_packages, setup
 
 packages = find_packages(include=["paravt", "paravt.*"])
-packages += [
-    "paravt_kernels" + p[len("kernels") :] for p in find_packages(include=["kernels", "kernels.*"])
-]
 
 
 def _native_extension() -> tuple[list, dict]:
@@ -77,7 +76,7 @@ ext_modules, cmdclass = _native_extension()
 setup(
     packages=packages,
     py_modules=["paravt_startup"],
-    package_dir={"paravt": "paravt", "paravt_kernels": "kernels"},
+    package_dir={"paravt": "paravt"},
     # The architecture configs of model.config (dimensions only): python -m paravt.plan.
     package_data={"paravt.models": ["arch/*.json"]},
     ext_modules=ext_modules,

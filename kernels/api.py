@@ -6,8 +6,10 @@ import torch
 
 from . import ops as _ops
 from .dispatch import resolve_impl
+from .linear_policy_loss_reference import LINEAR_POLICY_STAT_NAMES
 from .options import AGG_MODES, KL_TYPES, PolicyLossOptions
-from .reference import LINEAR_POLICY_STAT_NAMES, POLICY_STAT_NAMES, broadcast_to_tokens
+from .packing import broadcast_to_tokens
+from .policy_loss_reference import POLICY_STAT_NAMES
 
 __all__ = [
     "AGG_MODES",

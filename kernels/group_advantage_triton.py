@@ -8,7 +8,7 @@ when rewards carry a large common offset). The ``O(B^2)`` comparisons are free a
 1M compares) and buy three things: ids in any order, ragged groups, and no host sync to
 learn the number of groups (``torch.unique`` would need one on CUDA).
 
-Maths: ``reference.group_advantage_torch``.
+Maths: ``group_advantage_reference.group_advantage_torch``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def group_advantage_triton(
     scale: float,
     bias: float,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.group_advantage_torch``: ``(B,)`` float32."""
+    """Triton twin of ``group_advantage_reference.group_advantage_torch``: ``(B,)`` float32."""
     n = rewards.numel()
     out = torch.empty(n, dtype=torch.float32, device=rewards.device)
     if n == 0:

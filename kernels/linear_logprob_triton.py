@@ -16,7 +16,8 @@ a matmul (cuBLAS on GPU), then:
 Memory: one ``(N, BV)`` fp32 tile (+ one ``dZ`` tile in backward) instead of ``(N, V)``
 logits, log-softmax and their gradient. FLOPs: ``8 N d V`` (the forward matmul is recomputed
 in backward) against ``6 N d V`` for the naive path.
-Maths: ``reference.linear_logprob_forward_torch`` / ``linear_logprob_backward_torch``.
+Maths: ``linear_logprob_reference.linear_logprob_forward_torch`` /
+``linear_logprob_backward_torch``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import triton.language as tl
 
 from ._triton_utils import lazy_jit, next_pow2
 from .dispatch import interpreting
-from .reference import inverse_temperature, row_stats
+from .linear_logprob_reference import inverse_temperature, row_stats
 
 # GPU tile of the vocabulary: LOGITS_TILE_BYTES of fp32 logits per tile (read at every call;
 # the bench sweeps it). 64 MiB = 2^24 logits: 2048 vocabulary rows at N = 8192, a

@@ -1,9 +1,9 @@
 """Triton path of ``linear_policy_loss``: lm-head log-prob + PPO loss, row chunk by row chunk,
 three GEMM-equivalents and no recompute.
 
-The orchestration is ``reference.linear_policy_loss_fused`` (shared with the torch path,
-which also holds all the PPO maths: ``policy_token_scale`` / ``policy_token_grad``); this
-module supplies its per-chunk steps, ``TritonRowChunks``:
+The orchestration is ``linear_policy_loss_reference.linear_policy_loss_fused`` (shared with
+the torch path, which also holds all the PPO maths: ``policy_token_scale`` /
+``policy_token_grad``); this module supplies its per-chunk steps, ``TritonRowChunks``:
 
 * GEMM 1: the chunk's full-vocabulary logits ``(c, V)`` in fp32 from one cuBLAS matmul
   (``torch.mm(..., out_dtype=torch.float32)`` for bf16/fp16 operands; an error instead of
@@ -18,15 +18,16 @@ module supplies its per-chunk steps, ``TritonRowChunks``:
   output, accumulated in an fp32 ``(V, d)`` buffer), ``db += sum dlogits``.
 
 Chunk rows: ``_GPU_CHUNK_BYTES`` (2 GiB of fp32 logits: 3533 rows at V = 151936) on GPU,
-``reference.LPL_CHUNK_BYTES_CPU`` in the interpreter.
+``linear_policy_loss_reference.LPL_CHUNK_BYTES_CPU`` in the interpreter.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import reference as ref
+from . import linear_policy_loss_reference as lplr
 from .dispatch import interpreting
+from .linear_logprob_reference import row_stats
 from .linear_logprob_triton import addmm_f32, bwd_tile, fwd_tile, mm_f32
 from .policy_loss_triton import policy_loss_fused_triton
 
@@ -35,13 +36,14 @@ _GPU_CHUNK_BYTES = 2 << 30
 
 
 class TritonRowChunks:
-    """Triton steps of ``reference.linear_policy_loss_fused`` (see the module docstring)."""
+    """Triton steps of ``linear_policy_loss_reference.linear_policy_loss_fused`` (see the module
+    docstring)."""
 
     def __init__(self, hidden, weight, bias, inv_t):
         self.weight, self.bias, self.inv_t = weight, bias, inv_t
         gpu = hidden.is_cuda and not interpreting()
-        budget = _GPU_CHUNK_BYTES if gpu else ref.LPL_CHUNK_BYTES_CPU
-        self.rows = ref.lpl_row_chunk(weight.shape[0], budget)
+        budget = _GPU_CHUNK_BYTES if gpu else lplr.LPL_CHUNK_BYTES_CPU
+        self.rows = lplr.lpl_row_chunk(weight.shape[0], budget)
         if gpu:  # equal chunks: no small last chunk whose GEMMs run below the tensor-core peak
             n, k = hidden.shape[0], -(-hidden.shape[0] // self.rows)
             self.rows = max(1, -(-n // max(k, 1)))
@@ -58,7 +60,7 @@ class TritonRowChunks:
         m = torch.full((r1 - r0,), float("-inf"), **f32)
         s, u, zt = (torch.zeros(r1 - r0, **f32) for _ in range(3))
         fwd_tile(z, 0, self.bias, t, m, s, u, zt, self._it(r0, r1))
-        logprob, entropy, lse = ref.row_stats(m, s, u, zt, valid)
+        logprob, entropy, lse = row_stats(m, s, u, zt, valid)
         return z, logprob, entropy, lse
 
     def backward(self, z, h, r0, r1, t, lse, g, grad_h, grad_w, grad_b) -> None:
@@ -72,8 +74,9 @@ class TritonRowChunks:
 
 
 def linear_policy_loss_triton(*args) -> tuple[torch.Tensor, ...]:
-    """``reference.linear_policy_loss_fused`` with the Triton steps; ``args``: the op's flat
-    arguments (``reference.linear_policy_loss_schema_args``)."""
-    return ref.linear_policy_loss_fused(
-        TritonRowChunks, policy_loss_fused_triton, *ref.linear_policy_loss_schema_args(args)
+    """``linear_policy_loss_reference.linear_policy_loss_fused`` with the Triton steps;
+    ``args``: the op's flat arguments
+    (``linear_policy_loss_reference.linear_policy_loss_schema_args``)."""
+    return lplr.linear_policy_loss_fused(
+        TritonRowChunks, policy_loss_fused_triton, *lplr.linear_policy_loss_schema_args(args)
     )

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reference as ref
+from . import (
+    group_advantage_reference,
+    linear_logprob_reference,
+    linear_policy_loss_reference,
+    policy_loss_reference,
+)
 from .options import PolicyLossOptions, PolicyTokens
 
 __all__ = [
@@ -48,7 +53,7 @@ def group_advantage_op(
         return _triton_module("group_advantage_triton").group_advantage_triton(
             rewards, group_index, normalize_std, eps, scale, bias
         )
-    return ref.group_advantage_torch(
+    return group_advantage_reference.group_advantage_torch(
         rewards, group_index, normalize_std=normalize_std, eps=eps, scale=scale, bias=bias
     )
 
@@ -76,7 +81,7 @@ def linear_logprob_fwd_op(
         return _triton_module("linear_logprob_triton").linear_logprob_fwd_triton(
             hidden, weight, targets, bias, temperature, return_entropy, ignore_index
         )
-    return ref.linear_logprob_forward_torch(
+    return linear_logprob_reference.linear_logprob_forward_torch(
         hidden, weight, targets, bias, temperature, return_entropy, ignore_index
     )
 
@@ -112,7 +117,7 @@ def linear_logprob_bwd_op(
             temperature, ignore_index,
         )  # fmt: skip
     else:
-        gh, gw, gb = ref.linear_logprob_backward_torch(
+        gh, gw, gb = linear_logprob_reference.linear_logprob_backward_torch(
             grad_logprob, grad_entropy, hidden, weight, targets, bias, lse, entropy,
             temperature, ignore_index,
         )  # fmt: skip
@@ -197,7 +202,7 @@ def _policy_loss(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     fn = (
         _triton_module("policy_loss_triton").policy_loss_fused_triton
         if impl == "triton"
-        else ref.policy_loss_fused_torch
+        else policy_loss_reference.policy_loss_fused_torch
     )
     return fn(lp, tok, cu, sw, opts)
 
@@ -216,7 +221,7 @@ def _policy_loss_fake(*args):
         torch.empty((), **f32),
         torch.empty(logprob.shape, **f32),
         torch.empty(n_seq, **f32),
-        torch.empty(len(ref.POLICY_STAT_NAMES), **f32),
+        torch.empty(len(policy_loss_reference.POLICY_STAT_NAMES), **f32),
     )
 
 
@@ -235,7 +240,7 @@ def policy_loss_grad_op(
         return _triton_module("policy_loss_triton").policy_loss_grad_triton(
             gbuf, coef, cu_seqlens, grad_loss, dtype
         )
-    return ref.policy_loss_grad_torch(gbuf, coef, cu_seqlens, grad_loss, dtype)
+    return policy_loss_reference.policy_loss_grad_torch(gbuf, coef, cu_seqlens, grad_loss, dtype)
 
 
 @policy_loss_grad_op.register_fake
@@ -290,7 +295,7 @@ def _linear_policy_loss(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, 
     fn = (
         _triton_module("linear_policy_loss_triton").linear_policy_loss_triton
         if args[-1] == "triton"
-        else ref.linear_policy_loss_torch
+        else linear_policy_loss_reference.linear_policy_loss_torch
     )
     return fn(*flat, *args[13:-1])
 
@@ -309,7 +314,7 @@ def _(*args):
     gb_dtype = weight.dtype if bias is None else bias.dtype
     return (
         torch.empty((), **f32),
-        torch.empty(len(ref.LINEAR_POLICY_STAT_NAMES), **f32),
+        torch.empty(len(linear_policy_loss_reference.LINEAR_POLICY_STAT_NAMES), **f32),
         torch.empty(n, **f32),
         torch.empty(n, **f32),
         torch.empty_like(hidden),

@@ -1,12 +1,13 @@
 """The policy-loss records: the options (``PolicyLossOptions``) and the per-token inputs
 (``PolicyTokens``), defined once and passed through every layer of ``policy_loss`` and
-``linear_policy_loss`` (``api`` -> ``ops`` -> ``reference`` / ``*_triton``).
+``linear_policy_loss`` (``api`` -> ``ops`` -> ``*_reference`` / ``*_triton``).
 
-A new loss knob is one field here plus its use in the maths (``reference.policy_token_terms``,
-the Triton kernel): the public functions take the fields by keyword (``clip_low=0.2``), and
-the registered ops' schemas list them from ``PolicyLossOptions.SCHEMA`` (a ``torch.library``
-schema holds only plain scalars, so the record crosses the op boundary as its fields, in
-field order, and is rebuilt on the other side with ``from_schema_args``).
+A new loss knob is one field here plus its use in the maths
+(``policy_loss_reference.policy_token_terms``, the Triton kernel): the public functions take
+the fields by keyword (``clip_low=0.2``), and the registered ops' schemas list them from
+``PolicyLossOptions.SCHEMA`` (a ``torch.library`` schema holds only plain scalars, so the
+record crosses the op boundary as its fields, in field order, and is rebuilt on the other
+side with ``from_schema_args``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ which belong to no sequence, so every row of an output is written, with 0 there)
   -inf or NaN (``0 * inf = NaN``).
 * ``_policy_loss_finalize_kernel`` (one program) turns the partials into per-sequence
   aggregation coefficients ``coef_s`` (token-mean | seq-mean-token-mean |
-  seq-mean-token-sum, see ``reference.seq_coefficients``), the loss and the statistics,
-  without host syncs (it replaced ~36 small torch ops on the partials).
+  seq-mean-token-sum, see ``policy_loss_reference.seq_coefficients``), the loss and the
+  statistics, without host syncs (it replaced ~36 small torch ops on the partials).
 * ``_policy_loss_grad_kernel`` (the autograd backward) writes
   ``dloss/dlogprob_t = grad_loss * coef_s gbuf_t`` in the log-prob dtype: the gradient is
   written once in the forward and read once in the backward.
@@ -26,7 +26,8 @@ the code before made 2 Triton launches and 36 torch ops, 3 of them autograd fill
 gradients for the outputs other than the loss). ``cu_seqlens`` is read on the device only.
 Bytes the kernels must move: ``policy_loss_bytes`` (36 per token in fp32 with ref and prox).
 
-The maths is ``reference.policy_token_terms`` / ``reference.policy_loss_fused_torch``.
+The maths is ``policy_loss_reference.policy_token_terms`` /
+``policy_loss_reference.policy_loss_fused_torch``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton.language as tl
 from ._triton_utils import lazy_jit, next_pow2, num_sms
 from .dispatch import interpreting
 from .options import PolicyLossOptions, PolicyTokens
-from .reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
+from .policy_loss_reference import K3_KL_CLAMP, K3_LOG_RATIO_CLAMP, LOG_RATIO_CLAMP
 
 # Partial-sum slots written per (sequence, slice) program.
 # constexpr: a compiled kernel may only read globals that are (the interpreter reads any, so
@@ -47,7 +48,7 @@ _P_RMIN, _P_RMAX, _P_CAPPED, _P_MASKED_IN = map(tl.constexpr, range(8, 12))
 _NUM_PARTIALS = 12
 _KL_CODE = {"k1": 1, "k2": 2, "k3": 3}
 _AGG_CODE = {"token-mean": 0, "seq-mean-token-mean": 1, "seq-mean-token-sum": 2}
-_NUM_STATS = 11  # len(reference.POLICY_STAT_NAMES), in that order
+_NUM_STATS = 11  # len(policy_loss_reference.POLICY_STAT_NAMES), in that order
 # GPU: 512 tokens per iteration over 8 warps = 2 fp32 per thread and stream. ptxas (sm_90,
 # every HAS_* flag on, ``profiling.sm90_registers``) gives 59 registers per thread, so 4
 # programs (32 warps) fit on an SM; the 1024-token block over 4 warps of before needed 210
@@ -215,8 +216,8 @@ def _policy_loss_finalize_kernel(
 ):  # fmt: skip
     """One program: partials -> ``coef (B,)``, ``loss ()``, ``stats (11,)`` (replaces ~36 small
     torch ops). Pass 1 sums each sequence's slices and the batch totals; pass 2 forms
-    ``coef_s`` (``reference.seq_coefficients``) and ``loss = sum_s coef_s loss_s``. Fixed
-    summation order: deterministic."""
+    ``coef_s`` (``policy_loss_reference.seq_coefficients``) and
+    ``loss = sum_s coef_s loss_s``. Fixed summation order: deterministic."""
     cols = tl.arange(0, SPLIT_P2)
     cmask = cols < SPLIT
     t_mass = tl.zeros([BLOCK_S], tl.float32)
@@ -321,7 +322,7 @@ def policy_loss_fused_triton(
     seq_weights: torch.Tensor | None,
     opts: PolicyLossOptions,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton twin of ``reference.policy_loss_fused_torch``:
+    """Triton twin of ``policy_loss_reference.policy_loss_fused_torch``:
     ``(loss (), gbuf (N,), coef (B,), stats (11,))``."""
     ref_logprob, prox_logprob = tok.ref_logprob, tok.prox_logprob
     dual_clip, behav_cap = opts.dual_clip, opts.behav_cap
@@ -369,7 +370,7 @@ def policy_loss_grad_triton(
     grad_loss: torch.Tensor,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.policy_loss_grad_torch``: ``(N,)`` in ``dtype``."""
+    """Triton twin of ``policy_loss_reference.policy_loss_grad_torch``: ``(N,)`` in ``dtype``."""
     n = gbuf.numel()
     has_cu = cu_seqlens is not None
     n_seq = cu_seqlens.numel() - 1 if has_cu else 1

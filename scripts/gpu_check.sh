@@ -98,7 +98,7 @@ echo "building with CXX=${CXX:-unset} CC=${CC:-unset}" | tee -a "$OUT/env.txt"
 # image a CUDA build by `pip install -e .` segfaulted in TORCH_CHECK even with CXX set (run of
 # 15:12 UTC, 7 crashed tests), while build_ext --inplace with CXX=/usr/bin/g++ raised properly
 # (docs/gpu/diag_cc.txt: and without CXX, or with -static-libstdc++, it segfaults again).
-step build 170 bash -c "PARAVT_SKIP_EXT=1 $PY -m pip install -q --no-deps --no-build-isolation -e . \
+step build 170 bash -c "PARAVT_SKIP_EXT=1 $PY -m pip install -q --no-deps --no-build-isolation -e ./kernels -e . \
   && PARAVT_FORCE_EXT=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} \
   $PY setup.py build_ext --inplace"
 # With a GPU, paravt._C must have come out WITH its CUDA ops (e.g. not a CPU-only build for

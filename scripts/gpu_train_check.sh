@@ -156,7 +156,7 @@ if [ "$RUN" = 1 ] && [ "$DRY" != 1 ] && [ "${PARAVT_GPU_SETUP:-1}" != 0 ]; then
   # The image exports CXX=/opt/gcc/bin/g++, whose builds of paravt._C segfault in TORCH_CHECK
   # (docs/gpu/README.md): the system compiler, as scripts/gpu_check.sh does.
   [ -x /usr/bin/g++ ] && export CXX=${PARAVT_GPU_CXX:-/usr/bin/g++} CC=/usr/bin/gcc
-  timeout 200 bash -c "PARAVT_SKIP_EXT=1 $PY -m pip install -q --no-deps --no-build-isolation -e . \
+  timeout 200 bash -c "PARAVT_SKIP_EXT=1 $PY -m pip install -q --no-deps --no-build-isolation -e ./kernels -e . \
     && { [ '${PARAVT_GPU_BUILD:-1}' = 0 ] || PARAVT_FORCE_EXT=1 TORCH_CUDA_ARCH_LIST=9.0 \
     MAX_JOBS=16 $PY setup.py -q build_ext --inplace; }" >>"$OUT/setup.log" 2>&1 ||
     summary_txt "paravt install/extension build FAILED (pure-torch fallbacks; see setup.log)"
