@@ -359,7 +359,7 @@ class AlgoConfig:
     # Optimizer learning rate and weight decay (AdamW).
     lr: float = 2e-6
     # Freeze the vision tower except its mergers during RL too (as sft.freeze_vision_tower
-    # does in SFT; paravt.sft.freeze_vit says why a random tiny tower needs it).
+    # does in SFT; paravt.models.loader.freeze_vit says why a random tiny tower needs it).
     freeze_vision_tower: bool = False
     weight_decay: float = 0.0
     # PPO clipping: ratio in [1-clip_low, 1+clip_high]; dual clip bound c (>1) or null.
@@ -480,7 +480,7 @@ class SFTConfig:
     # Learning rate of the vision tower (0 = sft.lr). See paravt.sft.param_groups.
     vision_lr: float = 0.0
     # Freeze the vision tower's patch embedding, position table and ViT blocks during SFT (its
-    # mergers, which project into the language model, still train). See paravt.sft.freeze_vit.
+    # mergers, which project into the language model, still train). See paravt.models.loader.freeze_vit.
     freeze_vision_tower: bool = False
     # Learning-rate schedule: 'constant' or 'cosine' (from sft.lr down to a tenth of it).
     schedule: str = "constant"

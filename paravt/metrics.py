@@ -38,6 +38,7 @@ from paravt.files import (
     write_failure,
 )
 from paravt.log import get_logger
+from paravt.rewards.format import analyse_turn
 
 log = get_logger(__name__)
 
@@ -503,7 +504,6 @@ def call_record(c: Any) -> dict[str, Any]:
 def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None) -> dict[str, Any]:
     """A light, picklable summary of one scored main trajectory (gathered across ranks);
     ``advantage``: its group advantage (a training step's; ``rollout_metrics``' ``adv/*``)."""
-    from paravt.rewards.format import analyse_turn
 
     ok = bool(traj.turns)
     closed: list[float] = []

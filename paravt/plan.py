@@ -69,8 +69,18 @@ from typing import Any
 
 import torch
 
+from paravt.agent.context import tool_turn_max_tokens
+from paravt.algo.loss import make_objective
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, validate
-from paravt.models.tiny import ARCH_DIR, arch_config_path
+from paravt.distributed import block_classes, resolve_device
+from paravt.models.loader import freeze_vit
+from paravt.models.tiny import (
+    ARCH_DIR,
+    QWEN_SPECIAL,
+    arch_config_path,
+    tiny_checkpoint_args,
+    tiny_config,
+)
 from paravt.rollout import engine_spec
 
 GIB = float(1 << 30)
@@ -150,11 +160,13 @@ def config_source(cfg: Config) -> tuple[str, dict[str, Any] | None]:
     return "tiny", None
 
 
-def _hf_config(cfg: Config, d: dict[str, Any] | None) -> Any:
+def hf_config(cfg: Config, d: dict[str, Any] | None) -> Any:
+    """The transformers config of ``cfg``'s model (``d``: its ``config.json``; None: the tiny
+    model's), built without weights: what the plan measures and ``scripts/plan_check.py``
+    instantiates."""
     import transformers
 
     if d is None:  # the tiny model: its config needs only the tokenizer's special-token ids
-        from paravt.models.tiny import QWEN_SPECIAL, tiny_checkpoint_args, tiny_config
 
         class _Ids:
             def convert_tokens_to_ids(self, s: str) -> int:
@@ -173,10 +185,8 @@ def model_shape(cfg: Config) -> ModelShape:
     and read off its parameter counts, FSDP2 units and dimensions."""
     import transformers
 
-    from paravt.distributed import block_classes
-
     source, d = config_source(cfg)
-    hf = _hf_config(cfg, d)
+    hf = hf_config(cfg, d)
     cls_name = {
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
@@ -186,8 +196,6 @@ def model_shape(cfg: Config) -> ModelShape:
     with torch.device("meta"):
         model = getattr(transformers, cls_name)(hf)
     if cfg.algo.freeze_vision_tower:
-        from paravt.sft import freeze_vit
-
         freeze_vit(model)
     classes = block_classes(model)
     blocks = [m for m in model.modules() if classes and isinstance(m, classes)]
@@ -329,7 +337,6 @@ def context_tokens(cfg: Config, s: ModelShape) -> tuple[int, int, float]:
     context (the largest K's visual tokens + timestamps + every turn's generation and tool
     responses + 512 of prompt, as ``paravt.agent.context.context_budget_errors`` counts it),
     a sub-agent's (its crop + summary), and the largest visual share of the two."""
-    from paravt.agent.context import tool_turn_max_tokens
 
     v, a, r = cfg.video, cfg.agent, cfg.rollout
     pm = float((s.patch * s.merge) ** 2)
@@ -394,7 +401,6 @@ def plan_memory(
     add("AdamW moments", moments, moments, f"2 x trainable x {bm} B / {n}")
 
     # Reference model.
-    from paravt.algo.loss import make_objective
 
     if make_objective(a).needs_ref:
         add("reference model", s.params * bc, s.params * bc, f"full replica x {bc} B")
@@ -648,8 +654,6 @@ def check_device_memory(cfg: Config, world: int) -> None:
     the plan does not fit the device's memory. Nothing on a CPU, or with
     ``train.memory_check=false`` (the plan is an estimate: that is the way past it)."""
     import os
-
-    from paravt.distributed import resolve_device
 
     if not getattr(cfg.train, "memory_check", True) or not torch.cuda.is_available():
         return

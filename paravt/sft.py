@@ -79,6 +79,7 @@ from paravt.distributed import (
 from paravt.files import atomic_file, read_jsonl
 from paravt.models import load_model_from_config
 from paravt.models.forward import as_root_forward
+from paravt.models.loader import freeze_vit
 from paravt.preempt import SFTPreempted
 from paravt.runfolder import sft_resume_file
 from paravt.types import Sample, SequenceUnit, Trajectory
@@ -214,28 +215,6 @@ def lr_factor(schedule: str, step: int, steps: int) -> float:
     if schedule == "cosine":
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(step, steps) / max(1, steps)))
     raise ValueError(f"sft.schedule='{schedule}' is not one of constant|cosine")
-
-
-def freeze_vit(model: torch.nn.Module) -> list[str]:
-    """Freeze the vision tower except its mergers (``sft.freeze_vision_tower``; run_sft calls
-    it before sharding); returns the frozen parameter names.
-
-    Why (tiny model, random init, SFT lr 3e-3, measured on the synthetic task's real sub-agent
-    rows, 300 steps): training the ViT *blocks* makes the input-independent part of every
-    visual token grow from norm 0.44 to 110 while the input-dependent part grows to 6; the
-    language model reads visual tokens through RMSNorm, so every crop looks the same (cosine
-    0.9999) and a held-out clip's colour is guessed ("blue" for all: 4-way accuracy 0.31, NLL
-    with real frames = with grey frames). Rescaling the tower's output does not help (it is
-    the direction, not the norm); freezing the patch embedding alone does not either. The
-    random tower already separates the cue colours (token cosine 0.25-0.76): frozen blocks
-    with trainable mergers reach held-out colour accuracy 0.89-1.00 (2 seeds), NLL 0.02 with
-    the real frames against 3.4 with grey ones."""
-    frozen = []
-    for n, p in model.named_parameters():
-        if ".visual." in f".{n}" and "merger" not in n and p.requires_grad:
-            p.requires_grad_(False)
-            frozen.append(n)
-    return frozen
 
 
 def param_groups(model: torch.nn.Module, lr: float, vision_lr: float) -> list[dict[str, Any]]:

@@ -112,13 +112,14 @@ from paravt.metrics import (
     trajectory_samples,
 )
 from paravt.models import ModelBundle, load_model_from_config
+from paravt.models.loader import freeze_vit
 from paravt.plan import check_device_memory
 from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout import engine_spec, make_engine
 from paravt.rollout_source import LocalRollout, RolloutSource
 from paravt.runfolder import check_run_folder, logged_eval, record_run
-from paravt.sft import freeze_vit, run_sft
+from paravt.sft import run_sft
 from paravt.step_stats import StepStats
 from paravt.trainer import Trainer
 from paravt.types import PackedBatch

@@ -61,9 +61,9 @@ def reset_peak() -> None:
 def build(kind: str, cfg) -> torch.nn.Module:
     import transformers
 
-    from paravt.plan import _hf_config
+    from paravt.plan import hf_config
 
-    hf = _hf_config(cfg, None)
+    hf = hf_config(cfg, None)
     if kind == "medium":
         m = MEDIUM
         t, v = hf.text_config, hf.vision_config
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     base = rss_kb()
     model = build(a.kind, cfg)
     if cfg.algo.freeze_vision_tower:  # as the trainer does (the tiny preset sets it)
-        from paravt.sft import freeze_vit
+        from paravt.models.loader import freeze_vit
 
         freeze_vit(model)
     if a.checkpointing:

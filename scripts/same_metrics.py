@@ -63,7 +63,9 @@ def run(out: Path) -> None:
         log = out / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as f:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT
+            ).returncode
         if rc != 0:
             sys.exit(f"[same_metrics] {name} exited {rc}; see {log}")
 

@@ -14,7 +14,6 @@ import inspect
 
 import pytest
 import torch
-
 from paravt_kernels import linear_logprob_reference as llr
 from paravt_kernels import linear_policy_loss_reference as lplr
 from paravt_kernels import reference

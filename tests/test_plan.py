@@ -130,12 +130,12 @@ def test_activations_with_and_without_checkpointing_by_hand():
 def test_meta_shape_matches_a_real_instantiation_of_the_tiny_model():
     import transformers
 
-    from paravt.plan import _hf_config
-    from paravt.sft import freeze_vit
+    from paravt.models.loader import freeze_vit
+    from paravt.plan import hf_config
 
     cfg = _cfg("algo.freeze_vision_tower=false")
     s = model_shape(cfg)
-    real = transformers.Qwen3VLForConditionalGeneration(_hf_config(cfg, None))
+    real = transformers.Qwen3VLForConditionalGeneration(hf_config(cfg, None))
     n = sum(p.numel() for p in real.parameters())
     assert s.params == s.trainable == n
     layer = real.model.language_model.layers[0]

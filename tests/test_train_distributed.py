@@ -125,7 +125,7 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     batch.group_ids = None
     model = load_model(out / "sft", device="cpu").model  # the RL starting point
     if cfg.algo.freeze_vision_tower:  # as the trainer does (the tiny preset freezes it)
-        from paravt.sft import freeze_vit
+        from paravt.models.loader import freeze_vit
 
         freeze_vit(model)
     ctx = DistContext()

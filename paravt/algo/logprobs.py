@@ -52,9 +52,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from paravt.algo.packing import microbatches, select_sequences, trained_rows
+from paravt.config import AlgoConfig
 from paravt.models.forward import as_root_forward, backbone_and_head, packed_hidden_rows
 from paravt.models.sampling import sampling_logprobs
 from paravt.types import PackedBatch, VisualInputs
+from paravt.vision.preprocess import build_model_inputs
 
 # (model, batch, with_entropy, max_tokens) -> (logprob (N,), entropy (N,) or empty); each
 # sequence under its own ``batch.temperatures[i]`` / ``batch.top_ps[i]``; ``max_tokens`` the
@@ -135,7 +137,6 @@ def _hidden_logprobs(
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sequence_logprobs`` body: backbone, gather the ``pos - 1`` rows, fused lm_head."""
-    from paravt.vision.preprocess import build_model_inputs
 
     p0 = next(model.parameters())
     merge = int(model.config.vision_config.spatial_merge_size)
@@ -295,8 +296,6 @@ def packed_sequence_logprobs(
     own ``T`` / ``top_p`` (``_gathered_logprobs``). Each micro-batch runs as one FSDP2 root
     forward. Differentiable (no ``no_grad`` inside)."""
     if max_tokens is None:
-        from paravt.config import AlgoConfig
-
         max_tokens = AlgoConfig().max_tokens_per_microbatch
     n = batch.input_ids.numel()
     lp = ent = None

@@ -28,6 +28,7 @@ from paravt.algo.loss import (
 from paravt.algo.packing import select_sequences
 from paravt.models.sampling import sampling_logprobs
 from paravt.types import PackedBatch, VisualInputs
+from paravt.vision.preprocess import build_model_inputs
 
 
 def materialised_sequence_logprobs(
@@ -41,7 +42,6 @@ def materialised_sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(L,)`` log-probs (position 0: 0) of one sequence from its full ``(L, V)`` logits, and
     with ``with_entropy`` the ``(L,)`` entropy of the same distribution (detached)."""
-    from paravt.vision.preprocess import build_model_inputs
 
     p0 = next(model.parameters())
     merge = int(model.config.vision_config.spatial_merge_size)

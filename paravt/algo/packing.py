@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
+from paravt.distributed import balance_buckets
+from paravt.models.prefix import prefix_groups, shared_cost, shared_rows
 from paravt.types import PackedBatch, SequenceUnit, Trajectory
+from paravt.vision.preprocess import mm_token_types
 
 
 def pack_units(units: Sequence[SequenceUnit], share_prefix: bool = False) -> PackedBatch:
@@ -36,8 +39,6 @@ def pack_units(units: Sequence[SequenceUnit], share_prefix: bool = False) -> Pac
     own sampling parameters (a sub-agent's may differ from its parent's).
     """
     from paravt_kernels import broadcast_to_tokens
-
-    from paravt.vision.preprocess import mm_token_types
 
     seqs: list[Trajectory] = []
     values: list[float] = []
@@ -141,8 +142,6 @@ def balance_units(
     prompt group (the units of one ``group_id``, in order), so a group's prompt stays encoded
     once (``paravt.models.prefix``), at the rows its shared forward holds
     (``shared_rows``: the common prompt counted once); else one unit, at its token count."""
-    from paravt.distributed import balance_buckets
-    from paravt.models.prefix import shared_rows
 
     if not share_prefix:
         return balance_buckets(
@@ -266,7 +265,6 @@ def microbatches(batch: PackedBatch | Sequence[int], max_tokens: int) -> list[li
     sub-agent rows are not kept together: each row is scored on its own, so their grouping
     does not change any value; neither does a group's (the shared forward is exact).
     """
-    from paravt.models.prefix import prefix_groups, shared_cost
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1")

@@ -48,8 +48,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paravt.agent.loop import PROMPT_TOO_LONG, UNSUPPORTED, stable_seed
+from paravt.config import to_dict
+from paravt.data.readers import NOT_FOUND, video_path_problem
+from paravt.distributed import DistContext, barrier, broadcast_object
+from paravt.eval.benchmarks import BENCHMARK_SPECS
+from paravt.eval.scoring import call_fields, markdown_table, score_answer, summarize
 from paravt.files import DISK_FULL, append_text, write_atomic, write_failure
-from paravt.metrics import read_metrics
+from paravt.metrics import DiskFullError, call_record, progress_bar, read_metrics
+from paravt.rewards.compose import full_text
+from paravt.runfolder import training_run_in
 from paravt.types import Group, Sample, Trajectory
 
 log = logging.getLogger("paravt.eval")
@@ -160,9 +168,6 @@ def result_row(
     sample: Sample, traj: Trajectory | None, *, frames: int, error: str = "", kind: str = ""
 ) -> dict[str, Any]:
     """The ``results.jsonl`` line of one sample (scored; an error row when ``traj`` is None)."""
-    from paravt.eval.scoring import call_fields, score_answer
-    from paravt.metrics import call_record
-    from paravt.rewards.compose import full_text
 
     extra = sample.extra or {}
     row: dict[str, Any] = {
@@ -220,7 +225,6 @@ def _video_problem(sample: Sample) -> tuple[str, str] | None:
     """``(error_kind, message)`` of a sample whose video cannot be read as a file: "missing"
     ("video not found: PATH") or "video" naming what the path is instead (a directory, a FIFO,
     a symlink loop: ``paravt.data.readers.video_path_problem``); None when it is a file."""
-    from paravt.data.readers import NOT_FOUND, video_path_problem
 
     problem = video_path_problem(sample.video)
     if not problem and (sample.extra or {}).get("video_missing"):
@@ -242,7 +246,6 @@ def evaluate_samples(
 ) -> list[dict[str, Any]]:
     """Run ``samples`` through ``runner`` (an ``AgentRunner``) in batches; ``write`` each row
     as soon as its batch finishes; returns the rows in sample order."""
-    from paravt.agent.loop import PROMPT_TOO_LONG, UNSUPPORTED, stable_seed
 
     rows: list[dict[str, Any]] = []
     todo: list[Sample] = []
@@ -332,7 +335,6 @@ def disk_full(what: str, out: Path) -> Iterator[None]:
     """Turn a full disk (``ENOSPC``, quota) met by a write of ``what`` into ``out`` into the
     one-line :class:`paravt.metrics.DiskFullError` (path, free bytes, how to go on); any other
     ``OSError`` passes as it is."""
-    from paravt.metrics import DiskFullError
 
     try:
         yield
@@ -349,7 +351,6 @@ def disk_full(what: str, out: Path) -> Iterator[None]:
 def eval_config(cfg: Any) -> dict[str, Any]:
     """The resolved ``Config`` as nested dicts, minus :data:`NOT_FINGERPRINTED`: the part of
     ``run.json`` that catches a resume with another prompt, crop size, dtype, sampling, …"""
-    from paravt.config import to_dict
 
     d = json.loads(json.dumps(to_dict(cfg)))
     for key in NOT_FINGERPRINTED:
@@ -381,7 +382,6 @@ def _flat(settings: dict[str, Any]) -> dict[str, Any]:
 def training_refusal(out: Path) -> str:
     """Why ``out`` cannot take an evaluation's files: it holds a training run
     (``paravt.runfolder.training_run_in``); "" when it does not."""
-    from paravt.runfolder import training_run_in
 
     if run := training_run_in(out):
         return (
@@ -514,9 +514,6 @@ def run_eval(
     ``r, r+W, …`` and writes ``results.rank{r}.jsonl``; after a barrier rank 0 merges, writes
     ``summary.json`` and prints the table (the other ranks return the same summary).
     """
-    from paravt.distributed import DistContext, barrier, broadcast_object
-    from paravt.eval.scoring import markdown_table, summarize
-    from paravt.metrics import progress_bar
 
     ctx = ctx or DistContext()
     out = Path(out)
@@ -619,7 +616,6 @@ def run_eval(
 def settings_metric(benchmark: str) -> str:
     """The progress bar's label for the running mean score: ``mIoU`` for a benchmark registered
     with that headline (``paravt.eval.benchmarks.BENCHMARK_SPECS``), else ``acc``."""
-    from paravt.eval.benchmarks import BENCHMARK_SPECS
 
     spec = BENCHMARK_SPECS.get(benchmark)
     return "mIoU" if spec is not None and spec.headline == "mIoU" else "acc"

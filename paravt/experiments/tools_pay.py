@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from paravt.checkpoint import latest_checkpoint
 from paravt.config import ConfigError, load_config
 from paravt.experiments.tool_path import tool_path
 from paravt.metrics import read_metrics
@@ -50,7 +51,6 @@ KEYS = (
 
 
 def _model(run: Path, which: str) -> Path:
-    from paravt.checkpoint import latest_checkpoint
 
     if which == "sft":
         m = run / "sft"

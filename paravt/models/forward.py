@@ -60,8 +60,9 @@ from typing import Any
 
 import torch
 
-from paravt.models.prefix import SharedLayout
+from paravt.models.prefix import SharedLayout, prefix_groups, shared_layout, split_visuals
 from paravt.types import PackedBatch, VisualInputs
+from paravt.vision.preprocess import check_visual_tokens
 
 
 def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -302,8 +303,6 @@ def _packed_inputs(
     rows 1-3 only). Only the grids of a member whose prompt is shared reach ``get_rope_index``
     (host-side, cheap); its pixels are not copied.
     """
-    from paravt.models.prefix import split_visuals
-    from paravt.vision.preprocess import check_visual_tokens
 
     backbone, _ = backbone_and_head(model)
     p0 = next(model.parameters())
@@ -367,7 +366,6 @@ def packed_forward(
     sequence-separating argument (plain causal attention over the whole row): only the tests
     use it, to show the separation is what makes the packed forward exact. No FSDP root
     wrapping: callers run it inside their own root forward (``as_root_forward``)."""
-    from paravt.models.prefix import prefix_groups, shared_layout
 
     backbone, _ = backbone_and_head(model)
     impl = _varlen_language_model(backbone) if isolate else "sdpa"

@@ -36,6 +36,11 @@ from typing import Any
 
 import torch
 
+from paravt.config import ConfigError
+from paravt.distributed import DTYPES
+from paravt.models.loader import load_model_from_config, quiet_progress
+from paravt.rollout import ENGINES
+
 # Model vocabulary (embedding rows). The BPE learns up to TINY_VOCAB - len(SPECIAL_TOKENS)
 # tokens; unused rows stay as never-produced ids.
 TINY_VOCAB = 4096
@@ -441,7 +446,6 @@ def build_tiny_checkpoint(
         tokenizer.convert_tokens_to_ids("<|endoftext|>"),
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    from paravt.models.loader import quiet_progress
 
     with quiet_progress():
         model.save_pretrained(tmp, safe_serialization=True)
@@ -498,7 +502,6 @@ def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
     than 16 gets its own directory, ``model.tiny_dir + '-hd{N}'``, so that vLLM runs and HF
     runs sharing one ``tiny_dir`` never rebuild each other's model.
     """
-    from paravt.rollout import ENGINES
 
     engine = ENGINES.get(cfg.rollout.engine)
     hd = int(cfg.model.tiny_head_dim) or max(
@@ -512,7 +515,6 @@ def resolve_model(cfg: Any, path: str = "") -> Any:
     """Load ``path`` (a model or paravt checkpoint directory) with ``cfg.model``'s settings, or,
     when it is empty, the tiny offline model (built into ``model.tiny_dir`` if absent). Returns
     a ``paravt.models.ModelBundle``. Used by ``python -m paravt.rollout``."""
-    from paravt.models.loader import load_model_from_config
 
     if not path:
         tiny_dir, head_dim = tiny_checkpoint_args(cfg)
@@ -553,7 +555,6 @@ def arch_config_path(name: str) -> Path:
 
     Raises ``ConfigError`` naming the shipped architectures when there is none (the memory
     plan ``paravt.plan`` and ``build_random_checkpoint`` read it)."""
-    from paravt.config import ConfigError
 
     p = Path(name)
     if p.suffix == ".json" and p.is_file():
@@ -642,8 +643,6 @@ def build_random_checkpoint(out_dir: str | Path, config: str, *, seed: int = 0,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    from paravt.distributed import DTYPES
-    from paravt.models.loader import quiet_progress
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

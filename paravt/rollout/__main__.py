@@ -24,10 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paravt.checkpoint import run_config
+from paravt.agent import AgentRunner
+from paravt.algo.gating import frame_budget
+from paravt.checkpoint import resolve_model_path, run_config
 from paravt.config import PRESETS, Config, ConfigError, load_config
 from paravt.data import resolve_data
+from paravt.data.readers import load_samples
 from paravt.models import resolve_model
+from paravt.rewards import score_groups
 from paravt.rollout import make_engine
 from paravt.rollout.oracle import OracleMainEngine, load_oracle
 
@@ -40,7 +44,6 @@ def model_path(cfg: Config, given: str = "", out: Any = None) -> str:
     them, says that the model is untrained and how to train it, and returns "" (the caller
     then rolls out the untrained tiny model). A given path that is not a directory raises
     ``ConfigError``."""
-    from paravt.checkpoint import resolve_model_path
 
     if given or cfg.model.path:
         return resolve_model_path(cfg, given)
@@ -145,11 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_prompts < 1:
         print("error: --num-prompts must be >= 1", file=sys.stderr)
         return 2
-
-    from paravt.agent import AgentRunner
-    from paravt.algo.gating import frame_budget
-    from paravt.data.readers import load_samples
-    from paravt.rewards import score_groups
 
     seed = cfg.train.seed if args.seed is None else args.seed
     G = args.group_size or cfg.rollout.group_size

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from paravt.files import read_jsonl
 from paravt.rollout.engine import GenerationResult
 
 
@@ -74,7 +75,6 @@ def load_oracle(data: Path) -> dict[str, dict]:
 
     A sample may have one row per overview budget; the first row that calls the tool is kept
     (the oracle main agent is there to show real crops and sub-agents), else the first row."""
-    from paravt.files import read_jsonl
 
     f = data / "sft.jsonl" if data.is_dir() else data.parent / "sft.jsonl"
     if not f.is_file():
