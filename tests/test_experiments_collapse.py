@@ -12,16 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from paravt.config import ConfigError, load_config
+from paravt.data.cold_start import all_tool_records, replay_records
+from paravt.data.sft_records import SFTRecord
 from paravt.experiments import main
 from paravt.experiments.arms import ARMS as ARM_NAMES
 from paravt.experiments.arms import run_finished
-from paravt.experiments.collapse import (
-    ARMS,
-    all_tool_records,
-    replay_records,
-    seed_values,
-    summarise,
-)
+from paravt.experiments.collapse import ARMS, seed_values, summarise
 from paravt.metrics import read_metrics, rollout_metrics, trajectory_record
 from paravt.types import ToolCall, Trajectory, Turn
 
@@ -53,22 +49,22 @@ def test_every_cold_start_record_calls_the_tool_and_answers_right(spot_task) -> 
     plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
     recs = all_tool_records(data, cfg, [2, 3])
     assert len(recs) == len(train) * 2  # one per training row and budget K in {2, 4}
-    assert sorted({r["num_frames"] for r in recs}) == [2, 4]
+    assert sorted({r.num_frames for r in recs}) == [2, 4]
     by_id = {r["id"]: r for r in train}
     counts = set()
     for r in recs:
-        first, tool, last = r["turns"]
-        calls = first["content"].count("<tool_call>")
+        first, tool, last = r.turns
+        calls = first.content.count("<tool_call>")
         counts.add(calls)
-        assert calls in (2, 3) and len(tool["content"]) == calls  # a summary per call
-        assert "crop_video" in first["content"] and tool["role"] == "tool"
-        row = by_id[r["sample_id"]]
-        assert last["content"].endswith(f"<answer>{row['answer']}</answer>")
+        assert calls in (2, 3) and len(tool.content) == calls  # a summary per call
+        assert "crop_video" in first.content and tool.role == "tool"
+        row = by_id[r.sample_id]
+        assert last.content.endswith(f"<answer>{row['answer']}</answer>")
         tgt = plans[Path(row["video"]).stem]["target"]
         name = f"{tgt['colour']} {tgt['shape']}"
         # Whatever K, the windows tile the whole video and one summary names the square.
-        assert '"start_time": 0.0' in first["content"] and '"end_time": 20.0' in first["content"]
-        assert sum(name in s for s in tool["content"]) >= 1
+        assert '"start_time": 0.0' in first.content and '"end_time": 20.0' in first.content
+        assert sum(name in s for s in tool.content) >= 1
     assert counts == {2, 3}  # both window counts occur (stable hash per row and K)
     assert recs == all_tool_records(data, cfg, [2, 3])  # deterministic
     with pytest.raises(ConfigError, match="1..agent.max_parallel"):
@@ -78,19 +74,20 @@ def test_every_cold_start_record_calls_the_tool_and_answers_right(spot_task) -> 
     broken = [h for h, r in zip(half, recs) if h != r]
     assert 0 < len(broken) < len(recs)
     for h in broken:
-        first = h["turns"][0]["content"]
+        first = h.turns[0].content
         assert "</think>" not in first and first.count("<tool_call>") in (2, 3)
     assert all_tool_records(data, cfg, [2, 3], unclosed_think=1.0) != recs
     assert all(
-        "</think>" not in r["turns"][0]["content"]
+        "</think>" not in r.turns[0].content
         for r in all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
     )
 
 
 def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
     data, cfg = spot_task
-    oracle = [json.loads(x) for x in (data / "sft.jsonl").read_text().splitlines()]
-    direct = [r for r in oracle if len(r["turns"]) == 1 and not r["turns"][0].get("forced")]
+    lines = (data / "sft.jsonl").read_text().splitlines()
+    oracle = [SFTRecord.from_dict(json.loads(x)) for x in lines]
+    direct = [r for r in oracle if len(r.turns) == 1 and not r.turns[0].forced]
     assert direct  # the spot oracle answers from the overview where it shows the square
     tool = all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
     assert replay_records(data, len(tool), 0.0) == []
@@ -99,11 +96,8 @@ def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
         assert len(rep) == round(len(tool) * share / (1 - share))
         assert abs(len(rep) / (len(rep) + len(tool)) - share) < 0.1
         for r in rep:  # each is one of stage 1's own direct answers, unchanged
-            assert r in direct and "<tool_call>" not in r["turns"][0]["content"]
-            assert (
-                r["turns"][0]["content"].endswith("</answer>")
-                and "</think>" in r["turns"][0]["content"]
-            )
+            assert r in direct and "<tool_call>" not in r.turns[0].content
+            assert r.turns[0].content.endswith("</answer>") and "</think>" in r.turns[0].content
         assert rep == replay_records(data, len(tool), share)  # deterministic
     # more asked for than exist: every direct answer is used before any repeats
     many = replay_records(data, len(direct) * 3, 0.5)

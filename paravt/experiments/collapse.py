@@ -19,14 +19,15 @@ Protocol 3 (``docs/collapse/protocol3/PREREGISTRATION.md``; protocols 1 and 2 in
    ``OUT/cold/seedN``; both SFT stages single-threaded, so thread counts do not change them).
    Stage 1 (:func:`base_sft`, ``--base-steps``, default the preset's own 4000-step recipe;
    ``model.path=...`` skips it) learns the task from its oracle records with the ``<think>``
-   tags removed (:func:`base_records`): a format prior of its own. Stage 2
-   (:func:`cold_start`, ``sft.*`` of ``configs/collapse.yaml``) lays the tags over it: every
-   trajectory calls ``crop_video`` on ``n`` equal windows of the whole video whatever K
-   (:func:`all_tool_records`, ``--windows``), a share ``--unclosed-think`` u of the tool
-   turns never closes ``<think>`` (below 1, so closed tool turns stay in the support), and
-   ``--replay`` mixes in direct answers (:func:`replay_records`). One evaluation of each cold
-   start (``OUT/cold/seedN/sft_eval``, ``paravt.train.run`` with ``train.steps=0``) gives the
-   start values.
+   tags removed: a format prior of its own. Stage 2 (:func:`cold_start`, ``sft.*`` of
+   ``configs/collapse.yaml``) lays the tags over it: every trajectory calls ``crop_video`` on
+   ``n`` equal windows of the whole video whatever K (``--windows``), a share
+   ``--unclosed-think`` u of the tool turns never closes ``<think>`` (below 1, so closed tool
+   turns stay in the support), and ``--replay`` mixes in direct answers. The records of both
+   stages are the data layer's (``paravt.data.cold_start``: ``base_records``,
+   ``all_tool_records``, ``replay_records``). One evaluation of each cold start
+   (``OUT/cold/seedN/sft_eval``, ``paravt.train.run`` with ``train.steps=0``) gives the start
+   values.
 3. **Arms** (``paravt.experiments.arms.arm_overrides``): ``vanilla`` (fixed K = the largest
    budget; no anchoring), ``vanilla_ref`` (the reference implementation's vanilla: no pinned
    ``<think>``, its closure-blind format reward, answer fallbacks and R_tool), ``anchoring``,
@@ -59,9 +60,7 @@ measured every ``--eval-every`` steps, not at every step.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 import signal
 import sys
@@ -73,16 +72,8 @@ from typing import Any
 
 from paravt.assets import prepare_assets
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, preset_errors
-from paravt.data.synth import (
-    SPOT_PLAN_TEXT,
-    Seen,
-    oracle_settings,
-    plan_meta,
-    read_plans,
-    tool_record,
-    whole_video_crops,
-    write_jsonl,
-)
+from paravt.data.cold_start import all_tool_records, base_records, check_task, replay_records
+from paravt.data.sft_records import write_sft_records
 from paravt.distributed import DistContext
 from paravt.experiments.arms import (
     DriverInterrupted,
@@ -102,11 +93,9 @@ from paravt.experiments.arms import (
     train_checkpoint,
     write_stamp,
 )
-from paravt.files import read_jsonl, write_atomic
+from paravt.files import write_atomic
 from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
-from paravt.sft import read_sft_records
 from paravt.train import run
-from paravt.video import overview_timestamps
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
 #: experiment.
@@ -139,147 +128,6 @@ CURVE_KEYS = (
 
 
 # ------------------------------------------------------------------------ the cold start
-def _windows_for(key: str, choices: Sequence[int]) -> int:
-    """``choices[h % len]`` for a stable hash of ``key`` (``hash()`` is salted per process)."""
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return int(choices[h % len(choices)])
-
-
-#: The tasks the cold start is written for (``data.synth_task``): "spot_late" is protocol 3's,
-#: whose need for the tool the K = 32 overview cannot show; "spot" is protocols 1 and 2's.
-TASKS = ("spot", "spot_late", "spot_decoy")
-
-
-def _check_task(cfg: Config) -> None:
-    if cfg.data.synth_task not in TASKS:
-        raise ConfigError(
-            f"data.synth_task={cfg.data.synth_task!r}: the collapse cold start is written for "
-            "the 'spot_late' task (protocol 3) and the 'spot' task (protocols 1 and 2); set "
-            "data.synth_task=spot_late"
-        )
-
-
-def _hash_share(key: str) -> float:
-    """A stable uniform draw in [0, 1) for ``key``."""
-    return _windows_for(key, range(1000)) / 1000
-
-
-def all_tool_records(
-    data_dir: str | Path, cfg: Config, windows: Sequence[int], unclosed_think: float = 0.0
-) -> list[dict]:
-    """The collapse cold start's SFT records for the "spot"/"spot_late" task in ``data_dir``:
-    for every training row and every overview budget K of the run (``oracle_settings``), one
-    trajectory that calls ``crop_video`` on ``n`` equal windows of the whole video (``n`` from
-    ``windows``, per (row, K) by a stable hash), whether or not the overview shows the square;
-    the sub-agents' summaries are the oracle's (only what the crop's frames show,
-    ``paravt.data.synth.square_summary``) and the final thought repeats the summary that names
-    the square asked about (``square_found``).
-
-    ``unclosed_think``: the share of records (by a stable hash) whose tool-call turn never
-    closes its ``<think>`` (the calls follow the thought directly; they still parse and run):
-    the fragile format, one that breaks exactly the turns that call the tool, as the paper's
-    8B does (0: off).
-
-    Raises ``ConfigError`` for another task or a window count outside
-    ``1..agent.max_parallel``."""
-
-    _check_task(cfg)
-    if not 0.0 <= unclosed_think <= 1.0:
-        raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
-    bad = [n for n in windows if not 1 <= n <= cfg.agent.max_parallel]
-    if not windows or bad:
-        raise ConfigError(
-            f"--windows {list(windows)}: each count must be in 1..agent.max_parallel "
-            f"({cfg.agent.max_parallel})"
-        )
-    d = Path(data_dir)
-    fps, plans = read_plans(d)
-    st = oracle_settings(cfg)
-    out: list[dict] = []
-    for _, row in read_jsonl(d / "train.jsonl"):
-        plan = plans[Path(row["video"]).stem]
-        meta = plan_meta(plan, fps)
-        squares = sorted([plan.target, *plan.distractors], key=lambda e: e.start)
-        for k in st.budgets:
-            n = _windows_for(f"{row['id']}:{k}", windows)
-            over = Seen(plan, fps, overview_timestamps(meta, k), st.temporal_patch)
-            shown = [e.name for e in squares if over.event(e)]
-            if over.decoyed():  # "spot_decoy": the overview shows the wrong colour
-                shown.append(f"{plan.decoy} {plan.target.shape}")
-            plan_text = (
-                f"The overview shows a {shown[-1]}; I will check the whole video."
-                if shown
-                else SPOT_PLAN_TEXT
-            )
-            wins, summaries, found = whole_video_crops(plan, meta, n, st)
-            rec = tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
-            if _hash_share(f"unclosed:{row['id']}:{k}") < unclosed_think:
-                first = rec["turns"][0]
-                first["content"] = first["content"].replace("\n</think>\n", "\n", 1)
-            out.append(rec)
-    return out
-
-
-_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n", re.S)
-
-
-def base_records(data_dir: str | Path) -> list[dict]:
-    """Stage 1's records: the task's own oracle records (``sft.jsonl``: direct answers where
-    the overview shows the square, crops of the whole video where it does not) with the
-    ``<think>``/``</think>`` tags removed and the thought kept as plain text (``The overview
-    shows a red square.\n<answer>A</answer>``), so that stage 1 learns the task, reading the
-    colour before the letter, in a format without the tags: the format prior the tags of stage
-    2 are laid over (stage 1 trains with ``agent.think_prefix`` empty). Forced-answer records
-    are left out (their prefix is the agent's, with ``</think>``).
-
-    Measured (seed 0): with the thought removed too, the cold start answered one letter
-    whatever the colour (held-out accuracy 0.14-0.29 at K = 32 after stage 2)."""
-
-    out = []
-    for rec in read_sft_records(Path(data_dir) / "sft.jsonl"):
-        if any(t.get("forced") for t in rec["turns"]):
-            continue
-        for t in rec["turns"]:
-            if t["role"] == "assistant":
-                t["content"] = _THINK.sub(r"\1\n", t["content"], count=1)
-        out.append(rec)
-    return out
-
-
-def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict]:
-    """Stage 1's direct answers, replayed in stage 2 of the cold start: ``share`` of stage 2's
-    records are the task's own oracle records (``sft.jsonl``, the embedded default's data,
-    with their closed ``<think>``) that answer from the overview in one unforced turn, picked
-    by a stable hash (with repeats when more are asked for than exist).
-
-    Why (``docs/collapse_notes.md``, protocol 2): a 200-step all-tool SFT erases the base
-    model's direct answer (tool-call rate 1.00 at every K), so a rollout without a crop is a
-    failed call, never a clean direct answer, and GRPO has nothing safer to drift to. The
-    paper's SFT starts from a pretrained VLM that keeps answering from frames underneath;
-    replaying a share of stage 1's direct answers keeps that habit here. Every replayed record
-    is a direct answer; every other record of stage 2 calls the tool."""
-    if not 0.0 <= share < 1.0:
-        raise ConfigError(f"--replay {share} must be in [0, 1)")
-    n = round(n_tool * share / (1.0 - share))
-    if n == 0:
-        return []
-
-    direct = [
-        rec
-        for rec in read_sft_records(Path(data_dir) / "sft.jsonl")
-        if len(turns := rec["turns"]) == 1
-        and not turns[0].get("forced")
-        and "<answer>" in turns[0]["content"]
-    ]
-    if not direct:
-        raise ConfigError(f"--replay {share}: {data_dir}/sft.jsonl has no direct-answer records")
-    ranked = sorted(
-        direct,
-        key=lambda r: hashlib.sha256(f"{r['sample_id']}:{r['num_frames']}".encode()).digest(),
-    )
-    return [ranked[i % len(ranked)] for i in range(n)]
-
-
 def seed_config(cfg: Config, out: Path, seed: int) -> Config:
     """``cfg`` for seed ``seed``: its own task instance (``data.synth_seed`` = the seed, in
     ``OUT/data/seedN``: videos, training rows and held-out prompts of its own) and
@@ -323,9 +171,9 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
     before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
     without tools). ``cfg.model.path`` set: that checkpoint is the base (nothing trained).
     Otherwise ``cold/base_sft``: the embedded default's own SFT recipe (``base.sft``: 4000
-    cosine steps for ``tiny_cpu``) from the random tiny model on :func:`base_records` (the
-    task's oracle rows without ``<think>``, ``agent.think_prefix`` empty); made once, reused
-    by a rerun. Single-threaded (:class:`_OneThread`)."""
+    cosine steps for ``tiny_cpu``) from the random tiny model on
+    ``paravt.data.cold_start.base_records`` (the task's oracle rows without ``<think>``,
+    ``agent.think_prefix`` empty); made once, reused by a rerun. Single-threaded (:class:`_OneThread`)."""
 
     if cfg.model.path:
         return cfg.model.path
@@ -345,7 +193,7 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
     dirs = prepare_assets(cfg, DistContext())
 
     data = cold / "base_data.jsonl"
-    write_jsonl(data, base_records(dirs[0]))
+    write_sft_records(data, base_records(dirs[0]))
     scfg = _no_think(replace(cfg, sft=replace(base.sft, data=str(data))))
     what = f"base SFT {base.sft.steps} steps (the default's recipe, no <think>)"
     with _OneThread():
@@ -363,8 +211,8 @@ def cold_start(
 ) -> Path:
     """A seed's SFT checkpoint ``cold/sft`` (``cfg``: the seed's, :func:`seed_config`): stage
     1 (:func:`base_sft`; ``base`` None: train from ``cfg.model.path`` or the random tiny model
-    directly), then stage 2, ``cfg.sft`` on :func:`all_tool_records` and
-    :func:`replay_records`, with ``<think>`` pinned as the agent pins it
+    directly), then stage 2, ``cfg.sft`` on ``paravt.data.cold_start.all_tool_records`` and
+    ``paravt.data.cold_start.replay_records``, with ``<think>`` pinned as the agent pins it
     (``agent.think_prefix``: learnt with it empty, the model's own ``<think>`` and newline
     tokenise unlike the pinned prefix and the pinned arms' rollouts came out garbled: held-out
     accuracy 0.19-0.25 at K = 32, parse errors 0.5-0.7, seed 0). Made once, single-threaded
@@ -393,7 +241,7 @@ def cold_start(
     recs += replay_records(dirs[0], len(recs), replay)
 
     data = cold / "sft_data.jsonl"
-    write_jsonl(data, recs)
+    write_sft_records(data, recs)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
     with _OneThread():
@@ -850,7 +698,7 @@ def collapse(
     ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
     for a in parse_arms(",".join(arms), list(ARMS)):  # none, or an unknown one: refused
         arm_overrides(a, cfg)
-    _check_task(cfg)
+    check_task(cfg)
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
     if not 0.0 <= replay < 1.0:
