@@ -401,7 +401,7 @@ def test_tool_path_counts_coverage_summaries_and_the_copy(tmp_path, capsys) -> N
     before the square's window (not covered), a right summary copied, a right summary not
     copied, and a prompt answered from the overview."""
     from paravt.experiments.cli import main as cli_main
-    from paravt.experiments.tool_path import tool_path
+    from paravt.experiments.tool_path import COUNTS, tool_path
 
     opts = ["RED", "YELLOW", "CYAN", "MAGENTA"]
 
@@ -425,9 +425,11 @@ def test_tool_path_counts_coverage_summaries_and_the_copy(tmp_path, capsys) -> N
         res(3, "D", True, []),  # answered from the overview
     ]
     got = tool_path(rows, {v["id"]: v for v in vals}, 4)
-    assert got["need"] == {"n": 3, "correct": 1, "called": 3, "covered": 2, "summary_colour": 2,
-                           "summary_right": 2, "copied": 1, "copied_right": 1}  # fmt: skip
-    assert got["no_need"]["n"] == 1 and got["no_need"]["called"] == 0
+    assert got["need"].to_dict() == {"n": 3, "correct": 1, "called": 3, "covered": 2,
+                                     "summary_colour": 2, "summary_right": 2, "copied": 1,
+                                     "copied_right": 1}  # fmt: skip
+    assert got["no_need"].n == 1 and got["no_need"].called == 0
+    assert tuple(got["need"].to_dict()) == COUNTS  # the --json columns, in their order
     (tmp_path / "task").mkdir()
     (tmp_path / "task" / "val.jsonl").write_text("".join(json.dumps(v) + "\n" for v in vals))
     (tmp_path / "ev").mkdir()
