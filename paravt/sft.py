@@ -60,6 +60,7 @@ from paravt.assets import prepare_assets
 from paravt.checkpoint import save_model_dir, sft_save_error
 from paravt.config import AlgoConfig, Config, ConfigError, load_config, preset_errors, to_yaml
 from paravt.data.readers import load_samples
+from paravt.data.sft_records import SFTRecord, read_sft_records
 from paravt.distributed import (
     DistContext,
     Precision,
@@ -76,7 +77,7 @@ from paravt.distributed import (
     release_single_rank_group,
     shard_model,
 )
-from paravt.files import atomic_file, read_jsonl
+from paravt.files import atomic_file
 from paravt.models import load_model_from_config
 from paravt.models.forward import as_root_forward
 from paravt.models.loader import freeze_vit
@@ -86,52 +87,8 @@ from paravt.types import Sample, SequenceUnit, Trajectory
 from paravt.video import DecodePlanner, VideoError
 
 
-def _record_from_messages(row: dict[str, Any], where: str) -> dict[str, Any]:
-    """ParaVT ``messages`` → the ``turns`` record ``encode_oracle_trajectory`` reads."""
-    turns: list[dict[str, Any]] = []
-    for j, m in enumerate(row["messages"]):
-        role, content = m.get("role"), m.get("content")
-        if isinstance(content, list):  # multimodal content parts: keep the text parts
-            content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
-        if role in ("system", "user"):
-            continue
-        if role == "assistant":
-            turns.append({"role": "assistant", "content": str(content)})
-        elif role == "tool":
-            if turns and turns[-1]["role"] == "tool":
-                turns[-1]["content"].append(str(content))
-            else:
-                turns.append({"role": "tool", "content": [str(content)]})
-        else:
-            raise ValueError(f"{where} message {j}: unknown role {role!r}")
-    rec = {"sample_id": str(row.get("sample_id", row.get("id", ""))), "turns": turns}
-    if "num_frames" in row:
-        rec["num_frames"] = int(row["num_frames"])
-    return rec
-
-
-def read_sft_records(path: str | Path) -> list[dict[str, Any]]:
-    """SFT records (``turns`` format) from a JSONL file in either supported format."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(
-            f"SFT data '{path}' does not exist; set sft.data to a JSONL of trajectories or "
-            "leave it empty to use the synthetic task's sft.jsonl"
-        )
-    out = []
-    for n, row in read_jsonl(p):  # split on "\n" only: a string may hold U+2028
-        where = f"{p}:{n}"
-        if "messages" in row:
-            out.append(_record_from_messages(row, where))
-        elif "turns" in row:
-            out.append(row)
-        else:
-            raise ValueError(f"{where}: an SFT row needs 'turns' (paravt) or 'messages' (ParaVT)")
-    return out
-
-
 def encode_records(
-    records: Sequence[dict[str, Any]],
+    records: Sequence[SFTRecord],
     samples: Sequence[Sample],
     bundle: Any,
     cfg: Config,
@@ -139,23 +96,25 @@ def encode_records(
 ) -> list[Trajectory]:
     """Token-exact SFT trajectories (records whose sample or video is missing are skipped):
     each record's main trajectory and, with ``sft.sub_agents``, one sub-agent trajectory per
-    answered crop (the crop's frames → the record's summary)."""
+    answered crop (the crop's frames → the record's summary). Records are read with
+    ``paravt.data.sft_records.read_sft_records``; the agent's encoder reads each as its JSON
+    object (``SFTRecord.to_dict``)."""
 
     by_id = {s.id: s for s in samples}
     out: list[Trajectory] = []
     skipped = 0
     for rec in records:
-        sample = by_id.get(str(rec.get("sample_id", "")))
+        sample = by_id.get("" if rec.sample_id is None else str(rec.sample_id))
         if sample is None:
             skipped += 1
             continue
         try:
-            main = encode_oracle_trajectory(bundle, cfg, sample, rec, planner)
+            main = encode_oracle_trajectory(bundle, cfg, sample, rec.to_dict(), planner)
             out.append(main)
             # The same weights learn to describe the crops it asks for; a "main_only" record
             # (a colour-swapped copy, paravt.data.synth.colour_swaps) has summaries that are
             # not what its crops show, and trains the main agent alone.
-            if cfg.sft.sub_agents and not rec.get("main_only"):
+            if cfg.sft.sub_agents and not rec.main_only:
                 out += encode_oracle_sub_trajectories(bundle, cfg, sample, main, planner)
         except VideoError as e:
             print(f"[sft] skipping {sample.id}: {e}", file=sys.stderr)

@@ -39,7 +39,7 @@ def task(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _sft(bundle, cfg, data, steps: int) -> None:
-    records = [r for r in read_sft_records(data / "sft.jsonl") if len(r["turns"]) == 3]
+    records = [r for r in read_sft_records(data / "sft.jsonl") if len(r.turns) == 3]
     samples = load_samples(data, split="train")
     trajs = [t for t in encode_records(records, samples, bundle, cfg, DecodePlanner())
              if t.role == "main"]  # fmt: skip

@@ -1,6 +1,8 @@
-"""``python -m paravt.experiments collapse``: the all-tool cold start, the tool-vs-no-tool
-advantage (a ``paravt.train`` step metric), the summary's schema, and a shrunken end-to-end run
-whose arms are ``paravt.train`` runs and that resumes."""
+"""``python -m paravt.experiments collapse``: the all-tool cold start's records
+(``paravt.data.cold_start``), the tool-vs-no-tool advantage (a ``paravt.train`` step metric),
+and a shrunken end-to-end run whose arms are ``paravt.train`` runs and that resumes (its
+``collapse.json`` read back by the phase diagram). The summary's statistics, schema and bars:
+``tests/test_experiments_report.py``."""
 
 from __future__ import annotations
 
@@ -12,16 +14,12 @@ from types import SimpleNamespace
 import pytest
 
 from paravt.config import ConfigError, load_config
+from paravt.data.cold_start import all_tool_records, replay_records
+from paravt.data.sft_records import SFTRecord
 from paravt.experiments import main
 from paravt.experiments.arms import ARMS as ARM_NAMES
 from paravt.experiments.arms import run_finished
-from paravt.experiments.collapse import (
-    ARMS,
-    all_tool_records,
-    replay_records,
-    seed_values,
-    summarise,
-)
+from paravt.experiments.collapse import ARMS
 from paravt.metrics import read_metrics, rollout_metrics, trajectory_record
 from paravt.types import ToolCall, Trajectory, Turn
 
@@ -53,22 +51,22 @@ def test_every_cold_start_record_calls_the_tool_and_answers_right(spot_task) -> 
     plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
     recs = all_tool_records(data, cfg, [2, 3])
     assert len(recs) == len(train) * 2  # one per training row and budget K in {2, 4}
-    assert sorted({r["num_frames"] for r in recs}) == [2, 4]
+    assert sorted({r.num_frames for r in recs}) == [2, 4]
     by_id = {r["id"]: r for r in train}
     counts = set()
     for r in recs:
-        first, tool, last = r["turns"]
-        calls = first["content"].count("<tool_call>")
+        first, tool, last = r.turns
+        calls = first.content.count("<tool_call>")
         counts.add(calls)
-        assert calls in (2, 3) and len(tool["content"]) == calls  # a summary per call
-        assert "crop_video" in first["content"] and tool["role"] == "tool"
-        row = by_id[r["sample_id"]]
-        assert last["content"].endswith(f"<answer>{row['answer']}</answer>")
+        assert calls in (2, 3) and len(tool.content) == calls  # a summary per call
+        assert "crop_video" in first.content and tool.role == "tool"
+        row = by_id[r.sample_id]
+        assert last.content.endswith(f"<answer>{row['answer']}</answer>")
         tgt = plans[Path(row["video"]).stem]["target"]
         name = f"{tgt['colour']} {tgt['shape']}"
         # Whatever K, the windows tile the whole video and one summary names the square.
-        assert '"start_time": 0.0' in first["content"] and '"end_time": 20.0' in first["content"]
-        assert sum(name in s for s in tool["content"]) >= 1
+        assert '"start_time": 0.0' in first.content and '"end_time": 20.0' in first.content
+        assert sum(name in s for s in tool.content) >= 1
     assert counts == {2, 3}  # both window counts occur (stable hash per row and K)
     assert recs == all_tool_records(data, cfg, [2, 3])  # deterministic
     with pytest.raises(ConfigError, match="1..agent.max_parallel"):
@@ -78,19 +76,20 @@ def test_every_cold_start_record_calls_the_tool_and_answers_right(spot_task) -> 
     broken = [h for h, r in zip(half, recs) if h != r]
     assert 0 < len(broken) < len(recs)
     for h in broken:
-        first = h["turns"][0]["content"]
+        first = h.turns[0].content
         assert "</think>" not in first and first.count("<tool_call>") in (2, 3)
     assert all_tool_records(data, cfg, [2, 3], unclosed_think=1.0) != recs
     assert all(
-        "</think>" not in r["turns"][0]["content"]
+        "</think>" not in r.turns[0].content
         for r in all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
     )
 
 
 def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
     data, cfg = spot_task
-    oracle = [json.loads(x) for x in (data / "sft.jsonl").read_text().splitlines()]
-    direct = [r for r in oracle if len(r["turns"]) == 1 and not r["turns"][0].get("forced")]
+    lines = (data / "sft.jsonl").read_text().splitlines()
+    oracle = [SFTRecord.from_dict(json.loads(x)) for x in lines]
+    direct = [r for r in oracle if len(r.turns) == 1 and not r.turns[0].forced]
     assert direct  # the spot oracle answers from the overview where it shows the square
     tool = all_tool_records(data, cfg, [2, 3], unclosed_think=1.0)
     assert replay_records(data, len(tool), 0.0) == []
@@ -99,11 +98,8 @@ def test_replay_keeps_a_share_of_stage_1s_direct_answers(spot_task) -> None:
         assert len(rep) == round(len(tool) * share / (1 - share))
         assert abs(len(rep) / (len(rep) + len(tool)) - share) < 0.1
         for r in rep:  # each is one of stage 1's own direct answers, unchanged
-            assert r in direct and "<tool_call>" not in r["turns"][0]["content"]
-            assert (
-                r["turns"][0]["content"].endswith("</answer>")
-                and "</think>" in r["turns"][0]["content"]
-            )
+            assert r in direct and "<tool_call>" not in r.turns[0].content
+            assert r.turns[0].content.endswith("</answer>") and "</think>" in r.turns[0].content
         assert rep == replay_records(data, len(tool), share)  # deterministic
     # more asked for than exist: every direct answer is used before any repeats
     many = replay_records(data, len(direct) * 3, 0.5)
@@ -166,110 +162,6 @@ def test_tool_advantage_compares_tool_and_no_tool_rollouts_in_mixed_groups() -> 
     # Records without advantages (the held-out evaluation's) log none of these.
     assert not any(k.startswith("adv/") for k in rollout_metrics(
         [trajectory_record(t, 32) for t in groups[0].trajectories]))  # fmt: skip
-
-
-def _rows(kappas: list[float], acc4: float) -> list[dict]:
-    rows = [
-        {"kind": "train", "step": i + 1, "tool_calls_per_rollout": k, "format_compliance": 0.5,
-         "tool_call_rate": k / 3, "tool_rate/K4": k / 3}
-        for i, k in enumerate(kappas)
-    ]  # fmt: skip
-    after = {"kind": "eval_after", "step": len(kappas), "K4_tools/accuracy": acc4}
-    return [*rows, {**after, "K4_tools/tool_call_rate": acc4 / 2}]
-
-
-def test_summary_values_and_schema() -> None:
-    v = seed_values(_rows([2.5, 2.0, 1.0, 0.5, 0.0, 0.0, 0.0], 0.75), [4])
-    assert v["kappa_start"] == 2.5 and v["kappa_end"] == pytest.approx(0.3)  # last 5 steps
-    assert v["format_start"] == 0.5 and v["acc_end_k"] == {"4": 0.75}
-    assert v["tool_rate_end_k"] == {"4": pytest.approx(0.1)}  # per K the run trained at
-    assert v["mixed_steps"] == 0.0 and math.isnan(v["adv_tool_mixed"])
-    mixed = _rows([2.0, 1.0, 0.0], 1.0)
-    mixed[0].update({"adv/mixed_groups": 0.5, "adv/tool": -1.0, "adv/no_tool": 0.5})
-    mixed[2].update({"adv/mixed_groups": 0.25, "adv/tool": -0.5, "adv/no_tool": 1.5})
-    mixed[1].update({"adv/mixed_groups": 0.0, "adv/tool": float("nan")})
-    d = seed_values(mixed, [4])
-    assert d["tool_rate_heldout_k"] == {"4": 0.5}
-    assert d["mixed_steps"] == 2.0 and d["adv_tool_mixed"] == -0.75
-    assert d["adv_no_tool_mixed"] == 1.0
-    cold = {"K4_tools/tool_calls_per_rollout": 2.5, "K4_tools/accuracy": 0.25}
-    res = summarise(
-        {"vanilla": {0: _rows([2.0, 0.0], 0.5), 1: _rows([3.0, 1.0], 1.0)}},
-        [4],
-        {0: cold, 1: cold},  # each seed's own cold start (equal here)
-    )
-    van = res["arms"]["vanilla"]
-    assert van["kappa_start"] == {"mean": 2.5, "std": pytest.approx(math.sqrt(0.5))}
-    assert van["acc_end_k"]["4"]["mean"] == 0.75
-    assert [s["seed"] for s in van["seeds"]] == [0, 1]
-    kappa = van["curves"]["tool_calls_per_rollout"]
-    assert kappa["step"] == [1, 2] and kappa["mean"] == [2.5, 0.5]
-    assert kappa["std"] == [pytest.approx(math.sqrt(0.5)), pytest.approx(math.sqrt(0.5))]
-    # Held-out accuracy: the cold starts' at step 0, then the runs' (mean over seeds).
-    assert van["curves"]["eval/K4"]["step"] == [0, 2]
-    assert van["curves"]["eval/K4"]["mean"] == [0.25, 0.75]
-    assert res["sft"]["4"]["kappa"] == 2.5
-    assert van["tool_rate_heldout_k"]["4"]["mean"] == pytest.approx(0.375)  # same K, held out
-    assert van["tool_rate_end_k"]["4"]["mean"] == pytest.approx(0.5)  # (1/3 + 2/3) / 2
-    # A K that one seed's last steps never drew is left out of that K's mean, not zeroed.
-    other = _rows([1.5, 1.5], 1.0)
-    for r in other:
-        if r["kind"] == "train":
-            r["tool_rate/K8"] = r.pop("tool_rate/K4")
-    res2 = summarise({"gating": {0: _rows([3.0], 1.0), 1: other}}, [4], {})
-    assert res2["arms"]["gating"]["tool_rate_end_k"]["4"] == {"mean": 1.0, "std": 0.0}
-    assert res2["arms"]["gating"]["tool_rate_end_k"]["8"]["mean"] == 0.5
-    assert set(van["mixed_steps"]) == {"mean", "std"}
-
-
-def _held(k: int, rates: list[tuple[bool, float, float]], step: int = 5) -> list[dict]:
-    """``heldout.jsonl`` rows of one evaluation at K: per prompt (needs the tool, tool-call
-    rate, accuracy); an earlier evaluation's rows and another K's are mixed in to be ignored."""
-    rows = [
-        {"kind": "eval_after", "step": step, "condition": f"K{k}_tools", "K": k,
-         "tool_call_rate": t, "accuracy": a, "format_compliance": 1.0 - t / 2,
-         "tool_turn_closure": float("nan") if t == 0 else 0.5,
-         "extra": {f"need_K{k}": need, "need_K99": not need}}
-        for need, t, a in rates
-    ]  # fmt: skip
-    old = {**rows[0], "kind": "eval_step", "step": 1, "tool_call_rate": 0.123}
-    other = {**rows[0], "condition": "K99_tools", "K": 99, "tool_call_rate": 0.456}
-    return [old, *rows, other]
-
-
-def test_same_k_splits_prompt_by_prompt_by_need_and_the_bars_are_judged() -> None:
-    from paravt.experiments.collapse import bars, same_k
-
-    v = same_k(_held(32, [(True, 1.0, 1.0), (True, 0.5, 0.5), (False, 0.0, 1.0)]), [32])["32"]
-    assert v["tool_rate_need"] == 0.75 and v["acc_need"] == 0.75
-    assert v["tool_rate_no_need"] == 0.0 and v["acc_no_need"] == 1.0
-    assert v["share_need"] == pytest.approx(2 / 3) and v["prompts"] == 3.0
-    assert v["format"] == pytest.approx((0.5 + 0.75 + 1.0) / 3)
-    assert v["tool_turn_closure"] == 0.5  # prompts without a tool turn left out
-    assert math.isnan(same_k([], [32])["32"]["tool_rate_need"])
-    # Seeds: the cold start calls on needing prompts (rate 1.0, accuracy 0.5); vanilla stops
-    # calling there (0.0, accuracy 0.25), PARA-GRPO keeps calling (1.0, accuracy 1.0).
-    start = {s: _held(32, [(True, 1.0, 0.5), (False, 1.0, 1.0)]) for s in (0, 1)}
-    held = {
-        "vanilla": {s: _held(32, [(True, 0.0, 0.25 + s / 100), (False, 0.0, 1.0)]) for s in (0, 1)},
-        "paragrpo": {s: _held(32, [(True, 1.0, 1.0), (False, 1.0, 1.0)]) for s in (0, 1)},
-    }
-    runs = {a: {s: _rows([1.0, 0.0], 0.5) for s in (0, 1)} for a in held}
-    res = summarise(runs, [32], {0: {}, 1: {}}, held, start, same_ks=[32])
-    assert res["same_k_start"]["32"]["tool_rate_need"] == {"mean": 1.0, "std": 0.0}
-    van = res["arms"]["vanilla"]["same_k"]["32"]
-    assert van["acc_need"]["mean"] == pytest.approx(0.255)
-    assert [s["same_k"]["32"]["acc_need"] for s in res["arms"]["vanilla"]["seeds"]] == [0.25, 0.26]
-    judged = {b["id"]: b["met"] for b in res["bars"]}
-    assert judged["a1"] and judged["a2"] and judged["a3"] and judged["a4"] and judged["a5"]
-    assert judged["b1"] is None and judged["b2"] is None  # anchoring, gating not run
-    assert judged["c1"]  # the cold start's accuracy on needing prompts: 0.5
-    assert [(b["id"], b["met"]) for b in bars(res)] == list(judged.items())
-    # A vanilla that keeps calling fails its bars.
-    held["vanilla"] = held["paragrpo"]
-    res = summarise(runs, [32], {0: {}, 1: {}}, held, start, same_ks=[32])
-    judged = {b["id"]: b["met"] for b in res["bars"]}
-    assert judged["a1"] is False and judged["a4"] is False
 
 
 def _args(spot_task, assets: dict[str, str], out: Path) -> list[str]:
@@ -488,16 +380,15 @@ def test_phase_advantage_sign_and_q_of_an_older_cell(tmp_path) -> None:
 
     # A collapse.json from before q was recorded: q from its task's manifest (none there:
     # the fixed 0.25 of that time); disagreeing manifests are an error, not a guess.
-    res = {"task": "spot_decoy", "seeds": [1, 2]}
     for seed, params in ((1, {"version": 6}), (2, {"version": 6})):
         (tmp_path / "data" / f"seed{seed}").mkdir(parents=True)
         path = tmp_path / "data" / f"seed{seed}" / "manifest.json"
         path.write_text(json.dumps({"params": params}))
-    assert _manifest_q(tmp_path, res) == 0.25
+    assert _manifest_q(tmp_path, "spot_decoy", [1, 2]) == 0.25
     path.write_text(json.dumps({"params": {"decoy_share": 0.5}}))
     with pytest.raises(ConfigError, match="manifests give"):
-        _manifest_q(tmp_path, res)
-    assert _manifest_q(tmp_path, {"task": "spot_late", "seeds": [1]}) is None
+        _manifest_q(tmp_path, "spot_decoy", [1, 2])
+    assert _manifest_q(tmp_path, "spot_late", [1]) is None
 
     assert advantage_sign(-0.5, 0.2, 10) == "-" and advantage_sign(0.3, -0.1, 3) == "+"
     assert advantage_sign(0.1, 0.1, 2) == "0"
@@ -510,7 +401,7 @@ def test_tool_path_counts_coverage_summaries_and_the_copy(tmp_path, capsys) -> N
     before the square's window (not covered), a right summary copied, a right summary not
     copied, and a prompt answered from the overview."""
     from paravt.experiments.cli import main as cli_main
-    from paravt.experiments.tool_path import tool_path
+    from paravt.experiments.tool_path import COUNTS, tool_path
 
     opts = ["RED", "YELLOW", "CYAN", "MAGENTA"]
 
@@ -534,9 +425,11 @@ def test_tool_path_counts_coverage_summaries_and_the_copy(tmp_path, capsys) -> N
         res(3, "D", True, []),  # answered from the overview
     ]
     got = tool_path(rows, {v["id"]: v for v in vals}, 4)
-    assert got["need"] == {"n": 3, "correct": 1, "called": 3, "covered": 2, "summary_colour": 2,
-                           "summary_right": 2, "copied": 1, "copied_right": 1}  # fmt: skip
-    assert got["no_need"]["n"] == 1 and got["no_need"]["called"] == 0
+    assert got["need"].to_dict() == {"n": 3, "correct": 1, "called": 3, "covered": 2,
+                                     "summary_colour": 2, "summary_right": 2, "copied": 1,
+                                     "copied_right": 1}  # fmt: skip
+    assert got["no_need"].n == 1 and got["no_need"].called == 0
+    assert tuple(got["need"].to_dict()) == COUNTS  # the --json columns, in their order
     (tmp_path / "task").mkdir()
     (tmp_path / "task" / "val.jsonl").write_text("".join(json.dumps(v) + "\n" for v in vals))
     (tmp_path / "ev").mkdir()

@@ -111,7 +111,7 @@ def test_every_jsonl_reader_keeps_a_row_with_unicode_line_separators(synth_dir, 
     first["content"] = f"{first['content']}{SEPARATORS}"
     (d / "sft.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in sft))
     got = read_sft_records(d / "sft.jsonl")
-    assert len(got) == 3 and got[0]["turns"][0]["content"] == first["content"]
+    assert len(got) == 3 and got[0].turns[0].content == first["content"]
     assert load_oracle(d)[sft[0]["sample_id"]]["turns"][0]["content"] == first["content"]
 
     (d / "m.jsonl").write_text(text, encoding="utf-8")

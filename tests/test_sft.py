@@ -32,15 +32,14 @@ def test_paravt_messages_format_reads_like_the_synthetic_one(assets, tmp_path) -
         {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "question"}]},
     ]
-    for t in rec["turns"]:
-        if t["role"] == "assistant":
-            msgs.append({"role": "assistant", "content": t["content"]})
+    for t in rec.turns:
+        if t.role == "assistant":
+            msgs.append({"role": "assistant", "content": t.content})
         else:
-            msgs += [{"role": "tool", "content": c} for c in t["content"]]
+            msgs += [{"role": "tool", "content": c} for c in t.content]
     f = tmp_path / "paravt_sft.jsonl"
     f.write_text(
-        json.dumps({"id": rec["sample_id"], "num_frames": rec["num_frames"], "messages": msgs})
-        + "\n"
+        json.dumps({"id": rec.sample_id, "num_frames": rec.num_frames, "messages": msgs}) + "\n"
     )
     assert read_sft_records(f) == [rec]
     bad = tmp_path / "bad.jsonl"
@@ -58,13 +57,13 @@ def test_only_assistant_generations_are_trained(assets, tmp_path) -> None:
     bundle = load_model(assets["model"], device="cpu")
     # Two oracle episodes with crop calls (the oracle answers directly when the overview
     # already shows the target).
-    recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r["turns"]) > 1]
+    recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r.turns) > 1]
     recs = recs[:2]
     trajs = encode_records(recs, load_samples(assets["data"]), bundle, cfg)
     mains = [t for t in trajs if t.role == "main"]
     assert len(mains) == 2
     # sft.sub_agents: one sub-agent row per oracle summary, the summary as its only target.
-    summaries = [s for rec in recs for s in rec["turns"][1]["content"]]
+    summaries = [s for rec in recs for s in rec.turns[1].content]
     subs = [t for t in trajs if t.role != "main"]
     assert cfg.sft.sub_agents and len(subs) == len(summaries)
     tok = bundle.tokenizer
@@ -76,10 +75,10 @@ def test_only_assistant_generations_are_trained(assets, tmp_path) -> None:
         untrained = tok.decode([x for x, m in zip(t.tokens, t.loss_mask) if not m])
         # Tool responses, the prompt and the forced <think> prefix are never targets.
         assert "<tool_response>" in untrained and "<tool_response>" not in trained
-        assert rec["turns"][1]["content"][0][:30] in untrained
+        assert rec.turns[1].content[0][:30] in untrained
         assert "<|vision_start|>" in untrained and "crop_video" in untrained  # prompt + schema
         assert trained.count("<think>") == 0 and "</think>" in trained
-        final = rec["turns"][-1]["content"].split("<answer>")[1]
+        final = rec.turns[-1].content.split("<answer>")[1]
         assert "<answer>" + final in trained
         assert sum(t.loss_mask[: t.prompt_len]) == 0
 
@@ -136,7 +135,7 @@ def test_packed_sft_loss_equals_one_forward_per_sequence(assets, tmp_path, max_t
     cfg = _cfg(assets, tmp_path)
     bundle = load_model(assets["model"], device="cpu")
     model = bundle.model
-    recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r["turns"]) > 1]
+    recs = [r for r in read_sft_records(Path(assets["data"]) / "sft.jsonl") if len(r.turns) > 1]
     trajs = encode_records(recs[:2] + recs[:1], load_samples(assets["data"]), bundle, cfg)
     assert {t.role for t in trajs} == {"main", "sub"} and len(trajs) >= 4
     tokens = float(sum(sum(t.loss_mask) for t in trajs))

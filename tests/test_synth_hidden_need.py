@@ -95,14 +95,14 @@ def test_rows_record_the_last_square_and_whether_each_overview_misses_it(late) -
 def test_oracle_answers_the_last_square_and_writes_nothing_where_the_need_is_hidden(
     late, assets
 ) -> None:
-    from paravt.experiments.collapse import all_tool_records
+    from paravt.data.cold_start import all_tool_records
 
     data, cfg = late
     samples = {s.id: s for s in load_samples(data, split="train")}
     rows = {r["id"]: r for r in map(json.loads, (data / "train.jsonl").read_text().splitlines())}
     plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
     records = read_sft_records(data / "sft.jsonl")
-    by = {(r["sample_id"], r["num_frames"]) for r in records}
+    by = {(r.sample_id, r.num_frames) for r in records}
     missing = {(sid, k) for sid in rows for k in (4, 32) if (sid, k) not in by}
     # No record only where the need is hidden: two squares, the overview misses the last.
     assert missing and all(rows[sid][f"need_K{k}"] and rows[sid]["squares"] == 2
@@ -118,15 +118,15 @@ def test_oracle_answers_the_last_square_and_writes_nothing_where_the_need_is_hid
     recs = all_tool_records(data, cfg, [2, 3])
     assert len(recs) == 2 * len(rows)
     for rec in recs:
-        r = rows[rec["sample_id"]]
-        first, tool, last = rec["turns"]
-        assert last["content"].endswith(f"<answer>{r['answer']}</answer>")
+        r = rows[rec.sample_id]
+        first, tool, last = rec.turns
+        assert last.content.endswith(f"<answer>{r['answer']}</answer>")
         if r["squares"] == 2:
             plan = plans[Path(r["video"]).stem]
-            text = " ".join(tool["content"])
+            text = " ".join(tool.content)
             a = text.index(f"A {plan['distractors'][0]['colour']} square appears")
             assert a < text.index(f"A {plan['target']['colour']} square appears")
-            assert last["content"].startswith(f"<think>\nA {plan['target']['colour']} square "
+            assert last.content.startswith(f"<think>\nA {plan['target']['colour']} square "
                                               "appears last.")  # fmt: skip
 
 
@@ -140,7 +140,7 @@ def test_decoy_rows_show_a_wrong_colour_to_the_k32_overview_only(tmp_path) -> No
     plans = {v["name"]: v for v in json.loads((data / "manifest.json").read_text())["videos"]}
     decoys = [r for r in rows if r["decoy"]]
     assert 0 < len(decoys) < len(rows)
-    records = {(r["sample_id"], r["num_frames"]) for r in read_sft_records(data / "sft.jsonl")}
+    records = {(r.sample_id, r.num_frames) for r in read_sft_records(data / "sft.jsonl")}
     for r in rows:
         plan = plans[Path(r["video"]).stem]
         tgt, path = plan["target"], str(data / r["video"])

@@ -15,6 +15,7 @@ from test_synth_oracle import assert_sub_summaries_right
 from paravt.agent.prompts import question_text
 from paravt.config import ConfigError, load_config
 from paravt.data.readers import load_samples
+from paravt.data.sft_records import sft_jsonl
 from paravt.data.synth import SPOT_COLOURS, generate, oracle_settings
 from paravt.eval.benchmarks import load_benchmark
 from paravt.models import load_model
@@ -137,22 +138,26 @@ def test_colour_swapped_copies_train_the_main_agent_only(tmp_path, spot) -> None
         task="spot",
     )  # fmt: skip
     records = read_sft_records(data / "sft.jsonl")
-    plain = [r for r in records if not r.get("main_only")]
-    swapped = [r for r in records if r.get("main_only")]
-    tools = [r for r in plain if len(r["turns"]) == 3]
+    # The typed records write back the file they were read from, byte for byte (main-only
+    # copies, forced-answer twins and tool rounds all in it).
+    assert sft_jsonl(records) == (data / "sft.jsonl").read_text()
+    assert any(t.forced for r in records for t in r.turns)
+    plain = [r for r in records if not r.main_only]
+    swapped = [r for r in records if r.main_only]
+    tools = [r for r in plain if len(r.turns) == 3]
     assert tools and len(swapped) == 3 * len(tools)
     for r in tools:
-        copies = [s for s in swapped if s["sample_id"] == r["sample_id"]
-                  and s["num_frames"] == r["num_frames"]]  # fmt: skip
-        answers = {c["turns"][2]["content"][-10] for c in copies} | {r["turns"][2]["content"][-10]}
+        copies = [s for s in swapped if s.sample_id == r.sample_id
+                  and s.num_frames == r.num_frames]  # fmt: skip
+        answers = {c.turns[2].content[-10] for c in copies} | {r.turns[2].content[-10]}
         assert answers == set("ABCD")  # every colour once: the truth and its 3 swaps
         for c in copies:
-            letter = c["turns"][2]["content"][-10]
+            letter = c.turns[2].content[-10]
             colour = SPOT_COLOURS["ABCD".index(letter)]
-            named = [s for s in c["turns"][1]["content"] if "Nothing" not in s]
+            named = [s for s in c.turns[1].content if "Nothing" not in s]
             assert named and all(f"A {colour} square" in s for s in named)
-            assert f"A {colour} square appears." in c["turns"][2]["content"]
-            assert c["turns"][0] == r["turns"][0]  # the same calls
+            assert f"A {colour} square appears." in c.turns[2].content
+            assert c.turns[0] == r.turns[0]  # the same calls
     samples = load_samples(data, split="train")
     trajs = encode_records(records, samples, bundle, cfg, DecodePlanner())
     n_sub = sum(t.role == "sub" for t in trajs)

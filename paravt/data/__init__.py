@@ -1,4 +1,6 @@
-"""Data: dataset readers (JSONL, ParaVT parquet) and the synthetic long-video task.
+"""Data: dataset readers (JSONL, ParaVT parquet), SFT records (``sft_records``: ``SFTRecord``,
+one ``sft.jsonl`` line), the synthetic long-video task and the collapse cold start's records
+(``cold_start``).
 
 The synthetic-task names are imported lazily so ``python -m paravt.data.synth`` does not
 import its own module twice (runpy warns when a package's ``__init__`` pre-imports it).
@@ -10,10 +12,21 @@ from pathlib import Path
 from typing import Any
 
 from paravt.data.readers import DatasetError, load_samples, read_samples
+from paravt.data.sft_records import SFTRecord, SFTTurn, read_sft_records, write_sft_records
 
 _SYNTH = ("generate", "read_frame_index", "write_index_clip", "write_video")
 
-__all__ = ["DatasetError", "load_samples", "read_samples", "resolve_data", *_SYNTH]
+__all__ = [
+    "DatasetError",
+    "SFTRecord",
+    "SFTTurn",
+    "load_samples",
+    "read_samples",
+    "read_sft_records",
+    "resolve_data",
+    "write_sft_records",
+    *_SYNTH,
+]
 
 
 def resolve_data(cfg: Any) -> Path:

@@ -49,6 +49,7 @@ import av
 import numpy as np
 import torch
 
+from paravt.data.sft_records import SFTRecord, SFTTurn, write_sft_records
 from paravt.data.synth_tasks import SYNTH_TASK_MIN_SECONDS, synth_task_error
 from paravt.files import write_atomic
 from paravt.types import Sample, VideoMeta
@@ -665,9 +666,9 @@ def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleS
     return Seen(plan, meta.fps, times, st.temporal_patch)
 
 
-def _record(row: dict, num_frames: int, *turns: dict) -> dict:
+def _record(row: dict, num_frames: int, *turns: SFTTurn) -> SFTRecord:
     """One SFT record (``sft.jsonl`` line; ``paravt.agent.loop.encode_oracle_trajectory``)."""
-    return {"sample_id": row["id"], "num_frames": num_frames, "turns": list(turns)}
+    return SFTRecord(row["id"], num_frames, list(turns))
 
 
 def tool_record(
@@ -678,20 +679,22 @@ def tool_record(
     summaries: list[str],
     found: str,
     answer: str,
-) -> dict:
+) -> SFTRecord:
     """A record of one tool round: a thought (``plan_text``) and a ``crop_video`` call per
-    window, the sub-agents' summaries, then a thought (``found``) and the answer."""
+    window, the sub-agents' summaries, then a thought (``found``) and the answer. Used by the
+    oracles here, the collapse cold start (``paravt.data.cold_start``) and
+    ``paravt.eval.copy_probe``."""
     calls = "\n".join(_tool_call(a, b) for a, b in windows)
     return _record(
         row,
         num_frames,
-        {"role": "assistant", "content": f"<think>\n{plan_text}\n</think>\n{calls}"},
-        {"role": "tool", "content": summaries},
-        {"role": "assistant", "content": f"<think>\n{found}\n</think>\n<answer>{answer}</answer>"},
+        SFTTurn("assistant", f"<think>\n{plan_text}\n</think>\n{calls}"),
+        SFTTurn("tool", summaries),
+        SFTTurn("assistant", f"<think>\n{found}\n</think>\n<answer>{answer}</answer>"),
     )
 
 
-def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings) -> dict:
+def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings) -> SFTRecord:
     """An oracle trajectory that writes only what the model can see.
 
     Every number it writes is printed in the model's own input, and every choice it makes is
@@ -722,7 +725,7 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
             f"<think>\n{_while(plan)} a {tgt.name} is visible in the overview.\n</think>\n"
             f"<answer>{row['answer']}</answer>"
         )
-        return _record(row, num_frames, {"role": "assistant", "content": answer})
+        return _record(row, num_frames, SFTTurn("assistant", answer))
     cue = over.cue()
     stamps = over.stamps
     if len(stamps) + 1 <= st.max_parallel:
@@ -842,7 +845,7 @@ def whole_video_crops(
     """The "spot" oracles' tool round: ``n`` equal windows of the whole video (the same calls
     for every video of one duration), each crop's :func:`square_summary`, and the final
     thought (:func:`square_found`). Used by :func:`_spot_sft` (``n`` = ``max_parallel``) and
-    the collapse cold start (``paravt.experiments.collapse.all_tool_records``)."""
+    the collapse cold start (``paravt.data.cold_start.all_tool_records``)."""
     edges = [round(plan.duration * j / n, 1) for j in range(n + 1)]
     windows = [(a, b) for a, b in zip(edges[:-1], edges[1:]) if b > a]
     crops = [_crop_seen(plan, meta, a, b, st) for a, b in windows]
@@ -852,7 +855,7 @@ def whole_video_crops(
 
 def _spot_sft(
     row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSettings
-) -> list[dict]:
+) -> list[SFTRecord]:
     """The "spot" oracle's records for one row and overview budget. When an overview patch
     shows the shape: answer from it, and a second record answers the same in a forced answer
     turn (``"forced": true``: the prefix ``agent.force_answer_text`` ends in ``<answer>``, as
@@ -881,9 +884,9 @@ def _spot_sft(
             f"<think>\nThe overview shows a {tgt.name}{last}.\n</think>\n"
             f"<answer>{row['answer']}</answer>"
         )
-        forced = {"role": "assistant", "content": f"{row['answer']}</answer>", "forced": True}
+        forced = SFTTurn("assistant", f"{row['answer']}</answer>", forced=True)
         return [
-            _record(row, num_frames, {"role": "assistant", "content": answer}),
+            _record(row, num_frames, SFTTurn("assistant", answer)),
             _record(row, num_frames, forced),
         ]
     if any(over.event(e) for e in plan.distractors):
@@ -892,7 +895,7 @@ def _spot_sft(
     out = [tool_record(row, num_frames, SPOT_PLAN_TEXT, windows, summaries, found, row["answer"])]
     for other in colour_swaps(tgt.colour, st.colour_swaps, f"{row['id']}:{num_frames}"):
         rec = swapped_tool_record(row, num_frames, windows, summaries, found, tgt.colour, other)
-        out.append({**rec, "main_only": True})
+        out.append(replace(rec, main_only=True))
     return out
 
 
@@ -909,7 +912,7 @@ def swapped_tool_record(
     found: str,
     colour: str,
     other: str,
-) -> dict:
+) -> SFTRecord:
     """A spot tool record (:func:`tool_record`, the thought ``SPOT_PLAN_TEXT``) whose
     summaries, final thought ``found`` and answer name ``other`` where they named ``colour``
     (``other == colour``: the record as the oracle wrote it): the colour-swapped copies of
@@ -954,6 +957,7 @@ def summary_correct(summary: str, start: float, end: float, sample: Sample) -> b
 
 
 def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    """Write ``rows`` as JSONL (atomically): the task's ``train.jsonl`` / ``val.jsonl``."""
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -1046,7 +1050,8 @@ def generate(
             pass  # unreadable manifest: regenerate
     out.mkdir(parents=True, exist_ok=True)
     n_val = 0 if num_videos < 2 else max(1, round(val_fraction * num_videos))
-    train, val, sft, plans = [], [], [], []
+    train, val, plans = [], [], []
+    sft: list[SFTRecord] = []
     for v, name in enumerate(names):
         # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
         rng = random.Random(f"paravt-synth:{seed}:{v}")
@@ -1080,7 +1085,7 @@ def generate(
             val.extend(rows)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "val.jsonl", val)
-    write_jsonl(out / "sft.jsonl", sft)
+    write_sft_records(out / "sft.jsonl", sft)
     write_atomic(manifest, json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
     return out
 

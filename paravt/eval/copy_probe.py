@@ -46,6 +46,7 @@ from paravt.algo.logprobs import sequence_logprobs
 from paravt.checkpoint import run_config
 from paravt.config import Config, ConfigError, load_config
 from paravt.data.readers import load_samples
+from paravt.data.sft_records import SFTRecord
 from paravt.data.synth import (
     SPOT_COLOURS,
     SPOT_PLAN_TEXT,
@@ -92,13 +93,13 @@ class ProbeCounts:
 
 
 def _region_scores(
-    bundle: Any, cfg: Config, sample: Any, records: list[dict], planner: Any
+    bundle: Any, cfg: Config, sample: Any, records: list[SFTRecord], planner: Any
 ) -> list[float]:
     """For records that differ in one stretch of their last turn: the summed teacher-forced
     log-probability of each record's own stretch (the tokens between the records' common
     prefix and common suffix)."""
 
-    trajs = [encode_oracle_trajectory(bundle, cfg, sample, r, planner) for r in records]
+    trajs = [encode_oracle_trajectory(bundle, cfg, sample, r.to_dict(), planner) for r in records]
     toks = [t.tokens for t in trajs]
     p = 0
     while all(len(t) > p for t in toks) and len({t[p] for t in toks}) == 1:
@@ -121,7 +122,7 @@ def _region_scores(
 def _round(
     row: dict, k: int, windows: list, found: str, truth: str,
     summaries: list[str], thought: str, letter: str,
-) -> dict:  # fmt: skip
+) -> SFTRecord:  # fmt: skip
     """The oracle's tool round of ``row`` at ``k`` with ``summaries``, its final thought
     ``found`` naming ``thought`` instead of ``truth``, and the answer ``letter``."""
     found_as = swap_colour(found, truth, thought)

@@ -6,6 +6,9 @@
 - ``ablation``: every arm from one SFT checkpoint, the paper-style table;
 - ``collapse``: does vanilla GRPO lose tool use, and does PARA-GRPO keep it (its own cold
   start, held-out evaluation every ``train.eval_every`` steps, the tool-vs-no-tool advantage);
+- ``report``: the collapse's typed result (``CollapseResult``, ``collapse.json`` through
+  ``to_dict``/``from_dict``), its statistics, pre-registered bars, ``collapse.md`` and
+  ``collapse.png``;
 - ``phase``: the collapse's phase diagram over (u, q) from finished collapse folders;
 - ``tool_path``: where a spot answer comes from in ``paravt.eval`` results (crops, summaries,
   the copy into the answer);

@@ -19,14 +19,15 @@ Protocol 3 (``docs/collapse/protocol3/PREREGISTRATION.md``; protocols 1 and 2 in
    ``OUT/cold/seedN``; both SFT stages single-threaded, so thread counts do not change them).
    Stage 1 (:func:`base_sft`, ``--base-steps``, default the preset's own 4000-step recipe;
    ``model.path=...`` skips it) learns the task from its oracle records with the ``<think>``
-   tags removed (:func:`base_records`): a format prior of its own. Stage 2
-   (:func:`cold_start`, ``sft.*`` of ``configs/collapse.yaml``) lays the tags over it: every
-   trajectory calls ``crop_video`` on ``n`` equal windows of the whole video whatever K
-   (:func:`all_tool_records`, ``--windows``), a share ``--unclosed-think`` u of the tool
-   turns never closes ``<think>`` (below 1, so closed tool turns stay in the support), and
-   ``--replay`` mixes in direct answers (:func:`replay_records`). One evaluation of each cold
-   start (``OUT/cold/seedN/sft_eval``, ``paravt.train.run`` with ``train.steps=0``) gives the
-   start values.
+   tags removed: a format prior of its own. Stage 2 (:func:`cold_start`, ``sft.*`` of
+   ``configs/collapse.yaml``) lays the tags over it: every trajectory calls ``crop_video`` on
+   ``n`` equal windows of the whole video whatever K (``--windows``), a share
+   ``--unclosed-think`` u of the tool turns never closes ``<think>`` (below 1, so closed tool
+   turns stay in the support), and ``--replay`` mixes in direct answers. The records of both
+   stages are the data layer's (``paravt.data.cold_start``: ``base_records``,
+   ``all_tool_records``, ``replay_records``). One evaluation of each cold start
+   (``OUT/cold/seedN/sft_eval``, ``paravt.train.run`` with ``train.steps=0``) gives the start
+   values.
 3. **Arms** (``paravt.experiments.arms.arm_overrides``): ``vanilla`` (fixed K = the largest
    budget; no anchoring), ``vanilla_ref`` (the reference implementation's vanilla: no pinned
    ``<think>``, its closure-blind format reward, answer fallbacks and R_tool), ``anchoring``,
@@ -37,13 +38,14 @@ Protocol 3 (``docs/collapse/protocol3/PREREGISTRATION.md``; protocols 1 and 2 in
    steps (``train.eval_every``: ``eval_step`` rows, per-prompt rows in ``heldout.jsonl``) and
    per step the mean group advantage of rollouts with and without a crop in groups holding
    both (``adv/tool``, ``adv/no_tool``, ``adv/mixed_groups``).
-4. ``OUT/collapse.json``, ``OUT/collapse.md`` (printed) and ``OUT/collapse.png``
-   (:func:`summarise`): per arm κ and fτ at the start (step 1) and the end (mean of the last
-   5 steps) at the arm's own K, held-out accuracy per K, the diagnosis, and **every arm at the
-   same K** (:func:`same_k`, each K of ``--eval-k``): tool-call rate on prompts that need the
-   tool and on those that do not, accuracy on each, fτ and tool-turn ``</think>`` closure, with
-   the cold starts' values before RL; then the pre-registered bars (:func:`bars`), each
-   ``{"mean", "std"}`` over seeds, with per-seed values and per-step curves.
+4. ``OUT/collapse.json``, ``OUT/collapse.md`` (printed) and ``OUT/collapse.png``, written by
+   ``paravt.experiments.report`` (``summarise`` into a ``CollapseResult``): per arm κ and fτ
+   at the start (step 1) and the end (mean of the last 5 steps) at the arm's own K, held-out
+   accuracy per K, the diagnosis, and **every arm at the same K** (``report.same_k``, each K
+   of ``--eval-k``): tool-call rate on prompts that need the tool and on those that do not,
+   accuracy on each, fτ and tool-turn ``</think>`` closure, with the cold starts' values
+   before RL; then the pre-registered bars (``report.bars``), each ``{"mean", "std"}`` over
+   seeds, with per-seed values and per-step curves.
 
 A rerun into the same ``--out`` keeps each seed's data, cold start (its stamp matching), its
 evaluation and every finished run (``eval_after`` in ``metrics.jsonl``) whose ``stamp.json``
@@ -59,9 +61,7 @@ measured every ``--eval-every`` steps, not at every step.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 import signal
 import sys
@@ -73,16 +73,8 @@ from typing import Any
 
 from paravt.assets import prepare_assets
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, preset_errors
-from paravt.data.synth import (
-    SPOT_PLAN_TEXT,
-    Seen,
-    oracle_settings,
-    plan_meta,
-    read_plans,
-    tool_record,
-    whole_video_crops,
-    write_jsonl,
-)
+from paravt.data.cold_start import all_tool_records, base_records, check_task, replay_records
+from paravt.data.sft_records import write_sft_records
 from paravt.distributed import DistContext
 from paravt.experiments.arms import (
     DriverInterrupted,
@@ -96,17 +88,15 @@ from paravt.experiments.arms import (
     run_driver,
     run_finished,
     run_stamp,
-    save_panels,
     sft_stamp,
     task_stamp,
     train_checkpoint,
     write_stamp,
 )
-from paravt.files import read_jsonl, write_atomic
-from paravt.metrics import json_safe, mean_or_nan, read_metrics, sample_std
-from paravt.sft import read_sft_records
+from paravt.experiments.report import RunInfo, format_markdown, plot, summarise
+from paravt.files import write_atomic
+from paravt.metrics import json_safe, read_metrics
 from paravt.train import run
-from paravt.video import overview_timestamps
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
 #: experiment.
@@ -121,165 +111,9 @@ ARMS: dict[str, str] = {
 
 #: The experiment's settings on top of the preset (``--config`` replaces it).
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "collapse.yaml"
-#: Steps averaged for the "end" values (the issue's "mean last 5 steps").
-END_STEPS = 5
-#: Per-step keys kept in ``collapse.json``'s curves and drawn in ``collapse.png``.
-CURVE_KEYS = (
-    "tool_calls_per_rollout",
-    "tool_call_rate",
-    "format_compliance",
-    "reward/fmt_base",
-    "think_closure_rate",
-    "parse_error_rate",
-    "accuracy",
-    "adv/tool",
-    "adv/no_tool",
-    "adv/mixed_groups",
-)
 
 
 # ------------------------------------------------------------------------ the cold start
-def _windows_for(key: str, choices: Sequence[int]) -> int:
-    """``choices[h % len]`` for a stable hash of ``key`` (``hash()`` is salted per process)."""
-    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
-    return int(choices[h % len(choices)])
-
-
-#: The tasks the cold start is written for (``data.synth_task``): "spot_late" is protocol 3's,
-#: whose need for the tool the K = 32 overview cannot show; "spot" is protocols 1 and 2's.
-TASKS = ("spot", "spot_late", "spot_decoy")
-
-
-def _check_task(cfg: Config) -> None:
-    if cfg.data.synth_task not in TASKS:
-        raise ConfigError(
-            f"data.synth_task={cfg.data.synth_task!r}: the collapse cold start is written for "
-            "the 'spot_late' task (protocol 3) and the 'spot' task (protocols 1 and 2); set "
-            "data.synth_task=spot_late"
-        )
-
-
-def _hash_share(key: str) -> float:
-    """A stable uniform draw in [0, 1) for ``key``."""
-    return _windows_for(key, range(1000)) / 1000
-
-
-def all_tool_records(
-    data_dir: str | Path, cfg: Config, windows: Sequence[int], unclosed_think: float = 0.0
-) -> list[dict]:
-    """The collapse cold start's SFT records for the "spot"/"spot_late" task in ``data_dir``:
-    for every training row and every overview budget K of the run (``oracle_settings``), one
-    trajectory that calls ``crop_video`` on ``n`` equal windows of the whole video (``n`` from
-    ``windows``, per (row, K) by a stable hash), whether or not the overview shows the square;
-    the sub-agents' summaries are the oracle's (only what the crop's frames show,
-    ``paravt.data.synth.square_summary``) and the final thought repeats the summary that names
-    the square asked about (``square_found``).
-
-    ``unclosed_think``: the share of records (by a stable hash) whose tool-call turn never
-    closes its ``<think>`` (the calls follow the thought directly; they still parse and run):
-    the fragile format, one that breaks exactly the turns that call the tool, as the paper's
-    8B does (0: off).
-
-    Raises ``ConfigError`` for another task or a window count outside
-    ``1..agent.max_parallel``."""
-
-    _check_task(cfg)
-    if not 0.0 <= unclosed_think <= 1.0:
-        raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
-    bad = [n for n in windows if not 1 <= n <= cfg.agent.max_parallel]
-    if not windows or bad:
-        raise ConfigError(
-            f"--windows {list(windows)}: each count must be in 1..agent.max_parallel "
-            f"({cfg.agent.max_parallel})"
-        )
-    d = Path(data_dir)
-    fps, plans = read_plans(d)
-    st = oracle_settings(cfg)
-    out: list[dict] = []
-    for _, row in read_jsonl(d / "train.jsonl"):
-        plan = plans[Path(row["video"]).stem]
-        meta = plan_meta(plan, fps)
-        squares = sorted([plan.target, *plan.distractors], key=lambda e: e.start)
-        for k in st.budgets:
-            n = _windows_for(f"{row['id']}:{k}", windows)
-            over = Seen(plan, fps, overview_timestamps(meta, k), st.temporal_patch)
-            shown = [e.name for e in squares if over.event(e)]
-            if over.decoyed():  # "spot_decoy": the overview shows the wrong colour
-                shown.append(f"{plan.decoy} {plan.target.shape}")
-            plan_text = (
-                f"The overview shows a {shown[-1]}; I will check the whole video."
-                if shown
-                else SPOT_PLAN_TEXT
-            )
-            wins, summaries, found = whole_video_crops(plan, meta, n, st)
-            rec = tool_record(row, k, plan_text, wins, summaries, found, row["answer"])
-            if _hash_share(f"unclosed:{row['id']}:{k}") < unclosed_think:
-                first = rec["turns"][0]
-                first["content"] = first["content"].replace("\n</think>\n", "\n", 1)
-            out.append(rec)
-    return out
-
-
-_THINK = re.compile(r"^<think>\n(.*?)\n</think>\n", re.S)
-
-
-def base_records(data_dir: str | Path) -> list[dict]:
-    """Stage 1's records: the task's own oracle records (``sft.jsonl``: direct answers where
-    the overview shows the square, crops of the whole video where it does not) with the
-    ``<think>``/``</think>`` tags removed and the thought kept as plain text (``The overview
-    shows a red square.\n<answer>A</answer>``), so that stage 1 learns the task, reading the
-    colour before the letter, in a format without the tags: the format prior the tags of stage
-    2 are laid over (stage 1 trains with ``agent.think_prefix`` empty). Forced-answer records
-    are left out (their prefix is the agent's, with ``</think>``).
-
-    Measured (seed 0): with the thought removed too, the cold start answered one letter
-    whatever the colour (held-out accuracy 0.14-0.29 at K = 32 after stage 2)."""
-
-    out = []
-    for rec in read_sft_records(Path(data_dir) / "sft.jsonl"):
-        if any(t.get("forced") for t in rec["turns"]):
-            continue
-        for t in rec["turns"]:
-            if t["role"] == "assistant":
-                t["content"] = _THINK.sub(r"\1\n", t["content"], count=1)
-        out.append(rec)
-    return out
-
-
-def replay_records(data_dir: str | Path, n_tool: int, share: float) -> list[dict]:
-    """Stage 1's direct answers, replayed in stage 2 of the cold start: ``share`` of stage 2's
-    records are the task's own oracle records (``sft.jsonl``, the embedded default's data,
-    with their closed ``<think>``) that answer from the overview in one unforced turn, picked
-    by a stable hash (with repeats when more are asked for than exist).
-
-    Why (``docs/collapse_notes.md``, protocol 2): a 200-step all-tool SFT erases the base
-    model's direct answer (tool-call rate 1.00 at every K), so a rollout without a crop is a
-    failed call, never a clean direct answer, and GRPO has nothing safer to drift to. The
-    paper's SFT starts from a pretrained VLM that keeps answering from frames underneath;
-    replaying a share of stage 1's direct answers keeps that habit here. Every replayed record
-    is a direct answer; every other record of stage 2 calls the tool."""
-    if not 0.0 <= share < 1.0:
-        raise ConfigError(f"--replay {share} must be in [0, 1)")
-    n = round(n_tool * share / (1.0 - share))
-    if n == 0:
-        return []
-
-    direct = [
-        rec
-        for rec in read_sft_records(Path(data_dir) / "sft.jsonl")
-        if len(turns := rec["turns"]) == 1
-        and not turns[0].get("forced")
-        and "<answer>" in turns[0]["content"]
-    ]
-    if not direct:
-        raise ConfigError(f"--replay {share}: {data_dir}/sft.jsonl has no direct-answer records")
-    ranked = sorted(
-        direct,
-        key=lambda r: hashlib.sha256(f"{r['sample_id']}:{r['num_frames']}".encode()).digest(),
-    )
-    return [ranked[i % len(ranked)] for i in range(n)]
-
-
 def seed_config(cfg: Config, out: Path, seed: int) -> Config:
     """``cfg`` for seed ``seed``: its own task instance (``data.synth_seed`` = the seed, in
     ``OUT/data/seedN``: videos, training rows and held-out prompts of its own) and
@@ -323,9 +157,9 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
     before a tool-use SFT (the paper's SFT starts from Qwen3-VL, which answers from frames
     without tools). ``cfg.model.path`` set: that checkpoint is the base (nothing trained).
     Otherwise ``cold/base_sft``: the embedded default's own SFT recipe (``base.sft``: 4000
-    cosine steps for ``tiny_cpu``) from the random tiny model on :func:`base_records` (the
-    task's oracle rows without ``<think>``, ``agent.think_prefix`` empty); made once, reused
-    by a rerun. Single-threaded (:class:`_OneThread`)."""
+    cosine steps for ``tiny_cpu``) from the random tiny model on
+    ``paravt.data.cold_start.base_records`` (the task's oracle rows without ``<think>``,
+    ``agent.think_prefix`` empty); made once, reused by a rerun. Single-threaded (:class:`_OneThread`)."""
 
     if cfg.model.path:
         return cfg.model.path
@@ -345,7 +179,7 @@ def base_sft(cfg: Config, cold: Path, base: Config) -> str:
     dirs = prepare_assets(cfg, DistContext())
 
     data = cold / "base_data.jsonl"
-    write_jsonl(data, base_records(dirs[0]))
+    write_sft_records(data, base_records(dirs[0]))
     scfg = _no_think(replace(cfg, sft=replace(base.sft, data=str(data))))
     what = f"base SFT {base.sft.steps} steps (the default's recipe, no <think>)"
     with _OneThread():
@@ -363,8 +197,8 @@ def cold_start(
 ) -> Path:
     """A seed's SFT checkpoint ``cold/sft`` (``cfg``: the seed's, :func:`seed_config`): stage
     1 (:func:`base_sft`; ``base`` None: train from ``cfg.model.path`` or the random tiny model
-    directly), then stage 2, ``cfg.sft`` on :func:`all_tool_records` and
-    :func:`replay_records`, with ``<think>`` pinned as the agent pins it
+    directly), then stage 2, ``cfg.sft`` on ``paravt.data.cold_start.all_tool_records`` and
+    ``paravt.data.cold_start.replay_records``, with ``<think>`` pinned as the agent pins it
     (``agent.think_prefix``: learnt with it empty, the model's own ``<think>`` and newline
     tokenise unlike the pinned prefix and the pinned arms' rollouts came out garbled: held-out
     accuracy 0.19-0.25 at K = 32, parse errors 0.5-0.7, seed 0). Made once, single-threaded
@@ -393,441 +227,11 @@ def cold_start(
     recs += replay_records(dirs[0], len(recs), replay)
 
     data = cold / "sft_data.jsonl"
-    write_jsonl(data, recs)
+    write_sft_records(data, recs)
     scfg = replace(scfg, sft=replace(cfg.sft, data=str(data)))
     what = f"all-tool SFT {cfg.sft.steps} steps on {data} from {start or 'random init'}"
     with _OneThread():
         return train_checkpoint(scfg, dst, "collapse", what, dirs=dirs, stamp=stamp, made=made)
-
-
-# ----------------------------------------------------------------------------- summary
-def _ms(xs: Sequence[float]) -> dict[str, float]:
-    xs = [x for x in xs if x == x]
-    return {"mean": mean_or_nan(xs), "std": sample_std(xs)}
-
-
-def _num(r: dict[str, Any], key: str) -> float:
-    v = r.get(key)
-    return float(v) if isinstance(v, (int, float)) else float("nan")
-
-
-def seed_values(rows: Sequence[dict[str, Any]], eval_k: Sequence[int]) -> dict[str, Any]:
-    """One run's summary from its ``metrics.jsonl`` rows: κ and format compliance at step 1
-    and over the last ``END_STEPS`` steps; the tool-call rate over those steps, overall and
-    per overview budget K the run trained at (NaN for a K none of those steps drew); held-out
-    accuracy and tool-call rate after RL per K of ``eval_k`` (every arm at the same K); and
-    the diagnosis: the number of steps with a mixed group and the mean over those steps of
-    each step's mean advantage of tool and of no-tool rollouts (a sign that changes during
-    the run cancels in it: read the per-step curves)."""
-    train = sorted((r for r in rows if r.get("kind") == "train"), key=lambda r: r["step"])
-    after = next((r for r in reversed(rows) if r.get("kind") == "eval_after"), {})
-    last = train[-END_STEPS:]
-
-    def end(key: str) -> float:
-        return mean_or_nan([x for x in (_num(r, key) for r in last) if x == x])
-
-    first = train[0] if train else {}
-    budgets = sorted(
-        {int(k[len("tool_rate/K") :]) for r in train for k in r if k.startswith("tool_rate/K")}
-    )
-    mixed = [r for r in train if _num(r, "adv/mixed_groups") > 0]
-    return {
-        "kappa_start": _num(first, "tool_calls_per_rollout"),
-        "kappa_end": end("tool_calls_per_rollout"),
-        "format_start": _num(first, "format_compliance"),
-        "format_end": end("format_compliance"),
-        "tool_rate_end": end("tool_call_rate"),
-        # per overview budget K the arm trained at (a K missing from the last steps: NaN)
-        "tool_rate_end_k": {str(k): end(f"tool_rate/K{k}") for k in budgets},
-        "acc_end_k": {str(k): _num(after, f"K{k}_tools/accuracy") for k in eval_k},
-        "tool_rate_heldout_k": {str(k): _num(after, f"K{k}_tools/tool_call_rate") for k in eval_k},
-        # the diagnosis: steps with a group holding rollouts with and without a crop, and the
-        # mean over those steps of each side's mean advantage (tool < 0 < no-tool pushes
-        # away from the tool)
-        "mixed_steps": float(len(mixed)),
-        "adv_tool_mixed": mean_or_nan([_num(r, "adv/tool") for r in mixed]),
-        "adv_no_tool_mixed": mean_or_nan([_num(r, "adv/no_tool") for r in mixed]),
-    }
-
-
-#: The same-K metrics (:func:`same_k`), each per K of ``--same-k`` and seed.
-SAME_K_KEYS = (
-    "tool_rate_need",
-    "tool_rate_no_need",
-    "acc_need",
-    "acc_no_need",
-    "format",
-    "tool_turn_closure",
-    "share_need",
-)
-
-
-def same_k(held: Sequence[dict[str, Any]], ks: Sequence[int]) -> dict[str, dict[str, float]]:
-    """Every arm measured at the same K, prompt by prompt: from the per-prompt rows of a run's
-    last held-out evaluation (``heldout.jsonl`` rows of kind ``eval_after``; the cold start's
-    evaluation is one too), for each K of ``ks`` (its ``K{K}_tools`` condition): the tool-call
-    rate on the prompts whose K-frame overview misses the square asked about (``need_K{K}``,
-    recorded by the generator: ``paravt.data.synth.need_flags``) and on the others, accuracy
-    on each, format compliance fτ and the ``</think>`` closure of tool-calling turns over all
-    of them, and the share of prompts that need the tool. Each is a mean over prompts of the
-    prompt's mean over its samples (NaN: no such prompt, or no tool turn)."""
-    last = [r for r in held if r.get("kind") == "eval_after"]
-    step = max((r["step"] for r in last), default=None)
-    out: dict[str, dict[str, float]] = {}
-    for k in ks:
-        rows = [
-            r
-            for r in last
-            if r["step"] == step and r.get("condition") == f"K{k}_tools" and int(r["K"]) == k
-        ]
-        need = [r for r in rows if (r.get("extra") or {}).get(f"need_K{k}") is True]
-        free = [r for r in rows if (r.get("extra") or {}).get(f"need_K{k}") is False]
-
-        def m(rs: Sequence[dict[str, Any]], key: str) -> float:
-            return mean_or_nan([x for x in (_num(r, key) for r in rs) if x == x])
-
-        out[str(k)] = {
-            "tool_rate_need": m(need, "tool_call_rate"),
-            "tool_rate_no_need": m(free, "tool_call_rate"),
-            "acc_need": m(need, "accuracy"),
-            "acc_no_need": m(free, "accuracy"),
-            "format": m(rows, "format_compliance"),
-            "tool_turn_closure": m(rows, "tool_turn_closure"),
-            "share_need": len(need) / len(rows) if rows else float("nan"),
-            "prompts": float(len(rows)),
-        }
-    return out
-
-
-def _same_k_ms(vals: Sequence[dict[str, dict[str, float]]], ks: Sequence[int]) -> dict:
-    """:func:`same_k` of several seeds as ``K -> key -> {"mean", "std"}``."""
-    return {str(k): {key: _ms([v[str(k)][key] for v in vals]) for key in SAME_K_KEYS} for k in ks}
-
-
-def _by_step(
-    seed_rows: Sequence[Sequence[dict[str, Any]]], kinds: tuple[str, ...], key: str
-) -> dict[str, list]:
-    """``{"step", "mean", "std"}`` of ``key`` over the seeds' rows of ``kinds`` (NaN left out;
-    ``std``: the sample std over seeds, 0 with one value)."""
-    by: dict[int, list[float]] = {}
-    for rows in seed_rows:
-        for r in rows:
-            if r.get("kind") in kinds and (x := _num(r, key)) == x:
-                by.setdefault(int(r["step"]), []).append(x)
-    xs = sorted(by)
-    return {
-        "step": xs,
-        "mean": [mean_or_nan(by[s]) for s in xs],
-        "std": [sample_std(by[s]) for s in xs],
-    }
-
-
-def curves(seed_rows: Sequence[Sequence[dict[str, Any]]], keys: Sequence[str]) -> dict:
-    """``key -> {"step": [...], "mean": [...], "std": [...]}`` over an arm's seeds (NaN values
-    left out; ``std`` across seeds: the band of ``collapse.png``); also ``tool_rate/K*`` and
-    held-out ``eval/K*`` (the ``eval_step``/``eval_after`` rows)."""
-    found = {k for rows in seed_rows for r in rows if r.get("kind") == "train" for k in r}
-    keys = [*keys, *sorted(k for k in found if k.startswith("tool_rate/K"))]
-    out = {key: _by_step(seed_rows, ("train",), key) for key in keys}
-    acc_keys = {
-        k for rows in seed_rows for r in rows
-        if r.get("kind") in ("eval_step", "eval_after") for k in r
-        if k.endswith("_tools/accuracy")
-    }  # fmt: skip
-    for key in sorted(acc_keys):
-        out["eval/" + key.split("_")[0]] = _by_step(seed_rows, ("eval_step", "eval_after"), key)
-    return out
-
-
-def summarise(
-    runs: dict[str, dict[int, list[dict[str, Any]]]],
-    eval_k: Sequence[int],
-    sft_eval: dict[int, dict[str, Any]],
-    held: dict[str, dict[int, list[dict[str, Any]]]] | None = None,
-    sft_held: dict[int, list[dict[str, Any]]] | None = None,
-    same_ks: Sequence[int] = (),
-) -> dict[str, Any]:
-    """``collapse.json``: per arm ``kappa_start``, ``kappa_end``, ``format_start``,
-    ``format_end``, ``tool_rate_end``, ``mixed_steps``, ``adv_tool_mixed``,
-    ``adv_no_tool_mixed`` as ``{"mean", "std"}`` over seeds; ``tool_rate_end_k``,
-    ``acc_end_k`` and ``tool_rate_heldout_k`` (K -> ``{"mean", "std"}``; a seed whose value
-    is NaN is left out of that K's mean); ``same_k`` (K of ``same_ks`` -> :func:`same_k`'s
-    keys -> ``{"mean", "std"}``, from ``held``: arm -> seed -> ``heldout.jsonl`` rows);
-    ``seeds`` (per seed: its number and values) and ``curves`` (the held-out ``eval/K*`` ones
-    start at step 0 with the cold starts'). Also ``sft`` (the cold starts' held-out
-    evaluations, ``sft_eval``: seed -> its ``eval_after`` row; per K the mean over seeds, and
-    ``sft_std``), ``same_k_start`` (the cold starts' :func:`same_k`, from ``sft_held``) and
-    ``bars`` (:func:`bars`). See :func:`seed_values`."""
-    held = held or {}
-    sft_held = sft_held or {}
-    arms: dict[str, Any] = {}
-    for arm, by_seed in runs.items():
-        vals = {s: seed_values(rows, eval_k) for s, rows in by_seed.items()}
-        for s, v in vals.items():
-            v["same_k"] = same_k(held.get(arm, {}).get(s, []), same_ks)
-        entry: dict[str, Any] = {"description": ARMS.get(arm, arm)}
-        for key in (
-            "kappa_start",
-            "kappa_end",
-            "format_start",
-            "format_end",
-            "tool_rate_end",
-            "mixed_steps",
-            "adv_tool_mixed",
-            "adv_no_tool_mixed",
-        ):
-            entry[key] = _ms([v[key] for v in vals.values()])
-        ks = sorted({k for v in vals.values() for k in v["tool_rate_end_k"]}, key=int)
-        entry["tool_rate_end_k"] = {
-            k: _ms([v["tool_rate_end_k"].get(k, float("nan")) for v in vals.values()]) for k in ks
-        }
-        for key in ("acc_end_k", "tool_rate_heldout_k"):
-            entry[key] = {str(k): _ms([v[key][str(k)] for v in vals.values()]) for k in eval_k}
-        entry["same_k"] = _same_k_ms([v["same_k"] for v in vals.values()], same_ks)
-        entry["seeds"] = [{"seed": s, **v} for s, v in vals.items()]
-        entry["curves"] = curves(list(by_seed.values()), CURVE_KEYS)
-        for k in eval_k:  # step 0 of the held-out curves: the cold starts' evaluations
-            xs = [_num(sft_eval.get(s, {}), f"K{k}_tools/accuracy") for s in by_seed]
-            if (start := _ms(xs))["mean"] == start["mean"]:
-                c = entry["curves"].setdefault(f"eval/K{k}", {"step": [], "mean": [], "std": []})
-                c["step"].insert(0, 0)
-                c["mean"].insert(0, start["mean"])
-                c["std"].insert(0, start["std"])
-        arms[arm] = entry
-    sft: dict[str, dict[str, float]] = {}
-    sft_std: dict[str, dict[str, float]] = {}
-    for k in eval_k:
-        p = f"K{k}_tools/"
-        keys = {
-            "kappa": "tool_calls_per_rollout",
-            "tool_rate": "tool_call_rate",
-            "format": "format_compliance",
-            "parse_errors": "parse_error_rate",
-            "accuracy": "accuracy",
-        }
-        ms = {
-            name: _ms([_num(r, p + key) for r in sft_eval.values()]) for name, key in keys.items()
-        }
-        sft[str(k)] = {name: v["mean"] for name, v in ms.items()}
-        sft_std[str(k)] = {name: v["std"] for name, v in ms.items()}
-    start_vals = {s: same_k(rows, same_ks) for s, rows in sft_held.items()}
-    res = {
-        "arms": arms,
-        "sft": sft,
-        "sft_std": sft_std,
-        "same_k_start": _same_k_ms(list(start_vals.values()), same_ks),
-        "same_k_start_seeds": [{"seed": s, "same_k": v} for s, v in start_vals.items()],
-        "eval_k": list(eval_k),
-        "same_ks": list(same_ks),
-        "end_steps": END_STEPS,
-    }
-    res["bars"] = bars(res)
-    return res
-
-
-#: The pre-registered bars (docs/collapse/protocol3/PREREGISTRATION.md), at this K.
-BAR_K = 32
-
-
-def bars(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """The pre-registered bars of protocol 3 (``docs/collapse/protocol3/PREREGISTRATION.md``),
-    judged on ``res`` (:func:`summarise`) at K = ``BAR_K``, every arm at the same K, held out:
-
-    (a) vanilla's tool-call rate on prompts that need the tool ≤ 0.5× the cold start's, and
-    its accuracy on them not above the cold start's; PARA-GRPO's rate ≥ 0.5× the cold
-    start's; the PARA-GRPO − vanilla gaps in that rate and in that accuracy each larger than
-    twice the larger of the two arms' seed std;
-    (b) anchoring's fτ above vanilla's, and PARA-GRPO's tool-turn ``</think>`` closure above
-    gating's, each by more than twice the larger std;
-    (c1, protocol 4, ``docs/collapse/protocol4/PREREGISTRATION.md``) the precondition that the
-    question is asked on a world where the tools pay: the cold start's accuracy on the
-    prompts that need the tool at least 0.5 (protocol 3's cold starts: 0.08-0.31).
-
-    Each bar: ``{"id", "bar", "lhs", "rhs", "met"}`` (``met`` None when an arm or value it
-    needs is missing). Means over seeds; the cold start's is the mean of the seeds' own."""
-    k = str(BAR_K)
-    arms = res["arms"]
-    start = res.get("same_k_start", {}).get(k, {})
-
-    def v(arm: str, key: str) -> tuple[float, float]:
-        if arm not in arms or k not in arms[arm].get("same_k", {}):
-            return float("nan"), float("nan")
-        x = arms[arm]["same_k"][k][key]
-        return x["mean"], x["std"]
-
-    def s0(key: str) -> float:
-        return start.get(key, {}).get("mean", float("nan"))
-
-    def bar(id_: str, text: str, lhs: float, rhs: float, op: str) -> dict[str, Any]:
-        ok = None if lhs != lhs or rhs != rhs else {"<=": lhs <= rhs, ">=": lhs >= rhs,
-                                                     ">": lhs > rhs}[op]  # fmt: skip
-        return {"id": id_, "bar": text, "lhs": lhs, "rhs": rhs, "met": ok}
-
-    def gap(a: str, b: str, key: str) -> tuple[float, float]:
-        (ma, sa), (mb, sb) = v(a, key), v(b, key)
-        return ma - mb, 2 * max(sa, sb)
-
-    van_rate, par_rate = v("vanilla", "tool_rate_need")[0], v("paragrpo", "tool_rate_need")[0]
-    return [
-        bar("a1", "vanilla's tool rate on needing prompts <= 0.5x the cold start's",
-            van_rate, 0.5 * s0("tool_rate_need"), "<="),
-        bar("a2", "vanilla's accuracy on needing prompts not above the cold start's",
-            v("vanilla", "acc_need")[0], s0("acc_need"), "<="),
-        bar("a3", "PARA-GRPO's tool rate on needing prompts >= 0.5x the cold start's",
-            par_rate, 0.5 * s0("tool_rate_need"), ">="),
-        bar("a4", "PARA-GRPO - vanilla tool rate on needing prompts > 2x the larger std",
-            *gap("paragrpo", "vanilla", "tool_rate_need"), ">"),
-        bar("a5", "PARA-GRPO - vanilla accuracy on needing prompts > 2x the larger std",
-            *gap("paragrpo", "vanilla", "acc_need"), ">"),
-        bar("b1", "anchoring - vanilla format compliance > 2x the larger std",
-            *gap("anchoring", "vanilla", "format"), ">"),
-        bar("b2", "PARA-GRPO - gating tool-turn </think> closure > 2x the larger std",
-            *gap("paragrpo", "gating", "tool_turn_closure"), ">"),
-        bar("c1", "the cold start's accuracy on needing prompts >= 0.5 (its tools pay)",
-            s0("acc_need"), 0.5, ">="),
-    ]  # fmt: skip
-
-
-def _cell(ms: dict[str, float]) -> str:
-    m, s = ms["mean"], ms["std"]
-    return "n/a" if m != m else f"{m:.2f} ± {s:.2f}"
-
-
-def format_markdown(res: dict[str, Any]) -> str:
-    """``collapse.md``: the cold start's held-out numbers, then one row per arm."""
-    ks = res["eval_k"]
-    lines = [
-        "# Collapse experiment",
-        "",
-        "Cold starts (one per seed; mean over seeds), held-out, with tools, T = rollout "
-        "temperature:",
-        "",
-        "| K | κ (calls/rollout) | tool-call rate | format compliance | parse errors | accuracy |",
-        "|---|---|---|---|---|---|",
-    ]
-    for k in ks:
-        s = res["sft"][str(k)]
-        lines.append(
-            f"| {k} | {s['kappa']:.2f} | {s['tool_rate']:.2f} | {s['format']:.2f} | "
-            f"{s['parse_errors']:.2f} | {s['accuracy']:.2f} |"
-        )
-    n = max((len(a["seeds"]) for a in res["arms"].values()), default=0)
-    seeds = sorted({s["seed"] for a in res["arms"].values() for s in a["seeds"]})
-    lines += [
-        "",
-        f"RL, mean ± std over {n} seed(s) {seeds}; start = step 1 (the SFT policy's rollouts), "
-        f"end = mean of the last {res['end_steps']} steps; accuracy held-out after RL:",
-        "",
-        "| arm | κ start | κ end | fτ start | fτ end | tool rate end | "
-        + " | ".join(f"acc K{k}" for k in ks)
-        + " |",
-        "|" + "---|" * (6 + len(ks)),
-    ]
-    for arm, a in res["arms"].items():
-        cells = [a[k] for k in ("kappa_start", "kappa_end", "format_start", "format_end")]
-        cells += [a["tool_rate_end"], *(a["acc_end_k"][str(k)] for k in ks)]
-        lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
-    budgets = sorted({k for a in res["arms"].values() for k in a["tool_rate_end_k"]}, key=int)
-    lines += [
-        "",
-        "Tool-call rate at the end per overview budget K the arm trained at, and why tool use "
-        "moved: steps with a group holding rollouts with and without a crop (mixed), and the "
-        "mean group advantage of each side at those steps:",
-        "",
-        "| arm | "
-        + " | ".join(f"tool rate K{k} end" for k in budgets)
-        + " | mixed steps | adv tool | adv no-tool |",
-        "|" + "---|" * (4 + len(budgets)),
-    ]
-    none = {"mean": float("nan"), "std": 0.0}
-    for arm, a in res["arms"].items():
-        cells = [a["tool_rate_end_k"].get(k, none) for k in budgets]
-        cells += [a["mixed_steps"], a["adv_tool_mixed"], a["adv_no_tool_mixed"]]
-        lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
-    lines += [
-        "",
-        "Held-out tool-call rate after RL, every arm at the same K (the cold start's: the "
-        "first table):",
-        "",
-        "| arm | " + " | ".join(f"K{k}" for k in ks) + " |",
-        "|" + "---|" * (1 + len(ks)),
-    ]
-    for arm, a in res["arms"].items():
-        cells = [a["tool_rate_heldout_k"][str(k)] for k in ks]
-        lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
-    names = {
-        "tool_rate_need": "tool rate, needs tool",
-        "tool_rate_no_need": "tool rate, does not",
-        "acc_need": "accuracy, needs tool",
-        "acc_no_need": "accuracy, does not",
-        "format": "fτ",
-        "tool_turn_closure": "tool-turn closure",
-        "share_need": "share needing",
-    }
-    for k in res.get("same_ks", []):
-        lines += [
-            "",
-            f"Every arm at the same K = {k}, held out, split prompt by prompt by whether the "
-            f"K = {k} overview misses the square asked about (cold start: before RL):",
-            "",
-            "| arm | " + " | ".join(names[key] for key in SAME_K_KEYS) + " |",
-            "|" + "---|" * (1 + len(SAME_K_KEYS)),
-        ]
-        rows = [("cold start", res["same_k_start"].get(str(k), {}))]
-        rows += [(arm, a["same_k"].get(str(k), {})) for arm, a in res["arms"].items()]
-        for arm, vals in rows:
-            cells = [vals.get(key, {"mean": float("nan"), "std": 0.0}) for key in SAME_K_KEYS]
-            lines.append(f"| {arm} | " + " | ".join(_cell(c) for c in cells) + " |")
-    if res.get("bars"):
-        lines += [
-            "",
-            f"Pre-registered bars (docs/collapse/protocol3/ and protocol4/PREREGISTRATION.md), "
-            f"K = {BAR_K}:",
-            "",
-            "| bar | | left | right | met |",
-            "|---|---|---|---|---|",
-        ]
-        for b in res["bars"]:
-            met = {True: "**met**", False: "not met", None: "n/a"}[b["met"]]
-            lines.append(f"| {b['id']} | {b['bar']} | {b['lhs']:.3f} | {b['rhs']:.3f} | {met} |")
-    return "\n".join(lines)
-
-
-def plot(res: dict[str, Any], out_png: Path) -> Path:
-    """Per-step curves, one line per arm (the mean over seeds) in a band of ± one std across
-    seeds: κ, tool-call rate, format compliance, `</think>` closure, tool vs no-tool advantage
-    (points: only steps with a mixed group have one), held-out accuracy at the smallest K."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    k0 = min(res["eval_k"])
-    panels = [
-        ("tool_calls_per_rollout", "κ (tool calls / rollout)"),
-        ("tool_call_rate", "tool-call rate"),
-        ("format_compliance", "format compliance fτ"),
-        ("think_closure_rate", "</think> closure"),
-        ("adv/tool", "advantage of tool rollouts (mixed groups)"),
-        (f"eval/K{k0}", f"held-out accuracy K={k0}"),
-    ]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), squeeze=False)
-    for ax, (key, title) in zip(axes.flat, panels):
-        for arm, a in res["arms"].items():
-            c = a["curves"].get(key)
-            if c and c["step"]:
-                # Advantages exist only at steps with a mixed group: points, not a line.
-                style = {"linestyle": "none", "marker": "o"} if key.startswith("adv/") else {}
-                marker = "." if len(c["step"]) < 12 else ""
-                (line,) = ax.plot(c["step"], c["mean"], label=arm, **{"marker": marker, **style})
-                if not key.startswith("adv/"):
-                    lo = [m - v for m, v in zip(c["mean"], c["std"])]
-                    hi = [m + v for m, v in zip(c["mean"], c["std"])]
-                    ax.fill_between(c["step"], lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    return save_panels(fig, axes, out_png)
 
 
 # ------------------------------------------------------------------------------ driver
@@ -850,7 +254,7 @@ def collapse(
     ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
     for a in parse_arms(",".join(arms), list(ARMS)):  # none, or an unknown one: refused
         arm_overrides(a, cfg)
-    _check_task(cfg)
+    check_task(cfg)
     if not 0.0 <= unclosed_think <= 1.0:
         raise ConfigError(f"--unclosed-think {unclosed_think} must be in [0, 1]")
     if not 0.0 <= replay < 1.0:
@@ -939,21 +343,25 @@ def _collapse(
     held = {
         a: {s: read_metrics(out / a / f"seed{s}" / "heldout.jsonl") for s in seeds} for a in arms
     }
-    res = summarise(runs, eval_k, sft_eval, held, sft_held, same_ks=eval_k)
-    res["seeds"] = list(seeds)
-    res["task"] = cfg.data.synth_task
-    # q of the phase diagram (paravt.experiments.phase); None on the tasks without a decoy
-    res["decoy_share"] = cfg.data.synth_decoy_share if cfg.data.synth_task == "spot_decoy" else None
-    res["windows"] = list(windows)
-    res["unclosed_think"] = unclosed_think
-    res["replay"] = replay
-    res["eval_every"] = eval_every
-    res["minutes"] = (time.perf_counter() - t0) / 60
+    res = summarise(runs, eval_k, sft_eval, held, sft_held, same_ks=eval_k, descriptions=ARMS)
+    task = cfg.data.synth_task
+    res.run = RunInfo(
+        seeds=list(seeds),
+        task=task,
+        # q of the phase diagram (paravt.experiments.phase); None on the tasks without a decoy
+        decoy_share=cfg.data.synth_decoy_share if task == "spot_decoy" else None,
+        windows=list(windows),
+        unclosed_think=unclosed_think,
+        replay=replay,
+        eval_every=eval_every,
+        minutes=(time.perf_counter() - t0) / 60,
+    )
     table = format_markdown(res)
     write_atomic(out / "collapse.md", table + "\n")
-    write_atomic(out / "collapse.json", json.dumps(json_safe(res), indent=1, allow_nan=False))
+    data = json.dumps(json_safe(res.to_dict()), indent=1, allow_nan=False)
+    write_atomic(out / "collapse.json", data)
     plot(res, out / "collapse.png")
-    return {"json": res, "table": table}
+    return {"result": res, "table": table}
 
 
 def _evaluate_cold_start(cfg: Config) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 from paravt.config import ConfigError
 from paravt.data.synth import SPOT_DECOY_SHARE
+from paravt.experiments.report import CollapseResult, MeanStd
 from paravt.files import write_atomic
 from paravt.metrics import json_safe
 
@@ -40,10 +41,9 @@ KEYS = ("tool_rate_need", "tool_rate_no_need", "acc_need", "acc_no_need")
 NAN = float("nan")
 
 
-def _mean(ms: Any) -> float:
-    if isinstance(ms, dict):
-        ms = ms.get("mean")
-    return float(ms) if isinstance(ms, (int, float)) else NAN
+def _mean(ms: MeanStd | None) -> float:
+    """The mean of ``ms`` (NaN when missing)."""
+    return NAN if ms is None else ms.mean
 
 
 def advantage_sign(adv_tool: float, adv_no_tool: float, mixed_steps: float) -> str:
@@ -56,14 +56,14 @@ def advantage_sign(adv_tool: float, adv_no_tool: float, mixed_steps: float) -> s
     return "+" if d > 0 else "-" if d < 0 else "0"
 
 
-def _manifest_q(cell_dir: Path, res: dict[str, Any]) -> float | None:
-    """q of a ``collapse.json`` written before it recorded one: from the task's own manifest
-    (``DIR/data/seedN/manifest.json``; one written before ``data.synth_decoy_share`` existed
-    had the fixed ``SPOT_DECOY_SHARE``)."""
-    if res.get("task") != "spot_decoy":
+def _manifest_q(cell_dir: Path, task: str | None, seeds: Sequence[int] | None) -> float | None:
+    """q of a ``collapse.json`` written before it recorded one (its ``task`` and ``seeds``):
+    from the task's own manifest (``DIR/data/seedN/manifest.json``; one written before
+    ``data.synth_decoy_share`` existed had the fixed ``SPOT_DECOY_SHARE``)."""
+    if task != "spot_decoy":
         return None
     qs = set()
-    for seed in res.get("seeds") or []:
+    for seed in seeds or []:
         path = cell_dir / "data" / f"seed{seed}" / "manifest.json"
         if path.is_file():
             qs.add(json.loads(path.read_text())["params"].get("decoy_share", SPOT_DECOY_SHARE))
@@ -75,21 +75,28 @@ def _manifest_q(cell_dir: Path, res: dict[str, Any]) -> float | None:
     return float(qs.pop())
 
 
-def cell(res: dict[str, Any], name: str = "") -> dict[str, Any]:
-    """One cell of the diagram from a ``collapse.json`` (see the module docstring); ``name``:
-    its folder."""
+def read_cell(path: Path, name: str = "") -> CollapseResult:
+    """A cell's ``collapse.json`` (``path``), typed; ``ConfigError`` unless it is protocol 3's
+    (``arms`` and ``same_k_start`` present)."""
+    res = json.loads(path.read_text())
     if "arms" not in res or "same_k_start" not in res:
         raise ConfigError(
             f"{name or 'cell'}: not a collapse.json of protocol 3 (no 'arms' / 'same_k_start'); "
             "rerun python -m paravt.experiments collapse into it"
         )
-    ks = [str(k) for k in res.get("same_ks") or res.get("eval_k") or []]
+    return CollapseResult.from_dict(res)
+
+
+def cell(res: CollapseResult, name: str = "") -> dict[str, Any]:
+    """One cell of the diagram from a ``collapse.json`` read back (:func:`read_cell`; see the
+    module docstring); ``name``: its folder."""
+    ks = [str(k) for k in res.same_ks or res.eval_k]
     adv = {}
     for arm in UNGATED:
-        a = res["arms"].get(arm)
+        a = res.arms.get(arm)
         if a is None:
             continue
-        t, n, m = _mean(a["adv_tool_mixed"]), _mean(a["adv_no_tool_mixed"]), _mean(a["mixed_steps"])
+        t, n, m = a.adv_tool_mixed.mean, a.adv_no_tool_mixed.mean, a.mixed_steps.mean
         adv[arm] = {
             "adv_tool": t,
             "adv_no_tool": n,
@@ -97,22 +104,26 @@ def cell(res: dict[str, Any], name: str = "") -> dict[str, Any]:
             "mixed_steps": m,
             "sign": advantage_sign(t, n, m),
         }
-    start = {k: {key: _mean(res["same_k_start"].get(k, {}).get(key)) for key in KEYS} for k in ks}
-    arms = {
-        arm: {k: {key: _mean(a["same_k"].get(k, {}).get(key)) for key in KEYS} for k in ks}
-        for arm, a in res["arms"].items()
-    }
-    share = {k: _mean(res["same_k_start"].get(k, {}).get("share_need")) for k in ks}
-    if "decoy_share" in res:
-        q = res["decoy_share"]
+
+    def values(by_k: dict[str, Any], k: str, keys: Sequence[str]) -> dict[str, float]:
+        v = by_k.get(k)
+        return {key: _mean(None if v is None else getattr(v, key)) for key in keys}
+
+    start = {k: values(res.same_k_start, k, KEYS) for k in ks}
+    arms = {arm: {k: values(a.same_k, k, KEYS) for k in ks} for arm, a in res.arms.items()}
+    share = {k: values(res.same_k_start, k, ("share_need",))["share_need"] for k in ks}
+    run = res.run
+    if run is not None and run.q_recorded:
+        q = run.decoy_share
     else:  # written before collapse.json recorded q
-        q = _manifest_q(Path(name), res) if name else None
+        task, seeds = (run.task, run.seeds) if run is not None else (None, None)
+        q = _manifest_q(Path(name), task, seeds) if name else None
     return {
         "name": name,
-        "u": res.get("unclosed_think"),
+        "u": None if run is None else run.unclosed_think,
         "q": q,
-        "task": res.get("task"),
-        "seeds": res.get("seeds"),
+        "task": None if run is None else run.task,
+        "seeds": None if run is None else run.seeds,
         "ks": [int(k) for k in ks],
         "share_need": share,
         "adv_k32": adv,
@@ -131,7 +142,7 @@ def phase_diagram(dirs: Sequence[str | Path]) -> dict[str, Any]:
                 f"{d}: no collapse.json (run python -m paravt.experiments collapse --out {d} "
                 "first, to its end)"
             )
-        cells.append(cell(json.loads(path.read_text()), str(d)))
+        cells.append(cell(read_cell(path, str(d)), str(d)))
     cells.sort(key=lambda c: (c["u"] if c["u"] is not None else -1, c["q"] or 0.0, c["name"]))
     return {"cells": cells}
 

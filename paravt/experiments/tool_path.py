@@ -26,6 +26,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,26 @@ COUNTS = (
 )
 
 
+@dataclass
+class PathCounts:
+    """The counts of the module docstring over one side of the need split (``COUNTS``, in
+    that order): what ``tool-path`` prints and writes (``--json``) and
+    ``paravt.experiments.tools_pay`` reads."""
+
+    n: int = 0
+    correct: int = 0
+    called: int = 0
+    covered: int = 0
+    summary_colour: int = 0
+    summary_right: int = 0
+    copied: int = 0
+    copied_right: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """``COUNTS`` -> count (the ``--json`` rows' columns)."""
+        return asdict(self)
+
+
 def _colours(text: str) -> list[str]:
     return [m.lower() for m in _COLOUR.findall(text or "")]
 
@@ -61,33 +82,33 @@ def _answer_colour(row: dict[str, Any], val: dict[str, Any]) -> str | None:
 
 def tool_path(
     results: Iterable[dict[str, Any]], val: dict[str, dict[str, Any]], k: int
-) -> dict[str, dict[str, int]]:
+) -> dict[str, PathCounts]:
     """The counts of the module docstring, per side (``need`` / ``no_need``) of ``need_K{k}``,
     for the evaluation rows ``results`` (one K) of the task rows ``val`` (by id)."""
-    out = {side: dict.fromkeys(COUNTS, 0) for side in ("need", "no_need")}
+    out = {side: PathCounts() for side in ("need", "no_need")}
     for r in results:
         v = val.get(r["id"])
         if v is None:
             raise ConfigError(f"result {r['id']!r} is not a row of the task's val.jsonl")
         c = out["need" if v.get(f"need_K{k}") else "no_need"]
         truth = str(v["target"]).split()[0].lower()
-        c["n"] += 1
-        c["correct"] += bool(r.get("correct"))
+        c.n += 1
+        c.correct += bool(r.get("correct"))
         calls = [x for t in r.get("trace") or [] for x in t.get("calls") or []]
         calls = [x for x in calls if x.get("status") == "ok"]
         if not calls:
             continue
-        c["called"] += 1
+        c.called += 1
         s, e = float(v["event_start"]), float(v["event_end"])
-        c["covered"] += any(min(x["end"], e) > max(x["start"], s) for x in calls)
+        c.covered += any(min(x["end"], e) > max(x["start"], s) for x in calls)
         named = [col for x in calls for col in _colours(x.get("response") or "")]
         if not named:
             continue
-        c["summary_colour"] += 1
-        c["summary_right"] += named[0] == truth
+        c.summary_colour += 1
+        c.summary_right += named[0] == truth
         copied = _answer_colour(r, v) == named[0]
-        c["copied"] += copied
-        c["copied_right"] += copied and named[0] == truth
+        c.copied += copied
+        c.copied_right += copied and named[0] == truth
     return out
 
 
@@ -116,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"{d}: results at several K {sorted(ks)}; give one K per folder")
             (k,) = ks
             for side, c in tool_path(rows, val, k).items():
-                table.append({"results": d, "K": k, "side": side, **c})
+                table.append({"results": d, "K": k, "side": side, **c.to_dict()})
     except (ConfigError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -97,8 +97,8 @@ def run_numbers(
         "n_need": float(len(need)),
         "acc_tools_need": acc(tools_rows, need),
         "acc_notools_need": acc(notools_rows, need),
-        "call_rate_need": c["called"] / max(c["n"], 1),
-        "copy_rate_need": c["copied_right"] / c["summary_right"] if c["summary_right"] else 0.0,
+        "call_rate_need": c.called / max(c.n, 1),
+        "copy_rate_need": c.copied_right / c.summary_right if c.summary_right else 0.0,
         "acc_tools_all": acc(tools_rows, None),
         "acc_notools_all": acc(notools_rows, None),
     }
