@@ -32,6 +32,10 @@ from typing import Any
 
 from omegaconf import MISSING, OmegaConf  # noqa: F401  (MISSING re-exported for presets)
 
+from paravt.data.synth_tasks import synth_config_errors
+from paravt.eval.conditions import EvalConditionsError, eval_conditions
+from paravt.rollout import ENGINES
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key, the problem and the fix."""
@@ -72,7 +76,6 @@ class DataConfig:
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the synthetic task, the dataset path)."""
-        from paravt.data.synth_tasks import synth_config_errors
 
         errs = _range_errors("data", self)
         errs += synth_config_errors(
@@ -254,7 +257,6 @@ class RolloutConfig:
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``, and
         what it refuses: greedy rows with ``top_p`` < 1 for vLLM)."""
-        from paravt.rollout import ENGINES
 
         errs = _range_errors("rollout", self) + _choice_error(
             "rollout.engine", self.engine, ENGINES
@@ -933,7 +935,6 @@ def _cross_section_errors(cfg: Config) -> list[str]:
     """The rules between sections: the evaluation conditions (``train`` with ``video``'s
     default K) and the minibatch split of a step's sequences (``train``, ``rollout``,
     ``algo``)."""
-    from paravt.eval.conditions import EvalConditionsError, eval_conditions
 
     errs = []
     try:

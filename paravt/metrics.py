@@ -550,7 +550,8 @@ def trajectory_samples(
     by ``store``; None past its ``train.viewer_max_mb`` cap, or without a store), each turn's
     text and its calls (status, clamped window, the sub-agent's summary, the parse error, the
     raw call text), reward and breakdown. This is what ``python -m paravt.view`` renders."""
-    from paravt.video import overview_timestamps  # PyAV and torch: for a training run only
+    # lazy: PyAV, for a training run's thumbnails only (the viewer imports metrics)
+    from paravt.video import overview_timestamps
 
     out = []
     for g in groups:

@@ -466,6 +466,7 @@ def plan_memory(
     )
 
     # Fused log-prob / policy-loss buffers.
+    # lazy: read per call (the chunk sizes are tunables a test patches)
     from paravt_kernels.reference import LPL_CHUNK_BYTES_CPU, TORCH_VOCAB_TILE, lpl_row_chunk
 
     budget = GPU_CHUNK_BYTES if layout.gpu else LPL_CHUNK_BYTES_CPU

@@ -31,6 +31,7 @@ from paravt.types import Group, PackedBatch, SequenceUnit, Trajectory
 
 def group_advantages(groups: list[Group], algo: AlgoConfig) -> torch.Tensor:
     """``(sum_g G_g,)`` float32 advantages of every main trajectory, groups in order."""
+    # lazy: looked up per call, so a swapped paravt_kernels op is the one used
     from paravt_kernels import group_advantage
 
     rewards = [t.reward for g in groups for t in g.trajectories]
@@ -79,6 +80,7 @@ def apply_kl_reward(batch: PackedBatch, algo: AlgoConfig) -> torch.Tensor:
     Tokens with ``m_t = 0`` add no penalty (their own advantage is shifted too, but they are
     outside the loss).
     """
+    # lazy: looked up per call, so a swapped paravt_kernels op is the one used
     from paravt_kernels.reference import kl_penalty
 
     n_seq = batch.cu_seqlens.numel() - 1

@@ -173,6 +173,7 @@ def _gathered_logprobs(
     lm_head weight inside ``paravt_kernels.linear_logprob``. ``top_p < 1`` materialises the
     ``(n, V)`` logits of these rows only. Every log-prob path (per-sequence, packed) ends here.
     """
+    # lazy: looked up per call, so a swapped paravt_kernels op is the one used
     from paravt_kernels import linear_logprob
 
     t = temperature if temperature > 0 else 1.0  # greedy rows: the engine's T = 1 rule

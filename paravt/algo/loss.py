@@ -86,6 +86,7 @@ class PolicyObjective:
     def __call__(
         self, logprob: torch.Tensor, batch: PackedBatch
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # lazy: looked up per call, so a swapped paravt_kernels op is the one used
         from paravt_kernels import policy_loss
 
         d = logprob.device
@@ -108,6 +109,7 @@ class PolicyObjective:
         (``trained_rows``), through ``paravt_kernels.linear_policy_loss`` (lm_head inside,
         ``temperatures`` ``(n,)`` per row): ``(loss, logprob (n,), entropy (n,))``, the last
         two detached. The same inputs as ``__call__`` feeds ``policy_loss``."""
+        # lazy: looked up per call, so a swapped paravt_kernels op is the one used
         from paravt_kernels import linear_policy_loss
 
         d = hidden.device

@@ -38,6 +38,7 @@ def pack_units(units: Sequence[SequenceUnit], share_prefix: bool = False) -> Pac
     1 for main rows and ``1/num_sub`` for sub rows. ``temperatures``/``top_ps`` are each row's
     own sampling parameters (a sub-agent's may differ from its parent's).
     """
+    # lazy: looked up per call, so a swapped paravt_kernels op is the one used
     from paravt_kernels import broadcast_to_tokens
 
     seqs: list[Trajectory] = []

@@ -35,6 +35,7 @@ def resolve_data(cfg: Any) -> Path:
     ``python -m paravt.rollout`` and ``python -m paravt.eval --benchmark synth``."""
     if cfg.data.path:
         return Path(cfg.data.path)
+    # lazy: PyAV, only when the synthetic task is read or generated
     from paravt.data.synth import generate_from_config
 
     return generate_from_config(cfg)
@@ -42,6 +43,7 @@ def resolve_data(cfg: Any) -> Path:
 
 def __getattr__(name: str) -> Any:
     if name in _SYNTH:
+        # lazy: PyAV, only when the synthetic task is read or generated
         from paravt.data import synth
 
         return getattr(synth, name)

@@ -53,6 +53,8 @@ from paravt.data.sft_records import SFTRecord, SFTTurn, write_sft_records
 from paravt.data.synth_tasks import SYNTH_TASK_MIN_SECONDS, synth_task_error
 from paravt.files import write_atomic
 from paravt.types import Sample, VideoMeta
+from paravt.video import crop_timestamps, overview_timestamps
+from paravt.vision.preprocess import patch_timestamps
 
 # Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS
 # equal blocks (MSB first). At 160x128 a block is 10x16 px: at crf 15 H.264 keeps its mean
@@ -399,7 +401,6 @@ def decoy_frames(plan: VideoPlan, fps: float) -> frozenset[int]:
     """The frame indices of ``plan``'s video that show its ``decoy`` colour: the frames the
     K = ``DECOY_K`` overview decodes (the last frame with pts <= each of its times); empty
     without a decoy."""
-    from paravt.video import overview_timestamps
 
     if plan.decoy is None:
         return frozenset()
@@ -553,7 +554,6 @@ class Seen:
     its printed timestamp (``<t seconds>``, one decimal) and what any of its frames shows."""
 
     def __init__(self, plan: VideoPlan, fps: float, times: Sequence[float], tp: int) -> None:
-        from paravt.vision.preprocess import patch_timestamps
 
         ts = [float(t) for t in times]
         ts += [ts[-1]] * (-len(ts) % tp)
@@ -658,7 +658,6 @@ def plan_meta(plan: VideoPlan, fps: float) -> VideoMeta:
 
 def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleSettings) -> Seen:
     """What a crop ``[a, b]`` shows, sampled as ``video.crop_*`` samples it."""
-    from paravt.video import crop_timestamps
 
     times = crop_timestamps(
         meta, a, b, fps=st.crop_fps, max_frames=st.crop_max_frames, min_frames=st.crop_min_frames
@@ -714,7 +713,6 @@ def _sft(row: dict, plan: VideoPlan, fps: float, num_frames: int, st: OracleSett
     summary that saw the target (``While it is <cue>, a <shape> appears``), so SFT never
     teaches the model to write a number or a shape it could not have read.
     """
-    from paravt.video import overview_timestamps
 
     meta = plan_meta(plan, fps)
     tgt = plan.target
@@ -765,7 +763,6 @@ def need_flags(plan: VideoPlan, fps: float, temporal_patch: int = 2) -> dict[str
     answer. Recorded in every "spot"/"spot_late" row (``Sample.extra``, and so in the
     held-out evaluation's ``heldout.jsonl`` rows): the collapse experiment splits its same-K
     metrics by it, prompt by prompt."""
-    from paravt.video import overview_timestamps
 
     meta = plan_meta(plan, fps)
     return {
@@ -871,7 +868,6 @@ def _spot_sft(
     record (what the overview shows cannot tell that video from a one-square video, and the
     oracle neither guesses nor calls on knowledge the model lacks), and summaries name every
     square of their crop in order (:func:`square_summary`)."""
-    from paravt.video import overview_timestamps
 
     meta = plan_meta(plan, fps)
     tgt = plan.target

@@ -50,6 +50,7 @@ EVAL_DEFAULTS = (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    # lazy: the refusals answer before transformers and the model load
     from paravt.eval.benchmarks import BENCHMARK_SPECS
     from paravt.rollout import ENGINES
 
@@ -94,6 +95,7 @@ def frames_errors(cfg: Config, frames: int, model_path: str) -> list[str]:
     """``--frames`` against the model's context: the training check
     (:func:`paravt.agent.context.context_budget_errors`, the engine's ``max_model_len``
     included) with K = ``frames``, run before anything loads."""
+    # lazy: the refusals answer before transformers and the model load
     from paravt.agent.context import context_budget_errors
 
     if not (Path(model_path) / "config.json").is_file():
@@ -128,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--batch-size {a.batch_size} must be >= 1")
         if a.limit is not None and a.limit < 1:
             raise ConfigError(f"--limit {a.limit} must be >= 1")
+        # lazy: the refusals answer before transformers and the model load
         from paravt.eval.benchmarks import BENCHMARK_SPECS
 
         data_root = a.data_root
         if not data_root:
             if not BENCHMARK_SPECS[a.benchmark].embedded:
                 raise ConfigError(f"--data-root is required for --benchmark {a.benchmark}")
+            # lazy: the refusals answer before transformers and the model load
             from paravt.data import resolve_data
 
             data_root = str(resolve_data(cfg))
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    # lazy: the refusals answer before transformers and the model load
     from paravt.eval.benchmarks import BenchmarkFormatError, load_benchmark
     from paravt.eval.runner import EvalSettings, eval_config
 
@@ -214,6 +219,7 @@ def _evaluate(
     trained_with: Any,
 ) -> int:
     """Load the model and run the evaluation of :func:`main` into ``out`` (held)."""
+    # lazy: the refusals answer before transformers and the model load
     from paravt.agent import AgentRunner
     from paravt.distributed import cleanup, init_distributed
     from paravt.eval.runner import EvalError, failed_run, run_eval, settings_refusal

@@ -56,7 +56,8 @@ def native_available() -> bool:
             _NATIVE, _NATIVE_ERROR = False, "PARAVT_SKIP_EXT=1 is set"
         else:
             try:
-                import paravt._C  # noqa: F401  (registers torch.ops.paravt.*)
+                # lazy: the optional compiled extension (registers torch.ops.paravt.*)
+                import paravt._C  # noqa: F401
 
                 _register_fake()
                 _NATIVE = True
