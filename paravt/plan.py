@@ -61,7 +61,6 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +72,7 @@ from paravt.agent.context import tool_turn_max_tokens
 from paravt.algo.loss import make_objective
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, validate
 from paravt.distributed import block_classes, resolve_device
+from paravt.log import get_logger
 from paravt.models.loader import freeze_vit
 from paravt.models.tiny import (
     ARCH_DIR,
@@ -82,6 +82,8 @@ from paravt.models.tiny import (
     tiny_config,
 )
 from paravt.rollout import engine_spec
+
+log = get_logger(__name__)
 
 GIB = float(1 << 30)
 # Device memory of the named GPUs as the driver reports it (nvidia-smi's MiB).
@@ -743,11 +745,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         lay = Layout(a.nproc_per_node, a.nnodes, dev, name, gpu=not a.cpu)
         pl = plan_memory(cfg, lay)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
-    print(format_plan(pl))
+    log.info(format_plan(pl))
     if not pl.fits:
-        print(f"\ndoes not fit: {shortfall(pl)}", file=sys.stderr)
+        log.error(f"\ndoes not fit: {shortfall(pl)}")
         return 1
     return 0
 

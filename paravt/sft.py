@@ -78,6 +78,7 @@ from paravt.distributed import (
     shard_model,
 )
 from paravt.files import atomic_file
+from paravt.log import get_logger
 from paravt.models import load_model_from_config
 from paravt.models.forward import as_root_forward
 from paravt.models.loader import freeze_vit
@@ -85,6 +86,8 @@ from paravt.preempt import SFTPreempted
 from paravt.runfolder import sft_resume_file
 from paravt.types import Sample, SequenceUnit, Trajectory
 from paravt.video import DecodePlanner, VideoError
+
+log = get_logger(__name__)
 
 
 def encode_records(
@@ -117,10 +120,10 @@ def encode_records(
             if cfg.sft.sub_agents and not rec.main_only:
                 out += encode_oracle_sub_trajectories(bundle, cfg, sample, main, planner)
         except VideoError as e:
-            print(f"[sft] skipping {sample.id}: {e}", file=sys.stderr)
+            log.warning(f"[sft] skipping {sample.id}: {e}")
             skipped += 1
     if skipped:
-        print(f"[sft] skipped {skipped} record(s) without a readable sample", file=sys.stderr)
+        log.warning(f"[sft] skipped {skipped} record(s) without a readable sample")
     return out
 
 
@@ -456,18 +459,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if errs := preset_errors(a.preset, cfg):  # e.g. the 8B presets' model.path
             raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
 
     ctx = init_distributed(cfg.model.device)
     if ctx.is_main:
-        print(to_yaml(cfg))
+        log.info(to_yaml(cfg))
     data_dir, model_dir = prepare_assets(cfg, ctx)
     out = a.out or str(Path(cfg.train.out_dir) / "sft")
     res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
     if ctx.is_main:
-        print(json.dumps(res, indent=1))
-        print(f"[sft] wrote {out}")
+        log.info(json.dumps(res, indent=1))
+        log.info(f"[sft] wrote {out}")
     cleanup(ctx)
     return 0
 

@@ -33,14 +33,16 @@ import html
 import json
 import os
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from paravt.files import DISK_FULL, file_kind, read_text_regular, write_atomic, write_failure
+from paravt.log import get_logger
 from paravt.metrics import read_metrics
+
+log = get_logger(__name__)
 
 # Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
 # that prefix followed by digits). A panel is drawn when at least one of its keys was logged.
@@ -741,7 +743,7 @@ def serve(index: Path, run_dir: Path, port: int) -> None:
     """Serve the report (see :func:`make_server`) until interrupted."""
     srv, url = make_server(index, run_dir, port)
     with srv:
-        print(f"serving {index.parent} at {url} (Ctrl-C stops)", flush=True)
+        log.info(f"serving {index.parent} at {url} (Ctrl-C stops)")
         try:
             srv.serve_forever()
         except KeyboardInterrupt:
@@ -764,20 +766,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     dst = Path(a.out) if a.out else Path(a.run_dir) / "view"
     try:
         index = write_report(a.run_dir, a.out or None)
-        print(f"wrote {index} and {index.parent / 'trajectories.html'}", flush=True)
+        log.info(f"wrote {index} and {index.parent / 'trajectories.html'}")
         if a.serve is not None:
             serve(index, Path(a.run_dir), a.serve)
     except ViewError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     except OSError as e:
         if e.errno not in DISK_FULL:
             raise
-        print(
+        log.error(
             f"error: {write_failure('report page', e.filename or dst, e, dst)} The run's own "
             "files are untouched, and a page is written whole or not at all. Fix: free space "
-            "there, or pass --out DIR on another disk, and rerun",
-            file=sys.stderr,
+            "there, or pass --out DIR on another disk, and rerun"
         )
         return 1
     return 0

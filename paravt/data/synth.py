@@ -52,9 +52,12 @@ import torch
 from paravt.data.sft_records import SFTRecord, SFTTurn, write_sft_records
 from paravt.data.synth_tasks import SYNTH_TASK_MIN_SECONDS, synth_task_error
 from paravt.files import write_atomic
+from paravt.log import get_logger
 from paravt.types import Sample, VideoMeta
 from paravt.video import crop_timestamps, overview_timestamps
 from paravt.vision.preprocess import patch_timestamps
+
+log = get_logger(__name__)
 
 # Frame layout: the index strip is the top ``STRIP_FRAC`` of the frame, split into INDEX_BITS
 # equal blocks (MSB first). At 160x128 a block is 10x16 px: at crf 15 H.264 keeps its mean
@@ -1149,7 +1152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         task=a.task,
     )
     n = {s: sum(1 for _ in open(out / f"{s}.jsonl")) for s in ("train", "val", "sft")}
-    print(
+    log.info(
         f"wrote {a.num_videos} videos to {out}: {n['train']} train / {n['val']} val rows, "
         f"{n['sft']} sft trajectories"
     )

@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from pathlib import Path
 from typing import Any
 
 from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
 from paravt.config import PRESETS, Config, ConfigError, ConfigHelpParser, load_config
 from paravt.files import FolderBusy, claim_folder
+from paravt.log import get_logger
+
+log = get_logger(__name__)
 
 # Greedy, and the reference protocol's locked agent knobs (3 tool rounds, at most 5 parallel
 # calls per turn), unless the user overrides them (their key=value items come after these).
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         if errs:
             raise ConfigError("\n  - ".join(["invalid evaluation:", *errs]))
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
 
     # lazy: the refusals answer before transformers and the model load
@@ -157,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         samples = load_benchmark(a.benchmark, data_root, limit=a.limit)
     except (BenchmarkFormatError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     if not samples:
-        print(f"error: no samples in {data_root} for {a.benchmark}", file=sys.stderr)
+        log.error(f"error: no samples in {data_root} for {a.benchmark}")
         return 1
     r = cfg.rollout
     settings = EvalSettings(
@@ -193,15 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         claim = claim_folder(out, "a paravt.eval evaluation", "pass another --out")
     except FolderBusy as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     try:
         return _evaluate(a, cfg, samples, settings, out, model_path, trained_with)
     except KeyboardInterrupt:  # Ctrl-C: every finished row is in results.jsonl already
-        print(
+        log.error(
             f"interrupted: the rows finished so far are in {out}/results.jsonl; rerun the same "
-            "command to continue from them",
-            file=sys.stderr,
+            "command to continue from them"
         )
         return 130
     finally:
@@ -232,17 +233,16 @@ def _evaluate(
     # and writes run.json); every rank reads the same files, so all refuse together.
     refused = settings_refusal(Path(out), settings)
     if refused:
-        print(f"error: {refused}", file=sys.stderr)
+        log.error(f"error: {refused}")
         return 2
     ctx = init_distributed(cfg.model.device)
     if ctx.is_main:
         v = cfg.video
-        print(
+        log.info(
             f"[eval] {a.benchmark}: {len(samples)} samples, model {model_path}, config "
             f"{trained_with or ('preset ' + a.preset)} (overview <= {v.overview_max_pixels} px "
             f"per frame, K={a.frames}, crops <= {v.crop_max_frames} frames of "
-            f"<= {v.crop_max_pixels} px, crop mode {cfg.agent.crop_mode})",
-            flush=True,
+            f"<= {v.crop_max_pixels} px, crop mode {cfg.agent.crop_mode})"
         )
     bundle = load_model_from_config(model_path, cfg.model, device=str(ctx.device))
     engine = make_engine(cfg, bundle)
@@ -259,19 +259,19 @@ def _evaluate(
             show_progress=not a.no_progress,
         )
     except EvalError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     except (NotRegularFile, DiskFullError) as e:  # a link or a FIFO planted; a full disk
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 1
     finally:
         cleanup(ctx, getattr(engine, "close", lambda: None))
     if ctx.is_main:
-        print(f"[eval] results in {out}/ (results.jsonl, summary.json)")
+        log.info(f"[eval] results in {out}/ (results.jsonl, summary.json)")
     if summary["n"] and summary["n_errors"] == summary["n"]:  # the same on every rank
         if ctx.is_main:
             why = failed_run(Path(out), samples) or f"every sample failed (see {out}/results.jsonl)"
-            print(f"error: {why}", file=sys.stderr)
+            log.error(f"error: {why}")
         return 1
     return 0
 

@@ -59,9 +59,12 @@ from paravt.data.synth import (
     tool_record,
     whole_video_crops,
 )
+from paravt.log import get_logger
 from paravt.metrics import read_metrics
 from paravt.models import load_model
 from paravt.video import DecodePlanner
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -220,11 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         bundle = load_model(args.model, dtype="float32", device="cpu")
         c = probe_rows(bundle, cfg, args.data, k=args.k, split=args.split, limit=args.limit)
     except (ConfigError, KeyError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     out = {"model": args.model, "data": args.data, "k": args.k, "split": args.split}
     out.update(c.as_dict())
-    print(json.dumps(out, indent=1))
+    log.info(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -47,8 +47,11 @@ from paravt.checkpoint import latest_checkpoint
 from paravt.config import Config, ConfigError, load_config
 from paravt.distributed import DistContext
 from paravt.files import FolderBusy, FolderClaim, write_atomic
+from paravt.log import get_logger
 from paravt.metrics import read_metrics
 from paravt.sft import run_sft
+
+log = get_logger(__name__)
 
 #: Arm name -> one-line description (``ablation.json`` carries it).
 ARMS: dict[str, str] = {
@@ -148,7 +151,7 @@ def reused_checkpoint(
             )
         if old is None:
             unchecked = f" (no {stamp.name}: its settings are unchecked)"
-    print(f"[{tag}] SFT checkpoint {dst} exists: reused{unchecked}", flush=True)
+    log.info(f"[{tag}] SFT checkpoint {dst} exists: reused{unchecked}")
     return True
 
 
@@ -172,10 +175,9 @@ def train_checkpoint(
     res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
     if stamp is not None:
         write_atomic(stamp, json.dumps(made, indent=1) + "\n")
-    print(
+    log.info(
         f"[{tag}] {what}: nll/token {res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} "
-        f"({res['sft/seconds']:.0f} s) -> {dst}",
-        flush=True,
+        f"({res['sft/seconds']:.0f} s) -> {dst}"
     )
     return dst
 
@@ -227,14 +229,14 @@ def arm_action(run_dir: Path, stamp: dict[str, Any], label: str) -> str:
 
     keep, why = kept_run(run_dir, stamp)
     if keep:
-        print(f"{label}: finished before, kept")
+        log.info(f"{label}: finished before, kept")
         return "keep"
     if why != NOT_FINISHED:
-        print(f"{label}: {why}: redone", flush=True)
+        log.info(f"{label}: {why}: redone")
         return "start"
     ckpt = latest_checkpoint(run_dir)
     if ckpt is not None and _stamped_with(run_dir, stamp):
-        print(f"{label}: cut short, resumed from {ckpt}", flush=True)
+        log.info(f"{label}: cut short, resumed from {ckpt}")
         return "resume"
     return "start"
 
@@ -288,10 +290,9 @@ def run_arms(
             raise RuntimeError(
                 f"{what} failed (exit {rc}); log {run_dir}/train.log:\n" + "\n".join(tail)
             )
-        print(
+        log.info(
             f"[{tag}] {i}/{len(jobs)} {arm} seed {seed}: {time.perf_counter() - t:.0f} s "
-            f"(elapsed {(time.perf_counter() - t0) / 60:.1f} min)",
-            flush=True,
+            f"(elapsed {(time.perf_counter() - t0) / 60:.1f} min)"
         )
     return dirs
 
@@ -493,16 +494,16 @@ def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -
     try:
         res = body()
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     except DriverInterrupted as e:  # SIGTERM/SIGINT/SIGUSR1, forwarded to the arm run
-        print(f"[{name}] {e}", file=sys.stderr)
+        log.error(f"[{name}] {e}")
         return 128 + e.signum
     except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 1
-    print(res["table"])
-    print(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
+    log.info(res["table"])
+    log.info(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
     return 0
 
 

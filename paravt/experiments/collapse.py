@@ -95,8 +95,11 @@ from paravt.experiments.arms import (
 )
 from paravt.experiments.report import RunInfo, format_markdown, plot, summarise
 from paravt.files import write_atomic
+from paravt.log import get_logger
 from paravt.metrics import json_safe, read_metrics
 from paravt.train import run
+
+log = get_logger(__name__)
 
 #: The arms of ``paravt.experiments.arms.ARMS`` (same names, same order), described for this
 #: experiment.
@@ -311,7 +314,7 @@ def _collapse(
         keep, why = kept_run(ev_dir, stamp)
         if not (keep and _evaluated_at(ev_dir, eval_k)):  # in this process: one model load
             if run_finished(ev_dir):
-                print(f"[collapse] seed {seed}: cold start's evaluation {why}: redone", flush=True)
+                log.info(f"[collapse] seed {seed}: cold start's evaluation {why}: redone")
             shutil.rmtree(ev_dir, ignore_errors=True)
             ev_dir.mkdir(parents=True)
             write_stamp(ev_dir, stamp)
@@ -319,10 +322,9 @@ def _collapse(
         rows = read_metrics(ev_dir / "metrics.jsonl")
         sft_eval[seed] = next(r for r in rows if r.get("kind") == "eval_after")
         sft_held[seed] = read_metrics(ev_dir / "heldout.jsonl")
-        print(
+        log.info(
             f"[collapse] seed {seed}: cold start evaluated "
-            f"({(time.perf_counter() - t0) / 60:.1f} min)",
-            flush=True,
+            f"({(time.perf_counter() - t0) / 60:.1f} min)"
         )
     run_arms(
         out,

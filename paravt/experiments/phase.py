@@ -32,7 +32,10 @@ from paravt.config import ConfigError
 from paravt.data.synth import SPOT_DECOY_SHARE
 from paravt.experiments.report import CollapseResult, MeanStd
 from paravt.files import write_atomic
+from paravt.log import get_logger
 from paravt.metrics import json_safe
+
+log = get_logger(__name__)
 
 #: The arms whose every step trains at K = 32 (gating off): their mixed groups give the sign.
 UNGATED = ("vanilla", "vanilla_ref")
@@ -214,12 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ph = phase_diagram(args.dirs)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = format_markdown(ph)
     write_atomic(out / "phase.json", json.dumps(json_safe(ph), indent=1, allow_nan=False) + "\n")
     write_atomic(out / "phase.md", md + "\n")
-    print(md)
+    log.info(md)
     return 0

@@ -33,7 +33,10 @@ from typing import Any
 from paravt.config import ConfigError
 from paravt.data.synth import COLOUR_RGB
 from paravt.files import write_atomic
+from paravt.log import get_logger
 from paravt.metrics import read_metrics
+
+log = get_logger(__name__)
 
 # Every colour the synthetic tasks draw (the sub-agents' summaries name them).
 _COLOUR = re.compile(r"\b(" + "|".join(COLOUR_RGB) + r")\b", re.I)
@@ -139,12 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for side, c in tool_path(rows, val, k).items():
                 table.append({"results": d, "K": k, "side": side, **c.to_dict()})
     except (ConfigError, KeyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
-    print("| results | K | need | " + " | ".join(COUNTS) + " |")
-    print("|" + "---|" * (3 + len(COUNTS)))
+    log.info("| results | K | need | " + " | ".join(COUNTS) + " |")
+    log.info("|" + "---|" * (3 + len(COUNTS)))
     for t in table:
-        print(
+        log.info(
             f"| {t['results']} | {t['K']} | {t['side']} | "
             + " | ".join(str(t[c]) for c in COUNTS)
             + " |"

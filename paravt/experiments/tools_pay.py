@@ -34,7 +34,10 @@ from typing import Any
 from paravt.checkpoint import latest_checkpoint
 from paravt.config import ConfigError, load_config
 from paravt.experiments.tool_path import tool_path
+from paravt.log import get_logger
 from paravt.metrics import read_metrics
+
+log = get_logger(__name__)
 
 #: The per-run numbers, in the order of the printed table.
 KEYS = (
@@ -130,7 +133,7 @@ def tools_pay(runs: Sequence[str | Path], k: int = 4, which: str = "final") -> d
         with_tools = _evaluate(run, model, k, True, base / "tools")
         without = _evaluate(run, model, k, False, base / "notools")
         per[str(run)] = run_numbers(with_tools, without, val, k)
-        print(f"[tools-pay] {run}: " + json.dumps(per[str(run)]), file=sys.stderr)
+        log.info(f"[tools-pay] {run}: " + json.dumps(per[str(run)]))
     stats = {key: mean_std([p[key] for p in per.values()]) for key in KEYS}
     return {
         "k": k,
@@ -167,12 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         res = tools_pay(args.runs, args.k, args.model)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 1
-    print(markdown(res))
+    log.info(markdown(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0

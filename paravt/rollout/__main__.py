@@ -30,10 +30,13 @@ from paravt.checkpoint import resolve_model_path, run_config
 from paravt.config import PRESETS, Config, ConfigError, load_config
 from paravt.data import resolve_data
 from paravt.data.readers import load_samples
+from paravt.log import get_logger
 from paravt.models import resolve_model
 from paravt.rewards import score_groups
 from paravt.rollout import make_engine
 from paravt.rollout.oracle import OracleMainEngine, load_oracle
+
+log = get_logger(__name__)
 
 _WRAP = 100
 
@@ -143,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         if trained_with is not None:  # roll out with the settings the checkpoint trained with
             cfg = load_config(args.preset, [str(trained_with)], args.overrides)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(f"error: {e}")
         return 2
     if args.num_prompts < 1:
-        print("error: --num-prompts must be >= 1", file=sys.stderr)
+        log.error("error: --num-prompts must be >= 1")
         return 2
 
     seed = cfg.train.seed if args.seed is None else args.seed
@@ -157,15 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         data, video_root=cfg.data.video_root, split=args.split, max_samples=args.num_prompts
     )
     if not samples:
-        print(f"error: no usable samples in {data} (split {args.split})", file=sys.stderr)
+        log.error(f"error: no usable samples in {data} (split {args.split})")
         return 1
-    print(f"model: {path or 'untrained tiny model'}", flush=True)
+    log.info(f"model: {path or 'untrained tiny model'}")
     bundle = resolve_model(cfg, path)
     engine = make_engine(cfg, bundle)
     if args.main == "oracle":
         records = load_oracle(Path(data))
         if not records:
-            print(f"error: --main oracle needs {data}/sft.jsonl", file=sys.stderr)
+            log.error(f"error: --main oracle needs {data}/sft.jsonl")
             return 2
         engine = OracleMainEngine(engine, bundle.tokenizer, records, cfg.agent.think_prefix)
     runner = AgentRunner(engine, bundle, cfg)
@@ -187,23 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     dt = time.perf_counter() - t1
     print_groups(groups, args.show)
     n_ep = sum(len(g.trajectories) for g in groups)
-    print("=" * _WRAP)
+    log.info("=" * _WRAP)
     st = runner.stats
     calls = {k: int(v) for k, v in st.calls.items() if v}
-    print(
+    log.info(
         f"{len(groups)} prompt(s) x G={G}: {n_ep} episodes in {dt:.2f} s "
         f"({n_ep / max(dt, 1e-9):.2f} episodes/s; setup {t_setup:.1f} s)"
     )
-    print(
+    log.info(
         f"engine calls: main {st.main_engine_calls}, sub {st.sub_engine_calls}; "
         f"planner runs {st.planner_runs}; crops {st.crops}; "
         f"forced answers {st.forced_answers}; tool calls {calls or 'none'}"
     )
     if groups:
         rewards = [t.reward for g in groups for t in g.trajectories]
-        print(f"mean reward {sum(rewards) / len(rewards):.3f}")
+        log.info(f"mean reward {sum(rewards) / len(rewards):.3f}")
     for e in runner.errors:
-        print(f"skipped: {e}")
+        log.info(f"skipped: {e}")
     return 0
 
 
