@@ -666,7 +666,7 @@ def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleS
 
 
 def _record(row: dict, num_frames: int, *turns: dict) -> dict:
-    """One SFT record (``sft.jsonl`` line; ``paravt.agent.loop.encode_oracle_trajectory``)."""
+    """One SFT record (``sft.jsonl`` line; ``paravt.agent.encoder.encode_oracle_trajectory``)."""
     return {"sample_id": row["id"], "num_frames": num_frames, "turns": list(turns)}
 
 
