@@ -773,7 +773,9 @@ PRESETS["qwen3vl_8b_vanilla"] = {
 
 def _set_dotted(cfg: Any, key: str, value: Any) -> None:
     try:
-        OmegaConf.update(cfg, key, value, merge=False)
+        # A list replaces the old one either way; merging converts its dicts to the element
+        # dataclass (reward.extra_terms), which a plain assignment rejects.
+        OmegaConf.update(cfg, key, value, merge=isinstance(value, list) or OmegaConf.is_list(value))
     except Exception as e:  # omegaconf raises several types; normalise to one clear error
         raise ConfigError(f"config key '{key}': cannot set {value!r} ({e})") from None
 

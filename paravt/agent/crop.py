@@ -125,7 +125,7 @@ class CropVideo:
             )
 
     def view(
-        self, call: ToolCall, batch: FrameBatch, factor: int
+        self, call: ToolCall, batch: FrameBatch, vcfg: VideoConfig, factor: int
     ) -> tuple[torch.Tensor, list[float]]:
         return batch.frames, [float(t) for t in batch.timestamps]
 

@@ -13,6 +13,7 @@ planner, the probed videos' metadata and the run's tools (``agent.tools``). Used
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -41,10 +42,19 @@ from paravt.video import (
     probe,
 )
 
+log = logging.getLogger(__name__)
+
 END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Placeholder tokens a generated turn must never contain: they would claim visual features the
 # sequence does not have and break every later forward pass over the context.
 VISUAL_TOKENS = ("<|video_pad|>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _tool_bug(name: str, where: str, e: Exception) -> ToolFailure:
+    """A tool's ``plan`` / ``view`` raised: that call fails (``decode_error``), logged once."""
+    msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    log.warning("tool %s: %s raised %s; the call fails as a decode_error", name, where, msg)
+    return ToolFailure("decode_error", f"the {name} view could not be made ({msg})")
 
 
 def frame_times(fb: Any) -> list[float]:
@@ -199,12 +209,17 @@ class AgentEncoder:
     ) -> tuple[list[tuple[torch.Tensor, list[float]] | ToolFailure], int]:
         """The view of each valid ``(call, video, meta)``: the frames its tool planned,
         decoded in ONE planner run for all of them, then cut by the tool
-        (:meth:`~paravt.agent.tools.Tool.view`); or why there is none (never raises). Also
+        (:meth:`~paravt.agent.tools.Tool.view`); or why there is none (never raises: a tool
+        whose ``plan`` or ``view`` raises fails that call as a ``decode_error``, logged). Also
         returns the planner runs made (0 when nothing was left to decode, else 1)."""
         out: list[tuple[torch.Tensor, list[float]] | ToolFailure] = []
         plans: list[FrameRequest | ToolFailure] = []
         for i, (call, video, meta) in enumerate(jobs):
-            p = self.tools.tools[call.name].plan(call, video, meta, self.cfg.video, self.factor)
+            tool = self.tools.tools[call.name]
+            try:
+                p = tool.plan(call, video, meta, self.cfg.video, self.factor)
+            except Exception as e:  # noqa: BLE001 — a tool's bug fails its call, not the run
+                p = _tool_bug(tool.name, "plan", e)
             if isinstance(p, FrameRequest):
                 p = FrameRequest(p.video, p.timestamps, p.size, tag=f"crop:{i}")
             plans.append(p)
@@ -223,7 +238,11 @@ class AgentEncoder:
                     )
                 )
             else:
-                out.append(self.tools.tools[call.name].view(call, fb, self.factor))
+                tool = self.tools.tools[call.name]
+                try:
+                    out.append(tool.view(call, fb, self.cfg.video, self.factor))
+                except Exception as e:  # noqa: BLE001 — a tool's bug fails its call, not the run
+                    out.append(_tool_bug(tool.name, "view", e))
         return out, 1 if live else 0
 
     # ---------------------------------------------------------------------------------- SFT

@@ -17,7 +17,9 @@ factory called with no argument.
 
 Contract: :meth:`Tool.check` and :meth:`Tool.plan` never raise for what the model wrote — a bad
 call is a status and an error message (``paravt.types.ToolCall``), an undecodable one a
-:class:`ToolFailure`; the agent loop turns either into that call's error tool response.
+:class:`ToolFailure`; the agent loop turns either into that call's error tool response. A
+``plan`` or ``view`` that raises anyway (a tool's bug) fails only its call, as a
+``decode_error`` (``paravt.agent.encoder.AgentEncoder.decode_views``).
 """
 
 from __future__ import annotations
@@ -73,10 +75,11 @@ class Tool(Protocol):
         ...
 
     def view(
-        self, call: ToolCall, batch: FrameBatch, factor: int
+        self, call: ToolCall, batch: FrameBatch, vcfg: VideoConfig, factor: int
     ) -> tuple[torch.Tensor, list[float]]:
         """What the sub-agent sees of the decoded ``batch``: uint8 ``(T, H, W, 3)`` frames
-        (sides multiples of ``factor``) and their times in seconds."""
+        (sides multiples of ``factor``, within ``vcfg``'s crop pixel budget) and their times
+        in seconds."""
         ...
 
     def instruction(self, call: ToolCall, question: str | None) -> str:
