@@ -968,7 +968,7 @@ def _choice_error(key: str, value: str, choices: Any, why: str = "") -> list[str
 
 def _plugin_errors(key: str, specs: list[str], *, allow_empty: bool) -> list[str]:
     """The shape of a plug-in list (``module:attr`` each, no repeat); whether each imports is
-    checked where it is loaded (``paravt.agent.tools.resolve``, ``validate_run``)."""
+    checked where it is loaded (:func:`resolve_plugin`, ``validate_run``)."""
     if not specs and not allow_empty:
         return [f"{key} is empty; name at least one 'module:attr'"]
     errs = []
