@@ -116,6 +116,39 @@ def test_two_tools_in_one_turn_and_a_reward_term(bundle, make_clip):  # noqa: F8
     assert g.sub_trajectories[0].reward == t.reward
 
 
+def test_a_tool_that_raises_fails_only_its_call(bundle, make_clip, caplog):  # noqa: F811
+    """A plug-in whose ``view`` raises (a bug) fails its own call as a ``decode_error``; the
+    crop beside it and the episode go on (the runner's ``tools`` given directly)."""
+    from agent_plugins import ZoomFrame
+
+    from paravt.agent.crop import CROP
+    from paravt.agent.tools import ToolBox
+
+    class Broken(ZoomFrame):
+        def view(self, call, batch, vcfg, factor):
+            raise RuntimeError("boom")
+
+    video = make_clip(duration=20.0)
+    turn0 = "Both.\n</think>\n" + _call(2, 6) + "\n" + _zoom(5.0, 0.0, 0.0, 0.5, 0.5)
+    eng = ScriptedEngine(
+        bundle.tokenizer, lambda u, t: [turn0, "x\n</think>\n<answer>B</answer>"][t]
+    )
+    cfg = load_config("tiny_cpu")
+    runner = AgentRunner(eng, bundle, cfg, tools=ToolBox([CROP, Broken()]))
+    sample = Sample("qa", video, "Which shape appears?", "B", "mcq")
+    with caplog.at_level("WARNING", logger="paravt.agent.encoder"):
+        (g,) = runner.rollout([sample], [4], group_size=1, seed=0)
+    (t,) = g.trajectories
+    crop, zoom = t.turns[0].calls
+    assert crop.status == "ok" and crop.response
+    assert zoom.status == "decode_error"
+    assert zoom.error == "the zoom_frame view could not be made (RuntimeError: boom)"
+    assert "tool zoom_frame: view raised RuntimeError: boom" in caplog.text
+    assert [s.uid for s in g.sub_trajectories] == [f"{t.uid}:t0:c0"]
+    assert len(t.turns) == 2 and runner.stats.calls["decode_error"] == 1
+    _check_token_exact(t, eng)
+
+
 def test_plugin_config_errors_name_key_problem_and_fix(bundle) -> None:  # noqa: F811
     with pytest.raises(ConfigError, match=r"agent\.tools: 'nope' is not of the form 'module:attr'"):
         load_config("tiny_cpu", overrides=["agent.tools=[nope]"])

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from paravt.agent.calls import CallJob, run_calls
-from paravt.agent.context import Clip, Context, add_tool_turn, tool_turn_max_tokens
+from paravt.agent.context import Clip, Context, TextCache, add_tool_turn, tool_turn_max_tokens
 from paravt.agent.encoder import (  # noqa: F401  (re-exported: older import paths)
     END_TOKENS,
     VISUAL_TOKENS,
@@ -142,6 +142,7 @@ class AgentRunner:
         self.before_turn: Callable[[], int] | None = None
 
     # ------------------------------------------------------------------ the encoder's parts
+    # (what callers of the runner read: evaluation, the trainer's video metadata, tests)
     @property
     def tokenizer(self) -> Any:
         return self.encoder.tokenizer
@@ -151,8 +152,7 @@ class AgentRunner:
         return self.encoder.planner
 
     @property
-    def text(self) -> Any:
-        """The encoder's ``TextCache``."""
+    def text(self) -> TextCache:
         return self.encoder.text
 
     @property
