@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,11 +310,28 @@ class AgentConfig:
     # crop's frames go into the main context inside the tool response, no sub-agent: the
     # reference evaluation's protocol, for comparing numbers with the paper).
     crop_mode: str = "subagent"
+    # The tools the main agent may call, each named 'module:attr' (a paravt.agent.tools.Tool,
+    # or a class / factory that makes one), in the order of their schemas in the system
+    # prompt. The default is crop_video alone; adding one changes the prompt (its schema) and
+    # what the parser accepts. Resolved when the agent is built (and by validate_run before
+    # anything loads); every tool shares the sub-agents, max_parallel and crop_mode.
+    tools: list[str] = field(default_factory=lambda: ["paravt.agent.crop:CROP"])
 
     def validate(self) -> list[str]:
-        """This section's problems (ranges, crop mode)."""
+        """This section's problems (ranges, crop mode, the tools' names)."""
         errs = _range_errors("agent", self)
+        errs += _plugin_errors("agent.tools", list(self.tools), allow_empty=False)
         return errs + _choice_error("agent.crop_mode", self.crop_mode, ("subagent", "frames"))
+
+
+@dataclass
+class ExtraRewardTerm:
+    # The term: 'module:attr', a function (trajectory, sample) -> float.
+    fn: str = ""
+    # Its weight in R (R += weight * value).
+    weight: float = 1.0
+    # Its breakdown key, logged as reward/<name>; '' = the function's attribute name.
+    name: str = ""
 
 
 @dataclass
@@ -344,10 +362,27 @@ class RewardConfig:
     # tool_error_penalty per bad call) or 'reference' (read from the text: 0.1 for a parseable
     # call, 0.3 if "<tool_response>" is in it, +0.5 when R_acc > 0; tool_bonus unused).
     tool_mode: str = "structural"
+    # Extra reward terms, each {fn: 'module:attr', weight: w, name: ''}: fn(trajectory, sample)
+    # -> float (paravt.rewards.compose.RewardTerm) on every main trajectory, logged as
+    # reward/<name> (name '' = the attr's name) and added to R as w * value. [] (the default)
+    # leaves R as above; resolved when rewards are first scored (and by validate_run).
+    extra_terms: list[ExtraRewardTerm] = field(default_factory=list)
 
     def validate(self) -> list[str]:
-        """This section's problems (ranges, open-ended metric, the reference's reward parts)."""
+        """This section's problems (ranges, open-ended metric, the reference's reward parts,
+        the extra terms' names)."""
         errs = _range_errors("reward", self)
+        for i, t in enumerate(self.extra_terms):
+            errs += _plugin_errors(f"reward.extra_terms[{i}].fn", [t.fn], allow_empty=False)
+            if not math.isfinite(t.weight):
+                errs.append(f"reward.extra_terms[{i}].weight={t.weight} is not a finite number")
+        names = [t.name or t.fn.rpartition(":")[2].rpartition(".")[2] for t in self.extra_terms]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            errs.append(
+                f"reward.extra_terms: two terms are named {dup[0]!r} (each is logged as "
+                "reward/<name>); give one a distinct name"
+            )
         errs += _choice_error("reward.base_format", self.base_format, ("strict", "reference"))
         errs += _choice_error(
             "reward.answer_extraction", self.answer_extraction, ("strict", "reference")
@@ -740,7 +775,9 @@ PRESETS["qwen3vl_8b_vanilla"] = {
 
 def _set_dotted(cfg: Any, key: str, value: Any) -> None:
     try:
-        OmegaConf.update(cfg, key, value, merge=False)
+        # A list replaces the old one either way; merging converts its dicts to the element
+        # dataclass (reward.extra_terms), which a plain assignment rejects.
+        OmegaConf.update(cfg, key, value, merge=isinstance(value, list) or OmegaConf.is_list(value))
     except Exception as e:  # omegaconf raises several types; normalise to one clear error
         raise ConfigError(f"config key '{key}': cannot set {value!r} ({e})") from None
 
@@ -929,6 +966,51 @@ def _choice_error(key: str, value: str, choices: Any, why: str = "") -> list[str
     if value in choices:
         return []
     return [f"{key}='{value}' is not one of {'|'.join(choices)}{f' ({why})' if why else ''}"]
+
+
+def _plugin_errors(key: str, specs: list[str], *, allow_empty: bool) -> list[str]:
+    """The shape of a plug-in list (``module:attr`` each, no repeat); whether each imports is
+    checked where it is loaded (:func:`resolve_plugin`, ``validate_run``)."""
+    if not specs and not allow_empty:
+        return [f"{key} is empty; name at least one 'module:attr'"]
+    errs = []
+    for spec in specs:
+        mod, sep, attr = str(spec).partition(":")
+        if not (sep and mod and attr) or " " in spec:
+            errs.append(
+                f"{key}: {spec!r} is not of the form 'module:attr' (e.g. paravt.agent.crop:CROP)"
+            )
+    dup = sorted({s for s in specs if specs.count(s) > 1})
+    if dup:
+        errs.append(f"{key} names {dup[0]!r} twice; name each once")
+    return errs
+
+
+def resolve_plugin(spec: str, key: str) -> Any:
+    """The object a plug-in key's ``module:attr`` names (``attr`` may be dotted): how
+    ``agent.tools`` (``paravt.agent.tools.load_tools``) and ``reward.extra_terms``
+    (``paravt.rewards.compose.load_terms``) are resolved. Raises ``ConfigError`` naming
+    ``key``, the problem and the fix."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ConfigError(
+            f"{key}: {spec!r} is not of the form 'module:attr' (e.g. paravt.agent.crop:CROP)"
+        )
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"{key}: {spec!r}: module {mod_name!r} does not import ({e}); put it on PYTHONPATH "
+            "or fix the module name"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(
+                f"{key}: {spec!r}: module {mod_name!r} has no attribute {attr!r}; fix the name "
+                "after the ':'"
+            )
+        obj = getattr(obj, part)
+    return obj
 
 
 def _cross_section_errors(cfg: Config) -> list[str]:

@@ -18,7 +18,7 @@ Data: a JSONL of records, one per trajectory, joined to the dataset rows by samp
   Consecutive ``tool`` messages form one tool turn (one summary per valid call).
 
 Every record becomes a token-exact ``Trajectory`` through
-``paravt.agent.loop.encode_oracle_trajectory`` (the RL context builder): loss mask 1 on the
+``paravt.agent.encoder.encode_oracle_trajectory`` (the RL context builder): loss mask 1 on the
 assistant's generated tokens (and their ``<|im_end|>``), 0 on the prompt, the forced
 ``<think>`` prefix and the tool responses — tool-response and prompt tokens are not trained.
 
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from paravt import preempt
-from paravt.agent.loop import encode_oracle_sub_trajectories, encode_oracle_trajectory
+from paravt.agent.encoder import encode_oracle_sub_trajectories, encode_oracle_trajectory
 from paravt.algo.logprobs import packed_logprob_rows
 from paravt.algo.packing import microbatches, pack_units
 from paravt.assets import prepare_assets

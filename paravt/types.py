@@ -284,7 +284,7 @@ class RolloutStats:
     main_engine_calls: int = 0
     sub_engine_calls: int = 0
     planner_runs: int = 0  # decode-planner runs (the overviews, each turn's crops)
-    crops: int = 0  # crops decoded
+    crops: int = 0  # tool views decoded (crop_video crops and any plug-in tool's views)
     forced_answers: int = 0
     visual_token_stops: int = 0  # generations stopped at a visual token
     truncated_responses: int = 0  # tool responses cut to agent.max_tool_response_tokens
@@ -294,7 +294,7 @@ class RolloutStats:
     rollout_s: float = 0.0
     overview_s: float = 0.0  # overview decode + pixel pack
     main_gen_s: float = 0.0
-    crop_s: float = 0.0  # crop plan + decode + encode
+    crop_s: float = 0.0  # tool views: plan + decode + encode
     sub_gen_s: float = 0.0
     # Tool calls by ``ToolCall.status`` (ok, decode_error, sub_agent_error, ...).
     calls: Counter[str] = field(default_factory=Counter)

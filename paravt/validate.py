@@ -3,7 +3,8 @@
 ``paravt.config`` checks what a config says on its own (types, ranges, a preset's required
 settings); ``validate_run`` checks what needs the world size or files on disk: the batch split
 over ranks, the device, the attention implementation's package, the vLLM install, the run
-folder of ``--resume`` and the largest frame budget against the model's context. Each error
+folder of ``--resume``, the largest frame budget against the model's context and the
+plug-ins (``agent.tools``, ``reward.extra_terms``: each ``module:attr`` imports). Each error
 names the setting and the fix; all of them are raised at once (``ConfigError``).
 """
 
@@ -15,9 +16,11 @@ from pathlib import Path
 import torch
 
 from paravt.agent.context import context_budget_errors
+from paravt.agent.tools import load_tools
 from paravt.config import Config, ConfigError
 from paravt.distributed import resolve_device
 from paravt.models.tiny import model_dir_of
+from paravt.rewards.compose import load_terms
 from paravt.rollout import engine_missing
 
 
@@ -109,6 +112,7 @@ def validate_run(cfg: Config, world_size: int) -> None:
     model_dir = Path(model_dir_of(cfg))
     if (model_dir / "config.json").is_file():
         errs += context_budget_errors(cfg, model_dir)
+    errs += _plugin_errors(cfg)
     if errs:
         raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
 
@@ -127,6 +131,21 @@ _FLASH_PACKAGES = {
         "build flash-attention's hopper/ directory",
     ),
 }
+
+
+def _plugin_errors(cfg: Config) -> list[str]:
+    """The plug-ins import and are what their keys need (``agent.tools``,
+    ``reward.extra_terms``): found before anything loads, not at the first rollout."""
+    errs = []
+    try:
+        load_tools(list(cfg.agent.tools))
+    except ConfigError as e:
+        errs.append(str(e))
+    try:
+        load_terms(cfg.reward)
+    except ConfigError as e:
+        errs.append(str(e))
+    return errs
 
 
 def _attention_errors(cfg: Config, dev: torch.device | None) -> list[str]:

@@ -308,11 +308,18 @@ def _prompt(text: TextCache, system: str, clip: Clip, user_text: str) -> Context
     return ctx
 
 
-def main_prompt(text: TextCache, overview: Clip, question: str, max_parallel: int) -> Context:
+def main_prompt(
+    text: TextCache,
+    overview: Clip,
+    question: str,
+    max_parallel: int,
+    schemas: list[dict[str, Any]] | None = None,
+) -> Context:
     """The main agent's prompt up to and including ``<|im_start|>assistant\\n``.
 
-    ``question`` (``prompts.question_text``: data) is tokenised as plain text."""
-    return _prompt(text, prompts.system_prompt(max_parallel), overview, question)
+    ``question`` (``prompts.question_text``: data) is tokenised as plain text; ``schemas``:
+    the run's tools (``prompts.system_prompt``; default ``crop_video`` alone)."""
+    return _prompt(text, prompts.system_prompt(max_parallel, schemas), overview, question)
 
 
 def sub_prompt(text: TextCache, crop: Clip, instruction: str) -> Context:

@@ -5,20 +5,25 @@ block is parsed and validated independently, so one malformed call never discard
 calls beside it (the reference dropped the whole turn). Statuses (``paravt.types.ToolCall``):
 
 ``bad_json``            the block is not a JSON object with a string ``name``
-``unknown_tool``        ``name`` is not ``crop_video``
-``bad_arguments``       ``arguments`` missing / not an object / a key missing, unknown or not a
-                        finite number. The reference's ``video_path`` argument (ParaVT's SFT
-                        data writes it) is accepted and ignored: the video is always the
-                        sample's own, a model-written path is never opened
-``bad_range``           ``start_time >= end_time``, or a window that is empty once clamped to
-                        ``[0, duration]`` (it only touches the video's first or last instant)
-``outside_video``       the window lies entirely outside ``[0, duration]``
+``unknown_tool``        ``name`` is none of the run's tools (``agent.tools``; by default only
+                        ``crop_video``)
+``bad_arguments``       ``arguments`` missing / not an object; or the tool's own check
+                        (:meth:`paravt.agent.tools.Tool.check`) rejects them: for
+                        ``crop_video`` a key missing, unknown or not a finite number. The
+                        reference's ``video_path`` argument (ParaVT's SFT data writes it) is
+                        accepted and ignored: the video is always the sample's own, a
+                        model-written path is never opened (``paravt.agent.crop``)
+``bad_range``           (tool check) ``start_time >= end_time``, or a window that is empty once
+                        clamped to ``[0, duration]``
+``outside_video``       (tool check) the window lies entirely outside ``[0, duration]``
 ``over_parallel_limit`` the block is beyond the first ``max_parallel`` blocks of the turn
 ``unclosed``            a final ``<tool_call>`` without ``</tool_call>`` (accepted and parsed
                         instead when ``allow_unclosed_final_call``)
 
-Valid calls are clamped to ``[0, duration]`` (``ToolCall.start/end``); partly-outside windows
-are cropped to their inside part rather than rejected.
+The parser reads the JSON and the tool's name; each tool checks its own arguments and fills
+what it needs later (``crop_video``: the window clamped to ``[0, duration]`` in
+``ToolCall.start/end``; partly-outside windows are cropped to their inside part rather than
+rejected). Used by the agent loop (every main turn) and the SFT encoder (oracle turns).
 
 A block runs from a ``<tool_call>`` to the next ``</tool_call>`` with no other ``<tool_call>``
 in between: a tag the model merely mentions earlier (e.g. inside its thinking) does not swallow
@@ -29,39 +34,24 @@ call, and not when a ``</think>`` or ``<answer>`` follows it (then it was a ment
 from __future__ import annotations
 
 import json
-import math
 import re
 
+from paravt.agent.crop import CROP
+from paravt.agent.tools import Tool, ToolBox
+from paravt.agent.tools import quote as _quote
 from paravt.types import ToolCall
 
-TOOL_NAME = "crop_video"
-ARG_NAMES = ("start_time", "end_time")
-# Accepted and ignored (the reference's call format); never used to open a file.
-IGNORED_ARGS = ("video_path",)
+#: The tools when a caller names none: the built-in ``crop_video`` only.
+DEFAULT_TOOLS = ToolBox([CROP])
 _BLOCK_RE = re.compile(r"<tool_call>((?:(?!<tool_call>).)*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"
 _MENTION_ENDS = ("</think>", "<answer>")
 
 
-def _quote(v: object, limit: int = 60) -> str:
-    """A model-written value for an error message, shortened (the message is plain text)."""
-    r = v if isinstance(v, str) else repr(v)
-    return r if len(r) <= limit else r[:limit] + "…"
-
-
-def _number(v: object) -> float | None:
-    # bool is an int subclass in Python; JSON true is not a time.
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    try:
-        f = float(v)
-    except OverflowError:  # an integer literal beyond float range
-        return None
-    return f if math.isfinite(f) else None
-
-
-def parse_call(raw: str, *, duration: float) -> ToolCall:
-    """Parse and validate one block's content (the text between the tags)."""
+def parse_call(raw: str, *, duration: float, tools: ToolBox | None = None) -> ToolCall:
+    """Parse one block's content (the text between the tags) and have the tool it names
+    check its arguments (``tools``: the run's, default ``crop_video`` only)."""
+    tools = DEFAULT_TOOLS if tools is None else tools
     call = ToolCall(raw=raw)
     try:
         obj = json.loads(raw.strip())
@@ -77,9 +67,16 @@ def parse_call(raw: str, *, duration: float) -> ToolCall:
         call.error = 'the tool call must be a JSON object {"name": ..., "arguments": {...}}'
         return call
     call.name = obj["name"]
-    if call.name != TOOL_NAME:
+    tool: Tool | None = tools.get(call.name)
+    if tool is None:
+        names = list(tools.tools)
+        which = (
+            f"the only tool is {names[0]}"
+            if len(names) == 1
+            else f"the tools are {', '.join(names)}"
+        )
         call.status = "unknown_tool"
-        call.error = f"unknown tool '{_quote(call.name)}'; the only tool is {TOOL_NAME}"
+        call.error = f"unknown tool '{_quote(call.name)}'; {which}"
         return call
     args = obj.get("arguments")
     if isinstance(args, str):  # some chat formats double-encode arguments
@@ -89,46 +86,11 @@ def parse_call(raw: str, *, duration: float) -> ToolCall:
             pass
     if not isinstance(args, dict):
         call.status = "bad_arguments"
-        call.error = f"{TOOL_NAME} needs an 'arguments' object with start_time and end_time"
+        params = tool.schema.get("function", {}).get("parameters", {}).get("required", [])
+        call.error = f"{tool.name} needs an 'arguments' object with {' and '.join(params)}"
         return call
     call.arguments = args
-    extra = sorted(set(args) - set(ARG_NAMES) - set(IGNORED_ARGS))
-    if extra:
-        call.status = "bad_arguments"
-        call.error = (
-            f"unknown argument(s) {_quote(', '.join(extra))}; {TOOL_NAME} takes only start_time and "
-            "end_time (the video is always the current one)"
-        )
-        return call
-    vals = {}
-    for k in ARG_NAMES:
-        if k not in args:
-            call.status, call.error = "bad_arguments", f"missing argument {k} (seconds)"
-            return call
-        v = _number(args[k])
-        if v is None:
-            call.status = "bad_arguments"
-            call.error = f"argument {k}={_quote(repr(args[k]))} must be a number of seconds"
-            return call
-        vals[k] = v
-    s, e = vals["start_time"], vals["end_time"]
-    if s >= e:
-        call.status = "bad_range"
-        call.error = f"start_time {s:g} s must be smaller than end_time {e:g} s"
-        return call
-    if e < 0 or s > duration:
-        call.status = "outside_video"
-        call.error = f"window [{s:g}, {e:g}] s is outside the video, which lasts {duration:.1f} s"
-        return call
-    cs, ce = max(s, 0.0), min(e, duration)
-    if ce <= cs:
-        call.status = "bad_range"
-        call.error = (
-            f"window [{s:g}, {e:g}] s is empty inside the video [0, {duration:.1f}] s; give a "
-            "window that overlaps it"
-        )
-        return call
-    call.start, call.end = cs, ce
+    tool.check(call, args, duration)
     return call
 
 
@@ -138,6 +100,7 @@ def parse_tool_calls(
     duration: float,
     max_parallel: int,
     allow_unclosed_final: bool = False,
+    tools: ToolBox | None = None,
 ) -> list[ToolCall]:
     """All tool calls of one generated turn, in order, each with its status.
 
@@ -179,7 +142,7 @@ def parse_tool_calls(
                 )
             )
         else:
-            calls.append(parse_call(_strip_end_markers(raw), duration=duration))
+            calls.append(parse_call(_strip_end_markers(raw), duration=duration, tools=tools))
     return calls
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from paravt.types import Sample, ToolCall
@@ -18,7 +19,8 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # The markup around each tool response's content (``paravt.agent.context.add_tool_turn``).
 TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
-# JSON Schema of the one tool (validated against the JSON Schema meta-schema in tests).
+# JSON Schema of the built-in crop_video tool (paravt.agent.crop; validated against the JSON
+# Schema meta-schema in tests).
 CROP_VIDEO_SCHEMA: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -47,8 +49,11 @@ CROP_VIDEO_SCHEMA: dict[str, Any] = {
 }
 
 
-def system_prompt(max_parallel: int) -> str:
-    """Main-agent system prompt: role, the Hermes ``<tools>`` block, the answer format."""
+def system_prompt(max_parallel: int, schemas: list[dict[str, Any]] | None = None) -> str:
+    """Main-agent system prompt: role, the Hermes ``<tools>`` block (one JSON schema a line:
+    ``schemas``, the run's tools in ``agent.tools`` order; default ``crop_video`` alone), the
+    answer format."""
+    tools = "\n".join(json.dumps(s) for s in (schemas or [CROP_VIDEO_SCHEMA]))
     return (
         "You are a careful video analyst. You see a few overview frames of a long video, each "
         "with its timestamp, and answer a question about it.\n\n"
@@ -56,7 +61,7 @@ def system_prompt(max_parallel: int) -> str:
         "You may call one or more functions to assist with the user query.\n\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n"
         "<tools>\n"
-        f"{json.dumps(CROP_VIDEO_SCHEMA)}\n"
+        f"{tools}\n"
         "</tools>\n\n"
         "For each function call, return a json object with function name and arguments within "
         "<tool_call></tool_call> XML tags:\n"
@@ -113,16 +118,19 @@ def sub_user_text(start: float, end: float, question: str | None) -> str:
     return s
 
 
-def tool_turn_texts(calls: list[ToolCall], max_parallel: int) -> list[str]:
+def tool_turn_texts(
+    calls: list[ToolCall], max_parallel: int, label: Callable[[ToolCall], str] | None = None
+) -> list[str]:
     """The contents of one tool turn, in order: one per call the turn is allowed
     (``agent.max_parallel``: a summary or that call's error), then ONE shared error for all the
     calls past the limit, however many (the parser marks them ``over_parallel_limit``).
 
     One response per over-limit call let a turn of 74 minimal calls append ~2,000 tokens; with
     the shared error a tool turn holds at most ``max_parallel + 1`` responses, which
-    ``paravt.agent.context.tool_turn_max_tokens`` bounds."""
+    ``paravt.agent.context.tool_turn_max_tokens`` bounds. ``label``: the text before a valid
+    call's summary (``paravt.agent.tools.ToolBox.label``; default the crop window)."""
     shown = [c for c in calls if c.status != "over_parallel_limit"]
-    out = [tool_response_text(c) for c in shown]
+    out = [tool_response_text(c, label) for c in shown]
     over = len(calls) - len(shown)
     if over:
         out.append(over_limit_text(over, len(shown), max_parallel))
@@ -140,12 +148,15 @@ def over_limit_text(n_over: int, n_before: int, max_parallel: int) -> str:
     )
 
 
-def tool_response_text(call: ToolCall) -> str:
-    """What the main agent reads for one call: the summary, or the error it made.
+def tool_response_text(call: ToolCall, label: Callable[[ToolCall], str] | None = None) -> str:
+    """What the main agent reads for one call: its tool's ``label`` and the summary, or the
+    error it made. ``label`` defaults to ``crop_video``'s window, ``[start-end s]``.
 
     Plain text (it quotes the model): ``paravt.agent.context.add_tool_turn`` tokenises it
     with no special-token parsing and wraps it in the ``<tool_response>`` markup."""
     if call.status == "ok":
+        if label is not None:
+            return f"{label(call)} {call.response}"
         assert call.start is not None and call.end is not None
         return f"[{call.start:.1f}-{call.end:.1f} s] {call.response}"
     return f"Error: {call.error}"

@@ -669,7 +669,7 @@ def _crop_seen(plan: VideoPlan, meta: VideoMeta, a: float, b: float, st: OracleS
 
 
 def _record(row: dict, num_frames: int, *turns: SFTTurn) -> SFTRecord:
-    """One SFT record (``sft.jsonl`` line; ``paravt.agent.loop.encode_oracle_trajectory``)."""
+    """One SFT record (``sft.jsonl`` line; ``paravt.agent.encoder.encode_oracle_trajectory``)."""
     return SFTRecord(row["id"], num_frames, list(turns))
 
 

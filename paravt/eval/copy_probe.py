@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from paravt.agent.loop import encode_oracle_trajectory
+from paravt.agent.encoder import encode_oracle_trajectory
 from paravt.algo.logprobs import sequence_logprobs
 from paravt.checkpoint import run_config
 from paravt.config import Config, ConfigError, load_config

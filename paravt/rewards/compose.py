@@ -1,19 +1,73 @@
-"""The PARA-GRPO reward ``R = R_acc + w_fmt · R_fmt + R_tool`` and its breakdown.
+"""The PARA-GRPO reward ``R = R_acc + w_fmt · R_fmt + R_tool (+ Σ w_i · term_i)`` and its
+breakdown.
 
 ``score`` scores one main trajectory; ``score_groups`` fills ``reward`` and
 ``reward_breakdown`` of every main trajectory of a rollout and gives each sub-agent trajectory
 its parent's reward (sub-agents are trained with the main agent's advantage; see
-``AlgoConfig.train_sub_agents``).
+``AlgoConfig.train_sub_agents``). Used by training (``paravt.train``), the evaluation's reward
+columns and the tests.
+
+Plug-in terms (``reward.extra_terms``, as TRL's reward functions and verl's custom reward):
+each a :data:`RewardTerm` named ``module:attr`` in the config, called on every main
+trajectory with its sample, logged as ``reward/<name>`` (its breakdown key) and added to the
+total with its weight. None by default: the total is then exactly the three terms above.
 """
 
 from __future__ import annotations
 
-from paravt.config import RewardConfig
+import math
+from collections.abc import Callable
+from functools import lru_cache
+
+from paravt.config import ConfigError, ExtraRewardTerm, RewardConfig, resolve_plugin
 from paravt.rewards import reference
 from paravt.rewards.accuracy import accuracy
 from paravt.rewards.format import format_reward
 from paravt.rewards.tool import call_counts, tool_reward
 from paravt.types import Group, Sample, Trajectory
+
+#: A plug-in reward term: ``(main trajectory, its sample) -> float``. Read the trajectory's
+#: structure (``turns``, ``calls``, their statuses), never strings the model could write to
+#: claim it, as the built-in terms do.
+RewardTerm = Callable[[Trajectory, Sample], float]
+
+#: The built-in breakdown keys (``score``'s); a plug-in term may not take one as its name.
+BUILTIN_KEYS = frozenset(
+    "total acc has_answer em f1 iou fmt fmt_base anchor think_closed flow unclosed_think tool "
+    "n_calls n_ok n_model_errors n_system_errors num_turns forced".split()
+)
+
+
+def term_name(term: ExtraRewardTerm) -> str:
+    """The breakdown key of a plug-in term: its ``name``, else the attribute's name."""
+    return term.name or term.fn.rpartition(":")[2].rpartition(".")[2]
+
+
+@lru_cache(maxsize=64)
+def load_term(fn: str, key: str = "reward.extra_terms") -> RewardTerm:
+    """The function ``module:attr`` names, or a ``ConfigError`` naming ``key``, the problem and
+    the fix. Cached: a run resolves each term once."""
+    obj = resolve_plugin(fn, key)
+    if not callable(obj):
+        raise ConfigError(
+            f"{key}: {fn!r} is a {type(obj).__name__}, not a function (trajectory, sample) -> float"
+        )
+    return obj  # type: ignore[return-value]
+
+
+def load_terms(cfg: RewardConfig) -> list[tuple[str, float, RewardTerm]]:
+    """``(name, weight, function)`` of every ``reward.extra_terms`` entry, resolved (used by
+    :func:`score` and by ``paravt.validate.validate_run`` before anything loads)."""
+    out = []
+    for i, t in enumerate(cfg.extra_terms):
+        key = f"reward.extra_terms[{i}]"
+        name = term_name(t)
+        if name in BUILTIN_KEYS:
+            raise ConfigError(
+                f"{key}: the name {name!r} is a built-in reward key; set {key}.name to another"
+            )
+        out.append((name, float(t.weight), load_term(t.fn, f"{key}.fn")))
+    return out
 
 
 def full_text(traj: Trajectory) -> str:
@@ -61,6 +115,17 @@ def score(traj: Trajectory, sample: Sample, cfg: RewardConfig) -> dict[str, floa
     out["num_turns"] = float(len(traj.turns))
     out["forced"] = float(any(t.forced_answer for t in traj.turns))
     out["total"] = out["acc"] + cfg.w_fmt * out["fmt"] + out["tool"]
+    for name, weight, fn in load_terms(cfg) if cfg.extra_terms else ():
+        value = fn(traj, sample)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"reward term {name!r} returned {type(value).__name__} for {traj.uid}; a term "
+                "returns a float"
+            )
+        out[name] = float(value)
+        if not math.isfinite(out[name]):
+            raise ValueError(f"reward term {name!r} returned {value} for {traj.uid}")
+        out["total"] += weight * out[name]
     return out
 
 

@@ -88,7 +88,7 @@ def print_groups(groups: list[Any], show: int, out: Any = None) -> None:
                 p(_short(turn.prefix + turn.text))
                 for k, c in enumerate(turn.calls):
                     if c.status == "ok":
-                        p(f"    call {k}: crop_video [{c.start:.1f}, {c.end:.1f}] s -> ok")
+                        p(f"    call {k}: {c.name} [{c.start:.1f}, {c.end:.1f}] s -> ok")
                         p(f"      summary: {c.response[:200]!r}")
                     else:
                         p(f"    call {k}: {c.status}: {c.error}")
