@@ -127,3 +127,55 @@ def test_no_module_imports_a_main_module() -> None:
     bad = {n: sorted(m for m in deps if m.endswith(".__main__")) for n, deps in graph.items()}
     bad = {n: ms for n, ms in bad.items() if ms}
     assert not bad, f"imports of a __main__ module (move what they need out of the CLI): {bad}"
+
+
+def lazy_imports_without_reason(package: Path = PACKAGE) -> list[str]:
+    """Every import of a ``paravt`` or ``paravt_kernels`` module inside a function that no
+    ``# lazy:`` comment explains (on the line above it, or above the run of imports it is in),
+    as ``path:line module``."""
+    bad = []
+    for path in sorted(package.rglob("*.py")):
+        src = path.read_text()
+        lines = src.splitlines()
+        tree = ast.parse(src, filename=str(path))
+        found = []
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import):
+                        mod = node.names[0].name
+                    elif isinstance(node, ast.ImportFrom) and not node.level:
+                        mod = node.module or ""
+                    else:
+                        continue
+                    if mod.split(".")[0] in ("paravt", "paravt_kernels"):
+                        found.append((node.lineno, node.end_lineno or node.lineno, mod))
+        in_imports = {i for a, b, _ in found for i in range(a, b + 1)}
+        for start, _, mod in found:
+            above = start - 1
+            while above in in_imports:
+                above -= 1
+            if "# lazy:" not in lines[above - 1]:
+                bad.append(f"{path.relative_to(package.parent)}:{start} {mod}")
+    return bad
+
+
+def test_function_level_imports_say_why() -> None:
+    """An import inside a function hides an arrow of the graph from a reader of the module's
+    head; it stays only where a ``# lazy:`` comment says why (an optional heavy dependency, a
+    command's refusals before the model loads, an op looked up per call)."""
+    bad = lazy_imports_without_reason()
+    assert not bad, (
+        "function-level imports without a '# lazy:' reason (move them to the module's head, "
+        "or say why they must wait):\n  " + "\n  ".join(bad)
+    )
+
+
+def test_the_lazy_check_sees_a_bare_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "paravt"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "def f():\n    from paravt.b import x\n    return x\n\n\n"
+        "def g():\n    # lazy: heavy\n    from paravt.b import y\n    import paravt.c\n"
+    )
+    assert lazy_imports_without_reason(pkg) == ["paravt/a.py:2 paravt.b"]

@@ -48,6 +48,7 @@ from paravt.agent import prompts
 from paravt.rollout import ENGINES
 from paravt.rollout.engine import GenerationRequest, SamplingParams
 from paravt.types import Trajectory, VisualInputs
+from paravt.vision.preprocess import encode_clips
 
 
 @dataclass
@@ -68,7 +69,6 @@ def encode_frames(bundle: Any, frames: torch.Tensor, timestamps: list[float]) ->
 def encode_frames_batch(bundle: Any, clips: list[tuple[torch.Tensor, list[float]]]) -> list[Clip]:
     """:func:`encode_frames` for many clips (a turn's overviews, or all its crops), with their
     pixels packed in ONE native call (``paravt.vision.preprocess.encode_clips``)."""
-    from paravt.vision.preprocess import encode_clips
 
     return [
         Clip(

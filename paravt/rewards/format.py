@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 
+from paravt.rewards import reference
 from paravt.types import Turn
 
 _TAG_RE = re.compile(r"</?(think|answer|tool_call|tool_response)>")
@@ -125,8 +126,6 @@ def format_reward(
     flow = float(last is not None and last["closed"] and last["answer"])
     closure = sum(closed) / len(closed) if closed else 0.0
     if base == "reference":
-        from paravt.rewards import reference
-
         r_base = reference.base_format(reference.completion(turns))
     else:
         r_base = sum(wf) / len(wf)
