@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from paravt.config import ConfigError
 from paravt.distributed import (
     Precision,
     all_gather_objects,
@@ -447,7 +448,6 @@ def resolve_model_path(cfg: Any, given: str) -> str:
     (``runs/train/default``) means its newest checkpoint. Raises ``ConfigError`` when a given
     path is not a directory, is neither an HF model nor a run with checkpoints, or there is no
     checkpoint (the model is untrained)."""
-    from paravt.config import ConfigError
 
     path = given or cfg.model.path
     if path:

@@ -31,9 +31,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from paravt.checkpoint import weights_fingerprint
 from paravt.config import Config, ConfigError, to_dict
+from paravt.distributed import DistContext, broadcast_object
 from paravt.files import write_atomic
 from paravt.metrics import read_metrics
+from paravt.models.tiny import tiny_checkpoint_args
 
 RUN_FILE = "run.json"
 CONFIG_FILE = "config.yaml"
@@ -83,7 +86,6 @@ def sft_resume_file(sft_dir: str | Path) -> Path:
 def base_model_dir(cfg: Config) -> str:
     """The model a run starts from (before its SFT): ``model.path`` or the tiny model's
     directory (``paravt.assets.prepare_model``)."""
-    from paravt.models.tiny import tiny_checkpoint_args
 
     return cfg.model.path or tiny_checkpoint_args(cfg)[0]
 
@@ -91,7 +93,6 @@ def base_model_dir(cfg: Config) -> str:
 def run_record(cfg: Config) -> dict[str, Any]:
     """What ``run.json`` holds: the resolved configuration, the starting model's directory and
     its files' fingerprint ("" while the tiny model is not built yet)."""
-    from paravt.checkpoint import weights_fingerprint
 
     model = base_model_dir(cfg)
     weights = weights_fingerprint(model) if (Path(model) / "config.json").is_file() else ""
@@ -261,7 +262,6 @@ def logged_eval(
     a resumed run logged already instead of logging it twice. Collective with ``ctx``: rank 0
     (the one that writes the file) reads it and every rank gets its answer, so all ranks
     evaluate or none does."""
-    from paravt.distributed import DistContext, broadcast_object
 
     rows: list[dict[str, Any]] = []
     ctx = ctx or DistContext()
