@@ -23,9 +23,9 @@ import time
 import pytest
 import torch
 
+from paravt.engines.engine import GenerationRequest, SamplingParams
+from paravt.engines.hf import HFEngine
 from paravt.models import build_tiny_checkpoint, load_model
-from paravt.rollout.engine import GenerationRequest, SamplingParams
-from paravt.rollout.hf import HFEngine
 from paravt.vision.preprocess import encode_clip
 
 BATCH, NEW_TOKENS = 8, 32

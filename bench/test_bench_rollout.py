@@ -28,9 +28,9 @@ from paravt.agent import AgentRunner
 from paravt.config import load_config
 from paravt.data.readers import load_samples
 from paravt.data.synth import generate
+from paravt.engines.engine import GenerationResult
+from paravt.engines.hf import HFEngine
 from paravt.models import build_tiny_checkpoint, load_model
-from paravt.rollout.engine import GenerationResult
-from paravt.rollout.hf import HFEngine
 
 PROMPTS, G = 4, 2
 WINDOWS = ((4.0, 10.0), (20.0, 28.0), (40.0, 46.0))

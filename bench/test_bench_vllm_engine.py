@@ -4,7 +4,7 @@ What is measured: episodes/s of ``AgentRunner.rollout`` (the trainer's rollout: 
 crops decoded by the planner, ONE batched sub-agent call per turn) with each engine on the
 tiny Qwen3-VL's vLLM variant (head_dim 32, fp32, CPU) and the synthetic task: PROMPTS prompts
 x G, K overview frames, sub-agents 16 new tokens. Main agents replay the task's oracle turns
-(``paravt.rollout.oracle.OracleMainEngine``: an untrained model would never call a tool), so
+(``paravt.engines.oracle.OracleMainEngine``: an untrained model would never call a tool), so
 both engines serve exactly the same sub-agent requests (three crops per episode); a second
 pass lets the real model also generate every main-agent turn (``max_new_tokens`` 32, no
 oracle), which both engines sample themselves (token counts reported).
@@ -27,10 +27,10 @@ from paravt.agent import AgentRunner
 from paravt.config import load_config
 from paravt.data.readers import load_samples
 from paravt.data.synth import generate
+from paravt.engines.hf import HFEngine
+from paravt.engines.oracle import OracleMainEngine, load_oracle
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.models.tiny import TINY_VLLM_HEAD_DIM
-from paravt.rollout.hf import HFEngine
-from paravt.rollout.oracle import OracleMainEngine, load_oracle
 
 PROMPTS, G, K = 4, 4, 8
 
@@ -54,7 +54,7 @@ def setup(tmp_path_factory):
             "video.crop_max_frames=4",
         ],
     )
-    from paravt.rollout.vllm import VLLMEngine
+    from paravt.engines.vllm import VLLMEngine
 
     engines = {
         "hf": HFEngine(bundle, seed=0),

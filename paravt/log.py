@@ -10,7 +10,7 @@ WARNING and above on stderr, flushed at once. What changes:
   sets how much is said; ``WARNING`` leaves a run's warnings and errors only.
 * **Libraries stay quiet.** vLLM's own INFO chatter (engine start-up, every weight reload) is
   raised to WARNING unless ``PARAVT_LOG_LEVEL=DEBUG`` or ``VLLM_LOGGING_LEVEL`` asks for it
-  (``quiet_libraries``, called by ``paravt.rollout.vllm`` before vLLM is imported).
+  (``quiet_libraries``, called by ``paravt.engines.vllm`` before vLLM is imported).
 
 The handlers look up ``sys.stdout`` / ``sys.stderr`` when they write, not when they are made,
 so a redirected stream (pytest's capture, ``contextlib.redirect_stdout``) gets the messages.

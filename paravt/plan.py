@@ -72,6 +72,7 @@ from paravt.agent.context import tool_turn_max_tokens
 from paravt.algo.loss import make_objective
 from paravt.config import Config, ConfigError, ConfigHelpParser, load_config, validate
 from paravt.distributed import block_classes, resolve_device
+from paravt.engines import engine_spec
 from paravt.log import get_logger
 from paravt.models.loader import freeze_vit
 from paravt.models.tiny import (
@@ -81,7 +82,6 @@ from paravt.models.tiny import (
     tiny_checkpoint_args,
     tiny_config,
 )
-from paravt.rollout import engine_spec
 
 log = get_logger(__name__)
 

@@ -29,8 +29,8 @@ from paravt.algo.gating import step_budgets
 from paravt.config import Config
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import DistContext, Precision, full_weights, is_sharded, shard_list
+from paravt.engines.engine import Engine
 from paravt.preempt import Preemption
-from paravt.rollout.engine import Engine
 from paravt.types import RolloutBatch, Sample
 
 

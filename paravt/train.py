@@ -22,7 +22,7 @@ One RL step (``train_step``, its numbered steps)::
 
 No ``(tokens, vocab)`` logits exist anywhere in a step's log-prob passes: only the rows whose
 next token is trained meet the lm_head weight, inside the fused kernels. ``rollout.engine``:
-``hf`` (paravt's decode loop) or ``vllm`` (an in-process vLLM engine, ``paravt.rollout.vllm``;
+``hf`` (paravt's decode loop) or ``vllm`` (an in-process vLLM engine, ``paravt.engines.vllm``;
 its weights are pushed after every step; on a GPU it sleeps during the update).
 
 This file keeps the run and the step; the stages around them live a floor below, each in
@@ -96,6 +96,7 @@ from paravt.distributed import (
     shard_model,
     world_size_from_env,
 )
+from paravt.engines import engine_spec, make_engine
 from paravt.eval.heldout import evaluate, table_rows
 from paravt.files import FolderBusy, NotRegularFile, claim_folder, write_atomic
 from paravt.log import ALL_RANKS, get_logger
@@ -116,7 +117,6 @@ from paravt.models.loader import freeze_vit
 from paravt.plan import check_device_memory
 from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.rewards import score_groups
-from paravt.rollout import engine_spec, make_engine
 from paravt.rollout_source import LocalRollout, RolloutSource
 from paravt.runfolder import check_run_folder, logged_eval, record_run
 from paravt.sft import run_sft

@@ -20,10 +20,10 @@ from paravt.algo.reference import ReferencePolicy
 from paravt.config import Config
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import DistContext
+from paravt.engines.engine import Engine
 from paravt.metrics import MetricsLogger, ThumbnailStore
 from paravt.models import ModelBundle
 from paravt.preempt import Preemption
-from paravt.rollout.engine import Engine
 from paravt.rollout_source import RolloutSource
 from paravt.types import Sample, VideoMeta
 

@@ -19,9 +19,9 @@ from paravt.agent.context import context_budget_errors
 from paravt.agent.tools import load_tools
 from paravt.config import Config, ConfigError
 from paravt.distributed import resolve_device
+from paravt.engines import engine_missing
 from paravt.models.tiny import model_dir_of
 from paravt.rewards.compose import load_terms
-from paravt.rollout import engine_missing
 
 
 def validate_run(cfg: Config, world_size: int) -> None:

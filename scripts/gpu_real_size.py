@@ -10,7 +10,7 @@ checkpoint, the engine) and runs ``train.steps`` calls of ``paravt.train.train_s
 adds is measurement only:
 
 - the main agents' turns come from the synthetic task's oracle
-  (``paravt.rollout.oracle.OracleMainEngine``; ``--no-oracle`` turns this off): a
+  (``paravt.engines.oracle.OracleMainEngine``; ``--no-oracle`` turns this off): a
   random-initialised model never writes a tool call, so without it no crop, sub-agent or crop
   decode would run. Sub-agents generate with the real engine. Only prompts whose oracle calls
   the tool are drawn, and the run counts the tool calls, crops and sub-agent trajectories of
@@ -156,7 +156,7 @@ def fixed_generation(engine: Any, batch: int, prompt: int, new: int, seed: int) 
     """The engine's generation alone: ``batch`` text prompts of ``prompt`` token ids (plain
     ids of the tiny tokenizer's range, no special token) and ``new`` new tokens each. A
     random model may still sample a stop token: the tokens actually generated are counted."""
-    from paravt.rollout.engine import GenerationRequest, SamplingParams
+    from paravt.engines.engine import GenerationRequest, SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     reqs = [
@@ -308,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     from paravt.assets import prepare_data
     from paravt.data.sampler import PromptSampler
     from paravt.distributed import init_distributed
+    from paravt.engines.oracle import OracleMainEngine, load_oracle
     from paravt.plan import check_device_memory
-    from paravt.rollout.oracle import OracleMainEngine, load_oracle
     from paravt.validate import validate_run
 
     cfg, _ = train.parse_args(rest)

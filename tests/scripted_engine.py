@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from assets_task import ASSETS_TASK
 
-from paravt.rollout.engine import GenerationRequest, GenerationResult
+from paravt.engines.engine import GenerationRequest, GenerationResult
 
 
 class ScriptedFirstTurn:

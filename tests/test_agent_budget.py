@@ -18,10 +18,10 @@ from test_agent_hostile import IdEngine, _cfg, _check_trajectory, _hostile_turn
 
 from paravt.agent import AgentRunner
 from paravt.agent.context import TextCache, tool_turn_max_tokens
+from paravt.engines.engine import GenerationRequest, GenerationResult, context_limit
+from paravt.engines.hf import HFEngine
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.models.tiny import QWEN_SPECIAL, TAG_TOKENS
-from paravt.rollout.engine import GenerationRequest, GenerationResult, context_limit
-from paravt.rollout.hf import HFEngine
 from paravt.types import RolloutStats, Sample
 from paravt.video import DecodePlanner
 

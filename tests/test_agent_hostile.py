@@ -19,10 +19,10 @@ import pytest
 from paravt.agent import AgentRunner
 from paravt.agent.context import TextCache
 from paravt.config import load_config
+from paravt.engines.engine import GenerationRequest, GenerationResult
 from paravt.models import SpecialTokens, build_tiny_tokenizer
 from paravt.models.loader import ModelBundle
 from paravt.models.tiny import QWEN_SPECIAL, TAG_TOKENS
-from paravt.rollout.engine import GenerationRequest, GenerationResult
 from paravt.types import Sample, ToolCallStatus, Trajectory
 from paravt.video import DecodePlanner
 from paravt.vision.patchify import VisionSpec

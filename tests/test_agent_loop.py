@@ -16,10 +16,10 @@ import torch
 
 from paravt.agent import AgentRunner, encode_oracle_sub_trajectories, encode_oracle_trajectory
 from paravt.config import load_config
+from paravt.engines.engine import GenerationRequest, GenerationResult
 from paravt.models import SpecialTokens, build_tiny_tokenizer
 from paravt.models.loader import ModelBundle
 from paravt.rewards import score_groups
-from paravt.rollout.engine import GenerationRequest, GenerationResult
 from paravt.types import Sample, Trajectory
 from paravt.video import DecodePlanner
 from paravt.vision.patchify import VisionSpec

@@ -16,10 +16,10 @@ from paravt.agent import AgentRunner, encode_oracle_trajectory
 from paravt.algo.logprobs import sequence_logprobs
 from paravt.config import load_config
 from paravt.data.readers import load_samples
+from paravt.engines.engine import GenerationRequest
+from paravt.engines.hf import HFEngine
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.rewards import score, score_groups
-from paravt.rollout.engine import GenerationRequest
-from paravt.rollout.hf import HFEngine
 from paravt.types import Trajectory
 from paravt.video import DecodePlanner
 from paravt.vision.preprocess import check_visual_tokens
@@ -99,7 +99,7 @@ class _ScriptedMainRealSub:
         subs = [r for r in requests if ":t" in r.request_id]
         if subs:
             return self.real.generate(requests)
-        from paravt.rollout.engine import GenerationResult
+        from paravt.engines.engine import GenerationResult
 
         ids = self.tok.encode(self.text, add_special_tokens=False) + [
             self.tok.convert_tokens_to_ids("<|im_end|>")

@@ -139,8 +139,8 @@ def test_the_floor_table_is_the_import_graph() -> None:
     fmap = parse_map(DOC.read_text())
     edges = _edges()
     assert fmap.floors["train.py"] == (5, "commands")  # the parse works
-    assert fmap.floors["rollout/__init__.py"][0] == 0 and len(fmap.rules) == 3
-    assert place(fmap, "paravt.rollout.hf")[:2] == ("rollout/", 3)  # folder under a file entry
+    assert fmap.floors["engines/__init__.py"][0] == 0 and len(fmap.rules) == 3
+    assert place(fmap, "paravt.engines.hf")[:2] == ("engines/", 3)  # folder under a file entry
     problems = check(fmap, edges)
     assert not problems, "docs/ARCHITECTURE.md disagrees with the code:\n" + "\n".join(problems)
 
@@ -164,9 +164,9 @@ BROKEN = {
     ),
     # a lazy import counts: config imports the engine registry inside a function only
     "upward lazy": (
-        lambda m: _move(m, "rollout/__init__.py", 3),
+        lambda m: _move(m, "engines/__init__.py", 3),
         "paravt.config (floor 0, records + registries, placed by config.py) imports "
-        "paravt.rollout (floor 3, moved, placed by rollout/__init__.py) at line ",
+        "paravt.engines (floor 3, moved, placed by engines/__init__.py) at line ",
     ),
     "unplaced": (
         lambda m: m.floors.pop("view.py"),

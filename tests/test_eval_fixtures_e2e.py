@@ -12,11 +12,11 @@ from eval_fixtures import expected_samples, write_benchmark
 
 from paravt.agent import AgentRunner
 from paravt.config import load_config
+from paravt.engines.engine import GenerationResult
+from paravt.engines.oracle import OracleMainEngine
 from paravt.eval.benchmarks import BENCHMARKS, load_benchmark
 from paravt.eval.runner import EvalSettings, run_eval
 from paravt.models import load_model
-from paravt.rollout.engine import GenerationResult
-from paravt.rollout.oracle import OracleMainEngine
 
 CROP = '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": 1, "end_time": 5}}\n</tool_call>'
 BAD_JSON = "<tool_call>\n{not json\n</tool_call>"

@@ -16,12 +16,12 @@ import pytest
 
 from paravt.agent import AgentRunner
 from paravt.config import load_config
+from paravt.engines.hf import HFEngine
+from paravt.engines.oracle import OracleMainEngine, load_oracle
 from paravt.eval.__main__ import main
 from paravt.eval.benchmarks import load_benchmark
 from paravt.eval.runner import EvalSettings, load_results, run_eval
 from paravt.models import load_model
-from paravt.rollout.hf import HFEngine
-from paravt.rollout.oracle import OracleMainEngine, load_oracle
 
 FAST = ["rollout.max_new_tokens=24", "rollout.sub_max_new_tokens=8", "video.crop_max_frames=4"]
 
@@ -487,9 +487,9 @@ def test_frames_over_the_context_are_refused_before_any_sample(
 def test_an_eval_of_only_engine_errors_exits_nonzero(
     assets, synth_dir, tmp_path, capsys, monkeypatch
 ):
-    import paravt.rollout
+    import paravt.engines
 
-    monkeypatch.setattr(paravt.rollout, "make_engine", lambda cfg, bundle: _Boom())
+    monkeypatch.setattr(paravt.engines, "make_engine", lambda cfg, bundle: _Boom())
     out = tmp_path / "out"
     assert main(_cli(synth_dir, assets["model"], out, "--limit", "2")) == 1
     err = capsys.readouterr().err

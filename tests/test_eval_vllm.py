@@ -14,11 +14,11 @@ from vllm_required import skip_without_vllm
 
 from paravt.agent import AgentRunner
 from paravt.config import load_config
+from paravt.engines.hf import HFEngine
 from paravt.eval.__main__ import main
 from paravt.eval.benchmarks import load_benchmark
 from paravt.eval.runner import EvalSettings, run_eval
 from paravt.models import load_model
-from paravt.rollout.hf import HFEngine
 
 NO_VLLM, pytestmark = skip_without_vllm("the vLLM evaluation tests")
 
@@ -45,7 +45,7 @@ def bundle(tiny32_dir):
 
 @pytest.fixture(scope="module")
 def vllm_engine(bundle):
-    from paravt.rollout.vllm import VLLMEngine
+    from paravt.engines.vllm import VLLMEngine
 
     eng = VLLMEngine(bundle, load_config("tiny_cpu", overrides=GREEDY))
     yield eng
@@ -90,7 +90,7 @@ def test_cli_engine_vllm(tiny32_dir, synth_dir, tmp_path, capsys):
 
 
 def test_head_size_vllm_cpu_cannot_run_is_refused_before_start(assets):
-    from paravt.rollout.vllm import VLLMEngine
+    from paravt.engines.vllm import VLLMEngine
 
     head16 = load_model(assets["model"], device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="head size 16.*model.tiny_head_dim=32"):

@@ -129,7 +129,7 @@ def test_no_second_training_loop_under_paravt_experiments() -> None:
     import ast
 
     pkg = Path(__file__).resolve().parents[1] / "paravt" / "experiments"
-    stages = ("paravt.agent", "paravt.rollout", "paravt.algo", "paravt.eval", "paravt.workers")
+    stages = ("paravt.agent", "paravt.engines", "paravt.algo", "paravt.eval", "paravt.workers")
     seen = set()
     for path in sorted(pkg.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -89,10 +89,10 @@ def test_every_jsonl_reader_keeps_a_row_with_unicode_line_separators(synth_dir, 
     """load_benchmark("synth"), the dataset reader, read_sft_records, the oracle engine's
     load_oracle and read_metrics split on "\\n" only (paravt.files.jsonl_lines)."""
     from paravt.data import load_samples
+    from paravt.engines.oracle import load_oracle
     from paravt.eval.benchmarks import load_benchmark
     from paravt.files import read_jsonl
     from paravt.metrics import read_metrics
-    from paravt.rollout.oracle import load_oracle
     from paravt.sft import read_sft_records
 
     d = tmp_path / "task"

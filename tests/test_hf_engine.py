@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from paravt.algo.logprobs import sequence_logprobs
+from paravt.engines.engine import Engine, GenerationRequest, SamplingParams
+from paravt.engines.hf import HFEngine
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.models.sampling import top_p_filter
-from paravt.rollout.engine import Engine, GenerationRequest, SamplingParams
-from paravt.rollout.hf import HFEngine
 from paravt.vision.preprocess import encode_clip
 
 TOL = 1e-4  # behaviour vs teacher-forced log-prob (float32, batched sdpa vs unpadded)
@@ -462,7 +462,7 @@ def test_shared_prefix_equals_unshared(bundle):
     assert off.stats["prefill_tokens"] == total and off.stats["prefill_tokens_shared"] == 0
     # rollout.share_prefix reaches the engine the trainer builds
     from paravt.config import load_config
-    from paravt.rollout.hf import from_config
+    from paravt.engines.hf import from_config
 
     for flag in (True, False):
         cfg = load_config("tiny_cpu", overrides=[f"rollout.share_prefix={str(flag).lower()}"])

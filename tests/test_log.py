@@ -86,7 +86,7 @@ def test_two_ranks_one_voice(tmp_path) -> None:
     assert sorted(x for x in lines if x.endswith(" here")) == ["rank 0 here", "rank 1 here"]
 
 
-@pytest.mark.parametrize("name", ["paravt.train", "paravt.checkpoint", "paravt.rollout.vllm"])
+@pytest.mark.parametrize("name", ["paravt.train", "paravt.checkpoint", "paravt.engines.vllm"])
 def test_modules_log_through_it(name: str) -> None:
     """The modules that said things with ``print`` now say them through ``paravt``'s logger."""
     import importlib

@@ -341,10 +341,10 @@ def test_the_engine_terms_come_from_the_engine_registry(monkeypatch) -> None:
     an engine registered under another name with a device-share key gets the reserve term on a
     GPU (given back in the update when its sleep key is on) and its own weights + KV cache on a
     CPU; one without gets the HF replica terms."""
-    from paravt.rollout import ENGINES, EngineSpec
+    from paravt.engines import ENGINES, EngineSpec
 
     spec = EngineSpec(
-        "other", "paravt.rollout.hf:from_config", "Other", own_weights=True,
+        "other", "paravt.engines.hf:from_config", "Other", own_weights=True,
         device_share_key="vllm_gpu_memory_utilization", sleep_key="vllm_sleep",
         cpu_kv_cache_key="vllm_kv_cache_gib",
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """The engine and benchmark registries: a new engine or benchmark is its module plus one entry
-(``paravt.rollout.ENGINES``, ``paravt.eval.benchmarks.BENCHMARK_SPECS``), and every stage that
+(``paravt.engines.ENGINES``, ``paravt.eval.benchmarks.BENCHMARK_SPECS``), and every stage that
 names engines or benchmarks reads the entry, not a spelled-out name."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from paravt.config import ConfigError, load_config
+from paravt.engines import ENGINES, EngineSpec, engine_missing, make_engine
 from paravt.eval.__main__ import parse_args
 from paravt.eval.benchmarks import BENCHMARK_SPECS, Benchmark, benchmark_headline, load_benchmark
 from paravt.eval.runner import settings_metric
 from paravt.eval.scoring import summarize
 from paravt.models.tiny import tiny_checkpoint_args
-from paravt.rollout import ENGINES, EngineSpec, engine_missing, make_engine
 from paravt.types import Sample
 
 
@@ -23,9 +23,9 @@ def test_a_registered_engine_is_accepted_everywhere_the_names_are_read(monkeypat
         load_config(overrides=["rollout.engine=fake"])
     spec = EngineSpec(
         "fake",
-        "paravt.rollout.hf:from_config",
+        "paravt.engines.hf:from_config",
         "Fake",
-        missing="paravt.rollout.no_such_module:missing",
+        missing="paravt.engines.no_such_module:missing",
         min_head_dim=48,
     )
     monkeypatch.setitem(ENGINES, "fake", spec)

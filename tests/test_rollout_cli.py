@@ -6,8 +6,9 @@ import re
 import subprocess
 import sys
 
-from paravt.rollout.__main__ import main
-from paravt.rollout.oracle import OracleMainEngine
+from paravt.rollout import main
+
+from paravt.engines.oracle import OracleMainEngine
 
 
 def test_cli_prints_turns_calls_crops_rewards(synth_dir, tmp_path):

@@ -19,10 +19,10 @@ def test_a_question_longer_than_the_context_is_an_error_row_of_its_own(
     from test_eval_runner import FAST, _settings
 
     from paravt.agent.loop import AgentRunner
+    from paravt.engines.hf import HFEngine
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import RETRYABLE, load_results, run_eval
     from paravt.models import load_model
-    from paravt.rollout.hf import HFEngine
 
     tiny = load_model(assets["model"], dtype="float32", device="cpu")
     cfg = load_config("tiny_cpu", overrides=FAST)
@@ -103,10 +103,10 @@ def test_an_extreme_aspect_ratio_is_not_a_retryable_engine_error(
     from test_eval_runner import FAST, _settings
 
     from paravt.agent.loop import AgentRunner
+    from paravt.engines.hf import HFEngine
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import RETRYABLE, load_results, run_eval
     from paravt.models import load_model
-    from paravt.rollout.hf import HFEngine
 
     tiny = load_model(assets["model"], dtype="float32", device="cpu")
     cfg = load_config("tiny_cpu", overrides=FAST)

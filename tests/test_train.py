@@ -106,8 +106,8 @@ def test_frame_budget_reaches_the_prompt(assets, tmp_path, gating: bool) -> None
     from paravt.agent.loop import AgentRunner
     from paravt.algo.gating import frame_budget
     from paravt.data.readers import load_samples
+    from paravt.engines.hf import HFEngine
     from paravt.models import load_model
-    from paravt.rollout.hf import HFEngine
 
     cfg = load_config(
         overrides=small_overrides(
@@ -305,7 +305,7 @@ def test_vllm_engine_without_vllm_fails_before_loading(tmp_path, monkeypatch) ->
     from paravt.validate import validate_run
 
     why = "ModuleNotFoundError: No module named 'vllm'"
-    monkeypatch.setattr("paravt.rollout.vllm.vllm_available", lambda: (False, why))
+    monkeypatch.setattr("paravt.engines.vllm.vllm_available", lambda: (False, why))
     cfg = load_config(overrides=["rollout.engine=vllm", f"train.out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"rollout\.engine=vllm needs vLLM.*rollout\.engine=hf"):
         validate_run(cfg, world_size=1)

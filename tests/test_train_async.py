@@ -43,9 +43,9 @@ SCRIPTED_MAIN = f"""
 import json, sys
 sys.path.insert(0, {str(TESTS)!r})
 from scripted_engine import own_score
-from paravt.rollout import ENGINES, EngineSpec
-from paravt.rollout.engine import GenerationResult
-import paravt.rollout.hf as hf
+from paravt.engines import ENGINES, EngineSpec
+from paravt.engines.engine import GenerationResult
+import paravt.engines.hf as hf
 
 CALLS = "x\\n</think>\\n" + "\\n".join(
     "<tool_call>\\n" + json.dumps({{"name": "crop_video",

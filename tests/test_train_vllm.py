@@ -37,7 +37,7 @@ def test_vllm_first_minibatch_ratios_are_one_and_weights_follow_the_step(
     assets, tmp_path, monkeypatch
 ):
     import paravt.algo.loss as loss_mod
-    from paravt.rollout.vllm import VLLMEngine
+    from paravt.engines.vllm import VLLMEngine
     from paravt.train import train_step
 
     tr = scripted_trainer(
@@ -101,7 +101,7 @@ def test_vllm_first_minibatch_ratios_are_one_and_weights_follow_the_step(
     print(f"max |ratio - 1| over main and sub rows (T {MAIN_T}/{SUB_T}): {worst:.2e}")
 
     # The step's update reached vLLM: its log-probs are the updated policy's, not the old one's.
-    from paravt.rollout.engine import GenerationRequest, SamplingParams
+    from paravt.engines.engine import GenerationRequest, SamplingParams
 
     tok = tr.bundle.tokenizer
     ids = tok.encode("<|im_start|>user\nWhat happens?<|im_end|>\n<|im_start|>assistant\n")

@@ -159,10 +159,10 @@ def test_an_eval_finishes_with_the_stalled_video_as_an_error_row(
     eval completes, that sample is an error row (kind ``video``, retried on resume), the others
     are evaluated."""
     from paravt.agent import AgentRunner
+    from paravt.engines.hf import HFEngine
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import EvalSettings, load_results, run_eval
     from paravt.models import load_model
-    from paravt.rollout.hf import HFEngine
 
     cfg = load_config(
         "tiny_cpu",

@@ -429,11 +429,11 @@ def test_viewer_assets_at_the_cap_stay_under_20_mb(run_dir, tmp_path) -> None:
 def test_eval_folder_renders(assets, browser, tmp_path) -> None:
     """A real ``paravt.eval`` folder (oracle main agent: real crops and sub-agents)."""
     from paravt.agent import AgentRunner
+    from paravt.engines.hf import HFEngine
+    from paravt.engines.oracle import OracleMainEngine, load_oracle
     from paravt.eval.benchmarks import load_benchmark
     from paravt.eval.runner import EvalSettings, run_eval
     from paravt.models import load_model
-    from paravt.rollout.hf import HFEngine
-    from paravt.rollout.oracle import OracleMainEngine, load_oracle
 
     task = tmp_path / "task"
     task.mkdir()

@@ -53,7 +53,7 @@ class HostileOverVLLM:
 
 
 def test_hostile_turns_never_fail_vllm(tiny32_dir, make_clip) -> None:
-    from paravt.rollout.vllm import VLLMEngine
+    from paravt.engines.vllm import VLLMEngine
 
     bundle = load_model(tiny32_dir, device="cpu", dtype="float32")
     tok = bundle.tokenizer

@@ -24,9 +24,9 @@ from vllm_required import skip_without_vllm
 from paravt.agent.context import TextCache, add_tool_turn, encode_frames_batch, main_prompt
 from paravt.agent.context import sub_prompt as make_sub_prompt
 from paravt.algo.logprobs import sequence_logprobs
+from paravt.engines.engine import Engine, GenerationRequest, SamplingParams
+from paravt.engines.hf import HFEngine
 from paravt.models import load_model
-from paravt.rollout.engine import Engine, GenerationRequest, SamplingParams
-from paravt.rollout.hf import HFEngine
 
 TOL = 1e-4  # issue 12: vLLM sampled-token log-prob vs HF teacher forcing (fp32)
 
@@ -40,7 +40,7 @@ def bundle(tiny32_dir):
 
 @pytest.fixture(scope="module")
 def engine(bundle):
-    from paravt.rollout.vllm import VLLMEngine, vllm_available
+    from paravt.engines.vllm import VLLMEngine, vllm_available
 
     ok, why = vllm_available()
     if not ok:

@@ -27,7 +27,7 @@ from paravt.agent.context import Clip, Context, encode_frames_batch
 from paravt.agent.encoder import AgentEncoder
 from paravt.agent.subagent import SubOutcome, run_sub_agents
 from paravt.agent.tools import ToolFailure
-from paravt.rollout.engine import Engine, context_limit
+from paravt.engines.engine import Engine, context_limit
 from paravt.types import RolloutStats, Sample, ToolCall, ToolCallStatus, Trajectory, Turn, VideoMeta
 
 

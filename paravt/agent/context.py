@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from paravt.agent import prompts
-from paravt.rollout import ENGINES
-from paravt.rollout.engine import GenerationRequest, SamplingParams
+from paravt.engines import ENGINES
+from paravt.engines.engine import GenerationRequest, SamplingParams
 from paravt.types import Trajectory, VisualInputs
 from paravt.vision.preprocess import encode_clips
 
@@ -363,7 +363,7 @@ def tool_turn_max_tokens(max_parallel: int, max_tool_response_tokens: int) -> in
 def context_budget_errors(cfg: Any, model_dir: Path) -> list[str]:
     """K (frames) × visual tokens per frame + generation must fit the context: the model's
     max_position_embeddings, or with an engine that caps its own context
-    (``paravt.rollout.EngineSpec.max_model_len_key``; ``rollout.engine=vllm``) that cap
+    (``paravt.engines.EngineSpec.max_model_len_key``; ``rollout.engine=vllm``) that cap
     (``rollout.vllm_max_model_len``, 0: the model's capped at ``VLLM_DEFAULT_MAX_MODEL_LEN``),
     which vLLM would otherwise enforce by failing every over-long request mid-run.
 

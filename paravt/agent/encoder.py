@@ -32,7 +32,7 @@ from paravt.agent.context import (
 from paravt.agent.parser import parse_tool_calls
 from paravt.agent.tools import ToolBox, ToolFailure, load_tools
 from paravt.config import Config
-from paravt.rollout.engine import SamplingParams
+from paravt.engines.engine import SamplingParams
 from paravt.types import FrameRequest, Sample, ToolCall, Trajectory, Turn, VideoMeta
 from paravt.video import (
     DecodePlanner,

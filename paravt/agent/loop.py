@@ -21,7 +21,7 @@ calls continues even if it also wrote an ``<answer>`` (accuracy reads the last c
 A turn cut by the length cap is closed with a forced ``<|im_end|>`` (mask 0) before the tool
 responses, so the next turn starts from well-formed chat markup.
 
-No request ever passes the engine's context (``paravt.rollout.engine.context_limit``; vLLM
+No request ever passes the engine's context (``paravt.engines.engine.context_limit``; vLLM
 fails the whole batch on one such request): a tool turn that would not fit forces the answer
 early, an answer that would not fit is cut to what fits, and an episode with no room left ends
 without an answer — each counted (``context_forced_answers``, ``context_cut_answers``,
@@ -61,7 +61,7 @@ from paravt.agent.encoder import (  # noqa: F401  (re-exported: older import pat
 from paravt.agent.encoder import frame_times as _times  # noqa: F401  (tests/test_view.py)
 from paravt.agent.tools import ToolBox
 from paravt.config import Config
-from paravt.rollout.engine import Engine, GenerationResult, SamplingParams, context_limit
+from paravt.engines.engine import Engine, GenerationResult, SamplingParams, context_limit
 from paravt.types import Group, RolloutStats, Sample, Trajectory, Turn, VideoMeta
 from paravt.video import DecodePlanner, VideoError, VideoUnsupported
 
@@ -281,7 +281,7 @@ class AgentRunner:
         self, e: _Episode, turn: int, seed: int, st: RolloutStats
     ) -> tuple[str, bool, SamplingParams] | None:
         """This turn's forced prefix, whether it forces the answer, and its sampling — within
-        the engine's context (``paravt.rollout.engine.context_limit``); None when the episode
+        the engine's context (``paravt.engines.engine.context_limit``); None when the episode
         ends here for want of room.
 
         A request must never pass the context: vLLM fails the whole call (and the training

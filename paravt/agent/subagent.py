@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from paravt.rollout.engine import Engine, GenerationRequest, GenerationResult
+from paravt.engines.engine import Engine, GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
 

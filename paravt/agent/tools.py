@@ -12,7 +12,7 @@ writes only what differs. ``paravt.agent.crop`` (``crop_video``) is the built-in
 Tools are named in the config by ``module:attr`` (``agent.tools``, default
 ``["paravt.agent.crop:CROP"]``) and resolved here (``paravt.config.resolve_plugin``,
 ``importlib``): a tool module is no import edge of paravt (as an engine of
-``paravt.rollout.ENGINES`` is not). The attribute is a :class:`Tool` instance or a class /
+``paravt.engines.ENGINES`` is not). The attribute is a :class:`Tool` instance or a class /
 factory called with no argument.
 
 Contract: :meth:`Tool.check` and :meth:`Tool.plan` never raise for what the model wrote — a bad

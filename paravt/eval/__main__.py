@@ -53,8 +53,8 @@ EVAL_DEFAULTS = (
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # lazy: the refusals answer before transformers and the model load
+    from paravt.engines import ENGINES
     from paravt.eval.benchmarks import BENCHMARK_SPECS
-    from paravt.rollout import ENGINES
 
     ap = ConfigHelpParser(prog="python -m paravt.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--benchmark", required=True, choices=tuple(BENCHMARK_SPECS))
@@ -223,11 +223,11 @@ def _evaluate(
     # lazy: the refusals answer before transformers and the model load
     from paravt.agent import AgentRunner
     from paravt.distributed import cleanup, init_distributed
+    from paravt.engines import make_engine
     from paravt.eval.runner import EvalError, failed_run, run_eval, settings_refusal
     from paravt.files import NotRegularFile
     from paravt.metrics import DiskFullError
     from paravt.models import load_model_from_config
-    from paravt.rollout import make_engine
 
     # Refuse a mismatched resume before the model loads (run_eval checks again, on rank 0,
     # and writes run.json); every rank reads the same files, so all refuse together.

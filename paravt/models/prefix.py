@@ -177,7 +177,7 @@ def common_prefix(
     their longest common prefix of token ids and modality types, cut so that no visual
     segment is split (``clean_cut``) and ending before the first segment whose pixels differ
     (``visuals_equal``); ``k`` segments lie inside. One rule for the trainer's groups
-    (``prefix_groups``) and the HF engine's shared prefill (``paravt.rollout.hf``)."""
+    (``prefix_groups``) and the HF engine's shared prefill (``paravt.engines.hf``)."""
     p = min(limit, _common_prefix(ids_a, ids_b), _common_prefix(types_a, types_b))
     p, k = clean_cut(types_a, v_a, p)
     same = visuals_equal(v_a, v_b, k)

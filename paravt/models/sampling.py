@@ -1,7 +1,7 @@
 """The sampling distribution ``log_softmax(top_p(logits / T))``: one definition for the
 engine that samples from it and the trainer passes that score tokens under it.
 
-``paravt.rollout.hf.HFEngine`` draws tokens from it (its log-probs are the behaviour
+``paravt.engines.hf.HFEngine`` draws tokens from it (its log-probs are the behaviour
 log-probs of the PPO ratio); ``paravt.algo.logprobs`` uses it for ``top_p < 1`` rows (whose
 nucleus needs the sorted ``(n, V)`` logits) and ``paravt.algo.naive`` for every row. It sits
 below both stages so that neither imports the other.

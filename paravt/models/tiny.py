@@ -38,8 +38,8 @@ import torch
 
 from paravt.config import ConfigError
 from paravt.distributed import DTYPES
+from paravt.engines import ENGINES
 from paravt.models.loader import load_model_from_config, quiet_progress
-from paravt.rollout import ENGINES
 
 # Model vocabulary (embedding rows). The BPE learns up to TINY_VOCAB - len(SPECIAL_TOKENS)
 # tokens; unused rows stay as never-produced ids.
@@ -497,7 +497,7 @@ def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
     Config``) uses when ``model.path`` is empty.
 
     ``model.tiny_head_dim = 0`` means 16, or the engine's ``min_head_dim`` when larger
-    (``paravt.rollout.ENGINES``: 32 = ``TINY_VLLM_HEAD_DIM`` with ``rollout.engine=vllm``,
+    (``paravt.engines.ENGINES``: 32 = ``TINY_VLLM_HEAD_DIM`` with ``rollout.engine=vllm``,
     whose CPU attention needs head sizes >= 32). A head size other
     than 16 gets its own directory, ``model.tiny_dir + '-hd{N}'``, so that vLLM runs and HF
     runs sharing one ``tiny_dir`` never rebuild each other's model.

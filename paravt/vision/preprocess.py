@@ -166,7 +166,7 @@ def _layout(
     """The token span of one clip around its patchified pixels (``grid`` = ``(t, h, w)``).
 
     ``frames`` (uint8, what was patchified) and ``timestamps`` are kept on the visuals for
-    engines that preprocess themselves (``paravt.rollout.vllm``)."""
+    engines that preprocess themselves (``paravt.engines.vllm``)."""
     t, h, w = (int(x) for x in grid)
     per_patch = h * w // spec.merge_size**2
     vs = _token_id(tokenizer, "<|vision_start|>")

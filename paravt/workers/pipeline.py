@@ -53,8 +53,8 @@ import torch.distributed as dist
 
 from paravt.config import Config
 from paravt.distributed import DistContext, Precision, full_weights
+from paravt.engines.engine import Engine
 from paravt.log import get_logger
-from paravt.rollout.engine import Engine
 from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles

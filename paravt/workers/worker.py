@@ -37,9 +37,9 @@ import torch
 from paravt.agent.loop import AgentRunner
 from paravt.config import Config
 from paravt.distributed import DistContext
+from paravt.engines import make_engine
 from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
-from paravt.rollout import make_engine
 from paravt.workers.roles import AsyncRoles
 
 log = get_logger(__name__)

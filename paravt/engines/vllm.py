@@ -5,7 +5,7 @@
 distribution it was drawn from (``logprobs_mode="processed_logprobs"``: temperature and top-p
 applied; vLLM's default ``raw_logprobs`` ignores temperature, which would bias every PPO ratio),
 the finish reason (``'stop'`` | ``'length'``) and the text. Semantics follow
-``paravt.rollout.hf.HFEngine`` (the reference): the stop token (``<|im_end|>``, EOS or a
+``paravt.engines.hf.HFEngine`` (the reference): the stop token (``<|im_end|>``, EOS or a
 ``stop_token_ids`` entry) and a stop string are included in the output; greedy
 (``temperature == 0``) log-probs are ``log_softmax(logits)``; a request without a seed gets one
 derived from (engine seed, call counter, index), so a run reproduces from ``seed``.
@@ -69,10 +69,10 @@ from typing import Any
 
 import torch
 
+from paravt.engines import VLLM_DEFAULT_MAX_MODEL_LEN
+from paravt.engines.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.log import get_logger, quiet_libraries
 from paravt.models.loader import ModelBundle
-from paravt.rollout import VLLM_DEFAULT_MAX_MODEL_LEN
-from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import (
     MM_VIDEO,
@@ -117,7 +117,7 @@ def vllm_available() -> tuple[bool, str]:
 
 def vllm_missing() -> str | None:
     """Why ``rollout.engine=vllm`` cannot run here (vLLM does not import), with the fix;
-    None when it can (the engine's ``missing`` in ``paravt.rollout.ENGINES``: checked by
+    None when it can (the engine's ``missing`` in ``paravt.engines.ENGINES``: checked by
     ``paravt.validate.validate_run`` before anything loads and by ``make_engine``)."""
     ok, why = vllm_available()
     if ok:
@@ -129,7 +129,7 @@ def vllm_missing() -> str | None:
 
 
 def from_config(cfg: Any, bundle: ModelBundle) -> VLLMEngine:
-    """The engine ``rollout.engine=vllm`` builds (``paravt.rollout.make_engine``)."""
+    """The engine ``rollout.engine=vllm`` builds (``paravt.engines.make_engine``)."""
     return VLLMEngine(bundle, cfg)
 
 
@@ -144,7 +144,7 @@ class VLLMEngine:
             ``train.seed``); None for the defaults below.
         dtype: vLLM's parameter dtype (default ``model.dtype``, else the bundle's).
         max_model_len: context length (0: the model's ``max_position_embeddings``, capped at
-            ``paravt.rollout.VLLM_DEFAULT_MAX_MODEL_LEN``).
+            ``paravt.engines.VLLM_DEFAULT_MAX_MODEL_LEN``).
         max_num_seqs: sequences vLLM schedules at once (a turn larger than this is queued
             inside the same call).
         seed: engine seed (default ``train.seed``).
@@ -232,7 +232,7 @@ class VLLMEngine:
             VLLM_DEFAULT_MAX_MODEL_LEN,
         )
         #: vLLM fails any request whose prompt + max_tokens passes this; the agent loop keeps
-        #: requests within it (``paravt.rollout.engine.context_limit``).
+        #: requests within it (``paravt.engines.engine.context_limit``).
         self.max_model_len = int(mml)
         self.sleep_enabled = bool(on_cuda and pick(sleep, "vllm_sleep", True))
         self.tensor_parallel = int(pick(tensor_parallel_size, "vllm_tensor_parallel", 1))

@@ -2,8 +2,8 @@
 
 An engine turns prompt token ids (+ visual inputs) into new token ids and the log-prob of each
 under the *sampling* distribution (after temperature / top-p), which is what the PPO ratio's
-behaviour term needs. Implementations: ``paravt.rollout.hf.HFEngine`` (transformers, CPU/GPU)
-and ``paravt.rollout.vllm.VLLMEngine`` (an in-process vLLM engine; ``paravt.rollout.make_engine``
+behaviour term needs. Implementations: ``paravt.engines.hf.HFEngine`` (transformers, CPU/GPU)
+and ``paravt.engines.vllm.VLLMEngine`` (an in-process vLLM engine; ``paravt.engines.make_engine``
 picks one by ``rollout.engine``). Requests are independent; an engine may
 reorder internally but returns results in request order.
 """

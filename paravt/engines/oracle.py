@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from paravt.engines.engine import GenerationResult
 from paravt.files import read_jsonl
-from paravt.rollout.engine import GenerationResult
 
 
 class OracleMainEngine:

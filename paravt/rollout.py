@@ -30,11 +30,11 @@ from paravt.checkpoint import resolve_model_path, run_config
 from paravt.config import PRESETS, Config, ConfigError, load_config
 from paravt.data import resolve_data
 from paravt.data.readers import load_samples
+from paravt.engines import make_engine
+from paravt.engines.oracle import OracleMainEngine, load_oracle
 from paravt.log import get_logger
 from paravt.models import resolve_model
 from paravt.rewards import score_groups
-from paravt.rollout import make_engine
-from paravt.rollout.oracle import OracleMainEngine, load_oracle
 
 log = get_logger(__name__)
 

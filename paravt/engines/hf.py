@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
+from paravt.engines.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.models.loader import ModelBundle
 from paravt.models.prefix import clean_cut, common_prefix, split_visuals
 from paravt.models.sampling import sampling_logprobs
-from paravt.rollout.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.types import VisualInputs
 from paravt.vision.preprocess import check_visual_tokens, mm_token_types
 
@@ -172,7 +172,7 @@ def _share_plan(reqs: list[GenerationRequest], bundle: ModelBundle) -> _SharePla
 
 
 class HFEngine:
-    """Batched generation with transformers models (implements ``paravt.rollout.engine.Engine``).
+    """Batched generation with transformers models (implements ``paravt.engines.engine.Engine``).
 
     Args:
         bundle: the loaded model (``paravt.models.load_model``).
@@ -202,7 +202,7 @@ class HFEngine:
         self.bundle = bundle
         self.model = bundle.model
         text_cfg = getattr(self.model.config, "text_config", self.model.config)
-        #: Prompt + new tokens one request may span (``paravt.rollout.engine.context_limit``):
+        #: Prompt + new tokens one request may span (``paravt.engines.engine.context_limit``):
         #: the model's ``max_position_embeddings`` unless given; the agent loop keeps to it.
         self.max_model_len = int(
             max_model_len
@@ -686,7 +686,7 @@ class HFEngine:
 
 
 def from_config(cfg: Any, bundle: ModelBundle) -> HFEngine:
-    """The engine ``rollout.engine=hf`` builds (``paravt.rollout.make_engine``)."""
+    """The engine ``rollout.engine=hf`` builds (``paravt.engines.make_engine``)."""
     return HFEngine(
         bundle,
         max_batch_size=cfg.rollout.max_batch_size,
