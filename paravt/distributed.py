@@ -428,7 +428,8 @@ def cast_floats(
     state: dict[str, torch.Tensor], dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """``state`` with its floating-point tensors in ``dtype`` (None: unchanged): the masters
-    cast to the compute dtype for the HF export (``paravt.checkpoint.save_trainer``, SFT)."""
+    cast to the compute dtype for the SFT's HF export (``paravt.sft``; the trainer's
+    checkpoints cast shard by shard, ``gathered_state_dict``)."""
     if dtype is None:
         return state
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
