@@ -580,15 +580,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The ``trainer_state.pt`` of a checkpoint written by ``save_checkpoint``."""
+    """The ``trainer_state.pt`` of a checkpoint (``save_trainer``'s or ``save_checkpoint``'s):
+    step, scheduler, sampler position, RNG states; in a format-1 checkpoint also the full
+    optimizer state and masters (``load_train_state`` tells the formats apart)."""
     path = Path(ckpt_dir) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint '{ckpt_dir}' has no {STATE_FILE}; it is not a paravt training "
             "checkpoint (or was cut short) — pick another or start without --resume"
         )
-    # mmap: the masters and AdamW's moments (16 bytes a parameter) are paged in as they are
-    # copied into the model, not read into a second host copy first.
+    # mmap: a format-1 file's masters and AdamW's moments (16 bytes a parameter) are paged in
+    # as they are copied into the model, not read into a second host copy first.
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
