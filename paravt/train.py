@@ -39,7 +39,6 @@ import argparse
 import functools
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -196,9 +195,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
             "the trained weights and AdamW's moments are "
             f"{cfg.model.dtype}; an update smaller than half a {cfg.model.dtype} ulp of its "
             "weight rounds away (at lr 2e-6 most do: the policy barely moves). "
-            "train.master_dtype=float32 keeps float32 masters under the same compute.",
-            file=sys.stderr,
-            flush=True,
+            "train.master_dtype=float32 keeps float32 masters under the same compute."
         )
     st = load_trainer_state(ckpt) if ckpt is not None else None
     bundle = load(ckpt or init_dir, dtype=cfg.train.master_dtype)
