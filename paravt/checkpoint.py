@@ -3,15 +3,40 @@
 Layout (one directory per saved step, under ``<out_dir>/checkpoints``)::
 
     step_000004/
-      config.json, model.safetensors, tokenizer files ...   ← ``from_pretrained``-loadable
-                                                              (in the compute dtype, model.dtype)
-      trainer_state.pt                                      ← optimizer, scheduler, RNG, data
-                                                              (+ the float32 masters when
-                                                              train.master_dtype != model.dtype)
-    latest                                                  ← text file: "step_000004"
+      config.json, model.safetensors, tokenizer files ...   <- the exported model, written by
+                                                              rank 0: ``from_pretrained``-
+                                                              loadable in the compute dtype
+                                                              (model.dtype); what eval, vLLM
+                                                              and --resume's model load read
+      trainer_state.pt                                      <- rank 0, small: step, scheduler,
+                                                              sampler position ("data"), every
+                                                              rank's RNG states ("rng"),
+                                                              world_size, "format": 2
+      train_state/                                          <- the training state, sharded
+        .metadata                                              (torch.distributed.checkpoint):
+        __0_0.distcp, __1_0.distcp, ...                        AdamW's state ("optim") and,
+                                                              when train.master_dtype !=
+                                                              model.dtype, the float32 masters
+                                                              ("model"); each rank writes its
+                                                              own shards, in parallel
+    latest                                                  <- text file: "step_000004"
 
-Atomicity: a checkpoint is written into ``.tmp-step_000004`` and renamed into place with one
-``os.replace`` (atomic on POSIX within a file system), then ``latest`` is rewritten the same way.
+Who writes what (``save_trainer``, every rank): no rank gathers the optimizer state or the
+masters. Each rank writes its ``__<rank>_0.distcp`` (its FSDP2 shards) and rank 0 the
+``.metadata`` (``save_sharded``); the HF export is the only thing gathered, one tensor at a
+time and already cast to the compute dtype, onto rank 0 (``distributed.gathered_state_dict``).
+``--resume`` (``load_train_state``) reads each rank's pieces back onto any world size (DCP
+reshards: 2 ranks -> 1, 1 -> 2), into the FSDP2-sharded policy and its optimizer. The
+checkpoint folder must be on a file system every rank sees (as ``out_dir`` already is).
+
+Older checkpoints (format 1: no "format" key) held the full optimizer state ("optimizer") and
+the float32 masters ("masters") in ``trainer_state.pt``; ``load_train_state`` still resumes
+them, and ``read_train_state`` reads either format whole in one process (inspection, tests).
+
+Atomicity: a checkpoint is written into ``.tmp-step_000004`` (every rank's shards first, then
+rank 0's export and ``trainer_state.pt``) and renamed into place by rank 0 with one
+``os.replace`` (atomic on POSIX within a file system) once every rank's writes are synced,
+then ``latest`` is rewritten the same way.
 A process killed at any instant leaves either the previous complete checkpoint or the new
 complete one, never a torn one; stale ``.tmp-*`` directories are removed on the next save.
 Deleting is the mirror image: an old checkpoint (pruned by ``keep_last``, or replaced when a
@@ -22,12 +47,13 @@ renames the old copy aside and the new one in with two renames; a kill between t
 ``latest`` naming a missing directory, and ``latest_checkpoint`` falls back to the newest
 complete one.
 
-Failed writes (disk full, quota, I/O errors): ``save_checkpoint`` first checks that the file
-system has room for the estimated size (``checkpoint_bytes``), then on any ``OSError`` undoes
-what it did — the ``.tmp-*`` directory is removed, a step directory it was replacing is put
-back, ``latest`` is left as it was — and raises ``CheckpointSaveError`` naming the path, the
-bytes needed and free, and the fix. The previous checkpoint stays the newest and loadable
-(``tests/test_checkpoint_disk_full.py`` fails each write in turn).
+Failed writes (disk full, quota, I/O errors): rank 0 first checks that the file system has
+room for the estimated size (``checkpoint_bytes``: the whole checkpoint, every rank's shards
+counted), then on any ``OSError``, on any rank, the save is undone — the ``.tmp-*`` directory
+is removed, a step directory it was replacing is put back, ``latest`` is left as it was — and
+``CheckpointSaveError`` is raised naming the path, the bytes needed and free, and the fix. The
+previous checkpoint stays the newest and loadable (``tests/test_checkpoint_disk_full.py`` fails
+each write in turn; ``tests/test_checkpoint_sharded.py`` a rank's shard write).
 
 ``trainer_state.pt`` is a ``torch.save`` pickle written by this module and read back with
 ``weights_only=False`` (it holds Python/NumPy RNG states); only load checkpoints you wrote.
@@ -40,19 +66,25 @@ import hashlib
 import os
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from paravt.config import ConfigError
 from paravt.distributed import (
+    DistContext,
     Precision,
     all_gather_objects,
-    cast_floats,
-    full_optimizer_state,
-    full_state_dict,
+    gathered_state_dict,
+    load_full_optimizer_state,
+    load_sharded_train_state,
+    sharded_train_state,
 )
 from paravt.files import write_atomic
 from paravt.log import get_logger
@@ -61,6 +93,11 @@ log = get_logger(__name__)
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
+# The sharded training state's folder inside a checkpoint (torch.distributed.checkpoint), and
+# the trainer_state.pt "format" that says it is there. Format 1 (no "format" key) held the
+# full optimizer state and masters in trainer_state.pt itself.
+TRAIN_STATE_DIR = "train_state"
+SHARDED_FORMAT = 2
 LATEST = "latest"
 # Files of a source model directory that are not weights (copied so the checkpoint is a
 # complete HF directory: tokenizer, chat template, processor configs).
@@ -266,34 +303,10 @@ def _set_config_dtype(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    *,
-    model: torch.nn.Module,
-    model_state: dict[str, torch.Tensor],
-    trainer_state: dict[str, Any],
-    tokenizer: Any = None,
-    source_dir: str | Path | None = None,
-    keep_last: int = 2,
-) -> Path:
-    """Atomically write checkpoint ``step`` under ``run_dir/checkpoints`` (call on rank 0 only).
-
-    ``model_state`` is the *full* (unsharded) state dict (``paravt.distributed.full_state_dict``).
-    ``trainer_state`` holds whatever resume needs: optimizer/scheduler state dicts, RNG states,
-    data-loader position, the step. Keeps the newest ``keep_last`` checkpoints (0 = keep all).
-    Returns the checkpoint directory.
-
-    Raises ``CheckpointSaveError`` when the file system lacks the estimated room
-    (``checkpoint_bytes``; nothing is written then) or any write fails; everything this call
-    wrote is undone first, so the previous checkpoint stays the newest (module docstring).
-    Pruning old checkpoints after a successful save never raises (it only logs).
-    """
-    root = Path(run_dir) / CKPT_DIR
-    name = step_dirname(step)
-    tmp, final = root / f".tmp-{name}", root / name
-    needed = checkpoint_bytes(model_state, trainer_state, source_dir)
-    prev = latest_checkpoint(run_dir)
+def _prepare(root: Path, step: int, needed: int, prev: Path | None) -> None:
+    """Rank 0, before anything of checkpoint ``step`` is written: make ``root``, clear what
+    killed saves left (``.tmp-*`` folders, a torn ``latest`` write), and refuse a save that the
+    file system has no room for (``CheckpointSaveError``; nothing written)."""
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -304,16 +317,39 @@ def save_checkpoint(
         stale.unlink(missing_ok=True)
     free = _free_bytes(root)
     if 0 <= free < needed:  # fail before filling the disk that other writers (metrics) share
-        raise _save_error(step, root, final, needed, None, prev)
+        raise _save_error(step, root, root / step_dirname(step), needed, None, prev)
+
+
+def _write_files(
+    tmp: Path,
+    step: int,
+    model: torch.nn.Module,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    tokenizer: Any,
+    source_dir: str | Path | None,
+) -> None:
+    """Rank 0: the HF export and ``trainer_state.pt`` into ``tmp``, synced to disk."""
+    save_model_dir(tmp, model, model_state, tokenizer=tokenizer, source_dir=source_dir)
+    with open(tmp / STATE_FILE, "wb") as f:
+        torch.save({"step": int(step), **trainer_state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
+def _commit(
+    run_dir: str | Path, step: int, tmp: Path, needed: int, prev: Path | None, keep_last: int
+) -> Path:
+    """Rank 0: rename the complete ``tmp`` into place as ``step_N`` (a step saved before is
+    moved aside first and put back if this fails), point ``latest`` at it, prune to the newest
+    ``keep_last``. On an ``OSError`` everything is undone and ``CheckpointSaveError`` raised."""
+    root = Path(run_dir) / CKPT_DIR
+    name = step_dirname(step)
+    final = root / name
     old: Path | None = None
     moved_in = False
     try:
-        save_model_dir(tmp, model, model_state, tokenizer=tokenizer, source_dir=source_dir)
-        with open(tmp / STATE_FILE, "wb") as f:
-            torch.save({"step": int(step), **trainer_state}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
         old = _move_aside(final) if final.exists() else None  # re-saving a step after a resume
         os.replace(tmp, final)
         moved_in = True
@@ -338,55 +374,183 @@ def save_checkpoint(
     return final
 
 
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    tokenizer: Any = None,
+    source_dir: str | Path | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Atomically write checkpoint ``step`` under ``run_dir/checkpoints`` (call on rank 0 only):
+    an HF export and a ``trainer_state.pt`` holding ``trainer_state``, nothing sharded (the
+    trainer's checkpoints are ``save_trainer``'s; this one serves tools and tests that save a
+    model folder with a small state).
+
+    ``model_state`` is the *full* (unsharded) state dict to export. Keeps the newest
+    ``keep_last`` checkpoints (0 = keep all). Returns the checkpoint directory.
+
+    Raises ``CheckpointSaveError`` when the file system lacks the estimated room
+    (``checkpoint_bytes``; nothing is written then) or any write fails; everything this call
+    wrote is undone first, so the previous checkpoint stays the newest (module docstring).
+    Pruning old checkpoints after a successful save never raises (it only logs).
+    """
+    root = Path(run_dir) / CKPT_DIR
+    tmp = root / f".tmp-{step_dirname(step)}"
+    needed = checkpoint_bytes(model_state, trainer_state, source_dir)
+    prev = latest_checkpoint(run_dir)
+    _prepare(root, step, needed, prev)
+    try:
+        _write_files(tmp, step, model, model_state, trainer_state, tokenizer, source_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(step, root, e.filename or tmp, needed, e, prev) from e
+    return _commit(run_dir, step, tmp, needed, prev, keep_last)
+
+
+def _group_up() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every call without a process group that it assumes one process: that is
+    what a one-rank run without mixed precision is, not news."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*assuming the intent is to")
+        yield
+
+
+def save_sharded(path: str | Path, state: dict[str, Any]) -> None:
+    """Every rank writes its own shards of ``state`` (``paravt.distributed.sharded_train_state``)
+    into the folder ``path`` with ``torch.distributed.checkpoint``: ``__<rank>_0.distcp`` per
+    rank, in parallel, and rank 0 the ``.metadata`` (which tensor pieces lie where) once every
+    rank's files are written and fsynced; a tensor every rank holds whole (a step count) is
+    written once. Collective over the default process group (none: one process). Raises
+    ``OSError`` (this rank's) or DCP's ``CheckpointException`` (every rank, naming the ranks
+    whose writes failed) on failure. ``save_trainer``'s path."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=writer, no_dist=not _group_up())
+
+
+def load_sharded(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, masters: bool
+) -> None:
+    """Read the training state ``save_sharded`` wrote at ``path`` into ``model`` (the masters,
+    when ``masters``) and ``optimizer``, on any world size: each rank reads the pieces of the
+    files that overlap its own shards (``--resume``, through ``load_train_state``).
+    Collective over the default process group (none: one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = sharded_train_state(model, optimizer, masters=masters)
+    reader = dcp.FileSystemReader(str(path))
+    with _quiet_single_process():
+        dcp.load(state, storage_reader=reader, no_dist=not _group_up())
+    load_sharded_train_state(model, optimizer, state)
+
+
+def _dcp_failure(e: BaseException) -> OSError | None:
+    """The first ``OSError`` behind a failed DCP save (its own, or a rank's in the
+    ``CheckpointException``'s failures), for the error's path and errno."""
+    if isinstance(e, OSError):
+        return e
+    for exc, _ in getattr(e, "failures", {}).values():
+        if isinstance(exc, OSError):
+            return exc
+    return None
+
+
 def save_trainer(
     tr: Any, step: int, *, data: dict[str, int] | None = None, rng: Any = None
 ) -> bool:
-    """Checkpoint the run ``tr`` (a ``paravt.trainer.Trainer``) at ``step``: rank 0 writes,
-    every rank takes part in gathering the state (``load_trainer_state`` reads it back).
+    """Checkpoint the run ``tr`` (a ``paravt.trainer.Trainer``) at ``step``, on every rank:
+    each rank writes its own shards of the masters (under mixed precision) and of the
+    optimizer state (``save_sharded``), rank 0 the HF export (the compute-dtype weights,
+    gathered one tensor at a time) and the small ``trainer_state.pt``
+    (``load_train_state`` reads them back; layout in the module docstring).
 
     ``data`` / ``rng``: the prompt sampler's position and this rank's RNG states to record
     instead of the current ones (a preemption that abandoned step ``step + 1`` saves the state
     that step started from; the weights, optimizer and schedule are still step ``step``'s).
 
-    A failed write (disk full ...) leaves the previous checkpoint the newest; then
+    A failed write (disk full ...) on any rank leaves the previous checkpoint the newest; then
     ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
     (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
-    masters = full_state_dict(tr.policy, tr.ctx)
-    optim_state = full_optimizer_state(tr.policy, tr.optimizer, tr.ctx)
-    rngs = all_gather_objects(rng_state() if rng is None else rng, tr.ctx)
-    # The HF export holds the compute dtype (what plain transformers, vLLM and the eval load);
-    # float32 masters under bf16 compute also go into trainer_state.pt, so that --resume
-    # continues from the exact masters, not from their bf16 cast.
     prec = Precision.from_config(tr.cfg)
-    extra = {"masters": masters} if prec.mixed else {}
+    ctx = tr.ctx
+    rngs = all_gather_objects(rng_state() if rng is None else rng, ctx)
+    # Each rank's shards, nothing gathered: float32 masters under bf16 compute (so that
+    # --resume continues from the exact masters, not from their bf16 cast) and AdamW's state.
+    sharded = sharded_train_state(tr.policy, tr.optimizer, masters=prec.mixed)
+    # The HF export holds the compute dtype (what plain transformers, vLLM and the eval load).
+    export = gathered_state_dict(tr.policy, ctx, prec.compute)
+    small = {
+        "format": SHARDED_FORMAT,
+        "train_state": {"dir": TRAIN_STATE_DIR, "masters": prec.mixed},
+        "scheduler": tr.scheduler.state_dict(),
+        "rng": rngs,
+        "data": tr.sampler.state() if data is None else data,
+        "world_size": ctx.world_size,
+    }
+    run_dir, keep_last = tr.cfg.train.out_dir, tr.cfg.train.keep_last
+    root = Path(run_dir) / CKPT_DIR
+    tmp = root / f".tmp-{step_dirname(step)}"
+    # DTensors count their global size: the estimate is the whole checkpoint's, all ranks'.
+    needed = checkpoint_bytes(export, {**small, "sharded": sharded}, tr.init_dir)
     failed: CheckpointSaveError | None = None
-    if tr.ctx.is_main:
+    prev = latest_checkpoint(run_dir) if ctx.is_main else None
+    if ctx.is_main:
         try:
-            save_checkpoint(
-                tr.cfg.train.out_dir,
-                step,
-                model=tr.policy,
-                model_state=cast_floats(masters, prec.compute),
-                trainer_state={
-                    **extra,
-                    "optimizer": optim_state,
-                    "scheduler": tr.scheduler.state_dict(),
-                    "rng": rngs,
-                    "data": tr.sampler.state() if data is None else data,
-                    "world_size": tr.ctx.world_size,
-                },
-                tokenizer=tr.bundle.tokenizer,
-                source_dir=tr.init_dir,
-                keep_last=tr.cfg.train.keep_last,
-            )
+            _prepare(root, step, needed, prev)
+            try:
+                (tmp / TRAIN_STATE_DIR).mkdir(parents=True)
+            except OSError as e:
+                raise _save_error(step, root, e.filename or tmp, needed, e, prev) from e
         except CheckpointSaveError as e:
             failed = e
-    # Every rank learns rank 0's outcome (this is also the barrier after the save).
-    said = all_gather_objects("" if failed is None else str(failed), tr.ctx)[0]
+    said = all_gather_objects("" if failed is None else str(failed), ctx)[0]
+    if not said:  # every rank writes its shards into the folder rank 0 made
+        from torch.distributed.checkpoint import CheckpointException
+
+        err: OSError | None = None
+        try:
+            save_sharded(tmp / TRAIN_STATE_DIR, sharded)
+        except (OSError, CheckpointException) as e:
+            err = _dcp_failure(e)
+            if err is None:  # not the file system: a bug, raised on every rank alike by DCP
+                raise
+        errs = all_gather_objects(
+            None if err is None else (err.errno, err.strerror, err.filename), ctx
+        )
+        bad = next((x for x in errs if x is not None), None)
+        if ctx.is_main:
+            try:
+                if bad is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    cause = OSError(bad[0], bad[1], bad[2])
+                    raise _save_error(step, root, bad[2] or tmp, needed, cause, prev)
+                try:
+                    _fsync_dir(tmp / TRAIN_STATE_DIR)  # the shard files' names
+                    model = tr.policy
+                    _write_files(tmp, step, model, export, small, tr.bundle.tokenizer, tr.init_dir)
+                except OSError as e:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise _save_error(step, root, e.filename or tmp, needed, e, prev) from e
+                _commit(run_dir, step, tmp, needed, prev, keep_last)
+            except CheckpointSaveError as e:
+                failed = e
+        # Every rank learns rank 0's outcome (this is also the barrier after the save).
+        said = all_gather_objects("" if failed is None else str(failed), ctx)[0]
     if not said:
         return True
     if tr.cfg.train.on_save_error == "continue":
-        if tr.ctx.is_main:
+        if ctx.is_main:
             log.warning(
                 f"[train] warning: {said} Training goes on without it "
                 "(train.on_save_error=continue)."
@@ -417,16 +581,85 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    """The ``trainer_state.pt`` of a checkpoint written by ``save_checkpoint``."""
+    """The ``trainer_state.pt`` of a checkpoint (``save_trainer``'s or ``save_checkpoint``'s):
+    step, scheduler, sampler position, RNG states; in a format-1 checkpoint also the full
+    optimizer state and masters (``load_train_state`` tells the formats apart)."""
     path = Path(ckpt_dir) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"checkpoint '{ckpt_dir}' has no {STATE_FILE}; it is not a paravt training "
             "checkpoint (or was cut short) — pick another or start without --resume"
         )
-    # mmap: the masters and AdamW's moments (16 bytes a parameter) are paged in as they are
-    # copied into the model, not read into a second host copy first.
+    # mmap: a format-1 file's masters and AdamW's moments (16 bytes a parameter) are paged in
+    # as they are copied into the model, not read into a second host copy first.
     return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+
+
+def load_train_state(
+    ckpt_dir: str | Path,
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: DistContext,
+) -> None:
+    """``--resume`` (``paravt.train.build_trainer``, every rank, after ``shard_model`` and the
+    optimizer): the optimizer state, and the masters if the checkpoint holds them, of the
+    checkpoint ``ckpt_dir`` whose ``trainer_state.pt`` is ``state``, onto this run's world
+    size, whatever the saving run's was.
+
+    Sharded checkpoints (``format`` 2, ``save_trainer``'s): every rank reads its shards from
+    ``train_state/`` (``load_sharded``). Older ones (format 1): the full optimizer state in
+    ``state["optimizer"]``, loaded on every rank (``load_full_optimizer_state``); their full
+    masters, ``state["masters"]``, are the caller's to load into the unsharded model."""
+    if "optimizer" in state:  # format 1
+        load_full_optimizer_state(model, optimizer, state["optimizer"], ctx)
+        return
+    fmt = state.get("format")
+    if fmt != SHARDED_FORMAT or "train_state" not in state:
+        raise ValueError(
+            f"checkpoint '{ckpt_dir}': {STATE_FILE} has format {fmt!r} and no 'optimizer' "
+            f"entry; this paravt reads format {SHARDED_FORMAT} (sharded) and the older full "
+            "format. Resume it with the paravt that wrote it, or start without --resume"
+        )
+    path = Path(ckpt_dir) / state["train_state"]["dir"]
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"checkpoint '{ckpt_dir}' has no sharded training state ({path}/.metadata is "
+            "missing): the folder was altered after it was written (a complete checkpoint "
+            "always has it). Remove it so that --resume takes the one before, or start "
+            "without --resume"
+        )
+    load_sharded(path, model, optimizer, masters=bool(state["train_state"]["masters"]))
+
+
+def read_train_state(ckpt_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's whole training state in this one process, in either format:
+    ``{"optimizer": {"state": {param name: {"exp_avg", "exp_avg_sq", "step"}},
+    "param_groups": [...]}, "masters": {name: tensor}}`` (``masters`` only when the run kept
+    masters apart from its export, i.e. under mixed precision). For inspection and the tests
+    that compare two runs' states; needs memory for all of it. ``--resume`` never calls it
+    (``load_train_state`` reads only each rank's shards)."""
+    state = load_trainer_state(ckpt_dir)
+    if "optimizer" in state:  # format 1
+        return {k: state[k] for k in ("optimizer", "masters") if k in state}
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    out: dict[str, Any] = {}
+    # No target state dict: DCP's own planner builds one from the metadata, every tensor whole
+    # (what torch.distributed.checkpoint.format_utils.dcp_to_torch_save does, minus its file).
+    path = Path(ckpt_dir) / state["train_state"]["dir"]
+    _load_state_dict(
+        out,
+        storage_reader=dcp.FileSystemReader(str(path)),
+        planner=_EmptyStateDictLoadPlanner(),
+        no_dist=True,
+    )
+    res = {"optimizer": out["optim"]}
+    if "model" in out:
+        res["masters"] = out["model"]
+    return res
 
 
 def load_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:

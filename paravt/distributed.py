@@ -428,7 +428,8 @@ def cast_floats(
     state: dict[str, torch.Tensor], dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """``state`` with its floating-point tensors in ``dtype`` (None: unchanged): the masters
-    cast to the compute dtype for the HF export (``paravt.checkpoint.save_trainer``, SFT)."""
+    cast to the compute dtype for the SFT's HF export (``paravt.sft``; the trainer's
+    checkpoints cast shard by shard, ``gathered_state_dict``)."""
     if dtype is None:
         return state
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -492,6 +493,80 @@ def load_full_optimizer_state(
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     st[k] = v.clone()
+
+
+def gathered_state_dict(
+    model: torch.nn.Module, ctx: DistContext, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The full state dict on rank 0's CPU with floating-point entries in ``dtype`` (None:
+    the parameters' own), empty on the other ranks: the HF export of a checkpoint
+    (``paravt.checkpoint.save_trainer``: the compute-dtype cast of the masters).
+
+    Gathered one entry at a time, each cast on its shards before it is all-gathered, so that no
+    rank ever holds the full model in the master dtype (under fp32 masters and bf16 compute,
+    rank 0 holds the bf16 copy it exports, plus one entry in flight). Every rank must call it
+    (each sharded entry is a collective). Names as ``full_state_dict``'s.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if is_sharded(model):
+        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    else:
+        local = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in local.items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)  # a DTensor casts its own shard
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if ctx.is_main:
+            out[name] = t.cpu()
+    return out
+
+
+def sharded_train_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, masters: bool
+) -> dict[str, Any]:
+    """This rank's shards of the training state, nothing gathered: ``{"optim": the optimizer
+    state keyed by parameter name, "model": the parameters (only when ``masters``)}``, as
+    ``torch.distributed.checkpoint`` saves and loads them (DTensors under FSDP2, each holding
+    this rank's shard of the live tensors; plain tensors on one unsharded rank).
+
+    The sharded checkpoint's path (``paravt.checkpoint.save_sharded`` writes it,
+    ``load_sharded`` loads into it in place, then ``load_sharded_train_state``). A fresh
+    optimizer gets its state created first (a step at lr 0 with zero gradients, which leaves
+    the parameters bitwise unchanged), so that there is something to load into.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=False, cpu_offload=False)
+    state: dict[str, Any] = {"optim": get_optimizer_state_dict(model, optimizer, options=opts)}
+    if masters:
+        state["model"] = get_model_state_dict(model, options=opts)
+    return state
+
+
+def load_sharded_train_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Put a ``sharded_train_state`` dict (read back by ``paravt.checkpoint.load_sharded``)
+    into ``model`` (its ``"model"`` entry, when present: the masters) and ``optimizer`` (the
+    moments, the step counts, the param groups' learning rates)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=False, strict=True)
+    if "model" in state:
+        set_model_state_dict(model, state["model"], options=opts)
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=opts)
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:

@@ -39,7 +39,6 @@ import argparse
 import functools
 import os
 import random
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,6 +63,7 @@ from paravt.assets import prepare_data, prepare_model, read_datasets
 from paravt.checkpoint import (
     CheckpointSaveError,
     latest_checkpoint,
+    load_train_state,
     load_trainer_state,
     rng_state,
     save_trainer,
@@ -90,7 +90,6 @@ from paravt.distributed import (
     cleanup,
     clip_grad_norm,
     init_distributed,
-    load_full_optimizer_state,
     peer_lost,
     release_single_rank_group,
     shard_model,
@@ -197,15 +196,13 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
             "the trained weights and AdamW's moments are "
             f"{cfg.model.dtype}; an update smaller than half a {cfg.model.dtype} ulp of its "
             "weight rounds away (at lr 2e-6 most do: the policy barely moves). "
-            "train.master_dtype=float32 keeps float32 masters under the same compute.",
-            file=sys.stderr,
-            flush=True,
+            "train.master_dtype=float32 keeps float32 masters under the same compute."
         )
     st = load_trainer_state(ckpt) if ckpt is not None else None
     bundle = load(ckpt or init_dir, dtype=cfg.train.master_dtype)
     policy = bundle.model
-    if st is not None and "masters" in st:  # the exact masters (the HF export is their cast)
-        policy.load_state_dict(st["masters"])
+    if st is not None and "masters" in st:  # a format-1 checkpoint's full masters (sharded
+        policy.load_state_dict(st["masters"])  # ones: load_train_state, after sharding)
     if cfg.algo.freeze_vision_tower:
         freeze_vit(policy)  # before sharding and the optimizer: frozen tensors never train
     if cfg.model.gradient_checkpointing and hasattr(policy, "gradient_checkpointing_enable"):
@@ -274,7 +271,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
 
     # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if st is not None:
-        load_full_optimizer_state(policy, optimizer, st["optimizer"], ctx)
+        load_train_state(ckpt, st, policy, optimizer, ctx)  # (and the sharded masters)
         scheduler.load_state_dict(st["scheduler"])
         sampler.load(st["data"])
         rngs = st.get("rng", [])

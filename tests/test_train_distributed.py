@@ -15,8 +15,8 @@ we require max |Δ| <= 2·lr and fewer than 1% of elements off by more than 1e-6
 
 Under mixed precision (``model.dtype=bfloat16``, float32 masters: FSDP2's MixedPrecisionPolicy
 on both sides, the single process on a world of one) the same comparison runs on the masters
-(``trainer_state.pt``'s ``masters``) with bf16's round-off in the loss and gradient norm
-(tolerances in the test).
+(the checkpoint's sharded ``train_state/``, read whole) with bf16's round-off in the loss and
+gradient norm (tolerances in the test).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _overrides(assets: dict[str, str], out: Path, dtype: str = "float32") -> lis
 def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> None:
     from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
     from paravt.algo.packing import concat_packed
-    from paravt.checkpoint import load_model_state, load_trainer_state
+    from paravt.checkpoint import load_model_state, read_train_state
     from paravt.config import load_config
     from paravt.distributed import (
         DistContext,
@@ -153,7 +153,7 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     ckpt = out / "checkpoints" / "step_000001"
     after = load_model_state(ckpt)
     if prec.mixed:  # the trained weights are the masters; the export is their bf16 cast
-        masters = load_trainer_state(ckpt)["masters"]
+        masters = read_train_state(ckpt)["masters"]  # the two ranks' shards, whole
         assert all(torch.equal(after[k], v.to(torch.bfloat16)) for k, v in masters.items())
         after = masters
     worst, off = 0.0, 0
