@@ -80,6 +80,8 @@ class RolloutSource(Protocol):
 
     #: How an abandoned step is described in the ``[preempt]`` line ("abandoned step N ...").
     abandon_when: str
+    #: The run's prompt order (``Trainer.sampler`` reads and replaces it here).
+    sampler: PromptSampler
 
     def start(self, policy: torch.nn.Module, init_dir: str, start_step: int) -> None:
         """Before the first step (the async workers get the model folder and first weights)."""

@@ -262,7 +262,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     )
     trainer = Trainer(
         cfg, ctx, policy, bundle, engine, runner, reference, objective, optimizer, scheduler,
-        sampler, source, val_samples, logger, init_dir, video_meta,
+        source, val_samples, logger, init_dir, video_meta,
     )  # fmt: skip
     if ctx.is_main:
         trainer.thumbs = ThumbnailStore(

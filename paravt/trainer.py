@@ -42,9 +42,9 @@ class Trainer:
     objective: PolicyObjective
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: PromptSampler
     # Where the step's rollouts come from: this rank (``LocalRollout``) or the asynchronous
     # rollout workers (``paravt.workers.RolloutPipeline``); chosen once by ``build_trainer``.
+    # It holds the run's prompt sampler (``sampler``).
     source: RolloutSource
     val_samples: list[Sample]
     logger: MetricsLogger
@@ -59,6 +59,16 @@ class Trainer:
     step_errors: list[str] = field(default_factory=list)
     # Seconds of each phase of the step in progress (``time/<phase>``; reset by each step).
     times: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sampler(self) -> PromptSampler:
+        """The run's prompt order, held by the rollout source (which draws each step's
+        prompts from it); assigning one here hands it to the source."""
+        return self.source.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: PromptSampler) -> None:
+        self.source.sampler = sampler
 
     @contextmanager
     def phase(self, step: int, name: str) -> Iterator[None]:

@@ -6,9 +6,8 @@ import re
 import subprocess
 import sys
 
-from paravt.rollout import main
-
 from paravt.engines.oracle import OracleMainEngine
+from paravt.rollout import main
 
 
 def test_cli_prints_turns_calls_crops_rewards(synth_dir, tmp_path):

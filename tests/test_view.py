@@ -80,8 +80,8 @@ def run_dir(assets, tmp_path_factory) -> Path:
     cfg = load_config(overrides=[f"{k}={v}" for k, v in kv.items()])
     build = train.build_trainer
 
-    def scripted(cfg, ctx):
-        tr = build(cfg, ctx)
+    def scripted(cfg, ctx, roles=None):
+        tr = build(cfg, ctx, roles)
         engine = ScriptedFirstTurn(tr.engine, _scripted_text(), own_score)
         tr.runner.engine = engine
         rollout = tr.runner.rollout
