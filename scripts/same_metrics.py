@@ -1,10 +1,11 @@
 """Same fixed-seed runs, same metrics: the check a behaviour-preserving refactor of the training
 step is held to (issue 52's "must show").
 
-    python scripts/same_metrics.py run OUT       # four short runs of this checkout into OUT/
+    python scripts/same_metrics.py run OUT [SFT_STEPS]  # four short runs of this checkout
     python scripts/same_metrics.py compare A B   # every metrics.jsonl value equal, timing aside
 
-The runs: the default preset with its SFT cut to 20 steps and 3 RL steps, (1) one process,
+The runs: the default preset with its SFT cut to ``SFT_STEPS`` (20; about 800 makes the main
+agents call the tool, so crops and sub-agents run in the RL steps) and 3 RL steps, (1) one process,
 (2) asynchronous with one rollout worker (torchrun, 2 processes), (3) two FSDP2 ranks on gloo
 (torchrun, 2 processes), (4) one process with the decoupled objective and the KL term (the
 reference and proximal passes). Each writes ``OUT/<name>/metrics.jsonl``; ``compare`` reads the
@@ -24,7 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = [
-    "sft.steps=20",
     "sft.save_every=0",
     "train.steps=3",
     "train.eval_prompts=4",
@@ -46,12 +46,12 @@ TIMING = ("time/", "tokens_per_s", "async/trainer_wait_s", "async/worker_busy_s"
           "async/queue_depth", "eval/seconds")  # fmt: skip
 
 
-def run(out: Path) -> None:
+def run(out: Path, sft_steps: int = 20) -> None:
     assets = out / "assets"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for name, (nproc, extra) in RUNS.items():
         args = [
-            *COMMON, *extra, f"train.out_dir={out / name}",
+            f"sft.steps={sft_steps}", *COMMON, *extra, f"train.out_dir={out / name}",
             f"data.synth_dir={assets / 'data'}", f"model.tiny_dir={assets / 'model'}",
         ]  # fmt: skip
         if nproc == 1:
@@ -105,8 +105,8 @@ def compare(a: Path, b: Path) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "run":
-        run(Path(sys.argv[2]).resolve())
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "run":
+        run(Path(sys.argv[2]).resolve(), *(int(x) for x in sys.argv[3:]))
     elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         sys.exit(compare(Path(sys.argv[2]), Path(sys.argv[3])))
     else:
