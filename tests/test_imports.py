@@ -179,3 +179,20 @@ def test_the_lazy_check_sees_a_bare_import(tmp_path: Path) -> None:
         "def g():\n    # lazy: heavy\n    from paravt.b import y\n    import paravt.c\n"
     )
     assert lazy_imports_without_reason(pkg) == ["paravt/a.py:2 paravt.b"]
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    """A name with a leading underscore is its module's own business: another module that
+    imports it ties itself to an implementation detail (make it public, or move it down)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if node.module.split(".")[0] not in ("paravt", "paravt_kernels"):
+                    continue
+                bad += [
+                    f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert not bad, "imports of another module's private name:\n  " + "\n  ".join(bad)
