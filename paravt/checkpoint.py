@@ -482,9 +482,23 @@ def save_trainer(
     A failed write (disk full ...) on any rank leaves the previous checkpoint the newest; then
     ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
     (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
+    empty = not tr.optimizer.state
+    try:
+        return _save_trainer(tr, step, data, rng)
+    finally:
+        if empty:  # the save created the state (see _save_trainer); the run has none yet
+            tr.optimizer.state.clear()
+
+
+def _save_trainer(tr: Any, step: int, data: dict[str, int] | None, rng: Any) -> bool:
     prec = Precision.from_config(tr.cfg)
     ctx = tr.ctx
     rngs = all_gather_objects(rng_state() if rng is None else rng, ctx)
+    # An optimizer that has not stepped yet (every update so far skipped) has no state; DCP's
+    # state dict creates it (a step at lr 0: step counts 1, zero moments), which would shift
+    # the run's Adam bias correction by one. It is cleared again after the save, and the
+    # checkpoint says so (``optim_empty``) for the resume to do the same.
+    optim_empty = not tr.optimizer.state
     # Each rank's shards, nothing gathered: float32 masters under bf16 compute (so that
     # --resume continues from the exact masters, not from their bf16 cast) and AdamW's state.
     sharded = sharded_train_state(tr.policy, tr.optimizer, masters=prec.mixed)
@@ -497,6 +511,7 @@ def save_trainer(
         "rng": rngs,
         "data": tr.sampler.state() if data is None else data,
         "world_size": ctx.world_size,
+        "optim_empty": optim_empty,
     }
     run_dir, keep_last = tr.cfg.train.out_dir, tr.cfg.train.keep_last
     root = Path(run_dir) / CKPT_DIR
@@ -630,6 +645,8 @@ def load_train_state(
             "without --resume"
         )
     load_sharded(path, model, optimizer, masters=bool(state["train_state"]["masters"]))
+    if state.get("optim_empty"):  # saved before the first optimizer step: no state then
+        optimizer.state.clear()
 
 
 def read_train_state(ckpt_dir: str | Path) -> dict[str, Any]:

@@ -4,8 +4,10 @@ Every module logs through ``get_logger(__name__)`` (a child of the ``paravt`` lo
 ``print``. What a user sees is unchanged in form: the message alone, INFO and DEBUG on stdout,
 WARNING and above on stderr, flushed at once. What changes:
 
-* **Rank 0 by default.** Under torchrun only global rank 0 (``RANK``) speaks; a message every
-  rank must say (a rank's own error, a rollout worker's line) passes ``extra=ALL_RANKS``.
+* **Rank 0 by default.** Under torchrun only global rank 0 (``RANK``) says its INFO and DEBUG
+  lines; an INFO line every rank must say (a rollout worker's) passes ``extra=ALL_RANKS``.
+  Warnings and errors come from every rank (rank k's unreadable video or decode timeout is its
+  own): code that warns about the run as a whole warns on rank 0 only (``ctx.is_main``).
 * **Levels.** ``PARAVT_LOG_LEVEL`` (``DEBUG``, ``INFO``: the default, ``WARNING``, ``ERROR``)
   sets how much is said; ``WARNING`` leaves a run's warnings and errors only.
 * **Libraries stay quiet.** vLLM's own INFO chatter (engine start-up, every weight reload) is
@@ -78,8 +80,7 @@ def _configure() -> logging.Logger:
     if not any(isinstance(h, _CurrentStream) for h in root.handlers):
         out, err = _CurrentStream(err=False), _CurrentStream(err=True)
         out.addFilter(_RankFilter(max_level=logging.WARNING))
-        err.setLevel(logging.WARNING)
-        err.addFilter(_RankFilter())
+        err.setLevel(logging.WARNING)  # every rank's warnings and errors
         for h in (out, err):
             h.setFormatter(logging.Formatter("%(message)s"))
             root.addHandler(h)

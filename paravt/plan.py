@@ -747,7 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         log.error(f"error: {e}")
         return 2
-    log.info(format_plan(pl))
+    print(format_plan(pl))  # the command's result (stdout), whatever PARAVT_LOG_LEVEL says
     if not pl.fits:
         log.error(f"\ndoes not fit: {shortfall(pl)}")
         return 1

@@ -469,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = a.out or str(Path(cfg.train.out_dir) / "sft")
     res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
     if ctx.is_main:
-        log.info(json.dumps(res, indent=1))
+        print(json.dumps(res, indent=1))  # the command's result (stdout)
         log.info(f"[sft] wrote {out}")
     cleanup(ctx)
     return 0

@@ -190,7 +190,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     # The policy holds the masters (train.master_dtype); the reference model and the HF
     # engine's replica hold the compute dtype (model.dtype); see paravt.distributed.Precision.
     prec = Precision.from_config(cfg)
-    if not prec.mixed and cfg.model.dtype != "float32":
+    if not prec.mixed and cfg.model.dtype != "float32" and ctx.is_main:
         log.warning(
             f"[train] warning: train.master_dtype={cfg.train.master_dtype} (as model.dtype): "
             "the trained weights and AdamW's moments are "

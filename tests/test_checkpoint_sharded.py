@@ -253,3 +253,30 @@ def test_format_one_checkpoint_still_resumes(tmp_path: Path) -> None:
         C.load_train_state(ckpt, st2, fresh, opt2, ctx)
     with pytest.raises(ValueError, match=r"has format 7"):
         C.load_train_state(ckpt, {"format": 7}, fresh, opt2, ctx)
+
+
+def test_a_save_before_the_first_optimizer_step_leaves_no_optimizer_state(
+    assets, tmp_path: Path
+) -> None:
+    """DCP's optimizer state dict creates the state of an optimizer that has not stepped (a
+    step at lr 0: step counts 1, zero moments). A checkpoint written before the first update
+    (every update so far skipped) must leave the run's optimizer as it was, and a resume from
+    it must too: otherwise Adam's bias correction is one step off for the rest of the run."""
+    from scripted_engine import own_score, scripted_trainer
+
+    from paravt.checkpoint import (
+        latest_checkpoint,
+        load_train_state,
+        load_trainer_state,
+        save_trainer,
+    )
+
+    tr = scripted_trainer(assets, str(tmp_path / "run"), own_score)
+    assert not tr.optimizer.state
+    assert save_trainer(tr, 1)
+    assert not tr.optimizer.state  # the live run: still no state
+    ckpt = latest_checkpoint(tmp_path / "run")
+    state = load_trainer_state(ckpt)
+    assert state["optim_empty"] is True
+    load_train_state(ckpt, state, tr.policy, tr.optimizer, tr.ctx)
+    assert not tr.optimizer.state  # the resumed run: none either

@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     out = {"model": args.model, "data": args.data, "k": args.k, "split": args.split}
     out.update(c.as_dict())
-    log.info(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1))  # the command's result (stdout)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -502,7 +502,7 @@ def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -
     except RuntimeError as e:
         log.error(f"error: {e}")
         return 1
-    log.info(res["table"])
+    print(res["table"])  # the command's result (stdout)
     log.info(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
     return 0
 

@@ -224,5 +224,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = format_markdown(ph)
     write_atomic(out / "phase.json", json.dumps(json_safe(ph), indent=1, allow_nan=False) + "\n")
     write_atomic(out / "phase.md", md + "\n")
-    log.info(md)
+    print(md)  # the command's result (stdout)
     return 0

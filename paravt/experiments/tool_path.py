@@ -144,10 +144,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, KeyError, ValueError) as e:
         log.error(f"error: {e}")
         return 2
-    log.info("| results | K | need | " + " | ".join(COUNTS) + " |")
-    log.info("|" + "---|" * (3 + len(COUNTS)))
+    # the command's result (stdout), whatever PARAVT_LOG_LEVEL says
+    print("| results | K | need | " + " | ".join(COUNTS) + " |")
+    print("|" + "---|" * (3 + len(COUNTS)))
     for t in table:
-        log.info(
+        print(
             f"| {t['results']} | {t['K']} | {t['side']} | "
             + " | ".join(str(t[c]) for c in COUNTS)
             + " |"

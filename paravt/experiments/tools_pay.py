@@ -133,7 +133,8 @@ def tools_pay(runs: Sequence[str | Path], k: int = 4, which: str = "final") -> d
         with_tools = _evaluate(run, model, k, True, base / "tools")
         without = _evaluate(run, model, k, False, base / "notools")
         per[str(run)] = run_numbers(with_tools, without, val, k)
-        log.info(f"[tools-pay] {run}: " + json.dumps(per[str(run)]))
+        # progress on stderr: stdout is the Markdown result
+        print(f"[tools-pay] {run}: " + json.dumps(per[str(run)]), file=sys.stderr, flush=True)
     stats = {key: mean_std([p[key] for p in per.values()]) for key in KEYS}
     return {
         "k": k,
@@ -175,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:
         log.error(f"error: {e}")
         return 1
-    log.info(markdown(res))
+    print(markdown(res))  # the command's result (stdout)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0
