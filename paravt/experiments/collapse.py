@@ -252,7 +252,7 @@ def collapse(
     base: Config | None = None,
     replay: float = 0.0,
 ) -> dict[str, Any]:
-    """Run the experiment (module docstring); returns ``{"json", "table"}``. ``base_args``:
+    """Run the experiment (module docstring); returns ``{"result", "table"}``. ``base_args``:
     the ``--preset``/``--config``/overrides that built ``cfg``; ``base``: the config whose
     ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
     for a in parse_arms(",".join(arms), list(ARMS)):  # none, or an unknown one: refused
