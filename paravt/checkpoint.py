@@ -482,23 +482,24 @@ def save_trainer(
     A failed write (disk full ...) on any rank leaves the previous checkpoint the newest; then
     ``train.on_save_error`` decides: ``fail`` raises ``CheckpointSaveError`` on every rank
     (``main`` exits 1 with its message), ``continue`` prints it and returns False."""
-    empty = not tr.optimizer.state
-    try:
-        return _save_trainer(tr, step, data, rng)
-    finally:
-        if empty:  # the save created the state (see _save_trainer); the run has none yet
-            tr.optimizer.state.clear()
-
-
-def _save_trainer(tr: Any, step: int, data: dict[str, int] | None, rng: Any) -> bool:
-    prec = Precision.from_config(tr.cfg)
-    ctx = tr.ctx
-    rngs = all_gather_objects(rng_state() if rng is None else rng, ctx)
     # An optimizer that has not stepped yet (every update so far skipped) has no state; DCP's
     # state dict creates it (a step at lr 0: step counts 1, zero moments), which would shift
     # the run's Adam bias correction by one. It is cleared again after the save, and the
     # checkpoint says so (``optim_empty``) for the resume to do the same.
     optim_empty = not tr.optimizer.state
+    try:
+        return _save_trainer(tr, step, data, rng, optim_empty)
+    finally:
+        if optim_empty:
+            tr.optimizer.state.clear()
+
+
+def _save_trainer(
+    tr: Any, step: int, data: dict[str, int] | None, rng: Any, optim_empty: bool
+) -> bool:
+    prec = Precision.from_config(tr.cfg)
+    ctx = tr.ctx
+    rngs = all_gather_objects(rng_state() if rng is None else rng, ctx)
     # Each rank's shards, nothing gathered: float32 masters under bf16 compute (so that
     # --resume continues from the exact masters, not from their bf16 cast) and AdamW's state.
     sharded = sharded_train_state(tr.policy, tr.optimizer, masters=prec.mixed)

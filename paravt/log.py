@@ -47,16 +47,12 @@ class _CurrentStream(logging.StreamHandler):
         pass
 
 
-class _RankFilter(logging.Filter):
-    """Rank 0's messages, and every rank's ``ALL_RANKS`` ones; ``max_level``: only records
-    below it (stdout's handler leaves WARNING and above to stderr's)."""
-
-    def __init__(self, max_level: int | None = None) -> None:
-        super().__init__()
-        self.max_level = max_level
+class _StdoutFilter(logging.Filter):
+    """stdout's records: below WARNING (stderr's handler takes those, from every rank), and
+    only rank 0's unless a record says ``ALL_RANKS``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.max_level is not None and record.levelno >= self.max_level:
+        if record.levelno >= logging.WARNING:
             return False
         return getattr(record, "all_ranks", False) or os.environ.get("RANK", "0") == "0"
 
@@ -79,7 +75,7 @@ def _configure() -> logging.Logger:
     root = logging.getLogger(_ROOT)
     if not any(isinstance(h, _CurrentStream) for h in root.handlers):
         out, err = _CurrentStream(err=False), _CurrentStream(err=True)
-        out.addFilter(_RankFilter(max_level=logging.WARNING))
+        out.addFilter(_StdoutFilter())
         err.setLevel(logging.WARNING)  # every rank's warnings and errors
         for h in (out, err):
             h.setFormatter(logging.Formatter("%(message)s"))

@@ -98,7 +98,7 @@ from paravt.distributed import (
 from paravt.engines import engine_spec, make_engine
 from paravt.eval.heldout import evaluate, table_rows
 from paravt.files import FolderBusy, NotRegularFile, claim_folder, write_atomic
-from paravt.log import ALL_RANKS, get_logger
+from paravt.log import get_logger
 from paravt.metrics import (
     DiskFullError,
     MetricsLogger,
@@ -749,30 +749,29 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
         if not res.get("preempted", {}).get("ok", True):
             return 1
     except ConfigError as e:
-        log.error(f"error: {e}", extra=ALL_RANKS)
+        log.error(f"error: {e}")
         return 2
     # A full disk; no data; a link or a FIFO planted where the run writes a file.
     except (CheckpointSaveError, DiskFullError, EmptyStepsError, NotRegularFile) as e:
-        log.error(f"error: {e}", extra=ALL_RANKS)
+        log.error(f"error: {e}")
         return 1
     # Asynchronous: a rollout worker died or raised (the trainer's view), or the trainer died
     # (a worker's view): one line each, no traceback.
     except (WorkerFailed, TrainerGone) as e:
-        log.error(f"error: {e}", extra=ALL_RANKS)
+        log.error(f"error: {e}")
         return 1
     except RuntimeError as e:  # another rank's process or node died mid-collective
         if not peer_lost(e):
             raise
-        log.error(f"error: {_lost_peer(e, cfg)}", extra=ALL_RANKS)
+        log.error(f"error: {_lost_peer(e, cfg)}")
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the run's handlers (paravt.preempt) are set
-        log.error("interrupted before the run started; nothing was written", extra=ALL_RANKS)
+        log.error("interrupted before the run started; nothing was written")
         return 130
     except DatasetError as e:  # raised before any model loads (read_datasets)
         log.error(
             f"error: {e}\n(the dataset is checked before any model loads: fix it, or point "
             "data.path at another dataset)",
-            extra=ALL_RANKS,
         )
         return 2
     return 0
