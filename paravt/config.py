@@ -244,6 +244,11 @@ class RolloutConfig:
     # GPU only (untested here): sleep (weights to host, KV cache freed) between the rollout
     # and the update, so that engine and trainer share the device.
     vllm_sleep: bool = True
+    # GPU only: vLLM's sleep level. 1: weights copied to host memory (P x 2 bytes pinned per
+    # rank), KV cache dropped; 2: weights discarded too (no host copy, no two transfers), which
+    # is safe here because every wake that generates follows a full weight push (the engine
+    # refuses to generate with discarded weights).
+    vllm_sleep_level: int = 1
     # Asynchronous PARA-GRPO (paravt.workers): the last ``workers`` ranks of a torchrun job
     # are rollout workers, each with its own engine, generating while the other ranks (the
     # trainers, FSDP2 among themselves) update; weights are streamed to them after every step
@@ -413,6 +418,12 @@ class AlgoConfig:
     # KL to the frozen reference: coefficient and estimator (k1 | k2 | k3). 0 skips the reference.
     kl_coef: float = 0.01
     kl_type: str = "k3"
+    # Where the frozen reference model lives (algo.kl_coef > 0): 'replicate' (a full copy on
+    # every rank's device), 'shard' (FSDP2-sharded over the trainer ranks like the policy:
+    # 1/N of it per rank), 'offload' (sharded, in host memory, each block copied to the device
+    # while it runs). 'auto': the memory plan chooses (python -m paravt.plan says which):
+    # shard on several ranks, else replicate, or offload when the replica would not fit.
+    ref_placement: str = "auto"
     # Where the KL acts. 'loss': kl_coef * KL_k(pi_theta, pi_ref) is added to every trained
     # token's loss; with k1 (log pi_theta - log pi_ref) that term's expected gradient is zero
     # (E_pi[grad log pi] = 0), so k1 there is noise, not a constraint: use k2 (gradient of
@@ -472,6 +483,12 @@ class AlgoConfig:
         """This section's problems (ranges, names, the objective's rules)."""
         errs = _range_errors("algo", self)
         errs += _choice_error("algo.kl_type", self.kl_type, ("k1", "k2", "k3"))
+        errs += _choice_error(
+            "algo.ref_placement",
+            self.ref_placement,
+            REF_PLACEMENTS,
+            "where the reference model lives: auto lets the memory plan choose",
+        )
         errs += _choice_error(
             "algo.kl_mode",
             self.kl_mode,
@@ -566,6 +583,11 @@ class TrainConfig:
     # On a CUDA device, stop before any weights load when the memory plan (python -m
     # paravt.plan) does not fit the device; false skips the check (the plan is an estimate).
     memory_check: bool = True
+    # On a CUDA device, hand PyTorch's cached-but-free memory back to the driver between phases
+    # (after the rollout; after the update, before the weight push; inside vLLM's staged wake):
+    # the colocated vLLM engine allocates outside PyTorch, and the update leaves its peak
+    # reserved (~35 GiB at 8B). false keeps the cache (the plan then counts it in the rollout).
+    empty_cache: bool = True
     # Preemption (paravt.preempt): on SIGTERM or SIGUSR1 (SLURM --signal, Kubernetes) every rank
     # finishes the current step, or abandons it when finishing would pass this many seconds
     # after the signal, writes a checkpoint that --resume continues exactly, and exits 0. Set it
@@ -884,6 +906,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.vllm_kv_cache_gib": ("> 0", "vLLM's CPU KV cache in GiB"),
     "rollout.vllm_gpu_memory_utilization": ("(0, 1]", "share of the GPU memory for vLLM"),
     "rollout.vllm_tensor_parallel": (">= 1", "GPUs per vLLM engine"),
+    "rollout.vllm_sleep_level": ("[1, 2]", "1: weights to host; 2: weights discarded"),
     "agent.max_turns": (">= 0", "tool turns before the answer is forced"),
     "agent.max_parallel": (">= 1", "crop_video calls run per turn"),
     "agent.max_tool_response_tokens": (">= 1", "tokens kept of each tool response"),
@@ -930,6 +953,9 @@ RANGES: dict[str, tuple[str, str]] = {
 }
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+#: ``algo.ref_placement``'s values (``auto`` is resolved by ``paravt.plan.reference_placement``,
+#: the others applied by ``paravt.distributed.place_reference``).
+REF_PLACEMENTS = ("auto", "replicate", "shard", "offload")
 
 
 def _in_range(v: float, allowed: str) -> bool:

@@ -33,6 +33,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from paravt.config import REF_PLACEMENTS
+
 T = TypeVar("T")
 
 # Seconds without the GIL at exit for gloo worker threads to drop their last works (cleanup).
@@ -379,31 +381,82 @@ def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
 
 
 def shard_model(
-    model: torch.nn.Module, ctx: DistContext, precision: Precision | None = None
+    model: torch.nn.Module,
+    ctx: DistContext,
+    precision: Precision | None = None,
+    *,
+    offload: bool = False,
 ) -> torch.nn.Module:
     """FSDP2-shard ``model`` in place (each block, then the root): on several ranks, and on
     one under mixed precision (``precision.mixed``: the model holds ``precision.master``
     parameters, each unit computes in ``precision.compute``, gradients reduce in float32;
     ``single_rank_mesh``). Otherwise (one rank, one dtype) a no-op. The trainer's and the
-    SFT's policy go through here (``paravt.train.build_trainer``, ``paravt.sft.run_sft``).
+    SFT's policy go through here (``paravt.train.build_trainer``, ``paravt.sft.run_sft``),
+    and the reference model placed ``shard`` or ``offload`` (``place_reference``).
+
+    ``offload``: the shards live in host memory (FSDP2's ``CPUOffloadPolicy``, pinned on
+    CUDA) and each unit is copied to the device when it is gathered; sharded on one rank too.
 
     Tied parameters (lm_head ↔ embeddings) stay in the root unit, which owns both modules.
     """
     mixed = precision is not None and precision.mixed
-    if not ctx.distributed and not mixed:
+    if not ctx.distributed and not mixed and not offload:
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = ctx.mesh if ctx.distributed else single_rank_mesh(ctx.device)
     mp = MixedPrecisionPolicy()
     if mixed:
         mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
+    kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")
     classes = block_classes(model)
     for m in list(model.modules()):
         if m is not model and classes and isinstance(m, classes):
-            fully_shard(m, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
     return model
+
+
+def place_reference(model: torch.nn.Module, ctx: DistContext, placement: str) -> torch.nn.Module:
+    """Place the frozen reference model (``paravt.algo.reference.ReferencePolicy``, built by
+    ``paravt.train.build_trainer``) as ``placement`` says, in place:
+
+    * ``replicate``: a full copy on every rank's device (``P·b_c`` each);
+    * ``shard``: FSDP2-sharded over the trainer ranks like the policy, in its one (compute)
+      dtype (``P·b_c/N`` each, plus the units being run); on one rank the same as replicate;
+    * ``offload``: sharded (on one rank too) with the shards in host memory; each unit is
+      copied to the device while it runs (nothing resident on the device).
+
+    The log-prob pass (``packed_logprobs``) runs a sharded model as its root unit's forward
+    and reshards it after a no-grad pass (``paravt.models.forward.as_root_forward``): the
+    values equal the replica's (tests/test_reference_placement.py)."""
+    if placement not in REF_PLACEMENTS[1:]:
+        raise ValueError(
+            f"reference placement {placement!r}: expected one of {REF_PLACEMENTS[1:]} "
+            "(algo.ref_placement=auto is resolved by paravt.plan.reference_placement)"
+        )
+    if placement == "replicate" or (placement == "shard" and not ctx.distributed):
+        return model.to(ctx.device)
+    return shard_model(model, ctx, None, offload=placement == "offload")
+
+
+def release_device_cache(device: torch.device) -> int:
+    """Return the CUDA caching allocator's cached-but-free blocks to the driver
+    (``torch.cuda.empty_cache``); the bytes released. 0, and nothing done, off CUDA.
+
+    Why: after the update PyTorch keeps its peak reserved (activations, gathered units,
+    gradients: ~35 GiB at 8B) although nothing uses it, and the colocated vLLM engine's wake
+    allocates outside PyTorch's allocator: the first wake after an update would OOM. Called
+    between phases by ``paravt.train.train_step`` (after the rollout, once the engine sleeps;
+    after the update, before the weight push) when ``train.empty_cache`` is on, and between
+    the staged wake's weight load and its KV cache (``paravt.engines.vllm.VLLMEngine``)."""
+    if device.type != "cuda":
+        return 0
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    return int(before - torch.cuda.memory_reserved(device))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

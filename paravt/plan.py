@@ -135,6 +135,7 @@ class ModelShape:
     patch: int
     merge: int
     tpatch: int
+    largest_tensor: int = 0  # elements of the largest single parameter (the weight push's)
 
     @property
     def largest_unit(self) -> int:
@@ -245,6 +246,7 @@ def model_shape(cfg: Config) -> ModelShape:
         patch=int(v.patch_size),
         merge=int(v.spatial_merge_size),
         tpatch=int(v.temporal_patch_size),
+        largest_tensor=max(p.numel() for p in uniq),
     )
 
 
@@ -268,12 +270,14 @@ class Layout:
 
 @dataclass
 class Term:
-    """One line of the plan: bytes held during the rollout and during the update."""
+    """One line of the plan: bytes held during the rollout, the update and the weight push
+    (``sync``: after the update, while the new weights go into the engine)."""
 
     name: str
     rollout: float
     update: float
     note: str = ""
+    sync: float = 0.0
 
 
 @dataclass
@@ -287,6 +291,10 @@ class Plan:
     terms: list[Term] = field(default_factory=list)
     activations_other: float = 0.0  # the activation term under the other checkpointing mode
     tokens: int = 0  # tokens of the planned micro-batch
+    reference: str = ""  # where the reference model lives ('' without one): reference_placement
+    reference_why: str = ""
+    #: An asynchronous run's worker rank (``rollout.workers`` > 0): its terms, in the rollout.
+    worker_terms: list[Term] = field(default_factory=list)
 
     @property
     def rollout(self) -> float:
@@ -297,12 +305,25 @@ class Plan:
         return sum(t.update for t in self.terms)
 
     @property
+    def sync(self) -> float:
+        return sum(t.sync for t in self.terms)
+
+    @property
+    def worker(self) -> float:
+        return sum(t.rollout for t in self.worker_terms)
+
+    @property
     def peak(self) -> float:
-        return max(self.rollout, self.update)
+        """The trainer rank's peak: the largest of its three phases."""
+        return max(self.rollout, self.update, self.sync)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(("rollout", "update", "sync"), key=lambda k: getattr(self, k))
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.layout.device_bytes
+        return self.peak <= self.layout.device_bytes and self.worker <= self.layout.device_bytes
 
     def term(self, name: str) -> Term:
         return next(t for t in self.terms if t.name == name)
@@ -378,13 +399,17 @@ def plan_memory(
     pl = Plan(cfg, s, layout, ranks)
     T: list[Term] = pl.terms
 
-    def add(name: str, rollout: float, update: float, note: str = "") -> None:
-        T.append(Term(name, float(rollout), float(update), note))
+    def add(name: str, rollout: float, update: float, note: str = "", sync: float = 0) -> None:
+        T.append(Term(name, float(rollout), float(update), note, float(sync)))
 
-    # Parameters, compute copies, gradients, moments.
+    # Parameters, compute copies, gradients, moments. After the update (the weight push) the
+    # gradients are gone (``zero_grad`` sets them to None) and no unit is gathered.
     if fsdp:
         master = s.params * bm / n
-        add("policy parameters (masters)", master, master, f"{s.params / 1e9:.2f} B x {bm} B / {n}")
+        add(
+            "policy parameters (masters)", master, master,
+            f"{s.params / 1e9:.2f} B x {bm} B / {n}", sync=master,
+        )  # fmt: skip
         live = s.root_params + LIVE_BLOCKS * max(s.text_block, s.vision_block)
         add("compute copies (unsharded)", 0, live * bc, f"root + {LIVE_BLOCKS} blocks x {bc} B")
         add("gradients, sharded", 0, s.trainable * bm / n, f"trainable x {bm} B / {n}")
@@ -397,15 +422,22 @@ def plan_memory(
             f"root + {LIVE_BLOCKS} blocks x {bc} B + largest unit x {red} B",
         )
     else:
-        add("policy parameters", s.params * bc, s.params * bc, f"{s.params / 1e9:.3f} B x {bc} B")
+        own = s.params * bc
+        add("policy parameters", own, own, f"{s.params / 1e9:.3f} B x {bc} B", sync=own)
         add("gradients", 0, s.trainable * bc, f"trainable x {bc} B")
     moments = 2 * s.trainable * bm / n
-    add("AdamW moments", moments, moments, f"2 x trainable x {bm} B / {n}")
+    add("AdamW moments", moments, moments, f"2 x trainable x {bm} B / {n}", sync=moments)
 
-    # Reference model.
-
+    # Reference model, where reference_placement puts it.
     if make_objective(a).needs_ref:
-        add("reference model", s.params * bc, s.params * bc, f"full replica x {bc} B")
+        pl.reference, pl.reference_why = reference_placement(cfg, layout, s)
+        if pl.reference == "offload":
+            ref, note = 0.0, f"offloaded: {s.params * bc / n / GIB:.2f} GiB of host memory"
+        elif pl.reference == "shard" and ranks > 1:
+            ref, note = s.params * bc / ranks, f"sharded: x {bc} B / {ranks}"
+        else:
+            ref, note = s.params * bc, f"full replica x {bc} B"
+        add("reference model", ref, ref, f"{note} ({pl.reference_why})", sync=ref)
 
     # Rollout engine.
     main_ctx, sub_ctx, share = context_tokens(cfg, s)
@@ -414,16 +446,19 @@ def plan_memory(
         frac = getattr(r, eng.device_share_key)
         res = frac * layout.device_bytes
         asleep = bool(getattr(r, eng.sleep_key, False)) if eng.sleep_key else False
+        # The push wakes the weights alone (the KV cache wakes after it: the staged wake).
+        push = min(res, s.params * bc) if asleep else res
         add(
             f"{eng.label} engine reserve",
             res,
             0 if asleep else res,
-            f"{frac:g} of the device" + (", asleep in update" * asleep),
+            f"{frac:g} of the device" + (", asleep in update, weights only in sync" * asleep),
+            sync=push,
         )
     elif eng.cpu_kv_cache_key:  # on a CPU: its own weights + the KV cache it was given
         kv_gib = getattr(r, eng.cpu_kv_cache_key)
         own = s.params * bc + kv_gib * GIB
-        add(f"{eng.label} engine (CPU)", own, own, f"weights x {bc} B + {kv_gib:g} GiB KV")
+        add(f"{eng.label} engine (CPU)", own, own, f"weights x {bc} B + {kv_gib:g} GiB KV", own)
     else:
         replica = s.params * bc if fsdp else 0
         per_rank = max(1, cfg.train.prompts_per_step // ranks) * r.group_size
@@ -433,13 +468,23 @@ def plan_memory(
         kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
         kv = kv_tok * max(b_main * main_ctx, b_sub * sub_ctx)
         sampling = 3 * max(b_main, b_sub) * s.vocab * 4
-        add("HF engine replica", replica, replica, "full replica" if fsdp else "shares the policy")
+        add(
+            "HF engine replica", replica, replica,
+            "full replica" if fsdp else "shares the policy", sync=replica,
+        )  # fmt: skip
         add(
             "HF engine KV cache + sampling",
             kv + sampling,
             0,
             f"{b_main} x {main_ctx} / {b_sub} x {sub_ctx} tokens",
         )
+
+    # The weight push: one entry gathered at a time (its master-dtype gather, then the compute
+    # cast) and, for vLLM's layer-wise reload, one layer's tensors held by its loader.
+    largest = s.largest_tensor or s.vocab * s.hidden
+    push = largest * ((bm if fsdp else 0) + bc)
+    push += s.text_block * bc if eng.device_share_key or eng.cpu_kv_cache_key else 0
+    add("weight push transient", 0, 0, "largest tensor gathered + cast", sync=push)
 
     # Activations of one micro-batch (the longest sequence runs alone).
     tok = tokens or max(a.max_tokens_per_microbatch, main_ctx, sub_ctx)
@@ -481,10 +526,82 @@ def plan_memory(
     add("fused log-prob buffers", 0, lpl, f"{rows} rows x {s.vocab} logits + fp32 dW, dH")
 
     if layout.gpu:
-        add("CUDA context", CUDA_CONTEXT_BYTES, CUDA_CONTEXT_BYTES)
-        ro, up = pl.rollout, pl.update
-        add("allocator slack (5%)", ALLOCATOR_SLACK * ro, ALLOCATOR_SLACK * up)
+        # What the update used and freed stays reserved by PyTorch's caching allocator unless
+        # train.empty_cache hands it back between phases (release_device_cache). PyTorch's own
+        # later allocations reuse it (the HF engine's KV cache), but vLLM's wake allocates
+        # outside PyTorch: with vLLM the rollout and the push would find it taken.
+        transient = sum(t.update for t in T if t.rollout == 0)
+        outside = bool(eng.device_share_key)
+        kept = transient if outside and not cfg.train.empty_cache else 0.0
+        why = (
+            "released between phases (train.empty_cache)"
+            if cfg.train.empty_cache
+            else ("kept (train.empty_cache=false)" if outside else "reused by PyTorch's engine")
+        )
+        add("cached, free (the update's transients)", kept, 0, why, sync=kept)
+        add("CUDA context", CUDA_CONTEXT_BYTES, CUDA_CONTEXT_BYTES, sync=CUDA_CONTEXT_BYTES)
+        ro, up, sy = pl.rollout, pl.update, pl.sync
+        add(
+            "allocator slack (5%)",
+            ALLOCATOR_SLACK * ro,
+            ALLOCATOR_SLACK * up,
+            sync=ALLOCATOR_SLACK * sy,
+        )
+    if r.workers > 0:
+        pl.worker_terms = worker_terms(cfg, s, layout)
     return pl
+
+
+def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
+    """What one asynchronous rollout worker rank holds (``paravt.workers.worker``): the HF
+    model it loads (the engine's or the agent's; ``model.dtype``), the engine (vLLM: its share
+    of the device; HF: the KV cache and sampling buffers of its share of the prompts) and on a
+    GPU the CUDA context and slack. The weights it receives are staged in host memory."""
+    r = cfg.rollout
+    bc = _dtype_bytes(cfg.model.dtype, "model.dtype")
+    out = [Term("model (compute dtype)", s.params * bc, 0, f"{s.params / 1e9:.2f} B x {bc} B")]
+    eng = engine_spec(r.engine)
+    if eng.device_share_key and layout.gpu:
+        frac = getattr(r, eng.device_share_key)
+        out.append(Term(f"{eng.label} engine reserve", frac * layout.device_bytes, 0, f"{frac:g}"))
+    elif eng.cpu_kv_cache_key:
+        kv_gib = getattr(r, eng.cpu_kv_cache_key)
+        out.append(Term(f"{eng.label} engine (CPU)", s.params * bc + kv_gib * GIB, 0, ""))
+    else:
+        main_ctx, sub_ctx, _ = context_tokens(cfg, s)
+        per = max(1, cfg.train.prompts_per_step // max(1, r.workers)) * r.group_size
+        b_main = min(per, r.max_batch_size or per)
+        b_sub = min(per * cfg.agent.max_parallel, r.max_batch_size or per * cfg.agent.max_parallel)
+        kv = 2 * s.layers * s.kv_heads * s.head_dim * bc * max(b_main * main_ctx, b_sub * sub_ctx)
+        out.append(
+            Term("HF engine KV cache + sampling", kv + 3 * max(b_main, b_sub) * s.vocab * 4, 0)
+        )
+    if layout.gpu:
+        out.append(Term("CUDA context", CUDA_CONTEXT_BYTES, 0))
+        out.append(Term("allocator slack (5%)", ALLOCATOR_SLACK * sum(t.rollout for t in out), 0))
+    return out
+
+
+def reference_placement(
+    cfg: Config, layout: Layout, shape: ModelShape | None = None
+) -> tuple[str, str]:
+    """``(placement, why)`` of the reference model (``algo.ref_placement``; applied by
+    ``paravt.distributed.place_reference`` in ``paravt.train.build_trainer``, which asks this
+    with the run's layout). ``auto``: ``shard`` over several trainer ranks (1/N of it each,
+    as the policy: verl's choice), else ``replicate`` when the plan with a replica fits the
+    device (or on a CPU / an unknown size), else ``offload`` (host memory, a unit on the
+    device at a time)."""
+    chosen = cfg.algo.ref_placement
+    if chosen != "auto":
+        return chosen, "algo.ref_placement"
+    ranks = max(1, layout.world - cfg.rollout.workers)
+    if ranks > 1:
+        return "shard", f"auto: {ranks} trainer ranks"
+    if not layout.gpu or layout.device_bytes <= 0:
+        return "replicate", "auto: one rank"
+    if plan_memory(_with(cfg, algo__ref_placement="replicate"), layout, shape).fits:
+        return "replicate", "auto: one rank, the replica fits"
+    return "offload", "auto: one rank, a replica would not fit"
 
 
 # ------------------------------------------------------------------------------- fixes
@@ -536,6 +653,25 @@ def fixes(pl: Plan) -> list[str]:
         c = _with(cfg, algo__freeze_vision_tower=True)
         if plan_memory(c, lay).fits:  # the frozen set changes the shape
             out.append("freeze the vision tower: algo.freeze_vision_tower=true")
+    if pl.reference in ("replicate", "shard"):
+        for where in ("shard", "offload"):
+            if where == "shard" and (pl.reference == "shard" or pl.ranks == 1):
+                continue
+            if fits(_with(cfg, algo__ref_placement=where)):
+                out.append(
+                    f"the reference model {'sharded over the ranks' if where == 'shard' else 'in host memory'}: "
+                    f"algo.ref_placement={where}"
+                )
+                break
+    if lay.gpu and not cfg.train.empty_cache and fits(_with(cfg, train__empty_cache=True)):
+        out.append("release PyTorch's cache between phases: train.empty_cache=true")
+    if (
+        (key := eng.sleep_key)
+        and lay.gpu
+        and not getattr(cfg.rollout, key)
+        and fits(_with(cfg, **{f"rollout__{key}": True}))
+    ):
+        out.append(f"{eng.label} asleep during the update: rollout.{key}=true")
     if cfg.algo.kl_coef > 0 and fits(_with(cfg, algo__kl_coef=0.0)):
         out.append("no reference model: algo.kl_coef=0 (changes the objective: no KL term)")
     if not out:
@@ -586,7 +722,8 @@ def _gib(x: float) -> str:
 
 
 def format_plan(pl: Plan) -> str:
-    """The plan as a table: one row per term, GiB in the rollout and the update phases."""
+    """The plan as a table: one row per term, GiB in the rollout, the update and the weight
+    push (sync); the reference model's placement; an asynchronous run's worker rank."""
     s, lay = pl.shape, pl.layout
     lines = [
         f"model: {s.source} ({s.model_type}), {s.params / 1e9:.3f} B parameters, "
@@ -596,27 +733,46 @@ def format_plan(pl: Plan) -> str:
         f"shard the policy; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
         "GiB per rank",
         "",
-        f"{'per rank':<42} {'rollout':>8} {'update':>8}   GiB  how",
+        f"{'per trainer rank' if pl.worker_terms else 'per rank':<42} {'rollout':>8} "
+        f"{'update':>8} {'sync':>8}   GiB  how",
     ]
     for t in pl.terms:
-        lines.append(f"{t.name:<42} {_gib(t.rollout)} {_gib(t.update)}         {t.note}")
-    lines.append(f"{'total':<42} {_gib(pl.rollout)} {_gib(pl.update)}")
+        lines.append(
+            f"{t.name:<42} {_gib(t.rollout)} {_gib(t.update)} {_gib(t.sync)}         {t.note}"
+        )
+    lines.append(f"{'total':<42} {_gib(pl.rollout)} {_gib(pl.update)} {_gib(pl.sync)}")
     on = pl.cfg.model.gradient_checkpointing
     lines.append(
         f"(activations {'without' if on else 'with'} gradient checkpointing would be "
         f"{pl.activations_other / GIB:.2f} GiB)"
     )
+    if pl.reference:
+        lines.append(f"reference model: {pl.reference} ({pl.reference_why})")
+    if pl.worker_terms:
+        lines += ["", f"{'per rollout worker rank':<42} {'rollout':>8}   GiB"]
+        lines += [f"{t.name:<42} {_gib(t.rollout)}         {t.note}" for t in pl.worker_terms]
+        lines.append(f"{'total':<42} {_gib(pl.worker)}")
     verdict = "fits" if pl.fits else "does not fit"
+    peak = max(pl.peak, pl.worker)
     lines.append(
-        f"peak {pl.peak / GIB:.2f} GiB of {lay.device_bytes / GIB:.2f} GiB: {verdict} "
-        f"({(lay.device_bytes - pl.peak) / GIB:+.2f} GiB headroom)"
+        f"peak {peak / GIB:.2f} GiB ({pl.peak_phase if pl.peak >= pl.worker else 'worker'}) of "
+        f"{lay.device_bytes / GIB:.2f} GiB: {verdict} "
+        f"({(lay.device_bytes - peak) / GIB:+.2f} GiB headroom)"
     )
     return "\n".join(lines)
 
 
 def shortfall(pl: Plan) -> str:
     """What does not fit: the largest terms of the peak phase and the settings that fix it."""
-    phase = "update" if pl.update >= pl.rollout else "rollout"
+    if pl.worker > pl.peak:
+        big = sorted(pl.worker_terms, key=lambda t: -t.rollout)[:3]
+        names = ", ".join(f"{t.name} {t.rollout / GIB:.1f} GiB" for t in big)
+        return (
+            f"a rollout worker rank needs {pl.worker / GIB:.1f} GiB but the device has "
+            f"{pl.layout.device_bytes / GIB:.1f} GiB; largest: {names}. Lower its engine's "
+            "share (rollout.vllm_gpu_memory_utilization) or its batch (rollout.max_batch_size)"
+        )
+    phase = pl.peak_phase
     big = sorted(pl.terms, key=lambda t: -getattr(t, phase))[:3]
     names = ", ".join(f"{t.name} {getattr(t, phase) / GIB:.1f} GiB" for t in big)
     fx = fixes(pl)
@@ -630,6 +786,7 @@ def shortfall(pl: Plan) -> str:
             "replicas; lower the frame budgets or pixels, or use a larger device"
         )
     )
+    phase = "weight push" if phase == "sync" else phase
     return (
         f"the {phase} needs {pl.peak / GIB:.1f} GiB per rank but the device has "
         f"{pl.layout.device_bytes / GIB:.1f} GiB; largest: {names}. It would fit with {how}"
@@ -649,6 +806,17 @@ def check_run(cfg: Config, world: int, device_bytes: int, nproc_per_node: int = 
     if pl.fits:
         return ""
     return f"memory plan (python -m paravt.plan): {shortfall(pl)}"
+
+
+def device_layout(cfg: Config, device: torch.device, trainer_ranks: int) -> Layout:
+    """The running job's layout as decisions made at start need it (``reference_placement``
+    in ``paravt.train.build_trainer``): its trainer ranks plus ``rollout.workers``, and the
+    device's memory (0 off CUDA: a CPU run plans no device limit)."""
+    gpu = device.type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if gpu else 0
+    return Layout(
+        nproc_per_node=trainer_ranks + cfg.rollout.workers, device_bytes=int(total), gpu=gpu
+    )
 
 
 def check_device_memory(cfg: Config, world: int) -> None:

@@ -91,6 +91,8 @@ from paravt.distributed import (
     clip_grad_norm,
     init_distributed,
     peer_lost,
+    place_reference,
+    release_device_cache,
     release_single_rank_group,
     shard_model,
     world_size_from_env,
@@ -113,7 +115,7 @@ from paravt.metrics import (
 )
 from paravt.models import ModelBundle, load_model_from_config
 from paravt.models.loader import freeze_vit
-from paravt.plan import check_device_memory
+from paravt.plan import check_device_memory, device_layout, reference_placement
 from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout_source import LocalRollout, RolloutSource
@@ -184,8 +186,10 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     if t.resume and ckpt is None:
         log.info(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
 
-    def load(path: str | Path, dtype: str | None = None) -> ModelBundle:
-        return load_model_from_config(path, cfg.model, device=str(ctx.device), dtype=dtype)
+    def load(path: str | Path, dtype: str | None = None, device: str = "") -> ModelBundle:
+        return load_model_from_config(
+            path, cfg.model, device=device or str(ctx.device), dtype=dtype
+        )
 
     # The policy holds the masters (train.master_dtype); the reference model and the HF
     # engine's replica hold the compute dtype (model.dtype); see paravt.distributed.Precision.
@@ -210,7 +214,15 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     objective = make_objective(cfg.algo)
     reference = None
     if objective.needs_ref:
-        reference = ReferencePolicy(load(init_dir).model)
+        # Replicated, sharded like the policy or offloaded, as the memory plan chooses
+        # (algo.ref_placement); loaded on the host unless replicated, so no rank ever holds a
+        # full copy on its device for a placement that avoids it.
+        where, why = reference_placement(cfg, device_layout(cfg, ctx.device, ctx.world_size))
+        reference = ReferencePolicy(
+            load(init_dir, device="" if where == "replicate" else "cpu").model
+        )
+        place_reference(reference.model, ctx, where)  # frozen first: FSDP2 sees no grads
+        log.info(f"[train] reference model: {where} ({why})")
     builds_engine = roles is None or t.eval_prompts > 0  # (async: to evaluate)
     own_weights = engine_spec(cfg.rollout.engine).own_weights
     if builds_engine and (ctx.distributed or prec.mixed) and not own_weights:
@@ -302,6 +314,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     with tr.phase(step, "rollout"):
         tr.policy.eval()
         batch = tr.source.collect(step, tr.preempt)
+        # The engine sleeps now: what the rollout cached (decode, HF KV cache) goes back too.
+        released = release_cache(tr)
     # Preemption (paravt.preempt): nothing this step changed is saved state yet. After a
     # SIGTERM/SIGUSR1 on any rank, every rank abandons the step here if finishing it would pass
     # train.preempt_grace_s; otherwise the step is finished and the run stops after it.
@@ -341,7 +355,10 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
 
     # 6. Publish the new weights to whoever rolls out next (this rank's engine, or streamed to
     # the workers as version ``step``, which admits the prompts that version allows).
+    # The update's cached-but-free memory goes back to the driver first: vLLM's wake
+    # allocates outside PyTorch (paravt.distributed.release_device_cache).
     with tr.phase(step, "sync"):
+        released += release_cache(tr)
         tr.source.publish(tr.policy, step)
 
     # 7. Stats: every rank's sums in one all-reduce, the trajectory records in one gather.
@@ -351,6 +368,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         tr.times["time/step"] = time.perf_counter() - t_step
         m = reduced.metrics(stats, tr.times["time/step"], float(tr.scheduler.get_last_lr()[0]))
         m.update(tr.times)
+        m["mem/cache_released_gib"] = released / 2**30  # this rank's (0 off CUDA)
         # The rollout's parts (this rank's; an asynchronous step's: summed over its workers):
         # overview decode + pixel pack, main-agent generation, crop decode + pack, sub-agents.
         for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"),
@@ -368,6 +386,13 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
                                    video_meta=tr.video_meta, store=tr.thumbs),
             )  # fmt: skip
     return m
+
+
+def release_cache(tr: Trainer) -> int:
+    """Between phases of ``train_step`` (after the rollout, before the weight push): the
+    device's cached-but-free memory back to the driver when ``train.empty_cache`` is on
+    (``paravt.distributed.release_device_cache``); the bytes released (0 off CUDA)."""
+    return release_device_cache(tr.ctx.device) if tr.cfg.train.empty_cache else 0
 
 
 def old_logprobs(tr: Trainer, batches: list[PackedBatch], stats: StepStats) -> None:

@@ -73,7 +73,9 @@ def test_sharded_mixed_precision_terms_by_hand():
     # root + 2 blocks of bf16 gradients, and the fp32 reduce-scatter input of the root (200).
     assert t["gradients, unsharded + reduce-scatter"].update == (200 + 200) * 2 + 200 * 4
     assert t["AdamW moments"].update == t["AdamW moments"].rollout == 2 * 800 * 4 / 4
-    assert t["reference model"].update == 1000 * 2
+    # The reference: sharded like the policy on several ranks (auto), 1/4 of its bf16 bytes.
+    assert t["reference model"].update == t["reference model"].sync == 1000 * 2 / 4
+    assert pl.reference == "shard"
     assert t["HF engine replica"].rollout == 1000 * 2  # sharded policy: the engine's replica
     # KV cache: 2 (k, v) x 2 layers x 2 heads x 16 x 2 B = 256 B per token.
     kv = t["HF engine KV cache + sampling"]
@@ -176,7 +178,7 @@ def test_check_run_decides_on_a_made_up_device_size():
     cfg = _cfg("model.config=qwen3vl_8b", "model.dtype=bfloat16", "rollout.engine=vllm",
                "model.gradient_checkpointing=true")  # fmt: skip
     assert check_run(cfg, 8, int(141 * GIB)) == ""
-    msg = check_run(cfg, 8, int(60 * GIB))
+    msg = check_run(cfg, 8, int(40 * GIB))
     assert msg.startswith("memory plan (python -m paravt.plan): the ")
     assert "largest: " in msg and "It would fit with" in msg
     assert "--nnodes" in msg  # more ranks is one of the fixes at 60 GiB
@@ -201,10 +203,18 @@ def test_cli_8b_preset_on_8_h100_prints_a_table_in_under_30_s():
     assert "qwen3vl_8b.json" in out and "8.767 B parameters" in out
     rows = {line[:42].strip(): line[42:].split() for line in out.splitlines()}
     # 8.767 B fp32 masters over 8 ranks: 4.08 GiB in both phases; moments twice that.
-    assert rows["policy parameters (masters)"][:2] == ["4.08", "4.08"]
-    assert rows["AdamW moments"][:2] == ["8.17", "8.17"]
-    assert rows["reference model"][:2] == ["16.33", "16.33"]
-    assert rows["vLLM engine reserve"][:2] == ["39.82", "0.00"]  # 0.5 x 79.65 GiB, asleep
+    # Columns: rollout, update, sync (the weight push).
+    assert rows["policy parameters (masters)"][:3] == ["4.08", "4.08", "4.08"]
+    assert rows["AdamW moments"][:3] == ["8.17", "8.17", "8.17"]
+    # The reference model, sharded over the 8 ranks like the policy (auto): 16.33 / 8.
+    assert rows["reference model"][:3] == ["2.04", "2.04", "2.04"]
+    assert "reference model: shard (auto: 8 trainer ranks)" in out
+    # 0.5 x 79.65 GiB, asleep in the update; the push wakes its weights alone (8.767 B x 2 B).
+    assert rows["vLLM engine reserve"][:3] == ["39.82", "0.00", "16.33"]
+    # The push gathers the largest tensor (the 151936 x 4096 embedding) in fp32, casts to bf16.
+    # The push gathers the largest tensor (the 151936 x 4096 embedding) in fp32 and casts it to
+    # bf16 (3.48 GiB), while vLLM's layer-wise reload holds one decoder layer (0.36 GiB).
+    assert rows["weight push transient"][:3] == ["0.00", "0.00", "3.84"]
     assert "with checkpointing" in out and "without gradient checkpointing would be" in out
     assert ": fits (" in out
     assert took < 30, took
@@ -224,12 +234,17 @@ def _plan_here(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_cli_too_small_device_exits_1_naming_terms_and_fixes(capsys):
+    # A replicated reference model (16.3 GiB a rank) does not fit 70 GiB; the sharded one does.
     rc, out, err = _plan_here(capsys, "--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8",
-                              "--device-memory-gib", "70")  # fmt: skip
+                              "--device-memory-gib", "70", "algo.ref_placement=replicate")  # fmt: skip
     assert rc == 1
     assert ": does not fit (" in out
     assert "largest: activations (1 micro-batch) 17.3 GiB, reference model 16.3 GiB" in err
     assert "more ranks: --nnodes 2 (16 ranks" in err
+    assert "the reference model sharded over the ranks: algo.ref_placement=shard" in err
+    rc, out, err = _plan_here(capsys, "--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8",
+                              "--device-memory-gib", "70")  # fmt: skip
+    assert rc == 0 and ": fits (" in out
     rc, out, err = _plan_here(capsys, "--preset", "tiny_cpu", "--cpu", "--device-memory-gib", "0.3")
     assert rc == 1
     assert "gradient checkpointing: model.gradient_checkpointing=true" in err

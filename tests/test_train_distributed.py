@@ -91,6 +91,9 @@ def test_torchrun_two_ranks_match_single_process(assets, tmp_path, dtype) -> Non
     nodes = torchrun_nodes(2, "-m", "paravt.train", *_overrides(assets, out, dtype), timeout=600)
     for node, (rc, text) in enumerate(nodes):
         assert rc == 0, f"node {node}:\n{text[-4000:]}"
+    # The reference model is sharded over the two ranks like the policy (algo.ref_placement's
+    # auto), and its log-probs are the replica's (tests/test_reference_placement.py).
+    assert "[train] reference model: shard (auto: 2 trainer ranks)" in nodes[0][1]
 
     rows = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"}
     assert sorted(rows) == [1, 2]

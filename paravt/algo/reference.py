@@ -7,8 +7,11 @@ to fp32 round-off), each sequence under its own sampling temperature / top-p
 (``PackedBatch.temperatures``), so ``KL(π_θ || π_ref)`` is 0 (to round-off) at step 0 on main
 and sub-agent rows alike.
 
-Memory: a full, unsharded replica per rank (forward-only, no gradients, no optimizer
-state). With ``algo.kl_coef == 0`` the trainer never builds one.
+Memory: forward-only (no gradients, no optimizer state), placed by ``algo.ref_placement``
+(``paravt.distributed.place_reference``, chosen by ``paravt.plan.reference_placement``): a
+full replica per rank, FSDP2-sharded over the trainer ranks like the policy (the default on
+several ranks), or sharded in host memory. With ``algo.kl_coef == 0`` the trainer never builds
+one.
 """
 
 from __future__ import annotations

