@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -228,7 +229,8 @@ def test_make_targets_run_the_readme_commands(readme: str, runs: str) -> None:
     README says it runs, with the README's ARGS."""
     assert readme in shell_commands(README.read_text())
     argv = ["make", "-n", "--no-print-directory", *shlex.split(readme)[1:]]
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1].endswith(f".venv/bin/python {runs}"), out.stdout
 
