@@ -192,8 +192,8 @@ def test_decoy_share_q_sets_the_decoyed_videos_and_nests() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_spot_need_labels_and_colours_agree_with_the_decoded_frames(tmp_path, seed) -> None:
-    """The embedded default's world ("spot", the seeds ``data.synth_seed`` of the README's
-    3-seed table): each row's ``need_K*`` is what the real decoded overview frames show, the
+    """The embedded default's world ("spot", the seeds ``data.synth_seed`` of the 3-seed table
+    in docs/default_run.md): each row's ``need_K*`` is what the real decoded overview frames show, the
     square's colour is in the frames during its event and in no frame outside it, and another
     seed draws other videos."""
     data = generate(tmp_path, 4, seed=seed, min_duration=60, max_duration=60, task="spot",

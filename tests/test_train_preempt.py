@@ -1,5 +1,5 @@
 """Preemption: SIGTERM / SIGUSR1 mid-step, a clean exit 0 with a checkpoint, then ``--resume``
-continues as if nothing had happened (``paravt.preempt``; README "Preemption").
+continues as if nothing had happened (``paravt.preempt``; docs/hostile_input.md, "Preemption").
 
 Real ``python -m paravt.train`` processes on the tiny config of test_train_resume.py (4 steps,
 checkpoint only at the end). The signal is real and goes through the production handler: the
@@ -67,8 +67,8 @@ def _sent_at(text: str) -> float:
 
 
 def _report(what: str, seconds: float, line: str) -> None:
-    """Print a measured exit time and the run's log line (``pytest -s``; the README quotes
-    them)."""
+    """Print a measured exit time and the run's log line (``pytest -s``; docs/hostile_input.md
+    quotes them)."""
     print(f"\n[preempt exit time] {what}: {seconds:.2f} s from the signal to exit\n  {line}")
 
 
