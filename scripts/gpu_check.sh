@@ -18,7 +18,7 @@
 # 4. where nvidia.dali and av import, the NVDEC tests (also over the video corpus); where vllm imports, the vLLM-vs-HF
 #    engine rollout bench (tiny model; the >= 5x target with a larger model is not measured
 #    yet). The device image seen so far has neither: those steps only report.
-# Step limits sum to 590 s without vllm and DALI; 830 s with both (then raise timeout_s or
+# Step limits sum to 650 s without vllm and DALI; 890 s with both (then raise timeout_s or
 # skip a step). Typical total on an H200: see docs/gpu/.
 # Results go to $OUT (the device tool brings them back, 8 files at most) or ./gpu_out:
 # env.txt, summary.txt, steps.log (every step's log, appended as it ends), gpu_kernels.json and
@@ -127,6 +127,10 @@ step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST "${KSEL[@]}" \
   tests/test_kernels_linear_policy_loss.py tests/test_kernels_linear_logprob.py \
   tests/test_kernels_policy_loss.py tests/test_kernels_group_advantage.py
 [ -f "$LOGS/tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$LOGS/tests.txt" | tee -a "$OUT/summary.txt" || true; }
+# Issue 51 item 3 on CUDA: the cache released between phases hands the freed blocks back, and
+# an offloaded reference model keeps nothing on the device.
+step memory_phases 60 "$PY" -m pytest -q -p no:cacheprovider -rs -k cuda \
+  tests/test_reference_placement.py
 step gpu_kernels 150 "$PY" bench/gpu_kernels.py --out "$OUT/gpu_kernels.json"
 [ -f "$OUT/gpu_kernels.json" ] && "$PY" - "$OUT/gpu_kernels.json" <<'PYEOF' | tee -a "$OUT/summary.txt" || true
 import json, sys
