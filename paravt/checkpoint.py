@@ -86,7 +86,7 @@ from paravt.distributed import (
     load_sharded_train_state,
     sharded_train_state,
 )
-from paravt.files import write_atomic
+from paravt.files import atomic_file, write_atomic
 from paravt.log import get_logger
 
 log = get_logger(__name__)
@@ -464,6 +464,90 @@ def _dcp_failure(e: BaseException) -> OSError | None:
         if isinstance(exc, OSError):
             return exc
     return None
+
+
+#: The small file of a sharded SFT state folder (``save_sft_state``).
+SFT_STATE_FILE = "state.pt"
+
+
+def save_sft_state(
+    path: str | Path,
+    small: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: DistContext,
+) -> None:
+    """The cold-start SFT's state (``paravt.sft``: a preemption's, or every
+    ``sft.save_every`` steps) as the folder ``path``, on every rank, nothing gathered: each
+    rank writes its shards of the masters and of AdamW's state (``save_sharded``, into
+    ``train_state/``) and rank 0 ``small`` (settings, step, schedule, each rank's shuffle
+    state, the losses) as ``state.pt``. The folder replaces the previous one only once
+    complete (a kill mid-save leaves the previous state; ``sft_state_folder`` finds it even
+    between the two renames). A failed write on any rank raises ``OSError`` on every rank."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    optim_empty = not optimizer.state  # as save_trainer: DCP would create the state
+    sharded = sharded_train_state(model, optimizer, masters=True)
+    err: OSError | None = None
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            (tmp / TRAIN_STATE_DIR).mkdir(parents=True)
+        except OSError as e:
+            err = e
+    bad = all_gather_objects(None if err is None else str(err), ctx)[0]
+    if bad is None:
+        from torch.distributed.checkpoint import CheckpointException
+
+        try:
+            save_sharded(tmp / TRAIN_STATE_DIR, sharded)
+        except (OSError, CheckpointException) as e:
+            err = _dcp_failure(e)
+            if err is None:
+                raise
+        finally:
+            if optim_empty:
+                optimizer.state.clear()
+        bad = next((x for x in all_gather_objects(err and str(err), ctx) if x), None)
+    if bad is None and ctx.is_main:
+        try:
+            with atomic_file(tmp / SFT_STATE_FILE) as f:
+                torch.save({**small, "format": SHARDED_FORMAT, "optim_empty": optim_empty}, f)
+            _fsync_dir(tmp / TRAIN_STATE_DIR)
+            _fsync_dir(tmp)
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            err = e
+    bad = bad or all_gather_objects(err and str(err), ctx)[0]
+    if bad:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(errno.EIO, f"could not save the SFT state to {path}: {bad}")
+
+
+def sft_state_folder(path: str | Path) -> Path | None:
+    """The complete SFT state folder ``save_sft_state`` left at ``path`` (or, after a kill
+    between its two renames, the previous one it had moved aside); None when there is none."""
+    path = Path(path)
+    for cand in (path, path.with_name(f".{path.name}.old")):
+        if (cand / SFT_STATE_FILE).is_file() and (cand / TRAIN_STATE_DIR / ".metadata").is_file():
+            return cand
+    return None
+
+
+def load_sft_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read a ``save_sft_state`` folder's shards into ``model`` (the masters) and
+    ``optimizer``, on any world size (every rank, after ``shard_model`` and the optimizer)."""
+    small = torch.load(folder / SFT_STATE_FILE, map_location="cpu", weights_only=False)
+    load_sharded(folder / TRAIN_STATE_DIR, model, optimizer, masters=True)
+    if small.get("optim_empty"):
+        optimizer.state.clear()
 
 
 def save_trainer(

@@ -542,8 +542,8 @@ class SFTConfig:
     # loss spikes when a rare batch's gradient is large against a long-remembered average).
     adam_beta2: float = 0.999
     # Save the SFT's whole state (weights, AdamW moments, schedule, shuffle order) every N
-    # steps to <run>/sft.resume.pt, as a signal does, so that a kill -9 loses at most N steps
-    # and --resume continues from there bitwise (0 = only on a signal).
+    # steps to <run>/sft.resume/ (each rank its shards), as a signal does, so that a kill -9
+    # loses at most N steps and --resume continues from there bitwise (0 = only on a signal).
     save_every: int = 0
 
     def validate(self) -> list[str]:

@@ -77,10 +77,13 @@ RESUME_MAY_CHANGE: dict[str, str] = {
 _UNRECORDED = object()
 
 
-def sft_resume_file(sft_dir: str | Path) -> Path:
+def sft_resume_dir(sft_dir: str | Path) -> Path:
     """Where ``paravt.sft.run_sft`` keeps the state of a cold-start SFT stopped by a
-    preemption (``<run>/sft.resume.pt`` for ``<run>/sft``); the resumed run continues it."""
-    return Path(str(sft_dir) + ".resume.pt")
+    preemption or saved every ``sft.save_every`` steps: the folder ``<run>/sft.resume`` for
+    ``<run>/sft`` (``paravt.checkpoint.save_sft_state``: each rank's shards and a small
+    ``state.pt``; an older paravt wrote one file, ``<run>/sft.resume.pt``, still read). The
+    resumed run continues it."""
+    return Path(str(sft_dir) + ".resume")
 
 
 def base_model_dir(cfg: Config) -> str:
@@ -119,8 +122,10 @@ def run_evidence(out: str | Path) -> list[str]:
         found.append(f"checkpoints/{ckpts[-1]}")
     if (out / "sft" / "config.json").is_file():
         found.append("sft/ (its cold-start SFT)")
-    if sft_resume_file(out / "sft").is_file():
-        found.append(f"{sft_resume_file(out / 'sft').name} (an interrupted cold-start SFT)")
+    state = sft_resume_dir(out / "sft")
+    for p in (state, Path(str(state) + ".pt")):
+        if p.exists():
+            found.append(f"{p.name} (an interrupted cold-start SFT)")
     return found
 
 

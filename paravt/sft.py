@@ -29,8 +29,9 @@ The result is an HF checkpoint directory (``from_pretrained``-loadable).
 Preemption: inside a training run (``paravt.train``, whose handler ``paravt.preempt.active``
 returns) the SFT checks for a SIGTERM/SIGUSR1 before each of its steps. After one it saves
 its state after the last finished step — weights, AdamW moments, schedule, each rank's
-shuffle RNG and order, the losses so far — to ``<out>.resume.pt`` (one atomic file,
-``paravt.runfolder.sft_resume_file``) and stops the run (``SFTPreempted``, exit 0). The next
+shuffle RNG and order, the losses so far — to the folder ``<out>.resume``
+(``paravt.runfolder.sft_resume_dir``; each rank writes its own shards of the masters and
+moments, nothing is gathered: ``paravt.checkpoint.save_sft_state``) and stops the run (``SFTPreempted``, exit 0). The next
 ``run_sft`` of the same settings (the resumed run) continues from that step: on CPU the final
 weights equal an uninterrupted SFT's bitwise. A state made with other settings is set aside
 and the SFT starts over; the finished SFT deletes it.
@@ -57,7 +58,14 @@ from paravt.agent.encoder import encode_oracle_sub_trajectories, encode_oracle_t
 from paravt.algo.logprobs import packed_logprob_rows
 from paravt.algo.packing import microbatches, pack_units
 from paravt.assets import prepare_assets
-from paravt.checkpoint import save_model_dir, sft_save_error
+from paravt.checkpoint import (
+    SFT_STATE_FILE,
+    load_sft_state,
+    save_model_dir,
+    save_sft_state,
+    sft_save_error,
+    sft_state_folder,
+)
 from paravt.config import AlgoConfig, Config, ConfigError, load_config, preset_errors, to_yaml
 from paravt.data.readers import load_samples
 from paravt.data.sft_records import SFTRecord, read_sft_records
@@ -70,20 +78,18 @@ from paravt.distributed import (
     cast_floats,
     cleanup,
     clip_grad_norm,
-    full_optimizer_state,
     full_state_dict,
     init_distributed,
     load_full_optimizer_state,
     release_single_rank_group,
     shard_model,
 )
-from paravt.files import atomic_file
 from paravt.log import get_logger
 from paravt.models import load_model_from_config
 from paravt.models.forward import as_root_forward
 from paravt.models.loader import freeze_vit
 from paravt.preempt import SFTPreempted
-from paravt.runfolder import sft_resume_file
+from paravt.runfolder import sft_resume_dir
 from paravt.types import Sample, SequenceUnit, Trajectory
 from paravt.video import DecodePlanner, VideoError
 
@@ -215,28 +221,34 @@ def _sft_settings(
 
 
 def _sft_state(
-    settings: dict[str, Any], step: int, model: Any, opt: Any, sched: Any, rng: random.Random,
-    order: list[int], losses: list[float], ctx: Any,
+    settings: dict[str, Any], step: int, sched: Any, rng: random.Random, order: list[int],
+    losses: list[float], ctx: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """The SFT's whole state after ``step`` steps (collective: every rank's shuffle state is
-    gathered, the sharded weights and moments made full): what ``run_sft`` continues from."""
+    """The small part of the SFT's state after ``step`` steps (collective: every rank's
+    shuffle state is gathered); the masters and AdamW's state are written sharded beside it
+    (``paravt.checkpoint.save_sft_state``): what ``run_sft`` continues from."""
 
     return {
         "settings": settings,
         "step": step,
-        "model": full_state_dict(model, ctx),
-        "optimizer": full_optimizer_state(model, opt, ctx),
         "scheduler": sched.state_dict(),
         "ranks": all_gather_objects((rng.getstate(), list(order)), ctx),
         "losses": list(losses),
     }
 
 
-def _save_sft_state(path: Path, state: dict[str, Any]) -> None:
-    """``torch.save`` to ``path`` atomically (``paravt.files.atomic_file``: a kill mid-write
-    leaves the previous file; the temporary's name is random, never a planted link)."""
-    with atomic_file(path) as f:
-        torch.save(state, f)
+def _read_sft_state(path: Path) -> tuple[dict[str, Any], Path | None] | None:
+    """The saved SFT state at ``path`` (``sft_resume_dir``) as ``(small, folder)``: the
+    sharded folder (or the one a kill between its renames left aside), else an older paravt's
+    one-file ``<run>/sft.resume.pt`` (full weights and moments inside, ``folder`` None)."""
+    folder = sft_state_folder(path)
+    if folder is not None:
+        small = torch.load(folder / SFT_STATE_FILE, map_location="cpu", weights_only=False)
+        return small, folder
+    legacy = Path(str(path) + ".pt")
+    if legacy.is_file():
+        return torch.load(legacy, map_location="cpu", weights_only=False), None
+    return None
 
 
 def run_sft(
@@ -296,16 +308,14 @@ def _run_sft(
     model = bundle.model
     # A state saved by a preempted SFT of the same settings: continue from it.
     pre = preempt.active()
-    resume_file = sft_resume_file(out_dir)
+    resume_file = sft_resume_dir(out_dir)
     settings = _sft_settings(cfg, model_dir, sft_path, counts, ctx.world_size)
-    saved = None
-    if resume_file.is_file():
-        saved = torch.load(resume_file, map_location="cpu", weights_only=False)
-        if saved.get("settings") != settings:
-            if ctx.is_main:
-                log(f"[sft] {resume_file} was saved with other settings: not continued")
-            saved = None
-    if saved is not None:
+    saved, folder = _read_sft_state(resume_file) or (None, None)
+    if saved is not None and saved.get("settings") != settings:
+        if ctx.is_main:
+            log(f"[sft] {resume_file} was saved with other settings: not continued")
+        saved = None
+    if saved is not None and folder is None:  # an older paravt's full state
         model.load_state_dict(saved["model"])
     model.train()  # no dropout in Qwen-VL by default; train mode enables grad checkpointing
     if cfg.model.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
@@ -325,7 +335,10 @@ def _run_sft(
     order: list[int] = []
     first = 0
     if saved is not None:
-        load_full_optimizer_state(model, opt, saved["optimizer"], ctx)
+        if folder is not None:  # each rank reads its shards, on any world size
+            load_sft_state(folder, model, opt)
+        else:
+            load_full_optimizer_state(model, opt, saved["optimizer"], ctx)
         sched.load_state_dict(saved["scheduler"])
         rng_state, order = saved["ranks"][ctx.rank]
         rng.setstate(rng_state)
@@ -338,8 +351,8 @@ def _run_sft(
         if pre is not None:
             pre.enter(0, f"sft step {step + 1}")
             if pre.requested():  # collective: every rank is at this step
-                state = _sft_state(settings, step, model, opt, sched, rng, order, losses, ctx)
-                _stop_sft(pre, resume_file, step, first, s.steps, ctx, log, state)
+                state = _sft_state(settings, step, sched, rng, order, losses, ctx)
+                _stop_sft(pre, resume_file, step, first, s.steps, ctx, log, state, model, opt)
         batch = []
         while len(batch) < per_rank:
             if not order:
@@ -362,12 +375,11 @@ def _run_sft(
             # sft.save_every: the state a signal would save, so that a kill -9 loses at most
             # one interval (the next run_sft of these settings continues from it).
             t0 = time.perf_counter()
-            state = _sft_state(settings, step + 1, model, opt, sched, rng, order, losses, ctx)
+            state = _sft_state(settings, step + 1, sched, rng, order, losses, ctx)
+            save_sft_state(resume_file, state, model, opt, ctx)
             if ctx.is_main:
-                _save_sft_state(resume_file, state)
                 log(f"[sft] state after step {step + 1} saved to {resume_file} "
                     f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-            barrier(ctx)
         if ctx.is_main and (step % max(1, s.steps // 8) == 0 or step == s.steps - 1):
             log(f"[sft] step {step + 1}/{s.steps} nll/token {loss:.4f}")
     if pre is not None:  # past the SFT's steps: a signal now stops the run before any RL step
@@ -383,7 +395,9 @@ def _run_sft(
             shutil.rmtree(tmp, ignore_errors=True)
             raise sft_save_error(out_dir, state, model_dir, e) from e
         _install(tmp, Path(out_dir))
-        resume_file.unlink(missing_ok=True)  # done: nothing left to continue
+        for done in (resume_file, resume_file.with_name(f".{resume_file.name}.old")):
+            shutil.rmtree(done, ignore_errors=True)  # done: nothing left to continue
+        Path(str(resume_file) + ".pt").unlink(missing_ok=True)  # an older paravt's
     barrier(ctx)
     return {
         "sft/loss_first": losses[0] if losses else float("nan"),
@@ -402,18 +416,21 @@ def _stop_sft(
     ctx: Any,
     log: Any,
     state: dict[str, Any],
+    model: Any,
+    opt: Any,
 ) -> None:
-    """After a signal before SFT step ``step + 1`` (every rank): rank 0 saves ``state`` (the
-    state after ``step`` steps) unless this run did no step (the file, if any, holds it
-    already); the ``[preempt]`` line is printed; raises ``SFTPreempted``."""
+    """After a signal before SFT step ``step + 1`` (every rank): every rank saves its shards
+    of the state after ``step`` steps (``state``: the small part) unless this run did no step
+    (the folder, if any, holds it already); the ``[preempt]`` line is printed; raises
+    ``SFTPreempted``."""
 
     t0 = time.perf_counter()
-    if ctx.is_main and step > first:
-        _save_sft_state(path, state)
+    if step > first:
+        save_sft_state(path, state, model, opt, ctx)
     barrier(ctx)
     if step > first:
         what = f"state {path} written in {time.perf_counter() - t0:.1f} s"
-    elif path.is_file():
+    elif _read_sft_state(path) is not None:
         what = f"state {path} (already written)"
     else:
         what = "nothing to save"
@@ -421,7 +438,7 @@ def _stop_sft(
     line, info = pre.exit_line(
         outcome, f"{what} (--resume continues the SFT from there); exiting 0"
     )
-    info["checkpoint"] = str(path) if path.is_file() else ""
+    info["checkpoint"] = str(path) if path.exists() else ""
     if ctx.is_main:
         log(line)
         sys.stdout.flush()

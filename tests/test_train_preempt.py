@@ -318,7 +318,7 @@ def test_sigterm_and_kill_9_during_the_sft_and_resume_continues_it(
     interval), and a second ``--resume`` continues from there. The final SFT weights equal an
     uninterrupted SFT's bitwise, and the run then trains."""
     from paravt.config import load_config
-    from paravt.runfolder import sft_resume_file
+    from paravt.runfolder import sft_resume_dir
     from paravt.sft import run_sft
 
     out = tmp_path / "run"
@@ -338,13 +338,14 @@ def test_sigterm_and_kill_9_during_the_sft_and_resume_continues_it(
     text = log.read_text()
     assert rc == 0, text[-3000:]
     line = next((x for x in text.splitlines() if x.startswith("[preempt] ")), "")
-    state = sft_resume_file(out / "sft")
+    state = sft_resume_dir(out / "sft")
     assert "SIGTERM at step 0 (sft step 3): stopped the cold-start SFT after step 2 of 6" in line
     assert f"state {state} written" in line and "exiting 0" in line, line
     took = t_exit - _sent_at(text)
     _report("SIGTERM mid-SFT, 1 process", took, line)
     assert took < GRACE_S
-    assert state.is_file() and not (out / "sft").exists()
+    assert (state / "state.pt").is_file() and not (out / "sft").exists()
+    assert (state / "train_state" / "__0_0.distcp").is_file()  # the shards, not a full copy
     assert read_metrics(out / "metrics.jsonl") == []  # no evaluation, no step
 
     log2 = tmp_path / "resumed.log"
@@ -355,8 +356,9 @@ def test_sigterm_and_kill_9_during_the_sft_and_resume_continues_it(
     assert "[sft] continuing from" in text and "step 2 of 6 done" in text, text[-3000:]
     assert "[sft] step 1/6" not in text  # not redone
     assert f"[sft] state after step 4 saved to {state}" in text, text[-3000:]
-    assert state.is_file() and not (out / "sft").exists()
-    assert not list(out.glob(".sft.resume.pt.*"))  # no temporary left by the saves
+    assert (state / "state.pt").is_file() and not (out / "sft").exists()
+    assert (state / "train_state" / "__0_0.distcp").is_file()  # the shards, not a full copy
+    assert not list(out.glob(".sft.resume*"))  # no temporary or set-aside state left
 
     resumed = subprocess.run(
         [*argv, "--resume"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
