@@ -391,10 +391,12 @@ def test_flash_reference_is_the_block_attention_with_a_bottom_right_mask():
     q3, k3, v3 = (x[0].transpose(0, 1) for x in (q, k, v))
     out = flash_varlen_reference(q3, k3[idx], v3[idx], *args, causal=True)
     assert out.shape == (14, 4, 8) and float((out - ref[0]).abs().max()) <= 1e-6
-    # Top-left alignment (query i sees keys <= i) is what a suffix must NOT get.
-    top_left = flash_varlen_reference(q3[5:8], k3[idx][5:13], v3[idx][5:13],
-                                      torch.tensor([0, 3]), torch.tensor([0, 3]), 3, 3, causal=True)  # fmt: skip
-    assert float((top_left - ref[0, 5:8]).abs().max()) > 1e-2
+    # Top-left alignment (SDPA's is_causal: query i sees keys <= i) is what a suffix must NOT get.
+    keys = torch.cat([k[:, :, :5], k[:, :, 5:8]], 2), torch.cat([v[:, :, :5], v[:, :, 5:8]], 2)
+    top_left = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, 5:8], *keys, is_causal=True, enable_gqa=True
+    )
+    assert float((top_left.transpose(1, 2) - ref[:, 5:8]).abs().max()) > 1e-2
     # An unshared layout has no key gather.
     assert (
         prefix_varlen_kwargs([(0, 3, 0, 0), (3, 7, 0, 0)], torch.device("cpu"))["paravt_key_index"]
@@ -455,8 +457,8 @@ def test_an_attention_that_cannot_share_warns_once_naming_the_key_and_fix(
     base = [f"model.path={ckpt}", f"train.out_dir={tmp_path / 'out'}", "rollout.engine=hf",
             "model.device=cpu"]  # fmt: skip
     validate_run(load_config("qwen3vl_8b_paragrpo", overrides=base), world_size=1)
-    validate_run(load_config("qwen3vl_8b_paragrpo", overrides=[*base, "algo.share_prefix=false",
-                                                                "model.attn_implementation=eager"]), 1)  # fmt: skip
+    off = ["algo.share_prefix=false", "model.attn_implementation=eager"]
+    validate_run(load_config("qwen3vl_8b_paragrpo", overrides=[*base, *off]), world_size=1)
     assert "share_prefix" not in capsys.readouterr().err  # sdpa shares; off on purpose is quiet
     cfg = load_config("qwen3vl_8b_paragrpo", overrides=[*base, "model.attn_implementation=eager"])
     validate_run(cfg, world_size=1)

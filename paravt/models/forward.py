@@ -9,11 +9,13 @@ is here is what makes that forward equal to running each sequence alone:
 * attention (``packed_attention_kwargs``): SDPA runs ``varlen_sdpa_attention`` (one causal
   SDPA per sequence, boundaries ``cu_seq_lens_q``; the language model is switched to it for
   good by ``_varlen_language_model``, so gradient checkpointing recomputes the same path);
-  flash_attention_2/3 gets the same ``cu_seq_lens_q/k`` + ``max_length_q/k``, which
-  transformers' flash integration hands to ``flash_attn_varlen_func``; eager (debugging)
-  gets an additive 4-D block-diagonal mask. Neither SDPA nor flash holds anything
-  ``N x N``: attention costs ``sum L_i^2``. The CUDA flash branch is written but untested
-  here (no GPU in CI, no flash-attn in the GPU image).
+  flash_attention_2/3 runs ``varlen_flash_attention`` (switched the same way): ONE
+  ``flash_attn_varlen_func`` call per layer with ``cu_seqlens_q/k`` from
+  ``prefix_varlen_kwargs``; eager (debugging) gets an additive 4-D block-diagonal mask.
+  Neither SDPA nor flash holds anything ``N x N``: attention costs ``sum L_i^2``. The flash
+  path runs on CPU only with ``flash_varlen_reference`` as its kernel (tests); flash-attn
+  itself is not in the GPU image (``tests/test_shared_prefix_cuda.py`` checks the call's
+  contract against torch's own FlashAttention-2 varlen kernel there).
 * positions (``_packed_inputs``): Qwen3-VL's mrope ids from ``get_rope_index`` on each
   sequence ALONE (cheap, host side), concatenated along the token axis. transformers reads a
   4-row position tensor as ``text_position_ids`` + 3 mrope rows (the rotary embedding uses the
@@ -40,11 +42,13 @@ block-diagonal mask for Qwen3-VL. Qwen2.5-VL has the same ``get_rope_index`` /
 
 Shared prompts (``algo.share_prefix``; ``paravt.models.prefix``): when a forward holds several
 rows of one prompt group, ``packed_forward`` lays the group out as ``[prompt; suffix_1; ...]``
-(the prompt's tokens and visual segments once) and the SDPA attention runs per block
-(``_prefix_block_attention``: each suffix sees the prompt fully and itself causally, through a
-lower-right causal mask); callers read rows through ``SharedLayout.row_of``
-(``packed_hidden_rows``), so every value and gradient is the unshared forward's
-(tests/test_shared_prefix.py).
+(the prompt's tokens and visual segments once); each suffix sees the prompt fully and itself
+causally, through a lower-right causal mask: under sdpa one SDPA per block
+(``_prefix_block_attention``), under flash_attention_2/3 one varlen call whose keys per block
+are ``[prompt; suffix]`` (``varlen_flash_attention``). eager runs the unshared layout and
+warns once (``warn_if_sharing_off``, also from ``paravt.validate``). Callers read rows through
+``SharedLayout.row_of`` (``packed_hidden_rows``), so every value and gradient is the unshared
+forward's (tests/test_shared_prefix.py).
 
 Under FSDP2 every such forward is a forward of the root unit (``as_root_forward``): the
 root's parameters (embeddings, lm_head, final norm) are gathered and their gradients reduced
@@ -124,7 +128,8 @@ def packed_attention_kwargs(
     * ``flash_attention_2``/``_3`` (CUDA) and ``sdpa``: no mask; ``cu_seq_lens_q/k`` +
       ``max_length_q/k`` go through the language model's ``**kwargs`` to its attention
       function. flash-attn: transformers' integration calls ``flash_attn_varlen_func`` over
-      those boundaries. SDPA: the language model runs ``VARLEN_SDPA``
+      those boundaries (``packed_forward`` itself gives a switched flash model
+      ``prefix_varlen_kwargs`` instead). SDPA: the language model runs ``VARLEN_SDPA``
       (``_varlen_language_model``; ``varlen_sdpa_attention``: one causal SDPA per sequence).
       Neither holds anything ``N x N``, and attention costs ``sum L_i^2``, not ``N^2``.
     * ``eager`` (debugging): a 4-D additive block-diagonal causal mask ``(1, 1, N, N)``
@@ -229,14 +234,21 @@ def _prefix_block_attention(
     mask aligned to the bottom right (``causal_lower_right``: query ``i`` sees keys up to
     ``P + i``), which is the mask its rows had inside the whole unshared sequence, so every
     output equals the unshared forward's. Nothing ``N x N`` exists: a suffix's mask is
-    ``L_s x (P + L_s)`` at most (CUDA SDPA takes the lower-right bias without materialising
-    it). Its price is one concatenated copy of the prompt's keys and values per suffix, per
-    layer, which autograd keeps for the backward (under gradient checkpointing: one layer's
-    at a time). ``masks`` caches each suffix shape's mask over the layers of one forward: on
-    CUDA the ``causal_lower_right`` bias (the flash / efficient kernels align it themselves),
-    elsewhere the additive float mask, built once instead of once per layer (building it and
-    converting a boolean one took most of a CPU forward's extra time). ``(1, H, M, D)`` ->
-    ``(1, M, H, D)``."""
+    ``L_s x (P + L_s)`` at most. Its price is one concatenated copy of the prompt's keys and
+    values per suffix, per layer, which autograd keeps for the backward (under gradient
+    checkpointing: one layer's at a time). ``masks`` caches each suffix shape's mask over the
+    layers of one forward, built once instead of once per layer.
+
+    Which call runs where: on CUDA a suffix's mask is the ``causal_lower_right`` bias, which
+    SDPA dispatches (``CausalBias._dispatch``) to torch's flash kernel (``is_causal`` there
+    means lower right; bf16/fp16, grouped-query heads native) or else the memory-efficient
+    kernel (``custom_mask_type`` lower right), never materialised for those; only where
+    neither applies (e.g. float32 with grouped-query heads) does torch build the mask and
+    warn. ``tests/test_shared_prefix_cuda.py`` (``scripts/gpu_check.sh``) fails if the 8B
+    shape falls back (read from torch 2.13's source; not yet run on a GPU). On CPU it is an
+    additive float mask (building it and converting a boolean one took most of a CPU
+    forward's extra time). A prompt or an ungrouped row is ``is_causal=True`` everywhere.
+    ``(1, H, M, D)`` -> ``(1, M, H, D)``."""
     from torch.nn.attention.bias import causal_lower_right
 
     if masks is None:
