@@ -474,3 +474,35 @@ def test_an_attention_that_cannot_share_warns_once_naming_the_key_and_fix(
     assert "model.attn_implementation='eager'" in err and "N x N" in err
     assert "model.attn_implementation=sdpa" in err and "algo.share_prefix=false" in err
     assert not layout.shared and torch.equal(h, h0) and torch.equal(h, h2)
+
+
+def test_a_flash_call_outside_a_packed_forward_is_transformers_own(monkeypatch):
+    """``varlen_flash_attention`` without paravt's packed kwargs (generation, padded batches)
+    hands the call to transformers' flash attention under the original implementation name
+    (what its flash-attn import keys on), and the switched name comes back after, also when
+    that call raises. transformers' function needs flash-attn, so a recorder stands in."""
+    import transformers.integrations.flash_attention as hf_flash
+
+    from paravt.models.forward import VARLEN_FLASH, varlen_flash_attention
+
+    class Layer(torch.nn.Module):
+        config = type("C", (), {"_attn_implementation": VARLEN_FLASH + "flash_attention_2"})()
+
+    seen = []
+
+    def record(module, q, k, v, mask, **kw):
+        seen.append((module.config._attn_implementation, kw))
+        if kw.get("fail"):
+            raise RuntimeError("boom")
+        return q.transpose(1, 2), None
+
+    monkeypatch.setattr(hf_flash, "flash_attention_forward", record)
+    layer = Layer()
+    q = torch.randn(1, 4, 3, 8)
+    out, _ = varlen_flash_attention(layer, q, q[:, :2], q[:, :2], None, scaling=0.5, position_ids=1)
+    assert seen == [("flash_attention_2", {"dropout": 0.0, "scaling": 0.5, "position_ids": 1})]
+    assert torch.equal(out, q.transpose(1, 2))
+    assert layer.config._attn_implementation == VARLEN_FLASH + "flash_attention_2"
+    with pytest.raises(RuntimeError, match="boom"):
+        varlen_flash_attention(layer, q, q, q, None, fail=True)
+    assert layer.config._attn_implementation == VARLEN_FLASH + "flash_attention_2"
