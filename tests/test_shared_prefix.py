@@ -12,6 +12,7 @@ those rows are shared too, and each member still reads its own targets.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -371,6 +372,7 @@ def test_flash_reference_is_the_block_attention_with_a_bottom_right_mask():
     (``varlen_sdpa_attention`` with the layout's blocks), grouped-query heads included; its
     causal mask is the bottom-right one (a top-left one differs)."""
     from paravt.models.forward import (
+        flash_varlen_kernel,
         flash_varlen_reference,
         prefix_varlen_kwargs,
         varlen_sdpa_attention,
@@ -397,6 +399,12 @@ def test_flash_reference_is_the_block_attention_with_a_bottom_right_mask():
         q[:, :, 5:8], *keys, is_causal=True, enable_gqa=True
     )
     assert float((top_left.transpose(1, 2) - ref[:, 5:8]).abs().max()) > 1e-2
+    # Without flash-attn (this machine): the kernel's lookup says what to install or use.
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(
+            ImportError, match=r"flash_attn package.*model.attn_implementation=sdpa"
+        ):
+            flash_varlen_kernel("flash_attention_2")
     # An unshared layout has no key gather.
     assert (
         prefix_varlen_kwargs([(0, 3, 0, 0), (3, 7, 0, 0)], torch.device("cpu"))["paravt_key_index"]

@@ -294,16 +294,27 @@ _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash
 
 def flash_varlen_kernel(impl: str) -> Callable[..., Any]:
     """``flash_attn_varlen_func`` of ``impl`` (flash-attn 2's ``flash_attn`` or 3's
-    ``flash_attn_interface``); a clear error when the package is missing."""
+    ``flash_attn_interface``); a clear error when the package is missing, or when it is a
+    flash-attn older than 2.1 (its causal mask is aligned to the top left: a suffix would not
+    see its prompt)."""
     if impl not in FLASH_VARLEN_KERNELS:
+        from transformers.modeling_flash_attention_utils import flash_attn_supports_top_left_mask
+
         module = _FLASH_MODULES[impl]
+        fix = "or use model.attn_implementation=sdpa"
         try:
-            FLASH_VARLEN_KERNELS[impl] = importlib.import_module(module).flash_attn_varlen_func
+            kernel = importlib.import_module(module).flash_attn_varlen_func
         except ImportError as e:
             raise ImportError(
                 f"model.attn_implementation='{impl}' needs the {module} package ({e}): install "
-                "flash-attn on a CUDA machine, or use model.attn_implementation=sdpa"
+                f"flash-attn on a CUDA machine, {fix}"
             ) from e
+        if impl == "flash_attention_2" and flash_attn_supports_top_left_mask():
+            raise ImportError(
+                f"model.attn_implementation='{impl}': the installed flash-attn is older than 2.1 "
+                f"(causal masks aligned to the top left); install flash-attn >= 2.1, {fix}"
+            )
+        FLASH_VARLEN_KERNELS[impl] = kernel
     return FLASH_VARLEN_KERNELS[impl]
 
 
