@@ -748,7 +748,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model.config": "qwen3vl_8b",
         "model.dtype": "bfloat16",
         "model.gradient_checkpointing": True,
-        "model.attn_implementation": "flash_attention_2",
+        # PyTorch's SDPA: its flash / efficient kernels on CUDA, no flash-attn package (not in
+        # the device image), and a group's prompt encoded once (algo.share_prefix; the
+        # flash_attention_2 path shares too, through flash-attn varlen).
+        "model.attn_implementation": "sdpa",
         "rollout.engine": "vllm",
         "rollout.group_size": 8,
         "rollout.temperature": 0.7,

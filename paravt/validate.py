@@ -20,6 +20,7 @@ from paravt.agent.tools import load_tools
 from paravt.config import Config, ConfigError
 from paravt.distributed import resolve_device
 from paravt.engines import engine_missing
+from paravt.models.forward import warn_if_sharing_off
 from paravt.models.tiny import model_dir_of
 from paravt.rewards.compose import load_terms
 
@@ -103,6 +104,8 @@ def validate_run(cfg: Config, world_size: int) -> None:
     except RuntimeError as e:
         errs.append(f"model.device='{cfg.model.device}': {e}")
     errs += _attention_errors(cfg, dev)
+    if a.share_prefix:  # a warning, not an error: the run is right, only slower
+        warn_if_sharing_off(cfg.model.attn_implementation)
     why = engine_missing(r.engine)
     if why:
         errs.append(why)

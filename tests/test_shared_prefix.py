@@ -12,6 +12,7 @@ those rows are shared too, and each member still reads its own targets.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -323,3 +324,193 @@ def test_a_group_moved_between_ranks_sends_its_overview_once():
     moved = pickle.loads(once)
     assert all(u.main.visuals is moved[0].main.visuals for u in moved)
     assert torch.equal(moved[0].main.visuals.pixel_values, clip.pixel_values)
+
+
+# ------------------------------------------------ the attention implementations that share
+
+
+@pytest.fixture
+def lm_attention(setup):
+    """Set the tiny policy's language model to an attention implementation for one test; the
+    one it had (sdpa, switched to its packed twin) comes back after."""
+    cfg = setup[0].model.language_model.config
+    old = cfg._attn_implementation
+
+    def use(impl: str) -> None:
+        cfg._attn_implementation = impl
+
+    yield use
+    cfg._attn_implementation = old
+
+
+def test_the_8b_presets_attention_setting_shares_the_prompt(setup, lm_attention, tmp_path):
+    """The shipped recipe's attention (qwen3vl_8b_paragrpo, cut to the tiny model) runs the
+    shared layout, with the unshared forward's log-probs. Before issue 51 the preset named
+    flash_attention_2, under which every packed forward ran unshared."""
+    from paravt.algo.logprobs import packed_logprobs
+    from paravt.config import load_config
+    from paravt.models.forward import FLASH_VARLEN_KERNELS, flash_varlen_reference, packed_forward
+
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=[f"model.path={tmp_path}"])
+    assert cfg.algo.share_prefix
+    model, batch, _ = setup
+    lm_attention(cfg.model.attn_implementation)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        # a flash_attention_* preset on CPU: flash-attn's contract in its place
+        for impl in ("flash_attention_2", "flash_attention_3"):
+            mp.setitem(FLASH_VARLEN_KERNELS, impl, flash_varlen_reference)
+        _, layout = packed_forward(model, batch, range(len(batch.uids)))
+        lp, _ = packed_logprobs(model, batch)
+        lp0, _ = packed_logprobs(model, _unshared(batch))
+    assert layout.shared and layout.num_rows < 0.6 * int(batch.cu_seqlens[-1])
+    assert float((lp - lp0).abs().max()) <= 1e-5
+
+
+def test_flash_reference_is_the_block_attention_with_a_bottom_right_mask():
+    """``flash_varlen_reference`` (flash-attn's varlen contract, the flash path's reference)
+    over ``prefix_varlen_kwargs``' gathered keys equals the SDPA path's per-block attention
+    (``varlen_sdpa_attention`` with the layout's blocks), grouped-query heads included; its
+    causal mask is the bottom-right one (a top-left one differs)."""
+    from paravt.models.forward import (
+        flash_varlen_kernel,
+        flash_varlen_reference,
+        prefix_varlen_kwargs,
+        varlen_sdpa_attention,
+    )
+
+    blocks = [(0, 5, 0, 0), (5, 8, 0, 5), (8, 12, 0, 5), (12, 14, 0, 0), (14, 14, 0, 5)]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 14, 8, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 8, 12, 14], dtype=torch.int32)
+    ref, _ = varlen_sdpa_attention(None, q, k, v, None, cu_seq_lens_q=cu, paravt_blocks=blocks)
+    kw = prefix_varlen_kwargs(blocks, torch.device("cpu"))
+    assert kw["cu_seq_lens_q"].tolist() == [0, 5, 8, 12, 14]
+    assert kw["cu_seq_lens_k"].tolist() == [0, 5, 13, 22, 24]
+    assert (kw["max_length_q"], kw["max_length_k"]) == (5, 9)
+    assert kw["paravt_key_index"][5:13].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    idx = kw["paravt_key_index"]
+    args = (kw["cu_seq_lens_q"], kw["cu_seq_lens_k"], kw["max_length_q"], kw["max_length_k"])
+    q3, k3, v3 = (x[0].transpose(0, 1) for x in (q, k, v))
+    out = flash_varlen_reference(q3, k3[idx], v3[idx], *args, causal=True)
+    assert out.shape == (14, 4, 8) and float((out - ref[0]).abs().max()) <= 1e-6
+    # Top-left alignment (SDPA's is_causal: query i sees keys <= i) is what a suffix must NOT get.
+    keys = torch.cat([k[:, :, :5], k[:, :, 5:8]], 2), torch.cat([v[:, :, :5], v[:, :, 5:8]], 2)
+    top_left = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, 5:8], *keys, is_causal=True, enable_gqa=True
+    )
+    assert float((top_left.transpose(1, 2) - ref[:, 5:8]).abs().max()) > 1e-2
+    # Without flash-attn (this machine): the kernel's lookup says what to install or use.
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(
+            ImportError, match=r"flash_attn package.*model.attn_implementation=sdpa"
+        ):
+            flash_varlen_kernel("flash_attention_2")
+    # An unshared layout has no key gather.
+    assert (
+        prefix_varlen_kwargs([(0, 3, 0, 0), (3, 7, 0, 0)], torch.device("cpu"))["paravt_key_index"]
+        is None
+    )
+
+
+def test_flash_attention_2_shares_through_one_varlen_call(setup, unshared_update, lm_attention):
+    """flash_attention_2 with a shared prompt: ONE varlen call per layer with separate query
+    and key boundaries (each suffix's keys: the prompt's, then its own), causal; the loss,
+    log-probs and every gradient equal the unshared forward's. flash-attn's kernel is the one
+    part a CPU cannot run: ``flash_varlen_reference`` (its contract) stands in;
+    tests/test_shared_prefix_cuda.py checks that contract against CUDA kernels."""
+    from paravt.algo.packing import microbatches
+    from paravt.models.forward import FLASH_VARLEN_KERNELS, flash_varlen_reference
+
+    model, batch, objective = setup
+    calls = []
+
+    def kernel(q, k, v, **kw):
+        calls.append((q.shape[0], k.shape[0], kw["cu_seqlens_q"].tolist(),
+                      kw["cu_seqlens_k"].tolist(), kw["causal"]))  # fmt: skip
+        return flash_varlen_reference(q, k, v, **kw)
+
+    lm_attention("flash_attention_2")
+    parts = microbatches(batch, int(batch.cu_seqlens[-1]))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(FLASH_VARLEN_KERNELS, "flash_attention_2", kernel)
+        res, grads = _loss_and_grads(model, batch, objective, parts)
+    layers = model.config.text_config.num_hidden_layers
+    assert len(parts) == 1 and len(calls) == layers  # one forward, no recomputation
+    rows, keys, cu_q, cu_k, causal = calls[0]
+    assert causal and rows < 0.6 * int(batch.cu_seqlens[-1]) and keys > rows
+    assert cu_q[-1] == rows and cu_k[-1] == keys and cu_q != cu_k
+    ref, ref_grads = unshared_update
+    assert abs(res.loss_num - ref.loss_num) <= 1e-5 * max(1.0, abs(ref.loss_num))
+    assert float((res.logprobs - ref.logprobs).abs().max()) <= 1e-5
+    assert grads.keys() == ref_grads.keys()
+    worst = max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads)
+    assert worst <= 1e-5, worst
+
+
+def test_an_attention_that_cannot_share_warns_once_naming_the_key_and_fix(
+    setup, lm_attention, capsys, monkeypatch, tmp_path
+):
+    """eager (the debugging path) runs every row whole: with algo.share_prefix on, ONE
+    warning names the key, why and the fix, from the run's checks and from the forward;
+    the values are still the unshared forward's."""
+    from paravt.config import load_config
+    from paravt.models import forward
+    from paravt.models.forward import packed_forward
+    from paravt.models.prefix import prefix_groups
+    from paravt.validate import validate_run
+
+    monkeypatch.setattr(forward, "_warned_off", set())
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    base = [f"model.path={ckpt}", f"train.out_dir={tmp_path / 'out'}", "rollout.engine=hf",
+            "model.device=cpu"]  # fmt: skip
+    validate_run(load_config("qwen3vl_8b_paragrpo", overrides=base), world_size=1)
+    off = ["algo.share_prefix=false", "model.attn_implementation=eager"]
+    validate_run(load_config("qwen3vl_8b_paragrpo", overrides=[*base, *off]), world_size=1)
+    assert "share_prefix" not in capsys.readouterr().err  # sdpa shares; off on purpose is quiet
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=[*base, "model.attn_implementation=eager"])
+    validate_run(cfg, world_size=1)
+    model, batch, _ = setup
+    two = prefix_groups(batch, range(len(batch.uids)))[0].members[:2]  # eager's mask is N x N
+    lm_attention("eager")
+    with torch.no_grad():
+        h, layout = packed_forward(model, batch, two)
+        h2, _ = packed_forward(model, batch, two)
+        h0, _ = packed_forward(model, _unshared(batch), two)
+    err = capsys.readouterr().err
+    assert err.count("algo.share_prefix is on") == 1, err
+    assert "model.attn_implementation='eager'" in err and "N x N" in err
+    assert "model.attn_implementation=sdpa" in err and "algo.share_prefix=false" in err
+    assert not layout.shared and torch.equal(h, h0) and torch.equal(h, h2)
+
+
+def test_a_flash_call_outside_a_packed_forward_is_transformers_own(monkeypatch):
+    """``varlen_flash_attention`` without paravt's packed kwargs (generation, padded batches)
+    hands the call to transformers' flash attention under the original implementation name
+    (what its flash-attn import keys on), and the switched name comes back after, also when
+    that call raises. transformers' function needs flash-attn, so a recorder stands in."""
+    import transformers.integrations.flash_attention as hf_flash
+
+    from paravt.models.forward import VARLEN_FLASH, varlen_flash_attention
+
+    class Layer(torch.nn.Module):
+        config = type("C", (), {"_attn_implementation": VARLEN_FLASH + "flash_attention_2"})()
+
+    seen = []
+
+    def record(module, q, k, v, mask, **kw):
+        seen.append((module.config._attn_implementation, kw))
+        if kw.get("fail"):
+            raise RuntimeError("boom")
+        return q.transpose(1, 2), None
+
+    monkeypatch.setattr(hf_flash, "flash_attention_forward", record)
+    layer = Layer()
+    q = torch.randn(1, 4, 3, 8)
+    out, _ = varlen_flash_attention(layer, q, q[:, :2], q[:, :2], None, scaling=0.5, position_ids=1)
+    assert seen == [("flash_attention_2", {"dropout": 0.0, "scaling": 0.5, "position_ids": 1})]
+    assert torch.equal(out, q.transpose(1, 2))
+    assert layer.config._attn_implementation == VARLEN_FLASH + "flash_attention_2"
+    with pytest.raises(RuntimeError, match="boom"):
+        varlen_flash_attention(layer, q, q, q, None, fail=True)
+    assert layer.config._attn_implementation == VARLEN_FLASH + "flash_attention_2"

@@ -266,7 +266,8 @@ def test_flash_attention_needs_cuda_and_the_flash_attn_package(tmp_path, monkeyp
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    base = [f"model.path={ckpt}", f"train.out_dir={tmp_path / 'out'}", "rollout.engine=hf"]
+    base = [f"model.path={ckpt}", f"train.out_dir={tmp_path / 'out'}", "rollout.engine=hf",
+            "model.attn_implementation=flash_attention_2"]  # fmt: skip
     cfg = load_config("qwen3vl_8b_paragrpo", overrides=[*base, "model.device=cpu"])
     with pytest.raises(ConfigError) as e:
         validate_run(cfg, world_size=1)

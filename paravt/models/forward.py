@@ -9,11 +9,13 @@ is here is what makes that forward equal to running each sequence alone:
 * attention (``packed_attention_kwargs``): SDPA runs ``varlen_sdpa_attention`` (one causal
   SDPA per sequence, boundaries ``cu_seq_lens_q``; the language model is switched to it for
   good by ``_varlen_language_model``, so gradient checkpointing recomputes the same path);
-  flash_attention_2/3 gets the same ``cu_seq_lens_q/k`` + ``max_length_q/k``, which
-  transformers' flash integration hands to ``flash_attn_varlen_func``; eager (debugging)
-  gets an additive 4-D block-diagonal mask. Neither SDPA nor flash holds anything
-  ``N x N``: attention costs ``sum L_i^2``. The CUDA flash branch is written but untested
-  here (no GPU in CI, no flash-attn in the GPU image).
+  flash_attention_2/3 runs ``varlen_flash_attention`` (switched the same way): ONE
+  ``flash_attn_varlen_func`` call per layer with ``cu_seqlens_q/k`` from
+  ``prefix_varlen_kwargs``; eager (debugging) gets an additive 4-D block-diagonal mask.
+  Neither SDPA nor flash holds anything ``N x N``: attention costs ``sum L_i^2``. The flash
+  path runs on CPU only with ``flash_varlen_reference`` as its kernel (tests); flash-attn
+  itself is not in the GPU image (``tests/test_shared_prefix_cuda.py`` checks the call's
+  contract against torch's own FlashAttention-2 varlen kernel there).
 * positions (``_packed_inputs``): Qwen3-VL's mrope ids from ``get_rope_index`` on each
   sequence ALONE (cheap, host side), concatenated along the token axis. transformers reads a
   4-row position tensor as ``text_position_ids`` + 3 mrope rows (the rotary embedding uses the
@@ -40,11 +42,13 @@ block-diagonal mask for Qwen3-VL. Qwen2.5-VL has the same ``get_rope_index`` /
 
 Shared prompts (``algo.share_prefix``; ``paravt.models.prefix``): when a forward holds several
 rows of one prompt group, ``packed_forward`` lays the group out as ``[prompt; suffix_1; ...]``
-(the prompt's tokens and visual segments once) and the SDPA attention runs per block
-(``_prefix_block_attention``: each suffix sees the prompt fully and itself causally, through a
-lower-right causal mask); callers read rows through ``SharedLayout.row_of``
-(``packed_hidden_rows``), so every value and gradient is the unshared forward's
-(tests/test_shared_prefix.py).
+(the prompt's tokens and visual segments once); each suffix sees the prompt fully and itself
+causally, through a lower-right causal mask: under sdpa one SDPA per block
+(``_prefix_block_attention``), under flash_attention_2/3 one varlen call whose keys per block
+are ``[prompt; suffix]`` (``varlen_flash_attention``). eager runs the unshared layout and
+warns once (``warn_if_sharing_off``, also from ``paravt.validate``). Callers read rows through
+``SharedLayout.row_of`` (``packed_hidden_rows``), so every value and gradient is the unshared
+forward's (tests/test_shared_prefix.py).
 
 Under FSDP2 every such forward is a forward of the root unit (``as_root_forward``): the
 root's parameters (embeddings, lm_head, final norm) are gathered and their gradients reduced
@@ -54,15 +58,19 @@ inside the same root forward.
 
 from __future__ import annotations
 
+import importlib
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from paravt.log import get_logger
 from paravt.models.prefix import SharedLayout, prefix_groups, shared_layout, split_visuals
 from paravt.types import PackedBatch, VisualInputs
 from paravt.vision.preprocess import check_visual_tokens
+
+log = get_logger(__name__)
 
 
 def backbone_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -120,7 +128,8 @@ def packed_attention_kwargs(
     * ``flash_attention_2``/``_3`` (CUDA) and ``sdpa``: no mask; ``cu_seq_lens_q/k`` +
       ``max_length_q/k`` go through the language model's ``**kwargs`` to its attention
       function. flash-attn: transformers' integration calls ``flash_attn_varlen_func`` over
-      those boundaries. SDPA: the language model runs ``VARLEN_SDPA``
+      those boundaries (``packed_forward`` itself gives a switched flash model
+      ``prefix_varlen_kwargs`` instead). SDPA: the language model runs ``VARLEN_SDPA``
       (``_varlen_language_model``; ``varlen_sdpa_attention``: one causal SDPA per sequence).
       Neither holds anything ``N x N``, and attention costs ``sum L_i^2``, not ``N^2``.
     * ``eager`` (debugging): a 4-D additive block-diagonal causal mask ``(1, 1, N, N)``
@@ -225,14 +234,21 @@ def _prefix_block_attention(
     mask aligned to the bottom right (``causal_lower_right``: query ``i`` sees keys up to
     ``P + i``), which is the mask its rows had inside the whole unshared sequence, so every
     output equals the unshared forward's. Nothing ``N x N`` exists: a suffix's mask is
-    ``L_s x (P + L_s)`` at most (CUDA SDPA takes the lower-right bias without materialising
-    it). Its price is one concatenated copy of the prompt's keys and values per suffix, per
-    layer, which autograd keeps for the backward (under gradient checkpointing: one layer's
-    at a time). ``masks`` caches each suffix shape's mask over the layers of one forward: on
-    CUDA the ``causal_lower_right`` bias (the flash / efficient kernels align it themselves),
-    elsewhere the additive float mask, built once instead of once per layer (building it and
-    converting a boolean one took most of a CPU forward's extra time). ``(1, H, M, D)`` ->
-    ``(1, M, H, D)``."""
+    ``L_s x (P + L_s)`` at most. Its price is one concatenated copy of the prompt's keys and
+    values per suffix, per layer, which autograd keeps for the backward (under gradient
+    checkpointing: one layer's at a time). ``masks`` caches each suffix shape's mask over the
+    layers of one forward, built once instead of once per layer.
+
+    Which call runs where: on CUDA a suffix's mask is the ``causal_lower_right`` bias, which
+    SDPA dispatches (``CausalBias._dispatch``) to torch's flash kernel (``is_causal`` there
+    means lower right; bf16/fp16, grouped-query heads native) or else the memory-efficient
+    kernel (``custom_mask_type`` lower right), never materialised for those; only where
+    neither applies (e.g. float32 with grouped-query heads) does torch build the mask and
+    warn. ``tests/test_shared_prefix_cuda.py`` (``scripts/gpu_check.sh``) fails if the 8B
+    shape falls back (read from torch 2.13's source; not yet run on a GPU). On CPU it is an
+    additive float mask (building it and converting a boolean one took most of a CPU
+    forward's extra time). A prompt or an ungrouped row is ``is_causal=True`` everywhere.
+    ``(1, H, M, D)`` -> ``(1, M, H, D)``."""
     from torch.nn.attention.bias import causal_lower_right
 
     if masks is None:
@@ -264,26 +280,237 @@ def _prefix_block_attention(
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
+# The prefix of the attention implementation a flash_attention_2/3 language model runs under
+# for packed forwards (``VARLEN_FLASH + "flash_attention_2"``: transformers reads "flash" in the
+# name, as for its own flash implementations).
+VARLEN_FLASH = "paravt_varlen_"
+
+# flash-attn's varlen entry point for each implementation (imported on first use). Tests on CPU
+# put ``flash_varlen_reference`` here: the kernel is the one part of the flash path a CPU
+# cannot run.
+FLASH_VARLEN_KERNELS: dict[str, Callable[..., Any]] = {}
+_FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def flash_varlen_kernel(impl: str) -> Callable[..., Any]:
+    """``flash_attn_varlen_func`` of ``impl`` (flash-attn 2's ``flash_attn`` or 3's
+    ``flash_attn_interface``); a clear error when the package is missing, or when it is a
+    flash-attn older than 2.1 (its causal mask is aligned to the top left: a suffix would not
+    see its prompt)."""
+    if impl not in FLASH_VARLEN_KERNELS:
+        from transformers.modeling_flash_attention_utils import flash_attn_supports_top_left_mask
+
+        module = _FLASH_MODULES[impl]
+        fix = "or use model.attn_implementation=sdpa"
+        try:
+            kernel = importlib.import_module(module).flash_attn_varlen_func
+        except ImportError as e:
+            raise ImportError(
+                f"model.attn_implementation='{impl}' needs the {module} package ({e}): install "
+                f"flash-attn on a CUDA machine, {fix}"
+            ) from e
+        if impl == "flash_attention_2" and flash_attn_supports_top_left_mask():
+            raise ImportError(
+                f"model.attn_implementation='{impl}': the installed flash-attn is older than 2.1 "
+                f"(causal masks aligned to the top left); install flash-attn >= 2.1, {fix}"
+            )
+        FLASH_VARLEN_KERNELS[impl] = kernel
+    return FLASH_VARLEN_KERNELS[impl]
+
+
+def prefix_varlen_kwargs(
+    blocks: Sequence[tuple[int, int, int, int]], device: torch.device
+) -> dict[str, Any]:
+    """The varlen arguments of a layout's ``blocks`` (``SharedLayout.blocks``) for ONE
+    flash-attn call with separate query and key lengths: block ``b``'s queries are rows
+    ``[q0, q1)``, its keys the prompt's rows ``[p0, p1)`` then its own ``[q0, q1)``, gathered
+    by ``paravt_key_index`` (None when no block reads a prompt: the keys are the rows
+    themselves). ``cu_seq_lens_q`` / ``cu_seq_lens_k`` are their boundaries (int32, on
+    ``device``), ``max_length_q`` / ``max_length_k`` their longest. With ``causal=True``
+    flash-attn (>= 2.1) aligns the mask to the bottom right (query ``i`` of a block sees keys
+    up to ``P + i``): what the rows saw inside the whole unshared sequence."""
+    live = [b for b in blocks if b[1] > b[0]]
+    lq = [q1 - q0 for q0, q1, _, _ in live]
+    lk = [q1 - q0 + p1 - p0 for q0, q1, p0, p1 in live]
+    shared = any(p1 > p0 for _, _, p0, p1 in live)
+    index = None
+    if shared:
+        index = torch.cat(
+            [torch.cat([torch.arange(p0, p1), torch.arange(q0, q1)]) for q0, q1, p0, p1 in live]
+        ).to(device)
+
+    def cu(lengths: list[int]) -> torch.Tensor:
+        out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+        return out.to(device)
+
+    return {
+        "attention_mask": None, "cu_seq_lens_q": cu(lq), "cu_seq_lens_k": cu(lk),
+        "max_length_q": max(lq), "max_length_k": max(lk), "paravt_key_index": index,
+    }  # fmt: skip
+
+
+def flash_varlen_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """``flash_attn_varlen_func``'s contract written out (the reference the flash path is
+    tested against on CPU, and the CUDA kernels in ``tests/test_shared_prefix_cuda.py``):
+    ``q`` ``(T_q, H, D)``, ``k``/``v`` ``(T_k, H_kv, D)`` (query head ``h`` reads key/value
+    head ``h // (H / H_kv)``), sequence ``b`` = queries ``[cu_q[b], cu_q[b+1])`` over keys
+    ``[cu_k[b], cu_k[b+1])``; ``causal``: aligned to the bottom right (query ``i`` of ``L_q``
+    sees keys ``j <= i + L_k - L_q``, flash-attn >= 2.1). Explicit softmax in float32, one
+    sequence at a time; returns ``(T_q, H, D)`` in ``q``'s dtype. No dropout."""
+    if dropout_p:
+        raise ValueError(f"flash_varlen_reference: dropout_p={dropout_p} (only 0 is emulated)")
+    h, hkv = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    bq, bk = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = torch.empty_like(q)
+    for a, b, c, d in zip(bq[:-1], bq[1:], bk[:-1], bk[1:]):
+        qs = q[a:b].float().transpose(0, 1)  # (H, L_q, D)
+        ks = k[c:d].float().transpose(0, 1).repeat_interleave(h // hkv, 0)
+        vs = v[c:d].float().transpose(0, 1).repeat_interleave(h // hkv, 0)
+        s = qs @ ks.transpose(1, 2) * scale
+        if causal:
+            keep = torch.ones(b - a, d - c, dtype=torch.bool, device=q.device).tril(
+                (d - c) - (b - a)
+            )
+            s = s.masked_fill(~keep, float("-inf"))
+        out[a:b] = (s.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+    return out
+
+
+def varlen_flash_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function for a flash_attention_2/3 language model
+    (``VARLEN_FLASH`` + its name): a packed forward (``paravt_key_index`` among the kwargs,
+    ``prefix_varlen_kwargs``) is ONE ``flash_attn_varlen_func`` call over the layout's blocks
+    with separate query and key boundaries, the keys and values gathered into
+    ``[prompt; suffix]`` per block (the gather's copy of the prompt per suffix is the price,
+    as on the SDPA path); a shared prompt is attended fully by each suffix, each block is
+    causal (bottom right). ``query`` ``(1, H, M, D)``, ``key``/``value`` ``(1, H_kv, M, D)``
+    (grouped-query heads: flash-attn reads them natively) -> ``(1, M, H, D)``. Any other call
+    (generation, padded batches) is transformers' own flash attention under the original
+    name. Runs on CUDA with flash-attn; on CPU only with ``flash_varlen_reference`` as its
+    kernel (the tests)."""
+    impl = module.config._attn_implementation.removeprefix(VARLEN_FLASH)
+    if "paravt_key_index" not in kwargs:
+        from transformers.integrations.flash_attention import flash_attention_forward
+
+        module.config._attn_implementation = impl  # what transformers' flash import keys on
+        try:
+            return flash_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                **kwargs,
+            )  # fmt: skip
+        finally:
+            module.config._attn_implementation = VARLEN_FLASH + impl
+    index = kwargs["paravt_key_index"]
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (M, H, D), (M, H_kv, D)
+    if index is not None:
+        k, v = k.index_select(0, index), v.index_select(0, index)
+    extra = {"dropout_p": dropout} if dropout else {}
+    out = flash_varlen_kernel(impl)(
+        q, k, v,
+        cu_seqlens_q=kwargs["cu_seq_lens_q"], cu_seqlens_k=kwargs["cu_seq_lens_k"],
+        max_seqlen_q=kwargs["max_length_q"], max_seqlen_k=kwargs["max_length_k"],
+        softmax_scale=scaling, causal=True, **extra,
+    )  # fmt: skip
+    out = out[0] if isinstance(out, tuple) else out  # flash-attn 3 may return (out, lse)
+    return out[None], None
+
+
+# The attention implementations a shared layout runs under, by the language model's own
+# (``_varlen_language_model`` switches a model to them for good).
+_PACKED_IMPL = {
+    "sdpa": VARLEN_SDPA,
+    "flash_attention_2": VARLEN_FLASH + "flash_attention_2",
+    "flash_attention_3": VARLEN_FLASH + "flash_attention_3",
+}
+
+
+def share_prefix_off_reason(attn_impl: str) -> str:
+    """Why a language model with ``attn_impl`` (``model.attn_implementation``, or what
+    ``_varlen_language_model`` switched it to) cannot run a shared layout; ``""`` when it
+    can (sdpa and flash_attention_2/3: ``SHARING_IMPLS``)."""
+    if attn_impl in SHARING_IMPLS:
+        return ""
+    if attn_impl == "eager":
+        return (
+            "eager attention (the debugging path) takes one additive N x N block-diagonal mask "
+            "and runs every row whole"
+        )
+    return f"attention implementation '{attn_impl}' has no shared-prompt path"
+
+
+# The implementations a shared layout runs under: the configured names and their packed twins.
+SHARING_IMPLS = frozenset([*_PACKED_IMPL, *_PACKED_IMPL.values()])
+_warned_off: set[str] = set()
+
+
+def warn_if_sharing_off(attn_impl: str) -> bool:
+    """Log ONE warning per implementation (per process) when ``algo.share_prefix`` is on but
+    ``attn_impl`` cannot share (``share_prefix_off_reason``): the key, why, and the fix.
+    Called by ``paravt.validate.validate_run`` before a run and by ``packed_forward`` when a
+    batch asks for sharing. True when sharing is off."""
+    why = share_prefix_off_reason(attn_impl)
+    if why and attn_impl not in _warned_off:
+        _warned_off.add(attn_impl)
+        log.warning(
+            "algo.share_prefix is on but model.attn_implementation='%s' turns it off: %s, so "
+            "each group's prompt goes through the backbone G times (and micro-batches sized for "
+            "shared rows hold more). Fix: model.attn_implementation=sdpa (or flash_attention_2 "
+            "on CUDA with flash-attn), or algo.share_prefix=false to run unshared on purpose.",
+            attn_impl,
+            why,
+        )
+    return bool(why)
+
+
 def _varlen_language_model(backbone: torch.nn.Module) -> str:
-    """The language model's attention implementation for packed forwards; an ``sdpa`` one is
-    switched to ``VARLEN_SDPA`` for good (registered with transformers on first use, with
-    SDPA's own mask function). The switch is permanent, not scoped to the packed forward:
-    gradient checkpointing re-runs each layer during the backward, and the re-run must take
-    the same attention path. Every call without ``cu_seq_lens_q`` (generation, padded
-    batches, single sequences) is transformers' SDPA, mask and all, so nothing else changes.
-    The vision tower keeps its own implementation (its own config)."""
+    """The language model's attention implementation for packed forwards. ``sdpa`` is
+    switched to ``VARLEN_SDPA`` and ``flash_attention_2``/``_3`` to ``VARLEN_FLASH`` + its
+    name (``varlen_flash_attention``), for good (registered with transformers on first use,
+    with the original's mask function). The switch is permanent, not scoped to the packed
+    forward: gradient checkpointing re-runs each layer during the backward, and the re-run
+    must take the same attention path. Every call without paravt's packed kwargs
+    (generation, padded batches, single sequences) is transformers' own implementation,
+    mask and all, so nothing else changes. The vision tower keeps its own implementation (its
+    own config). Anything else (eager) is returned unchanged."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
     cfg = getattr(backbone, "language_model", backbone).config
     impl = str(getattr(cfg, "_attn_implementation", None) or "sdpa")
-    if impl != "sdpa":
+    packed = _PACKED_IMPL.get(impl)
+    if packed is None:
         return impl
-    if VARLEN_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
-        AttentionMaskInterface.register(VARLEN_SDPA, sdpa_mask)
-    cfg._attn_implementation = VARLEN_SDPA
-    return VARLEN_SDPA
+    if packed not in AttentionInterface._global_mapping:
+        if packed == VARLEN_SDPA:
+            AttentionInterface.register(packed, varlen_sdpa_attention)
+            AttentionMaskInterface.register(packed, sdpa_mask)
+        else:
+            AttentionInterface.register(packed, varlen_flash_attention)
+            AttentionMaskInterface.register(packed, flash_attention_mask)
+    cfg._attn_implementation = packed
+    return packed
 
 
 def _packed_inputs(
@@ -360,8 +587,9 @@ def packed_forward(
     its rows ``(M, d)`` and their ``SharedLayout`` (``layout.row_of`` maps each position of
     the sequences' concatenation to its row). Under ``algo.share_prefix``
     (``PackedBatch.group_ids``) a group's common prompt is one block of rows
-    (``paravt.models.prefix.prefix_groups``; SDPA only: a flash_attention_* language model
-    runs the unshared layout, its varlen call takes one ``cu_seqlens`` for queries and keys);
+    (``paravt.models.prefix.prefix_groups``) under sdpa (``_prefix_block_attention``) and
+    flash_attention_2/3 (``varlen_flash_attention``: one varlen call, separate query and key
+    boundaries); eager runs the unshared layout and warns once (``warn_if_sharing_off``);
     else ``M = sum L_i`` and ``row_of`` is the identity. ``isolate=False`` drops the
     sequence-separating argument (plain causal attention over the whole row): only the tests
     use it, to show the separation is what makes the packed forward exact. No FSDP root
@@ -369,22 +597,27 @@ def packed_forward(
 
     backbone, _ = backbone_and_head(model)
     impl = _varlen_language_model(backbone) if isolate else "sdpa"
-    groups = prefix_groups(batch, seqs) if (isolate and impl == VARLEN_SDPA) else []
+    share = isolate and impl in SHARING_IMPLS
+    if isolate and batch.group_ids is not None and not share:
+        warn_if_sharing_off(impl)
+    groups = prefix_groups(batch, seqs) if share else []
     layout = shared_layout(batch, seqs, groups)
     kwargs = _packed_inputs(model, batch, seqs, layout)
     if not isolate:  # 3 mrope rows only: no text row, so transformers sees one causal sequence
         kwargs["position_ids"] = kwargs["position_ids"][1:]
         return backbone(**kwargs).last_hidden_state[0], layout
-    lengths = [q1 - q0 for q0, q1, _, _ in layout.blocks]
-    kwargs.update(
-        packed_attention_kwargs(
-            lengths, impl, kwargs["input_ids"].device, next(model.parameters()).dtype
+    device = kwargs["input_ids"].device
+    if impl.startswith(VARLEN_FLASH):  # one flash-attn varlen call per layer, shared or not
+        kwargs.update(prefix_varlen_kwargs(layout.blocks, device))
+    else:
+        lengths = [q1 - q0 for q0, q1, _, _ in layout.blocks]
+        kwargs.update(
+            packed_attention_kwargs(lengths, impl, device, next(model.parameters()).dtype)
         )
-    )
-    if layout.shared:
+    if layout.shared and impl == VARLEN_SDPA:
         kwargs["paravt_blocks"] = layout.blocks
         kwargs["paravt_masks"] = {}  # one mask per suffix shape, shared by the layers
-    if impl == VARLEN_SDPA:  # no text row: no N x N packed-sequence mask is built
+    if impl in SHARING_IMPLS:  # no text row: no N x N packed-sequence mask is built
         kwargs["position_ids"] = kwargs["position_ids"][1:]
     return backbone(**kwargs).last_hidden_state[0], layout
 
