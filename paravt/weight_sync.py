@@ -9,14 +9,15 @@ colocated ``paravt.rollout_source.push_weights``. Two wire formats, chosen by
   shape and dtype, the bucket size), then the tensors' bytes packed into flat uint8 buckets of
   about ``rollout.weight_bucket_mb`` (``plan_buckets``: state-dict order, each tensor 16-byte
   aligned, a tensor larger than a bucket alone in its own), one broadcast per bucket over the
-  trainer-worker weights group (``roles.WeightGroup``: NCCL with CUDA tensors when the run is
-  on GPUs, gloo with CPU tensors otherwise), then one ``(n, 3)`` int64 tensor of per-tensor
-  checksums on the same group. With ``rollout.weight_sync_overlap`` (default) the trainer packs
-  every bucket first (the snapshot: the cast compute-dtype copy, taken before the next
-  optimizer step can touch the weights; on rank 0's device it costs one compute-dtype copy of
-  the model until the push ends) and a background thread broadcasts them while the trainer
-  starts the next step (``WeightPublisher.wait`` joins it before the next push or the stop);
-  without, each bucket is broadcast as soon as it is packed (one bucket held at a time).
+  trainer-worker weights group (``paravt.workers.roles.WeightGroup``: NCCL with CUDA tensors
+  when the run is on GPUs, gloo with CPU tensors otherwise), then one ``(n, 3)`` int64 tensor
+  of per-tensor checksums on the same group. With ``rollout.weight_sync_overlap`` (default)
+  the trainer packs every bucket first (the snapshot: the cast compute-dtype copy, taken
+  before the next optimizer step can touch the weights; on rank 0's device it costs one
+  compute-dtype copy of the model until the push ends) and a background thread broadcasts
+  them while the trainer starts the next step (``WeightPublisher.wait`` joins it before the
+  next push or the stop); without, each bucket is broadcast as soon as it is packed (one
+  bucket held at a time).
   The worker receives on its own thread (so its control stream never waits for a push) into
   buffers on its device; the staged tensors are views into them (``unpack_bucket``).
 * ``host`` (the fallback, and the reference the tests compare against): the header, then one
@@ -257,9 +258,9 @@ class SumRecorder:
 # ---------------------------------------------------------------------------- trainer side
 class WeightPublisher:
     """Trainer rank 0's end: ``push`` one version (see the module docstring). ``ctrl``: the
-    ordered control stream (a ``roles.Channel``); ``group``: the weights group
-    (``roles.WeightGroup``; None for ``host``); ``device``: where buckets are packed (the
-    group's: rank 0's CUDA device under NCCL, the CPU under gloo)."""
+    ordered control stream (a ``paravt.workers.roles.Channel``); ``group``: the weights group
+    (a ``paravt.workers.roles.WeightGroup``; None for ``host``); ``device``: where buckets are
+    packed (the group's: rank 0's CUDA device under NCCL, the CPU under gloo)."""
 
     def __init__(
         self,

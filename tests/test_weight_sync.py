@@ -153,7 +153,7 @@ def test_checksum_sees_a_changed_a_moved_and_a_swapped_value() -> None:
     for other in (flipped, swapped.view(3000, 7), rolled):
         assert not torch.equal(base, checksum(other))
     assert checksum(t)[0] == checksum(swapped)[0]  # (so the weighted sums caught the swap)
-    # a dtype's bytes, not its values: -0.0 and 0.0 differ, as do two NaN payloads
+    # a dtype's bytes, not its values: -0.0 and 0.0 differ
     assert not torch.equal(checksum(torch.tensor([0.0])), checksum(torch.tensor([-0.0])))
 
 
