@@ -347,18 +347,24 @@ class WeightPublisher:
             if self.overlap:
                 ready.append(buf)
             else:
+                self._packed()
                 self.group.bcast(buf)
         ready.append(_stack(sums, self.device))
+        self._packed()  # (overlap: the snapshot is complete before the thread sends it)
         if not self.overlap:
             self.group.bcast(ready.pop())
             return
-        if self.device.type == "cuda":  # the snapshot is complete before the thread sends it
-            torch.cuda.current_stream(self.device).synchronize()
         self.last_snapshot_s = time.perf_counter() - t0
         self._thread = threading.Thread(
             target=self._send_all, args=(ready,), name="paravt-weight-push", daemon=True
         )
         self._thread.start()
+
+    def _packed(self) -> None:
+        """CUDA: wait for the packing queued on this thread's stream (the weights group sends
+        on a side stream of its own)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _send_all(self, bufs: list[torch.Tensor]) -> None:
         try:

@@ -99,6 +99,7 @@ class WeightGroup:
 
     def __init__(self, store: Any, name: str, member: int, size: int, device: torch.device) -> None:
         self.member, self.size, self.device = member, size, torch.device(device)
+        self._stream: Any = None  # CUDA: the side stream the broadcasts are ordered on
         prefixed = dist.PrefixStore(name, store)
         if self.device.type == "cuda":
             if not dist.is_nccl_available():
@@ -116,12 +117,21 @@ class WeightGroup:
 
     def bcast(self, t: torch.Tensor) -> None:
         """Broadcast ``t`` (on the group's device) from member 0 into every member's ``t``;
-        returns once ``t`` may be reused or read (NCCL: its stream synchronised)."""
+        returns once ``t`` may be reused or read. CUDA: the collective is ordered on a side
+        stream of this group's, which is synchronised, so the CPU waits for the broadcast
+        only, not for the compute another thread has queued on the default stream (the
+        trainer's next step, the worker's generation); whatever wrote ``t`` before must be
+        complete (``WeightPublisher`` synchronises its packing first)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
-        if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
+        if not t.is_cuda:
+            self.pg.broadcast([t], opts).wait()
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        with torch.cuda.stream(self._stream):
+            self.pg.broadcast([t], opts).wait()
+        self._stream.synchronize()
 
 
 def _encode(obj: Any) -> torch.Tensor:
