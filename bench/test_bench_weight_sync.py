@@ -23,6 +23,15 @@ checked bitwise against the trainer's last version at the end (the checksums ver
 version on the way).
 
 Run: ``pytest bench/test_bench_weight_sync.py --benchmark-only -s``.
+
+Measured on the 2-core CPU machine (2026-12-06, shared with other jobs; load 3-4.5): step
+time host / overlap 1.22x and 1.17x, bucketed / overlap 1.05x both times, host / bucketed
+1.16x and 1.12x (steps of 405 / 349 / 332 ms and 473 / 424 / 405 ms). On the CPU the
+overlap gains little: the snapshot (pack + checksums, ~70 ms of the ~120 ms push) stays
+inline and the background send competes for the same two cores. On GPUs the snapshot is a
+device copy plus two reductions and NCCL moves the buckets without the trainer's cores: not
+measured here (no multi-GPU machine; scripts/gpu_check.sh runs the CUDA pack / unpack /
+checksum only).
 """
 
 from __future__ import annotations
