@@ -8,6 +8,8 @@ trainer rank and one rollout worker with its own engine.
 * a worker's node lost (two nodes, c10d rendezvous; two trainer ranks on the first) stops
   the run with an error naming it after the trainers checkpoint the last step, which resumes; a killed trainer stops the
   worker; a preempted asynchronous run resumes;
+* one tensor corrupted in flight on the worker's side of the first weight push (host and
+  bucketed paths) stops the run with an error naming the tensor and the version;
 * bad settings are errors before anything loads.
 """
 
