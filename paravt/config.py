@@ -259,6 +259,17 @@ class RolloutConfig:
     # η steps ahead (AReaL's max_head_offpolicyness). 0 with workers = generation and update
     # alternate (the synchronous schedule, in separate processes).
     max_staleness: int = 0
+    # How the weights reach the workers (paravt.weight_sync): 'bucketed' (flat buckets
+    # of weight_bucket_mb, one broadcast each over the trainer-worker weights group: NCCL on
+    # GPUs, gloo on CPU) or 'host' (the fallback: one broadcast per tensor through host
+    # memory on the control stream). Every push is checked by per-tensor checksums either way.
+    weight_sync: str = "bucketed"
+    # Bucket size of the bucketed weight sync, MiB (a tensor larger than that goes alone).
+    weight_bucket_mb: int = 256
+    # Bucketed: snapshot the cast weights into buckets, then broadcast them from a background
+    # thread while the trainer starts the next step (costs one compute-dtype copy of the model
+    # on trainer rank 0's device during the push); false: each bucket is sent as it is packed.
+    weight_sync_overlap: bool = True
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.engines.ENGINES``, and
@@ -267,6 +278,7 @@ class RolloutConfig:
         errs = _range_errors("rollout", self) + _choice_error(
             "rollout.engine", self.engine, ENGINES
         )
+        errs += _choice_error("rollout.weight_sync", self.weight_sync, ("bucketed", "host"))
         spec = ENGINES.get(self.engine)
         greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
         if spec is not None and spec.greedy_rejects_top_p and greedy and self.top_p < 1:
@@ -896,6 +908,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "video.decode_timeout_s": ("> 0", "seconds one file's probe or decode may block"),
     "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
+    "rollout.weight_bucket_mb": (">= 1", "MiB per bucket of the bucketed weight sync"),
     "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
     "rollout.group_size": (">= 1", "samples per prompt"),
     "rollout.temperature": (">= 0", "main-agent sampling temperature"),

@@ -32,6 +32,7 @@ from paravt.distributed import DistContext, Precision, full_weights, is_sharded,
 from paravt.engines.engine import Engine
 from paravt.preempt import Preemption
 from paravt.types import RolloutBatch, Sample
+from paravt.weight_sync import SumRecorder, verify_engine
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,14 @@ def push_weights(engine: Engine, policy: torch.nn.Module, cfg: Config) -> None:
     dict. FSDP2 (several ranks, or fp32 masters under bf16 compute on one): the full weights
     are streamed (``paravt.distributed.full_weights``: one entry all-gathered and cast to the
     compute dtype at a time, never a full state dict) into the rank's engine: vLLM's reload
-    path, or the HF engine's replica, copied in place."""
+    path, or the HF engine's replica, copied in place. The HF replica is then read back and
+    checked against the streamed tensors' checksums (``paravt.weight_sync``: a
+    ``WeightSyncError`` naming the first tensor that differs); vLLM's copy is not read back
+    (its reload raises for any parameter it did not reach)."""
     if is_sharded(policy):
-        engine.sync_weights(full_weights(policy, Precision.from_config(cfg).compute))
+        stream = SumRecorder(full_weights(policy, Precision.from_config(cfg).compute))
+        engine.sync_weights(stream)
+        verify_engine(engine, stream.staged(version=-1))
     else:
         engine.sync_weights(policy)
 

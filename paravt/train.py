@@ -509,7 +509,7 @@ def _claimed_run(cfg: Config, keep_handlers: bool) -> dict[str, Any]:
     check_run_folder(cfg)  # every rank (workers too), before any of them writes there
     roles = None
     if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out
-        ctx, roles = init_async(cfg.model.device, cfg.rollout.workers)
+        ctx, roles = init_async(cfg.model.device, cfg.rollout.workers, cfg.rollout.weight_sync)
         if roles.is_worker:
             totals = run_worker(cfg, ctx, roles)
             cleanup(ctx)

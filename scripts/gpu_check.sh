@@ -10,7 +10,8 @@
 #    CUDA torch (CUDA ops included);
 # 2. runs the CUDA tests: CUDA pack_vision vs CPU pack (bitwise), the packed encoder on GPU
 #    vs CPU, and every Triton kernel test (compiled on the GPU, not interpreted) vs the torch
-#    reference; then the shared-prefix attention calls (issue 51) vs their fp32 reference;
+#    reference; the weight sync's buckets and checksums on CUDA vs the CPU; then the
+#    shared-prefix attention calls (issue 51) vs their fp32 reference;
 # 3. runs the GPU benchmarks: bench/gpu_kernels.py (linear_logprob TFLOP/s and vs Liger,
 #    linear_policy_loss TFLOP/s and vs Liger's fused linear GRPO loss, policy_loss
 #    bandwidth), the CUDA pack vs the CPU pack and the HF path, the packed encoder vs a
@@ -123,10 +124,15 @@ sys.exit(0 if v(triton.__version__) < (3, 7) and v(numpy.__version__) >= (2, 5) 
   KSEL=(-k "cuda or not triton")
   summary "tests: Triton-interpreter cases deselected (Triton < 3.7 with numpy >= 2.5)"
 fi
+# tests/test_weight_sync.py: the bucketed weight sync's device half on CUDA (buckets packed
+# and unpacked on the GPU, per-tensor checksums equal to the CPU's); one GPU cannot run the
+# NCCL weights group itself (NCCL refuses two ranks on one device), so the trainer-to-worker
+# broadcast is tested over gloo (its CPU cases, run here too).
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rs $XDIST "${KSEL[@]}" \
   tests/test_pack_vision.py tests/test_vision_encoder.py tests/test_kernels_reference_parity.py \
   tests/test_kernels_linear_policy_loss.py tests/test_kernels_linear_logprob.py \
-  tests/test_kernels_policy_loss.py tests/test_kernels_group_advantage.py
+  tests/test_kernels_policy_loss.py tests/test_kernels_group_advantage.py \
+  tests/test_weight_sync.py
 [ -f "$LOGS/tests.txt" ] && { grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " "$LOGS/tests.txt" | tee -a "$OUT/summary.txt" || true; }
 # Issue 51 item 2, shared-prefix attention (tests/test_shared_prefix_cuda.py, 8B's heads, bf16):
 # the sdpa path's per-block SDPA with causal_lower_right must run torch's flash / efficient

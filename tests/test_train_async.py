@@ -8,6 +8,8 @@ trainer rank and one rollout worker with its own engine.
 * a worker's node lost (two nodes, c10d rendezvous; two trainer ranks on the first) stops
   the run with an error naming it after the trainers checkpoint the last step, which resumes; a killed trainer stops the
   worker; a preempted asynchronous run resumes;
+* one tensor corrupted in flight on the worker's side of the first weight push (host and
+  bucketed paths) stops the run with an error naming the tensor and the version;
 * bad settings are errors before anything loads.
 """
 
@@ -272,6 +274,94 @@ def test_eta1_with_a_vllm_worker(assets, tiny32_dir, tmp_path) -> None:
     assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in rows.values())
     _, checked = _check_behaviour_versions(out, steps=4, eta=1)
     assert len(checked) >= 3, checked
+
+
+# Corrupts one tensor of the first weight push (version 0) on the worker's side, in flight,
+# then runs paravt.train's main: the trainer's bytes are sent intact, the worker's copy of the
+# tensor differs by one bit. Host path: the k-th tensor broadcast on the control channel after
+# the header (the same hook works on a tree without checksums); bucketed: inside the unpack of
+# its bucket. The tensor's name goes to PARAVT_TEST_CORRUPT_OUT.
+CORRUPT_MAIN = """
+import os, sys
+import torch
+from paravt.workers import roles
+
+OUT = os.environ["PARAVT_TEST_CORRUPT_OUT"]
+state = {"left": None, "done": False}
+
+def pick(specs):
+    for i, (name, shape, dtype) in enumerate(specs):
+        if name.endswith("weight") and len(shape) == 2 and dtype.is_floating_point:
+            return i, name
+
+def flip(t, name):
+    b = t.reshape(-1).view(torch.uint8)
+    b[b.numel() // 2] ^= 1
+    state["done"] = True
+    with open(OUT, "w") as f:
+        f.write(name)
+
+real_bcast, real_tensor = roles.Channel.bcast, roles.Channel.bcast_tensor
+
+def bcast(self, obj=None):
+    msg = real_bcast(self, obj)
+    if (self.member != 0 and isinstance(msg, dict) and msg.get("kind") == "weights"
+            and msg.get("sync", "host") == "host" and not state["done"]):
+        state["left"], state["name"] = pick(msg["specs"])
+    return msg
+
+def bcast_tensor(self, t):
+    real_tensor(self, t)
+    if self.member != 0 and state["left"] is not None:
+        if state["left"] == 0:
+            state["left"] = None
+            flip(t, state["name"])
+        else:
+            state["left"] -= 1
+
+roles.Channel.bcast, roles.Channel.bcast_tensor = bcast, bcast_tensor
+
+try:
+    import paravt.weight_sync as ws
+except ImportError:  # a tree without the bucketed path
+    ws = None
+if ws is not None:
+    real_unpack = ws.unpack_bucket
+
+    def unpack_bucket(bucket, buf, specs):
+        views = real_unpack(bucket, buf, specs)
+        i, name = pick([(s.name, s.shape, s.dtype) for s in specs])
+        for sl, v in zip(bucket.slots, views):
+            if sl.index == i and not state["done"]:
+                flip(v, name)
+        return views
+
+    ws.unpack_bucket = unpack_bucket
+from paravt.train import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sync", ["host", "bucketed"])
+def test_a_tensor_corrupted_in_flight_stops_the_run_naming_it(assets, tmp_path, sync) -> None:
+    """One bit of one tensor flipped on the worker's side of the first push (version 0): the
+    worker's checksum check names the tensor and the version, the trainer stops the run with
+    it (``WorkerFailed``, exit 1) before any step trains on rollouts of wrong weights."""
+    script, named, out = tmp_path / "corrupt_main.py", tmp_path / "named.txt", tmp_path / "run"
+    script.write_text(CORRUPT_MAIN)
+    extra = {"rollout.workers": 1, "rollout.weight_sync": sync, "rollout.weight_bucket_mb": 1,
+             "sft.steps": 0, "train.dump_batches": "false"}  # fmt: skip
+    proc = torchrun(
+        2, str(script), *_overrides(assets, out, **extra), timeout=300,
+        env={"PARAVT_TEST_CORRUPT_OUT": str(named)},
+    )  # fmt: skip
+    text = proc.stdout + proc.stderr
+    assert named.is_file(), text[-3000:]  # the hook did corrupt a tensor
+    name = named.read_text()
+    assert proc.returncode != 0, text[-3000:]
+    assert re.search(r"error: rollout worker rank 1 failed", text), text[-3000:]
+    assert f"tensor {name!r} of version 0 differs from the trainer's (as received" in text
+    assert not (out / "metrics.jsonl").exists() or not train_rows(out), text[-3000:]
 
 
 def _wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Match:

@@ -255,6 +255,11 @@ class HFEngine:
                 f"unexpected {unexpected[:5]}; pass the unwrapped policy module"
             )
 
+    def loaded_weights(self) -> dict[str, torch.Tensor]:
+        """The engine's own weights by name (its module's state dict, no copy): what
+        ``paravt.weight_sync.verify_engine`` reads back after a weight sync."""
+        return self.model.state_dict()
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate for every request; results in request order (see the module docstring)."""
         # The engine may share its module with the trainer (CPU, colocated). Decode in eval

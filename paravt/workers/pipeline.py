@@ -19,9 +19,15 @@ version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`
   turn: each turn of all G is sampled with the same version, so the group baseline compares
   rollouts drawn from the same policies.
 * **Weights.** ``publish`` streams the full weights after every update (``full_weights``: one
-  tensor at a time, all-gathered from the FSDP2 shards when there are several trainer ranks),
-  each tensor one broadcast from trainer rank 0 to the workers, after a header naming the
-  version. Workers stage them and swap between turns.
+  tensor at a time, all-gathered from the FSDP2 shards when there are several trainer ranks)
+  from trainer rank 0 to the workers as the version ``step`` (``paravt.weight_sync``):
+  by default packed into buckets, one broadcast each over the weights group (NCCL on GPUs),
+  sent by a background thread while the trainer goes on with the next step (the snapshot is
+  taken inside ``publish``; the next ``publish`` and ``close`` wait for the push to end);
+  ``rollout.weight_sync=host``: one broadcast per tensor on the control stream, inline. Every
+  push carries per-tensor checksums, which the workers verify on receipt and, for the HF
+  engine, after loading. Workers stage a version only whole and verified, and swap between
+  turns; the assignments that follow a push in the stream wait for it on the worker.
 * **Data position.** Rank 0's prompt sampler runs ahead of training (up to η + 1 steps); the
   position checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn
   (``data_state``), so ``--resume`` re-issues exactly the prompts not yet trained on.
@@ -32,14 +38,16 @@ rollout raises sends its traceback. The failure is raised by ``collect`` only, o
 rank (rank 0 posts it on the rendezvous store where the others wait), as ``WorkerFailed``
 naming the worker's rank: the policy is then exactly the last completed step's, which the
 training loop checkpoints before it stops (``paravt.train``). A failure noticed while pushing
-weights (the step's update is done) skips the rest of the push and is raised by the next
-``collect``, so that step is logged and saved too. A trainer that dies fails the workers'
+weights (the step's update is done; a background push's error is noticed when the next
+``publish`` or ``close`` waits for it) skips the rest of the push and is raised by the next
+``collect``, so that step is logged and saved too. A worker whose received or loaded weights
+fail their checksum sends that error (``WeightSyncError``, naming the tensor and the version)
+like any other. A trainer that dies fails the workers'
 control stream and they exit (``paravt.workers.worker``).
 """
 
 from __future__ import annotations
 
-import functools
 import queue
 import threading
 import time
@@ -57,6 +65,7 @@ from paravt.engines.engine import Engine
 from paravt.log import get_logger
 from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
+from paravt.weight_sync import Spec, WeightPublisher
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
 log = get_logger(__name__)
@@ -100,7 +109,18 @@ class RolloutPipeline:
         #: The failure noticed outside ``collect`` (while pushing weights), raised by the next
         #: ``collect`` (the step in progress then finishes: its update is done).
         self._failure: WorkerFailed | None = None
+        #: Rank 0's sending end of the weight pushes (``paravt.weight_sync``).
+        self.publisher: WeightPublisher | None = None
         if ctx.is_main:
+            r = cfg.rollout
+            self.publisher = WeightPublisher(
+                roles.ctrl,
+                roles.weights,
+                mode=r.weight_sync,
+                bucket_bytes=int(r.weight_bucket_mb) << 20,
+                overlap=r.weight_sync_overlap,
+                device=roles.weights.device if roles.weights is not None else "cpu",
+            )
             for w in roles.workers:
                 th = threading.Thread(
                     target=self._receive, args=(w,), name=f"paravt-recv-{w}", daemon=True
@@ -123,31 +143,39 @@ class RolloutPipeline:
         that version allows (``version + 1 + η`` at most)."""
         if version >= self.cfg.train.steps:
             return  # the run's last update: no worker will generate again
-        main, ctrl = self.ctx.is_main, self.roles.ctrl
+        main = self.ctx.is_main
         when = f"while pushing version {version}"
         # The workers' engines hold the compute dtype: float32 masters go out cast to it.
         dtype = Precision.from_config(self.cfg).compute
+        # The previous version's background push ends first (one push in flight at a time).
         # A worker that died meanwhile is named before the push, not by a broadcast error; a
         # failure stops rank 0's sends, while every trainer rank still walks ``full_weights``
         # (under FSDP2 each entry is a collective among the trainers).
-        send = main and self._noticed(lambda: self._drain(f"before pushing version {version}"))
-        if send:
+        before = f"before pushing version {version}"
+        send = main and self._noticed(lambda: self._await_push(before), before)
+        send = send and self._noticed(lambda: self._drain(before))
+        stream = full_weights(policy, dtype)
+        if send and self.publisher is not None:
             specs = [
-                (n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
+                Spec(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
                 for n, t in policy.state_dict().items()
             ]
-            send = self._noticed(
-                lambda: ctrl.bcast({"kind": "weights", "version": int(version), "specs": specs}),
-                when,
-            )
-        for _, t in full_weights(policy, dtype):
-            if send:
-                cpu = t.detach().to("cpu").contiguous()
-                send = self._noticed(functools.partial(ctrl.bcast_tensor, cpu), when)
+            pub = self.publisher
+            send = self._noticed(lambda: pub.push(version, specs, stream), when)
+        for _ in stream:  # the trainer ranks > 0 (or rank 0 after a failure): the collectives
+            pass
         if send:
             last = min(self.cfg.train.steps, version + 1 + self.eta)
             while send and self.assigned < last:
                 send = self._noticed(lambda: self._assign(self.assigned + 1), when)
+
+    def _await_push(self, when: str) -> None:
+        """Rank 0: wait for the background weight push to end, noticing a worker failure
+        meanwhile (``WorkerFailed``: under NCCL a dead peer would leave the push hanging)."""
+        if self.publisher is None:
+            return
+        while not self.publisher.wait(timeout=0.2):
+            self._drain(when)
 
     def _noticed(self, op: Any, when: str = "") -> bool:
         """Run ``op`` (rank 0, outside ``collect``); False, with the failure kept for the next
@@ -215,6 +243,7 @@ class RolloutPipeline:
         if not self.ctx.is_main or self.failed or self._closing:
             return
         try:
+            self._await_push("while stopping the workers")
             self._drain("while stopping the workers")
             self._closing = True
             self.roles.ctrl.bcast({"kind": "stop"})

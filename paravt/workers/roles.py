@@ -19,10 +19,15 @@ does with the default group can touch them. They get a long timeout (``CTRL_TIME
 waits on ``ctrl`` through the trainer's SFT cold start and evaluations; a peer that dies closes
 its sockets, which fails the waiting operation at once (the fault path, not the timeout).
 
-Weights travel over gloo, through host memory, on the GPU too (a tensor is copied to the CPU,
-broadcast, and copied to the worker's device when swapped in); an NCCL weight group (one
-broadcast per tensor device to device) needs the workers on other GPUs than the trainers and is
-not built yet.
+* ``weights`` (``WeightGroup``; trainer rank 0 and every worker, ``rollout.weight_sync=bucketed``):
+  the weight buckets of ``paravt.weight_sync``, device to device: NCCL with CUDA
+  tensors when the run's device is CUDA (the workers on other GPUs than trainer rank 0: NCCL
+  refuses two ranks on one GPU), gloo with CPU tensors otherwise. Used by one thread per
+  process (the trainer's push thread, the worker's weight thread), never by the ``ctrl``
+  stream's, so a push in flight never holds up a prompt assignment.
+
+With ``rollout.weight_sync=host`` (the fallback) no weights group is built and the weights go
+through ``ctrl``, through host memory, one broadcast per tensor.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import torch.distributed as dist
 
 from paravt.distributed import DistContext, resolve_device
 
+#: The weights group's prefix on the rendezvous store.
+_WEIGHTS = "paravt/async/weights"
 #: Timeout of the message groups (a worker may wait hours for a long SFT or evaluation).
 CTRL_TIMEOUT = timedelta(days=7)
 
@@ -84,6 +91,49 @@ class Channel:
         return _decode(data)
 
 
+class WeightGroup:
+    """The trainer-worker weights group (member 0: trainer rank 0; then the workers): one
+    broadcast per bucket from member 0 (``paravt.weight_sync``). NCCL when ``device``
+    is CUDA (tensors on it; written for Hopper, not run by this project's CPU tests), gloo
+    otherwise (CPU tensors). Each process uses it from one thread."""
+
+    def __init__(self, store: Any, name: str, member: int, size: int, device: torch.device) -> None:
+        self.member, self.size, self.device = member, size, torch.device(device)
+        self._stream: Any = None  # CUDA: the side stream the broadcasts are ordered on
+        prefixed = dist.PrefixStore(name, store)
+        if self.device.type == "cuda":
+            if not dist.is_nccl_available():
+                raise RuntimeError(
+                    "rollout.weight_sync=bucketed on CUDA needs NCCL, which this torch build "
+                    "lacks; set rollout.weight_sync=host"
+                )
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = CTRL_TIMEOUT  # a worker's weight thread waits between pushes
+            self.pg = dist.ProcessGroupNCCL(prefixed, member, size, opts)
+            self.backend = "nccl"
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, member, size, CTRL_TIMEOUT)
+            self.backend = "gloo"
+
+    def bcast(self, t: torch.Tensor) -> None:
+        """Broadcast ``t`` (on the group's device) from member 0 into every member's ``t``;
+        returns once ``t`` may be reused or read. CUDA: the collective is ordered on a side
+        stream of this group's, which is synchronised, so the CPU waits for the broadcast
+        only, not for the compute another thread has queued on the default stream (the
+        trainer's next step, the worker's generation); whatever wrote ``t`` before must be
+        complete (``WeightPublisher`` synchronises its packing first)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if not t.is_cuda:
+            self.pg.broadcast([t], opts).wait()
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(t.device)
+        with torch.cuda.stream(self._stream):
+            self.pg.broadcast([t], opts).wait()
+        self._stream.synchronize()
+
+
 def _encode(obj: Any) -> torch.Tensor:
     """``obj`` pickled into a uint8 tensor (what a channel carries)."""
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -101,6 +151,7 @@ class AsyncRoles:
     trainers: list[int]  # global ranks of the trainers (0 .. T-1)
     workers: list[int]  # global ranks of the rollout workers (T .. N-1)
     ctrl: Channel | None = None  # trainer rank 0 and the workers only
+    weights: WeightGroup | None = None  # trainer rank 0 and the workers; bucketed sync only
     results: dict[int, Channel] = field(default_factory=dict)  # by worker rank
     store: Any = None  # torchrun's rendezvous store (the trainers' per-step "ready" keys)
 
@@ -114,8 +165,11 @@ class AsyncRoles:
         return self.workers.index(self.rank)
 
 
-def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
+def init_async(
+    device: str, workers: int, weight_sync: str = "bucketed"
+) -> tuple[DistContext, AsyncRoles]:
     """Join the torchrun job as a trainer or a rollout worker (``rollout.workers`` = W).
+    ``weight_sync``: ``rollout.weight_sync`` (``bucketed`` builds the weights group).
 
     Returns this process's ``DistContext`` (a trainer's spans the trainer ranks; a worker's is
     a one-rank context on its device) and its ``AsyncRoles``. ``paravt.validate.validate_run``
@@ -136,6 +190,8 @@ def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
         member = 1 + worker_ranks.index(rank)
         roles.ctrl = Channel(store, "paravt/async/ctrl", member, 1 + workers)
         roles.results[rank] = Channel(store, f"paravt/async/results/{rank}", 1, 2)
+        if weight_sync == "bucketed":
+            roles.weights = WeightGroup(store, _WEIGHTS, member, 1 + workers, dev)
         return DistContext(rank=rank, device=dev), roles
     dev = torch.device(resolve_device(device, local_rank))
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -145,6 +201,8 @@ def init_async(device: str, workers: int) -> tuple[DistContext, AsyncRoles]:
         roles.ctrl = Channel(store, "paravt/async/ctrl", 0, 1 + workers)
         for w in worker_ranks:
             roles.results[w] = Channel(store, f"paravt/async/results/{w}", 0, 2)
+        if weight_sync == "bucketed":
+            roles.weights = WeightGroup(store, _WEIGHTS, 0, 1 + workers, dev)
     _own_world(rank=rank, world=n_train)
     if n_train == 1:
         return DistContext(device=dev), roles

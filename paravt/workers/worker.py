@@ -1,18 +1,27 @@
 """A rollout worker of an asynchronous run: its own engine, fed prompts and weights by the
 trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the other end).
 
-Two threads:
+Three threads:
 
 * the control thread reads the trainer's ordered stream on ``roles.ctrl``: ``hello`` (the
-  model folder), ``assign`` (one step's prompts with their K and seed), ``weights`` (a header,
-  then one broadcast per tensor into a staging copy: the engine is never touched from this
-  thread), ``stop``;
+  model folder), ``assign`` (one step's prompts with their K and seed), ``weights`` (a header;
+  ``rollout.weight_sync=host``: then one broadcast per tensor into a staging copy, received
+  here; ``bucketed``: handed to the weight thread), ``stop``;
+* the weight thread receives each bucketed version over ``roles.weights`` into buffers on the
+  worker's device (``paravt.weight_sync.receive``), so the control stream is never held
+  up by a push. Either way a version is staged only once it is whole and its tensors match the
+  trainer's checksums; the engine is never touched from these threads;
 * the main thread rolls out the assigned steps in order. Before every turn
   (``AgentRunner.before_turn``) it swaps in the newest staged weights, so a multi-turn episode
   may span versions but no generation does, and every member of a group samples a turn with
   the same version; each sampled token records its version (``Trajectory.versions``). A step
   ``b`` starts only once the worker holds version ``>= b - 1 - η`` (the trainer sends that
   version's weights before the assignment, so the wait is the stream's order).
+
+After a swap the engine's own copy is checked against the trainer's checksums where it can be
+read back (the HF engine; ``weight_sync.verify_engine``). A checksum mismatch, on receipt or
+after loading, is a ``WeightSyncError`` naming the tensor and the version: the worker sends it
+to the trainer (which raises ``WorkerFailed``) and exits 1.
 
 The result of a step goes to trainer rank 0 on the worker's own ``roles.results`` channel, with
 the runner's errors and counters and the worker's busy / idle seconds. A rollout that raises
@@ -40,6 +49,7 @@ from paravt.distributed import DistContext
 from paravt.engines import make_engine
 from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
+from paravt.weight_sync import Staged, WeightSyncError, receive, verify_engine
 from paravt.workers.roles import AsyncRoles
 
 log = get_logger(__name__)
@@ -54,14 +64,30 @@ class WorkerStopped(Exception):
 
 
 class _Weights:
-    """Staged weights from the control thread, swapped into the engine by the main thread."""
+    """Staged weights from the control or weight thread, swapped into the engine by the main
+    thread."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pending: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.pending: Staged | None = None  # whole and verified (weight_sync.receive)
         self.staged_version = -1  # the newest version received (staged or loaded)
         self.arrived = threading.Condition(self.lock)
         self.gone = ""  # why the control stream failed (the trainer is gone), if it did
+        self.failed: WeightSyncError | None = None  # a received version failed its checksums
+
+    def stage(self, staged: Staged) -> None:
+        with self.arrived:
+            self.pending = staged
+            self.staged_version = staged.version
+            self.arrived.notify_all()
+
+    def fail(self, e: WeightSyncError, jobs: queue.Queue[Any]) -> None:
+        """A received version failed its checksums: the main thread raises ``e`` at its next
+        swap or job (whichever comes first) and reports it to the trainer."""
+        with self.arrived:
+            self.failed = e
+            self.arrived.notify_all()
+        jobs.put(e)
 
 
 def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, Any]:
@@ -78,14 +104,22 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     # the model loads and the engine starts (minutes for vLLM), so the trainer never waits.
     weights = _Weights()
     jobs: queue.Queue[Any] = queue.Queue()
+    headers: queue.Queue[Any] = queue.Queue()  # bucketed weight headers, for the weight thread
     stop = threading.Event()
     ctrl = threading.Thread(
         target=_control_loop,
-        args=(roles, weights, jobs, stop),
+        args=(roles, weights, jobs, stop, headers),
         name=f"paravt-worker-ctrl-{roles.rank}",
         daemon=True,
     )
     ctrl.start()
+    receiver = threading.Thread(
+        target=_weight_loop,
+        args=(roles, weights, jobs, stop, headers),
+        name=f"paravt-worker-weights-{roles.rank}",
+        daemon=True,
+    )
+    receiver.start()
     results = roles.results[roles.rank]
     log.info(
         f"{tag} pid {os.getpid()}: loading {hello['init_dir']} ({cfg.rollout.engine} engine)",
@@ -106,13 +140,16 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     def swap() -> int:
         """Load the newest staged weights (between turns); the version now loaded."""
         nonlocal version
+        if weights.failed is not None:
+            raise weights.failed
         if stop.is_set():
             raise WorkerStopped()
         with weights.lock:
             staged, weights.pending = weights.pending, None
         if staged is not None:
-            engine.sync_weights(staged[1])
-            version = staged[0]
+            engine.sync_weights(staged.named())
+            verify_engine(engine, staged)  # the HF engine's copy, read back (not vLLM's)
+            version = staged.version
         if pause:  # test hook: slow turns, so that weights arrive mid-episode
             time.sleep(pause)
         return version
@@ -134,7 +171,11 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             need = int(job["min_version"])
             with weights.arrived:
                 weights.arrived.wait_for(
-                    lambda need=need: weights.staged_version >= need or stop.is_set()
+                    lambda need=need: (
+                        weights.staged_version >= need
+                        or stop.is_set()
+                        or weights.failed is not None
+                    )
                 )
             idle += time.perf_counter() - t0
             runner.before_turn = swap
@@ -149,6 +190,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                     first_group=first,
                 )
             except WorkerStopped:
+                if weights.failed is not None:  # failed weights stopped the control thread
+                    raise weights.failed from None
                 break  # the trainer said stop (or is gone: raised below)
             busy = time.perf_counter() - t1  # (the engine owns its device: it never sleeps)
             _send_or_gone(
@@ -181,6 +224,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         if not stop.is_set():
             raise
     ctrl.join(timeout=30)
+    receiver.join(timeout=30)
     getattr(engine, "close", lambda: None)()
     log.info(
         f"{tag} stopped after {totals['steps']} step(s): busy {totals['busy_s']:.1f} s, "
@@ -221,6 +265,7 @@ def _control_loop(
     weights: _Weights,
     jobs: queue.Queue[Any],
     stop: threading.Event,
+    headers: queue.Queue[Any],
 ) -> None:
     """Read the trainer's stream until ``stop`` (see the module docstring)."""
     try:
@@ -230,19 +275,16 @@ def _control_loop(
             if kind == "assign":
                 jobs.put(msg)
             elif kind == "weights":
-                staged = []
-                for name, shape, dtype in msg["specs"]:  # host memory: copied in on swap
-                    t = torch.empty(shape, dtype=dtype)
-                    roles.ctrl.bcast_tensor(t)
-                    staged.append((name, t))
-                with weights.arrived:
-                    weights.pending = (int(msg["version"]), staged)
-                    weights.staged_version = int(msg["version"])
-                    weights.arrived.notify_all()
+                if msg.get("sync", "host") == "host":  # through ctrl, here, into host memory
+                    weights.stage(receive(msg, roles.ctrl, None))
+                else:
+                    headers.put(msg)  # the weight thread receives the buckets
             elif kind == "stop":
                 break
             else:
                 raise RuntimeError(f"unexpected control message {kind!r}")
+    except WeightSyncError as e:  # this worker's failure, not the trainer's: reported
+        weights.fail(e, jobs)
     except Exception as e:
         weights.gone = (
             f"rollout worker rank {roles.rank}: the trainer (rank 0) is gone, its control "
@@ -251,6 +293,36 @@ def _control_loop(
         jobs.put(TrainerGone(weights.gone))
     finally:
         stop.set()
+        headers.put(None)
         with weights.arrived:
             weights.arrived.notify_all()
         jobs.put(None)
+
+
+def _weight_loop(
+    roles: AsyncRoles,
+    weights: _Weights,
+    jobs: queue.Queue[Any],
+    stop: threading.Event,
+    headers: queue.Queue[Any],
+) -> None:
+    """Receive each bucketed version the control thread announces (``headers``; None: the
+    stream ended) over ``roles.weights``, verify and stage it."""
+    device = roles.weights.device if roles.weights is not None else torch.device("cpu")
+    while (msg := headers.get()) is not None:
+        try:
+            weights.stage(receive(msg, None, roles.weights, device))
+        except WeightSyncError as e:
+            weights.fail(e, jobs)
+            return
+        except Exception as e:  # the transport failed: the trainer is gone
+            why = (
+                f"rollout worker rank {roles.rank}: the trainer (rank 0) is gone, its weight "
+                f"push failed ({type(e).__name__}: {e}); stopping"
+            )
+            with weights.arrived:
+                weights.gone = weights.gone or why
+                weights.arrived.notify_all()
+            jobs.put(TrainerGone(why))
+            stop.set()
+            return
