@@ -268,7 +268,8 @@ class RolloutConfig:
     weight_bucket_mb: int = 256
     # Bucketed: snapshot the cast weights into buckets, then broadcast them from a background
     # thread while the trainer starts the next step (costs one compute-dtype copy of the model
-    # on trainer rank 0's device during the push); false: each bucket is sent as it is packed.
+    # on trainer rank 0 during the push: pinned host memory on a GPU, plus one bucket on the
+    # device); false: each bucket is sent as it is packed.
     weight_sync_overlap: bool = True
 
     def validate(self) -> list[str]:

@@ -485,6 +485,17 @@ def plan_memory(
     push = largest * ((bm if fsdp else 0) + bc)
     push += s.text_block * bc if eng.device_share_key or eng.cpu_kv_cache_key else 0
     add("weight push transient", 0, 0, "largest tensor gathered + cast", sync=push)
+    if r.workers > 0 and r.weight_sync == "bucketed":
+        # paravt.weight_sync: trainer rank 0 packs buckets on its device; overlapped on a GPU
+        # the snapshot waits in pinned host memory and one bucket at a time comes back to the
+        # device while the next step runs.
+        bucket = r.weight_bucket_mb * 2**20
+        over = r.weight_sync_overlap
+        add(
+            "weight push bucket (rank 0)", bucket if over else 0, bucket if over else 0,
+            f"{r.weight_bucket_mb} MiB" + (", sent during the next step" if over else ""),
+            sync=bucket,
+        )  # fmt: skip
 
     # Activations of one micro-batch (the longest sequence runs alone).
     tok = tokens or max(a.max_tokens_per_microbatch, main_ctx, sub_ctx)
@@ -556,11 +567,14 @@ def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
     """What one asynchronous rollout worker rank holds (``paravt.workers.worker``): the HF
     model it loads (the engine's or the agent's; ``model.dtype``), the engine (vLLM: its share
     of the device; HF: the KV cache and sampling buffers of its share of the prompts) and on a
-    GPU the CUDA context and slack. The weights it receives are staged in host memory."""
+    GPU the CUDA context and slack. The weights it receives wait for their swap in device
+    buffers (``rollout.weight_sync=bucketed``) or in host memory (``host``)."""
     r = cfg.rollout
     bc = _dtype_bytes(cfg.model.dtype, "model.dtype")
-    out = [Term("model (compute dtype)", s.params * bc, 0, f"{s.params / 1e9:.2f} B x {bc} B")]
     eng = engine_spec(r.engine)
+    # An engine with its own weights (vLLM) leaves the HF model in host memory.
+    hf = 0 if eng.own_weights else s.params * bc
+    out = [Term("HF model (compute dtype)", hf, 0, "host memory" if eng.own_weights else "")]
     if eng.device_share_key and layout.gpu:
         frac = getattr(r, eng.device_share_key)
         out.append(Term(f"{eng.label} engine reserve", frac * layout.device_bytes, 0, f"{frac:g}"))
@@ -576,6 +590,8 @@ def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
         out.append(
             Term("HF engine KV cache + sampling", kv + 3 * max(b_main, b_sub) * s.vocab * 4, 0)
         )
+    if r.weight_sync == "bucketed":  # received into device buffers, verified, then swapped in
+        out.append(Term("staged weights (next version)", s.params * bc, 0, "received buckets"))
     if layout.gpu:
         out.append(Term("CUDA context", CUDA_CONTEXT_BYTES, 0))
         out.append(Term("allocator slack (5%)", ALLOCATOR_SLACK * sum(t.rollout for t in out), 0))

@@ -13,8 +13,9 @@ colocated ``paravt.rollout_source.push_weights``. Two wire formats, chosen by
   when the run is on GPUs, gloo with CPU tensors otherwise), then one ``(n, 3)`` int64 tensor
   of per-tensor checksums on the same group. With ``rollout.weight_sync_overlap`` (default)
   the trainer packs every bucket first (the snapshot: the cast compute-dtype copy, taken
-  before the next optimizer step can touch the weights; on rank 0's device it costs one
-  compute-dtype copy of the model until the push ends) and a background thread broadcasts
+  before the next optimizer step can touch the weights: one compute-dtype copy of the model
+  until the push ends, in pinned host memory under CUDA, each bucket copied back to the
+  device as the thread sends it, so the device holds one bucket) and a background thread broadcasts
   them while the trainer starts the next step (``WeightPublisher.wait`` joins it before the
   next push or the stop); without, each bucket is broadcast as soon as it is packed (one
   bucket held at a time).
@@ -336,14 +337,21 @@ class WeightPublisher:
         t0 = time.perf_counter()
         sums: list[torch.Tensor] = []
         ready: list[torch.Tensor] = []
+        # Overlapped on CUDA the snapshot waits in pinned host memory, not on the device (a
+        # second compute-dtype model, 16 GiB at 8B): the sending thread copies one bucket at a
+        # time back to the device for NCCL (``_send_all``).
+        host = self.overlap and self.device.type == "cuda"
         for b in plan_buckets(specs, self.bucket_bytes):
-            buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+            if host:
+                buf = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=True)
+            else:
+                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
             for sl in b.slots:
                 name, t = next(it)
                 _check_entry(specs[sl.index], name, t)
                 t = t.detach().to(self.device)
                 sums.append(checksum(t))
-                buf[sl.offset : sl.offset + sl.nbytes].copy_(as_bytes(t))
+                buf[sl.offset : sl.offset + sl.nbytes].copy_(as_bytes(t), non_blocking=host)
             if self.overlap:
                 ready.append(buf)
             else:
@@ -371,7 +379,11 @@ class WeightPublisher:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             while bufs:
-                self.group.bcast(bufs.pop(0))  # each buffer freed once sent
+                buf = bufs.pop(0)  # each buffer freed once sent
+                if buf.device != self.device:  # pinned host snapshot: one bucket on the device
+                    buf = buf.to(self.device, non_blocking=True)
+                    torch.cuda.current_stream(self.device).synchronize()
+                self.group.bcast(buf)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self._error = e
 

@@ -375,3 +375,46 @@ def test_the_engine_terms_come_from_the_engine_registry(monkeypatch) -> None:
     assert "Other engine (CPU)" in cpu
     hf = {t.name for t in plan_memory(_cfg(), Layout(device_bytes=100 * GIB), SHAPE).terms}
     assert "HF engine replica" in hf and not any("reserve" in n for n in hf)
+
+
+def test_phases_placement_cache_and_workers_on_the_8b_recipe():
+    """Issue 51 items 3 and 7 on the 8B preset (8 x 80 GB): the reference sharded over the
+    ranks by default and offloaded on one rank; the cache kept without train.empty_cache (vLLM
+    allocates outside PyTorch), named as the fix; the async worker rank's own table."""
+    from paravt.plan import fixes, format_plan, model_shape
+
+    cfg = load_config("qwen3vl_8b_paragrpo")
+    s = model_shape(cfg)
+    assert s.largest_tensor == 151936 * 4096  # the embedding: what the push gathers
+    lay = Layout(nproc_per_node=8, device_bytes=int(79.65 * GIB))
+    pl = plan_memory(cfg, lay, s)
+    t = {x.name: x for x in pl.terms}
+    assert pl.reference == "shard" and t["reference model"].rollout == s.params * 2 / 8
+    assert t["cached, free (the update's transients)"].rollout == 0
+    assert t["vLLM engine reserve"].sync == s.params * 2  # the staged wake: weights only
+    # The sync phase holds no gradient, activation or gathered unit.
+    for name in ("gradients, sharded", "activations (1 micro-batch)", "compute copies (unsharded)"):
+        assert t[name].sync == 0
+    kept = plan_memory(_with_train(cfg, empty_cache=False), lay, s)
+    k = kept.term("cached, free (the update's transients)")
+    transient = sum(x.update for x in pl.terms if x.rollout == 0)
+    assert k.rollout == k.sync == transient > 30 * GIB and not kept.fits
+    assert "release PyTorch's cache between phases: train.empty_cache=true" in fixes(kept)
+    one = plan_memory(cfg, Layout(nproc_per_node=1, device_bytes=int(79.65 * GIB)), s)
+    assert one.reference == "offload" and one.term("reference model").rollout == 0
+    # Async: 6 trainer ranks, 2 workers; rank 0's push bucket; a vLLM worker keeps the HF
+    # model on the host and stages the next version on its device.
+    cfg_a = load_config("qwen3vl_8b_paragrpo", overrides=["rollout.workers=2"])
+    pa = plan_memory(cfg_a, lay, s)
+    assert pa.term("weight push bucket (rank 0)").update == 256 * 2**20
+    w = {x.name: x.rollout for x in pa.worker_terms}
+    assert w["HF model (compute dtype)"] == 0 and w["staged weights (next version)"] == s.params * 2
+    assert w["vLLM engine reserve"] == 0.5 * lay.device_bytes
+    out = format_plan(pa)
+    assert (
+        "per rollout worker rank" in out and "reference model: shard (auto: 6 trainer ranks)" in out
+    )
+
+
+def _with_train(cfg, **kw):
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw))

@@ -212,3 +212,42 @@ def test_the_hf_engines_copy_is_read_back_and_a_skipped_tensor_is_named(bundle: 
         def sync_weights(self, model: Any) -> None: ...
 
     assert verify_engine(NoReadBack(), staged) is False
+
+
+@CUDA
+def test_an_overlapped_cuda_push_snapshots_to_pinned_host_and_sends_the_cpu_bytes() -> None:
+    """Overlapped on CUDA the snapshot waits in pinned host memory (not a second model on the
+    device); each bucket goes back to the device for the broadcast, with exactly the bytes and
+    checksums the CPU path sends."""
+
+    class Rec:
+        def __init__(self, gate: threading.Event | None = None) -> None:
+            self.sent: list[tuple[str, torch.Tensor]] = []
+            self.gate, self.waiting = gate, threading.Event()
+
+        def bcast(self, obj: Any = None) -> None:  # the control stream's header, and buckets
+            if isinstance(obj, torch.Tensor):
+                if self.gate is not None:  # hold the sending thread at its first bucket
+                    self.waiting.set()
+                    self.gate.wait(60)
+                self.sent.append((obj.device.type, obj.clone().cpu()))
+
+    w = _weights()
+    specs = _specs(w)
+    dev = torch.device("cuda")
+    sent = {}
+    for device, stream in (("cpu", w.items()), ("cuda", ((n, t.to(dev)) for n, t in w.items()))):
+        gate = threading.Event() if device == "cuda" else None
+        grp = Rec(gate)
+        pub = WeightPublisher(Rec(), grp, bucket_bytes=4096, overlap=True, device=device)
+        before = torch.cuda.memory_allocated(dev)
+        pub.push(3, specs, stream)
+        if gate is not None:  # the snapshot is on the host: one bucket (<= 4 KiB) on the device
+            assert grp.waiting.wait(60)
+            assert torch.cuda.memory_allocated(dev) - before <= 4096 + 1024
+            gate.set()
+        assert pub.wait(60)
+        sent[device] = grp.sent
+    assert [d for d, _ in sent["cuda"]] == ["cuda"] * len(sent["cpu"])  # NCCL gets CUDA buffers
+    for (_, a), (_, b) in zip(sent["cpu"], sent["cuda"], strict=True):
+        assert torch.equal(a, b)

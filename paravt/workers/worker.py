@@ -46,7 +46,7 @@ import torch
 from paravt.agent.loop import AgentRunner
 from paravt.config import Config
 from paravt.distributed import DistContext
-from paravt.engines import make_engine
+from paravt.engines import engine_spec, make_engine
 from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
 from paravt.weight_sync import Staged, WeightSyncError, receive, verify_engine
@@ -126,7 +126,11 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         extra=ALL_RANKS,
     )
     try:
-        bundle = load_model_from_config(hello["init_dir"], cfg.model, device=str(ctx.device))
+        # An engine that loads its own copy (vLLM) only reads the HF model's config and dtype:
+        # that model stays in host memory (at 8B, 16 GiB of the worker's device saved).
+        own = engine_spec(cfg.rollout.engine).own_weights
+        where = "cpu" if own else str(ctx.device)
+        bundle = load_model_from_config(hello["init_dir"], cfg.model, device=where)
         bundle.model.eval()
         engine = make_engine(cfg, bundle)
         runner = AgentRunner(engine, bundle, cfg)
