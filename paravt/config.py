@@ -254,13 +254,25 @@ class RolloutConfig:
     # η steps ahead (AReaL's max_head_offpolicyness). 0 with workers = generation and update
     # alternate (the synchronous schedule, in separate processes).
     max_staleness: int = 0
+    # How a step's prompts reach the workers (paravt.workers.pipeline). 'group': any free
+    # worker claims the next groups (a prompt's G samples) and the trainer trains the first
+    # ``prompts_per_step`` finished groups within η, so a slow worker does not gate a step
+    # (AReaL). 'static': every worker rolls out a fixed 1/W slice of each step and the trainer
+    # waits for every slice (the reference path).
+    dispatch: str = "group"
+    # dispatch=group: groups a free worker claims at once (one batched rollout); 0 =
+    # prompts_per_step // workers, the static slice (one worker: the whole step, as in the
+    # synchronous loop). Smaller: finer balancing, smaller engine batches.
+    dispatch_groups: int = 0
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.engines.ENGINES``, and
         what it refuses: greedy rows with ``top_p`` < 1 for vLLM)."""
 
-        errs = _range_errors("rollout", self) + _choice_error(
-            "rollout.engine", self.engine, ENGINES
+        errs = (
+            _range_errors("rollout", self)
+            + _choice_error("rollout.engine", self.engine, ENGINES)
+            + _choice_error("rollout.dispatch", self.dispatch, ("group", "static"))
         )
         spec = ENGINES.get(self.engine)
         greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
@@ -871,6 +883,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "video.decode_timeout_s": ("> 0", "seconds one file's probe or decode may block"),
     "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
+    "rollout.dispatch_groups": (">= 0", "groups a free worker claims at once; 0 = P / W"),
     "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
     "rollout.group_size": (">= 1", "samples per prompt"),
     "rollout.temperature": (">= 0", "main-agent sampling temperature"),

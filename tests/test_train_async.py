@@ -147,7 +147,7 @@ def test_eta0_with_a_worker_reproduces_the_synchronous_run(assets, tmp_path) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = _async(tmp_path, assets, asyn)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "[worker 1] stopped after 3 step(s)" in proc.stdout
+    assert "[worker 1] stopped after 6 group(s)" in proc.stdout  # 3 steps x 2 prompts
     ra, rb = train_rows(sync), train_rows(asyn)
     assert sorted(ra) == sorted(rb) == [1, 2, 3]
     for step in ra:
@@ -248,7 +248,7 @@ def test_two_fsdp_trainers_and_a_worker(assets, tmp_path) -> None:
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "[worker 2] stopped after 3 step(s)" in proc.stdout
+    assert "[worker 2] stopped after 6 group(s)" in proc.stdout
     rows = train_rows(out)
     assert sorted(rows) == [1, 2, 3]
     assert all(r["num_groups"] == 2.0 and r["async/staleness_max"] <= 1 for r in rows.values())
@@ -384,7 +384,7 @@ def test_ctrl_c_on_torchrun_saves_and_stops_the_worker(assets, tmp_path) -> None
         r"\[preempt\] SIGINT at step (\d+) .*checkpoint (\S+)(?: written| \(already)", rest
     )
     assert m, rest[-3000:]
-    assert re.search(r"\[worker 1\] stopped after \d+ step", rest), rest[-3000:]
+    assert re.search(r"\[worker 1\] stopped after \d+ group", rest), rest[-3000:]
     assert "KeyboardInterrupt" not in rest, rest[-3000:]  # torchrun's own report aside,
     assert "paravt/workers" not in rest and "paravt/train.py" not in rest  # no traceback of ours
     assert Path(m.group(2)).is_dir()
@@ -413,7 +413,7 @@ def test_preempted_async_run_resumes(assets, tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[preempt] SIGTERM at step 2 (update)" in proc.stdout
-    assert re.search(r"\[worker 1\] stopped after \d step", proc.stdout)
+    assert re.search(r"\[worker 1\] stopped after \d+ group", proc.stdout)
     done = sorted(train_rows(out))
     assert done == [1, 2]
     proc = torchrun(
