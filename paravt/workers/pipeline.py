@@ -187,8 +187,9 @@ class RolloutPipeline:
 
         static: the steps up to ``version + 1 + η``, each step's prompts in one message. group:
         new groups while fewer than ``(η + 1) · prompts_per_step`` are issued and neither
-        trained nor dropped (capped by what the run still trains), so a dropped group is
-        replaced at once (AReaL's capacity rule)."""
+        trained nor dropped, so a dropped group is replaced at once (AReaL's capacity rule).
+        Not capped by what the run still trains: a slow worker's claims would then gate the
+        last steps; up to ``η · prompts_per_step`` groups rolled out at the end go untrained."""
         steps = self.cfg.train.steps
         if not self.group:
             last = min(steps, version + 1 + self.eta)
@@ -196,7 +197,7 @@ class RolloutPipeline:
                 self._assign(self.assigned + 1)
             return
         per = self.cfg.train.prompts_per_step
-        room = min((self.eta + 1) * per, (steps - version) * per) - self.ledger.outstanding
+        room = (self.eta + 1) * per - self.ledger.outstanding
         if room > 0:
             self.roles.ctrl.bcast({"kind": "assign", "groups": self.ledger.issue(room, version)})
 

@@ -122,9 +122,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         return version
 
     group = cfg.rollout.dispatch == "group"
-    work = (
-        _GroupClaims(cfg, roles, jobs) if group else _StaticSlices(cfg, roles, jobs)
-    ).next_work
+    work = (GroupClaims(cfg, roles, jobs) if group else _StaticSlices(cfg, roles, jobs)).next_work
     slow = _slow_hook(roles.rank)
     totals = {"steps": 0, "groups": 0, "busy_s": 0.0, "idle_s": 0.0}
     idle = 0.0
@@ -190,8 +188,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     getattr(engine, "close", lambda: None)()
     done = f"{totals['groups']} group(s)" if group else f"{totals['steps']} step(s)"
     log.info(
-        f"{tag} stopped after {done}: busy {totals['busy_s']:.1f} s, "
-        f"idle {totals['idle_s']:.1f} s",
+        f"{tag} stopped after {done}: busy {totals['busy_s']:.1f} s, idle {totals['idle_s']:.1f} s",
         extra=ALL_RANKS,
     )
     return totals
@@ -224,7 +221,7 @@ class _StaticSlices:
         }
 
 
-class _GroupClaims:
+class GroupClaims:
     """rollout.dispatch=group: the trainer issues ticketed groups to every worker; a free
     worker claims the next unclaimed tickets on the rendezvous store (``CLAIM_KEY``: one
     compare-and-set, so no ticket is claimed twice), at most ``rollout.dispatch_groups`` of
