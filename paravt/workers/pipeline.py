@@ -3,18 +3,36 @@ bounded (``paravt.workers.worker`` is the other end).
 
 Versions: the policy the trainer holds after step ``s`` is version ``s`` (the run's start,
 SFT or a resumed checkpoint, is version ``start_step``). Step ``b`` trains the policy of
-version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`` is then
-``b - 1 - v`` versions stale.
+version ``b - 1``; a token sampled by version ``v`` is then ``b - 1 - v`` versions stale.
 
-* **Admission (AReaL's rule).** Step ``b``'s prompts go out only once the trainer holds
-  version ``>= b - 1 - η`` (``rollout.max_staleness``): at the start steps ``start+1 ..
-  start+1+η``, then one more after every update. A worker starts step ``b`` only with a
-  version ``>= b - 1 - η`` loaded, and swaps in newer weights between turns, so no token of
-  step ``b`` is older than ``b - 1 - η``. η = 0 is the synchronous schedule: the worker
-  generates step ``b`` with version ``b - 1`` exactly while the trainer waits.
+Dispatch (``rollout.dispatch``):
+
+* **group** (the default; AReaL's). The unit is a group, one prompt's G samples. Rank 0 draws
+  prompts a slot at a time (slot ``k`` = ``plan_prompts(sampler, cfg, k)``: the prompts, K
+  and seed of step ``k`` under static dispatch, so group ``(k, i)`` samples the same whichever
+  worker runs it) and issues groups with tickets, broadcast to every worker; a free worker
+  claims the next unclaimed tickets on the rendezvous store (``CLAIM_KEY``, one
+  compare-and-set: no ticket twice), at most ``rollout.dispatch_groups`` consecutive groups of
+  one slot (0: ``prompts_per_step / W``). Step ``b`` trains the first ``prompts_per_step``
+  finished groups within η (the lowest tickets among those finished), renumbered 0.. in the
+  step. A slow worker holds only its claim: the step does not wait for it.
+* **static** (the reference). Every worker rolls out a fixed 1/W slice of each step's prompts;
+  step ``b`` trains step ``b``'s prompts and waits for every slice.
+
+* **Admission (AReaL's rule).** A group goes out only with the trainer's newest version
+  loaded first, and at most ``(η + 1) · prompts_per_step`` groups are open (issued, neither
+  trained nor dropped): at the start those of steps ``start+1 .. start+1+η``, then one step's
+  worth after every update, and a dropped group is replaced at once (static: step ``b``'s
+  prompts go out once the trainer holds version ``>= b - 1 - η``). Workers swap in newer
+  weights between turns. η = 0 is the synchronous schedule: step ``b``'s groups are sampled
+  with version ``b - 1`` exactly while the trainer waits (group dispatch with one worker
+  reproduces the synchronous run bitwise).
 * **Filter.** ``collect`` drops (and counts, ``async/dropped_groups``) any group whose oldest
-  sampled token is more than η versions behind. The admission rule makes this a guard that
-  should never fire.
+  sampled token is more than η versions behind, so every trained token's version is
+  ``>= b - 1 - η``. Under static dispatch the admission rule makes this a guard that never
+  fires; under group dispatch a group finished late (a slow worker) can be older, and is
+  dropped, never trained (the prompt is not issued again; up to ``η · prompts_per_step``
+  groups rolled out at the run's end are not trained either).
 * **Groups stay whole.** A prompt's G samples are one batched rollout on one worker, turn by
   turn: each turn of all G is sampled with the same version, so the group baseline compares
   rollouts drawn from the same policies.
@@ -22,9 +40,14 @@ version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`
   tensor at a time, all-gathered from the FSDP2 shards when there are several trainer ranks),
   each tensor one broadcast from trainer rank 0 to the workers, after a header naming the
   version. Workers stage them and swap between turns.
-* **Data position.** Rank 0's prompt sampler runs ahead of training (up to η + 1 steps); the
-  position checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn
-  (``data_state``), so ``--resume`` re-issues exactly the prompts not yet trained on.
+* **Data position.** Rank 0's prompt sampler runs ahead of training. static: the position
+  checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn. group:
+  groups finish out of order, so what is not trained is a set: the checkpoint of step ``s``
+  records (``GroupLedger.state``, as it was when step ``s`` took its groups) the sampler's
+  position before the oldest slot with a group neither trained nor dropped and which groups
+  of that slot and after were; ``--resume`` re-draws those slots and issues exactly the
+  others, with their slot's seed. Either way ``--resume`` re-issues exactly the prompts not
+  yet trained on.
 
 Faults: each worker has a receiving thread on its own group; a worker that dies (SIGKILL, OOM,
 its node lost) closes its sockets and the thread's receive fails at once, and a worker whose
@@ -87,7 +110,8 @@ class RolloutPipeline:
         sampler: Any,
         engine: Engine | None = None,
     ) -> None:
-        self.cfg, self.ctx, self.roles, self.sampler = cfg, ctx, roles, sampler
+        self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.ledger = GroupLedger(sampler, cfg)  # holds the sampler (``sampler``)
         self.engine = engine
         self._engine_version = 0  # the policy version the evaluation engine holds
         self.eta = int(cfg.rollout.max_staleness)
@@ -96,7 +120,6 @@ class RolloutPipeline:
         #: rollout.dispatch=group: any free worker claims the next groups (``GroupLedger``);
         #: static: every worker rolls out its 1/W slice of each step.
         self.group = cfg.rollout.dispatch == "group"
-        self.ledger = GroupLedger(sampler, cfg)
         self._after: dict[int, dict[str, Any]] = {}  # group: the data state after step b
         self._ready: dict[int, tuple[Group, int]] = {}  # group: finished, by ticket
         self._pool = _Pool()  # group: what the claims received since the last step add up to
@@ -115,6 +138,15 @@ class RolloutPipeline:
                 )
                 th.start()
                 self._threads.append(th)
+
+    @property
+    def sampler(self) -> Any:
+        """The run's ``PromptSampler`` (``Trainer.sampler`` reads and replaces it here)."""
+        return self.ledger.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Any) -> None:
+        self.ledger.sampler = sampler
 
     # ------------------------------------------------------------------------ outbound
     def start(self, policy: torch.nn.Module, init_dir: str, start_step: int) -> None:

@@ -4,22 +4,29 @@ trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the 
 Two threads:
 
 * the control thread reads the trainer's ordered stream on ``roles.ctrl``: ``hello`` (the
-  model folder), ``assign`` (one step's prompts with their K and seed), ``weights`` (a header,
-  then one broadcast per tensor into a staging copy: the engine is never touched from this
+  model folder), ``assign`` (dispatch=group: ticketed groups, each with its prompt, K, seed
+  and index; static: one step's prompts with their K and seed), ``weights`` (a header, then
+  one broadcast per tensor into a staging copy: the engine is never touched from this
   thread), ``stop``;
-* the main thread rolls out the assigned steps in order. Before every turn
-  (``AgentRunner.before_turn``) it swaps in the newest staged weights, so a multi-turn episode
-  may span versions but no generation does, and every member of a group samples a turn with
-  the same version; each sampled token records its version (``Trajectory.versions``). A step
-  ``b`` starts only once the worker holds version ``>= b - 1 - η`` (the trainer sends that
-  version's weights before the assignment, so the wait is the stream's order).
+* the main thread rolls out its work in order: under dispatch=group the groups it claims
+  (``GroupClaims``: the next unclaimed tickets, claimed on the rendezvous store as soon as it
+  is free), under static its fixed slice of each step (``prompts_per_step / W`` prompts at its
+  index). Before every turn (``AgentRunner.before_turn``) it swaps in the newest staged
+  weights, so a multi-turn episode may span versions but no generation does, and every member
+  of a group samples a turn with the same version; each sampled token records its version
+  (``Trajectory.versions``). Work starts only once the worker holds the version it names
+  (the trainer sends those weights before the assignment, so the wait is the stream's order).
 
-The result of a step goes to trainer rank 0 on the worker's own ``roles.results`` channel, with
-the runner's errors and counters and the worker's busy / idle seconds. A rollout that raises
-sends its traceback and the worker exits 1; a trainer that disappears fails the control
-thread's receive, and the worker exits 1 naming it. SIGTERM / SIGUSR1 (a cluster preempting
-the job) and SIGINT (a Ctrl-C, which torchrun forwards to every process) are left to the
-trainer, which checkpoints and then sends ``stop``.
+Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the worker's own
+``roles.results`` channel, with the runner's errors and counters and the worker's busy / idle
+seconds. A rollout that raises sends its traceback and the worker exits 1; a trainer that
+disappears fails the control thread's receive, and the worker exits 1 naming it. SIGTERM /
+SIGUSR1 (a cluster preempting the job) and SIGINT (a Ctrl-C, which torchrun forwards to every
+process) are left to the trainer, which checkpoints and then sends ``stop``.
+
+Test hooks (environment, never set by a run): ``PARAVT_WORKER_TURN_PAUSE_S`` (every worker
+sleeps before each turn) and ``PARAVT_TEST_SLOW_WORKER`` (one deliberately slow worker:
+``_slow_hook``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""Asynchronous dispatch with one slow worker: group-level (``rollout.dispatch=group``) vs
+static slices (``rollout.dispatch=static``, the reference), same config, same machine, one run.
+
+Every arm is ``torchrun --nproc-per-node 3 -m paravt.train rollout.workers=2
+rollout.max_staleness=1``: one trainer and two HF rollout workers (one thread each), the tiny
+Qwen3-VL untrained (``sft.steps=0``) on the synthetic task, 4 prompts x G=2 a step, one turn
+of up to 16 new tokens, no evaluation or checkpoints. Worker 2 is made slow with the test hook
+``PARAVT_TEST_SLOW_WORKER=2:s=SLOW_S`` (it sleeps ``SLOW_S`` seconds after each rollout, before
+sending it), worker 1 is not. Under static slices each step waits for worker 2's half; under
+group dispatch worker 1 claims the next groups while worker 2 sleeps, and the trainer trains
+the first 4 finished groups within η.
+
+Reported: mean ``time/step`` and ``async/trainer_wait_s`` over steps 2..STEPS (step 1 holds the
+workers' start), the ratio static / group of each, staleness, drops, and the share of trained
+groups that came from the slow worker; the same pair without a slow worker (equal workers)
+shows what group dispatch costs when there is nothing to balance.
+
+Run: ``pytest bench/test_bench_dispatch.py --benchmark-only -s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paravt.data.synth import generate
+from paravt.models import build_tiny_checkpoint
+
+STEPS = 6
+SLOW_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("bench_dispatch")
+    data = generate(root / "synth", 2, seed=0, task="cue", min_duration=40.0, max_duration=50.0)
+    return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0)), "root": str(root)}  # fmt: skip
+
+
+def _arm(assets: dict[str, str], name: str, dispatch: str, slow: bool) -> dict[str, float]:
+    out = Path(assets["root"]) / name
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    env.pop("PARAVT_TEST_SLOW_WORKER", None)
+    if slow:
+        env["PARAVT_TEST_SLOW_WORKER"] = f"2:s={SLOW_S}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone",
+        "-m", "paravt.train", f"data.synth_dir={assets['data']}", "data.synth_task=cue",
+        "data.synth_min_duration=40.0", "data.synth_max_duration=50.0",
+        "data.synth_num_videos=2", f"model.tiny_dir={assets['model']}", f"train.out_dir={out}",
+        f"train.steps={STEPS}", "train.prompts_per_step=4", "train.save_every=0",
+        "train.eval_prompts=0", "train.progress=false", "train.summary_plot=false",
+        "train.log_trajectories=0", "sft.steps=0", "rollout.group_size=2",
+        "rollout.max_new_tokens=16", "agent.max_turns=1", "rollout.workers=2",
+        "rollout.max_staleness=1", f"rollout.dispatch={dispatch}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["num_groups"] == 4 and r["async/staleness_max"] <= 1 for r in rows), name
+    steady = rows[1:]
+    mean = lambda k: sum(r.get(k, 0.0) for r in steady) / len(steady)  # noqa: E731
+    trained = sum(r["num_groups"] for r in steady)
+    return {
+        "s_per_step": mean("time/step"),
+        "trainer_wait_s": mean("async/trainer_wait_s"),
+        "staleness_max": max(r["async/staleness_max"] for r in rows),
+        "dropped_groups": sum(r["async/dropped_groups"] for r in rows),
+        "slow_worker_share": sum(r.get("async/groups_worker_2", 0.0) for r in steady) / trained,
+    }
+
+
+def test_bench_group_dispatch_vs_static_with_a_slow_worker(benchmark, assets):
+    static = _arm(assets, "static_slow", "static", slow=True)
+    group = benchmark.pedantic(
+        _arm, args=(assets, "group_slow", "group", True), rounds=1, iterations=1
+    )
+    static_eq = _arm(assets, "static_equal", "static", slow=False)
+    group_eq = _arm(assets, "group_equal", "group", slow=False)
+    ratio = static["s_per_step"] / group["s_per_step"]
+    wait_ratio = static["trainer_wait_s"] / max(group["trainer_wait_s"], 1e-9)
+    ratio_eq = static_eq["s_per_step"] / group_eq["s_per_step"]
+    benchmark.extra_info.update(
+        {
+            "steps": STEPS,
+            "slow_s": SLOW_S,
+            "static_slow": static,
+            "group_slow": group,
+            "static_equal": static_eq,
+            "group_equal": group_eq,
+            "step_time_static_over_group_slow": ratio,
+            "wait_static_over_group_slow": wait_ratio,
+            "step_time_static_over_group_equal": ratio_eq,
+        }  # fmt: skip
+    )
+    fmt = lambda d: ", ".join(f"{k} {v:.3f}" for k, v in d.items())  # noqa: E731
+    print(
+        f"\n1 trainer + 2 HF workers (1 thread each), eta=1, 4 prompts x G=2, {STEPS} steps, "
+        f"mean over steps 2-{STEPS}; worker 2 sleeps {SLOW_S:g} s after each rollout:\n"
+        f"  static, slow worker  {fmt(static)}\n"
+        f"  group,  slow worker  {fmt(group)}\n"
+        f"  static, equal        {fmt(static_eq)}\n"
+        f"  group,  equal        {fmt(group_eq)}\n"
+        f"  slow worker: step time static / group {ratio:.2f}x, trainer wait static / group "
+        f"{wait_ratio:.2f}x; equal workers: step time static / group {ratio_eq:.2f}x"
+    )
