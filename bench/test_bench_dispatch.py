@@ -5,8 +5,8 @@ Every arm is ``torchrun --nproc-per-node 3 -m paravt.train rollout.workers=2
 rollout.max_staleness=1``: one trainer and two HF rollout workers (one thread each), the tiny
 Qwen3-VL untrained (``sft.steps=0``) on the synthetic task, 4 prompts x G=2 a step, one turn
 of up to 16 new tokens, no evaluation or checkpoints. Worker 2 is made slow with the test hook
-``PARAVT_TEST_SLOW_WORKER=2:s=SLOW_S`` (it sleeps ``SLOW_S`` seconds after each rollout, before
-sending it), worker 1 is not. Under static slices each step waits for worker 2's half; under
+``PARAVT_TEST_SLOW_WORKER=2:s=S`` (it sleeps S seconds after each rollout, before sending it;
+S in ``SLOW_S``), worker 1 is not. Under static slices each step waits for worker 2's half; under
 group dispatch worker 1 claims the next groups while worker 2 sleeps, and the trainer trains
 the first 4 finished groups within η.
 
@@ -31,8 +31,8 @@ import pytest
 from paravt.data.synth import generate
 from paravt.models import build_tiny_checkpoint
 
-STEPS = 6
-SLOW_S = 3.0
+STEPS = 10
+SLOW_S = (3.0, 0.5)  # a worker far slower than a step, and one about a step slower
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,12 @@ def assets(tmp_path_factory) -> dict[str, str]:
     return {"data": str(data), "model": str(build_tiny_checkpoint(root / "tiny", seed=0)), "root": str(root)}  # fmt: skip
 
 
-def _arm(assets: dict[str, str], name: str, dispatch: str, slow: bool) -> dict[str, float]:
+def _arm(assets: dict[str, str], name: str, dispatch: str, slow: float) -> dict[str, float]:
     out = Path(assets["root"]) / name
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
     env.pop("PARAVT_TEST_SLOW_WORKER", None)
     if slow:
-        env["PARAVT_TEST_SLOW_WORKER"] = f"2:s={SLOW_S}"
+        env["PARAVT_TEST_SLOW_WORKER"] = f"2:s={slow}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--standalone",
         "-m", "paravt.train", f"data.synth_dir={assets['data']}", "data.synth_task=cue",
@@ -78,36 +78,37 @@ def _arm(assets: dict[str, str], name: str, dispatch: str, slow: bool) -> dict[s
 
 
 def test_bench_group_dispatch_vs_static_with_a_slow_worker(benchmark, assets):
-    static = _arm(assets, "static_slow", "static", slow=True)
-    group = benchmark.pedantic(
-        _arm, args=(assets, "group_slow", "group", True), rounds=1, iterations=1
-    )
-    static_eq = _arm(assets, "static_equal", "static", slow=False)
-    group_eq = _arm(assets, "group_equal", "group", slow=False)
-    ratio = static["s_per_step"] / group["s_per_step"]
-    wait_ratio = static["trainer_wait_s"] / max(group["trainer_wait_s"], 1e-9)
-    ratio_eq = static_eq["s_per_step"] / group_eq["s_per_step"]
-    benchmark.extra_info.update(
-        {
-            "steps": STEPS,
-            "slow_s": SLOW_S,
-            "static_slow": static,
-            "group_slow": group,
-            "static_equal": static_eq,
-            "group_equal": group_eq,
-            "step_time_static_over_group_slow": ratio,
-            "wait_static_over_group_slow": wait_ratio,
-            "step_time_static_over_group_equal": ratio_eq,
-        }  # fmt: skip
-    )
+    arms: dict[str, dict[str, float]] = {}
+    for slow in (*SLOW_S, 0.0):
+        tag = f"slow {slow:g} s" if slow else "equal"
+        arms[f"static, {tag}"] = _arm(assets, f"static_{slow:g}", "static", slow)
+        if slow == SLOW_S[0]:
+            arms[f"group, {tag}"] = benchmark.pedantic(
+                _arm, args=(assets, f"group_{slow:g}", "group", slow), rounds=1, iterations=1
+            )
+        else:
+            arms[f"group, {tag}"] = _arm(assets, f"group_{slow:g}", "group", slow)
+    ratios = {}
+    for slow in (*SLOW_S, 0.0):
+        tag = f"slow {slow:g} s" if slow else "equal"
+        a, b = arms[f"static, {tag}"], arms[f"group, {tag}"]
+        ratios[tag] = {
+            "step_time_static_over_group": a["s_per_step"] / b["s_per_step"],
+            # (no ratio where neither arm waits: the workers outrun the trainer)
+            "wait_static_over_group": a["trainer_wait_s"] / max(b["trainer_wait_s"], 1e-3)
+            if max(a["trainer_wait_s"], b["trainer_wait_s"]) >= 1e-3
+            else float("nan"),
+        }
+    benchmark.extra_info.update({"steps": STEPS, "arms": arms, "ratios": ratios})
     fmt = lambda d: ", ".join(f"{k} {v:.3f}" for k, v in d.items())  # noqa: E731
+    lines = [f"  {name:<22} {fmt(a)}" for name, a in arms.items()]
+    lines += [
+        f"  {tag}: step time static / group {r['step_time_static_over_group']:.2f}x, trainer "
+        f"wait static / group {r['wait_static_over_group']:.2f}x (waits floored at 1 ms; nan: "
+        "neither waits)"
+        for tag, r in ratios.items()
+    ]
     print(
         f"\n1 trainer + 2 HF workers (1 thread each), eta=1, 4 prompts x G=2, {STEPS} steps, "
-        f"mean over steps 2-{STEPS}; worker 2 sleeps {SLOW_S:g} s after each rollout:\n"
-        f"  static, slow worker  {fmt(static)}\n"
-        f"  group,  slow worker  {fmt(group)}\n"
-        f"  static, equal        {fmt(static_eq)}\n"
-        f"  group,  equal        {fmt(group_eq)}\n"
-        f"  slow worker: step time static / group {ratio:.2f}x, trainer wait static / group "
-        f"{wait_ratio:.2f}x; equal workers: step time static / group {ratio_eq:.2f}x"
+        f"mean over steps 2-{STEPS}; worker 2 sleeps S s after each rollout:\n" + "\n".join(lines)
     )
