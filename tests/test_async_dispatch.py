@@ -12,9 +12,10 @@ import queue
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
-from paravt.config import load_config
+from paravt.config import ConfigError, load_config
 from paravt.data.sampler import PromptSampler
 from paravt.rollout_source import plan_prompts
 from paravt.types import Group, Sample, Trajectory
@@ -101,56 +102,76 @@ def test_state_is_bounded_and_moves_with_training() -> None:
     assert fresh.issue(1, version=1)[0]["slot"] == 2
 
 
-def _claimer(rank: int, store: dist.Store, assigns: list[dict], out: list) -> tuple:
-    """Worker ``rank``'s claims in a thread, fed ``assigns``; its queue takes the stop."""
+def _assigns() -> list[dict]:
+    """Three assignments (3, 5, 3 groups) of slots 1-3 as after a resume that had trained
+    slot 2's group 1: tickets 0-3 are slot 1's groups 0-3, 4-6 slot 2's 0, 2, 3, 7-10 slot 3's
+    0-3."""
+    ledger = GroupLedger(PromptSampler(SAMPLES, seed=2), _cfg())
+    ledger.done = {(2, 1)}
+    return [{"kind": "assign", "groups": ledger.issue(n, version=0)} for n in (3, 5, 3)]
+
+
+def _claims(rank: int, store: dist.Store, assigns: list[dict]) -> tuple[GroupClaims, queue.Queue]:
     cfg = _cfg(**{"rollout.dispatch_groups": 3})
     jobs: queue.Queue = queue.Queue()
     for a in assigns:
         jobs.put(a)
-    claims = GroupClaims(cfg, AsyncRoles(rank, [0], [1, 2], store=store), jobs)
-
-    def run() -> None:
-        while (w := claims.next_work()) is not None:
-            out.append((rank, w["reply"]["tickets"], w))
-            time.sleep(0.01)  # a rollout: let the other worker claim too
-
-    th = threading.Thread(target=run)
-    th.start()
-    return th, jobs
+    return GroupClaims(cfg, AsyncRoles(rank, [0], [1, 2], store=store), jobs), jobs
 
 
-def test_workers_claim_each_ticket_once() -> None:
-    """Two workers race for the tickets of three assignments (slots 1-3, a slot cut by a
-    resume's skipped group) on one store: every ticket is claimed exactly once, by both
-    workers; a claim is at most ``rollout.dispatch_groups`` (3) consecutive groups of one slot,
-    rolled out with that slot's seed from its first group's index."""
-    cfg = _cfg()
-    ledger = GroupLedger(PromptSampler(SAMPLES, seed=2), cfg)
-    ledger.done = {(2, 1)}  # as after a resume: slot 2's group 1 was trained
-    assigns = [{"kind": "assign", "groups": ledger.issue(n, version=0)} for n in (3, 5, 3)]
+def _store() -> dist.Store:
     store = dist.HashStore()
     store.set(CLAIM_KEY, "0")
+    return store
+
+
+def test_a_claim_is_the_next_consecutive_groups_of_one_slot() -> None:
+    """Two workers claiming in turn (``rollout.dispatch_groups=3``): each claim is the next
+    free tickets, at most 3, consecutive groups of one slot (a slot's end or a group trained
+    before the resume cuts it), rolled out with that slot's seed from its first index."""
+    assigns, store = _assigns(), _store()
+    one, _ = _claims(1, store, assigns)
+    two, _ = _claims(2, store, assigns)
+    every = [e for a in assigns for e in a["groups"]]
+    got = []
+    for claims in (one, two, one, two, one, two):
+        w = claims.next_work()
+        got.append(w["reply"]["tickets"])
+        es = [every[t] for t in w["reply"]["tickets"]]
+        assert w["seed"] == es[0]["seed"] and w["first_group"] == es[0]["index"]
+        assert w["samples"] == [e["sample"] for e in es]
+        assert w["budgets"] == [e["budget"] for e in es]
+    assert got == [[0, 1, 2], [3], [4], [5, 6], [7, 8, 9], [10]]
+    assert store.get(CLAIM_KEY).split(b"/")[0] == b"11"  # every ticket is claimed
+
+
+def test_racing_workers_claim_each_ticket_once() -> None:
+    """Two workers in threads race for the same tickets on one store (one compare-and-set per
+    claim): every ticket is claimed exactly once."""
+    assigns, store = _assigns(), _store()
     out: list = []
-    workers = [_claimer(r, store, assigns, out) for r in (1, 2)]
+    gate = threading.Barrier(2)
+
+    def run(claims: GroupClaims, rank: int) -> None:
+        gate.wait()
+        while (w := claims.next_work()) is not None:
+            out.append((rank, w["reply"]["tickets"]))
+
+    workers = []
+    for rank in (1, 2):
+        claims, jobs = _claims(rank, store, assigns)
+        th = threading.Thread(target=run, args=(claims, rank))
+        th.start()
+        workers.append((th, jobs))
     deadline = time.monotonic() + 30
-    while sum(len(ts) for _, ts, _ in out) < 11 and time.monotonic() < deadline:
+    while sum(len(ts) for _, ts in out) < 11 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.1)  # (a ticket claimed twice would show now)
     for th, jobs in workers:
         jobs.put(None)  # the trainer's stop
         th.join(timeout=30)
         assert not th.is_alive()
-    tickets = sorted(t for _, ts, _ in out for t in ts)
-    assert tickets == list(range(11))
-    assert {r for r, _, _ in out} == {1, 2}
-    every = [e for a in assigns for e in a["groups"]]
-    for _, ts, w in out:
-        es = [every[t] for t in ts]
-        assert 1 <= len(ts) <= 3 and ts == list(range(ts[0], ts[-1] + 1))
-        assert len({e["slot"] for e in es}) == 1
-        assert [e["index"] for e in es] == list(range(es[0]["index"], es[0]["index"] + len(es)))
-        assert w["seed"] == es[0]["seed"] and w["first_group"] == es[0]["index"]
-        assert w["samples"] == [e["sample"] for e in es]
+    assert sorted(t for _, ts in out for t in ts) == list(range(11))
 
 
 def _traj(uid: str, role: str = "main", parent: str | None = None) -> Trajectory:
@@ -169,3 +190,11 @@ def test_renumber_moves_group_ids_and_uids() -> None:
     assert [t.uid for t in g.trajectories] == ["0:s:r0", "0:s:r1"]
     assert g.sub_trajectories[0].uid == "0:s:r0:t0:c0"
     assert g.sub_trajectories[0].parent == "0:s:r0"
+
+
+def test_bad_dispatch_settings_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.dispatch='slices' is not one of group\|static"):
+        load_config(overrides=["rollout.dispatch=slices"])
+    with pytest.raises(ConfigError, match=r"rollout.dispatch_groups=-1"):
+        load_config(overrides=["rollout.dispatch_groups=-1"])
+    assert load_config().rollout.dispatch == "group"
