@@ -271,13 +271,25 @@ class RolloutConfig:
     # on trainer rank 0 during the push: pinned host memory on a GPU, plus one bucket on the
     # device); false: each bucket is sent as it is packed.
     weight_sync_overlap: bool = True
+    # How a step's prompts reach the workers (paravt.workers.pipeline). 'group': any free
+    # worker claims the next groups (a prompt's G samples) and the trainer trains the first
+    # ``prompts_per_step`` finished groups within η, so a slow worker does not gate a step
+    # (AReaL). 'static': every worker rolls out a fixed 1/W slice of each step and the trainer
+    # waits for every slice (the reference path).
+    dispatch: str = "group"
+    # dispatch=group: groups a free worker claims at once (one batched rollout); 0 =
+    # prompts_per_step // workers, the static slice (one worker: the whole step, as in the
+    # synchronous loop). Smaller: finer balancing, smaller engine batches.
+    dispatch_groups: int = 0
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.engines.ENGINES``, and
         what it refuses: greedy rows with ``top_p`` < 1 for vLLM)."""
 
-        errs = _range_errors("rollout", self) + _choice_error(
-            "rollout.engine", self.engine, ENGINES
+        errs = (
+            _range_errors("rollout", self)
+            + _choice_error("rollout.engine", self.engine, ENGINES)
+            + _choice_error("rollout.dispatch", self.dispatch, ("group", "static"))
         )
         errs += _choice_error("rollout.weight_sync", self.weight_sync, ("bucketed", "host"))
         spec = ENGINES.get(self.engine)
@@ -910,6 +922,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
     "rollout.weight_bucket_mb": (">= 1", "MiB per bucket of the bucketed weight sync"),
+    "rollout.dispatch_groups": (">= 0", "groups a free worker claims at once; 0 = P / W"),
     "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
     "rollout.group_size": (">= 1", "samples per prompt"),
     "rollout.temperature": (">= 0", "main-agent sampling temperature"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -99,8 +99,12 @@ class RolloutSource(Protocol):
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         """After step ``version``'s update: the new weights to whoever rolls out next."""
 
-    def data_state(self, done: int) -> dict[str, int]:
-        """The prompt sampler's position after step ``done``'s prompts (for its checkpoint)."""
+    def data_state(self, done: int) -> dict[str, Any]:
+        """What the checkpoint of step ``done`` records of the prompts (the sampler's position
+        after step ``done``'s; the async group dispatch adds the groups trained out of order)."""
+
+    def load_data_state(self, state: dict[str, Any], start_step: int) -> None:
+        """``--resume`` from the checkpoint of step ``start_step``: its ``data_state``."""
 
     def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
         """A context manager around an evaluation of the policy after step ``step``."""
@@ -147,8 +151,11 @@ class LocalRollout:
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         push_weights(self.engine, policy, self.cfg)
 
-    def data_state(self, done: int) -> dict[str, int]:
+    def data_state(self, done: int) -> dict[str, Any]:
         return self.sampler.state()
+
+    def load_data_state(self, state: dict[str, Any], start_step: int) -> None:
+        self.sampler.load(state)
 
     @contextmanager
     def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:

@@ -285,7 +285,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     if st is not None:
         load_train_state(ckpt, st, policy, optimizer, ctx)  # (and the sharded masters)
         scheduler.load_state_dict(st["scheduler"])
-        sampler.load(st["data"])
+        source.load_data_state(st["data"], int(st["step"]))
         rngs = st.get("rng", [])
         if len(rngs) == ctx.world_size:
             set_rng_state(rngs[ctx.rank])

@@ -149,7 +149,7 @@ def test_eta0_with_a_worker_reproduces_the_synchronous_run(assets, tmp_path) -> 
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = _async(tmp_path, assets, asyn)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "[worker 1] stopped after 3 step(s)" in proc.stdout
+    assert "[worker 1] stopped after 6 group(s)" in proc.stdout  # 3 steps x 2 prompts
     ra, rb = train_rows(sync), train_rows(asyn)
     assert sorted(ra) == sorted(rb) == [1, 2, 3]
     for step in ra:
@@ -250,10 +250,44 @@ def test_two_fsdp_trainers_and_a_worker(assets, tmp_path) -> None:
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "[worker 2] stopped after 3 step(s)" in proc.stdout
+    # (6 trained; up to η · 2 more issued at the end, which the stop may interrupt)
+    assert re.search(r"\[worker 2\] stopped after [678] group\(s\)", proc.stdout)
     rows = train_rows(out)
     assert sorted(rows) == [1, 2, 3]
     assert all(r["num_groups"] == 2.0 and r["async/staleness_max"] <= 1 for r in rows.values())
+
+
+def test_group_dispatch_does_not_wait_for_a_slow_worker(assets, tmp_path) -> None:
+    """rollout.dispatch=group, η = 1, one trainer and two workers, worker 2 deliberately slow
+    (test hook ``PARAVT_TEST_SLOW_WORKER=2:v=2``: it holds each rollout's result until it has
+    received the version two above the one it sampled with). So no result of worker 2 can
+    reach the trainer before step ``v + 3`` (version ``v + 2``), where it is 2 versions stale:
+    under dispatch=static, step 1 would wait for worker 2's slice and worker 2 for version 2,
+    forever. Here every step trains ``prompts_per_step`` groups, all of worker 1 (the step
+    never waited for worker 2's claim), each trained token at most η versions old (the dumped
+    batches), and the run ends; worker 2's held results are dropped, never trained."""
+    out = tmp_path / "run"
+    proc = torchrun(
+        3, "-m", "paravt.train",
+        *_overrides(assets, out, **{"rollout.workers": 2, "rollout.max_staleness": 1,
+                                    "train.steps": 4, "train.save_every": 0}),
+        timeout=300, env={"PARAVT_TEST_SLOW_WORKER": "2:v=2"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = train_rows(out)
+    assert sorted(rows) == [1, 2, 3, 4]
+    for step, r in rows.items():
+        assert r["num_groups"] == 2.0, (step, r)
+        assert r["async/groups_worker_1"] == 2.0 and "async/groups_worker_2" not in r, (step, r)
+        assert r["async/staleness_max"] <= 1.0
+        b = torch.load(out / "debug" / f"step{step}_rank0.pt", weights_only=False)["batches"][0]
+        m = b.loss_mask.bool()
+        assert b.versions[m].min() >= step - 1 - 1, (step, b.versions[m].min())
+    m = re.search(r"\[worker 2\] stopped after (\d+) group", proc.stdout)
+    assert m, proc.stdout[-3000:]
+    assert re.search(r"\[worker 1\] stopped after \d+ group", proc.stdout)
+    # Worker 2's results that reached the trainer in time were dropped as too stale.
+    assert sum(r["async/dropped_groups"] for r in rows.values()) <= int(m.group(1))
 
 
 @pytest.mark.skipif(not HAVE_VLLM, reason=VLLM_SKIP)
@@ -463,9 +497,11 @@ def test_killed_trainer_stops_the_worker(assets, tmp_path) -> None:
 def test_ctrl_c_on_torchrun_saves_and_stops_the_worker(assets, tmp_path) -> None:
     """Ctrl-C on the job (SIGINT to the torchrun agent, which forwards it to every process):
     the trainer takes it as a preemption (checkpoint, then ``stop`` to the worker), the worker
-    ignores it and stops when told, with no traceback of either."""
+    ignores it and stops when told, with no traceback of either. (Under rollout.dispatch=static,
+    the reference path: the other runs here dispatch groups.)"""
     out = tmp_path / "run"
-    proc = _launch(tmp_path, assets, out, **{"train.dump_batches": "false"})
+    extra = {"train.dump_batches": "false", "rollout.dispatch": "static"}
+    proc = _launch(tmp_path, assets, out, **extra)
     _wait_for_line(proc, r"\[worker 1\] pid (\d+):", 120)
     _wait_for_step(out, proc, 2)
     os.kill(proc.pid, signal.SIGINT)
@@ -503,7 +539,7 @@ def test_preempted_async_run_resumes(assets, tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[preempt] SIGTERM at step 2 (update)" in proc.stdout
-    assert re.search(r"\[worker 1\] stopped after \d step", proc.stdout)
+    assert re.search(r"\[worker 1\] stopped after \d+ group", proc.stdout)
     done = sorted(train_rows(out))
     assert done == [1, 2]
     proc = torchrun(

@@ -3,18 +3,36 @@ bounded (``paravt.workers.worker`` is the other end).
 
 Versions: the policy the trainer holds after step ``s`` is version ``s`` (the run's start,
 SFT or a resumed checkpoint, is version ``start_step``). Step ``b`` trains the policy of
-version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`` is then
-``b - 1 - v`` versions stale.
+version ``b - 1``; a token sampled by version ``v`` is then ``b - 1 - v`` versions stale.
 
-* **Admission (AReaL's rule).** Step ``b``'s prompts go out only once the trainer holds
-  version ``>= b - 1 - η`` (``rollout.max_staleness``): at the start steps ``start+1 ..
-  start+1+η``, then one more after every update. A worker starts step ``b`` only with a
-  version ``>= b - 1 - η`` loaded, and swaps in newer weights between turns, so no token of
-  step ``b`` is older than ``b - 1 - η``. η = 0 is the synchronous schedule: the worker
-  generates step ``b`` with version ``b - 1`` exactly while the trainer waits.
+Dispatch (``rollout.dispatch``):
+
+* **group** (the default; AReaL's). The unit is a group, one prompt's G samples. Rank 0 draws
+  prompts a slot at a time (slot ``k`` = ``plan_prompts(sampler, cfg, k)``: the prompts, K
+  and seed of step ``k`` under static dispatch, so group ``(k, i)`` samples the same whichever
+  worker runs it) and issues groups with tickets, broadcast to every worker; a free worker
+  claims the next unclaimed tickets on the rendezvous store (``CLAIM_KEY``, one
+  compare-and-set: no ticket twice), at most ``rollout.dispatch_groups`` consecutive groups of
+  one slot (0: ``prompts_per_step / W``). Step ``b`` trains the first ``prompts_per_step``
+  finished groups within η (the lowest tickets among those finished), renumbered 0.. in the
+  step. A slow worker holds only its claim: the step does not wait for it.
+* **static** (the reference). Every worker rolls out a fixed 1/W slice of each step's prompts;
+  step ``b`` trains step ``b``'s prompts and waits for every slice.
+
+* **Admission (AReaL's rule).** A group goes out only with the trainer's newest version
+  loaded first, and at most ``(η + 1) · prompts_per_step`` groups are open (issued, neither
+  trained nor dropped): at the start those of steps ``start+1 .. start+1+η``, then one step's
+  worth after every update, and a dropped group is replaced at once (static: step ``b``'s
+  prompts go out once the trainer holds version ``>= b - 1 - η``). Workers swap in newer
+  weights between turns. η = 0 is the synchronous schedule: step ``b``'s groups are sampled
+  with version ``b - 1`` exactly while the trainer waits (group dispatch with one worker
+  reproduces the synchronous run bitwise).
 * **Filter.** ``collect`` drops (and counts, ``async/dropped_groups``) any group whose oldest
-  sampled token is more than η versions behind. The admission rule makes this a guard that
-  should never fire.
+  sampled token is more than η versions behind, so every trained token's version is
+  ``>= b - 1 - η``. Under static dispatch the admission rule makes this a guard that never
+  fires; under group dispatch a group finished late (a slow worker) can be older, and is
+  dropped, never trained (the prompt is not issued again; up to ``η · prompts_per_step``
+  groups rolled out at the run's end are not trained either).
 * **Groups stay whole.** A prompt's G samples are one batched rollout on one worker, turn by
   turn: each turn of all G is sampled with the same version, so the group baseline compares
   rollouts drawn from the same policies.
@@ -28,9 +46,14 @@ version ``b - 1`` on the rollouts of step ``b``; a token sampled by version ``v`
   push carries per-tensor checksums, which the workers verify on receipt and, for the HF
   engine, after loading. Workers stage a version only whole and verified, and swap between
   turns; the assignments that follow a push in the stream wait for it on the worker.
-* **Data position.** Rank 0's prompt sampler runs ahead of training (up to η + 1 steps); the
-  position checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn
-  (``data_state``), so ``--resume`` re-issues exactly the prompts not yet trained on.
+* **Data position.** Rank 0's prompt sampler runs ahead of training. static: the position
+  checkpointed with step ``s`` is the one before step ``s + 1``'s prompts were drawn. group:
+  groups finish out of order, so what is not trained is a set: the checkpoint of step ``s``
+  records (``GroupLedger.state``, as it was when step ``s`` took its groups) the sampler's
+  position before the oldest slot with a group neither trained nor dropped and which groups
+  of that slot and after were; ``--resume`` re-draws those slots and issues exactly the
+  others, with their slot's seed. Either way ``--resume`` re-issues exactly the prompts not
+  yet trained on.
 
 Faults: each worker has a receiving thread on its own group; a worker that dies (SIGKILL, OOM,
 its node lost) closes its sockets and the thread's receive fails at once, and a worker whose
@@ -51,9 +74,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -95,12 +119,19 @@ class RolloutPipeline:
         sampler: Any,
         engine: Engine | None = None,
     ) -> None:
-        self.cfg, self.ctx, self.roles, self.sampler = cfg, ctx, roles, sampler
+        self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.ledger = GroupLedger(sampler, cfg)  # holds the sampler (``sampler``)
         self.engine = engine
         self._engine_version = 0  # the policy version the evaluation engine holds
         self.eta = int(cfg.rollout.max_staleness)
         self.assigned = 0  # the last step whose prompts went out
         self._data_before: dict[int, dict[str, int]] = {}
+        #: rollout.dispatch=group: any free worker claims the next groups (``GroupLedger``);
+        #: static: every worker rolls out its 1/W slice of each step.
+        self.group = cfg.rollout.dispatch == "group"
+        self._after: dict[int, dict[str, Any]] = {}  # group: the data state after step b
+        self._ready: dict[int, tuple[Group, int]] = {}  # group: finished, by ticket
+        self._pool = _Pool()  # group: what the claims received since the last step add up to
         self._results: queue.Queue[dict[str, Any]] = queue.Queue()
         self._buffer: dict[int, dict[int, dict[str, Any]]] = {}
         self._threads: list[threading.Thread] = []
@@ -128,12 +159,24 @@ class RolloutPipeline:
                 th.start()
                 self._threads.append(th)
 
+    @property
+    def sampler(self) -> Any:
+        """The run's ``PromptSampler`` (``Trainer.sampler`` reads and replaces it here)."""
+        return self.ledger.sampler
+
+    @sampler.setter
+    def sampler(self, sampler: Any) -> None:
+        self.ledger.sampler = sampler
+
     # ------------------------------------------------------------------------ outbound
     def start(self, policy: torch.nn.Module, init_dir: str, start_step: int) -> None:
         """Tell the workers where the model is, send them version ``start_step``'s weights
         and the first η + 1 steps' prompts (every trainer rank calls it)."""
         self.assigned = self._engine_version = start_step
         if self.ctx.is_main:
+            if self.group:  # the workers' claims start at ticket 0 (a resumed job's too)
+                self.roles.store.set(CLAIM_KEY, "0")
+                self._after[start_step] = self.ledger.state()
             self.roles.ctrl.bcast({"kind": "hello", "init_dir": str(init_dir)})
         self.publish(policy, start_step)
 
@@ -165,9 +208,7 @@ class RolloutPipeline:
         for _ in stream:  # the trainer ranks > 0 (or rank 0 after a failure): the collectives
             pass
         if send:
-            last = min(self.cfg.train.steps, version + 1 + self.eta)
-            while send and self.assigned < last:
-                send = self._noticed(lambda: self._assign(self.assigned + 1), when)
+            self._noticed(lambda: self._admit(version), when)
 
     def _await_push(self, when: str) -> None:
         """Rank 0: wait for the background weight push to end, noticing a worker failure
@@ -201,8 +242,27 @@ class RolloutPipeline:
                 self._failure = w
         return False
 
+    def _admit(self, version: int) -> None:
+        """Send the workers what holding ``version`` admits (rank 0, after its weights).
+
+        static: the steps up to ``version + 1 + η``, each step's prompts in one message. group:
+        new groups while fewer than ``(η + 1) · prompts_per_step`` are issued and neither
+        trained nor dropped, so a dropped group is replaced at once (AReaL's capacity rule).
+        Not capped by what the run still trains: a slow worker's claims would then gate the
+        last steps; up to ``η · prompts_per_step`` groups rolled out at the end go untrained."""
+        steps = self.cfg.train.steps
+        if not self.group:
+            last = min(steps, version + 1 + self.eta)
+            while self.assigned < last:
+                self._assign(self.assigned + 1)
+            return
+        per = self.cfg.train.prompts_per_step
+        room = (self.eta + 1) * per - self.ledger.outstanding
+        if room > 0:
+            self.roles.ctrl.bcast({"kind": "assign", "groups": self.ledger.issue(room, version)})
+
     def _assign(self, step: int) -> None:
-        """Draw step ``step``'s prompts with their K and send them to the workers."""
+        """Draw step ``step``'s prompts with their K and send them to the workers (static)."""
         self._data_before[step] = self.sampler.state()
         plan = plan_prompts(self.sampler, self.cfg, step)
         msg = {
@@ -215,12 +275,27 @@ class RolloutPipeline:
         self.roles.ctrl.bcast(msg)
         self.assigned = step
 
-    def data_state(self, done: int) -> dict[str, int]:
-        """The prompt sampler's position after step ``done``'s prompts (what a checkpoint of
-        step ``done`` records): before step ``done + 1``'s draw if it happened already."""
+    def data_state(self, done: int) -> dict[str, Any]:
+        """What a checkpoint of step ``done`` records of the prompts. static: the sampler's
+        position before step ``done + 1``'s draw. group: ``GroupLedger.state`` as it was when
+        step ``done`` took its groups (the prompts drawn but not trained then are re-issued on
+        ``--resume``)."""
         if not self.ctx.is_main:
             return self.sampler.state()
+        if self.group:
+            return dict(self._after.get(done) or self.ledger.state())
         return dict(self._data_before.get(done + 1, self.sampler.state()))
+
+    def load_data_state(self, state: dict[str, Any], start_step: int) -> None:
+        """``--resume`` (every trainer rank): the sampler's position and, under
+        dispatch=group, the groups of the open slots already trained (not issued again)."""
+        self.ledger.load(state, start_step)
+        if not self.group and state.get("done"):
+            log.warning(
+                "[async] the checkpoint was written under rollout.dispatch=group with groups "
+                f"trained out of order ({len(state['done'])}); rollout.dispatch=static "
+                "re-draws whole steps from the oldest open one and trains those again"
+            )
 
     @contextmanager
     def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
@@ -283,6 +358,11 @@ class RolloutPipeline:
         kind, w = msg.get("kind"), msg.get("worker")
         if kind == "batch":
             self._buffer.setdefault(int(msg["step"]), {})[int(w)] = msg
+            return
+        if kind == "groups":
+            for t, g in zip(msg["tickets"], msg["groups"]):
+                self._ready[int(t)] = (g, int(w))
+            self._pool.add(msg)
             return
         self.failed = True
         if kind == "error":
@@ -349,6 +429,8 @@ class RolloutPipeline:
     def _collect_main(self, step: int, preempt: Any) -> RolloutBatch | None:
         if self._failure is not None:  # noticed while pushing the last weights
             raise self._failure
+        if self.group:
+            return self._collect_groups(step, preempt)
         t0 = time.perf_counter()
         workers = self.roles.workers
         while len(self._buffer.get(step, {})) < len(workers):
@@ -365,17 +447,12 @@ class RolloutPipeline:
         errors = [e for w in workers for e in parts[w]["errors"]]
         stats = sum((parts[w]["stats"] for w in workers), RolloutStats())
         now = step - 1  # the version this step trains
-        kept, dropped = [], 0
-        for g in groups:
-            olds = [t.oldest_version() for t in (*g.trajectories, *g.sub_trajectories)]
-            olds = [v for v in olds if v is not None]
-            if olds and now - min(olds) > self.eta:
-                dropped += 1
-            else:
-                kept.append(g)
+        kept = [g for g in groups if not _too_stale(g, now, self.eta)]
+        dropped = len(groups) - len(kept)
         busy = sum(parts[w]["busy_s"] for w in workers)
         idle = sum(parts[w]["idle_s"] for w in workers)
         metrics = staleness_metrics(kept, now)
+        metrics.update(_by_worker(w for w in workers for _ in parts[w]["groups"]))
         metrics.update(
             {
                 "async/dropped_groups": float(dropped),
@@ -391,6 +468,193 @@ class RolloutPipeline:
             }
         )
         return RolloutBatch(kept, errors, stats, metrics)
+
+    def _collect_groups(self, step: int, preempt: Any) -> RolloutBatch | None:
+        """dispatch=group: the first ``prompts_per_step`` finished groups within η (the
+        lowest tickets among those finished: the oldest issued, nearest to going stale);
+        older ones are dropped, counted and replaced at once."""
+        t0 = time.perf_counter()
+        per, now = self.cfg.train.prompts_per_step, step - 1
+        dropped = 0
+        while True:
+            stale = [t for t, (g, _) in self._ready.items() if _too_stale(g, now, self.eta)]
+            for t in stale:
+                del self._ready[t]
+                self.ledger.close(t)
+            if stale:
+                dropped += len(stale)
+                if not self._noticed(lambda: self._admit(now), "while replacing stale groups"):
+                    assert self._failure is not None
+                    raise self._failure
+            if len(self._ready) >= per:
+                break
+            try:
+                msg = self._results.get(timeout=0.2)
+            except queue.Empty:
+                if preempt is not None and preempt.signalled:
+                    return None
+                continue
+            self._take(msg, f"while waiting for step {step}'s rollouts")
+        wait = time.perf_counter() - t0
+        taken = sorted(self._ready)[:per]
+        groups, workers = [], []
+        for pos, t in enumerate(taken):
+            g, w = self._ready.pop(t)
+            self.ledger.close(t)
+            groups.append(renumber(g, pos))  # unique ids in the step: its position
+            workers.append(w)
+        self._after[step] = self.ledger.state()
+        for old in [s for s in self._after if s < step - 1]:
+            del self._after[old]
+        pool, self._pool = self._pool, _Pool()
+        metrics = staleness_metrics(groups, now)
+        metrics.update(_by_worker(workers))
+        metrics.update(
+            {
+                "async/dropped_groups": float(dropped),
+                "async/queue_depth": float(len(self._ready) + self._results.qsize()),
+                "async/in_flight_steps": self.ledger.outstanding / per,
+                "async/trainer_wait_s": wait,
+                "async/worker_busy_s": pool.busy,
+                "async/worker_idle_s": pool.idle,
+                "async/worker_idle_frac": (
+                    pool.idle / (pool.busy + pool.idle) if pool.busy + pool.idle > 0 else 0.0
+                ),
+                "async/version": float(now),
+            }
+        )
+        return RolloutBatch(groups, pool.errors, pool.stats, metrics)
+
+
+#: dispatch=group: the rendezvous-store key of the next unclaimed ticket. Its value is
+#: ``"<next ticket>"`` or, after a claim, ``"<next ticket>/<worker rank>/<claim number>"``, so
+#: that a worker's compare-and-set sees whether it, and not another worker, moved it.
+CLAIM_KEY = "paravt/async/claimed"
+
+
+@dataclass
+class _Pool:
+    """dispatch=group: the runner errors, counters and busy / idle seconds of the claims
+    received since the last step (they are the next step's)."""
+
+    errors: list[str] = field(default_factory=list)
+    stats: RolloutStats = field(default_factory=RolloutStats)
+    busy: float = 0.0
+    idle: float = 0.0
+
+    def add(self, msg: dict[str, Any]) -> None:
+        self.errors += msg["errors"]
+        self.stats = self.stats + msg["stats"]
+        self.busy += msg["busy_s"]
+        self.idle += msg["idle_s"]
+
+
+class GroupLedger:
+    """Rank 0's account of the prompts under ``rollout.dispatch=group`` (``RolloutPipeline``).
+
+    Prompts are drawn a slot at a time: slot ``k`` is ``plan_prompts(sampler, cfg, k)``
+    (``prompts_per_step`` prompts, their K, the seed ``stable_seed(train.seed, k)``), so group
+    ``(k, i)`` is the same prompt with the same seeds and group index whichever worker rolls it
+    out, and with nothing dropped slot ``k`` is what step ``k`` trains under dispatch=static.
+    ``issue`` hands groups out in order, each with a ticket (the workers claim tickets);
+    ``close`` marks one trained or dropped. ``state`` is what a checkpoint records: the
+    sampler's position before the oldest slot with a group neither trained nor dropped
+    (``slot``), and which groups of that slot and after are (``done``); ``load`` restores it,
+    so ``--resume`` re-draws those slots and issues exactly the other groups."""
+
+    def __init__(self, sampler: Any, cfg: Config) -> None:
+        self.sampler, self.cfg = sampler, cfg
+        self.slot = 0  # the last slot drawn
+        self.tickets = 0  # tickets issued
+        self.planned: deque[dict[str, Any]] = deque()  # drawn, not issued
+        self.open: dict[int, dict[str, Any]] = {}  # issued, neither trained nor dropped
+        self.done: set[tuple[int, int]] = set()  # (slot, index) trained or dropped
+        self._before: dict[int, dict[str, int]] = {}  # the sampler's position before slot k
+
+    @property
+    def outstanding(self) -> int:
+        """Groups issued and neither trained nor dropped (running, or finished and waiting)."""
+        return len(self.open)
+
+    def load(self, state: dict[str, Any], start_step: int) -> None:
+        """A checkpoint's ``state`` (one without ``slot``: slots follow steps from
+        ``start_step + 1``, nothing of them trained)."""
+        self.sampler.load(state)
+        self.slot = int(state.get("slot", start_step + 1)) - 1
+        self.done = {(int(k), int(i)) for k, i in state.get("done", [])}
+
+    def issue(self, n: int, version: int) -> list[dict[str, Any]]:
+        """The next ``n`` groups (drawing slots as needed), ticketed; ``min_version``: the
+        version a worker must hold to start one (the trainer's, ``version``, sent before)."""
+        out = []
+        while len(out) < n:
+            if not self.planned:
+                self._draw()
+                continue
+            e = {**self.planned.popleft(), "ticket": self.tickets, "min_version": version}
+            self.open[self.tickets] = e
+            self.tickets += 1
+            out.append(e)
+        return out
+
+    def _draw(self) -> None:
+        self.slot += 1
+        self._before[self.slot] = self.sampler.state()
+        plan = plan_prompts(self.sampler, self.cfg, self.slot)
+        for i, (sample, k) in enumerate(zip(plan.samples, plan.budgets)):
+            if (self.slot, i) not in self.done:  # trained before the checkpoint resumed from
+                self.planned.append(
+                    {"slot": self.slot, "index": i, "sample": sample, "budget": k,
+                     "seed": plan.seed}
+                )  # fmt: skip
+
+    def close(self, ticket: int) -> None:
+        """Group ``ticket`` was trained or dropped."""
+        e = self.open.pop(ticket)
+        self.done.add((e["slot"], e["index"]))
+
+    def state(self) -> dict[str, Any]:
+        """``{"epoch", "pos", "slot", "done"}`` now (see the class docstring)."""
+        oldest = min((e["slot"] for e in (*self.open.values(), *self.planned)), default=None)
+        k = self.slot + 1 if oldest is None else oldest
+        self.done = {d for d in self.done if d[0] >= k}
+        for old in [j for j in self._before if j < k]:
+            del self._before[old]
+        pos = self._before.get(k) or self.sampler.state()
+        return {**pos, "slot": k, "done": sorted([j, i] for j, i in self.done)}
+
+
+def _too_stale(g: Group, version: int, eta: int) -> bool:
+    """Whether group ``g``'s oldest sampled token is more than ``eta`` versions behind."""
+    olds = [t.oldest_version() for t in (*g.trajectories, *g.sub_trajectories)]
+    olds = [v for v in olds if v is not None]
+    return bool(olds) and version - min(olds) > eta
+
+
+def _by_worker(workers: Iterable[int]) -> dict[str, float]:
+    """``async/groups_worker_<rank>``: a step's groups by the worker that rolled out each
+    (dispatch=group: those trained; static: before the staleness filter, which never fires)."""
+    return {f"async/groups_worker_{w}": float(n) for w, n in sorted(Counter(workers).items())}
+
+
+def renumber(g: Group, gid: int) -> Group:
+    """``g`` as group ``gid`` of its step (dispatch=group: groups of different slots share a
+    step): its ``group_id`` and its trajectories' (``"<group>:..."`` uids, sub-agents'
+    parents), which the advantages, rewards and packing key on. Already ``gid``: unchanged."""
+    old = str(g.group_id)
+    if old == str(gid):
+        return g
+
+    def uid(u: str) -> str:
+        head, sep, rest = u.partition(":")
+        return f"{gid}{sep}{rest}" if head == old else u
+
+    for t in (*g.trajectories, *g.sub_trajectories):
+        t.uid, t.group_id = uid(t.uid), gid
+        if t.parent is not None:
+            t.parent = uid(t.parent)
+    g.group_id = gid
+    return g
 
 
 def staleness_metrics(groups: list[Group], version: int) -> dict[str, float]:

@@ -4,35 +4,43 @@ trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the 
 Three threads:
 
 * the control thread reads the trainer's ordered stream on ``roles.ctrl``: ``hello`` (the
-  model folder), ``assign`` (one step's prompts with their K and seed), ``weights`` (a header;
+  model folder), ``assign`` (dispatch=group: ticketed groups, each with its prompt, K, seed
+  and index; static: one step's prompts with their K and seed), ``weights`` (a header;
   ``rollout.weight_sync=host``: then one broadcast per tensor into a staging copy, received
   here; ``bucketed``: handed to the weight thread), ``stop``;
 * the weight thread receives each bucketed version over ``roles.weights`` into buffers on the
   worker's device (``paravt.weight_sync.receive``), so the control stream is never held
   up by a push. Either way a version is staged only once it is whole and its tensors match the
   trainer's checksums; the engine is never touched from these threads;
-* the main thread rolls out the assigned steps in order. Before every turn
-  (``AgentRunner.before_turn``) it swaps in the newest staged weights, so a multi-turn episode
-  may span versions but no generation does, and every member of a group samples a turn with
-  the same version; each sampled token records its version (``Trajectory.versions``). A step
-  ``b`` starts only once the worker holds version ``>= b - 1 - η`` (the trainer sends that
-  version's weights before the assignment, so the wait is the stream's order).
+* the main thread rolls out its work in order: under dispatch=group the groups it claims
+  (``GroupClaims``: the next unclaimed tickets, claimed on the rendezvous store as soon as it
+  is free), under static its fixed slice of each step (``prompts_per_step / W`` prompts at its
+  index). Before every turn (``AgentRunner.before_turn``) it swaps in the newest staged
+  weights, so a multi-turn episode may span versions but no generation does, and every member
+  of a group samples a turn with the same version; each sampled token records its version
+  (``Trajectory.versions``). Work starts only once the worker holds the version it names
+  (the trainer sends those weights before the assignment, so the wait is the stream's order).
 
 After a swap the engine's own copy is checked against the trainer's checksums where it can be
 read back (the HF engine; ``weight_sync.verify_engine``). A checksum mismatch, on receipt or
 after loading, is a ``WeightSyncError`` naming the tensor and the version: the worker sends it
 to the trainer (which raises ``WorkerFailed``) and exits 1.
 
-The result of a step goes to trainer rank 0 on the worker's own ``roles.results`` channel, with
-the runner's errors and counters and the worker's busy / idle seconds. A rollout that raises
-sends its traceback and the worker exits 1; a trainer that disappears fails the control
-thread's receive, and the worker exits 1 naming it. SIGTERM / SIGUSR1 (a cluster preempting
-the job) and SIGINT (a Ctrl-C, which torchrun forwards to every process) are left to the
-trainer, which checkpoints and then sends ``stop``.
+Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the worker's own
+``roles.results`` channel, with the runner's errors and counters and the worker's busy / idle
+seconds. A rollout that raises sends its traceback and the worker exits 1; a trainer that
+disappears fails the control thread's receive, and the worker exits 1 naming it. SIGTERM /
+SIGUSR1 (a cluster preempting the job) and SIGINT (a Ctrl-C, which torchrun forwards to every
+process) are left to the trainer, which checkpoints and then sends ``stop``.
+
+Test hooks (environment, never set by a run): ``PARAVT_WORKER_TURN_PAUSE_S`` (every worker
+sleeps before each turn) and ``PARAVT_TEST_SLOW_WORKER`` (one deliberately slow worker:
+``_slow_hook``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import signal
@@ -50,6 +58,7 @@ from paravt.engines import engine_spec, make_engine
 from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
 from paravt.weight_sync import Staged, WeightSyncError, receive, verify_engine
+from paravt.workers.pipeline import CLAIM_KEY
 from paravt.workers.roles import AsyncRoles
 
 log = get_logger(__name__)
@@ -57,6 +66,8 @@ log = get_logger(__name__)
 #: Test hook: seconds a worker sleeps before every turn (``PARAVT_WORKER_TURN_PAUSE_S``), so
 #: that a test sees weights arrive in the middle of an episode.
 TURN_PAUSE_ENV = "PARAVT_WORKER_TURN_PAUSE_S"
+#: Test hook: one deliberately slow worker (``_slow_hook``), e.g. ``"2:s=3"``.
+SLOW_WORKER_ENV = "PARAVT_TEST_SLOW_WORKER"
 
 
 class WorkerStopped(Exception):
@@ -158,20 +169,19 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             time.sleep(pause)
         return version
 
-    share = cfg.train.prompts_per_step // len(roles.workers)
-    first = roles.worker_index * share
-    totals = {"steps": 0, "busy_s": 0.0, "idle_s": 0.0}
+    group = cfg.rollout.dispatch == "group"
+    work = (GroupClaims(cfg, roles, jobs) if group else _StaticSlices(cfg, roles, jobs)).next_work
+    slow = _slow_hook(roles.rank)
+    totals = {"steps": 0, "groups": 0, "busy_s": 0.0, "idle_s": 0.0}
     idle = 0.0
     try:
         while True:
             t0 = time.perf_counter()
-            job = jobs.get()
-            if isinstance(job, BaseException):
-                raise job
+            job = work()
             if job is None:
                 break
-            # The assignment follows the weights it needs in the stream: wait for the control
-            # thread to have staged them (it has, unless the stream is still being read).
+            # The work follows the weights it needs in the stream: wait for the control thread
+            # to have staged them (it has, unless the stream is still being read).
             need = int(job["min_version"])
             with weights.arrived:
                 weights.arrived.wait_for(
@@ -183,16 +193,17 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 )
             idle += time.perf_counter() - t0
             runner.before_turn = swap
-            mine = job["prompts"][first : first + share]
             t1 = time.perf_counter()
             try:
                 groups = runner.rollout(
-                    [s for s, _ in mine],
-                    [k for _, k in mine],
+                    job["samples"],
+                    job["budgets"],
                     group_size=cfg.rollout.group_size,
                     seed=job["seed"],
-                    first_group=first,
+                    first_group=job["first_group"],
                 )
+                if slow is not None:  # test hook: a deliberately slow worker
+                    _be_slow(slow, groups, weights, stop)
             except WorkerStopped:
                 if weights.failed is not None:  # failed weights stopped the control thread
                     raise weights.failed from None
@@ -202,8 +213,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 results,
                 roles.rank,
                 {
-                    "kind": "batch",
-                    "step": job["step"],
+                    **job["reply"],
                     "worker": roles.rank,
                     "groups": groups,
                     "errors": list(runner.errors),
@@ -213,6 +223,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 },
             )
             totals["steps"] += 1
+            totals["groups"] += len(groups)
             totals["busy_s"] += busy
             totals["idle_s"] += idle
             idle = 0.0
@@ -230,12 +241,149 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     ctrl.join(timeout=30)
     receiver.join(timeout=30)
     getattr(engine, "close", lambda: None)()
+    done = f"{totals['groups']} group(s)" if group else f"{totals['steps']} step(s)"
     log.info(
-        f"{tag} stopped after {totals['steps']} step(s): busy {totals['busy_s']:.1f} s, "
-        f"idle {totals['idle_s']:.1f} s",
+        f"{tag} stopped after {done}: busy {totals['busy_s']:.1f} s, idle {totals['idle_s']:.1f} s",
         extra=ALL_RANKS,
     )
     return totals
+
+
+class _StaticSlices:
+    """rollout.dispatch=static: each assignment is a whole step; this worker rolls out its
+    fixed slice (``prompts_per_step / W`` prompts at its index)."""
+
+    def __init__(self, cfg: Config, roles: AsyncRoles, jobs: queue.Queue[Any]) -> None:
+        self.jobs = jobs
+        self.share = cfg.train.prompts_per_step // len(roles.workers)
+        self.first = roles.worker_index * self.share
+
+    def next_work(self) -> dict[str, Any] | None:
+        """The next step's slice (blocks); None: stop."""
+        job = self.jobs.get()
+        if isinstance(job, BaseException):
+            raise job
+        if job is None:
+            return None
+        mine = job["prompts"][self.first : self.first + self.share]
+        return {
+            "min_version": job["min_version"],
+            "samples": [s for s, _ in mine],
+            "budgets": [k for _, k in mine],
+            "seed": job["seed"],
+            "first_group": self.first,
+            "reply": {"kind": "batch", "step": job["step"]},
+        }
+
+
+class GroupClaims:
+    """rollout.dispatch=group: the trainer issues ticketed groups to every worker; a free
+    worker claims the next unclaimed tickets on the rendezvous store (``CLAIM_KEY``: one
+    compare-and-set, so no ticket is claimed twice), at most ``rollout.dispatch_groups`` of
+    them (0: ``prompts_per_step / W``), consecutive groups of one slot (one seed, one batched
+    rollout). A slow worker thus holds one claim, never a fixed share of every step."""
+
+    def __init__(self, cfg: Config, roles: AsyncRoles, jobs: queue.Queue[Any]) -> None:
+        self.jobs, self.store, self.rank = jobs, roles.store, roles.rank
+        self.chunk = cfg.rollout.dispatch_groups or max(
+            cfg.train.prompts_per_step // len(roles.workers), 1
+        )
+        self.issued: list[dict[str, Any]] = []  # by ticket
+        self.tries = itertools.count()
+
+    def _take(self, job: Any) -> bool:
+        """Add an assignment's groups; False: stop."""
+        if isinstance(job, BaseException):
+            raise job
+        if job is None:
+            return False
+        for e in job["groups"]:
+            if int(e["ticket"]) != len(self.issued):
+                raise RuntimeError(
+                    f"rollout worker rank {self.rank}: ticket {e['ticket']} arrived after "
+                    f"{len(self.issued)} ticket(s); the trainer's stream is out of order"
+                )
+            self.issued.append(e)
+        return True
+
+    def next_work(self) -> dict[str, Any] | None:
+        """The next claim (blocks until a ticket is free); None: stop."""
+        while True:
+            while not self.jobs.empty():  # every assignment received so far
+                if not self._take(self.jobs.get()):
+                    return None
+            claim = self._claim()
+            if claim is not None:
+                break
+            if not self._take(self.jobs.get()):  # wait for the next assignment
+                return None
+        es = [self.issued[t] for t in claim]
+        return {
+            "min_version": max(int(e["min_version"]) for e in es),
+            "samples": [e["sample"] for e in es],
+            "budgets": [e["budget"] for e in es],
+            "seed": es[0]["seed"],
+            "first_group": es[0]["index"],
+            "reply": {"kind": "groups", "tickets": list(claim)},
+        }
+
+    def _claim(self) -> range | None:
+        """Claim the next free tickets among those issued; None: every one is claimed."""
+        while True:
+            raw = self.store.get(CLAIM_KEY)
+            cur = int(raw.split(b"/")[0])
+            if cur >= len(self.issued):
+                return None
+            end, limit = cur + 1, min(cur + self.chunk, len(self.issued))
+            first = self.issued[cur]
+            while (
+                end < limit
+                and self.issued[end]["slot"] == first["slot"]
+                and self.issued[end]["index"] == self.issued[end - 1]["index"] + 1
+            ):
+                end += 1
+            want = f"{end}/{self.rank}/{next(self.tries)}"  # unique: the set value says who
+            if self.store.compare_set(CLAIM_KEY, raw.decode(), want) == want.encode():
+                return range(cur, end)
+
+
+def _slow_hook(rank: int) -> tuple[str, float] | None:
+    """Test hook ``PARAVT_TEST_SLOW_WORKER`` (``SLOW_WORKER_ENV``): ``"RANK:s=SECONDS"`` (worker
+    ``RANK`` sleeps that long after each rollout) or ``"RANK:v=N"`` (it holds each rollout's
+    result until it has received the version N above the oldest it sampled with, so the
+    result arrives N versions stale). None for the other workers, or when unset."""
+    raw = os.environ.get(SLOW_WORKER_ENV, "")
+    if not raw:
+        return None
+    try:
+        r, spec = raw.split(":")
+        kind, val = spec.split("=")
+        if kind not in ("s", "v"):
+            raise ValueError(kind)
+        target, value = int(r), float(val)
+    except ValueError:
+        raise RuntimeError(
+            f"{SLOW_WORKER_ENV}={raw!r} (a test hook): expected 'RANK:s=SECONDS' or "
+            "'RANK:v=VERSIONS', e.g. '2:s=3'; unset it for a normal run"
+        ) from None
+    return (kind, value) if target == rank else None
+
+
+def _be_slow(
+    slow: tuple[str, float], groups: list[Any], weights: _Weights, stop: threading.Event
+) -> None:
+    """Apply the ``_slow_hook`` (after a rollout, before its result is sent); a stop from the
+    trainer ends the wait (``WorkerStopped``)."""
+    kind, value = slow
+    if kind == "s":
+        stop.wait(value)
+    else:
+        olds = [t.oldest_version() for g in groups for t in g.trajectories]
+        need = min((v for v in olds if v is not None), default=0) + int(value)
+        with weights.arrived:
+            weights.arrived.wait_for(lambda: weights.staged_version >= need or stop.is_set())
+    if stop.is_set():
+        raise WorkerStopped()
 
 
 def _send_or_gone(results: Any, rank: int, msg: dict[str, Any]) -> None:
