@@ -376,7 +376,9 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("sync", ["host", "bucketed"])
+# The default, bucketed path end to end (the host fallback's check on receipt is the same
+# ``verify``: tests/test_weight_sync.py corrupts it in process).
+@pytest.mark.parametrize("sync", ["bucketed"])
 def test_a_tensor_corrupted_in_flight_stops_the_run_naming_it(assets, tmp_path, sync) -> None:
     """One bit of one tensor flipped on the worker's side of the first push (version 0): the
     worker's checksum check names the tensor and the version, the trainer stops the run with

@@ -141,6 +141,26 @@ def test_a_byte_corrupted_in_flight_is_named(monkeypatch: pytest.MonkeyPatch) ->
         _push(_weights(), "bucketed", True, version=5)
 
 
+def test_a_byte_corrupted_on_the_host_path_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host fallback's tensors arrive one broadcast each on the control stream: one bit
+    flipped in one of them on the worker's side is named the same way (the 2-process run of
+    tests/test_train_async.py corrupts the default, bucketed path)."""
+    real = Channel.bcast_tensor
+    seen = []
+
+    def corrupt(self: Channel, t: torch.Tensor) -> None:
+        real(self, t)
+        # the worker's side, a.bias (bf16, 29): the only tensor of that dtype and size
+        if self.member == 1 and t.dtype == torch.bfloat16 and t.numel() == 29:
+            seen.append(t)
+            t.view(-1).view(torch.uint8)[3] ^= 1
+
+    monkeypatch.setattr(Channel, "bcast_tensor", corrupt)
+    with pytest.raises(WeightSyncError, match=r"tensor 'a\.bias' of version 7 differs"):
+        _push(_weights(), "host", False, version=7)
+    assert len(seen) == 1
+
+
 def test_checksum_sees_a_changed_a_moved_and_a_swapped_value() -> None:
     t = torch.randn(3000, 7)
     base = checksum(t)
