@@ -134,7 +134,7 @@ def test_the_step_releases_the_cache_after_the_rollout_and_before_the_push(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_release_hands_back_the_cached_blocks_and_offload_holds_nothing(assets):
+def test_cuda_release_hands_back_the_cached_blocks_and_offload_holds_nothing(tmp_path):
     from paravt.algo.reference import ReferencePolicy
     from paravt.distributed import (
         DistContext,
@@ -142,7 +142,7 @@ def test_cuda_release_hands_back_the_cached_blocks_and_offload_holds_nothing(ass
         release_device_cache,
         release_single_rank_group,
     )
-    from paravt.models import load_model
+    from paravt.models import build_tiny_checkpoint, load_model
 
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # 256 MiB, then freed
@@ -151,7 +151,8 @@ def test_cuda_release_hands_back_the_cached_blocks_and_offload_holds_nothing(ass
     assert release_device_cache(dev) >= 256 << 20
     ctx = DistContext(device=dev)
     try:
-        ref = ReferencePolicy(load_model(assets["model"], device="cpu").model)
+        tiny = build_tiny_checkpoint(tmp_path / "tiny")  # no video data: the image may lack PyAV
+        ref = ReferencePolicy(load_model(tiny, device="cpu").model)
         before = torch.cuda.memory_allocated(dev)
         place_reference(ref.model, ctx, "offload")
         assert torch.cuda.memory_allocated(dev) == before  # its shards stay on the host
