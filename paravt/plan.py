@@ -669,15 +669,14 @@ def fixes(pl: Plan) -> list[str]:
         c = _with(cfg, algo__freeze_vision_tower=True)
         if plan_memory(c, lay).fits:  # the frozen set changes the shape
             out.append("freeze the vision tower: algo.freeze_vision_tower=true")
+    # The reference model somewhere smaller: sharded (several ranks), else in host memory.
+    smaller = {"shard": "sharded over the ranks", "offload": "in host memory"}
     if pl.reference in ("replicate", "shard"):
-        for where in ("shard", "offload"):
+        for where, how in smaller.items():
             if where == "shard" and (pl.reference == "shard" or pl.ranks == 1):
                 continue
             if fits(_with(cfg, algo__ref_placement=where)):
-                out.append(
-                    f"the reference model {'sharded over the ranks' if where == 'shard' else 'in host memory'}: "
-                    f"algo.ref_placement={where}"
-                )
+                out.append(f"the reference model {how}: algo.ref_placement={where}")
                 break
     if lay.gpu and not cfg.train.empty_cache and fits(_with(cfg, train__empty_cache=True)):
         out.append("release PyTorch's cache between phases: train.empty_cache=true")
