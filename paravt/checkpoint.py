@@ -455,6 +455,26 @@ def load_sharded(
     load_sharded_train_state(model, optimizer, state)
 
 
+def _write_shards(
+    path: Path, sharded: dict[str, Any], ctx: DistContext
+) -> tuple[int, str, str] | None:
+    """Every rank writes its shards (``save_sharded``); the first failed rank's ``(errno,
+    strerror, filename)``, the same on every rank, or None when every write succeeded. A
+    failure that is not the file system's (a bug) raises, on every rank alike (DCP's).
+    ``save_trainer``'s and ``save_sft_state``'s shard write."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    err: OSError | None = None
+    try:
+        save_sharded(path, sharded)
+    except (OSError, CheckpointException) as e:
+        err = _dcp_failure(e)
+        if err is None:
+            raise
+    errs = all_gather_objects(None if err is None else (err.errno, err.strerror, err.filename), ctx)
+    return next((x for x in errs if x is not None), None)
+
+
 def _dcp_failure(e: BaseException) -> OSError | None:
     """The first ``OSError`` behind a failed DCP save (its own, or a rank's in the
     ``CheckpointException``'s failures), for the error's path and errno."""
@@ -497,18 +517,12 @@ def save_sft_state(
             err = e
     bad = all_gather_objects(None if err is None else str(err), ctx)[0]
     if bad is None:
-        from torch.distributed.checkpoint import CheckpointException
-
         try:
-            save_sharded(tmp / TRAIN_STATE_DIR, sharded)
-        except (OSError, CheckpointException) as e:
-            err = _dcp_failure(e)
-            if err is None:
-                raise
+            failed = _write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx)
         finally:
             if optim_empty:
                 optimizer.state.clear()
-        bad = next((x for x in all_gather_objects(err and str(err), ctx) if x), None)
+        bad = None if failed is None else str(OSError(*failed))
     if bad is None and ctx.is_main:
         try:
             with atomic_file(tmp / SFT_STATE_FILE) as f:
@@ -541,10 +555,12 @@ def sft_state_folder(path: str | Path) -> Path | None:
     return None
 
 
-def load_sft_state(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sft_state(
+    folder: Path, small: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """Read a ``save_sft_state`` folder's shards into ``model`` (the masters) and
-    ``optimizer``, on any world size (every rank, after ``shard_model`` and the optimizer)."""
-    small = torch.load(folder / SFT_STATE_FILE, map_location="cpu", weights_only=False)
+    ``optimizer``, on any world size (every rank, after ``shard_model`` and the optimizer);
+    ``small``: its ``state.pt``, read already (whether the optimizer had stepped)."""
     load_sharded(folder / TRAIN_STATE_DIR, model, optimizer, masters=True)
     if small.get("optim_empty"):
         optimizer.state.clear()
@@ -616,19 +632,7 @@ def _save_trainer(
             failed = e
     said = all_gather_objects("" if failed is None else str(failed), ctx)[0]
     if not said:  # every rank writes its shards into the folder rank 0 made
-        from torch.distributed.checkpoint import CheckpointException
-
-        err: OSError | None = None
-        try:
-            save_sharded(tmp / TRAIN_STATE_DIR, sharded)
-        except (OSError, CheckpointException) as e:
-            err = _dcp_failure(e)
-            if err is None:  # not the file system: a bug, raised on every rank alike by DCP
-                raise
-        errs = all_gather_objects(
-            None if err is None else (err.errno, err.strerror, err.filename), ctx
-        )
-        bad = next((x for x in errs if x is not None), None)
+        bad = _write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx)
         if ctx.is_main:
             try:
                 if bad is not None:

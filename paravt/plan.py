@@ -461,23 +461,11 @@ def plan_memory(
         add(f"{eng.label} engine (CPU)", own, own, f"weights x {bc} B + {kv_gib:g} GiB KV", own)
     else:
         replica = s.params * bc if fsdp else 0
-        per_rank = max(1, cfg.train.prompts_per_step // ranks) * r.group_size
-        b_main = min(per_rank, r.max_batch_size or per_rank)
-        n_sub = per_rank * cfg.agent.max_parallel
-        b_sub = min(n_sub, r.max_batch_size or n_sub)
-        kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
-        kv = kv_tok * max(b_main * main_ctx, b_sub * sub_ctx)
-        sampling = 3 * max(b_main, b_sub) * s.vocab * 4
         add(
             "HF engine replica", replica, replica,
             "full replica" if fsdp else "shares the policy", sync=replica,
         )  # fmt: skip
-        add(
-            "HF engine KV cache + sampling",
-            kv + sampling,
-            0,
-            f"{b_main} x {main_ctx} / {b_sub} x {sub_ctx} tokens",
-        )
+        T.append(_hf_kv_term(cfg, s, bc, ranks))
 
     # The weight push: one entry gathered at a time (its master-dtype gather, then the compute
     # cast) and, for vLLM's layer-wise reload, one layer's tensors held by its loader.
@@ -563,6 +551,24 @@ def plan_memory(
     return pl
 
 
+def _hf_kv_term(cfg: Config, s: ModelShape, bc: int, ranks: int) -> Term:
+    """The HF engine's KV cache and sampling buffers (rollout only) on one of ``ranks`` that
+    share a step's prompts: its G rows a prompt, the sub-agents' ``agent.max_parallel`` per
+    row, at most ``rollout.max_batch_size`` at once, each at its context's length. A trainer
+    rank's (colocated) and an asynchronous worker's (``worker_terms``)."""
+    r = cfg.rollout
+    main_ctx, sub_ctx, _ = context_tokens(cfg, s)
+    per_rank = max(1, cfg.train.prompts_per_step // ranks) * r.group_size
+    b_main = min(per_rank, r.max_batch_size or per_rank)
+    n_sub = per_rank * cfg.agent.max_parallel
+    b_sub = min(n_sub, r.max_batch_size or n_sub)
+    kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
+    kv = kv_tok * max(b_main * main_ctx, b_sub * sub_ctx)
+    sampling = 3 * max(b_main, b_sub) * s.vocab * 4
+    note = f"{b_main} x {main_ctx} / {b_sub} x {sub_ctx} tokens"
+    return Term("HF engine KV cache + sampling", float(kv + sampling), 0.0, note)
+
+
 def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
     """What one asynchronous rollout worker rank holds (``paravt.workers.worker``): the HF
     model it loads (the engine's or the agent's; ``model.dtype``), the engine (vLLM: its share
@@ -582,14 +588,7 @@ def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
         kv_gib = getattr(r, eng.cpu_kv_cache_key)
         out.append(Term(f"{eng.label} engine (CPU)", s.params * bc + kv_gib * GIB, 0, ""))
     else:
-        main_ctx, sub_ctx, _ = context_tokens(cfg, s)
-        per = max(1, cfg.train.prompts_per_step // max(1, r.workers)) * r.group_size
-        b_main = min(per, r.max_batch_size or per)
-        b_sub = min(per * cfg.agent.max_parallel, r.max_batch_size or per * cfg.agent.max_parallel)
-        kv = 2 * s.layers * s.kv_heads * s.head_dim * bc * max(b_main * main_ctx, b_sub * sub_ctx)
-        out.append(
-            Term("HF engine KV cache + sampling", kv + 3 * max(b_main, b_sub) * s.vocab * 4, 0)
-        )
+        out.append(_hf_kv_term(cfg, s, bc, max(1, r.workers)))
     if r.weight_sync == "bucketed":  # received into device buffers, verified, then swapped in
         out.append(Term("staged weights (next version)", s.params * bc, 0, "received buckets"))
     if layout.gpu:

@@ -336,7 +336,7 @@ def _run_sft(
     first = 0
     if saved is not None:
         if folder is not None:  # each rank reads its shards, on any world size
-            load_sft_state(folder, model, opt)
+            load_sft_state(folder, saved, model, opt)
         else:
             load_full_optimizer_state(model, opt, saved["optimizer"], ctx)
         sched.load_state_dict(saved["scheduler"])

@@ -434,13 +434,8 @@ class RolloutPipeline:
         t0 = time.perf_counter()
         workers = self.roles.workers
         while len(self._buffer.get(step, {})) < len(workers):
-            try:
-                msg = self._results.get(timeout=0.2)
-            except queue.Empty:
-                if preempt is not None and preempt.signalled:
-                    return None
-                continue
-            self._take(msg, f"while waiting for step {step}'s rollouts")
+            if not self._take_next(step, preempt):
+                return None
         wait = time.perf_counter() - t0
         parts = self._buffer.pop(step)
         groups: list[Group] = [g for w in workers for g in parts[w]["groups"]]
@@ -469,6 +464,16 @@ class RolloutPipeline:
         )
         return RolloutBatch(kept, errors, stats, metrics)
 
+    def _take_next(self, step: int, preempt: Any) -> bool:
+        """Take the next message from the workers (waiting 0.2 s at most); False when a
+        preemption signal reached this rank meanwhile (both dispatches' wait for a step)."""
+        try:
+            msg = self._results.get(timeout=0.2)
+        except queue.Empty:
+            return preempt is None or not preempt.signalled
+        self._take(msg, f"while waiting for step {step}'s rollouts")
+        return True
+
     def _collect_groups(self, step: int, preempt: Any) -> RolloutBatch | None:
         """dispatch=group: the first ``prompts_per_step`` finished groups within η (the
         lowest tickets among those finished: the oldest issued, nearest to going stale);
@@ -488,13 +493,8 @@ class RolloutPipeline:
                     raise self._failure
             if len(self._ready) >= per:
                 break
-            try:
-                msg = self._results.get(timeout=0.2)
-            except queue.Empty:
-                if preempt is not None and preempt.signalled:
-                    return None
-                continue
-            self._take(msg, f"while waiting for step {step}'s rollouts")
+            if not self._take_next(step, preempt):
+                return None
         wait = time.perf_counter() - t0
         taken = sorted(self._ready)[:per]
         groups, workers = [], []
