@@ -281,6 +281,12 @@ class RolloutConfig:
     # prompts_per_step // workers, the static slice (one worker: the whole step, as in the
     # synchronous loop). Smaller: finer balancing, smaller engine batches.
     dispatch_groups: int = 0
+    # What a worker sends of its rollouts' clips (paravt.workers.pixels). 'decode': the token
+    # ids and each clip's decode request; the trainer rank that trains a group decodes its
+    # clips again (checked bitwise against the worker's frames), so no pixel crosses a process
+    # and trainer rank 0 never holds a step's pixels. 'ship' (the reference): the pixels
+    # themselves, through trainer rank 0 (for trainers that cannot read the videos).
+    async_pixels: str = "decode"
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.engines.ENGINES``, and
@@ -292,6 +298,7 @@ class RolloutConfig:
             + _choice_error("rollout.dispatch", self.dispatch, ("group", "static"))
         )
         errs += _choice_error("rollout.weight_sync", self.weight_sync, ("bucketed", "host"))
+        errs += _choice_error("rollout.async_pixels", self.async_pixels, ("decode", "ship"))
         spec = ENGINES.get(self.engine)
         greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
         if spec is not None and spec.greedy_rejects_top_p and greedy and self.top_p < 1:

@@ -259,7 +259,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
         assert runner is not None and engine is not None
         source = LocalRollout(cfg, ctx, sampler, runner, engine)
     else:
-        source = RolloutPipeline(cfg, ctx, roles, sampler, engine)
+        source = RolloutPipeline(cfg, ctx, roles, sampler, engine, bundle)
 
     logger = MetricsLogger(
         out, enabled=ctx.is_main, wandb=t.wandb, run_name=out.name, config=to_dict(cfg),

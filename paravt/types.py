@@ -120,6 +120,11 @@ class VisualInputs:
     # ``paravt.vision.preprocess.encode_clip(s)``; None where a producer only had pixels.
     frames: list[torch.Tensor] | None = None
     timestamps: list[list[float]] | None = None
+    # Where each segment's frames came from, when they are exactly what a decode planner
+    # returned for that request (the overview; a tool's view that did not change its frames):
+    # an asynchronous run's workers send these instead of the pixels and the trainer ranks
+    # decode them again (``paravt.workers.pixels``). None where a segment has no such source.
+    requests: list[FrameRequest] | None = None
 
     @property
     def num_segments(self) -> int:
@@ -149,6 +154,7 @@ class VisualInputs:
             raise ValueError(f"cannot concatenate visual inputs of kinds {sorted(kinds)}")
         spg = [p.second_per_grid_ts for p in parts]
         has_src = all(p.frames is not None and p.timestamps is not None for p in parts)
+        has_req = all(p.requests is not None for p in parts)
         return VisualInputs(
             torch.cat([p.pixel_values for p in parts]),
             torch.cat([p.grid_thw for p in parts]),
@@ -156,7 +162,21 @@ class VisualInputs:
             None if any(s is None for s in spg) else torch.cat(spg),  # type: ignore[arg-type]
             [f for p in parts for f in p.frames] if has_src else None,  # type: ignore[union-attr]
             [t for p in parts for t in p.timestamps] if has_src else None,  # type: ignore[union-attr]
+            [r for p in parts for r in p.requests] if has_req else None,  # type: ignore[union-attr]
         )
+
+
+@dataclass(frozen=True)
+class VisualSource:
+    """A trajectory's visuals without their pixels, as an asynchronous run's worker sends them
+    (``rollout.async_pixels=decode``, ``paravt.workers.pixels``): per segment, the frame
+    request the trainer rank that trains the row decodes again, a digest of the uint8 frames
+    the worker encoded (what the decoded frames must equal) and its ``(t, h, w)`` grid."""
+
+    requests: tuple[FrameRequest, ...]
+    digests: tuple[str, ...]
+    grids: tuple[tuple[int, int, int], ...]
+    kind: Literal["video", "image"] = "video"
 
 
 # ------------------------------------------------------------------------------------ agent
@@ -244,6 +264,10 @@ class Trajectory:
     # turns, so one episode can span versions, and a step trains only rows whose oldest
     # sampled token is at most ``rollout.max_staleness`` versions behind.
     versions: list[int] = field(default_factory=list)
+    # Set, with ``visuals`` None, only while the row travels from an asynchronous run's worker
+    # to the trainer rank that trains it (``paravt.workers.pixels``: that rank decodes the
+    # frames again and restores ``visuals``).
+    visual_source: VisualSource | None = None
 
     def __post_init__(self) -> None:
         if not (len(self.tokens) == len(self.loss_mask) == len(self.logprobs)):

@@ -182,6 +182,12 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6), (step, r["ratio_mean"])
         assert r["clip_frac"] == 0.0
         assert r["tool_calls_per_rollout"] == 2.0  # the scripted first turn
+        # rollout.async_pixels=decode (the default): the rows came without their pixels and
+        # the trainer decoded each distinct clip (the overview once per group, the crops);
+        # the behaviour log-probs below are recomputed on these restored pixels.
+        assert r["async/restore_rows"] >= 2 * 2 + 2 * 2 * 2, (step, r)
+        assert r["async/restore_dropped_groups"] == 0.0
+        assert 0 < r["async/received_mb"] < 1.0
     assert max(r["async/staleness_max"] for r in rows.values()) == 1.0
 
     spans, checked = _check_behaviour_versions(out, steps=4, eta=1)
@@ -255,6 +261,9 @@ def test_two_fsdp_trainers_and_a_worker(assets, tmp_path) -> None:
     rows = train_rows(out)
     assert sorted(rows) == [1, 2, 3]
     assert all(r["num_groups"] == 2.0 and r["async/staleness_max"] <= 1 for r in rows.values())
+    # Each trainer rank restored its own group's clips (rank 0's share is logged; rank 1
+    # trained its group, num_groups above, so its restore succeeded).
+    assert all(r["async/restore_dropped_groups"] == 0.0 for r in rows.values())
 
 
 def test_group_dispatch_does_not_wait_for_a_slow_worker(assets, tmp_path) -> None:
@@ -270,7 +279,8 @@ def test_group_dispatch_does_not_wait_for_a_slow_worker(assets, tmp_path) -> Non
     proc = torchrun(
         3, "-m", "paravt.train",
         *_overrides(assets, out, **{"rollout.workers": 2, "rollout.max_staleness": 1,
-                                    "train.steps": 4, "train.save_every": 0}),
+                                    "train.steps": 4, "train.save_every": 0,
+                                    "rollout.async_pixels": "ship"}),
         timeout=300, env={"PARAVT_TEST_SLOW_WORKER": "2:v=2"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -280,6 +290,8 @@ def test_group_dispatch_does_not_wait_for_a_slow_worker(assets, tmp_path) -> Non
         assert r["num_groups"] == 2.0, (step, r)
         assert r["async/groups_worker_1"] == 2.0 and "async/groups_worker_2" not in r, (step, r)
         assert r["async/staleness_max"] <= 1.0
+        # rollout.async_pixels=ship: the pixels came with the rows, nothing was restored.
+        assert "async/restore_rows" not in r and r["async/received_mb"] > 0
         b = torch.load(out / "debug" / f"step{step}_rank0.pt", weights_only=False)["batches"][0]
         m = b.loss_mask.bool()
         assert b.versions[m].min() >= step - 1 - 1, (step, b.versions[m].min())

@@ -76,7 +76,7 @@ def run_calls(
     times in ``st``."""
     acfg = encoder.cfg.agent
     t0 = time.perf_counter()
-    views, runs = encoder.decode_views([(j.call, j.sample.video, j.meta) for j in jobs])
+    views, runs, sources = encoder.decode_views([(j.call, j.sample.video, j.meta) for j in jobs])
     st.planner_runs += runs
     results = [CallResult() for _ in jobs]
     ok: list[int] = []
@@ -86,7 +86,11 @@ def run_calls(
         else:
             ok.append(i)
     # ONE pixel pack for every view of every rollout in this turn.
-    clips = encode_frames_batch(encoder.bundle, [views[i] for i in ok])  # type: ignore[misc]
+    clips = encode_frames_batch(
+        encoder.bundle,
+        [views[i] for i in ok],  # type: ignore[misc]
+        [sources[i] for i in ok],
+    )
     nframes = {i: int(views[i][0].shape[0]) for i in ok}  # type: ignore[index]
     if acfg.crop_mode == "frames":  # the view itself is the tool response: no sub-agent
         for i, clip in zip(ok, clips):

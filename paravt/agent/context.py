@@ -47,7 +47,7 @@ import torch
 from paravt.agent import prompts
 from paravt.engines import ENGINES
 from paravt.engines.engine import GenerationRequest, SamplingParams
-from paravt.types import Trajectory, VisualInputs
+from paravt.types import FrameRequest, Trajectory, VisualInputs
 from paravt.vision.preprocess import encode_clips
 
 
@@ -66,18 +66,29 @@ def encode_frames(bundle: Any, frames: torch.Tensor, timestamps: list[float]) ->
     return encode_frames_batch(bundle, [(frames, timestamps)])[0]
 
 
-def encode_frames_batch(bundle: Any, clips: list[tuple[torch.Tensor, list[float]]]) -> list[Clip]:
+def encode_frames_batch(
+    bundle: Any,
+    clips: list[tuple[torch.Tensor, list[float]]],
+    sources: list[FrameRequest | None] | None = None,
+) -> list[Clip]:
     """:func:`encode_frames` for many clips (a turn's overviews, or all its crops), with their
-    pixels packed in ONE native call (``paravt.vision.preprocess.encode_clips``)."""
-
-    return [
-        Clip(
-            token_ids=[int(t) for t in enc.token_ids],
-            mm_token_type_ids=[int(t) for t in enc.mm_token_type_ids],
-            visuals=enc.visuals,
+    pixels packed in ONE native call (``paravt.vision.preprocess.encode_clips``).
+    ``sources``: per clip, the decode request its frames are exactly the result of (kept as
+    ``VisualInputs.requests``: an asynchronous run sends these instead of the pixels), or
+    None."""
+    out = []
+    for i, enc in enumerate(encode_clips(clips, bundle.vision, bundle.tokenizer)):
+        src = sources[i] if sources is not None else None
+        if src is not None:
+            enc.visuals.requests = [src]
+        out.append(
+            Clip(
+                token_ids=[int(t) for t in enc.token_ids],
+                mm_token_type_ids=[int(t) for t in enc.mm_token_type_ids],
+                visuals=enc.visuals,
+            )
         )
-        for enc in encode_clips(clips, bundle.vision, bundle.tokenizer)
-    ]
+    return out
 
 
 class TextCache:

@@ -184,14 +184,18 @@ class AgentEncoder:
             reqs.append(FrameRequest(s.video, tuple(ts), size, tag=f"overview:{s.id}"))
             where.append(i)
         done = []
-        for i, fb in zip(where, self.planner.run(reqs)):
+        for i, req, fb in zip(where, reqs, self.planner.run(reqs)):
             if isinstance(fb, VideoError):
                 out[i] = fb
             else:
-                done.append((i, fb))
-        clips = encode_frames_batch(self.bundle, [(fb.frames, frame_times(fb)) for _, fb in done])
+                done.append((i, req, fb))
+        clips = encode_frames_batch(
+            self.bundle,
+            [(fb.frames, frame_times(fb)) for _, _, fb in done],
+            [req for _, req, _ in done],  # the overview is the decoded request
+        )
         schemas = self.tools.schemas
-        for (i, _), clip in zip(done, clips):
+        for (i, _, _), clip in zip(done, clips):
             s = samples[i]
             question = prompts.question_text(s, self.meta(s.video).duration)
             out[i] = main_prompt(self.text, clip, question, self.cfg.agent.max_parallel, schemas)
@@ -206,13 +210,19 @@ class AgentEncoder:
 
     def decode_views(
         self, jobs: list[tuple[ToolCall, str, VideoMeta]]
-    ) -> tuple[list[tuple[torch.Tensor, list[float]] | ToolFailure], int]:
+    ) -> tuple[
+        list[tuple[torch.Tensor, list[float]] | ToolFailure], int, list[FrameRequest | None]
+    ]:
         """The view of each valid ``(call, video, meta)``: the frames its tool planned,
         decoded in ONE planner run for all of them, then cut by the tool
         (:meth:`~paravt.agent.tools.Tool.view`); or why there is none (never raises: a tool
         whose ``plan`` or ``view`` raises fails that call as a ``decode_error``, logged). Also
-        returns the planner runs made (0 when nothing was left to decode, else 1)."""
+        returns the planner runs made (0 when nothing was left to decode, else 1) and, per
+        view, its source: the request when the view is exactly the decoded frames at the
+        requested times (``crop_video``'s), else None (``encode_frames_batch``'s
+        ``sources``)."""
         out: list[tuple[torch.Tensor, list[float]] | ToolFailure] = []
+        sources: list[FrameRequest | None] = []
         plans: list[FrameRequest | ToolFailure] = []
         for i, (call, video, meta) in enumerate(jobs):
             tool = self.tools.tools[call.name]
@@ -229,6 +239,7 @@ class AgentEncoder:
         )
         for i, (call, _, _) in enumerate(jobs):
             fb = decoded.get(i, plans[i])
+            sources.append(None)
             if isinstance(fb, ToolFailure):
                 out.append(fb)
             elif isinstance(fb, VideoError):
@@ -240,10 +251,14 @@ class AgentEncoder:
             else:
                 tool = self.tools.tools[call.name]
                 try:
-                    out.append(tool.view(call, fb, self.cfg.video, self.factor))
+                    view = tool.view(call, fb, self.cfg.video, self.factor)
                 except Exception as e:  # noqa: BLE001 — a tool's bug fails its call, not the run
                     out.append(_tool_bug(tool.name, "view", e))
-        return out, 1 if live else 0
+                    continue
+                out.append(view)
+                if view[0] is fb.frames and list(view[1]) == frame_times(fb):
+                    sources[-1] = plans[i]  # type: ignore[assignment]
+        return out, 1 if live else 0, sources
 
     # ---------------------------------------------------------------------------------- SFT
     def oracle_trajectory(self, sample: Sample, record: dict[str, Any]) -> Trajectory:
@@ -320,9 +335,13 @@ class AgentEncoder:
             for k, c in enumerate(t.calls)
             if c.status == "ok" and c.response
         ]
-        views, _ = self.decode_views([(c, sample.video, meta) for _, _, c in jobs])
+        views, _, sources = self.decode_views([(c, sample.video, meta) for _, _, c in jobs])
         ok = [(i, v) for i, v in enumerate(views) if not isinstance(v, ToolFailure)]
-        clips = encode_frames_batch(self.bundle, [v for _, v in ok])  # type: ignore[misc]
+        clips = encode_frames_batch(
+            self.bundle,
+            [v for _, v in ok],  # type: ignore[misc]
+            [sources[i] for i, _ in ok],
+        )
         out: list[Trajectory] = []
         for (i, v), clip in zip(ok, clips):
             ti, k, c = jobs[i]

@@ -89,7 +89,9 @@ from paravt.engines.engine import Engine
 from paravt.log import get_logger
 from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
+from paravt.video.planner import DecodePlanner
 from paravt.weight_sync import Spec, WeightPublisher
+from paravt.workers.pixels import restore_pixels
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
 log = get_logger(__name__)
@@ -107,7 +109,9 @@ class RolloutPipeline:
     """Trainer-side state of the asynchronous schedule (every trainer rank holds one; only
     rank 0 talks to the workers): the asynchronous ``paravt.rollout_source.RolloutSource``.
     ``sampler``: the run's ``PromptSampler`` (rank 0's draws are the run's prompts);
-    ``engine``: the trainer's own engine, which only evaluates (None: no evaluation)."""
+    ``engine``: the trainer's own engine, which only evaluates (None: no evaluation);
+    ``bundle``: the policy's ``ModelBundle`` (its vision spec and tokenizer re-encode the clips
+    that arrive as decode requests, ``rollout.async_pixels=decode``)."""
 
     abandon_when = "while waiting for its rollouts"
 
@@ -118,8 +122,11 @@ class RolloutPipeline:
         roles: AsyncRoles,
         sampler: Any,
         engine: Engine | None = None,
+        bundle: Any = None,
     ) -> None:
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
+        self.bundle = bundle
+        self._planner: DecodePlanner | None = None  # restores this rank's clips (lazily)
         self.ledger = GroupLedger(sampler, cfg)  # holds the sampler (``sampler``)
         self.engine = engine
         self._engine_version = 0  # the policy version the evaluation engine holds
@@ -345,6 +352,7 @@ class RolloutPipeline:
         try:
             while True:
                 msg = channel.recv(1)
+                msg["rx_bytes"] = channel.last_bytes
                 self._results.put(msg)
                 if msg.get("kind") in ("bye", "error"):
                     return
@@ -388,9 +396,27 @@ class RolloutPipeline:
 
     def collect(self, step: int, preempt: Any = None) -> RolloutBatch | None:
         """Step ``step``'s rollouts, filtered by staleness, with the ``async/*`` metrics;
-        under several trainer ranks each gets its share (by prompt position). None when a
-        preemption signal reached rank 0 while it waited: the step is then abandoned at once,
-        whatever ``train.preempt_grace_s`` (nothing of it has started on the trainer)."""
+        under several trainer ranks each gets its share (by prompt position), whose clips that
+        arrived as decode requests it decodes (``paravt.workers.pixels.restore_pixels``). None
+        when a preemption signal reached rank 0 while it waited: the step is then abandoned at
+        once, whatever ``train.preempt_grace_s`` (nothing of it has started on the trainer)."""
+        batch = self._share(step, preempt)
+        if batch is None:
+            return None
+        if self._planner is None:
+            v = self.cfg.video
+            self._planner = DecodePlanner(v.backend, v.cache_frames, timeout_s=v.decode_timeout_s)
+        done = restore_pixels(
+            batch.groups, self._planner, self.bundle, f"trainer rank {self.ctx.rank}"
+        )
+        batch.groups = done.groups
+        batch.errors = [*batch.errors, *done.errors]
+        if self.ctx.is_main:
+            batch.metrics.update(done.metrics)
+        return batch
+
+    def _share(self, step: int, preempt: Any) -> RolloutBatch | None:
+        """This rank's share of step ``step``'s rollouts as they arrived (see ``collect``)."""
         if not self.ctx.distributed:
             return self._collect_main(step, preempt)
         # Trainer ranks > 0 wait on the rendezvous store (CTRL_TIMEOUT), not inside the scatter
@@ -446,6 +472,7 @@ class RolloutPipeline:
         dropped = len(groups) - len(kept)
         busy = sum(parts[w]["busy_s"] for w in workers)
         idle = sum(parts[w]["idle_s"] for w in workers)
+        rx = sum(parts[w].get("rx_bytes", 0) for w in workers)
         metrics = staleness_metrics(kept, now)
         metrics.update(_by_worker(w for w in workers for _ in parts[w]["groups"]))
         metrics.update(
@@ -460,6 +487,7 @@ class RolloutPipeline:
                 "async/worker_idle_s": idle,
                 "async/worker_idle_frac": idle / (busy + idle) if busy + idle > 0 else 0.0,
                 "async/version": float(now),
+                "async/received_mb": rx / 1e6,
             }
         )
         return RolloutBatch(kept, errors, stats, metrics)
@@ -521,6 +549,7 @@ class RolloutPipeline:
                     pool.idle / (pool.busy + pool.idle) if pool.busy + pool.idle > 0 else 0.0
                 ),
                 "async/version": float(now),
+                "async/received_mb": pool.rx_bytes / 1e6,
             }
         )
         return RolloutBatch(groups, pool.errors, pool.stats, metrics)
@@ -541,8 +570,10 @@ class _Pool:
     stats: RolloutStats = field(default_factory=RolloutStats)
     busy: float = 0.0
     idle: float = 0.0
+    rx_bytes: int = 0  # what the channels carried (pickled)
 
     def add(self, msg: dict[str, Any]) -> None:
+        self.rx_bytes += int(msg.get("rx_bytes", 0))
         self.errors += msg["errors"]
         self.stats = self.stats + msg["stats"]
         self.busy += msg["busy_s"]

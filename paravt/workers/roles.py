@@ -56,6 +56,7 @@ class Channel:
     def __init__(self, store: Any, name: str, member: int, size: int) -> None:
         self.member, self.size = member, size
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), member, size, CTRL_TIMEOUT)
+        self.last_bytes = 0  # the pickled size of the last object ``recv`` returned
 
     def send(self, obj: Any, dst: int) -> None:
         """Pickle ``obj`` to member ``dst``."""
@@ -69,6 +70,7 @@ class Channel:
         self.pg.recv([n], src, 0).wait()
         data = torch.empty(int(n[0]), dtype=torch.uint8)
         self.pg.recv([data], src, 1).wait()
+        self.last_bytes = int(n[0])
         return _decode(data)
 
     def bcast_tensor(self, t: torch.Tensor) -> None:
