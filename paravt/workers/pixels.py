@@ -10,6 +10,9 @@ step's. With ``decode`` the worker sends the token ids and, per clip, the decode
 frames are exactly the result of (``VisualInputs.requests``: the overview; ``crop_video``'s
 crops), and each trainer rank decodes what it trains on:
 
+``ship`` sends each clip once, compacted (:func:`compact_pixels`: a turn's clips are views of
+one packed tensor, whose whole storage a pickled view would carry, once per row).
+
 * **worker** (``paravt.workers.worker``): :func:`strip_pixels` replaces each row's
   ``visuals`` by a ``VisualSource``: the requests, a digest of each clip's uint8 frames and its
   grid. A clip with no source (a plug-in tool's view that changed the decoded frames) keeps its
@@ -89,6 +92,31 @@ def strip_pixels(groups: list[Group]) -> list[Group]:
             g,
             trajectories=[strip(t) for t in g.trajectories],
             sub_trajectories=[strip(t) for t in g.sub_trajectories],
+        )
+        for g in groups
+    ]
+
+
+def compact_pixels(groups: list[Group]) -> list[Group]:
+    """Copies of ``groups`` whose clips each hold storage of their own (``ship``: the worker,
+    before sending). A turn's clips are views of ONE packed tensor (``encode_frames_batch``),
+    and pickling a view sends its whole storage: every crop row of a turn would carry all of
+    that turn's crops. Rows sharing a clip object still share its compacted copy."""
+    memo: dict[int, VisualInputs] = {}
+
+    def own(t: Trajectory) -> Trajectory:
+        v = t.visuals
+        if v is None:
+            return t
+        if id(v) not in memo:
+            memo[id(v)] = v.compact()
+        return replace(t, visuals=memo[id(v)])
+
+    return [
+        replace(
+            g,
+            trajectories=[own(t) for t in g.trajectories],
+            sub_trajectories=[own(t) for t in g.sub_trajectories],
         )
         for g in groups
     ]

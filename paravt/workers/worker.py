@@ -29,8 +29,9 @@ to the trainer (which raises ``WorkerFailed``) and exits 1.
 Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the worker's own
 ``roles.results`` channel, with the runner's errors and counters and the worker's busy / idle
 seconds; under ``rollout.async_pixels=decode`` (the default) its rows carry their clips' decode
-requests instead of their pixels (``paravt.workers.pixels.strip_pixels``). A rollout that raises sends its traceback and the worker exits 1; a trainer that
-disappears fails the control thread's receive, and the worker exits 1 naming it. SIGTERM /
+requests instead of their pixels (``paravt.workers.pixels.strip_pixels``; ``ship``: each clip
+compacted once, ``compact_pixels``). A rollout that raises sends its traceback and the worker
+exits 1; a trainer that disappears fails the control thread's receive, and the worker exits 1 naming it. SIGTERM /
 SIGUSR1 (a cluster preempting the job) and SIGINT (a Ctrl-C, which torchrun forwards to every
 process) are left to the trainer, which checkpoints and then sends ``stop``.
 
@@ -60,7 +61,7 @@ from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
 from paravt.weight_sync import Staged, WeightSyncError, receive, verify_engine
 from paravt.workers.pipeline import CLAIM_KEY
-from paravt.workers.pixels import strip_pixels
+from paravt.workers.pixels import compact_pixels, strip_pixels
 from paravt.workers.roles import AsyncRoles
 
 log = get_logger(__name__)
@@ -213,6 +214,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             busy = time.perf_counter() - t1  # (the engine owns its device: it never sleeps)
             if cfg.rollout.async_pixels == "decode":  # the trainer ranks decode the clips
                 groups = strip_pixels(groups)
+            else:  # each clip once, in storage of its own (not its turn's packed tensor)
+                groups = compact_pixels(groups)
             _send_or_gone(
                 results,
                 roles.rank,
