@@ -42,11 +42,13 @@ def validate_run(cfg: Config, world_size: int) -> None:
                 f"torchrun --nproc-per-node {r.workers + 1} (or more) -m paravt.train, or set "
                 "rollout.workers=0 for the synchronous loop"
             )
-        elif t.prompts_per_step % r.workers:
+        elif r.dispatch == "static" and t.prompts_per_step % r.workers:
+            # (dispatch=group: workers claim groups, any number per step)
             errs.append(
                 f"train.prompts_per_step={t.prompts_per_step} is not divisible by "
-                f"rollout.workers={r.workers}; each worker rolls out an equal share of a step's "
-                f"prompts (use a multiple of {r.workers})"
+                f"rollout.workers={r.workers}; under rollout.dispatch=static each worker rolls "
+                f"out an equal share of a step's prompts (use a multiple of {r.workers}, or "
+                "rollout.dispatch=group)"
             )
         world_size = max(world_size - r.workers, 1)  # the trainer ranks, from here on
     if t.prompts_per_step % world_size:

@@ -572,13 +572,28 @@ def test_preempted_async_run_resumes(assets, tmp_path) -> None:
     [
         (1, ["rollout.workers=1"], "leaves no trainer rank"),
         (2, ["rollout.workers=2"], "leaves no trainer rank"),
-        (3, ["rollout.workers=2", "train.prompts_per_step=3"], "not divisible by rollout.workers"),
+        (
+            3,
+            ["rollout.workers=2", "train.prompts_per_step=3", "rollout.dispatch=static"],
+            "not divisible by rollout.workers=2; under rollout.dispatch=static",
+        ),
     ],
 )
 def test_bad_async_settings_are_errors_before_anything_loads(world, overrides, expect) -> None:
     cfg = load_config(overrides=overrides)
     with pytest.raises(ConfigError, match=expect):
         validate_run(cfg, world)
+
+
+def test_group_dispatch_takes_any_prompt_count_over_the_workers() -> None:
+    """rollout.dispatch=group (the default): workers claim groups, so a step's prompts need
+    not divide among them (8 GPUs: 6 trainer ranks and 2 workers take 30 prompts; 7 trainer
+    ranks and 1 worker 28); the trainer ranks still split the step evenly."""
+    validate_run(load_config(overrides=["rollout.workers=3", "train.prompts_per_step=4"]), 4)
+    eight = ["rollout.workers=2", "sft.steps=0"]
+    validate_run(load_config(overrides=[*eight, "train.prompts_per_step=30"]), 8)
+    with pytest.raises(ConfigError, match="not divisible by the world size 6"):
+        validate_run(load_config(overrides=[*eight, "train.prompts_per_step=32"]), 8)
 
 
 def test_negative_or_workerless_staleness_is_a_config_error() -> None:
