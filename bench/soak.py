@@ -17,8 +17,8 @@ Verdict (issue 27, item 18), written to ``<out>/soak.json`` and printed; exit 1 
 * ``thumbs/`` stays under ``train.viewer_max_mb`` and at most ``train.keep_last``
   checkpoints are left.
 
-Not part of ``make test`` (it takes 10-20 minutes on the 2-core machine); the README lists
-its measured figures with this command.
+Not part of ``make test`` (it takes 10-20 minutes on the 2-core machine); docs/hostile_input.md
+lists its measured figures with this command.
 """
 
 from __future__ import annotations

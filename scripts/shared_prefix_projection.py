@@ -1,6 +1,6 @@
 """A projection, not a measurement: what ``algo.share_prefix`` saves on the 8B recipe.
 
-The README's shared-prefix figures are measured on the CPU with a small model. This script
+The shared-prefix figures of docs/shared_prefix.md are measured on the CPU with a small model. This script
 projects them to a preset's real shapes: the prompt of a main row at overview budget K (the
 memory plan's count, ``paravt.plan.context_tokens``: visual tokens at the preset's overview
 resolution, 8 timestamp tokens per frame, 512 of text), a suffix of S tokens after it (turns and

@@ -55,7 +55,7 @@ one holds; SIGTERM / SIGINT / SIGUSR1 to the command reach the arm run's process
 run stops, then the command, exit 128 + the signal).
 
 Honest limits: the crop windows are fixed per video duration (the tiny model cannot copy
-numbers, see README), so crop placement does not depend on the overview; held-out values are
+numbers, see docs/collapse_notes.md), so crop placement does not depend on the overview; held-out values are
 measured every ``--eval-every`` steps, not at every step.
 """
 
