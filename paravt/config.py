@@ -594,6 +594,16 @@ class TrainConfig:
     # without that checkpoint (a later save may succeed; a crash before then loses the steps
     # since the last good one). The previous checkpoint stays loadable either way.
     on_save_error: str = "fail"
+    # Write each checkpoint's training state in the background (torch.distributed.checkpoint's
+    # async_save over a gloo group of its own): the step waits only for a CPU copy of this
+    # rank's shards and goes on; the checkpoint is committed (renamed into place, `latest`,
+    # keep_last) once every rank's write is done, at the next save or the run's end or stop.
+    # It pays where writing is slow next to copying: a large state (fp32 masters + AdamW
+    # moments, 12 bytes a parameter over the ranks) on a network or slow disk; the price is
+    # host memory for one more copy of this rank's shards while it writes (8B on 8 ranks:
+    # ~12 GB a rank). Off by default: the tiny and CPU runs save in milliseconds and have
+    # no memory to spare; the 8B recipe turns it on (docs/training_at_scale.md).
+    async_save: bool = False
     # Resume from the latest checkpoint in out_dir.
     resume: bool = False
     # Dtype of the trained parameters (the masters) and of AdamW's moments: float32 |
