@@ -55,6 +55,20 @@ is removed, a step directory it was replacing is put back, ``latest`` is left as
 previous checkpoint stays the newest and loadable (``tests/test_checkpoint_disk_full.py`` fails
 each write in turn; ``tests/test_checkpoint_sharded.py`` a rank's shard write).
 
+Written in the background (``train.async_save``; ``save_trainer(background=True)``): the save
+call gathers the export and the small state as always, then DCP's ``async_save`` copies this
+rank's shards into fresh CPU tensors (its stager: a copy on CPU too, checked bitwise by
+``tests/test_checkpoint_async.py``) and writes them from a thread, coordinating over a gloo
+process group of its own (``_save_group``) while the training step's collectives use the
+default one; rank 0 writes the export from a second thread. The call returns after the copy.
+``finish_trainer_save`` (the next save, the run's end, a preemption's or a lost worker's
+checkpoint) waits for every rank's write and then commits as above: ``trainer_state.pt``,
+the rename into place, ``latest``, ``keep_last``. One save is in flight at a time. A failed
+background write surfaces at that wait, on every rank, naming its step (``CheckpointSaveError``
+under ``train.on_save_error``, as a foreground save's); a kill during it leaves only a
+``.tmp-step_*`` folder, which the next save removes. A run that raises for another reason
+leaves the write uncommitted (the previous checkpoint is the newest).
+
 ``trainer_state.pt`` is a ``torch.save`` pickle written by this module and read back with
 ``weights_only=False`` (it holds Python/NumPy RNG states); only load checkpoints you wrote.
 """
@@ -79,6 +93,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 from paravt.config import ConfigError
 from paravt.distributed import (
@@ -727,6 +743,48 @@ def _save_group() -> Any:
     return _SAVE_GROUP[1]
 
 
+def _cpu_snapshot(obj: Any) -> Any:
+    """A copy of a state dict that nothing live shares: every tensor copied once to the CPU
+    (a DTensor: its local shard, wrapped again with the same mesh, placements and global
+    shape; no collective), containers rebuilt, other values deep-copied."""
+    if isinstance(obj, DTensor):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(
+            local,
+            obj.device_mesh,
+            obj.placements,
+            run_check=False,
+            shape=obj.shape,
+            stride=obj.stride(),
+        )
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+class _CopyStager(AsyncStager):
+    """DCP ``async_save``'s stager for the background write: ``_cpu_snapshot``, in the calling
+    thread, before the call returns. DCP's default (``FileSystemWriter.stage``) copies too, but
+    a DTensor on the CPU twice (a deep copy, then a copy into a new tensor): measured 0.21 s
+    against 0.03 s for the copy itself on bench/test_bench_checkpoint_save.py's 190 MB, and
+    twice the memory while it runs."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _cpu_snapshot(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing: ``stage`` returns with the copy done."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
 def _start_background(tr: Any, job: _SaveJob, sharded: dict[str, Any]) -> AsyncSave:
     """Every rank: stage this rank's shards (a CPU copy, in this thread) and write them in a
     DCP background thread; rank 0 also writes the HF export into ``job.tmp`` in a thread."""
@@ -746,6 +804,7 @@ def _start_background(tr: Any, job: _SaveJob, sharded: dict[str, Any]) -> AsyncS
             storage_writer=writer,
             process_group=group,
             async_checkpointer_type=AsyncCheckpointerType.THREAD,
+            async_stager=_CopyStager(),
             no_dist=group is None,
         )
     export = None

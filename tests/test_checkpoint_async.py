@@ -283,3 +283,42 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(
     assert C.save_trainer(tr, 3)
     assert C.finish_trainer_save(tr) == (3, True)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000003"]
+
+
+def test_the_train_loop_commits_a_background_save_at_the_next_one(
+    assets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m paravt.train``'s loop with ``train.async_save=true``: step 2's checkpoint is
+    written while step 3 runs and committed by step 3's (the last step's, in the foreground);
+    both are complete, and step 2's holds step 2's state, not step 3's."""
+    from test_train_resume import tiny_overrides
+
+    import paravt.train as T
+    from paravt.config import load_config
+
+    commits: list[tuple[int, bool]] = []  # every commit of a background save (the real one)
+    real = C.finish_trainer_save
+
+    def finish(tr: Any) -> tuple[int, bool] | None:
+        done = real(tr)
+        if done is not None:
+            commits.append(done)
+        return done
+
+    monkeypatch.setattr(C, "finish_trainer_save", finish)
+    monkeypatch.setattr(T, "finish_trainer_save", finish)
+    out = tmp_path / "run"
+    over = tiny_overrides(assets, out, 3)
+    over += ["train.save_every=2", "train.keep_last=2", "train.async_save=true"]
+    T.run(load_config(overrides=over))
+    assert commits == [(2, True)]  # step 2's, in the background; step 3's in the foreground
+    two, three = (out / C.CKPT_DIR / C.step_dirname(s) for s in (2, 3))
+    assert [p.name for p in C.list_checkpoints(out)] == [two.name, three.name]
+    assert C.latest_checkpoint(out) == three
+    assert not list((out / C.CKPT_DIR).glob(".tmp-*"))
+    s2, s3 = C.load_trainer_state(two), C.load_trainer_state(three)
+    assert (s2["step"], s3["step"]) == (2, 3)
+    assert s2["scheduler"]["last_epoch"] < s3["scheduler"]["last_epoch"]
+    a, b = C.read_train_state(two)["optimizer"], C.read_train_state(three)["optimizer"]
+    n2, n3 = ({int(torch.as_tensor(v["step"])) for v in o["state"].values()} for o in (a, b))
+    assert len(n2) == len(n3) == 1 and 0 < n2.pop() < n3.pop()  # AdamW's updates by then
