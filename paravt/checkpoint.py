@@ -57,7 +57,8 @@ each write in turn; ``tests/test_checkpoint_sharded.py`` a rank's shard write).
 
 Written in the background (``train.async_save``; ``save_trainer(background=True)``): the save
 call gathers the export and the small state as always, then DCP's ``async_save`` copies this
-rank's shards into fresh CPU tensors (its stager: a copy on CPU too, checked bitwise by
+rank's shards into fresh CPU tensors (``_CopyStager``: one copy, a GPU shard's or a CPU one's;
+the update after the save does not reach it, checked bitwise by
 ``tests/test_checkpoint_async.py``) and writes them from a thread, coordinating over a gloo
 process group of its own (``_save_group``) while the training step's collectives use the
 default one; rank 0 writes the export from a second thread. The call returns after the copy.
@@ -94,7 +95,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
 
 from paravt.config import ConfigError
 from paravt.distributed import (
@@ -702,9 +702,9 @@ def _save_trainer(
         return _on_save_error(tr, said, failed)
     if background:
         # The background write gets a snapshot: the step after this one updates the live
-        # tensors in place. DCP stages the shards into fresh CPU tensors (a copy, also of
-        # CPU tensors: FileSystemWriter.stage); the export's entries are new tensors already
-        # (gathered, cast) except where one is a live tensor itself (no cast, one rank): copied.
+        # tensors in place. The shards are copied as DCP stages them (``_CopyStager``); the
+        # export's entries are new tensors already (gathered, cast) except where one is a live
+        # tensor itself (no cast, one rank): copied.
         export = _detached(export, tr.policy)
         small = copy.deepcopy(small)
     job = _SaveJob(step, run_dir, root, tmp, needed, prev, keep_last, small, export)
@@ -745,18 +745,9 @@ def _save_group() -> Any:
 
 def _cpu_snapshot(obj: Any) -> Any:
     """A copy of a state dict that nothing live shares: every tensor copied once to the CPU
-    (a DTensor: its local shard, wrapped again with the same mesh, placements and global
-    shape; no collective), containers rebuilt, other values deep-copied."""
-    if isinstance(obj, DTensor):
-        local = obj.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(
-            local,
-            obj.device_mesh,
-            obj.placements,
-            run_check=False,
-            shape=obj.shape,
-            stride=obj.stride(),
-        )
+    (a DTensor stays one, with its local shard copied: ``DTensor.to``, as DCP's own stager
+    moves a GPU one; ``from_local`` would put it back on the mesh's device), containers
+    rebuilt, other values deep-copied."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

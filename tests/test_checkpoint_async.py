@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import types
 from pathlib import Path
@@ -190,8 +192,14 @@ def test_async_save_is_a_snapshot_committed_later_and_resumes_on_two_and_one_ran
     assert res["latest"] == "step_000001" and res["tmp"] == []
     assert [p.name for p in C.list_checkpoints(run)] == ["step_000001"]
 
-    ref = str(run_sync / "reference.pt")
-    assert "RESUMED_OK world=1" in _run(tmp_path, "r1", RESUME_SMALL, 1, str(run), ref)
+    # On one process: a plain python process (no torchrun agent to start), as a 1-rank run.
+    script = tmp_path / "resume_one.py"
+    script.write_text(RESUME_SMALL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, str(script), str(run), str(run_sync / "reference.pt")]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "RESUMED_OK world=1" in proc.stdout
 
 
 def _one_process(out: Path) -> tuple[Any, Any]:
@@ -285,16 +293,18 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000003"]
 
 
-def test_the_train_loop_commits_a_background_save_at_the_next_one(
+def test_the_train_loop_commits_background_saves_at_the_next_one_and_on_sigterm(
     assets, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``python -m paravt.train``'s loop with ``train.async_save=true``: step 2's checkpoint is
-    written while step 3 runs and committed by step 3's (the last step's, in the foreground);
-    both are complete, and step 2's holds step 2's state, not step 3's."""
+    """``python -m paravt.train``'s loop with ``train.async_save=true`` and a checkpoint every
+    step, SIGTERM during step 3 of 4: step 1's checkpoint is committed by step 2's save, step
+    2's by step 3's, and step 3's (still being written when the run stops) by the preemption's
+    save, which then has nothing left to write. Each holds its own step's state."""
     from test_train_resume import tiny_overrides
 
     import paravt.train as T
     from paravt.config import load_config
+    from paravt.preempt import TEST_SIGNAL_ENV
 
     commits: list[tuple[int, bool]] = []  # every commit of a background save (the real one)
     real = C.finish_trainer_save
@@ -307,14 +317,15 @@ def test_the_train_loop_commits_a_background_save_at_the_next_one(
 
     monkeypatch.setattr(C, "finish_trainer_save", finish)
     monkeypatch.setattr(T, "finish_trainer_save", finish)
+    monkeypatch.setenv(TEST_SIGNAL_ENV, "SIGTERM:3:metrics")
     out = tmp_path / "run"
-    over = tiny_overrides(assets, out, 3)
-    over += ["train.save_every=2", "train.keep_last=2", "train.async_save=true"]
-    T.run(load_config(overrides=over))
-    assert commits == [(2, True)]  # step 2's, in the background; step 3's in the foreground
+    over = tiny_overrides(assets, out, 4)
+    over += ["train.save_every=1", "train.keep_last=2", "train.async_save=true"]
+    res = T.run(load_config(overrides=over))
+    assert res["preempted"]["ok"] and res["preempted"]["outcome"] == "finished step 3"
+    assert commits == [(1, True), (2, True), (3, True)]
     two, three = (out / C.CKPT_DIR / C.step_dirname(s) for s in (2, 3))
-    assert [p.name for p in C.list_checkpoints(out)] == [two.name, three.name]
-    assert C.latest_checkpoint(out) == three
+    assert C.list_checkpoints(out) == [two, three] and C.latest_checkpoint(out) == three
     assert not list((out / C.CKPT_DIR).glob(".tmp-*"))
     s2, s3 = C.load_trainer_state(two), C.load_trainer_state(three)
     assert (s2["step"], s3["step"]) == (2, 3)
