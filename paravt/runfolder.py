@@ -56,6 +56,7 @@ RESUME_MAY_CHANGE: dict[str, str] = {
     "sft.save_every": "the cold-start SFT's state cadence",
     "train.keep_last": "checkpoint retention",
     "train.on_save_error": "checkpoint failure policy",
+    "train.async_save": "checkpoint writing in the background: the same checkpoint",
     "train.preempt_grace_s": "the scheduler's notice",
     "train.alarm_window": "alarms (read the metrics, replayed on resume)",
     "train.alarm_tool_frac": "alarms",

@@ -62,6 +62,7 @@ from paravt.algo.reference import ReferencePolicy
 from paravt.assets import prepare_data, prepare_model, read_datasets
 from paravt.checkpoint import (
     CheckpointSaveError,
+    finish_trainer_save,
     latest_checkpoint,
     load_train_state,
     load_trainer_state,
@@ -600,10 +601,14 @@ def _run(
         bar.update(1)
         _periodic_eval(tr, step, pre)  # before the checkpoint: a resume from it has the row
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
+            # train.async_save: written in the background while the next steps run, committed
+            # at the next save (or the end); the last step's in the foreground (nothing after).
             with tr.phase(step, "checkpoint"):
-                if save_trainer(tr, step, data=tr.source.data_state(step)):
+                back = t.async_save and step < t.steps
+                if save_trainer(tr, step, data=tr.source.data_state(step), background=back):
                     saved = step
-            pre.save_s = tr.times["time/checkpoint"]
+            # What a preemption's save would take: the whole write, not the blocking part.
+            pre.save_s = max(tr.times["time/checkpoint"], tr.times.get("time/checkpoint_write", 0))
     bar.close()
     if abandoned or pre.requested():
         info = _preempted(tr, done, saved, begin if abandoned else None)
@@ -611,6 +616,7 @@ def _run(
         tr.logger.close()
         cleanup(ctx, getattr(tr.engine, "close", lambda: None))
         return {"before": before, "after": {}, "last": last, "out_dir": str(out), "preempted": info}
+    finish_trainer_save(tr)  # none in flight (the last step's is foreground): for certain
     pre.enter(t.steps, "eval")
     tr.source.close()  # async: the workers are done; the evaluation runs here
 
@@ -644,13 +650,18 @@ def _checkpoint_last(
     ``(ok, path, wrote)``: ``ok`` False when the write failed (``train.on_save_error=continue``),
     ``path`` '' when no step completed, ``wrote`` " written in N s" or " (already written)"."""
     path = str(Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)) if done else ""
+    if getattr(tr, "pending_save", None) is not None:  # train.async_save: committed first
+        with tr.phase(done, "checkpoint"):
+            waited = finish_trainer_save(tr)
+        if waited is not None and not waited[1]:  # it failed: the newest one is older
+            saved = min(saved, waited[0] - 1)
     if done <= saved:
         return True, path, " (already written)" if done else ""
     with tr.phase(done, "checkpoint"):
         if begin is None:
-            ok = save_trainer(tr, done, data=tr.source.data_state(done))
+            ok = save_trainer(tr, done, data=tr.source.data_state(done), background=False)
         else:
-            ok = save_trainer(tr, done, data=begin[0], rng=begin[1])
+            ok = save_trainer(tr, done, data=begin[0], rng=begin[1], background=False)
     return ok, path, f" written in {tr.times['time/checkpoint']:.1f} s"
 
 

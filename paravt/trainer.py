@@ -17,6 +17,7 @@ import torch
 from paravt.agent.loop import AgentRunner
 from paravt.algo.loss import PolicyObjective
 from paravt.algo.reference import ReferencePolicy
+from paravt.checkpoint import AsyncSave
 from paravt.config import Config
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import DistContext
@@ -59,6 +60,9 @@ class Trainer:
     step_errors: list[str] = field(default_factory=list)
     # Seconds of each phase of the step in progress (``time/<phase>``; reset by each step).
     times: dict[str, float] = field(default_factory=dict)
+    # train.async_save: the checkpoint being written in the background
+    # (``paravt.checkpoint.AsyncSave``), committed by ``finish_trainer_save``; None: none.
+    pending_save: AsyncSave | None = None
 
     @property
     def sampler(self) -> PromptSampler:
