@@ -467,22 +467,33 @@ def plan_memory(
         )  # fmt: skip
         T.append(_hf_kv_term(cfg, s, bc, ranks))
 
-    # The weight push: one entry gathered at a time (its master-dtype gather, then the compute
-    # cast) and, for vLLM's layer-wise reload, one layer's tensors held by its loader.
+    # The weight push (``paravt.distributed.full_weights``), one entry at a time: under FSDP2
+    # its master-dtype gather, under mixed precision its compute-dtype cast (one process with
+    # masters = compute: the state dict's own tensor, no copy); for vLLM's layer-wise reload,
+    # one layer's tensors held by its loader. (scripts/plan_check.py push)
     largest = s.largest_tensor or s.vocab * s.hidden
-    push = largest * ((bm if fsdp else 0) + bc)
+    push = largest * ((bm if fsdp else 0) + (bc if mixed else 0))
     push += s.text_block * bc if eng.device_share_key or eng.cpu_kv_cache_key else 0
     add("weight push transient", 0, 0, "largest tensor gathered + cast", sync=push)
     if r.workers > 0 and r.weight_sync == "bucketed":
-        # paravt.weight_sync: trainer rank 0 packs buckets on its device; overlapped on a GPU
-        # the snapshot waits in pinned host memory and one bucket at a time comes back to the
-        # device while the next step runs.
-        bucket = r.weight_bucket_mb * 2**20
+        # paravt.weight_sync.WeightPublisher on trainer rank 0. A bucket is weight_bucket_mb,
+        # or the largest tensor alone when that is larger, and never more than the model.
+        # Overlapped, every bucket is packed before a thread sends them while the next step
+        # runs (the snapshot: the compute-dtype model): on a GPU it waits in pinned host
+        # memory and the device holds the one bucket being sent; on a CPU the host is the
+        # device and the whole snapshot counts (measured: scripts/plan_check.py push).
+        # Without overlap, one bucket at a time during the push.
         over = r.weight_sync_overlap
+        whole = s.params * bc
+        bucket = min(max(r.weight_bucket_mb * 2**20, largest * bc), whole)
+        held = whole if over and not layout.gpu else bucket
+        how = (
+            f"{held / 2**20:.0f} MiB"
+            + ((", the snapshot" if not layout.gpu else "") + ", sent during the next step") * over
+        )
         add(
-            "weight push bucket (rank 0)", bucket if over else 0, bucket if over else 0,
-            f"{r.weight_bucket_mb} MiB" + (", sent during the next step" if over else ""),
-            sync=bucket,
+            "weight push bucket (rank 0)", held if over else 0, held if over else 0, how,
+            sync=held,
         )  # fmt: skip
 
     # Activations of one micro-batch (the longest sequence runs alone).
@@ -562,11 +573,20 @@ def _hf_kv_term(cfg: Config, s: ModelShape, bc: int, ranks: int) -> Term:
     b_main = min(per_rank, r.max_batch_size or per_rank)
     n_sub = per_rank * cfg.agent.max_parallel
     b_sub = min(n_sub, r.max_batch_size or n_sub)
-    kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
-    kv = kv_tok * max(b_main * main_ctx, b_sub * sub_ctx)
-    sampling = 3 * max(b_main, b_sub) * s.vocab * 4
+    gen = max(
+        hf_generation_bytes(s, bc, b_main, main_ctx), hf_generation_bytes(s, bc, b_sub, sub_ctx)
+    )
     note = f"{b_main} x {main_ctx} / {b_sub} x {sub_ctx} tokens"
-    return Term("HF engine KV cache + sampling", float(kv + sampling), 0.0, note)
+    return Term("HF engine KV cache + sampling", float(gen), 0.0, note)
+
+
+def hf_generation_bytes(s: ModelShape, bc: int, rows: int, context: int, prompt: int = 0) -> float:
+    """What one ``HFEngine.generate`` batch of ``rows`` sequences of ``context`` tokens (``prompt``
+    of them prefilled) holds at its peak: the KV cache, ``2·L·kv_heads·head_dim·b_c`` per
+    token, and the sampling buffers (fp32 logits, probabilities and log-probs of a row).
+    ``_hf_kv_term``'s per batch; ``scripts/plan_check.py worker`` measures it."""
+    kv = 2 * s.layers * s.kv_heads * s.head_dim * bc * rows * context
+    return float(kv + 3 * rows * s.vocab * 4)
 
 
 def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:

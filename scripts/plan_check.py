@@ -33,8 +33,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import gc
+import json
+import os
 import resource
+import socket
 import sys
+import tempfile
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -110,19 +119,29 @@ def batch_of(tokens: int, row: int, vocab: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
         # Large tensors from mmap, returned to the OS when freed: RSS then follows the live
         # tensors instead of what glibc's heap keeps after a free.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     p = argparse.ArgumentParser()
-    p.add_argument("kind", choices=["tiny", "medium"])
+    p.add_argument("kind", choices=["tiny", "medium", "reference", "worker", "push"])
+    p.add_argument("--model", choices=["tiny", "medium"], default="medium",
+                   help="reference / worker / push: the model measured")  # fmt: skip
     p.add_argument("--tokens", type=int, default=0, help="micro-batch tokens")
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--rows", type=int, default=16, help="worker: rows generated at once")
+    p.add_argument("--prompt", type=int, default=64, help="worker: prompt tokens a row")
+    p.add_argument("--new", type=int, default=192, help="worker: new tokens a row")
+    p.add_argument("--tiny-vocab", type=int, default=0,
+                   help="reference / worker / push on tiny: model.tiny_vocab (0: the preset's)")  # fmt: skip
+    p.add_argument("--no-pass", action="store_true", help="reference: no log-prob passes")
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args(argv)
+    if a.kind == "reference":
+        return _reference(a)
+    if a.kind in ("worker", "push"):
+        return _async(a)
     from paravt.algo.loss import agg_denominator, make_objective, policy_minibatch_backward
     from paravt.config import load_config
     from paravt.models.forward import packed_hidden  # noqa: F401  (import cost in the baseline)
@@ -227,6 +246,306 @@ def _medium_shape(shape, model, params, ModelShape):
         intermediate=m["intermediate"], vocab=m["vocab"], v_depth=m["v_depth"],
         v_hidden=m["v_hidden"], v_intermediate=m["v_intermediate"],
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------- the new paths' checks
+def _config(a: argparse.Namespace, *overrides: str):
+    """The measured runs' config: the tiny preset (fp32 compute and masters, the HF engine),
+    the reference on (``algo.kl_coef``), one asynchronous worker."""
+    from paravt.config import load_config
+
+    vocab = [f"model.tiny_vocab={a.tiny_vocab}"] if a.tiny_vocab and a.model == "tiny" else []
+    return load_config("tiny_cpu", overrides=["algo.kl_coef=0.01", *vocab, *overrides])
+
+
+def plan_shape(kind: str, cfg):
+    """The plan's ``ModelShape`` of ``kind`` (the tiny preset's model, or ``MEDIUM``), read off
+    a meta-device build (no memory)."""
+    from paravt.plan import ModelShape, model_shape
+
+    shape = model_shape(cfg)
+    if kind == "tiny":
+        return shape
+    with torch.device("meta"):
+        model = build(kind, cfg)
+    if cfg.algo.freeze_vision_tower:
+        from paravt.models.loader import freeze_vit
+
+        freeze_vit(model)
+    return _medium_shape(shape, model, {id(q): q for q in model.parameters()}.values(), ModelShape)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _forked(children: list[tuple[partial[dict], dict[str, str]]]) -> list[dict]:
+    """Run each ``(fn, env)`` in a process forked from this one (which imported torch,
+    transformers and paravt once: the tiny case's seconds), all at once, with ``env`` set
+    and one thread; ``fn``'s results. A child that fails raises naming it."""
+    import multiprocessing
+
+    mp = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"{i}.json" for i in range(len(children))]
+        procs = [mp.Process(target=_child, args=(fn, env, str(out)), name=fn.func.__name__)
+                 for (fn, env), out in zip(children, outs)]  # fmt: skip
+        for q in procs:
+            q.start()
+        for q in procs:
+            q.join(900)
+        for q in procs:
+            if q.exitcode != 0:
+                for other in procs:
+                    if other.is_alive():
+                        other.kill()
+                raise SystemExit(f"plan_check: {q.name} failed (exit {q.exitcode}; see above)")
+        return [json.loads(out.read_text()) for out in outs]
+
+
+def _child(fn: Callable[[], dict], env: dict[str, str], out: str) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    Path(out).write_text(json.dumps(fn()))
+
+
+def _row(name: str, plan_b: float, measured_b: float) -> str:
+    return (f"  {name:<44} plan {plan_b / 2**20:9.1f} MiB   measured {measured_b / 2**20:9.1f} "
+            f"MiB   measured/plan {measured_b / plan_b:.3f}")  # fmt: skip
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a DTensor's local shard)."""
+    own = (q.to_local() if hasattr(q, "to_local") else q for q in model.parameters())
+    return sum(t.numel() * t.element_size() for t in own)
+
+
+def _reference(a: argparse.Namespace) -> int:
+    """``reference``: what each of 2 gloo ranks holds for the reference model, replicated and
+    then sharded (``paravt.distributed.place_reference``), against the plan's term."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl  # noqa: F401  (as paravt_kernels)
+
+    import paravt.algo.reference  # noqa: F401  (imported once, before the ranks fork)
+    from paravt.plan import Layout, plan_memory
+
+    cfg = _config(a)
+    import paravt_kernels  # noqa: F401  (the log-prob pass's)
+
+    shape = plan_shape(a.model, cfg)  # also the imports and one-time costs, before the fork
+    port = str(_free_port())
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port}  # fmt: skip
+    res = _forked([(partial(_reference_rank, a, cfg),
+                    {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)])  # fmt: skip
+    lay = Layout(nproc_per_node=2, device_bytes=1 << 40, gpu=False)
+    print(f"reference ({a.model}: {shape.params / 1e6:.1f} M parameters, {cfg.model.dtype}), "
+          "2 gloo ranks: RSS each rank holds for it")  # fmt: skip
+    ratios = {}
+    for where in ("replicate", "shard"):
+        pl = plan_memory(_config(a, f"algo.ref_placement={where}"), lay, shape)
+        want = pl.term("reference model").update
+        for r, got in enumerate(res):
+            g = got[where]
+            print(_row(f"{where}, rank {r}", want, g["held"]))
+            if a.verbose:
+                print(f"    parameters held {g['local'] / 2**20:.1f} MiB; after a log-prob pass "
+                      f"{g['after_pass'] / 2**20:.1f} MiB; the pass's rise {g['pass'] / 2**20:.1f} MiB")  # fmt: skip
+        ratios[where] = max(got[where]["held"] for got in res) / want
+    shard_of = max(got["shard"]["held"] / got["replicate"]["held"] for got in res)
+    print(f"shard / replicate (largest rank): {shard_of:.3f}")
+    print(f"reference measured/plan: replicate {ratios['replicate']:.3f} shard "
+          f"{ratios['shard']:.3f}")  # fmt: skip
+    return 0
+
+
+def _reference_rank(a: argparse.Namespace, cfg) -> dict:
+    """One rank of ``reference``: build the model (the reference's weights), place it
+    replicated, measure; shard it in place, measure the drop; a log-prob pass after each."""
+    from paravt.algo.reference import ReferencePolicy
+    from paravt.distributed import cleanup, init_distributed, place_reference
+
+    ctx = init_distributed("cpu")
+    b = batch_of(a.tokens or 1024, 512, 4000)
+    # FSDP2's one-time costs (its lazy imports, DTensor's dispatch caches): before the baseline
+    place_reference(torch.nn.Sequential(torch.nn.Linear(64, 64)), ctx, "shard")
+    gc.collect()
+    base = rss_kb()
+    ref = ReferencePolicy(build(a.model, cfg))
+    out: dict = {}
+    for where in ("replicate", "shard"):
+        before = rss_kb()
+        place_reference(ref.model, ctx, where)
+        gc.collect()
+        # replicate: the whole build; shard: the replica less what sharding it gave back (RSS
+        # deltas: the first log-prob pass's one-time costs stay out of the shard's number)
+        if where == "replicate":
+            held = rss_kb() - base
+        else:
+            held = out["replicate"]["held"] // 1024 - (before - rss_kb())
+        start = rss_kb()
+        reset_peak()
+        if not a.no_pass:
+            ref.logprobs(b, max_tokens=a.tokens or 1024)
+        rise = rss_kb("VmHWM") - start
+        gc.collect()
+        out[where] = {"held": held * 1024, "local": _local_bytes(ref.model),
+                      "pass": rise * 1024, "after_pass": (rss_kb() - base) * 1024}  # fmt: skip
+    cleanup(ctx)
+    return out
+
+
+def _async(a: argparse.Namespace) -> int:
+    """``worker`` / ``push``: one trainer rank 0 and one rollout worker, two processes joined by
+    the real control stream and weights group (``paravt.workers.roles``, gloo). The trainer
+    loads the policy and pushes one version (``WeightPublisher``, bucketed); the worker loads
+    its model as ``paravt.workers.worker`` does, receives that version (``weight_sync.receive``),
+    swaps it in, and with it still staged (a next version arriving mid-rollout) generates one
+    batch with the HF engine. ``worker`` and ``push`` run the same exchange: each prints
+    both ends."""
+    import paravt.engines.hf  # noqa: F401  (imported once, before the two processes fork)
+    import paravt.weight_sync  # noqa: F401
+    import paravt.workers.roles  # noqa: F401
+    from paravt.models import build_tiny_checkpoint
+    from paravt.plan import Layout, hf_generation_bytes, plan_memory
+
+    cfg = _config(a, "rollout.workers=1")
+    shape = plan_shape(a.model, cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        build_tiny_checkpoint(ckpt)
+        if a.model == "medium":  # the tiny tokenizer, the medium config and weights
+            model = build("medium", cfg)
+            model.save_pretrained(ckpt, safe_serialization=True)
+            del model
+            gc.collect()
+        env = {"PLANCHECK_PORT": str(_free_port()), "TOKENIZERS_PARALLELISM": "false"}
+        trainer, worker = _forked([(partial(_async_trainer, a, cfg, str(ckpt)), env),
+                                   (partial(_async_worker, a, cfg, str(ckpt)), env)])  # fmt: skip
+    pl = plan_memory(cfg, Layout(nproc_per_node=2, device_bytes=1 << 40, gpu=False), shape)
+    bc = 4 if cfg.model.dtype == "float32" else 2
+    w = {t.name: t.rollout for t in pl.worker_terms}
+    gen = hf_generation_bytes(shape, bc, a.rows, a.prompt + a.new, a.prompt)
+    print(f"worker ({a.model}: {shape.params / 1e6:.1f} M parameters, {cfg.model.dtype}); "
+          f"generating {a.rows} rows x ({a.prompt} prompt + {a.new} new) tokens")  # fmt: skip
+    terms = [("HF model (compute dtype)", w["HF model (compute dtype)"], worker["model"]),
+             ("staged weights (next version)", w["staged weights (next version)"],
+              worker["staged"]),
+             ("HF engine KV cache + sampling (this batch)", gen, worker["generate"])]  # fmt: skip
+    for name, want, got in terms:
+        print(_row(name, want, got))
+    wp, wm = sum(t[1] for t in terms), sum(t[2] for t in terms)
+    print(_row("worker total", wp, wm))
+    if a.verbose:
+        print(f"    generated {worker['tokens']} tokens; the worker's peak RSS over its baseline "
+              f"{worker['peak'] / 2**20:.1f} MiB")  # fmt: skip
+    push_terms = [t for t in pl.terms if t.name.startswith("weight push")]
+    want = sum(t.sync for t in push_terms)
+    names = " + ".join(t.name for t in push_terms)
+    print(f"push on trainer rank 0 (rollout.weight_bucket_mb={cfg.rollout.weight_bucket_mb}, "
+          f"overlap {cfg.rollout.weight_sync_overlap}): {names}")  # fmt: skip
+    print(_row("push transient (peak over the resident policy)", want, trainer["push_peak"]))
+    if a.verbose:
+        print(f"    held when push() returned {trainer['snapshot'] / 2**20:.1f} MiB; after the "
+              f"send {trainer['after'] / 2**20:.1f} MiB; policy {trainer['model'] / 2**20:.1f} MiB")  # fmt: skip
+    print(f"measured/plan: worker {wm / wp:.3f} push {trainer['push_peak'] / want:.3f}")
+    return 0
+
+
+def _touch(model: torch.nn.Module) -> None:
+    """Read every weight once: the loader maps the checkpoint's safetensors file, whose pages
+    join the RSS only when read (a GPU rank's copy to its device reads them all)."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.sum()
+
+
+def _groups(member: int):
+    from paravt.workers.roles import Channel, WeightGroup
+
+    port = int(os.environ["PLANCHECK_PORT"])
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, member == 0)
+    return Channel(store, "ctrl", member, 2), WeightGroup(store, "weights", member, 2, "cpu")
+
+
+def _async_trainer(a: argparse.Namespace, cfg, ckpt: str) -> dict:
+    """Trainer rank 0: the policy in the master dtype, one bucketed push of it cast to the
+    compute dtype (as ``RolloutPipeline.publish``)."""
+    from paravt.distributed import full_weights
+    from paravt.models import load_model_from_config
+    from paravt.weight_sync import Spec, WeightPublisher
+
+    ctrl, group = _groups(0)
+    gc.collect()
+    base = rss_kb()
+    policy = load_model_from_config(ckpt, cfg.model, device="cpu",
+                                    dtype=cfg.train.master_dtype).model  # fmt: skip
+    _touch(policy)
+    gc.collect()
+    model = rss_kb() - base
+    ctrl.bcast({"kind": "ready"})
+    dtype = getattr(torch, cfg.model.dtype)
+    specs = [Spec(n, tuple(t.shape), dtype if t.is_floating_point() else t.dtype)
+             for n, t in policy.state_dict().items()]  # fmt: skip
+    pub = WeightPublisher(ctrl, group, cfg.rollout.weight_sync, cfg.rollout.weight_bucket_mb << 20,
+                          cfg.rollout.weight_sync_overlap, "cpu")  # fmt: skip
+    start = rss_kb()
+    reset_peak()
+    pub.push(1, specs, full_weights(policy, dtype))
+    snapshot = rss_kb() - start
+    pub.wait()
+    peak = rss_kb("VmHWM") - start
+    gc.collect()
+    after = rss_kb() - start
+    ctrl.recv(1)  # the worker's bye: it has what it needs
+    return {"model": model * 1024, "snapshot": snapshot * 1024, "push_peak": peak * 1024,
+            "after": after * 1024}  # fmt: skip
+
+
+def _async_worker(a: argparse.Namespace, cfg, ckpt: str) -> dict:
+    """The rollout worker: its model as ``paravt.workers.worker`` loads it (compute dtype, its
+    device), the HF engine, one received version, one generated batch."""
+    from paravt.engines import make_engine
+    from paravt.engines.engine import GenerationRequest, SamplingParams
+    from paravt.models import load_model_from_config
+    from paravt.weight_sync import receive, verify_engine
+
+    ctrl, group = _groups(1)
+    gc.collect()
+    base = rss_kb()
+    bundle = load_model_from_config(ckpt, cfg.model, device="cpu")
+    bundle.model.eval()
+    _touch(bundle.model)
+    gc.collect()
+    model = rss_kb() - base
+    # No stop ids: every row runs to --new tokens (random weights could sample one early).
+    bundle.special = dataclasses.replace(bundle.special, eos=-1, im_end=-1, endoftext=-1)
+    engine = make_engine(cfg, bundle)
+    g = torch.Generator().manual_seed(1)
+    reqs = [GenerationRequest(torch.randint(10, 4000, (a.prompt,), generator=g).tolist(),
+                              SamplingParams(temperature=1.0, max_new_tokens=a.new, seed=i))
+            for i in range(a.rows)]  # fmt: skip
+    warm = GenerationRequest(reqs[0].prompt_ids, SamplingParams(max_new_tokens=2, seed=0))
+    engine.generate([warm])  # a first call's one-time costs, before the measurements
+    ctrl.bcast()  # ready
+    header = ctrl.bcast()
+    gc.collect()
+    start = rss_kb()
+    staged = receive(header, ctrl, group, "cpu")
+    engine.sync_weights(staged.named())
+    verify_engine(engine, staged)
+    gc.collect()
+    held = rss_kb() - start  # the staged version, kept: the next one arriving mid-rollout
+    start = rss_kb()
+    reset_peak()
+    outs = engine.generate(reqs)
+    rise = rss_kb("VmHWM") - start
+    tokens = sum(a.prompt + len(o.token_ids) for o in outs)
+    peak = rss_kb("VmHWM") - base
+    ctrl.send({"kind": "bye"}, 0)
+    return {"model": model * 1024, "staged": held * 1024, "generate": rise * 1024,
+            "tokens": tokens, "peak": peak * 1024}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -406,7 +406,8 @@ def test_phases_placement_cache_and_workers_on_the_8b_recipe():
     # model on the host and stages the next version on its device.
     cfg_a = load_config("qwen3vl_8b_paragrpo", overrides=["rollout.workers=2"])
     pa = plan_memory(cfg_a, lay, s)
-    assert pa.term("weight push bucket (rank 0)").update == 256 * 2**20
+    # The 1187 MiB bf16 embedding exceeds the 256 MiB bucket: it is sent alone in its own.
+    assert pa.term("weight push bucket (rank 0)").update == s.largest_tensor * 2
     w = {x.name: x.rollout for x in pa.worker_terms}
     assert w["HF model (compute dtype)"] == 0 and w["staged weights (next version)"] == s.params * 2
     assert w["vLLM engine reserve"] == 0.5 * lay.device_bytes
