@@ -1,19 +1,24 @@
-"""Check ``python -m paravt.plan`` against a measured CPU peak: the update of one micro-batch.
+"""Check ``python -m paravt.plan`` against measured CPU peaks: the update of one micro-batch,
+the reference model's placement, an asynchronous worker rank and the weight push.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/plan_check.py tiny   [--tokens 4096]
     PYTHONPATH=$PWD .venv/bin/python scripts/plan_check.py medium [--tokens 1024]
+    PYTHONPATH=$PWD .venv/bin/python scripts/plan_check.py reference [--model tiny|medium]
+    PYTHONPATH=$PWD .venv/bin/python scripts/plan_check.py worker|push [--model tiny|medium]
+        [--rows 16 --prompt 64 --new 192] [--set rollout.weight_sync_overlap=false]
 
-In a fresh process: read the RSS after imports (the baseline), build the policy with random
-weights in fp32 on the CPU (the tiny default, or ``medium``: the Qwen3-VL-8B architecture
-scaled to ~0.3 B parameters, see ``MEDIUM``), the frozen reference replica (``algo.kl_coef``),
-then run two optimizer steps of the trainer's own update (``policy_minibatch_backward``:
-packed forward, fused ``linear_policy_loss``, backward; AdamW step) on a text-only packed
-minibatch of two micro-batches of ``--tokens`` tokens (rows of 512): the AdamW moments exist
-during the second step, and the first micro-batch's gradients during the second one's
-forward and backward (with one micro-batch per step, gradients grow while activations are
-freed and the peak is lower than the plan's sum). The peak RSS over the baseline (``ru_maxrss``) is compared with the plan's update phase
-for the same model, batch (text only: visual share 0) and a CPU layout (no CUDA context, the
-CPU chunk sizes). Prints both and their ratio.
+**The update** (``tiny``, ``medium``). In a fresh process: read the RSS after imports (the
+baseline), build the policy with random weights in fp32 on the CPU (the tiny default, or
+``medium``: the Qwen3-VL-8B architecture scaled to ~0.3 B parameters, see ``MEDIUM``), the
+frozen reference replica (``algo.kl_coef``), then run two optimizer steps of the trainer's own
+update (``policy_minibatch_backward``: packed forward, fused ``linear_policy_loss``, backward;
+AdamW step) on a text-only packed minibatch of two micro-batches of ``--tokens`` tokens (rows
+of 512): the AdamW moments exist during the second step, and the first micro-batch's
+gradients during the second one's forward and backward (with one micro-batch per step,
+gradients grow while activations are freed and the peak is lower than the plan's sum). The
+peak RSS over the baseline (``ru_maxrss``) is compared with the plan's update phase for the
+same model, batch (text only: visual share 0) and a CPU layout (no CUDA context, the CPU chunk
+sizes). Prints both and their ratio.
 
 Measured here (2 shared cores, torch CPU, fp32, algo.kl_coef 0.01 so with the reference;
 tiny: 4096-token micro-batches, medium: 1024; measured = resident tensors + step 2's rise):
@@ -27,6 +32,72 @@ tiny: 4096-token micro-batches, medium: 1024; measured = resident tensors + step
 The whole-process peak RSS over the baseline (first step's one-time costs included) was
 211.4 / 174.0 / 7399.9 / 5863.4 MiB. The tiny model's excess is the step's small tensors and
 allocator overhead that the plan does not count (a few MiB against a ~180 MiB step).
+
+**The reference's placement** (``reference``; default ``--model medium``). Two gloo ranks
+(forked from this process after its imports, joined by ``init_distributed`` as under
+torchrun; one thread each) each build the model (the reference's weights), place it
+``replicate`` (``paravt.distributed.place_reference``: measured = the RSS over the rank's
+baseline), then shard it in place over the two ranks (FSDP2: measured = the replica's RSS
+less what sharding gave back), each followed by one no-grad log-prob pass (``--no-pass``:
+none). Compared with the plan's ``reference model`` term for 2 trainer ranks. FSDP2's
+one-time costs (a dummy module sharded first) stay before the baseline.
+
+**A worker rank and the push** (``worker`` and ``push`` run the same exchange and print
+both ends). Trainer rank 0 and one rollout worker, two forked processes joined by the real
+control stream and weights group (``paravt.workers.roles.Channel`` / ``WeightGroup``, gloo).
+The trainer loads the policy (master dtype) from a checkpoint written first (the tiny
+tokenizer; for ``medium`` its config and random weights) and pushes it once as
+``RolloutPipeline.publish`` does (``full_weights`` cast to the compute dtype into
+``WeightPublisher``, ``rollout.weight_sync=bucketed``, ``rollout.weight_bucket_mb``, overlap
+on): measured = the RSS held when ``push`` returned (the snapshot), and the peak over the
+resident policy until the send ended. The worker loads its model as ``paravt.workers.worker``
+does (``load_model_from_config``, compute dtype; every weight read once, since the loader maps
+the safetensors file), receives the version (``weight_sync.receive``), swaps it in and verifies
+the engine's copy (``verify_engine``): measured = the staged version's RSS (kept: a next
+version arriving mid-rollout) and the peak over it (the checksums); then, the stop ids
+cleared so that every row runs to ``--new`` tokens, it generates ``--rows`` distinct text
+prompts with the HF engine: measured = the RSS rise of that call, against the plan's KV cache
+and sampling buffers for the same rows and context (``hf_generation_bytes``).
+
+Measured 2026-12-07 (2 shared cores, fp32, the commands above with ``--verbose``):
+
+    reference model, per rank (2 gloo ranks)      plan (MiB)  measured (MiB)  measured / plan
+    medium (298.7 M), replicate                        1139.4          1141.6            1.002
+    medium (298.7 M), shard                             569.7           573.3            1.006
+    tiny, --tiny-vocab 151936 (19.9 M), replicate        76.1            77.2            1.015
+    tiny, --tiny-vocab 151936 (19.9 M), shard            38.0            39.9            1.049
+
+Sharded, a rank holds 0.502 (medium) / 0.517 (tiny) of the replica. The plan does not list
+the log-prob pass (it runs before the update and is smaller): the replica's pass rose 63 MiB
+on the medium model, the sharded one's 764 MiB (the root unit, embeddings and lm_head, 256
+MiB, gathered with its all-gather buffer, and the running and prefetched blocks). The tiny
+model at its own 4,096-token vocabulary holds 3.9 MiB of weights, under the few MiB of noise
+FSDP2's wrapping and glibc's heap add (sharded it measured 2.4 x the plan): hence the test's
+larger vocabulary.
+
+    medium (298.7 M)                                  plan (MiB)  measured (MiB)  measured / plan
+    worker: HF model (compute dtype)                     1139.4          1161.1            1.019
+    worker: staged weights (next version)                1139.4          1140.4            1.001
+    worker: weight check transient                        256.0           255.9            1.000
+    worker: KV cache + sampling, 16 x (64 + 192)          262.0           274.2            1.047
+    worker: the terms' sum                               2796.9          2831.6            1.012
+    push: the snapshot (overlap on)                      1139.4          1141.5            1.002
+    push: transient (peak - snapshot)                     256.0           127.9            0.500
+    push: peak                                           1395.4          1269.4            0.910
+PUSH_NO_OVERLAP
+The model's 22 MiB over the plan is the tokenizer and processor the loader builds. The KV
+cache's 12 MiB is HF's ``DynamicCache`` growing by ``torch.cat`` (a layer's K and V copied at
+each step: 1/16 of the cache). The push's transient is the largest tensor's checksum (an
+int64 copy of its int32 words: 2 x 128 MiB for the 32768 x 1024 fp32 lm_head); it runs
+before that tensor's bytes join the snapshot (the lm_head is the state dict's last entry),
+so the measured peak is the snapshot + 128 MiB and the plan's sum is a bound (0.91).
+PREFILL
+Before these checks the plan's push on this run was 384 MiB (one 256 MiB bucket + a 128 MiB
+cast copy) against 1269 measured: it now counts the whole snapshot where an overlapped push
+on a CPU holds it (on a GPU it waits in pinned host memory), a bucket no larger than the
+model, the largest tensor alone in its bucket when larger (the 8B's 1187 MiB embedding, not
+256 MiB), no cast copy on one process whose masters are the compute dtype (none is made),
+and the checksum's transient, on the trainer and (a new term) on the worker.
 """
 
 from __future__ import annotations
@@ -136,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny-vocab", type=int, default=0,
                    help="reference / worker / push on tiny: model.tiny_vocab (0: the preset's)")  # fmt: skip
     p.add_argument("--no-pass", action="store_true", help="reference: no log-prob passes")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="reference / worker / push: a config override (repeatable)")  # fmt: skip
     p.add_argument("--verbose", action="store_true")
     a = p.parse_args(argv)
     if a.kind == "reference":
@@ -245,17 +318,19 @@ def _medium_shape(shape, model, params, ModelShape):
         hidden=m["hidden"], heads=m["heads"], kv_heads=m["kv_heads"], head_dim=m["head_dim"],
         intermediate=m["intermediate"], vocab=m["vocab"], v_depth=m["v_depth"],
         v_hidden=m["v_hidden"], v_intermediate=m["v_intermediate"],
+        largest_tensor=max(q.numel() for q in params),
     )  # fmt: skip
 
 
 # ------------------------------------------------------------------- the new paths' checks
 def _config(a: argparse.Namespace, *overrides: str):
     """The measured runs' config: the tiny preset (fp32 compute and masters, the HF engine),
-    the reference on (``algo.kl_coef``), one asynchronous worker."""
+    the reference on (``algo.kl_coef``), ``--tiny-vocab``, ``--set``'s overrides, then
+    ``overrides`` (the mode's)."""
     from paravt.config import load_config
 
     vocab = [f"model.tiny_vocab={a.tiny_vocab}"] if a.tiny_vocab and a.model == "tiny" else []
-    return load_config("tiny_cpu", overrides=["algo.kl_coef=0.01", *vocab, *overrides])
+    return load_config("tiny_cpu", overrides=["algo.kl_coef=0.01", *vocab, *a.set, *overrides])
 
 
 def plan_shape(kind: str, cfg):
@@ -429,27 +504,31 @@ def _async(a: argparse.Namespace) -> int:
     gen = hf_generation_bytes(shape, bc, a.rows, a.prompt + a.new, a.prompt)
     print(f"worker ({a.model}: {shape.params / 1e6:.1f} M parameters, {cfg.model.dtype}); "
           f"generating {a.rows} rows x ({a.prompt} prompt + {a.new} new) tokens")  # fmt: skip
-    terms = [("HF model (compute dtype)", w["HF model (compute dtype)"], worker["model"]),
-             ("staged weights (next version)", w["staged weights (next version)"],
-              worker["staged"]),
-             ("HF engine KV cache + sampling (this batch)", gen, worker["generate"])]  # fmt: skip
+    measured = {"HF model (compute dtype)": worker["model"],
+                "staged weights (next version)": worker["staged"],
+                "weight check transient": worker["check"]}  # fmt: skip
+    terms = [(n, w[n], measured[n]) for n in measured]
+    terms.append(("HF engine KV cache + sampling (this batch)", gen, worker["generate"]))
     for name, want, got in terms:
         print(_row(name, want, got))
     wp, wm = sum(t[1] for t in terms), sum(t[2] for t in terms)
-    print(_row("worker total", wp, wm))
+    print(_row("worker (the terms' sum)", wp, wm))
     if a.verbose:
         print(f"    generated {worker['tokens']} tokens; the worker's peak RSS over its baseline "
               f"{worker['peak'] / 2**20:.1f} MiB")  # fmt: skip
-    push_terms = [t for t in pl.terms if t.name.startswith("weight push")]
-    want = sum(t.sync for t in push_terms)
-    names = " + ".join(t.name for t in push_terms)
+    bucket, transient = pl.term("weight push bucket (rank 0)"), pl.term("weight push transient")
     print(f"push on trainer rank 0 (rollout.weight_bucket_mb={cfg.rollout.weight_bucket_mb}, "
-          f"overlap {cfg.rollout.weight_sync_overlap}): {names}")  # fmt: skip
-    print(_row("push transient (peak over the resident policy)", want, trainer["push_peak"]))
+          f"overlap {cfg.rollout.weight_sync_overlap}), its sync phase over the resident policy")  # fmt: skip
+    snap, peak = trainer["snapshot"], trainer["push_peak"]
+    if cfg.rollout.weight_sync_overlap:  # the snapshot is held when push() returns
+        print(_row("weight push bucket (rank 0): the snapshot", bucket.sync, snap))
+        print(_row("weight push transient (peak - snapshot)", transient.sync, peak - snap))
+    want = bucket.sync + transient.sync
+    print(_row("push (peak)", want, peak))
     if a.verbose:
-        print(f"    held when push() returned {trainer['snapshot'] / 2**20:.1f} MiB; after the "
-              f"send {trainer['after'] / 2**20:.1f} MiB; policy {trainer['model'] / 2**20:.1f} MiB")  # fmt: skip
-    print(f"measured/plan: worker {wm / wp:.3f} push {trainer['push_peak'] / want:.3f}")
+        print(f"    after the send {trainer['after'] / 2**20:.1f} MiB; the policy "
+              f"{trainer['model'] / 2**20:.1f} MiB")  # fmt: skip
+    print(f"measured/plan: worker {wm / wp:.3f} push {peak / want:.3f}")
     return 0
 
 
@@ -532,11 +611,14 @@ def _async_worker(a: argparse.Namespace, cfg, ckpt: str) -> dict:
     header = ctrl.bcast()
     gc.collect()
     start = rss_kb()
+    reset_peak()
     staged = receive(header, ctrl, group, "cpu")
     engine.sync_weights(staged.named())
     verify_engine(engine, staged)
+    check = rss_kb("VmHWM") - start
     gc.collect()
     held = rss_kb() - start  # the staged version, kept: the next one arriving mid-rollout
+    check -= held  # the verification's transient over the staged version
     start = rss_kb()
     reset_peak()
     outs = engine.generate(reqs)
@@ -544,8 +626,8 @@ def _async_worker(a: argparse.Namespace, cfg, ckpt: str) -> dict:
     tokens = sum(a.prompt + len(o.token_ids) for o in outs)
     peak = rss_kb("VmHWM") - base
     ctrl.send({"kind": "bye"}, 0)
-    return {"model": model * 1024, "staged": held * 1024, "generate": rise * 1024,
-            "tokens": tokens, "peak": peak * 1024}  # fmt: skip
+    return {"model": model * 1024, "staged": held * 1024, "check": check * 1024,
+            "generate": rise * 1024, "tokens": tokens, "peak": peak * 1024}  # fmt: skip
 
 
 if __name__ == "__main__":
