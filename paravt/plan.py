@@ -610,7 +610,7 @@ def hf_generation_bytes(s: ModelShape, bc: int, rows: int, context: int, prompt:
     first ``prompt`` of them prefilled, holds at its peak: the KV cache,
     ``2·L·kv_heads·head_dim·b_c`` per token, and the sampling buffers (fp32 logits,
     probabilities and log-probs of a row). ``_hf_kv_term``'s per batch; measured by
-    ``scripts/plan_check.py worker`` (0.95-1.07).
+    ``scripts/plan_check.py worker`` (1.05 and 1.07 of it).
 
     The prefill runs each decoder layer over every prompt token of the batch at once: at its
     MLP (HF's code, no grad) the residual stream and the normed input (2·hidden) and SwiGLU's

@@ -59,9 +59,9 @@ cleared so that every row runs to ``--new`` tokens, it generates ``--rows`` dist
 prompts with the HF engine: measured = the RSS rise of that call, against the plan's KV cache
 and sampling buffers for the same rows and context (``hf_generation_bytes``).
 
-Measured 2026-12-07 (2 shared cores, fp32, the commands above with ``--verbose``):
+Measured 2026-12-07 (2 shared cores, fp32; the commands under the second table):
 
-    reference model, per rank (2 gloo ranks)      plan (MiB)  measured (MiB)  measured / plan
+    reference model, per rank (2 gloo ranks)           plan (MiB)  measured (MiB)  measured / plan
     medium (298.7 M), replicate                        1139.4          1141.6            1.002
     medium (298.7 M), shard                             569.7           573.3            1.006
     tiny, --tiny-vocab 151936 (19.9 M), replicate        76.1            77.2            1.015
@@ -72,32 +72,41 @@ the log-prob pass (it runs before the update and is smaller): the replica's pass
 on the medium model, the sharded one's 764 MiB (the root unit, embeddings and lm_head, 256
 MiB, gathered with its all-gather buffer, and the running and prefetched blocks). The tiny
 model at its own 4,096-token vocabulary holds 3.9 MiB of weights, under the few MiB of noise
-FSDP2's wrapping and glibc's heap add (sharded it measured 2.4 x the plan): hence the test's
-larger vocabulary.
+FSDP2's wrapping and glibc's heap add (sharded: 2.03 x the plan, 0.74 of the replica): hence
+the test's larger vocabulary (tests/test_plan.py, ``--no-pass``).
 
-    medium (298.7 M)                                  plan (MiB)  measured (MiB)  measured / plan
-    worker: HF model (compute dtype)                     1139.4          1161.1            1.019
+    medium (298.7 M), worker/push commands below       plan (MiB)  measured (MiB)  measured / plan
+    worker: HF model (compute dtype)                     1139.4          1161.2            1.019
     worker: staged weights (next version)                1139.4          1140.4            1.001
-    worker: weight check transient                        256.0           255.9            1.000
+    worker: weight check transient                        256.0           256.0            1.000
     worker: KV cache + sampling, 16 x (64 + 192)          262.0           274.2            1.047
-    worker: the terms' sum                               2796.9          2831.6            1.012
-    push: the snapshot (overlap on)                      1139.4          1141.5            1.002
-    push: transient (peak - snapshot)                     256.0           127.9            0.500
-    push: peak                                           1395.4          1269.4            0.910
-PUSH_NO_OVERLAP
+    worker: KV cache + sampling, 8 x (448 + 64) (b)       381.0           408.0            1.071
+    worker: the terms' sum (16 x (64 + 192))             2796.9          2831.9            1.013
+    push: the snapshot (overlapped)                      1139.4          1141.6            1.002
+    push: transient (peak - snapshot)                     128.0           127.8            0.999
+    push: peak, overlapped                               1267.4          1269.4            1.002
+    push: peak, not overlapped (b)                        384.0           373.2            0.972
+
+    (a) scripts/plan_check.py worker --model medium --verbose (all rows but (b))
+    (b) scripts/plan_check.py push --model medium --rows 8 --prompt 448 --new 64
+        --set rollout.weight_sync_overlap=false --verbose
+    reference rows: scripts/plan_check.py reference --model medium|tiny [--tiny-vocab 151936]
+    --verbose
+
 The model's 22 MiB over the plan is the tokenizer and processor the loader builds. The KV
 cache's 12 MiB is HF's ``DynamicCache`` growing by ``torch.cat`` (a layer's K and V copied at
-each step: 1/16 of the cache). The push's transient is the largest tensor's checksum (an
-int64 copy of its int32 words: 2 x 128 MiB for the 32768 x 1024 fp32 lm_head); it runs
-before that tensor's bytes join the snapshot (the lm_head is the state dict's last entry),
-so the measured peak is the snapshot + 128 MiB and the plan's sum is a bound (0.91).
-PREFILL
-Before these checks the plan's push on this run was 384 MiB (one 256 MiB bucket + a 128 MiB
-cast copy) against 1269 measured: it now counts the whole snapshot where an overlapped push
+each step: 1/16 of the cache). The checksum (``paravt.weight_sync.checksum``) sums a tensor's
+int32 words into int64 and torch's ``sum(dtype=int64)`` makes an int64 copy: 2 x the bytes of
+the 32768 x 1024 fp32 lm_head, which on the trainer runs before that tensor's bytes join the
+snapshot (the peak is the snapshot + 128 MiB). With long prompts (b) the prefill's one-layer
+MLP transient outgrows the cache's growth (the old KV term measured 1.58 x).
+
+Before these checks the plan's push on (a) was 384 MiB (one 256 MiB bucket + a 128 MiB cast
+copy) against 1269 measured, and the worker had no checksum term: the plan now counts the whole snapshot where an overlapped push
 on a CPU holds it (on a GPU it waits in pinned host memory), a bucket no larger than the
 model, the largest tensor alone in its bucket when larger (the 8B's 1187 MiB embedding, not
 256 MiB), no cast copy on one process whose masters are the compute dtype (none is made),
-and the checksum's transient, on the trainer and (a new term) on the worker.
+the checksum's transient on the trainer and the worker, and the HF prefill.
 """
 
 from __future__ import annotations
