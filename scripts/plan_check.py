@@ -121,6 +121,7 @@ import resource
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -378,14 +379,21 @@ def _forked(children: list[tuple[partial[dict], dict[str, str]]]) -> list[dict]:
                  for (fn, env), out in zip(children, outs)]  # fmt: skip
         for q in procs:
             q.start()
+        # Until all end, one fails (its peer would wait on gloo for days) or 15 minutes pass.
+        deadline = time.monotonic() + 900
+        while any(q.is_alive() for q in procs) and time.monotonic() < deadline:
+            if any(q.exitcode not in (None, 0) for q in procs):
+                break
+            time.sleep(0.2)
+        bad = [q for q in procs if q.exitcode != 0]
         for q in procs:
-            q.join(900)
-        for q in procs:
-            if q.exitcode != 0:
-                for other in procs:
-                    if other.is_alive():
-                        other.kill()
-                raise SystemExit(f"plan_check: {q.name} failed (exit {q.exitcode}; see above)")
+            if q.is_alive():
+                q.kill()
+                q.join()
+        if bad:
+            why = ", ".join(f"{q.name} (exit {q.exitcode})" if q.exitcode is not None
+                            else f"{q.name} (hung)" for q in bad)  # fmt: skip
+            raise SystemExit(f"plan_check: {why}; see above")
         return [json.loads(out.read_text()) for out in outs]
 
 
@@ -397,7 +405,7 @@ def _child(fn: Callable[[], dict], env: dict[str, str], out: str) -> None:
 
 def _row(name: str, plan_b: float, measured_b: float) -> str:
     return (f"  {name:<44} plan {plan_b / 2**20:9.1f} MiB   measured {measured_b / 2**20:9.1f} "
-            f"MiB   measured/plan {measured_b / plan_b:.3f}")  # fmt: skip
+            f"MiB   measured/plan {measured_b / plan_b if plan_b else float('inf'):.3f}")  # fmt: skip
 
 
 def _local_bytes(model: torch.nn.Module) -> int:
