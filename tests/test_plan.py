@@ -84,6 +84,34 @@ def test_sharded_mixed_precision_terms_by_hand():
     # The peak is the larger phase; the sum of the terms.
     assert pl.update == pytest.approx(sum(x.update for x in pl.terms))
     assert pl.peak == max(pl.rollout, pl.update)
+    # The push: the largest tensor (4096 x 64) gathered in fp32 and cast to bf16, or cast and
+    # checksummed (an int64 copy of its int32 words, 2 x 2 B): 6 B an element either way.
+    assert t["weight push transient"].sync == 4096 * 64 * 6
+
+
+def test_async_push_and_worker_terms_by_hand():
+    """Rollout workers: trainer rank 0's bucketed push (bf16 model 2000 B, largest tensor 100
+    elements) and the worker's checksum term; the entry's transient (6 B an element) runs
+    before its 200 B join the bucket on a CPU, and apart from the bucket on a GPU."""
+    s = dataclasses.replace(SHAPE, largest_tensor=100)
+    lay = Layout(nproc_per_node=4, device_bytes=1 << 40, gpu=False)
+    for over, rollout in ((True, 2000), (False, 0)):
+        cfg = _cfg("model.dtype=bfloat16", "rollout.workers=1",
+                   f"rollout.weight_sync_overlap={over}")  # fmt: skip
+        t = {x.name: x for x in plan_memory(cfg, lay, s).terms}
+        # CPU: the overlapped snapshot is the whole model (the 256 MiB bucket is larger than
+        # it: one bucket of 2000 B); without overlap one bucket, during the push only.
+        assert t["weight push bucket (rank 0)"].sync == 2000
+        assert t["weight push bucket (rank 0)"].update == rollout
+        assert t["weight push transient"].sync == 100 * 6 - 100 * 2
+    # GPU, overlapped: packed into host memory, the device bucket comes after the transient.
+    cfg = _cfg("model.dtype=bfloat16", "rollout.workers=1")
+    gpu = plan_memory(cfg, dataclasses.replace(lay, gpu=True), s)
+    assert gpu.term("weight push transient").sync == max(0, 600 - 2000)
+    assert gpu.term("weight push bucket (rank 0)").sync == 2000
+    w = {x.name: x.rollout for x in gpu.worker_terms}
+    assert w["weight check transient"] == 100 * 2 * 2
+    assert w["staged weights (next version)"] == 1000 * 2
 
 
 def test_single_process_same_dtype_terms_by_hand():
@@ -211,9 +239,9 @@ def test_cli_8b_preset_on_8_h100_prints_a_table_in_under_30_s():
     assert "reference model: shard (auto: 8 trainer ranks)" in out
     # 0.5 x 79.65 GiB, asleep in the update; the push wakes its weights alone (8.767 B x 2 B).
     assert rows["vLLM engine reserve"][:3] == ["39.82", "0.00", "16.33"]
-    # The push gathers the largest tensor (the 151936 x 4096 embedding) in fp32, casts to bf16.
     # The push gathers the largest tensor (the 151936 x 4096 embedding) in fp32 and casts it to
-    # bf16 (3.48 GiB), while vLLM's layer-wise reload holds one decoder layer (0.36 GiB).
+    # bf16, then checksums the cast (an int64 copy of its words): 6 B an element either way
+    # (3.48 GiB), while vLLM's layer-wise reload holds one decoder layer (0.36 GiB).
     assert rows["weight push transient"][:3] == ["0.00", "0.00", "3.84"]
     assert "with checkpointing" in out and "without gradient checkpointing would be" in out
     assert ": fits (" in out
@@ -268,6 +296,24 @@ def test_tiny_plan_matches_the_measured_cpu_peak_within_15_percent():
     assert r.returncode == 0, r.stderr
     ratio = float(r.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
     assert 0.85 <= ratio <= 1.15, r.stdout
+
+
+def test_reference_placement_matches_the_rss_of_two_gloo_ranks():
+    """scripts/plan_check.py reference on the tiny model (with Qwen's 151936-token vocabulary:
+    76 MiB of weights, above the allocator's few MiB of noise; no log-prob pass): the RSS each
+    of two gloo ranks holds for the reference, replicated and then sharded by FSDP2, against
+    the plan's term; sharded, each rank holds about half."""
+    cmd = ["reference", "--model", "tiny", "--tiny-vocab", "151936", "--no-pass"]
+    r = subprocess.run(
+        [sys.executable, "scripts/plan_check.py", *cmd],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr + r.stdout
+    lines = r.stdout.strip().splitlines()
+    half = float(next(x for x in lines if x.startswith("shard / replicate")).rsplit(" ", 1)[1])
+    *_, replicate, _, shard = lines[-1].split()  # "... replicate R shard S"
+    assert 0.5 <= float(replicate) <= 2 and 0.5 <= float(shard) <= 2, r.stdout
+    assert half < 0.75, r.stdout
 
 
 def test_random_init_builds_an_architecture_offline(tmp_path):
@@ -406,7 +452,8 @@ def test_phases_placement_cache_and_workers_on_the_8b_recipe():
     # model on the host and stages the next version on its device.
     cfg_a = load_config("qwen3vl_8b_paragrpo", overrides=["rollout.workers=2"])
     pa = plan_memory(cfg_a, lay, s)
-    assert pa.term("weight push bucket (rank 0)").update == 256 * 2**20
+    # The 1187 MiB bf16 embedding exceeds the 256 MiB bucket: it is sent alone in its own.
+    assert pa.term("weight push bucket (rank 0)").update == s.largest_tensor * 2
     w = {x.name: x.rollout for x in pa.worker_terms}
     assert w["HF model (compute dtype)"] == 0 and w["staged weights (next version)"] == s.params * 2
     assert w["vLLM engine reserve"] == 0.5 * lay.device_bytes
