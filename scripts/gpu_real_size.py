@@ -186,10 +186,12 @@ def fixed_generation(engine: Any, batch: int, prompt: int, new: int, seed: int) 
     }
 
 
-def top_ops(prof: Any, n: int = 25) -> list[dict[str, Any]]:
-    """The profiler's operators by self device time (self CPU time without a device)."""
+def top_ops(averages: Any, n: int = 25) -> list[dict[str, Any]]:
+    """The profiler's operators by self device time (self CPU time without a device);
+    ``averages``: the profile's ``key_averages()`` (computed once for this and
+    :func:`phase_ranges`: each call re-aggregates every event of the step)."""
     rows = []
-    for e in prof.key_averages():
+    for e in averages:
         dev = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
         rows.append(
             {
@@ -205,11 +207,12 @@ def top_ops(prof: Any, n: int = 25) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r[key])[:n]
 
 
-def phase_ranges(prof: Any) -> dict[str, float]:
-    """Device time under each ``phase/<name>`` range of the profiled step (ms)."""
+def phase_ranges(averages: Any) -> dict[str, float]:
+    """Device time under each ``phase/<name>`` range of the profiled step (ms); ``averages``:
+    the profile's ``key_averages()``."""
     return {
         e.key: float(getattr(e, "device_time_total", 0.0) or 0.0) / 1e3
-        for e in prof.key_averages()
+        for e in averages
         if e.key.startswith("phase/")
     }
 
@@ -383,10 +386,11 @@ def main(argv: list[str] | None = None) -> int:
             if prof is not None:
                 prof.__exit__(None, None, None)
                 t_p = time.perf_counter()
+                averages = prof.key_averages()
                 res["profile"] = {
                     "step": step,
-                    "top_ops": top_ops(prof),
-                    "phase_device_ms": phase_ranges(prof),
+                    "top_ops": top_ops(averages),
+                    "phase_device_ms": phase_ranges(averages),
                 }
                 res["profile"]["analysis_s"] = time.perf_counter() - t_p
             res["steps"][str(step)] = {k: v for k, v in m.items() if isinstance(v, (int, float))}
