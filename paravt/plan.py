@@ -89,6 +89,7 @@ from paravt.models.tiny import (
     tiny_checkpoint_args,
     tiny_config,
 )
+from paravt.weight_sync import CHECKSUM_TRANSIENT_BYTES
 
 log = get_logger(__name__)
 
@@ -477,13 +478,15 @@ def plan_memory(
     # The weight push (``paravt.distributed.full_weights``), one entry at a time: under FSDP2
     # its master-dtype gather, under mixed precision its compute-dtype cast (one process with
     # masters = compute: the state dict's own tensor, no copy); then its checksum
-    # (``paravt.weight_sync.checksum``: the entry's bytes as int32 words summed into int64,
-    # for which torch materialises an int64 copy, 2·b_c per element) while the entry (cast or
+    # (``paravt.weight_sync.checksum``: the entry's bytes as int32 words summed into int64
+    # in chunks of ``CHUNK_ROWS`` rows, each materialised as an int64 copy: at most
+    # ``CHECKSUM_TRANSIENT_BYTES``, 2·b_c per element below that) while the entry (cast or
     # gathered) is alive, the gathered master gone; for vLLM's layer-wise reload, one layer's
     # tensors held by its loader. Measured: scripts/plan_check.py push.
     largest = s.largest_tensor or s.vocab * s.hidden
     gather_cast = (bm if fsdp else 0) + (bc if mixed else 0)
-    push = largest * max(gather_cast, 2 * bc + (bc if fsdp else 0))
+    check = min(2 * largest * bc, CHECKSUM_TRANSIENT_BYTES)
+    push = max(largest * gather_cast, check + largest * (bc if fsdp else 0))
     push += s.text_block * bc if eng.device_share_key or eng.cpu_kv_cache_key else 0
     note = "largest tensor gathered + cast, its checksum"
     if r.workers > 0 and r.weight_sync == "bucketed":
@@ -515,7 +518,7 @@ def plan_memory(
             # bytes join its bucket, which then holds at most ``held - largest·b_c``; so the
             # peak is ``held + push - largest·b_c`` (measured within 3% on a CPU, overlapped
             # and not: scripts/plan_check.py push).
-            push -= largest * bc
+            push = max(0.0, push - largest * bc)
             note += ", less its bytes in the bucket"
     add("weight push transient", 0, 0, note, sync=push)
 
@@ -647,11 +650,13 @@ def worker_terms(cfg: Config, s: ModelShape, layout: Layout) -> list[Term]:
         out.append(Term("staged weights (next version)", s.params * bc, 0, "received buckets"))
     if r.weight_sync == "bucketed" or not eng.own_weights:
         # Verifying a version on the device (the staged buckets; the HF engine's copy read back
-        # after the swap): a tensor's checksum holds an int64 copy of its int32 words, 2·b_c
-        # per element of the largest (``paravt.weight_sync.checksum``). A version may arrive
-        # while a batch generates: summed with the engine's terms.
+        # after the swap): a tensor's checksum holds an int64 copy of a chunk of its int32
+        # words, 2·b_c per element of the largest up to ``CHECKSUM_TRANSIENT_BYTES``
+        # (``paravt.weight_sync.checksum``). A version may arrive while a batch generates:
+        # summed with the engine's terms.
         largest = s.largest_tensor or s.vocab * s.hidden
-        out.append(Term("weight check transient", 2 * largest * bc, 0, "largest tensor's checksum"))
+        check = min(2 * largest * bc, CHECKSUM_TRANSIENT_BYTES)
+        out.append(Term("weight check transient", check, 0, "a checksum chunk (int64)"))
     if layout.gpu:
         out.append(Term("CUDA context", CUDA_CONTEXT_BYTES, 0))
         out.append(Term("allocator slack (5%)", ALLOCATOR_SLACK * sum(t.rollout for t in out), 0))

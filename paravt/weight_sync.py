@@ -62,6 +62,13 @@ log = get_logger(__name__)
 ALIGN = 16
 #: Words per row of the checksum's 2-D layout.
 COLS = 1024
+#: Rows summed at a time: a sum with an int64 ``dtype`` over int32 words makes an int64 copy
+#: of its input on the CPU, so ``checksum`` holds at most ``CHUNK_ROWS · COLS · 8`` bytes (32
+#: MiB) of it, not twice the tensor (2.3 GiB for the 8B recipe's embedding). int64 sums are
+#: exact: the chunked sums equal the whole ones.
+CHUNK_ROWS = 4096
+#: The most a checksum holds besides its input (``paravt.plan``'s weight-check transient).
+CHECKSUM_TRANSIENT_BYTES = CHUNK_ROWS * COLS * 8
 #: Modulus applied to column and row sums before weighting (keeps every product in int64).
 _P = 2**31 - 1
 #: The row weights cycle with this period (prime), so a weight stays below 2^10.
@@ -172,9 +179,14 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     w = b.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[width])
     rows = w.numel() // COLS
     head, tail = w[: rows * COLS].view(rows, COLS), w[rows * COLS :]
-    col = head.sum(0, dtype=torch.int64)
-    row = head.sum(1, dtype=torch.int64)
     dev = t.device
+    col = torch.zeros(COLS, dtype=torch.int64, device=dev)
+    parts = [torch.zeros(0, dtype=torch.int64, device=dev)]
+    for a in range(0, rows, CHUNK_ROWS):  # (CHUNK_ROWS: the int64 copy stays small)
+        chunk = head[a : a + CHUNK_ROWS]
+        col += chunk.sum(0, dtype=torch.int64)
+        parts.append(chunk.sum(1, dtype=torch.int64))
+    row = torch.cat(parts)
     total = col.sum() + tail.sum(dtype=torch.int64)
     cw = torch.arange(1, COLS + 1, device=dev, dtype=torch.int64)
     tw = torch.arange(1, tail.numel() + 1, device=dev, dtype=torch.int64)

@@ -78,18 +78,20 @@ the test's larger vocabulary (tests/test_plan.py, ``--no-pass``).
     medium (298.7 M), worker/push commands below       plan (MiB)  measured (MiB)  measured / plan
     worker: HF model (compute dtype)                     1139.4          1161.2            1.019
     worker: staged weights (next version)                1139.4          1140.4            1.001
-    worker: weight check transient                        256.0           256.0            1.000
+    worker: weight check transient (c)                     32.0            31.9            0.998
     worker: KV cache + sampling, 16 x (64 + 192)          262.0           274.2            1.047
     worker: KV cache + sampling, 8 x (448 + 64) (b)       381.0           408.0            1.071
-    worker: the terms' sum (16 x (64 + 192))             2796.9          2831.9            1.013
-    push: the snapshot (overlapped)                      1139.4          1141.6            1.002
-    push: transient (peak - snapshot)                     128.0           127.8            0.999
-    push: peak, overlapped                               1267.4          1269.4            1.002
-    push: peak, not overlapped (b)                        384.0           373.2            0.972
+    worker: the terms' sum (16 x (64 + 192))             2572.9          2608.3            1.014
+    push: the snapshot (overlapped)                      1139.4          1142.2            1.002
+    push: transient (peak - snapshot)                       0.0            -0.1              -
+    push: peak, overlapped                               1139.4          1142.1            1.002
+    push: peak, not overlapped (b)                        256.0           266.6            1.042
 
     (a) scripts/plan_check.py worker --model medium --verbose (all rows but (b))
     (b) scripts/plan_check.py push --model medium --rows 8 --prompt 448 --new 64
         --set rollout.weight_sync_overlap=false --verbose
+    (c) and the push rows re-measured after the checksum began to sum in chunks of 4096 rows
+        (2026-12-07: 256 -> 32 MiB on the worker, the push's 128 MiB transient gone)
     reference rows: scripts/plan_check.py reference --model medium|tiny [--tiny-vocab 151936]
     --verbose
 
@@ -97,8 +99,8 @@ The model's 22 MiB over the plan is the tokenizer and processor the loader build
 cache's 12 MiB is HF's ``DynamicCache`` growing by ``torch.cat`` (a layer's K and V copied at
 each step: 1/16 of the cache). The checksum (``paravt.weight_sync.checksum``) sums a tensor's
 int32 words into int64 and torch's ``sum(dtype=int64)`` makes an int64 copy: 2 x the bytes of
-the 32768 x 1024 fp32 lm_head, which on the trainer runs before that tensor's bytes join the
-snapshot (the peak is the snapshot + 128 MiB). With long prompts (b) the prefill's one-layer
+the 32768 x 1024 fp32 lm_head (256 MiB) before it summed in chunks of ``CHUNK_ROWS`` rows; now
+32 MiB at most (the 8B recipe's worker: 2.3 GiB -> 32 MiB). With long prompts (b) the prefill's one-layer
 MLP transient outgrows the cache's growth (the old KV term measured 1.58 x).
 
 Before these checks the plan's push on (a) was 384 MiB (one 256 MiB bucket + a 128 MiB cast

@@ -177,6 +177,28 @@ def test_checksum_sees_a_changed_a_moved_and_a_swapped_value() -> None:
     assert not torch.equal(checksum(torch.tensor([0.0])), checksum(torch.tensor([-0.0])))
 
 
+def test_checksum_in_chunks_equals_the_whole_tensor_sums() -> None:
+    """A tensor of more than ``CHUNK_ROWS`` rows (plus a tail) is summed in chunks: the three
+    sums equal the same formula over the whole tensor at once (the reference, written out)."""
+    from paravt.weight_sync import _P, _ROW_PERIOD, CHUNK_ROWS, COLS
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2 * CHUNK_ROWS * COLS + 5 * COLS + 3, generator=g).to(torch.bfloat16)
+    w = t.view(torch.int16)  # 2-byte words: an odd count of bf16 values
+    rows = w.numel() // COLS
+    head, tail = w[: rows * COLS].view(rows, COLS), w[rows * COLS :]
+    col, row = head.to(torch.int64).sum(0), head.to(torch.int64).sum(1)
+    total = col.sum() + tail.to(torch.int64).sum()
+    cw = torch.arange(1, COLS + 1, dtype=torch.int64)
+    tw = torch.arange(1, tail.numel() + 1, dtype=torch.int64)
+    cols = (col.remainder(_P) * cw).sum() + (tail.to(torch.int64).remainder(_P) * tw).sum()
+    rw = torch.arange(rows, dtype=torch.int64).remainder(_ROW_PERIOD) + 1
+    want = torch.stack([total, cols, (row.remainder(_P) * rw).sum()])
+    assert torch.equal(checksum(t), want)
+    f = torch.randn(CHUNK_ROWS * COLS + 7 * COLS, generator=g)  # 4-byte words, no tail
+    assert torch.equal(checksum(f), checksum(f.clone()))
+
+
 @CUDA
 def test_checksum_and_bucket_round_trip_on_cuda_match_the_cpu() -> None:
     """What the NCCL path does on each end, on one GPU: pack on CUDA, unpack the same buffer,
