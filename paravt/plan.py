@@ -447,10 +447,13 @@ def plan_memory(
             ref, note = s.params * bc, f"full replica x {bc} B"
         add("reference model", ref, ref, f"{note} ({pl.reference_why})", sync=ref)
 
-    # Rollout engine.
+    # Rollout engine. An asynchronous trainer rank builds one only to evaluate
+    # (``paravt.train.build_trainer``): none with train.eval_prompts=0.
     main_ctx, sub_ctx, share = context_tokens(cfg, s)
     eng = engine_spec(r.engine)  # what the engine holds is the registry's to say
-    if eng.device_share_key and layout.gpu:
+    if r.workers > 0 and cfg.train.eval_prompts == 0:
+        pass  # (the workers' engines: their own table, ``worker_terms``)
+    elif eng.device_share_key and layout.gpu:
         frac = getattr(r, eng.device_share_key)
         res = frac * layout.device_bytes
         asleep = bool(getattr(r, eng.sleep_key, False)) if eng.sleep_key else False

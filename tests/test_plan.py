@@ -461,6 +461,13 @@ def test_phases_placement_cache_and_workers_on_the_8b_recipe():
     assert (
         "per rollout worker rank" in out and "reference model: shard (auto: 6 trainer ranks)" in out
     )
+    # A trainer rank builds an engine only to evaluate: with train.eval_prompts=0 it holds none.
+    assert cfg_a.train.eval_prompts > 0 and pa.term("vLLM engine reserve").rollout > 0
+    bare = plan_memory(_with_train(cfg_a, eval_prompts=0), lay, s)
+    names = {x.name for x in bare.terms}
+    assert not {"vLLM engine reserve", "HF engine replica"} & names
+    rollout = lambda p: sum(x.rollout for x in p.terms)  # noqa: E731
+    assert rollout(bare) < rollout(pa) - 30 * GIB  # (the update phase sets both peaks)
 
 
 def _with_train(cfg, **kw):
