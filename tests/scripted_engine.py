@@ -6,11 +6,20 @@ Not a test module (no ``test_`` prefix): tests import it by name, as pytest puts
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from assets_task import ASSETS_TASK
 
 from paravt.engines.engine import GenerationRequest, GenerationResult
+
+#: A first main turn of two parallel ``crop_video`` calls (5-9 s and 20-26 s).
+TWO_CROPS = "x\n</think>\n" + "\n".join(
+    "<tool_call>\n"
+    + json.dumps({"name": "crop_video", "arguments": {"start_time": a, "end_time": b}})
+    + "\n</tool_call>"
+    for a, b in ((5, 9), (20, 26))
+)
 
 
 class ScriptedFirstTurn:

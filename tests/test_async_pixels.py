@@ -16,14 +16,13 @@ the restored pixels to 1e-5) are in ``tests/test_train_async.py``.
 
 from __future__ import annotations
 
-import json
 import pickle
 import shutil
 from dataclasses import replace
 
 import pytest
 import torch
-from scripted_engine import ScriptedFirstTurn
+from scripted_engine import TWO_CROPS, ScriptedFirstTurn
 
 from paravt.agent import AgentRunner
 from paravt.config import load_config
@@ -33,13 +32,6 @@ from paravt.models import build_tiny_checkpoint, load_model
 from paravt.types import Group, Trajectory
 from paravt.video import DecodePlanner
 from paravt.workers.pixels import restore_pixels, strip_pixels
-
-CALLS = "x\n</think>\n" + "\n".join(
-    "<tool_call>\n"
-    + json.dumps({"name": "crop_video", "arguments": {"start_time": s, "end_time": e}})
-    + "\n</tool_call>"
-    for s, e in ((5, 9), (20, 26))
-)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +52,7 @@ def _rollout(tiny, samples, crop_mode: str = "subagent") -> list[Group]:
         ],
     )
     eng = ScriptedFirstTurn(
-        HFEngine(tiny, seed=0), CALLS, lambda m, r, ids: [0.0] * (len(ids) - len(r.prompt_ids))
+        HFEngine(tiny, seed=0), TWO_CROPS, lambda m, r, ids: [0.0] * (len(ids) - len(r.prompt_ids))
     )
     return AgentRunner(eng, tiny, cfg).rollout(samples, [8] * len(samples), group_size=2, seed=0)
 

@@ -30,12 +30,6 @@ GREEDY = [
     "video.crop_max_frames=4",
     "agent.max_turns=1",
 ]
-CALLS = "x\n</think>\n" + "\n".join(
-    "<tool_call>\n"
-    + json.dumps({"name": "crop_video", "arguments": {"start_time": a, "end_time": b}})
-    + "\n</tool_call>"
-    for a, b in ((5, 9), (20, 26))
-)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +47,11 @@ def vllm_engine(bundle):
 
 
 def _predictions(bundle, engine, synth_dir, out, crop_mode):
-    from scripted_engine import ScriptedFirstTurn
+    from scripted_engine import TWO_CROPS, ScriptedFirstTurn
 
     cfg = load_config("tiny_cpu", overrides=[*GREEDY, f"agent.crop_mode={crop_mode}"])
     scripted = ScriptedFirstTurn(
-        engine, CALLS, lambda model, req, ids: [0.0] * (len(ids) - len(req.prompt_ids))
+        engine, TWO_CROPS, lambda model, req, ids: [0.0] * (len(ids) - len(req.prompt_ids))
     )
     settings = EvalSettings("synth", "d", "m", "x", 4, crop_mode, 0.0, 1.0, 0.0, 1, 5, 16)
     samples = load_benchmark("synth", synth_dir)

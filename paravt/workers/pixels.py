@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,13 +64,28 @@ def _source(v: VisualInputs, digests: dict[int, str]) -> VisualSource | None:
     for f in v.frames:
         if id(f) not in digests:
             digests[id(f)] = frames_digest(f)
-    grids = tuple(tuple(int(x) for x in g) for g in v.grid_thw.tolist())
     return VisualSource(
         tuple(v.requests),
         tuple(digests[id(f)] for f in v.frames),
-        grids,  # type: ignore[arg-type]
+        _grids(v),
         v.kind,
     )
+
+
+def _grids(v: VisualInputs) -> tuple[tuple[int, int, int], ...]:
+    return tuple((int(t), int(h), int(w)) for t, h, w in v.grid_thw.tolist())
+
+
+def _map_rows(groups: list[Group], f: Callable[[Trajectory], Trajectory]) -> list[Group]:
+    """Copies of ``groups`` with ``f`` applied to every row (main and sub-agent)."""
+    return [
+        replace(
+            g,
+            trajectories=[f(t) for t in g.trajectories],
+            sub_trajectories=[f(t) for t in g.sub_trajectories],
+        )
+        for g in groups
+    ]
 
 
 def strip_pixels(groups: list[Group]) -> list[Group]:
@@ -87,14 +103,7 @@ def strip_pixels(groups: list[Group]) -> list[Group]:
         src = memo[id(v)]
         return t if src is None else replace(t, visuals=None, visual_source=src)
 
-    return [
-        replace(
-            g,
-            trajectories=[strip(t) for t in g.trajectories],
-            sub_trajectories=[strip(t) for t in g.sub_trajectories],
-        )
-        for g in groups
-    ]
+    return _map_rows(groups, strip)
 
 
 def compact_pixels(groups: list[Group]) -> list[Group]:
@@ -112,14 +121,7 @@ def compact_pixels(groups: list[Group]) -> list[Group]:
             memo[id(v)] = v.compact()
         return replace(t, visuals=memo[id(v)])
 
-    return [
-        replace(
-            g,
-            trajectories=[own(t) for t in g.trajectories],
-            sub_trajectories=[own(t) for t in g.sub_trajectories],
-        )
-        for g in groups
-    ]
+    return _map_rows(groups, own)
 
 
 @dataclass
@@ -197,7 +199,7 @@ def restore_pixels(
         parts = [next(encoded).visuals for _ in src.requests]
         vis = parts[0] if len(parts) == 1 else VisualInputs.concat(parts)
         assert vis is not None
-        grids = tuple(tuple(int(x) for x in g) for g in vis.grid_thw.tolist())
+        grids = _grids(vis)
         if grids != src.grids or vis.kind != src.kind:
             bad[sid] = (
                 f"the clips of {_where(src.requests[0])} re-encoded on {who} have grids {grids} "
