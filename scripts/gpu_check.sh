@@ -75,7 +75,9 @@ cat "$OUT/env.txt"
 if compgen -G ".gpu_wheels/*.whl" >/dev/null; then
   ONLY_KEEP=$ONLY
   ONLY=""
-  step wheels 60 "$PY" -m pip install --no-deps --no-index .gpu_wheels/*.whl
+  # exactly the pins of scripts/gpu_wheels.txt: two versions of one package and pip refuses all
+  step wheels 60 bash -c "$PY scripts/gpu_carry.py --check-wheels .gpu_wheels &&
+    $PY -m pip install --no-deps --no-index .gpu_wheels/*.whl"
   ONLY=$ONLY_KEEP
 fi
 # PARAVT_FORCE_EXT=1: a CUDA build of paravt._C that fails fails this step (and the script),
