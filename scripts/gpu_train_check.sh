@@ -335,6 +335,7 @@ step() {  # NAME CMD...: under limit_for NAME; its output streamed into $OUT/ste
   shift
   lim=$(limit_for "$name")
   if [ "$lim" -lt 5 ] || [ $((2 * lim)) -lt "${BUDGET[$name]}" ]; then
+    [ "$lim" -lt 0 ] && lim=0
     skip_json "$name" skipped "not run: $lim s left for it, under half its budget of ${BUDGET[$name]} s (deadline $DEADLINE s)"
     echo "==== [$name] skipped: $lim s left for it, budget ${BUDGET[$name]} s" | tee -a "$LOG"
     write_summary
