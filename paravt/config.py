@@ -70,6 +70,16 @@ class DataConfig:
     # sub-agent rows: their summaries are not what the crops show), and teach it to carry what
     # the tools returned instead of a colour remembered for the video (docs/copy_probe.md).
     synth_colour_swaps: int = 0
+    # "spot" tasks: how often the cold start's oracle calls the tool, by what the K-frame
+    # overview shows (each (row, K) record drawn by a stable hash). ``synth_call_share_missed``:
+    # of the records whose overview misses the square, the share that crop the whole video; the
+    # others guess ("I will guess.", one record per colour: a uniform guess). 1.0: always crop
+    # (the optimal policy). ``synth_call_share_seen``: of the records whose overview shows it,
+    # the share that crop anyway ("...; I will look at the whole video."). 0.0: never.
+    # Between the two, the cold start calls too rarely where a crop pays and too often where it
+    # costs (reward.call_cost): what RL has to learn (the embedded default, docs/default_run.md).
+    synth_call_share_missed: float = 1.0
+    synth_call_share_seen: float = 0.0
     # Root prepended to relative video paths in dataset rows ('' = relative to the dataset file).
     video_root: str = ""
     # Keep at most this many training rows (0 = all); useful for smoke runs.
@@ -373,7 +383,7 @@ class ExtraRewardTerm:
 
 @dataclass
 class RewardConfig:
-    # R = R_acc + w_fmt * R_fmt + R_tool.
+    # R = R_acc + w_fmt * R_fmt + R_tool (+ the extra terms).
     w_fmt: float = 1.0
     # Anchoring: R_fmt = base + lambda_anchor * R_anchor (</think> closure, think->answer flow,
     # unclosed-<think> penalty). 0 disables anchoring (vanilla GRPO format reward).
@@ -382,6 +392,11 @@ class RewardConfig:
     tool_bonus: float = 0.2
     # Penalty per tool call that failed to parse/validate (structure, not strings).
     tool_error_penalty: float = 0.05
+    # Cost per executed tool call (a crop decoded and summarised): with tool_bonus 0 a call
+    # pays only through the answer it makes right, and a call whose answer the overview
+    # already gave loses this much per crop (the embedded default's 0.02: RL learns when to
+    # call, docs/default_run.md). 0: calls are free.
+    call_cost: float = 0.0
     # R_acc at or above which the answer counts as correct for the tool bonus (tvg IoU, oe F1).
     tool_correct_threshold: float = 0.5
     # Open-ended R_acc: 'f1' (multiset token F1; partial credit, 1 iff normalised exact match)
@@ -651,8 +666,11 @@ class TrainConfig:
     eval_frames: int = 0
     # Evaluation conditions "K:tools" / "K:notools" (e.g. "4:tools", "32:notools"): each is
     # rolled out on the same prompts and reported with a 95% interval; "notools" forces the
-    # answer in the first turn (agent.max_turns = 0). The first condition also fills the
-    # table's unprefixed rows. Empty = one condition, "eval_frames:tools".
+    # answer in the first turn (agent.max_turns = 0); ":greedy" after one ("4:tools:greedy")
+    # decodes it greedily, one sample a prompt. Synthetic spot prompts are also reported split
+    # by need ({name}/need/*: the K-frame overview misses the square; {name}/seen/*: it shows
+    # it). The first condition also fills the table's unprefixed rows. Empty = one condition,
+    # "eval_frames:tools".
     eval_conditions: list[str] = field(default_factory=list)
     # Also evaluate before RL (the table's "before" column). Off for runs that share a start
     # checkpoint another run already evaluated (``python -m paravt.experiments ablation``).
@@ -758,13 +776,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "sft.save_every": 500,
         "sft.schedule": "cosine",
         "sft.freeze_vision_tower": True,
-        "train.steps": 30,
+        "train.steps": 150,
         "train.prompts_per_step": 4,
-        "train.save_every": 10,
-        # 32 of the 64 held-out prompts (one per held-out video), 4 samples each, per condition.
-        "train.eval_prompts": 32,
+        "train.save_every": 50,
+        # All 64 held-out prompts (one per held-out video), 4 samples each (and one greedy),
+        # per condition; split by need at K = 4 (about 60% need a crop) and K = 8 (about 35%).
+        "train.eval_prompts": 64,
         "train.eval_samples": 4,
-        "train.eval_conditions": ["4:tools", "4:notools", "32:notools"],
+        "train.eval_conditions": [
+            "4:tools",
+            "4:tools:greedy",
+            "8:tools",
+            "8:tools:greedy",
+            "4:notools",
+        ],
         "video.frame_budgets": [4, 8, 16, 32],
         "video.overview_max_pixels": 32 * 32,
         "video.crop_max_pixels": 32 * 32,
@@ -783,6 +808,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         # call turn is 55% of the first turns instead of 23% (greedy, the cold start at 160
         # videos without them never called at K = 4; docs/copy_probe.md).
         "data.synth_colour_swaps": 3,
+        # RL has something to learn: the cold start crops in a quarter of the records whose
+        # overview misses the square (it guesses in the rest) and in a quarter of those whose
+        # overview shows it, so it calls too rarely where a crop pays and too often where it
+        # only costs. A call pays only through the answer (no flat bonus) and costs 0.02 per
+        # crop (docs/default_run.md: what RL learns from it, over seeds).
+        "data.synth_call_share_missed": 0.4,
+        "data.synth_call_share_seen": 0.25,
+        "reward.tool_bonus": 0.0,
+        "reward.call_cost": 0.02,
     },
     # The reference recipe (ParaVT paper): Qwen3-VL-8B, PARA-GRPO.
     "qwen3vl_8b_paragrpo": {
@@ -928,6 +962,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.synth_mcq_variants": (">= 1", "multiple-choice rows per synthetic training video"),
     "data.synth_decoy_share": ("[0, 1]", "share of spot_decoy videos with a decoy colour"),
     "data.synth_colour_swaps": ("[0, 3]", "swapped copies of each spot/spot_decoy tool record"),
+    "data.synth_call_share_missed": ("[0, 1]", "share of missed-overview oracle records that crop"),
+    "data.synth_call_share_seen": ("[0, 1]", "share of seen-overview oracle records that crop"),
     "data.max_samples": (">= 0", "training rows kept; 0 = all"),
     "video.fixed_frames": (">= 1", "overview frames when gating is off"),
     "video.overview_max_pixels": (">= 1", "pixel budget per overview frame"),
@@ -963,6 +999,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "reward.lambda_anchor": (">= 0", "weight of the anchoring terms; 0 = off"),
     "reward.tool_bonus": (">= 0", "reward for a correct answer that used a crop"),
     "reward.tool_error_penalty": (">= 0", "penalty per failed tool call"),
+    "reward.call_cost": (">= 0", "reward subtracted per executed tool call"),
     "reward.tool_correct_threshold": ("[0, 1]", "R_acc at which an answer counts as correct"),
     "algo.lr": ("> 0", "learning rate"),
     "algo.weight_decay": (">= 0", "AdamW weight decay"),

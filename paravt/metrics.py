@@ -636,10 +636,12 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
     * ``acc/K{k}``, ``tool_rate/K{k}``, ``count/K{k}``: the same per frame-budget bucket;
     * none of these for no records (an empty step: ``paravt.alarms.EmptySteps``);
-    * ``adv/mixed_groups``, ``adv/tool``, ``adv/no_tool`` (records with an ``advantage``: a
-      training step's): the share of groups (prompts) holding rollouts that executed a crop
-      and rollouts that did not, and over those mixed groups the mean group advantage of each
-      side (absent when no group is mixed). ``adv/tool`` < 0 < ``adv/no_tool`` pushes the
+    * ``adv/nonzero_groups`` (records with an ``advantage``: a training step's): the share of
+      groups (prompts) with a non-zero group advantage; a group whose G rollouts earn the same
+      reward teaches nothing, so a step whose share is 0 changes nothing but by the KL;
+    * ``adv/mixed_groups``, ``adv/tool``, ``adv/no_tool`` (the same records): the share of
+      groups holding rollouts that executed a crop and rollouts that did not, and over those
+      mixed groups the mean group advantage of each side (absent when no group is mixed). ``adv/tool`` < 0 < ``adv/no_tool`` pushes the
       policy away from the tool: the measured reason for a collapse (the collapse
       experiment, ``paravt.experiments.collapse``, reads them from ``metrics.jsonl``);
     * ``prompts/X``, ``prompt_sq/X`` for ``X`` = ``tool_call_rate`` and each ``tool_rate/K{k}``:
@@ -678,6 +680,11 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+#: An advantage at most this large in magnitude counts as zero in ``adv/nonzero_groups``: a
+#: group whose G rewards are equal gets 0 up to rounding (its std is 0 and algo.adv_eps 1e-6).
+NONZERO_ADVANTAGE = 1e-6
+
+
 def _tool_advantage(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     """``adv/*`` of :func:`rollout_metrics` (none without advantages)."""
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -688,14 +695,15 @@ def _tool_advantage(records: Sequence[dict[str, Any]]) -> dict[str, float]:
         return {}
     tool: list[float] = []
     no_tool: list[float] = []
-    mixed = 0
+    mixed = nonzero = 0
     for rs in groups.values():
+        nonzero += any(abs(r["advantage"]) > NONZERO_ADVANTAGE for r in rs)
         used = [r["used_tool"] > 0 for r in rs]
         if any(used) and not all(used):
             mixed += 1
             tool += [r["advantage"] for r, u in zip(rs, used) if u]
             no_tool += [r["advantage"] for r, u in zip(rs, used) if not u]
-    out = {"adv/mixed_groups": mixed / len(groups)}
+    out = {"adv/mixed_groups": mixed / len(groups), "adv/nonzero_groups": nonzero / len(groups)}
     if mixed:
         out["adv/tool"] = _mean(tool)
         out["adv/no_tool"] = _mean(no_tool)

@@ -99,7 +99,8 @@ from paravt.distributed import (
     world_size_from_env,
 )
 from paravt.engines import engine_spec, make_engine
-from paravt.eval.heldout import evaluate, table_rows
+from paravt.eval.conditions import eval_conditions
+from paravt.eval.heldout import before_after_table, evaluate, table_rows
 from paravt.files import FolderBusy, NotRegularFile, claim_folder, write_atomic
 from paravt.log import get_logger
 from paravt.metrics import (
@@ -630,6 +631,8 @@ def _run(
                 plot_summary(out / "metrics.jsonl", out / "summary.png")
         table = {"before RL": before, "after RL": after, "last step": last}
         log.info("\n" + format_table(table, table_rows(cfg)))
+        if before and after:
+            log.info("\n" + paired_table(tr))
         log.info(
             f"\n[train] {t.steps} steps in {time.perf_counter() - t_run:.0f} s; run folder: "
             f"{out} (metrics.jsonl, tb/, trajectories.jsonl, summary.png, checkpoints/)"
@@ -728,6 +731,16 @@ def _preempted(
         "ok": ok,
         "seconds": seconds,
     }
+
+
+def paired_table(tr: Trainer) -> str:
+    """The before/after table paired by prompt (``paravt.eval.heldout.before_after_table``)
+    from the run's ``heldout.jsonl``, with a uniform guess's accuracy on the held-out mcq
+    prompts beside the no-tool conditions."""
+    mcq = [1 / len(s.options) for s in tr.val_samples if s.options]
+    guess = sum(mcq) / len(mcq) if mcq else None
+    rows = read_metrics(tr.logger.heldout_path)
+    return before_after_table(rows, eval_conditions(tr.cfg), guess)
 
 
 def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:

@@ -159,6 +159,12 @@ def test_tool_advantage_compares_tool_and_no_tool_rollouts_in_mixed_groups() -> 
     assert m["adv/mixed_groups"] == 0.5
     none = metrics([groups[1]])  # no mixed group: no advantage to log
     assert "adv/tool" not in none and none["adv/mixed_groups"] == 0.0
+    # adv/nonzero_groups: both groups' rewards differ (group 2's not by the tool) -> 1.0; a
+    # group whose rewards are all equal (the old default's every group) teaches nothing.
+    assert m["adv/nonzero_groups"] == none["adv/nonzero_groups"] == 1.0
+    flat = _group(2, [1.0, 1.0, 1.0, 1.0], [True, False, True, False])
+    assert metrics([flat])["adv/nonzero_groups"] == 0.0
+    assert metrics([flat, groups[0]])["adv/nonzero_groups"] == 0.5
     # Records without advantages (the held-out evaluation's) log none of these.
     assert not any(k.startswith("adv/") for k in rollout_metrics(
         [trajectory_record(t, 32) for t in groups[0].trajectories]))  # fmt: skip

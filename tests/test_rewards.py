@@ -308,6 +308,22 @@ def test_tool_reward_from_structure_not_strings():
     assert (r["n_calls"], r["n_ok"], r["n_model_errors"], r["n_system_errors"]) == (3, 1, 1, 1)
 
 
+def test_call_cost_prices_each_executed_call_only():
+    """``reward.call_cost`` (the embedded default's 0.02, tool_bonus 0): a call pays only
+    through the answer; each executed call costs, a failed one (model or system) does not."""
+    cfg = RewardConfig(tool_bonus=0.0, call_cost=0.02, tool_error_penalty=0.05)
+    right = Turn("x\n</think>\n<answer>B</answer>", prefix=THINK)
+    direct = score(_traj([right]), MCQ, cfg)
+    calls = [_call("ok"), _call("ok"), _call("ok"), _call("bad_json"), _call("decode_error")]
+    t1 = Turn("x</think><tool_call>{}</tool_call>", calls=calls, prefix=THINK)
+    called = score(_traj([t1, right]), MCQ, cfg)
+    assert direct["tool"] == 0.0
+    assert called["tool"] == pytest.approx(-3 * 0.02 - 0.05)
+    assert called["acc"] == direct["acc"] == 1.0
+    # Free calls (the base default): the same call round costs only its model error.
+    assert score(_traj([t1, right]), MCQ, RewardConfig(tool_bonus=0.0))["tool"] == -0.05
+
+
 def test_score_total_and_groups():
     cfg = RewardConfig(w_fmt=0.5, lambda_anchor=0.5)
     good = _traj([Turn("x\n</think>\n<answer>B</answer>", prefix=THINK)], uid="m0")

@@ -153,12 +153,14 @@ def test_clustered_interval() -> None:
 def test_eval_conditions_parse_and_fail_clearly() -> None:
     cfg = load_config("tiny_cpu")
     assert eval_conditions(cfg) == [
-        ("K4_tools", 4, True),
-        ("K4_notools", 4, False),
-        ("K32_notools", 32, False),
+        ("K4_tools", 4, True, False),
+        ("K4_tools_greedy", 4, True, True),
+        ("K8_tools", 8, True, False),
+        ("K8_tools_greedy", 8, True, True),
+        ("K4_notools", 4, False, False),
     ]
     cfg = load_config("tiny_cpu", overrides=["train.eval_conditions=[]", "train.eval_frames=8"])
-    assert eval_conditions(cfg) == [("K8_tools", 8, True)]
+    assert eval_conditions(cfg) == [("K8_tools", 8, True, False)]
     with pytest.raises(ConfigError, match="train.eval_conditions entry '4:maybe'"):
         load_config("tiny_cpu", overrides=["train.eval_conditions=[4:tools, 4:maybe]"])
 

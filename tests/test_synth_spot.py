@@ -164,3 +164,57 @@ def test_colour_swapped_copies_train_the_main_agent_only(tmp_path, spot) -> None
     plain_trajs = encode_records(plain, samples, bundle, cfg, DecodePlanner())
     assert n_sub == sum(t.role == "sub" for t in plain_trajs) > 0
     assert sum(t.role == "main" for t in trajs) == len(records)
+
+
+def test_oracle_call_shares_decide_where_the_cold_start_calls(tmp_path) -> None:
+    """``data.synth_call_share_missed`` / ``_seen`` (the embedded default's 0.25 / 0.25):
+    every (row, K) gets both kinds of record in that ratio of first turns, so the cold start
+    learns the probability in each context instead of a per-video choice. Missed overview: a
+    tool record and its 3 colour-swapped copies (4 first turns that call) and 12 guesses, each
+    colour 3 times (a uniform guess). Seen overview: 3 direct answers and 1 record that crops
+    anyway (main agent only), plus the forced twin. Calling and not calling differ first at
+    one word of the first thought. 1.0 / 0.0 (the base default) is the optimal oracle,
+    unchanged."""
+    over = {"data.synth_colour_swaps": 3, "video.frame_budgets": "[4,8,16,32]"}
+    cfg = _cfg(**over, **{"data.synth_call_share_missed": 0.25, "data.synth_call_share_seen": 0.25})
+    data = generate(
+        tmp_path / "a", 12, seed=3, min_duration=60, max_duration=60,
+        oracle=oracle_settings(cfg), task="spot",
+    )  # fmt: skip
+    rows = {r.id: r for r in load_samples(data, split="train")}
+    kinds: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    for r in read_sft_records(data / "sft.jsonl"):
+        if r.forced:
+            continue
+        row = rows[r.sample_id]
+        first = r.turns[0].content
+        if row.extra[f"need_K{r.num_frames}"]:
+            assert first.startswith("<think>\nThe overview shows no shape; I will ")
+            kind = "guess" if "I will guess." in first else "call"
+        else:
+            assert first.startswith(f"<think>\nThe overview shows a {row.extra['target']}")
+            kind = "call" if "; I will look at the whole video." in first else "answer"
+            if kind == "call":  # the crops name the truth: the answer is the row's
+                assert r.main_only and r.turns[2].content.endswith(f"<answer>{row.answer}</answer>")
+        assert (kind == "call") == (len(r.turns) == 3)
+        kinds.setdefault((r.sample_id, r.num_frames), []).append((kind, r.turns[-1].content[-10]))
+    need = seen = 0
+    for (sid, k), ks in kinds.items():
+        names = sorted(kd for kd, _ in ks)
+        if rows[sid].extra[f"need_K{k}"]:
+            need += 1
+            assert names == ["call"] * 4 + ["guess"] * 12
+            guessed = sorted(letter for kd, letter in ks if kd == "guess")
+            assert guessed == sorted("ABCD" * 3)  # every colour equally often
+        else:
+            seen += 1
+            assert names == ["answer"] * 3 + ["call"]
+    assert need and seen
+    # The optimal oracle (the base defaults): always crop when missed, never when seen.
+    data = generate(
+        tmp_path / "b", 12, seed=3, min_duration=60, max_duration=60,
+        oracle=oracle_settings(_cfg(**over)), task="spot",
+    )  # fmt: skip
+    for r in read_sft_records(data / "sft.jsonl"):
+        assert "guess" not in r.turns[0].content
+        assert r.forced or rows[r.sample_id].extra[f"need_K{r.num_frames}"] == (len(r.turns) == 3)

@@ -345,14 +345,17 @@ def test_evaluation_conditions_report_intervals_and_forbid_tools(assets, tmp_pat
                 "data.synth_num_videos": 10,
                 "train.eval_prompts": 2,
                 "train.eval_samples": 2,
-                "train.eval_conditions": ["2:tools", "4:notools"],
+                "train.eval_conditions": ["2:tools", "4:notools", "2:tools:greedy"],
             },
         )
     )
     res = run(cfg)
     for phase in ("before", "after"):
         m = res[phase]
-        for name in ("K2_tools", "K4_notools"):
+        # Split by need (the spot rows record need_K2): the two parts cover the prompts.
+        parts = [m.get(f"K2_tools/{p}/prompts", 0.0) for p in ("need", "seen")]
+        assert sum(parts) == 2.0 and m["K2_tools_greedy/prompts"] == 2.0
+        for name in ("K2_tools", "K4_notools", "K2_tools_greedy"):
             for key in ("accuracy", "accuracy_ci95", "format_compliance", "tool_call_rate"):
                 assert f"{name}/{key}" in m, f"{phase} lacks {name}/{key}"
             assert m[f"{name}/prompts"] == 2.0
@@ -361,6 +364,12 @@ def test_evaluation_conditions_report_intervals_and_forbid_tools(assets, tmp_pat
         assert m["accuracy"] == m["K2_tools/accuracy"]  # the first condition, unprefixed
     evals = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "eval_before"]
     assert evals and "K4_notools/accuracy" in evals[-1]
+    # A greedy condition rolls out one sample a prompt, the others eval_samples.
+    held = [r for r in read_metrics(out / "heldout.jsonl") if r["kind"] == "eval_before"]
+    assert {r["condition"]: r["samples"] for r in held} == {
+        "K2_tools": 2, "K4_notools": 2, "K2_tools_greedy": 1
+    }  # fmt: skip
     table = capsys.readouterr().out
+    assert "K=2 tools greedy" in table and "difference" in table  # the paired table
     assert "accuracy K2_tools" in table and "accuracy K4_notools" in table
     assert "summary accuracy K2_tools" in table and "summary accuracy K4_notools" not in table

@@ -104,7 +104,12 @@ SHAPES = ("square", "circle", "triangle")
 SPOT_COLOURS = ("scarlet", "lemon", "cyan", "magenta")
 SPOT_SHAPE = "square"
 # The oracle's thought before it crops the whole video (the spot tasks' tool round).
-SPOT_PLAN_TEXT = "The overview shows no shape; I will look at the whole video."
+SPOT_LOOK_TEXT = "I will look at the whole video."
+SPOT_PLAN_TEXT = f"The overview shows no shape; {SPOT_LOOK_TEXT}"
+# A guessing record's thought (``data.synth_call_share_missed`` < 1): the overview shows no
+# square and the oracle answers without a crop. It differs from SPOT_PLAN_TEXT from the word
+# after "I will" on: where the cold start decides to call.
+SPOT_GUESS_TEXT = "The overview shows no shape; I will guess."
 TASKS = tuple(SYNTH_TASK_MIN_SECONDS)  # ("cue", "spot", "spot_late", "spot_decoy")
 # The "spot_late" task (:func:`_plan_spot_late`): a spot square in the first half of the video
 # and, in a share SPOT_LATE_SHARE of the videos, a brief square of another colour after it; the
@@ -534,6 +539,10 @@ class OracleSettings:
     # ``data.synth_colour_swaps``: colour-swapped main-agent copies of each spot/spot_decoy
     # tool record.
     colour_swaps: int = 0
+    # ``data.synth_call_share_missed`` / ``_seen``: the share of spot records that crop when
+    # the overview misses the square (the rest guess) and when it shows it (the rest answer).
+    call_share_missed: float = 1.0
+    call_share_seen: float = 0.0
 
 
 def oracle_settings(cfg: Any) -> OracleSettings:
@@ -549,6 +558,8 @@ def oracle_settings(cfg: Any) -> OracleSettings:
         crop_min_frames=int(v.crop_min_frames),
         max_parallel=int(cfg.agent.max_parallel),
         colour_swaps=int(cfg.data.synth_colour_swaps),
+        call_share_missed=float(cfg.data.synth_call_share_missed),
+        call_share_seen=float(cfg.data.synth_call_share_seen),
     )
 
 
@@ -877,25 +888,66 @@ def _spot_sft(
     over = Seen(plan, fps, overview_timestamps(meta, num_frames), st.temporal_patch)
     if over.decoyed():
         return []  # the overview shows a wrong colour (all of it, or some): no record
+    key = f"{row['id']}:{num_frames}"
     if over.event(tgt):
         last = " last" if plan.distractors else ""
-        answer = (
-            f"<think>\nThe overview shows a {tgt.name}{last}.\n</think>\n"
-            f"<answer>{row['answer']}</answer>"
-        )
-        forced = SFTTurn("assistant", f"{row['answer']}</answer>", forced=True)
-        return [
-            _record(row, num_frames, SFTTurn("assistant", answer)),
-            _record(row, num_frames, forced),
-        ]
+        seen_text = f"The overview shows a {tgt.name}{last}"
+        answer = f"<think>\n{seen_text}.\n</think>\n<answer>{row['answer']}</answer>"
+        forced_turn = SFTTurn("assistant", f"{row['answer']}</answer>", forced=True)
+        n_answer, n_check = call_mix(st.call_share_seen, 1)
+        out = [_record(row, num_frames, SFTTurn("assistant", answer))] * n_answer
+        if n_check:  # crop anyway: the calls cost and pay nothing
+            windows, summaries, found = whole_video_crops(plan, meta, max(1, st.max_parallel), st)
+            plan_text = f"{seen_text}; {SPOT_LOOK_TEXT}"
+            rec = tool_record(row, num_frames, plan_text, windows, summaries, found, row["answer"])
+            # Main agent only: the sub-agents learn the same crops from the missed records.
+            out.append(replace(rec, main_only=True))
+        return [*out, _record(row, num_frames, forced_turn)]
     if any(over.event(e) for e in plan.distractors):
         return []  # the need is hidden from the overview: no record
+    n_guess, n_call = call_mix(st.call_share_missed, 1 + st.colour_swaps)
+    # Guesses: the colours without regard to the truth, cycling through a shuffled order (every
+    # colour equally often when there are 4k of them: a uniform guess).
+    colours = list(SPOT_COLOURS)
+    random.Random(f"paravt-guess:{key}").shuffle(colours)
+    out = [
+        _record(row, num_frames, SFTTurn("assistant", guess_answer(spot_letter(colours[i % 4]))))
+        for i in range(n_guess)
+    ]
+    if not n_call:
+        return out
     windows, summaries, found = whole_video_crops(plan, meta, max(1, st.max_parallel), st)
-    out = [tool_record(row, num_frames, SPOT_PLAN_TEXT, windows, summaries, found, row["answer"])]
-    for other in colour_swaps(tgt.colour, st.colour_swaps, f"{row['id']}:{num_frames}"):
+    out.append(
+        tool_record(row, num_frames, SPOT_PLAN_TEXT, windows, summaries, found, row["answer"])
+    )
+    for other in colour_swaps(tgt.colour, st.colour_swaps, key):
         rec = swapped_tool_record(row, num_frames, windows, summaries, found, tgt.colour, other)
         out.append(replace(rec, main_only=True))
     return out
+
+
+def call_mix(share: float, n_call: int) -> tuple[int, int]:
+    """``(records that do not call, first turns that call)`` for one (row, K) of the spot
+    oracle at call share ``share`` (``data.synth_call_share_*``), when a call comes with
+    ``n_call`` records of one first turn (a tool record and its colour-swapped copies).
+
+    Both kinds are written for every (row, K) with 0 < share < 1, in the ratio ``share``
+    (as near as whole records allow), so that the cold start learns that probability in each
+    context instead of a per-video choice it could memorise: measured, one record per (row,
+    K) drawn with probability 0.25 gave a cold start that called in 0 of 152 held-out K = 4
+    rollouts that needed a crop. share 1: calls only; share 0: no call (``n_call`` records
+    that do not call, as many as a call would have had)."""
+    if share >= 1.0:
+        return 0, n_call
+    if share <= 0.0:
+        return n_call, 0
+    return max(1, round(n_call * (1.0 - share) / share)), n_call
+
+
+def guess_answer(letter: str) -> str:
+    """The text of a guessing record's answer turn (``data.synth_call_share_missed`` < 1): the
+    overview shows no square and the oracle answers ``letter`` without a crop."""
+    return f"<think>\n{SPOT_GUESS_TEXT}\n</think>\n<answer>{letter}</answer>"
 
 
 def spot_letter(colour: str) -> str:
@@ -1019,8 +1071,9 @@ def generate(
     out = Path(out_dir)
     params = {
         # 5: need_K* in the spot rows, spot_late, spot_decoy; 6: x264 mbtree=0 (deterministic);
-        # 7: the spot colours scarlet and lemon (were red and yellow), colour_swaps
-        "version": 7,
+        # 7: the spot colours scarlet and lemon (were red and yellow), colour_swaps;
+        # 8: the oracle's call shares (call_share_missed / _seen)
+        "version": 8,
         "task": task,
         "num_videos": num_videos,
         "seed": seed,

@@ -7,29 +7,46 @@ before anything loads (a malformed entry is one of its ``ConfigError`` lines);
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class EvalConditionsError(ValueError):
     """A ``train.eval_conditions`` entry is malformed; the message names it and the fix."""
 
 
-def eval_conditions(cfg: Any) -> list[tuple[str, int, bool]]:
-    """``train.eval_conditions`` as ``(name, K, tools)``, e.g. ``("K4_tools", 4, True)``
-    (``cfg``: a ``paravt.config.Config``).
+class EvalCondition(NamedTuple):
+    """One held-out condition: its name (``K4_tools``, ``K4_tools_greedy``), the overview
+    budget K, whether the tool round runs, and whether it decodes greedily (one sample a
+    prompt, main and sub-agents at temperature 0) instead of ``train.eval_samples`` samples at
+    the rollout temperatures."""
+
+    name: str
+    k: int
+    tools: bool
+    greedy: bool = False
+
+
+def eval_conditions(cfg: Any) -> list[EvalCondition]:
+    """``train.eval_conditions`` parsed (``cfg``: a ``paravt.config.Config``): ``'K:tools'`` or
+    ``'K:notools'``, with ``':greedy'`` appended for a greedy condition, e.g.
+    ``EvalCondition("K4_tools", 4, True)`` and ``EvalCondition("K8_tools_greedy", 8, True,
+    True)`` for ``['4:tools', '8:tools:greedy']``.
 
     Raises ``EvalConditionsError`` naming a malformed entry."""
     t = cfg.train
     raw = list(t.eval_conditions) or [f"{t.eval_frames or cfg.video.fixed_frames}:tools"]
-    out: list[tuple[str, int, bool]] = []
+    out: list[EvalCondition] = []
     for c in raw:
-        k, _, mode = str(c).partition(":")
-        if not k.strip().isdigit() or int(k) < 1 or mode not in ("tools", "notools"):
+        k, _, rest = str(c).partition(":")
+        mode, _, how = rest.partition(":")
+        ok = k.strip().isdigit() and int(k) >= 1 and mode in ("tools", "notools")
+        if not ok or how not in ("", "greedy"):
             raise EvalConditionsError(
-                f"train.eval_conditions entry {c!r} is not 'K:tools' or 'K:notools' with K >= 1 "
-                "(e.g. ['4:tools', '4:notools', '32:notools'])"
+                f"train.eval_conditions entry {c!r} is not 'K:tools' or 'K:notools' with K >= 1, "
+                "optionally ':greedy' after it (e.g. ['4:tools', '4:tools:greedy', '32:notools'])"
             )
-        out.append((f"K{int(k)}_{mode}", int(k), mode == "tools"))
-    if len({n for n, _, _ in out}) != len(out):
+        name = f"K{int(k)}_{mode}" + ("_greedy" if how else "")
+        out.append(EvalCondition(name, int(k), mode == "tools", bool(how)))
+    if len({c.name for c in out}) != len(out):
         raise EvalConditionsError(f"train.eval_conditions={raw} repeats a condition")
     return out

@@ -39,7 +39,7 @@ def table_rows(cfg: Config) -> list[tuple[str, str]]:
     behaviour metrics, then accuracy with its 95% interval and the summary accuracy of each
     ``train.eval_conditions`` entry."""
     rows = list(TABLE_ROWS)
-    for name, _, tools in eval_conditions(cfg):
+    for name, _, tools, _ in eval_conditions(cfg):
         rows.append((f"{name}/accuracy", f"accuracy {name}"))
         rows.append((f"{name}/accuracy_ci95", "  +/- (95% interval)"))
         if tools:
@@ -98,21 +98,29 @@ def evaluate(
     mine = shard_list(tr.val_samples[:n], tr.ctx)
     tr.policy.eval()
     out: dict[str, float] = {}
-    for i, (name, k, tools) in enumerate(eval_conditions(cfg)):
+    for i, (name, k, tools, greedy) in enumerate(eval_conditions(cfg)):
         runner = tr.runner
-        if not tools:  # the answer is forced in the first turn: no tool round
-            no_tools = replace(cfg, agent=replace(cfg.agent, max_turns=0))
-            runner = AgentRunner(runner.engine, runner.bundle, no_tools, planner=runner.planner)
+        if not tools or greedy:  # no tool round (the answer forced at once), or greedy
+            c = cfg
+            if not tools:
+                c = replace(c, agent=replace(c.agent, max_turns=0))
+            if greedy:
+                greedy_rollout = dict(temperature=0.0, sub_temperature=0.0, top_p=1.0)
+                c = replace(c, rollout=replace(c.rollout, **greedy_rollout))
+            runner = AgentRunner(runner.engine, runner.bundle, c, planner=runner.planner)
+        samples = 1 if greedy else cfg.train.eval_samples
         groups = runner.rollout(
-            mine, [k] * len(mine), group_size=cfg.train.eval_samples, seed=stable_seed("eval", seed)
+            mine, [k] * len(mine), group_size=samples, seed=stable_seed("eval", seed)
         )
         score_groups(groups, cfg.reward)
         recs, rows = [], []
         for g in groups:
             mine_g = []
+            need = g.sample.extra.get(f"need_K{g.num_frames}")
             for t in g.trajectories:
                 r = trajectory_record(t, g.num_frames)
                 r["prompt"] = g.sample.id
+                r["need"] = need if isinstance(need, bool) else None
                 checks = [
                     summary_correct(c.response, c.start, c.end, g.sample)
                     for turn in t.turns
@@ -138,4 +146,108 @@ def evaluate(
         for key in (*EVAL_CONDITION_KEYS, "accuracy_ci95", "prompts"):
             # NaN (logged as null): no rollout of this condition (every video read failed)
             out[f"{name}/{key}"] = m.get(key, float("nan"))
+        out.update(need_split(name, recs))
     return out
+
+
+#: The per-need metrics of :func:`need_split` (``{condition}/{need|seen}/{key}``).
+NEED_KEYS = (
+    "accuracy",
+    "tool_call_rate",
+    "tool_calls_per_rollout",
+    "format_compliance",
+    "think_closure_rate",
+    "prompts",
+)
+
+
+def need_split(name: str, recs: list[dict[str, Any]]) -> dict[str, float]:
+    """Condition ``name``'s metrics split by need: ``{name}/need/{key}`` over the prompts whose
+    K-frame overview misses the square (``need_K{K}``, recorded by the synthetic spot tasks:
+    only a crop can answer them) and ``{name}/seen/{key}`` over the others, ``key`` in
+    ``NEED_KEYS`` (``prompts``: how many). Empty for prompts that record no need."""
+    out: dict[str, float] = {}
+    for part, flag in (("need", True), ("seen", False)):
+        sub = [r for r in recs if r.get("need") is flag]
+        if not any(r.get("need") is not None for r in recs):
+            return out
+        m = rollout_metrics(sub)
+        m["prompts"] = float(len({r["prompt"] for r in sub}))
+        for key in NEED_KEYS:
+            out[f"{name}/{part}/{key}"] = m.get(key, float("nan"))
+    return out
+
+
+#: The rows of :func:`before_after_table` per condition: (heldout.jsonl key, label).
+PAIRED_KEYS = (
+    ("tool_call_rate", "call rate"),
+    ("tool_calls_per_rollout", "calls / rollout"),
+    ("accuracy", "accuracy"),
+)
+
+
+def paired_difference(
+    rows: list[dict[str, Any]], cond: str, key: str, need: bool | None
+) -> tuple[float, float, float, float, int]:
+    """``(before, after, after - before, half-width of its 95% interval, prompts)`` of
+    ``heldout.jsonl`` metric ``key`` under condition ``cond`` over the prompts of one need
+    (``need`` None: all): the rows of the run's ``eval_before`` and ``eval_after``, paired by
+    prompt, the interval clustered by prompt (``clustered_mean_ci95`` of the per-prompt
+    differences)."""
+    by: dict[str, dict[str, float]] = {"eval_before": {}, "eval_after": {}}
+    for r in rows:
+        if r.get("condition") != cond or r.get("kind") not in by:
+            continue
+        flag = (r.get("extra") or {}).get(f"need_K{r['K']}")
+        if need is not None and flag is not need:
+            continue
+        v = r.get(key)
+        if v is not None and v == v:  # NaN / null: nothing to pair
+            by[r["kind"]][r["prompt"]] = float(v)
+    b, a = by["eval_before"], by["eval_after"]
+    both = sorted(set(b) & set(a))
+    if not both:
+        nan = float("nan")
+        return nan, nan, nan, nan, 0
+    diffs = [a[p] - b[p] for p in both]
+    mean_d, half = clustered_mean_ci95(diffs, both)
+    mb = sum(b[p] for p in both) / len(both)
+    return mb, mb + mean_d, mean_d, half, len(both)
+
+
+def before_after_table(
+    rows: list[dict[str, Any]], conditions: list[Any], guess: float | None = None
+) -> str:
+    """The run's before/after-RL table from its ``heldout.jsonl`` rows: per tool condition
+    (``eval_conditions``) the call rate, calls per rollout and accuracy on the prompts whose
+    overview misses the square (``need``) and on the others (``seen``), format compliance and
+    ``</think>`` closure on all; per no-tool condition the accuracy, beside ``guess`` (a
+    uniform guess's accuracy). Each row: before, after, the difference and its 95% interval
+    clustered by prompt, and the number of prompts. Printed by ``python -m paravt.train`` at
+    the end of a run; the README's default table."""
+    head = f"{'condition':<20}{'prompts':<16}{'metric':<17}{'before':>8}{'after':>8}  difference"
+    lines = [head, "-" * (len(head) + 20)]
+
+    def line(label: str, part: str, name: str, cond: str, key: str, need: bool | None) -> None:
+        b, a, d, h, n = paired_difference(rows, cond, key, need)
+        if n:
+            what = f"{part} (n={n})"
+            lines.append(f"{label:<20}{what:<16}{name:<17}{b:>8.3f}{a:>8.3f}  {d:+.3f} +/- {h:.3f}")
+
+    for c in conditions:
+        label = f"K={c.k} " + ("tools" if c.tools else "no tools")
+        label += " greedy" if c.greedy else " sampled"
+        if not c.tools:
+            line(label, "need", "accuracy", c.name, "accuracy", True)
+            line(label, "seen", "accuracy", c.name, "accuracy", False)
+            if guess is not None:
+                lines.append(
+                    f"{'':<20}{'(any)':<16}{'uniform guess':<17}{guess:>8.3f}{guess:>8.3f}"
+                )
+            continue
+        for part, need in (("need", True), ("seen", False)):
+            for key, name in PAIRED_KEYS:
+                line(label, part, name, c.name, key, need)
+        line(label, "all", "format", c.name, "format_compliance", None)
+        line(label, "all", "</think> closure", c.name, "think_closure_rate", None)
+    return "\n".join(lines)

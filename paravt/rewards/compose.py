@@ -110,6 +110,7 @@ def score(traj: Trajectory, sample: Sample, cfg: RewardConfig) -> dict[str, floa
                 tool_bonus=cfg.tool_bonus,
                 tool_error_penalty=cfg.tool_error_penalty,
                 correct_threshold=cfg.tool_correct_threshold,
+                call_cost=cfg.call_cost,
             )
         )
     out["num_turns"] = float(len(traj.turns))

@@ -6,7 +6,11 @@ status; only calls the agent loop actually executed (crop decoded, sub-agent ans
 text changes no ``ToolCall`` and so earns nothing here (the reference paid for such strings)::
 
     R_tool = tool_bonus · [n_ok ≥ 1 and R_acc ≥ tool_correct_threshold]
-             − tool_error_penalty · n_model_errors
+             − tool_error_penalty · n_model_errors − call_cost · n_ok
+
+``call_cost`` (``reward.call_cost``) prices each executed call: with ``tool_bonus = 0`` a call
+pays only through the answer it makes right, so a policy that crops when the overview already
+shows the answer loses ``call_cost`` per crop against one that answers at once.
 
 ``n_model_errors`` counts calls the *model* got wrong (bad JSON, unknown tool, bad arguments,
 bad range, outside the video, over the parallel limit, unclosed). Failures of the system
@@ -40,9 +44,10 @@ def tool_reward(
     tool_bonus: float,
     tool_error_penalty: float,
     correct_threshold: float,
+    call_cost: float = 0.0,
 ) -> dict[str, float]:
     """``R_tool`` and the call counts it was computed from (as floats, for logging)."""
     n = call_counts(traj)
     bonus = tool_bonus if (n["n_ok"] >= 1 and acc >= correct_threshold) else 0.0
-    r = bonus - tool_error_penalty * n["n_model_errors"]
+    r = bonus - tool_error_penalty * n["n_model_errors"] - call_cost * n["n_ok"]
     return {"tool": r, **{k: float(v) for k, v in n.items()}}
