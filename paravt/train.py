@@ -209,6 +209,28 @@ def _run_config(run_dir: str) -> Path:
     )
 
 
+def untrained_start(cfg: Config) -> str:
+    """Why RL would start from weights nothing trained ('' when it would not): no
+    ``model.path`` (the tiny model, built with random weights) or ``model.init=random``, and
+    no cold start (``sft.steps=0``). Such a policy has never seen the answer or the tool-call
+    format, so its rollouts earn near-equal rewards and the group advantages are near zero:
+    the run learns little. ``build_trainer`` warns with it before RL starts from step 0."""
+    m = cfg.model
+    if cfg.sft.steps > 0 or cfg.train.steps < 1 or (m.path and m.init != "random"):
+        return ""
+    weights = (
+        f"model.init=random ({m.config}'s architecture)"
+        if m.init == "random"
+        else "the tiny model (model.path is empty)"
+    )
+    return (
+        f"RL starts from random weights, {weights}, with no cold start (sft.steps=0): it has "
+        "never seen the answer or tool-call format, so its rollouts earn near-equal rewards "
+        "and RL learns little. Set sft.steps > 0 (the cold start on tool-use records) or "
+        "model.path=A_TRAINED_CHECKPOINT"
+    )
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
@@ -244,6 +266,8 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     ckpt = latest_checkpoint(out) if t.resume else None
     if t.resume and ckpt is None:
         log.info(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
+    if ckpt is None and ctx.is_main and (why := untrained_start(cfg)):
+        log.warning(f"[train] warning: {why}")
 
     def load(path: str | Path, dtype: str | None = None, device: str = "") -> ModelBundle:
         return load_model_from_config(
@@ -793,8 +817,15 @@ def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
     ``step`` as a ``kind`` row (``eval_before``, ``eval_step``, ``eval_after``) of
     ``metrics.jsonl`` and one row per prompt and condition in ``heldout.jsonl``."""
     prompts: list[dict[str, Any]] = []
+    t = tr.cfg.train
+    label = {"eval_before": "before RL", "eval_after": "after RL"}.get(kind, f"step {step}")
+    conds = list(t.eval_conditions) or [f"{t.eval_frames or tr.cfg.video.fixed_frames}:tools"]
+    log.info(
+        f"[eval] {label}: {len(tr.val_samples)} held-out prompt(s), "
+        f"{len(conds)} condition(s): {', '.join(map(str, conds))}"
+    )
     with tr.source.evaluating(tr.policy, step):  # async: the eval engine gets the weights
-        m = evaluate(tr, seed=tr.cfg.train.seed, per_prompt=prompts)
+        m = evaluate(tr, seed=t.seed, per_prompt=prompts, label=label)
     tr.logger.log(step, m, kind=kind)
     tr.logger.log_heldout(step, kind, prompts)
     return m
