@@ -51,6 +51,7 @@ class DataConfig:
     synth_dir: str = "runs/data/synth"
     # Number of synthetic videos (each yields several questions) and the generator seed.
     synth_num_videos: int = 12
+    # The generator's seed (videos, questions, the train / held-out split).
     synth_seed: int = 0
     # Multiple-choice rows per synthetic TRAINING video, each with the options drawn and
     # ordered anew (held-out videos keep one): the letter cannot be learnt per video.
@@ -59,7 +60,9 @@ class DataConfig:
     # 'spot' (one square per video, a fixed-option question on its colour; the tiny default's,
     # see paravt.data.synth.generate), and its video durations in seconds.
     synth_task: str = "cue"
+    # Shortest synthetic video, in seconds (each video's length is drawn between the two).
     synth_min_duration: float = 60.0
+    # Longest synthetic video, in seconds.
     synth_max_duration: float = 180.0
     # 'spot_decoy' only: the share q of videos whose square shows a wrong colour in exactly the
     # frames the K = 32 overview decodes (paravt.data.synth._plan_spot_decoy).
@@ -109,13 +112,17 @@ class VideoConfig:
     fixed_frames: int = 16
     # Pixel budget per overview frame (smart_resize keeps aspect, sides multiple of patch*merge).
     overview_max_pixels: int = 64 * 64
+    # Pixel floor per overview frame (a smaller frame is scaled up to it).
     overview_min_pixels: int = 32 * 32
     # Crop sampling: frames per second inside a crop window, cap and floor on frames per crop.
     crop_fps: float = 1.0
+    # At most this many frames per crop (a long window is sampled sparser than crop_fps).
     crop_max_frames: int = 16
+    # At least this many frames per crop (a short window is sampled denser than crop_fps).
     crop_min_frames: int = 2
     # Pixel budget per crop frame.
     crop_max_pixels: int = 64 * 64
+    # Pixel floor per crop frame.
     crop_min_pixels: int = 32 * 32
     # Bounded LRU frame cache shared by overview and crops (decoded frames kept, 0 = off).
     cache_frames: int = 4096
@@ -151,6 +158,7 @@ class ModelConfig:
     # Local HF checkpoint directory (Qwen3-VL or Qwen2.5-VL). Empty: build the tiny offline
     # model into ``tiny_dir`` (if absent) and load it through the same code path.
     path: str = ""
+    # Where the tiny offline model is built (once) and read from when model.path is empty.
     tiny_dir: str = "runs/models/tiny-qwen3vl"
     # Embedding / lm_head rows of the tiny model (>= 4096, its tokenizer's size). 151936 is
     # Qwen3-VL's real vocabulary: what the log-prob path costs at that size, on a CPU.
@@ -223,11 +231,13 @@ class RolloutConfig:
     engine: str = "hf"
     # G: samples per prompt (the GRPO group).
     group_size: int = 8
-    # Sampling parameters of the main agent.
+    # Sampling temperature of the main agent.
     temperature: float = 0.7
+    # Nucleus (top-p) mass of the main agent's and the sub-agents' sampling (1 = off).
     top_p: float = 1.0
-    # New-token caps per main-agent turn and per sub-agent summary.
+    # New-token cap per main-agent turn.
     max_new_tokens: int = 256
+    # New-token cap per sub-agent summary.
     sub_max_new_tokens: int = 128
     # Sub-agent sampling temperature (summaries are usually sampled cooler).
     sub_temperature: float = 0.7
@@ -450,10 +460,13 @@ class AlgoConfig:
     # Freeze the vision tower except its mergers during RL too (as sft.freeze_vision_tower
     # does in SFT; paravt.models.loader.freeze_vit says why a random tiny tower needs it).
     freeze_vision_tower: bool = False
+    # AdamW weight decay of the RL optimizer.
     weight_decay: float = 0.0
     # PPO clipping: ratio in [1-clip_low, 1+clip_high]; dual clip bound c (>1) or null.
     clip_low: float = 0.2
+    # The ratio is clipped above at 1 + clip_high (above clip_low: DAPO's clip-higher).
     clip_high: float = 0.2
+    # Dual clip (negative advantages): the loss is bounded by c * |A|, c > 1; null = off.
     dual_clip: float | None = None
     # Decoupled objective: the behaviour importance weight w = exp(prox - behav) multiplies
     # each token's loss. A number drops the tokens whose w passes it from the loss (AReaL's
@@ -464,6 +477,7 @@ class AlgoConfig:
     behav_cap: float | None = None
     # KL to the frozen reference: coefficient and estimator (k1 | k2 | k3). 0 skips the reference.
     kl_coef: float = 0.01
+    # The KL estimator: k1 (log ratio), k2 (half its square) or k3 (exp(-x) - 1 + x).
     kl_type: str = "k3"
     # Where the frozen reference model lives (algo.kl_coef > 0): 'replicate' (a full copy on
     # every rank's device), 'shard' (FSDP2-sharded over the trainer ranks like the policy:
@@ -486,7 +500,9 @@ class AlgoConfig:
     agg: str = "token-mean"
     # Group-relative advantage: divide by group std (GRPO) or not (Dr.GRPO).
     normalize_std: bool = True
+    # A = (r - group mean) / (group std + adv_eps) * adv_scale + adv_bias (a group of one: 0).
     adv_scale: float = 1.0
+    # Added to every advantage: > 0 gives a tied group's rollouts a small positive one.
     adv_bias: float = 0.0
     # Added to the group std before dividing (a group whose rewards are all equal gets A = 0).
     adv_eps: float = 1e-6
@@ -500,6 +516,7 @@ class AlgoConfig:
     warmup_steps: int = 0
     # PPO epochs over each rollout batch and minibatches per epoch.
     ppo_epochs: int = 1
+    # Minibatches per epoch (an optimizer step each; whole prompts per minibatch).
     minibatches: int = 1
     # Token budget of one packed forward (several sequences in one row, no attention across
     # them; paravt.algo.packing.microbatches): the proximal / reference log-prob passes and the
@@ -571,7 +588,9 @@ class AlgoConfig:
 class SFTConfig:
     # Cold-start SFT before RL (0 steps = skip). Trajectories: the synthetic oracle by default.
     steps: int = 40
+    # Its AdamW learning rate (the peak, under sft.schedule).
     lr: float = 1e-3
+    # Records (trajectories) per SFT step, over every rank.
     batch_size: int = 8
     # SFT data file (JSONL of oracle trajectories / ParaVT SFT messages). Empty = synthetic.
     data: str = ""
@@ -603,6 +622,7 @@ class SFTConfig:
 class TrainConfig:
     # RL steps and prompts per step (each prompt is rolled out group_size times).
     steps: int = 4
+    # Prompts per RL step (over every rank: a multiple of the trainer ranks).
     prompts_per_step: int = 4
     # Global seed: data order, frame budgets, sampling.
     seed: int = 0
@@ -610,6 +630,7 @@ class TrainConfig:
     out_dir: str = "runs/train/default"
     # Checkpoint every N steps (0 = only at the end); keep the last N checkpoints.
     save_every: int = 2
+    # Checkpoints kept (the newest; 0 = all).
     keep_last: int = 2
     # A checkpoint save that fails (disk full, quota, I/O error): 'fail' stops the run with a
     # non-zero exit naming the path and the space needed; 'continue' logs it and trains on
@@ -660,6 +681,7 @@ class TrainConfig:
     # Validation prompts rolled out before and after RL (the final table); 0 = skip. Each is
     # sampled ``eval_samples`` times at the rollout temperature with a fixed seed.
     eval_prompts: int = 8
+    # Samples per held-out prompt and condition.
     eval_samples: int = 2
     # Overview frames K of those evaluation rollouts (0 = video.fixed_frames). Keep it equal
     # across runs you compare: K changes what the model sees, hence its behaviour.
@@ -1233,6 +1255,14 @@ COMMON_KEYS: dict[str, str] = {
     "reward.lambda_anchor": "the format anchor's weight (0: vanilla GRPO)",
     "video.frame_budgets": "the overview budgets K drawn per prompt",
     "sft.steps": "cold-start SFT steps before RL (0: start from model.path as it is)",
+    "sft.data": "the cold start's tool-use records (JSONL; '': data.path/sft.jsonl or the oracle's)",
+    "agent.tools": "the tools, each module:attr (a plug-in beside crop_video)",
+    "reward.extra_terms": "plug-in reward terms: [{fn: module:attr, weight: w}]",
+    "train.eval_prompts": "held-out prompts evaluated before/after RL (0: none)",
+    "train.eval_samples": "samples per held-out prompt and condition",
+    "train.eval_conditions": "held-out conditions, e.g. 4:tools, 32:notools",
+    "train.eval_every": "also evaluate every N steps (0: before/after only)",
+    "train.wandb": "log to Weights & Biases too (pip install wandb)",
 }
 
 
@@ -1266,8 +1296,9 @@ def config_help(presets: tuple[str, str] = ("tiny_cpu", "qwen3vl_8b_paragrpo")) 
     lines += [f"  {k:<{kw}}  {va:<{aw}}  {vb:<{bw}}  {what}" for k, va, vb, what in rows]
     lines += [
         "",
-        "Every key, with its default and what it does: paravt/config.py (one dataclass per",
-        "section; the presets in PRESETS). A run's resolved settings: RUN/config.yaml.",
+        "Every key, with its defaults and what it does: docs/config.md (generated from the",
+        "comments of paravt/config.py, one dataclass per section; the presets in PRESETS).",
+        "A run's resolved settings: RUN/config.yaml.",
     ]
     return "\n".join(lines)
 
@@ -1281,3 +1312,117 @@ class ConfigHelpParser(argparse.ArgumentParser):
         self.epilog = config_help()
         self.formatter_class = argparse.RawDescriptionHelpFormatter
         return super().format_help()
+
+
+# --------------------------------------------------------------------------------------------
+# The reference of every key (docs/config.md), from the comments above the fields.
+
+
+def field_docs(source: str | None = None) -> dict[str, str]:
+    """Every key of :class:`Config` (``section.field``; the fields of a list's dataclass
+    elements as ``section.field[].sub``, e.g. ``reward.extra_terms[].fn``) in declaration
+    order, with its documentation: the comment lines directly above its field in this file,
+    joined ('' when there are none). Read from the source with ``ast``: these comments are
+    the fields' documentation (the module docstring), for docs/config.md. ``source``: this
+    file's text to read instead (a test's edited copy)."""
+    import ast
+
+    lines = (Path(__file__).read_text() if source is None else source).splitlines()
+    classes = {n.name: n for n in ast.parse("\n".join(lines)).body if isinstance(n, ast.ClassDef)}
+    out: dict[str, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        lineno = {
+            n.target.id: n.lineno
+            for n in classes[cls.__name__].body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+        for f in dataclasses.fields(cls):
+            comment: list[str] = []
+            i = lineno[f.name] - 2  # the line above, 0-based
+            while i >= 0 and lines[i].strip().startswith("#"):
+                comment.insert(0, lines[i].strip().lstrip("#").strip())
+                i -= 1
+            out[f"{prefix}{f.name}"] = " ".join(comment)
+            inner = _element_dataclass(f.type)
+            if inner is not None:
+                walk(inner, f"{prefix}{f.name}[].")
+
+    for section in dataclasses.fields(Config):
+        walk(section.default_factory, f"{section.name}.")  # type: ignore[arg-type, misc]
+    return out
+
+
+def _element_dataclass(annotation: Any) -> type | None:
+    """The dataclass of a ``list[X]`` field's elements (``reward.extra_terms``), else None."""
+    text = str(annotation)
+    if not (text.startswith("list[") and text.endswith("]")):
+        return None
+    cls = globals().get(text[5:-1])
+    return cls if dataclasses.is_dataclass(cls) else None
+
+
+#: The presets whose defaults docs/config.md shows (as ``--help`` does).
+DOC_PRESETS = ("tiny_cpu", "qwen3vl_8b_paragrpo")
+
+
+def _cell(text: str) -> str:
+    """``text`` as one markdown table cell: '|' escaped, tags (``<think>``) kept as text."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+
+
+def _code_cell(value: str) -> str:
+    """``value`` as a code span in a table cell (tags stay text there; '|' and newlines are
+    escaped)."""
+    return "`" + value.replace("\n", "\\n").replace("|", "\\|") + "`"
+
+
+def config_markdown() -> str:
+    """docs/config.md: every key (:func:`field_docs`) with its default under
+    :data:`DOC_PRESETS` and its comment, one table per section. ``python -m paravt.config
+    --markdown`` prints it; ``tests/test_config_docs.py`` fails when the file differs."""
+    a, b = DOC_PRESETS
+    ra, rb = (OmegaConf.structured(load_config(n, validate_=False)) for n in DOC_PRESETS)
+    lines = [
+        "# Every configuration key",
+        "",
+        "Generated from the comment lines above each field of `paravt/config.py` by",
+        "`python -m paravt.config --markdown > docs/config.md`: edit the comments there, not",
+        "this file (`tests/test_config_docs.py` fails when it is stale or a key has no",
+        "comment). A key is set by `key=value` on the command line",
+        "(`python -m paravt.train algo.lr=1e-5`), in a YAML file (`--config F.yaml`, one",
+        "section a mapping) or by a preset (`--preset NAME`; later ones win: preset, files,",
+        "`key=value`). A run's resolved settings are its `RUN/config.yaml`.",
+        "",
+        f"Defaults under `{a}` (the embedded default) and `{b}` (the reference",
+        "recipe; `(required)`: you set it). `-`: a field of each element of the list above it.",
+    ]
+    section = ""
+    for key, doc in field_docs().items():
+        sec = key.split(".", 1)[0]
+        if sec != section:
+            section = sec
+            lines += [
+                "",
+                f"## {sec}",
+                "",
+                f"| key | {a} | {b} | what it does |",
+                "| --- | --- | --- | --- |",
+            ]
+        va = vb = "-"
+        if "[]." not in key:
+            va, vb = (_code_cell(_shown(p, r, key)) for p, r in ((a, ra), (b, rb)))
+        what = _cell(doc) if doc else "(no comment in paravt/config.py)"
+        lines.append(f"| `{key}` | {va} | {vb} | {what} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    _ap = argparse.ArgumentParser(
+        prog="python -m paravt.config",
+        description="Print docs/config.md: every configuration key, its defaults and its "
+        "comment from this file.",
+    )
+    _ap.add_argument("--markdown", action="store_true", required=True, help="print it")
+    _ap.parse_args()
+    print(config_markdown(), end="")

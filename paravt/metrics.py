@@ -489,9 +489,11 @@ def _mean(xs: Sequence[float]) -> float:
 
 def call_record(c: Any) -> dict[str, Any]:
     """One tool call as the run's ``trajectories.jsonl`` and the evaluation's ``results.jsonl``
-    keep it (and ``paravt.view`` reads it): status, window, sub-agent summary, error, and the
+    keep it (and ``paravt.view`` reads it): the tool it names (as the model wrote it; '' for a
+    call that names none, e.g. bad JSON), status, window, sub-agent summary, error, and the
     first 500 characters of the raw call text."""
     return {
+        "tool": c.name,
         "status": c.status,
         "start": c.start,
         "end": c.end,
@@ -499,6 +501,12 @@ def call_record(c: Any) -> dict[str, Any]:
         "error": c.error,
         "raw": c.raw[:500],
     }
+
+
+#: Call statuses that name no tool of the run (not JSON with a name, or a name no tool has):
+#: counted in ``parse_error_rate``, never under ``tool_calls/<name>`` (whose names would
+#: otherwise be whatever the model wrote).
+_NO_TOOL = ("bad_json", "unknown_tool")
 
 
 def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None) -> dict[str, Any]:
@@ -518,6 +526,10 @@ def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None
             closed_tool.append(float(a["closed"]))
         ok = ok and a["well_formed"] and (i < len(traj.turns) - 1 or a["answer"])
     calls = [c for turn in traj.turns for c in turn.calls]
+    by_tool: dict[str, int] = {}
+    for c in calls:
+        if c.status not in _NO_TOOL:
+            by_tool[c.name] = by_tool.get(c.name, 0) + 1
     return {
         "K": int(num_frames),
         # The prompt (group) it was rolled out for: prompt-level statistics (paravt.alarms).
@@ -528,6 +540,8 @@ def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None
         "closed": closed,
         "closed_tool": closed_tool,
         "n_calls": len(calls),
+        # Calls per tool of the run (``agent.tools``), whatever their status.
+        "tool_calls": by_tool,
         "bad_calls": sum(c.status != "ok" for c in calls),
         "used_tool": float(any(c.status == "ok" for c in calls)),
         "response_tokens": int(sum(traj.loss_mask)),
@@ -631,6 +645,9 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
       in a non-forced ``</think>`` → ``<answer>`` (``paravt.rewards.format``'s analysis);
     * ``think_closure_rate``: fraction of non-forced turns that close ``<think>``;
     * ``tool_calls_per_rollout``: ``<tool_call>`` blocks attempted per rollout (valid or not);
+    * ``tool_calls/<name>``: the calls naming tool ``<name>`` of the run per rollout, whatever
+      their status (absent for a tool no rollout of the records named; a call naming no tool
+      of the run counts in ``tool_calls_per_rollout`` and ``parse_error_rate`` only);
     * ``tool_call_rate``: fraction of rollouts that executed at least one valid crop;
     * ``parse_error_rate``: fraction of attempted calls that failed to parse/validate;
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
@@ -663,6 +680,9 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     out["think_closure_rate"] = _mean([c for r in records for c in r["closed"]])
     total_calls = sum(r["n_calls"] for r in records)
     out["tool_calls_per_rollout"] = total_calls / len(records) if records else 0.0
+    for name in sorted({n for r in records for n in r.get("tool_calls", {})}):
+        n_calls = sum(r.get("tool_calls", {}).get(name, 0) for r in records)
+        out[f"tool_calls/{name}"] = n_calls / len(records)
     out["tool_call_rate"] = _mean([r["used_tool"] for r in records])
     _prompt_stats(out, "tool_call_rate", records)
     out["parse_error_rate"] = (

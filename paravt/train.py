@@ -1,6 +1,6 @@
 """``python -m paravt.train`` — PARA-GRPO training, readable top to bottom.
 
-    python -m paravt.train [--preset NAME] [--config F.yaml ...] [--resume] [key=value ...]
+    python -m paravt.train [--preset NAME] [--config F.yaml ...] [--resume [RUN_DIR]] [key=value ...]
     torchrun --nproc-per-node N -m paravt.train ...          (FSDP2; gloo on CPU, NCCL on GPU)
 
 With no arguments it runs the embedded default (preset ``tiny_cpu``): writes the synthetic
@@ -39,6 +39,8 @@ import argparse
 import functools
 import os
 import random
+import re
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -137,19 +139,97 @@ log = get_logger(__name__)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    """The command line as a validated ``Config``. ``--resume RUN_DIR`` takes the run's own
+    ``RUN_DIR/config.yaml`` as the base (then ``--config`` files and ``key=value`` overrides,
+    which ``paravt.runfolder`` checks against the run as for any resume) and ``RUN_DIR`` as
+    ``train.out_dir``; a bare ``--resume`` resumes ``train.out_dir`` as the other arguments
+    resolve it."""
     p = ConfigHelpParser(prog="python -m paravt.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny_cpu", help="see the presets below")
     p.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a run from its latest checkpoint: the run in RUN_DIR with the settings "
+        "of RUN_DIR/config.yaml (no need to retype them), or, without RUN_DIR, the run in "
+        "train.out_dir as the other arguments give it. A key=value that changes a setting "
+        "of the run is refused, naming it",
+    )
     p.add_argument("overrides", nargs="*", help="dotted key=value, e.g. algo.kl_coef=0.02")
     # Intermixed: `k=v --resume k2=v2` (overrides on both sides of a flag) is one command line.
-    a = p.parse_intermixed_args(argv)
-    cfg = load_config(a.preset, a.config, a.overrides)
+    a = p.parse_intermixed_args(_bare_resume(sys.argv[1:] if argv is None else argv))
+    files, overrides = list(a.config), list(a.overrides)
+    if a.resume:
+        files.insert(0, str(_run_config(a.resume)))
+    cfg = load_config(a.preset, files, overrides)
     if errs := preset_errors(a.preset, cfg):
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
     if a.resume:
+        given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "train.out_dir"]
+        if given and Path(cfg.train.out_dir).resolve() != Path(a.resume).resolve():
+            raise ConfigError(
+                f"--resume {a.resume} names the run folder, and train.out_dir={given[-1]} "
+                "another one: drop train.out_dir (the folder given to --resume is the run's)"
+            )
+        cfg.train.out_dir = a.resume
+    if a.resume is not None:
         cfg.train.resume = True
     return cfg, a
+
+
+#: A command-line item that is a ``key=value`` override (a run folder never matches: a dotted
+#: key holds no ``/``).
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def _bare_resume(argv: Sequence[str]) -> list[str]:
+    """``argv`` with a ``--resume`` that an override follows (``--resume train.steps=60``:
+    the bare form, ``make train ARGS="--resume k=v"``) spelt ``--resume=``, so that argparse
+    does not take the override for ``RUN_DIR``."""
+    out = list(argv)
+    for i, item in enumerate(out[:-1]):
+        if item == "--resume" and _OVERRIDE.match(out[i + 1]):
+            out[i] = "--resume="
+    return out
+
+
+def _run_config(run_dir: str) -> Path:
+    """``run_dir/config.yaml``, the resolved settings a run wrote at its start; a
+    ``ConfigError`` naming what is there instead when it is missing."""
+    path = Path(run_dir) / "config.yaml"
+    if path.is_file():
+        return path
+    what = "is not a folder" if not Path(run_dir).is_dir() else "holds no config.yaml"
+    raise ConfigError(
+        f"--resume {run_dir}: {what}, so it is no run folder of python -m paravt.train (each "
+        "writes its config.yaml first). Pass the folder a run wrote (its train.out_dir), or "
+        "--resume alone to resume train.out_dir as the other arguments give it"
+    )
+
+
+def untrained_start(cfg: Config) -> str:
+    """Why RL would start from weights nothing trained ('' when it would not): no
+    ``model.path`` (the tiny model, built with random weights) or ``model.init=random``, and
+    no cold start (``sft.steps=0``). Such a policy has never seen the answer or the tool-call
+    format, so its rollouts earn near-equal rewards and the group advantages are near zero:
+    the run learns little. ``build_trainer`` warns with it before RL starts from step 0."""
+    m = cfg.model
+    if cfg.sft.steps > 0 or cfg.train.steps < 1 or (m.path and m.init != "random"):
+        return ""
+    weights = (
+        f"model.init=random ({m.config}'s architecture)"
+        if m.init == "random"
+        else "the tiny model (model.path is empty)"
+    )
+    return (
+        f"RL starts from random weights, {weights}, with no cold start (sft.steps=0): it has "
+        "never seen the answer or tool-call format, so its rollouts earn near-equal rewards "
+        "and RL learns little. Set sft.steps > 0 (the cold start on tool-use records) or "
+        "model.path=A_TRAINED_CHECKPOINT"
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -187,6 +267,8 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     ckpt = latest_checkpoint(out) if t.resume else None
     if t.resume and ckpt is None:
         log.info(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
+    if ckpt is None and ctx.is_main and (why := untrained_start(cfg)):
+        log.warning(f"[train] warning: {why}")
 
     def load(path: str | Path, dtype: str | None = None, device: str = "") -> ModelBundle:
         return load_model_from_config(
@@ -748,8 +830,15 @@ def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
     ``step`` as a ``kind`` row (``eval_before``, ``eval_step``, ``eval_after``) of
     ``metrics.jsonl`` and one row per prompt and condition in ``heldout.jsonl``."""
     prompts: list[dict[str, Any]] = []
+    t = tr.cfg.train
+    label = {"eval_before": "before RL", "eval_after": "after RL"}.get(kind, f"step {step}")
+    conds = list(t.eval_conditions) or [f"{t.eval_frames or tr.cfg.video.fixed_frames}:tools"]
+    log.info(
+        f"[eval] {label}: {len(tr.val_samples)} held-out prompt(s), "
+        f"{len(conds)} condition(s): {', '.join(map(str, conds))}"
+    )
     with tr.source.evaluating(tr.policy, step):  # async: the eval engine gets the weights
-        m = evaluate(tr, seed=tr.cfg.train.seed, per_prompt=prompts)
+        m = evaluate(tr, seed=t.seed, per_prompt=prompts, label=label)
     tr.logger.log(step, m, kind=kind)
     tr.logger.log_heldout(step, kind, prompts)
     return m

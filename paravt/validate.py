@@ -3,8 +3,9 @@
 ``paravt.config`` checks what a config says on its own (types, ranges, a preset's required
 settings); ``validate_run`` checks what needs the world size or files on disk: the batch split
 over ranks, the device, the attention implementation's package, the vLLM install, the run
-folder of ``--resume``, the largest frame budget against the model's context and the
-plug-ins (``agent.tools``, ``reward.extra_terms``: each ``module:attr`` imports). Each error
+folder of ``--resume``, the largest frame budget against the model's context, the
+plug-ins (``agent.tools``, ``reward.extra_terms``: each ``module:attr`` imports) and the
+``wandb`` package of ``train.wandb=true``. Each error
 names the setting and the fix; all of them are raised at once (``ConfigError``).
 """
 
@@ -118,6 +119,12 @@ def validate_run(cfg: Config, world_size: int) -> None:
     if (model_dir / "config.json").is_file():
         errs += context_budget_errors(cfg, model_dir)
     errs += _plugin_errors(cfg)
+    if t.wandb and importlib.util.find_spec("wandb") is None:  # else: after the model loads
+        errs.append(
+            "train.wandb=true, but the wandb package is not installed: pip install wandb (then "
+            "wandb login, or WANDB_MODE=offline), or set train.wandb=false (metrics.jsonl and "
+            "TensorBoard's tb/ are written either way)"
+        )
     if errs:
         raise ConfigError("invalid configuration for this run:\n  - " + "\n  - ".join(errs))
 

@@ -14,7 +14,8 @@ nothing else of the run: :func:`make_server`).
   ``summary.json`` and ``run.json``).
 * ``trajectories.html``: every logged trajectory (``trajectories.jsonl``, or each row of
   ``results.jsonl``): question and gold answer, K, the overview frames as thumbnails on a time
-  axis spanning the video, each crop window as a bar at its [start, end] with its sub-agent's
+  axis spanning the video, each executed call's window as a bar at its [start, end] labelled
+  by its tool (``crop_video``, a plug-in's name; coloured per tool) with its sub-agent's
   summary, each main turn with its ``<think>`` / ``<tool_call>`` / ``<answer>`` spans
   highlighted, failed calls, the reward breakdown; filters (wrong answers, parse errors, no
   tool use, per K) are a few lines of vanilla JS toggling a class.
@@ -33,6 +34,7 @@ import html
 import json
 import os
 import re
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +47,7 @@ from paravt.metrics import read_metrics
 log = get_logger(__name__)
 
 # Curve panels of the run page: (title, keys or a key prefix ending in "/K" or "*": every key
-# that prefix followed by digits). A panel is drawn when at least one of its keys was logged.
+# that prefix followed by digits; or ending in "/": every key under it). A panel is drawn when at least one of its keys was logged.
 # The async/* panels appear for asynchronous runs (paravt.workers) only.
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/total",)),
@@ -55,6 +57,7 @@ CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tool-call rate", ("tool_call_rate",)),
     ("tool-call rate per K", ("tool_rate/K",)),
     ("tool calls / rollout", ("tool_calls_per_rollout",)),
+    ("tool calls / rollout per tool", ("tool_calls/",)),
     ("parse-error rate", ("parse_error_rate",)),
     ("accuracy", ("accuracy",)),
     ("accuracy per K", ("acc/K",)),
@@ -83,6 +86,7 @@ class CallView:
     end: float | None
     response: str = ""
     error: str = ""
+    tool: str = ""  # the tool the call names ('' when unknown: bad JSON, an older record)
 
 
 @dataclass
@@ -172,6 +176,7 @@ def _call(c: Any) -> CallView:
         _num(c.get("end")),
         str(c.get("response") or ""),
         str(c.get("error") or ""),
+        str(c.get("tool") or ""),
     )
 
 
@@ -296,6 +301,8 @@ def _series(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, li
             found = {x for r in rows for x in r if x.startswith(k) and x[len(k) :].isdigit()}
             names += sorted(found, key=lambda x: int(x[len(k) :]))
             shares |= dict.fromkeys(found, k) if hist else {}
+        elif k.endswith("/"):
+            names += sorted({x for r in rows for x in r if x.startswith(k) and x != k})
         elif any(k in r for r in rows):
             names.append(k)
     out = {}
@@ -443,7 +450,9 @@ table{border-collapse:collapse}td,th{border:1px solid #ddd;padding:2px 6px;text-
 .axis{position:relative;height:18px;border-top:2px solid #333;font-size:10px}
 .axis span{position:absolute;top:2px;transform:translateX(-50%)}
 .lanes{position:relative}
-.crop{position:absolute;height:14px;background:#1f77b4;opacity:.8;border-radius:2px}
+.crop{position:absolute;height:14px;min-width:2px;background:#1f77b4;opacity:.8;border-radius:2px}
+.tlabel{position:absolute;top:1px;font-size:10px;padding:0 3px;white-space:nowrap;color:#333}
+.tname{font-family:ui-monospace,monospace;font-weight:700}
 .lane{position:relative;height:18px}
 ol.summaries{font-size:12px;margin:4px 0}
 .turn{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:12px;background:#f6f6f6;
@@ -547,13 +556,23 @@ def _fmt(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def _tool_colour(tool: str) -> str:
+    """The bar colour of a call of ``tool``: '' (the stylesheet's blue) for ``crop_video`` and
+    for an unnamed call, else one of :data:`PALETTE`'s others, fixed by the name (crc32, so a
+    tool keeps its colour across pages and runs)."""
+    if tool in ("", "crop_video"):
+        return ""
+    return PALETTE[1 + zlib.crc32(tool.encode()) % (len(PALETTE) - 1)]
+
+
 def render_trajectory(i: int, t: TrajView, thumbs: dict[str, str]) -> str:
     """One ``<section class="traj">``: header, timeline (frames, axis, crop bars), turns,
     calls, reward breakdown. ``thumbs`` maps a record's thumbnail path to the copied file
     (absent: not available, drawn as a tick)."""
     e = html.escape
     dur = t.axis_seconds()
-    pct = lambda s: f"{min(max(float(s) / dur, 0.0), 1.0) * 100:.4f}%"  # noqa: E731
+    at = lambda s: min(max(float(s) / dur, 0.0), 1.0) * 100  # noqa: E731  (% of the axis)
+    pct = lambda s: f"{at(s):.4f}%"  # noqa: E731
     flags = (
         f'data-k="{t.K}" data-wrong="{int(not t.correct)}" data-perr="{t.parse_errors}" '
         f'data-tool="{int(t.used_tool)}"'
@@ -589,16 +608,22 @@ def render_trajectory(i: int, t: TrajView, thumbs: dict[str, str]) -> str:
     for n, c in enumerate(ok):
         assert c.start is not None and c.end is not None
         w = f"{max(min(c.end, dur) - max(c.start, 0.0), 0.0) / dur * 100:.4f}%"
+        name = e(c.tool or "call")
+        colour = f";background:{_tool_colour(c.tool)}" if _tool_colour(c.tool) else ""
+        # The label beside the bar: after it, or before it when the bar ends near the axis' end.
+        side = f"left:{pct(c.end)}" if at(c.end) < 80 else f"right:{100 - at(c.start):.4f}%"
         p.append(
-            f'<div class="lane"><div class="crop" data-start="{c.start}" data-end="{c.end}" '
-            f'style="left:{pct(c.start)};width:{w}" title="crop {n + 1}: {c.start:.1f}-'
-            f'{c.end:.1f} s"></div></div>'
+            f'<div class="lane"><div class="crop" data-tool="{name}" data-start="{c.start}" '
+            f'data-end="{c.end}" style="left:{pct(c.start)};width:{w}{colour}" title="{name} '
+            f'{n + 1}: {c.start:.1f}-{c.end:.1f} s"></div>'
+            f'<span class="tlabel" style="{side}">{name} {n + 1}</span></div>'
         )
     p.append("</div></div>")
     if ok:
         p.append('<ol class="summaries">')
         p += [
-            f"<li>[{c.start:.1f}, {c.end:.1f}] s: <span class='summary'>{e(c.response)}</span></li>"
+            f"<li><span class='tname'>{e(c.tool or 'call')}</span> [{c.start:.1f}, {c.end:.1f}] s: "
+            f"<span class='summary'>{e(c.response)}</span></li>"
             for c in ok
         ]
         p.append("</ol>")
@@ -608,7 +633,8 @@ def render_trajectory(i: int, t: TrajView, thumbs: dict[str, str]) -> str:
         p.append(f'<div class="turn">{highlight(turn.prefix, turn.text)}</div>')
         bad = [c for c in turn.calls if c.status != "ok"]
         for c in bad:
-            p.append(f'<div class="perr">call failed: {e(c.status)}: {e(c.error)}</div>')
+            tool = f" ({e(c.tool)})" if c.tool else ""
+            p.append(f'<div class="perr">call failed{tool}: {e(c.status)}: {e(c.error)}</div>')
     if t.breakdown:
         p.append("<div class='scroll'><table class='breakdown'><tr>")
         p += [f"<th>{e(str(k))}</th>" for k in t.breakdown]

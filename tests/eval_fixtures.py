@@ -801,6 +801,7 @@ _WRITERS = {
     "mmvu": _write_mmvu,
     "charades_sta": _write_charades,
     "synth": _write_synth,
+    "jsonl": _write_synth,  # one's own rows: synth's layout under its own name
 }
 _EXPECTED = {
     "videomme": lambda: _videomme_expected(sub=False),
@@ -811,6 +812,7 @@ _EXPECTED = {
     "mmvu": lambda: _MMVU_EXPECTED,
     "charades_sta": lambda: _CHARADES_EXPECTED,
     "synth": lambda: _SYNTH_EXPECTED,
+    "jsonl": lambda: _SYNTH_EXPECTED,
 }
 # Directory of each benchmark under write_all's root (the two Video-MME tasks share one).
 FIXTURE_DIRS = {name: "videomme" if name.startswith("videomme") else name for name in _WRITERS}

@@ -230,6 +230,7 @@ def test_two_tools_through_one_train_step(assets, tmp_path) -> None:
             "agent.tools": "[paravt.agent.crop:CROP,agent_plugins:ZOOM]",
             "reward.extra_terms": '[{fn: "agent_plugins:zoom_calls", weight: 0.5}]',
             "algo.adv_bias": 0.1,
+            "train.log_trajectories": 4,
         },
     )
     calls = _call(5, 9) + "\n" + _zoom(12.0, 0.0, 0.0, 0.5, 0.5)
@@ -244,6 +245,19 @@ def test_two_tools_through_one_train_step(assets, tmp_path) -> None:
     tr.runner.rollout = rollout
     m = train_step(tr, 1)
     assert m["reward/zoom_calls"] == 1.0
+    # One call of each tool per rollout; each logged call names its tool, and the viewer
+    # labels (and colours) its window by it.
+    assert (m["tool_calls/crop_video"], m["tool_calls/zoom_frame"]) == (1.0, 1.0)
+    tr.logger.log(1, m)
+    from paravt.view import load_report, render_trajectory
+
+    rep = load_report(tmp_path / "run")
+    assert len(rep.trajectories) == 4
+    for t in rep.trajectories:
+        assert [(c.tool, c.status) for c in t.calls] == [("crop_video", "ok"), ("zoom_frame", "ok")]
+        page = render_trajectory(0, t, {})
+        assert 'data-tool="crop_video"' in page and 'data-tool="zoom_frame"' in page
+        assert ">crop_video 1</span>" in page and ">zoom_frame 2</span>" in page
     assert torch.isfinite(torch.tensor(m["loss"]))
     for g in seen["groups"]:
         for t in g.trajectories:

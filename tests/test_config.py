@@ -200,6 +200,36 @@ def test_train_refuses_a_run_that_would_train_on_nothing_or_write_here(
     assert list(tmp_path.iterdir()) == []  # nothing written, here or anywhere in the cwd
 
 
+def test_train_wandb_without_wandb_is_refused_before_anything_loads(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """train.wandb=true with no wandb package: exit 2 naming both fixes, before the run
+    starts (it used to fail with a traceback once the model had loaded); with the package
+    present (a stand-in module here) the check lets the run through."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import paravt.train as T
+
+    def started(*a, **k):
+        raise AssertionError("the run started: it should have been refused before")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(T, "_run", started)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, as if uninstalled
+    assert T.main(["train.wandb=true"]) == 2
+    err = capsys.readouterr().err
+    assert "train.wandb=true, but the wandb package is not installed" in err, err
+    assert "pip install wandb" in err and "train.wandb=false" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with pytest.raises(AssertionError, match="the run started"):
+        T.main(["train.wandb=true"])
+
+
 def test_eval_takes_overrides_on_both_sides_of_a_flag() -> None:
     from paravt.eval.__main__ import parse_args
 

@@ -148,6 +148,32 @@ def test_cli_tiny_model_hf_engine(assets, synth_dir, tmp_path, capsys, crop_mode
         assert r["error"] is None and r["turns"] >= 1 and r["prediction"]
 
 
+def test_cli_own_rows_as_jsonl(assets, synth_dir, tmp_path, capsys):
+    """``--benchmark jsonl --data-root DIR``: one's own dataset folder as training reads it
+    (train.jsonl, val.jsonl, videos beside them) is evaluated on its val.jsonl rows, under the
+    name jsonl; without --data-root it is refused (it has no embedded default)."""
+    own = tmp_path / "mydata"
+    own.mkdir()
+    for name in ("train.jsonl", "val.jsonl"):
+        shutil.copy(Path(synth_dir) / name, own / name)
+    (own / "videos").symlink_to(Path(synth_dir) / "videos")
+    out = tmp_path / "out"
+    args = _cli(own, assets["model"], out, "--limit", "2")
+    assert args[:2] == ["--benchmark", "synth"]
+    assert main(["--benchmark", "jsonl", *args[2:]]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 2 and summary["settings"]["benchmark"] == "jsonl"
+    val = [json.loads(x)["id"] for x in (own / "val.jsonl").read_text().splitlines()]
+    assert list(load_results(out)) == val[:2]
+    assert "| jsonl |" in capsys.readouterr().out
+    assert main(["--benchmark", "jsonl", "--model", str(assets["model"])]) == 2
+    assert "--data-root is required for --benchmark jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    helped = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    assert "jsonl: your own rows, --data-root DIR holding val.jsonl" in helped
+
+
 def test_resume_after_kill_matches_uninterrupted_run(assets, oracle_task, tmp_path):
     """A subprocess killed (SIGKILL) after some samples, then rerun, gives the uninterrupted
     run's summary and does not redo the finished samples."""

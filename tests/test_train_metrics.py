@@ -64,6 +64,35 @@ def test_rollout_metrics_on_known_trajectories() -> None:
     assert m["tool_rate/K8"] == 0.5 and m["count/K16"] == 1.0
 
 
+def test_calls_are_counted_per_tool_and_logged_with_their_tool() -> None:
+    """``tool_calls/<name>``: per rollout, every call naming a tool of the run (whatever its
+    status); a call naming none (bad JSON, a name no tool has: model text) only in the totals.
+    Each logged call carries the tool it names."""
+    from paravt.metrics import call_record
+
+    crop = ToolCall(raw="c", name="crop_video", status="ok", start=1.0, end=3.0)
+    bad_crop = ToolCall(raw="c", name="crop_video", status="bad_range")
+    zoom = ToolCall(raw="z", name="zoom_frame", status="ok", start=5.0, end=5.0)
+    made_up = ToolCall(raw="p", name="<b>pan</b>", status="unknown_tool")
+    no_json = ToolCall(raw="{", status="bad_json")
+    t1 = _traj([Turn("a", calls=[crop, zoom, bad_crop], prefix=P)], acc=1.0, reward=1.0)
+    t2 = _traj([Turn("b", calls=[crop, made_up, no_json], prefix=P)], acc=0.0, reward=0.0)
+    t3 = _traj([Turn("c", prefix=P)], acc=0.0, reward=0.0)
+    recs = [trajectory_record(t, 4) for t in (t1, t2, t3)]
+    assert recs[0]["tool_calls"] == {"crop_video": 2, "zoom_frame": 1}
+    assert recs[1]["tool_calls"] == {"crop_video": 1} and recs[2]["tool_calls"] == {}
+    m = rollout_metrics(recs)
+    assert m["tool_calls/crop_video"] == pytest.approx(3 / 3)
+    assert m["tool_calls/zoom_frame"] == pytest.approx(1 / 3)
+    assert sorted(k for k in m if k.startswith("tool_calls/")) == [
+        "tool_calls/crop_video",
+        "tool_calls/zoom_frame",
+    ]
+    assert m["tool_calls_per_rollout"] == pytest.approx(6 / 3)  # every block, as before
+    assert call_record(zoom)["tool"] == "zoom_frame" and call_record(no_json)["tool"] == ""
+    assert "tool_calls/crop_video" not in rollout_metrics([recs[2]])
+
+
 def test_logger_jsonl_tensorboard_truncate_plot_and_table(tmp_path: Path) -> None:
     log = MetricsLogger(tmp_path, tensorboard=True)
     for step in range(1, 6):

@@ -104,6 +104,46 @@ def test_a_resume_with_other_settings_is_refused(
     assert "steps: 2" in (out / "config.yaml").read_text()
 
 
+def test_resume_of_a_run_folder_reads_its_own_config(
+    assets: dict[str, str], first_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--resume RUN_DIR``: RUN_DIR/config.yaml is the base (nothing retyped; the folder may
+    have moved), a key=value that changes a setting is refused as on any resume, and a bare
+    ``--resume`` followed by an override still means the run in train.out_dir."""
+    from paravt.train import main, parse_args
+
+    out = tmp_path / "moved"  # a copy elsewhere: its config.yaml names first_run
+    shutil.copytree(first_run, out)
+    cfg, _ = parse_args(["--resume", str(out)])
+    # The run's settings, not the tiny_cpu preset's (G 4, lr 1e-4, 4000 SFT steps, 30 steps).
+    assert (cfg.rollout.group_size, cfg.algo.lr, cfg.sft.steps, cfg.train.steps) == (
+        2, 1e-3, 0, 1,
+    )  # fmt: skip
+    assert cfg.train.resume and cfg.train.out_dir == str(out)
+    assert cfg.model.tiny_dir == assets["model"]
+    bare, _ = parse_args(["--resume", "train.steps=7", "algo.lr=0.5"])  # make train ARGS=...
+    assert bare.train.resume and bare.train.steps == 7 and bare.algo.lr == 0.5
+    assert bare.train.out_dir == "runs/train/default"
+
+    capsys.readouterr()
+    assert main(["--resume", str(out), "algo.lr=2e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: the run in" in err and "  algo.lr: 0.001 -> 0.002\n" in err, err
+    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: is not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["--resume", str(tmp_path / "empty")]) == 2
+    assert "empty: holds no config.yaml" in capsys.readouterr().err
+    assert main(["--resume", str(out), f"train.out_dir={first_run}"]) == 2
+    assert "drop train.out_dir" in capsys.readouterr().err
+
+    assert main(["--resume", str(out), "train.steps=2"]) == 0  # extend it: one key retyped
+    printed = capsys.readouterr()
+    assert "(step 1)" in printed.out and "random weights" not in printed.err
+    assert train_steps(out) == [1, 2] and train_steps(first_run) == [1]
+    assert f"out_dir: {out}\n" in (out / "config.yaml").read_text()
+
+
 def test_resume_logs_every_step_and_evaluation_once(
     assets: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

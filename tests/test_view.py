@@ -17,6 +17,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -548,6 +549,48 @@ def test_records_are_coerced_and_judged_by_task(tmp_path) -> None:
     assert tvg.calls[0].start is None
     page = render_trajectory(0, tvg, {})
     assert "onerror" not in page and "9<b>" not in page and "'><b>" not in page
+
+
+def test_each_call_is_labelled_by_its_tool(tmp_path) -> None:
+    """The page's HTML, without a browser: each executed call's bar and summary carry the tool
+    it names (a plug-in's bar its own colour, a one-instant window still visible), a failed call
+    names its tool (escaped: an unknown tool's name is model text), a record written before
+    calls named their tool reads as "call"; the per-tool call counts get their curve panel."""
+    from paravt.view import PALETTE, load_report, render_trajectory
+
+    calls = [
+        {"tool": "crop_video", "status": "ok", "start": 2.0, "end": 6.0, "response": "a clip"},
+        {"tool": "zoom_frame", "status": "ok", "start": 9.0, "end": 9.0, "response": "a region"},
+        {"tool": "<img src=x onerror=alert(1)>", "status": "unknown_tool", "error": "no such"},
+        {"status": "ok", "start": 1.0, "end": 2.0, "response": "older"},  # no "tool" key
+    ]
+    row = {"uid": "u", "step": 1, "K": 4, "question": "q", "answer": "A", "duration": 10.0,
+           "turns": [{"text": "t", "calls": calls}], "breakdown": {"acc": 1.0}}  # fmt: skip
+    metrics = [
+        {"step": s, "kind": "train", "tool_calls/crop_video": 1.0, "tool_calls/zoom_frame": z}
+        for s, z in ((1, 0.5), (2, 1.0))
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    (tmp_path / "trajectories.jsonl").write_text(json.dumps(row) + "\n")
+    rep = load_report(tmp_path)
+    (t,) = rep.trajectories
+    assert [c.tool for c in t.calls] == ["crop_video", "zoom_frame", calls[2]["tool"], ""]
+    page = render_trajectory(0, t, {})
+    bars = re.findall(r'<div class="crop" data-tool="([^"]*)"[^>]*style="([^"]*)"', page)
+    assert [b[0] for b in bars] == ["crop_video", "zoom_frame", "call"]
+    assert "background" not in bars[0][1] and "background" not in bars[2][1]  # the default blue
+    colour = re.search(r"background:(#[0-9a-f]{6})", bars[1][1]).group(1)
+    assert colour in PALETTE[1:] and "width:0.0000%" in bars[1][1]  # min-width: 2px shows it
+    assert ">crop_video 1</span>" in page and ">zoom_frame 2</span>" in page
+    assert ">call 3</span>" in page
+    items = re.findall(r"<li><span class='tname'>([^<]*)</span> \[([\d., ]+)\] s:", page)
+    assert items == [("crop_video", "2.0, 6.0"), ("zoom_frame", "9.0, 9.0"), ("call", "1.0, 2.0")]
+    assert "call failed (&lt;img src=x onerror=alert(1)&gt;): unknown_tool: no such" in page
+    assert "<img src=x" not in page
+    index = write_report(tmp_path).read_text()
+    panel = index[index.index('aria-label="tool calls / rollout per tool"') :]
+    panel = panel[: panel.index("</svg>")]
+    assert "tool_calls/crop_video" in panel and "tool_calls/zoom_frame" in panel
 
 
 def _tiny_train_folder(d: Path, rows: list[dict]) -> Path:

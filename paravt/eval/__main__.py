@@ -6,9 +6,12 @@ it was trained with.
         [--preset P] [--config F.yaml ...] [key=value ...]
     torchrun --nproc-per-node N -m paravt.eval ...      (samples split across ranks, merged)
 
-NAME: videomme, videomme_sub, longvideobench, lvbench, mlvu, mmvu, charades_sta, synth
+NAME: videomme, videomme_sub, longvideobench, lvbench, mlvu, mmvu, charades_sta, synth, jsonl
 (``paravt.eval.benchmarks`` documents each one's expected layout under ``--data-root``).
-``synth`` without ``--data-root`` is the embedded synthetic task's validation split.
+``synth`` without ``--data-root`` is the embedded synthetic task's validation split; ``jsonl``
+is your own rows: ``--data-root DIR`` is a dataset folder as training reads it at
+``data.path`` (``DIR/val.jsonl``, video paths relative to ``DIR``), read as ``synth`` reads
+its folder.
 
 Greedy by default (``rollout.temperature=0``, ``rollout.sub_temperature=0``,
 ``rollout.top_p=1``; a ``key=value`` override wins, and a ``top_p`` below 1 with greedy
@@ -57,8 +60,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from paravt.eval.benchmarks import BENCHMARK_SPECS
 
     ap = ConfigHelpParser(prog="python -m paravt.eval", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--benchmark", required=True, choices=tuple(BENCHMARK_SPECS))
-    ap.add_argument("--data-root", default="", help="the benchmark as distributed (see docs)")
+    ap.add_argument(
+        "--benchmark",
+        required=True,
+        choices=tuple(BENCHMARK_SPECS),
+        help="jsonl: your own rows, --data-root DIR holding val.jsonl (the layout of "
+        "data.path: id, video relative to DIR, question, answer, question_type, options); "
+        "synth: the synthetic task (its validation split when --data-root is not given)",
+    )
+    ap.add_argument(
+        "--data-root",
+        default="",
+        help="the benchmark as distributed (paravt.eval.benchmarks documents each layout); "
+        "for jsonl, your dataset folder",
+    )
     ap.add_argument("--model", default="", help="HF model dir or paravt checkpoint dir")
     ap.add_argument("--engine", choices=tuple(ENGINES), default=None, help="rollout.engine")
     ap.add_argument("--limit", type=int, default=None, help="first N samples only")

@@ -26,6 +26,10 @@ returns one :class:`~paravt.types.Sample` per row in file order. Expected layout
         <root>/Charades_v1_480/<video>     (Charades_v1_480_part_*.zip)
     synth                     python -m paravt.data.synth --out <root>
         <root>/val.jsonl, <root>/videos/vid_XXXX.mp4
+    jsonl                     your own rows: the folder python -m paravt.train reads at data.path
+        <root>/val.jsonl                   (one row a line: id, video, question, answer,
+                                           question_type, options; read as synth's)
+        <root>/<video>                     (a row's relative video path is under <root>)
 
 Conventions the runner and the scorer rely on:
 
@@ -35,7 +39,7 @@ Conventions the runner and the scorer rely on:
   that pair repeats anywhere in the file, ParaVT's ``"{task_type}-{row}"`` for every row of the
   file (``row`` = 0-based file row; a warning is logged); MMVU ``id``; Charades-STA
   ``"{video stem}#{row}"`` (the file has no id; the row is unique and fixed for a given file);
-  synth the row's ``id``. A duplicate id is a :class:`BenchmarkFormatError` naming both rows.
+  synth and jsonl the row's ``id``. A duplicate id is a :class:`BenchmarkFormatError` naming both rows.
 * ``Sample.video`` is an absolute path even when the file is missing; missing videos are kept
   (``extra["video_missing"] = True``) so the runner counts them as error results.
 * ``Sample.question`` is the question stem only: options embedded in the text (LVBench, MLVU:
@@ -803,6 +807,13 @@ BENCHMARK_SPECS: dict[str, Benchmark] = _register(
         _synth,
         "the synthetic task (python -m paravt.data.synth --out <data_root>)",
         embedded=True,
+    ),
+    # One's own rows, in the layout training reads (data.path): synth's reader under its own
+    # name, with no embedded default (--data-root is required).
+    Benchmark(
+        "jsonl",
+        _synth,
+        "your dataset folder (the val.jsonl rows python -m paravt.train reads at data.path)",
     ),
 )
 BENCHMARKS = tuple(BENCHMARK_SPECS)

@@ -9,6 +9,7 @@ temperature; ``python -m paravt.eval`` is the standalone benchmark evaluation
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -20,8 +21,11 @@ from paravt.config import Config
 from paravt.data.synth import summary_correct
 from paravt.distributed import all_gather_objects, shard_list
 from paravt.eval.conditions import eval_conditions
+from paravt.log import get_logger
 from paravt.metrics import TABLE_ROWS, clustered_mean_ci95, rollout_metrics, trajectory_record
 from paravt.rewards import score_groups
+
+log = get_logger(__name__)
 
 #: Per-condition metrics of :func:`evaluate` (``{condition}/{key}``), besides the interval.
 EVAL_CONDITION_KEYS = (
@@ -74,7 +78,7 @@ def prompt_row(name: str, g: Any, recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 @torch.no_grad()
 def evaluate(
-    tr: Any, seed: int, per_prompt: list[dict[str, Any]] | None = None
+    tr: Any, seed: int, per_prompt: list[dict[str, Any]] | None = None, label: str = "held-out"
 ) -> dict[str, float]:
     """Roll out the validation prompts under each ``train.eval_conditions`` entry
     (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
@@ -90,8 +94,13 @@ def evaluate(
 
     ``per_prompt``: a list that gets one :func:`prompt_row` per prompt and condition (every
     rank's; ``paravt.train`` writes them to ``heldout.jsonl``).
+
+    ``label`` (``before RL``, ``step 20``, ``after RL``): the start of the console line each
+    condition logs when its rollouts are done, e.g. ``[eval] before RL: condition 2/3
+    K4_notools done (41 s)``; minutes pass between them on a CPU.
     """
     cfg = tr.cfg
+    t0, n_conds = time.perf_counter(), len(eval_conditions(cfg))
     if not tr.val_samples:
         return {}
     n = len(tr.val_samples) - len(tr.val_samples) % tr.ctx.world_size
@@ -113,6 +122,8 @@ def evaluate(
             mine, [k] * len(mine), group_size=samples, seed=stable_seed("eval", seed)
         )
         score_groups(groups, cfg.reward)
+        dt, t0 = time.perf_counter() - t0, time.perf_counter()
+        log.info(f"[eval] {label}: condition {i + 1}/{n_conds} {name} done ({dt:.0f} s)")
         recs, rows = [], []
         for g in groups:
             mine_g = []
