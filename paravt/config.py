@@ -73,16 +73,22 @@ class DataConfig:
     # sub-agent rows: their summaries are not what the crops show), and teach it to carry what
     # the tools returned instead of a colour remembered for the video (docs/copy_probe.md).
     synth_colour_swaps: int = 0
-    # "spot" tasks: how often the cold start's oracle calls the tool, by what the K-frame
-    # overview shows (each (row, K) record drawn by a stable hash). ``synth_call_share_missed``:
-    # of the records whose overview misses the square, the share that crop the whole video; the
-    # others guess ("I will guess.", one record per colour: a uniform guess). 1.0: always crop
-    # (the optimal policy). ``synth_call_share_seen``: of the records whose overview shows it,
-    # the share that crop anyway ("...; I will look at the whole video."). 0.0: never.
-    # Between the two, the cold start calls too rarely where a crop pays and too often where it
-    # costs (reward.call_cost): what RL has to learn (the embedded default, docs/default_run.md).
+    # "spot" tasks: how often the cold start's oracle crops when the K-frame overview misses
+    # the square; the other records guess ("I will guess.", every colour equally often). 1.0:
+    # always crop (the optimal policy). Both kinds are written for every (row, K) in this
+    # ratio of first turns (paravt.data.synth.call_mix), so the cold start learns the
+    # probability, not a per-video choice. Below 1 (with synth_call_share_seen above 0) the
+    # cold start calls too rarely where a crop pays and too often where it only costs
+    # (reward.call_cost): what RL has to learn (the embedded default, docs/default_run.md).
     synth_call_share_missed: float = 1.0
+    # "spot" tasks: of the records whose overview shows the square, the share that crop the
+    # whole video anyway ("...; I will look at the whole video."; main agent only); the others
+    # answer at once. 0.0: never (the optimal policy).
     synth_call_share_seen: float = 0.0
+    # "spot" task: the colours its squares take, a subset of scarlet, lemon, cyan, magenta
+    # ([] = all four; the options stay all four). One colour makes a world where no answer
+    # needs the colour read (the RL test's tiny world, tests/test_rl_learns.py).
+    synth_colours: list[str] = field(default_factory=list)
     # Root prepended to relative video paths in dataset rows ('' = relative to the dataset file).
     video_root: str = ""
     # Keep at most this many training rows (0 = all); useful for smoke runs.
@@ -97,6 +103,9 @@ class DataConfig:
         )
         if self.path and not Path(self.path).exists():
             errs.append(f"data.path='{self.path}' does not exist")
+        spot = ("scarlet", "lemon", "cyan", "magenta")  # paravt.data.synth.SPOT_COLOURS
+        if bad := [c for c in self.synth_colours if c not in spot]:
+            errs.append(f"data.synth_colours: {bad} are not spot colours; use some of {list(spot)}")
         return errs
 
 
@@ -830,12 +839,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         # call turn is 55% of the first turns instead of 23% (greedy, the cold start at 160
         # videos without them never called at K = 4; docs/copy_probe.md).
         "data.synth_colour_swaps": 3,
-        # RL has something to learn: the cold start crops in a quarter of the records whose
+        # RL has something to learn: the oracle crops in half of the first turns whose
         # overview misses the square (it guesses in the rest) and in a quarter of those whose
-        # overview shows it, so it calls too rarely where a crop pays and too often where it
-        # only costs. A call pays only through the answer (no flat bonus) and costs 0.02 per
-        # crop (docs/default_run.md: what RL learns from it, over seeds).
-        "data.synth_call_share_missed": 0.4,
+        # overview shows it, so the cold start calls too rarely where a crop pays (sampled
+        # ~0.1) and now and then where it only costs. A call pays only through the answer (no
+        # flat bonus) and costs 0.02 per crop. Measured on seed 0 (docs/rl_learns.md): one
+        # record per (row, K) drawn at 0.25 gave a cold start that called in 0 of 152 held-out
+        # K = 4 rollouts needing a crop; both kinds at 0.25 / 0.25, 0.10 teacher-forced (T 1)
+        # and RL took off only after ~110 steps; 0.5 / 0.5 read the overview's colour wrong in
+        # 31% of its direct answers (at 0.25 the seen records are 3 direct to 1 crop: 0%);
+        # rollout.temperature 1.0 broke the calls' JSON under RL (parse errors 0.02 -> 0.8)
+        # and the calls collapsed.
+        "data.synth_call_share_missed": 0.5,
         "data.synth_call_share_seen": 0.25,
         "reward.tool_bonus": 0.0,
         "reward.call_cost": 0.02,

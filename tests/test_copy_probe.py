@@ -27,8 +27,10 @@ STEPS = 300  # measured: copy, letter and swap 1.0 on this task after 300 steps 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory):
     # Two crop windows: records half as long as the default's five, learnt in fewer steps.
+    # The optimal oracle's records (the call shares of the default's RL world pinned off).
     over = ["video.frame_budgets=[4]", "video.fixed_frames=4", "data.synth_colour_swaps=3",
-            "agent.max_parallel=2"]  # fmt: skip
+            "agent.max_parallel=2", "data.synth_call_share_missed=1.0",
+            "data.synth_call_share_seen=0.0"]  # fmt: skip
     cfg = load_config("tiny_cpu", overrides=over)
     root = tmp_path_factory.mktemp("copy_probe")
     data = generate(

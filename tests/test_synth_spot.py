@@ -25,9 +25,11 @@ from paravt.video import DecodePlanner
 
 
 def _cfg(**kv: object) -> object:
-    # The oracle's own records (no colour-swapped copies, whose answers are not the video's).
+    # The oracle's own records (no colour-swapped copies, whose answers are not the video's),
+    # the optimal oracle's (no guesses, no crops the overview did not need).
     base = {"video.frame_budgets": "[4,32]", "video.fixed_frames": 32,
-            "data.synth_colour_swaps": 0}  # fmt: skip
+            "data.synth_colour_swaps": 0, "data.synth_call_share_missed": 1.0,
+            "data.synth_call_share_seen": 0.0}  # fmt: skip
     base.update(kv)
     return load_config("tiny_cpu", overrides=[f"{k}={v}" for k, v in base.items()])
 
