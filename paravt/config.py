@@ -85,10 +85,6 @@ class DataConfig:
     # whole video anyway ("...; I will look at the whole video."; main agent only); the others
     # answer at once. 0.0: never (the optimal policy).
     synth_call_share_seen: float = 0.0
-    # "spot" task: the colours its squares take, a subset of scarlet, lemon, cyan, magenta
-    # ([] = all four; the options stay all four). One colour makes a world where no answer
-    # needs the colour read (the RL test's tiny world, tests/test_rl_learns.py).
-    synth_colours: list[str] = field(default_factory=list)
     # Root prepended to relative video paths in dataset rows ('' = relative to the dataset file).
     video_root: str = ""
     # Keep at most this many training rows (0 = all); useful for smoke runs.
@@ -103,9 +99,6 @@ class DataConfig:
         )
         if self.path and not Path(self.path).exists():
             errs.append(f"data.path='{self.path}' does not exist")
-        spot = ("scarlet", "lemon", "cyan", "magenta")  # paravt.data.synth.SPOT_COLOURS
-        if bad := [c for c in self.synth_colours if c not in spot]:
-            errs.append(f"data.synth_colours: {bad} are not spot colours; use some of {list(spot)}")
         return errs
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -141,85 +142,37 @@ def test_rl_learns_reads_runs_and_exits_by_the_bars(tmp_path: Path, capsys) -> N
     assert rl_learns_main([str(tmp_path / "missing")]) == 2
 
 
-# ------------------------------------------------------------------------ a tiny world, run
-#: The tiny world: the default's task and recipe, shrunk to test time. Every square is lemon
-#: (``data.synth_colours``), so no answer needs a colour read from the pixels, which a cold
-#: start short enough for the suite does not learn (measured: 600-800 SFT steps on 16-60
-#: four-colour videos answered 0.19-0.44, with and without calls). What remains is the
-#: default's question: a guess is right one time in four, a crop always names the colour, and
-#: the budget K says whether the overview shows the square (at K = 2 it almost never does, at
-#: 32 always). One crop window instead of five, 40 videos (8 held out), a 300-step cold start
-#: that calls in half of its first turns either way, 45 RL steps.
-WORLD = {
-    "data.synth_num_videos": 40,
-    "data.synth_colours": ["lemon"],
-    "data.synth_call_share_missed": 0.5,
-    "data.synth_call_share_seen": 0.5,
-    "video.frame_budgets": [2, 32],
-    "agent.max_parallel": 1,
-    "sft.steps": 300,
-    "sft.lr": 3e-3,
-    "sft.save_every": 0,
-    "algo.lr": 2e-4,
-    "train.steps": 45,
-    "train.save_every": 0,
-    "train.eval_prompts": 8,
-    "train.eval_samples": 4,
-    "train.eval_conditions": ["2:tools", "32:tools"],
-    "train.progress": False,
-    "train.summary_plot": False,
-    "train.log_trajectories": 0,
-}
+# ------------------------------------------------------------------ the default's world, run
+#: Opt-in (``PARAVT_WORLD_TESTS=1``): the embedded default itself, seed 0, as ``make train``
+#: runs it (about 9 minutes on 2 idle cores), in its own folders.
+WORLD_TESTS = os.environ.get("PARAVT_WORLD_TESTS") == "1"
 
 
-def _world(assets: dict[str, str], out: Path, **extra: object) -> list[str]:
-    kv = {
-        **WORLD,
-        "data.synth_dir": str(out.parent / "world-synth"),
-        "model.tiny_dir": assets["model"],
-        "train.out_dir": str(out),
-        **extra,
-    }
-    return [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in kv.items()]
-
-
-def _failed(res: dict) -> list[str]:
-    """The bars that fail: the needing prompts' at K = 2 (a prompt or two of which the K = 2
-    overview shows the square is too few to judge), the others' at K = 32."""
-    got = bars(res["before"], res["after"], "K2_tools")
-    out = [f"K2_tools:{k}" for k, (_, ok) in got.items() if k.startswith("need") and not ok]
-    got = bars(res["before"], res["after"], "K32_tools")
-    return out + [f"K32_tools:{k}" for k, (_, ok) in got.items() if not ok]
-
-
-def test_rl_beats_its_cold_start_in_a_tiny_world_and_fails_without_the_call_cost(
-    assets, tmp_path
-) -> None:
-    """The check of issue 60 on a world small enough for the suite: from one cold start that
-    calls by chance, PARA-GRPO with the default's reward (a call pays only through the answer,
-    0.02 a crop) passes every bar (calls where the overview misses the square, not where it
-    shows it); the same RL without the per-crop cost fails (nothing teaches it not to call
-    where calling only costs), and so does no RL at all (before against itself)."""
+@pytest.mark.slow
+@pytest.mark.skipif(not WORLD_TESTS, reason="the default's RL world: set PARAVT_WORLD_TESTS=1")
+def test_rl_beats_its_cold_start_in_the_default_world(tmp_path) -> None:
+    """Issue 60's check on the embedded default (seed 0): every bar of
+    ``paravt.experiments.rl_learns.bars`` holds at K = 4 and 8, sampled and greedy; some group
+    of every 30-step block of the first 60 steps has a non-zero advantage; and the cold start
+    measured against itself (no RL) fails the bars. Not in ``make test``: a world small enough
+    for the suite does not learn to read the square's colour (four tried, 600-800 SFT steps
+    on 16-60 videos of two or four colours: 0.27-0.50 where the overview shows it, chance
+    0.25-0.5; one colour lets RL learn to guess it; docs/rl_learns.md), so the only world this
+    check means something on is the default's, whose cold start alone takes 5-6 minutes."""
     from paravt.train import run
 
-    res = run(load_config(overrides=_world(assets, tmp_path / "cost")))
-    assert _failed(res) == [], (_failed(res), res["before"], res["after"])
-    train = [r for r in read_metrics(tmp_path / "cost" / "metrics.jsonl") if r["kind"] == "train"]
-    assert sum(r["adv/nonzero_groups"] for r in train) / len(train) > 0.2  # groups are mixed
-    free = run(
-        load_config(
-            overrides=_world(
-                assets,
-                tmp_path / "free",
-                **{
-                    "model.path": str(tmp_path / "cost" / "sft"),
-                    "sft.steps": 0,
-                    "reward.call_cost": 0.0,
-                },  # fmt: skip
-            )
-        )
+    cfg = load_config(
+        overrides=[f"train.out_dir={tmp_path / 'run'}", f"data.synth_dir={tmp_path / 'synth'}"]
     )
-    assert free["before"]["K2_tools/need/accuracy"] == res["before"]["K2_tools/need/accuracy"]
-    assert "K32_tools:seen_call_after" in _failed(free), (free["before"], free["after"])
-    still = {"before": res["before"], "after": res["before"]}
-    assert "K2_tools:need_call_gain" in _failed(still)
+    res = run(cfg)
+    failed = [
+        f"{c}:{name}"
+        for c in ("K4_tools", "K4_tools_greedy", "K8_tools", "K8_tools_greedy")
+        for name, (_, ok) in bars(res["before"], res["after"], c).items()
+        if not ok
+    ]
+    assert failed == [], (failed, res["before"], res["after"])
+    train = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    for a in (0, 30):
+        assert max(r["adv/nonzero_groups"] for r in train[a : a + 30]) > 0
+    assert not all(ok for _, ok in bars(res["before"], res["before"], "K4_tools").values())

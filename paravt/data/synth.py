@@ -343,16 +343,11 @@ def _plan_video(
 
 
 def _plan_spot(
-    rng: random.Random,
-    name: str,
-    min_d: float,
-    max_d: float,
-    size: tuple[int, int],
-    colours: Sequence[str] = SPOT_COLOURS,
+    rng: random.Random, name: str, min_d: float, max_d: float, size: tuple[int, int]
 ) -> VideoPlan:
-    """A "spot" video: a dark background and ONE large square (``SPOT_SIDE``) of one of
-    ``colours`` (``SPOT_COLOURS``; ``data.synth_colours``) for ``SPOT_EVENT`` seconds at a
-    random time; no cue window, no distractors."""
+    """A "spot" video: a dark background and ONE large square (``SPOT_SIDE``) of a
+    ``SPOT_COLOURS`` colour for ``SPOT_EVENT`` seconds at a random time; no cue window, no
+    distractors."""
     h, w = size
     duration = _half(rng.uniform(min_d, max_d))
     ev_len = _half(rng.uniform(*SPOT_EVENT))
@@ -360,7 +355,7 @@ def _plan_spot(
     side = max(8, round(min(h, w) * SPOT_SIDE))
     top = round(h * STRIP_FRAC) + 2
     x, y = rng.randrange(2, w - side - 1), rng.randrange(top, h - side - 1)
-    target = Event(rng.choice(colours), SPOT_SHAPE, ev_start, ev_start + ev_len, x, y)
+    target = Event(rng.choice(SPOT_COLOURS), SPOT_SHAPE, ev_start, ev_start + ev_len, x, y)
     return VideoPlan(name, duration, None, 0.0, 0.0, target, [], side)
 
 
@@ -1034,7 +1029,6 @@ def generate(
     mcq_variants: int = 1,
     task: str = "cue",
     decoy_share: float = SPOT_DECOY_SHARE,
-    colours: Sequence[str] = SPOT_COLOURS,
 ) -> Path:
     """Write the synthetic task into ``out_dir`` and return it (see the module docstring).
 
@@ -1069,9 +1063,6 @@ def generate(
         raise ValueError(f"generate: codec '{codec}' is not one of {sorted(ENCODERS)}")
     if not 0.0 <= decoy_share <= 1.0:
         raise ValueError(f"generate: decoy_share={decoy_share} must be in [0, 1]")
-    colours = tuple(colours) or SPOT_COLOURS
-    if bad := [c for c in colours if c not in SPOT_COLOURS]:
-        raise ValueError(f"generate: colours {bad} are not spot colours {list(SPOT_COLOURS)}")
     oracle = oracle or OracleSettings()
     # spot_late keeps its oracle's own records only (its summaries name two squares, and a
     # swap of one colour word could name the other); spot_decoy's crops show the truth, as
@@ -1099,8 +1090,6 @@ def generate(
     }
     if task == "spot_decoy":
         params["decoy_share"] = decoy_share
-    if colours != SPOT_COLOURS:
-        params["colours"] = list(colours)
     manifest = out / "manifest.json"
     ext = ENCODERS[codec][1]
     names = [f"vid_{v:04d}" for v in range(num_videos)]
@@ -1120,7 +1109,7 @@ def generate(
         # One RNG per video, seeded from (seed, v): adding videos never changes earlier ones.
         rng = random.Random(f"paravt-synth:{seed}:{v}")
         make_plan = {
-            "spot": partial(_plan_spot, colours=colours), "spot_late": _plan_spot_late,
+            "spot": _plan_spot, "spot_late": _plan_spot_late,
             "spot_decoy": partial(_plan_spot_decoy, decoy_share=decoy_share),
         }.get(task, _plan_video)  # fmt: skip
         plan = make_plan(rng, name, min_duration, max_duration, size)
@@ -1182,7 +1171,6 @@ def generate_from_config(cfg: Any, out_dir: str | Path | None = None) -> Path:
         mcq_variants=d.synth_mcq_variants,
         task=d.synth_task,
         decoy_share=float(d.synth_decoy_share),
-        colours=tuple(d.synth_colours),
     )
 
 

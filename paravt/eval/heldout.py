@@ -236,7 +236,7 @@ def before_after_table(
     uniform guess's accuracy). Each row: before, after, the difference and its 95% interval
     clustered by prompt, and the number of prompts. Printed by ``python -m paravt.train`` at
     the end of a run; the README's default table."""
-    head = f"{'condition':<20}{'prompts':<16}{'metric':<17}{'before':>8}{'after':>8}  difference"
+    head = f"{'condition':<22}{'prompts':<16}{'metric':<17}{'before':>8}{'after':>8}  difference"
     lines = [head, "-" * (len(head) + 20)]
 
     def line(label: str, part: str, name: str, cond: str, key: str, need: bool | None) -> None:
