@@ -148,7 +148,8 @@ def test_oracle_sft_rows_encode(tiny, synth_dir):
         # The oracle is right, well-formed and used its (executed) crops.
         b = score(traj, samples[rec["sample_id"]], cfg.reward)
         assert b["acc"] == 1.0 and b["fmt_base"] == 1.0 and b["flow"] == 1.0
-        assert b["tool"] == cfg.reward.tool_bonus
+        n_ok = sum(c.status == "ok" for c in traj.turns[0].calls)
+        assert b["tool"] == pytest.approx(cfg.reward.tool_bonus - cfg.reward.call_cost * n_ok)
 
 
 def test_frames_crop_mode_puts_the_crops_in_the_main_context(tiny, synth_dir):

@@ -40,7 +40,9 @@ def spot_task(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     cfg = load_config(
         "tiny_cpu",
         overrides=[f"{k}={v}" for k, v in TASK.items()]
-        + [f"data.synth_dir={d}", "video.frame_budgets=[2,4]", "video.fixed_frames=4"],
+        + [f"data.synth_dir={d}", "video.frame_budgets=[2,4]", "video.fixed_frames=4"]
+        # The stage-1 oracle of the collapse protocols (configs/collapse.yaml pins it too).
+        + ["data.synth_call_share_missed=1.0", "data.synth_call_share_seen=0.0"],
     )
     return generate_from_config(cfg), cfg
 

@@ -38,6 +38,10 @@ def _cfg() -> object:
         "video.crop_fps": 2.0,
         "video.crop_max_frames": 64,
         "data.synth_task": "spot_late",
+        # The collapse protocols' oracle (configs/collapse.yaml): no guesses, no crops the
+        # overview did not need.
+        "data.synth_call_share_missed": 1.0,
+        "data.synth_call_share_seen": 0.0,
     }
     return load_config("tiny_cpu", overrides=[f"{k}={v}" for k, v in over.items()])
 
