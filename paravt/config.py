@@ -835,10 +835,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         # RL has something to learn: the oracle crops in half of the first turns whose
         # overview misses the square (it guesses in the rest) and in a quarter of those whose
         # overview shows it, so the cold start calls too rarely where a crop pays (sampled
-        # ~0.1) and now and then where it only costs. A call pays only through the answer (no
-        # flat bonus) and costs 0.02 per crop. Measured on seed 0 (docs/rl_learns.md): one
-        # record per (row, K) drawn at 0.25 gave a cold start that called in 0 of 152 held-out
-        # K = 4 rollouts needing a crop; both kinds at 0.25 / 0.25, 0.10 teacher-forced (T 1)
+        # 0.15-0.27 at K = 4 and 8, seeds 0-2) and now and then (0.03-0.05) where it only
+        # costs. A call pays only through the answer (no flat bonus) and costs 0.02 per crop.
+        # Measured on seed 0 (docs/rl_learns.md): one record per (row, K) drawn at 0.25 gave
+        # a cold start that called in 0 of 152 held-out K = 4 rollouts needing a crop; both
+        # kinds at 0.25 / 0.25, 0.10 teacher-forced (T 1)
         # and RL took off only after ~110 steps; 0.5 / 0.5 read the overview's colour wrong in
         # 31% of its direct answers (at 0.25 the seen records are 3 direct to 1 crop: 0%);
         # rollout.temperature 1.0 broke the calls' JSON under RL (parse errors 0.02 -> 0.8)
