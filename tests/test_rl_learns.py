@@ -77,6 +77,12 @@ def test_paired_difference_and_the_table() -> None:
     line = next(x for x in table.splitlines() if "need (n=3)" in x and "accuracy" in x)
     assert line.split()[-4:] == ["0.750", "+0.500", "+/-", f"{1.96 * sd / math.sqrt(3):.3f}"]
     assert "uniform guess" in table and "seen (n=1)" in table
+    # Rows that record no need (one's own data): one part, all prompts.
+    own = [{**r, "extra": {}} for r in rows]
+    table = before_after_table(own, conds)
+    assert "all (n=4)" in table and "need (" not in table
+    line = next(x for x in table.splitlines() if "K=4 tools" in x and "accuracy" in x)
+    assert line.split()[-4] == "0.812"  # after: (1 + 1 + 0.25 + 1) / 4, the paired prompts
 
 
 def test_eval_conditions_take_a_greedy_suffix() -> None:

@@ -243,20 +243,23 @@ def before_after_table(
         b, a, d, h, n = paired_difference(rows, cond, key, need)
         if n:
             what = f"{part} (n={n})"
-            lines.append(f"{label:<20}{what:<16}{name:<17}{b:>8.3f}{a:>8.3f}  {d:+.3f} +/- {h:.3f}")
+            lines.append(f"{label:<22}{what:<16}{name:<17}{b:>8.3f}{a:>8.3f}  {d:+.3f} +/- {h:.3f}")
 
     for c in conditions:
         label = f"K={c.k} " + ("tools" if c.tools else "no tools")
         label += " greedy" if c.greedy else " sampled"
+        # Prompts that record no need (not the spot task: one's own rows) are one part, "all".
+        split = any(paired_difference(rows, c.name, "accuracy", x)[4] for x in (True, False))
+        parts = (("need", True), ("seen", False)) if split else (("all", None),)
         if not c.tools:
-            line(label, "need", "accuracy", c.name, "accuracy", True)
-            line(label, "seen", "accuracy", c.name, "accuracy", False)
+            for part, need in parts:
+                line(label, part, "accuracy", c.name, "accuracy", need)
             if guess is not None:
                 lines.append(
-                    f"{'':<20}{'(any)':<16}{'uniform guess':<17}{guess:>8.3f}{guess:>8.3f}"
+                    f"{'':<22}{'(any)':<16}{'uniform guess':<17}{guess:>8.3f}{guess:>8.3f}"
                 )
             continue
-        for part, need in (("need", True), ("seen", False)):
+        for part, need in parts:
             for key, name in PAIRED_KEYS:
                 line(label, part, name, c.name, key, need)
         line(label, "all", "format", c.name, "format_compliance", None)
