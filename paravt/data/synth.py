@@ -877,6 +877,10 @@ def _spot_sft(
     shape (``A <colour> <shape> appears at <a>-<b> s.``, or ``Nothing notable happens.``),
     repeating its ``A <colour> <shape> appears`` in the final thought.
 
+    ``data.synth_call_share_missed`` / ``_seen`` below 1 / above 0 (the embedded default's RL
+    world): beside the tool round, guesses where the overview misses the square and direct
+    answers beside a crop-anyway round where it shows it, in the ratio :func:`call_mix` gives.
+
     "spot_late" (two squares in some videos, the question asks for the last): the same, with
     the last square as the shape; an overview that shows only the earlier square writes no
     record (what the overview shows cannot tell that video from a one-square video, and the

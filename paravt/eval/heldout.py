@@ -127,11 +127,11 @@ def evaluate(
         recs, rows = [], []
         for g in groups:
             mine_g = []
-            need = g.sample.extra.get(f"need_K{g.num_frames}")
+            need = need_of(g.sample.extra, g.num_frames)
             for t in g.trajectories:
                 r = trajectory_record(t, g.num_frames)
                 r["prompt"] = g.sample.id
-                r["need"] = need if isinstance(need, bool) else None
+                r["need"] = need
                 checks = [
                     summary_correct(c.response, c.start, c.end, g.sample)
                     for turn in t.turns
@@ -161,6 +161,15 @@ def evaluate(
     return out
 
 
+def need_of(extra: dict[str, Any] | None, k: int) -> bool | None:
+    """Whether a prompt's K-frame overview misses the square (``need_K{K}`` of its
+    ``Sample.extra``, recorded by the synthetic spot tasks); None where nothing is recorded
+    (one's own rows). The one reading of the flag for the split by need and the paired
+    table."""
+    flag = (extra or {}).get(f"need_K{k}")
+    return flag if isinstance(flag, bool) else None
+
+
 #: The per-need metrics of :func:`need_split` (``{condition}/{need|seen}/{key}``).
 NEED_KEYS = (
     "accuracy",
@@ -178,10 +187,10 @@ def need_split(name: str, recs: list[dict[str, Any]]) -> dict[str, float]:
     only a crop can answer them) and ``{name}/seen/{key}`` over the others, ``key`` in
     ``NEED_KEYS`` (``prompts``: how many). Empty for prompts that record no need."""
     out: dict[str, float] = {}
+    if all(r.get("need") is None for r in recs):
+        return out
     for part, flag in (("need", True), ("seen", False)):
         sub = [r for r in recs if r.get("need") is flag]
-        if not any(r.get("need") is not None for r in recs):
-            return out
         m = rollout_metrics(sub)
         m["prompts"] = float(len({r["prompt"] for r in sub}))
         for key in NEED_KEYS:
@@ -209,8 +218,7 @@ def paired_difference(
     for r in rows:
         if r.get("condition") != cond or r.get("kind") not in by:
             continue
-        flag = (r.get("extra") or {}).get(f"need_K{r['K']}")
-        if need is not None and flag is not need:
+        if need is not None and need_of(r.get("extra"), r["K"]) is not need:
             continue
         v = r.get(key)
         if v is not None and v == v:  # NaN / null: nothing to pair
@@ -249,7 +257,11 @@ def before_after_table(
         label = f"K={c.k} " + ("tools" if c.tools else "no tools")
         label += " greedy" if c.greedy else " sampled"
         # Prompts that record no need (not the spot task: one's own rows) are one part, "all".
-        split = any(paired_difference(rows, c.name, "accuracy", x)[4] for x in (True, False))
+        split = any(
+            need_of(r.get("extra"), r["K"]) is not None
+            for r in rows
+            if r.get("condition") == c.name
+        )
         parts = (("need", True), ("seen", False)) if split else (("all", None),)
         if not c.tools:
             for part, need in parts:
