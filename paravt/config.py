@@ -303,6 +303,13 @@ class RolloutConfig:
     # prompts_per_step // workers, the static slice (one worker: the whole step, as in the
     # synchronous loop). Smaller: finer balancing, smaller engine batches.
     dispatch_groups: int = 0
+    # dispatch=group: trainer rank 0 warns, naming the worker and its tickets, when a worker
+    # has held a claim this many times longer than the median of the claims finished so far
+    # (and at least ``claim_watchdog_min_s``): a hung worker (a stuck decode, a wedged GPU)
+    # is named while the run goes on. 0 = off.
+    claim_watchdog_factor: float = 5.0
+    # dispatch=group: the watchdog's floor in seconds (a claim held shorter is never named).
+    claim_watchdog_min_s: float = 120.0
     # What a worker sends of its rollouts' clips (paravt.workers.pixels). 'decode': the token
     # ids and each clip's decode request; the trainer rank that trains a group decodes its
     # clips again (checked bitwise against the worker's frames), so no pixel crosses a process
@@ -1009,6 +1016,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
     "rollout.weight_bucket_mb": (">= 1", "MiB per bucket of the bucketed weight sync"),
     "rollout.dispatch_groups": (">= 0", "groups a free worker claims at once; 0 = P / W"),
+    "rollout.claim_watchdog_factor": (">= 0", "claim held this many x the median is named"),
+    "rollout.claim_watchdog_min_s": (">= 0", "seconds a claim is held before it can be named"),
     "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
     "rollout.group_size": (">= 1", "samples per prompt"),
     "rollout.temperature": (">= 0", "main-agent sampling temperature"),

@@ -17,11 +17,18 @@ import torch.distributed as dist
 
 from paravt.config import ConfigError, load_config
 from paravt.data.sampler import PromptSampler
+from paravt.distributed import DistContext
 from paravt.rollout_source import plan_prompts
-from paravt.types import Group, Sample, Trajectory
-from paravt.workers.pipeline import CLAIM_KEY, GroupLedger, renumber
+from paravt.types import Group, RolloutStats, Sample, Trajectory
+from paravt.workers.pipeline import (
+    CLAIM_KEY,
+    ClaimWatchdog,
+    GroupLedger,
+    RolloutPipeline,
+    renumber,
+)
 from paravt.workers.roles import AsyncRoles
-from paravt.workers.worker import GroupClaims
+from paravt.workers.worker import GroupClaims, ticket_entries
 
 P = 4
 SAMPLES = [Sample(f"s{i}", f"v{i}.mp4", f"q{i}", "A") for i in range(10)]
@@ -198,3 +205,83 @@ def test_bad_dispatch_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match=r"rollout.dispatch_groups=-1"):
         load_config(overrides=["rollout.dispatch_groups=-1"])
     assert load_config().rollout.dispatch == "group"
+
+
+def test_a_skipped_ticket_is_closed_and_the_ledger_stays_exact() -> None:
+    """A claim of tickets 0-1 whose first sample's video could not be read: the worker answers
+    each ticket (``ticket_entries``: ticket 0 skipped with its reason, ticket 1 its group) and
+    the trainer closes ticket 0 (done, never issued again, not even on ``--resume``) and holds
+    the group for ticket 1. Paired by position (before), ticket 0 took ticket 1's group and
+    ticket 1 stayed open forever: the η = 0 step never filled, and a checkpoint re-issued the
+    trained group."""
+    cfg = _cfg(**{"rollout.dispatch_groups": 2})
+    ctx = DistContext(rank=1, world_size=2)  # a trainer rank > 0: no threads, no publisher
+    pipe = RolloutPipeline(cfg, ctx, AsyncRoles(1, [0], [2, 3], store=_store()), None)
+    pipe.sampler = PromptSampler(SAMPLES, seed=2)
+    issued = pipe.ledger.issue(P, version=0)  # tickets 0-3: slot 1's groups 0-3
+    g1 = Group(issued[1]["sample"], 1, issued[1]["budget"], [], [])
+    why = f"sample {issued[0]['sample'].id}: skipped, its video could not be read (torn)"
+    entries = ticket_entries([0, 1], 0, [g1], {0: why})
+    assert entries == [{"ticket": 0, "skipped": why}, {"ticket": 1, "group": g1}]
+    msg = {"kind": "groups", "worker": 2, "tickets": [0, 1], "entries": entries,
+           "errors": [why], "stats": RolloutStats(), "busy_s": 1.0, "idle_s": 0.0}  # fmt: skip
+    pipe._take({"kind": "claimed", "worker": 2, "tickets": [0, 1]}, "in the test")
+    assert list(pipe.watchdog.held) == [2]  # the claim is timed from here
+    pipe._take(msg, "in the test")
+    assert not pipe.watchdog.held and len(pipe.watchdog.durations) == 1
+    assert list(pipe._ready) == [1] and pipe._ready[1] == (g1, 2)
+    assert sorted(pipe.ledger.open) == [1, 2, 3] and (1, 0) in pipe.ledger.done
+    assert pipe._pool.skipped == 1 and pipe._pool.errors == [why]
+    assert pipe._unreplaced == 1  # the next collect admits a replacement at once
+    # Ticket 1 trained: a checkpoint now re-issues exactly slot 1's groups 2 and 3.
+    del pipe._ready[1]
+    pipe.ledger.close(1)
+    fresh = GroupLedger(PromptSampler(SAMPLES, seed=2), cfg)
+    fresh.load(json.loads(json.dumps(pipe.ledger.state())), start_step=0)
+    assert [(e["slot"], e["index"]) for e in fresh.issue(2, version=0)] == [(1, 2), (1, 3)]
+
+
+def test_ticket_entries_refuse_a_group_outside_the_claim() -> None:
+    g = Group(SAMPLES[0], 7, 4, [], [])
+    with pytest.raises(RuntimeError, match=r"groups \[7\] outside its claim of tickets 3..4"):
+        ticket_entries([3, 4], 0, [g], {})
+    assert ticket_entries([3], 0, [], {}) == [
+        {"ticket": 3, "skipped": "group 0: the rollout returned nothing for it"}
+    ]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_claim_watchdog_names_a_worker_far_slower_than_its_peers() -> None:
+    """Claims of 2 s each finish; worker 3's claim then runs: named (once) only after both
+    ``factor`` x the median (5 x 2 s) and the floor (4 s) have passed; 0 turns it off."""
+    clock = _Clock()
+    dog = ClaimWatchdog(5.0, 4.0, clock=clock)
+    assert dog.overdue() == [] and dog.longest() == 0.0  # nothing finished: no yardstick
+    for w, tickets in ((1, [0, 1]), (2, [2, 3]), (1, [4, 5])):
+        dog.claimed(w, tickets)
+        clock.t += 2.0
+        dog.finished(w)
+    dog.claimed(3, [6, 7])
+    dog.claimed(1, [8, 9])
+    clock.t += 9.0
+    assert dog.overdue() == [] and dog.longest() == 9.0
+    clock.t += 2.0
+    dog.finished(1)  # worker 1's claim ends after 11 s: the median becomes 2 s still
+    (line,) = dog.overdue()
+    assert line.startswith("rollout worker rank 3 has held its claim of tickets 6..7 for 11 s")
+    assert "5.5x the median claim (2.0 s over 4)" in line and "claim_watchdog_factor" in line
+    assert dog.overdue() == []  # named once
+    off = ClaimWatchdog(0.0, 0.0, clock=clock)
+    off.claimed(1, [0])
+    clock.t += 1.0
+    off.finished(1)
+    off.claimed(2, [1])
+    clock.t += 1e6
+    assert off.overdue() == []

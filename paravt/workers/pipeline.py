@@ -15,7 +15,12 @@ Dispatch (``rollout.dispatch``):
   compare-and-set: no ticket twice), at most ``rollout.dispatch_groups`` consecutive groups of
   one slot (0: ``prompts_per_step / W``). Step ``b`` trains the first ``prompts_per_step``
   finished groups within η (the lowest tickets among those finished), renumbered 0.. in the
-  step. A slow worker holds only its claim: the step does not wait for it.
+  step. A slow worker holds only its claim: the step does not wait for it. A worker answers
+  each claimed ticket (``worker.ticket_entries``): with its group, or "skipped" and why (its
+  sample's video could not be read or decoded in time); a skipped ticket is closed at once
+  (counted, ``async/skipped_groups``; its prompt is not issued again, on ``--resume`` either)
+  and replaced by the capacity rule, so the step's count is still met. ``ClaimWatchdog``
+  names a worker holding a claim far longer than its peers.
 * **static** (the reference). Every worker rolls out a fixed 1/W slice of each step's prompts;
   step ``b`` trains step ``b``'s prompts and waits for every slice.
 
@@ -139,6 +144,12 @@ class RolloutPipeline:
         self._after: dict[int, dict[str, Any]] = {}  # group: the data state after step b
         self._ready: dict[int, tuple[Group, int]] = {}  # group: finished, by ticket
         self._pool = _Pool()  # group: what the claims received since the last step add up to
+        #: group: tickets closed as skipped (a video that could not be read) and not yet
+        #: replaced by an admission; the claims in progress, by worker (the watchdog).
+        self._unreplaced = 0
+        self.watchdog = ClaimWatchdog(
+            cfg.rollout.claim_watchdog_factor, cfg.rollout.claim_watchdog_min_s
+        )
         self._results: queue.Queue[dict[str, Any]] = queue.Queue()
         self._buffer: dict[int, dict[int, dict[str, Any]]] = {}
         self._threads: list[threading.Thread] = []
@@ -367,9 +378,18 @@ class RolloutPipeline:
         if kind == "batch":
             self._buffer.setdefault(int(msg["step"]), {})[int(w)] = msg
             return
+        if kind == "claimed":
+            self.watchdog.claimed(int(w), [int(t) for t in msg["tickets"]])
+            return
         if kind == "groups":
-            for t, g in zip(msg["tickets"], msg["groups"]):
-                self._ready[int(t)] = (g, int(w))
+            self.watchdog.finished(int(w))
+            for e in msg["entries"]:  # one per claimed ticket
+                t = int(e["ticket"])
+                if "group" in e:
+                    self._ready[t] = (e["group"], int(w))
+                else:  # skipped (its video could not be read): closed, replaced at once
+                    self.ledger.close(t)
+                    self._unreplaced += 1
             self._pool.add(msg)
             return
         self.failed = True
@@ -494,13 +514,21 @@ class RolloutPipeline:
 
     def _take_next(self, step: int, preempt: Any) -> bool:
         """Take the next message from the workers (waiting 0.2 s at most); False when a
-        preemption signal reached this rank meanwhile (both dispatches' wait for a step)."""
+        preemption signal reached this rank meanwhile (both dispatches' wait for a step).
+        dispatch=group: names a worker holding a claim far longer than its peers meanwhile
+        (``ClaimWatchdog``)."""
         try:
             msg = self._results.get(timeout=0.2)
         except queue.Empty:
+            self._watch(step)
             return preempt is None or not preempt.signalled
         self._take(msg, f"while waiting for step {step}'s rollouts")
         return True
+
+    def _watch(self, step: int) -> None:
+        """Log the claims newly overdue (``ClaimWatchdog``): while collecting step ``step``."""
+        for line in self.watchdog.overdue():
+            log.warning(f"[async] step {step}: {line}")
 
     def _collect_groups(self, step: int, preempt: Any) -> RolloutBatch | None:
         """dispatch=group: the first ``prompts_per_step`` finished groups within η (the
@@ -509,14 +537,17 @@ class RolloutPipeline:
         t0 = time.perf_counter()
         per, now = self.cfg.train.prompts_per_step, step - 1
         dropped = 0
+        self._watch(step)
         while True:
             stale = [t for t, (g, _) in self._ready.items() if _too_stale(g, now, self.eta)]
             for t in stale:
                 del self._ready[t]
                 self.ledger.close(t)
-            if stale:
-                dropped += len(stale)
-                if not self._noticed(lambda: self._admit(now), "while replacing stale groups"):
+            dropped += len(stale)
+            if stale or self._unreplaced:  # replaced at once (the capacity rule)
+                self._unreplaced = 0
+                why = "while replacing stale or skipped groups"
+                if not self._noticed(lambda: self._admit(now), why):
                     assert self._failure is not None
                     raise self._failure
             if len(self._ready) >= per:
@@ -540,6 +571,8 @@ class RolloutPipeline:
         metrics.update(
             {
                 "async/dropped_groups": float(dropped),
+                "async/skipped_groups": float(pool.skipped),
+                "async/longest_claim_s": self.watchdog.longest(),
                 "async/queue_depth": float(len(self._ready) + self._results.qsize()),
                 "async/in_flight_steps": self.ledger.outstanding / per,
                 "async/trainer_wait_s": wait,
@@ -571,13 +604,66 @@ class _Pool:
     busy: float = 0.0
     idle: float = 0.0
     rx_bytes: int = 0  # what the channels carried (pickled)
+    skipped: int = 0  # tickets answered without a group (their video could not be read)
 
     def add(self, msg: dict[str, Any]) -> None:
         self.rx_bytes += int(msg.get("rx_bytes", 0))
+        self.skipped += sum("group" not in e for e in msg.get("entries", ()))
         self.errors += msg["errors"]
         self.stats = self.stats + msg["stats"]
         self.busy += msg["busy_s"]
         self.idle += msg["idle_s"]
+
+
+class ClaimWatchdog:
+    """dispatch=group, trainer rank 0: names a worker that has held its claim far longer than
+    its peers (``rollout.claim_watchdog_factor`` times the median of the claims finished so
+    far, and at least ``claim_watchdog_min_s`` seconds): a hung worker (a decode stuck on a
+    network filesystem, a wedged GPU) is otherwise silent, since a group-dispatch step never
+    waits for one claim. Each claim is named once; the run goes on (a worker that dies is
+    ``WorkerFailed`` as before). Fed by the workers' ``claimed`` messages and their replies
+    (``RolloutPipeline._take``); asked while the trainer waits (``_take_next``)."""
+
+    def __init__(self, factor: float, min_s: float, clock: Any = time.monotonic) -> None:
+        self.factor, self.min_s, self.clock = float(factor), float(min_s), clock
+        self.held: dict[int, tuple[list[int], float]] = {}  # worker -> (tickets, since)
+        self.durations: list[float] = []  # finished claims' seconds
+        self.named: set[tuple[int, int]] = set()  # (worker, first ticket) already named
+
+    def claimed(self, worker: int, tickets: list[int]) -> None:
+        self.held[worker] = (tickets, self.clock())
+
+    def finished(self, worker: int) -> None:
+        got = self.held.pop(worker, None)
+        if got is not None:
+            self.durations.append(self.clock() - got[1])
+
+    def longest(self) -> float:
+        """Seconds the longest claim in progress has been held (0: none)."""
+        now = self.clock()
+        return max((now - t0 for _, t0 in self.held.values()), default=0.0)
+
+    def overdue(self) -> list[str]:
+        """One line per claim newly overdue (empty while off or before any claim finished)."""
+        if self.factor <= 0 or not self.durations:
+            return []
+        med = float(sorted(self.durations)[len(self.durations) // 2])
+        limit = max(self.factor * med, self.min_s)
+        now, out = self.clock(), []
+        for w, (tickets, t0) in sorted(self.held.items()):
+            held = now - t0
+            if held <= limit or (w, tickets[0]) in self.named:
+                continue
+            self.named.add((w, tickets[0]))
+            out.append(
+                f"rollout worker rank {w} has held its claim of tickets {tickets[0]}.."
+                f"{tickets[-1]} for {held:.0f} s, {held / max(med, 1e-9):.1f}x the median "
+                f"claim ({med:.1f} s over {len(self.durations)}): it may be hung (a stuck "
+                "decode or engine). Other workers claim the tickets left; a step that needs "
+                "this claim's groups waits for them. Check that rank's log and stack (py-spy "
+                "dump); the watchdog is rollout.claim_watchdog_factor / claim_watchdog_min_s"
+            )
+        return out
 
 
 class GroupLedger:

@@ -27,7 +27,9 @@ after loading, is a ``WeightSyncError`` naming the tensor and the version: the w
 to the trainer (which raises ``WorkerFailed``) and exits 1.
 
 Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the worker's own
-``roles.results`` channel, with the runner's errors and counters and the worker's busy / idle
+``roles.results`` channel; a claim's reply has one entry per ticket (``ticket_entries``: its
+group, or ``skipped`` with the runner's reason when the video could not be read), and each
+claim is announced first (``claimed``, for the trainer's ``ClaimWatchdog``), with the runner's errors and counters and the worker's busy / idle
 seconds; under ``rollout.async_pixels=decode`` (the default) its rows carry their clips' decode
 requests instead of their pixels (``paravt.workers.pixels.strip_pixels``; ``ship``: each clip
 compacted once, ``compact_pixels``). A rollout that raises sends its traceback and the worker
@@ -183,6 +185,12 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             job = work()
             if job is None:
                 break
+            if group:  # the trainer's watchdog times each claim (``RolloutPipeline``)
+                _send_or_gone(
+                    results,
+                    roles.rank,
+                    {"kind": "claimed", "worker": roles.rank, "tickets": job["reply"]["tickets"]},
+                )
             # The work follows the weights it needs in the stream: wait for the control thread
             # to have staged them (it has, unless the stream is still being read).
             need = int(job["min_version"])
@@ -216,13 +224,19 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 groups = strip_pixels(groups)
             else:  # each clip once, in storage of its own (not its turn's packed tensor)
                 groups = compact_pixels(groups)
+            reply = dict(job["reply"])
+            if group:  # one entry per claimed ticket: its group, or why it has none
+                reply["entries"] = ticket_entries(
+                    reply["tickets"], job["first_group"], groups, runner.skipped
+                )
+            else:
+                reply["groups"] = groups
             _send_or_gone(
                 results,
                 roles.rank,
                 {
-                    **job["reply"],
+                    **reply,
                     "worker": roles.rank,
-                    "groups": groups,
                     "errors": list(runner.errors),
                     "stats": runner.stats,  # a new RolloutStats per rollout
                     "busy_s": busy,
@@ -352,6 +366,32 @@ class GroupClaims:
             want = f"{end}/{self.rank}/{next(self.tries)}"  # unique: the set value says who
             if self.store.compare_set(CLAIM_KEY, raw.decode(), want) == want.encode():
                 return range(cur, end)
+
+
+def ticket_entries(
+    tickets: list[int], first_group: int, groups: list[Any], skipped: dict[int, str]
+) -> list[dict[str, Any]]:
+    """dispatch=group: a claim's reply, one entry per ticket in claim order: ``{"ticket",
+    "group"}`` or, for a sample the rollout skipped (its video could not be read or decoded in
+    time: ``AgentRunner.skipped``), ``{"ticket", "skipped": why}``. Ticket ``j`` of a claim is
+    group ``first_group + j`` of the rollout, whatever it returned: a reply paired by position
+    (tickets zipped with the groups that came back) marked the wrong groups done after a skip
+    and never closed the last ticket (the trainer waited for it forever)."""
+    by_id = {int(g.group_id): g for g in groups}
+    out: list[dict[str, Any]] = []
+    for j, t in enumerate(tickets):
+        gi = first_group + j
+        if gi in by_id:
+            out.append({"ticket": int(t), "group": by_id.pop(gi)})
+        else:
+            why = skipped.get(gi, f"group {gi}: the rollout returned nothing for it")
+            out.append({"ticket": int(t), "skipped": why})
+    if by_id:  # cannot happen: a rollout numbers its groups from first_group
+        raise RuntimeError(
+            f"rollout returned groups {sorted(by_id)} outside its claim of tickets "
+            f"{tickets[0]}..{tickets[-1]} (groups {first_group}..{first_group + len(tickets) - 1})"
+        )
+    return out
 
 
 def _slow_hook(rank: int) -> tuple[str, float] | None:
