@@ -1,6 +1,7 @@
 """An asynchronous step's rollouts from a worker to the trainer ranks: with their pixels
-(``rollout.async_pixels=ship``, the path before) vs as decode requests (``decode``, the
-default), same groups, same process, one run (CPU).
+(``rollout.async_pixels=ship``) vs as decode requests (``decode``) vs as uint8 frames
+(``frames``, the default: only in the HD benchmark at the end, real resolutions at 30 fps),
+same groups, same process, one run (CPU).
 
 The groups are built by the agent's own code at the 8B recipe's pixel budgets
 (``video.overview_max_pixels`` = ``crop_max_pixels`` = 448 x 448, K = 32 overview frames,
@@ -48,29 +49,44 @@ from paravt.workers.pixels import compact_pixels, restore_pixels, strip_pixels
 G, K, CROPS, CROP_FRAMES, PROMPTS = 8, 32, 6, 8, 2
 
 
-def _groups(tmp: Path) -> tuple[list[Group], object]:
+def _groups(
+    tmp: Path,
+    *,
+    k: int = K,
+    crops: int = CROPS,
+    crop_frames: int = CROP_FRAMES,
+    prompts: int = PROMPTS,
+    size: tuple[int, int] = (480, 640),
+    duration: float = 60.0,
+    fps: float = 2.0,
+    gop: int = 12,
+    window: float = 8.0,
+) -> tuple[list[Group], object]:
     bundle = load_model(build_tiny_checkpoint(tmp / "tiny", seed=0), device="cpu")
     cfg = load_config(
         "tiny_cpu",
         overrides=[
             f"video.overview_max_pixels={448 * 448}",
             f"video.crop_max_pixels={448 * 448}",
-            f"video.crop_max_frames={CROP_FRAMES}",
-            f"agent.max_parallel={CROPS}",
+            f"video.crop_max_frames={crop_frames}",
+            f"agent.max_parallel={crops}",
         ],
     )
     enc = AgentEncoder(bundle, cfg)
     groups = []
-    for p in range(PROMPTS):
-        video = write_index_clip(tmp / f"v{p}.mp4", duration=60.0, fps=2.0, gop=12, size=(480, 640))
+    for p in range(prompts):
+        video = write_index_clip(tmp / f"v{p}.mp4", duration=duration, fps=fps, gop=gop, size=size)
         s = Sample(f"s{p}", str(video), "What colour?", "A")
-        (ctx,) = enc.encode_overviews([s], [K])
+        (ctx,) = enc.encode_overviews([s], [k])
         assert isinstance(ctx, Context)
+        step = (duration - window - 1) / max(1, crops - 1)
         calls = enc.parse(
             "\n".join(
                 '<tool_call>\n{"name": "crop_video", "arguments": {"start_time": '
-                f"{6 * c + p}, " + f'"end_time": {6 * c + p + 8}' + "}}\n</tool_call>"
-                for c in range(CROPS)
+                f"{step * c + p:.2f}, "
+                + f'"end_time": {step * c + p + window:.2f}'
+                + "}}\n</tool_call>"
+                for c in range(crops)
             ),
             enc.meta(s.video).duration,
         )
@@ -95,14 +111,19 @@ def _groups(tmp: Path) -> tuple[list[Group], object]:
             )  # fmt: skip
             for c, (call, clip) in enumerate(zip(calls, clips))
         ]
-        groups.append(Group(s, p, K, mains, subs))
+        groups.append(Group(s, p, k, mains, subs))
     return groups, bundle
 
 
 def _trip(groups: list[Group], bundle: object, mode: str) -> dict[str, float]:
     """One step's rollouts from the worker to both trainer ranks (see the module docstring)."""
     t0 = time.perf_counter()
-    sent = {"decode": strip_pixels, "ship": compact_pixels, "before": list}[mode](groups)
+    sent = {
+        "decode": strip_pixels,
+        "frames": lambda gs: strip_pixels(gs, frames=True),
+        "ship": compact_pixels,
+        "before": list,
+    }[mode](groups)
     wire = pickle.dumps({"kind": "groups", "groups": sent})
     t1 = time.perf_counter()
     got = pickle.loads(wire)["groups"]
@@ -114,7 +135,7 @@ def _trip(groups: list[Group], bundle: object, mode: str) -> dict[str, float]:
     out = {}
     for name, b in (("rank0", mine), ("rank1", other)):
         r0 = time.perf_counter()
-        if mode == "decode":
+        if mode in ("decode", "frames"):
             done = restore_pixels(b.groups, DecodePlanner("pyav"), bundle)
             assert not done.errors and all(
                 t.visuals is not None
@@ -174,3 +195,59 @@ def test_bench_async_pixels_decode_vs_ship(benchmark, tmp_path) -> None:
         )
     )
     assert ratios["ship / decode"]["bytes_through_rank0"] > 10
+
+
+@pytest.mark.benchmark(group="async_pixels_hd")
+@pytest.mark.parametrize(
+    ("size", "duration"),
+    [((720, 1280), 120.0), ((1080, 1920), 60.0)],
+    ids=["720p-120s", "1080p-60s"],
+)
+def test_bench_async_pixels_hd_frames_vs_decode(benchmark, tmp_path, size, duration) -> None:
+    """Real benchmark clips (30 fps, a keyframe every 2 s, 720p for 2 minutes and 1080p for
+    one), one group as the 8B recipe rolls it out at its largest budget: K = 64 overview frames
+    and 12 crops of 16 frames (16 s windows at 1 fps), 448 x 448 pixel budgets. The trip of
+    ``_trip`` per arm (``ship``: the float pixels; ``decode``: the trainer decodes the clips
+    again; ``frames``: the worker's uint8 frames, re-encoded by the trainer without a decode),
+    interleaved over 2 rounds; the ratios are against ``decode`` (the default before
+    2026-12-07) on the trainer's critical path (rank 0's seconds: receive + restore)."""
+    groups, bundle = _groups(
+        tmp_path, k=64, crops=12, crop_frames=16, prompts=1, size=size,
+        duration=duration, fps=30.0, gop=60, window=16.0,
+    )  # fmt: skip
+    arms: dict[str, list[dict[str, float]]] = {"ship": [], "decode": [], "frames": []}
+    for r in range(2):
+        arms["ship"].append(_trip(groups, bundle, "ship"))
+        arms["decode"].append(_trip(groups, bundle, "decode"))
+        if r == 0:
+            arms["frames"].append(
+                benchmark.pedantic(_trip, args=(groups, bundle, "frames"), rounds=1)
+            )
+        else:
+            arms["frames"].append(_trip(groups, bundle, "frames"))
+    mean = {a: {k: sum(x[k] for x in xs) / len(xs) for k in xs[0]} for a, xs in arms.items()}
+    d = mean["decode"]
+    ratios = {
+        f"{a} / decode": {
+            "rank0_s": m["rank0_s"] / d["rank0_s"],
+            "worker_to_rank0_mb": m["worker_to_rank0_mb"] / d["worker_to_rank0_mb"],
+        }
+        for a, m in mean.items()
+        if a != "decode"
+    }
+    benchmark.extra_info.update({"arms": mean, "ratios": ratios})
+    print(
+        f"\n{size[0]}p {duration:.0f} s 30 fps, K=64 + 12 crops x 16 frames, G={G} "
+        "(mean of 2 interleaved rounds):\n"
+        + "\n".join(
+            f"  {a:<7} {json.dumps({k: round(v, 3) for k, v in m.items()})}"
+            for a, m in mean.items()
+        )  # fmt: skip
+        + "".join(
+            f"\n  {name}: " + ", ".join(f"{k} {v:.3f}x" for k, v in r.items())
+            for name, r in ratios.items()
+        )
+    )
+    # The frames' bytes are between the decode requests' and the float pixels'.
+    assert mean["decode"]["worker_to_rank0_mb"] < mean["frames"]["worker_to_rank0_mb"]
+    assert mean["frames"]["worker_to_rank0_mb"] * 3 < mean["ship"]["worker_to_rank0_mb"]

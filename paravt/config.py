@@ -133,6 +133,10 @@ class VideoConfig:
     # sample fails like an unreadable video: skipped in RL, an error tool response for a
     # crop, an error row in eval. Too low fails long healthy videos.
     decode_timeout_s: float = 60.0
+    # PyAV decoder threads per decode (frame + slice threading): 0 = FFmpeg's choice (up to
+    # the cores), 1 = one thread. Bit-exact either way; a sparse overview gains little (each
+    # seek restarts the pipeline), a dense read of long 30 fps video several-fold.
+    decode_threads: int = 0
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, backend, frame budgets, floors below budgets)."""
@@ -310,12 +314,14 @@ class RolloutConfig:
     claim_watchdog_factor: float = 5.0
     # dispatch=group: the watchdog's floor in seconds (a claim held shorter is never named).
     claim_watchdog_min_s: float = 120.0
-    # What a worker sends of its rollouts' clips (paravt.workers.pixels). 'decode': the token
-    # ids and each clip's decode request; the trainer rank that trains a group decodes its
-    # clips again (checked bitwise against the worker's frames), so no pixel crosses a process
-    # and trainer rank 0 never holds a step's pixels. 'ship' (the reference): the pixels
-    # themselves, through trainer rank 0 (for trainers that cannot read the videos).
-    async_pixels: str = "decode"
+    # What a worker sends of its rollouts' clips (paravt.workers.pixels). 'frames': each
+    # clip's uint8 frames at their patchified size (4x smaller than the float pixels); the
+    # trainer rank that trains a group re-encodes them (no decode on the trainer's step, no
+    # video read). 'decode': the token ids and each clip's decode request; the trainer rank
+    # decodes the clips again (checked bitwise against the worker's frames): the fewest
+    # bytes, but a full decode of high-resolution 30 fps video on every trainer rank's step
+    # (bench/test_bench_async_pixels.py). 'ship' (the reference): the float pixels.
+    async_pixels: str = "frames"
 
     def validate(self) -> list[str]:
         """This section's problems (ranges, the engine: one of ``paravt.engines.ENGINES``, and
@@ -327,7 +333,9 @@ class RolloutConfig:
             + _choice_error("rollout.dispatch", self.dispatch, ("group", "static"))
         )
         errs += _choice_error("rollout.weight_sync", self.weight_sync, ("bucketed", "host"))
-        errs += _choice_error("rollout.async_pixels", self.async_pixels, ("decode", "ship"))
+        errs += _choice_error(
+            "rollout.async_pixels", self.async_pixels, ("frames", "decode", "ship")
+        )
         spec = ENGINES.get(self.engine)
         greedy = [k for k in ("temperature", "sub_temperature") if getattr(self, k) == 0]
         if spec is not None and spec.greedy_rejects_top_p and greedy and self.top_p < 1:
@@ -1012,6 +1020,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "video.crop_min_pixels": (">= 1", "pixel floor per crop frame"),
     "video.cache_frames": (">= 0", "decoded frames cached; 0 = off"),
     "video.decode_timeout_s": ("> 0", "seconds one file's probe or decode may block"),
+    "video.decode_threads": (">= 0", "decoder threads (0 = automatic, 1 = one thread)"),
     "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
     "rollout.weight_bucket_mb": (">= 1", "MiB per bucket of the bucketed weight sync"),

@@ -293,9 +293,7 @@ def _run_sft(
     samples = load_samples(data_dir, video_root=cfg.data.video_root, split="train")
     sft_path = s.data or str(Path(data_dir) / "sft.jsonl")
     records = read_sft_records(sft_path)
-    planner = DecodePlanner(
-        cfg.video.backend, cfg.video.cache_frames, timeout_s=cfg.video.decode_timeout_s
-    )
+    planner = DecodePlanner.from_config(cfg.video)
     # Each rank encodes only its own records (encoding decodes video; no rank needs all).
     mine = records[ctx.rank :: ctx.world_size]
     trajs = encode_records(mine, samples, bundle, cfg, planner)

@@ -169,14 +169,18 @@ class VisualInputs:
 @dataclass(frozen=True)
 class VisualSource:
     """A trajectory's visuals without their pixels, as an asynchronous run's worker sends them
-    (``rollout.async_pixels=decode``, ``paravt.workers.pixels``): per segment, the frame
-    request the trainer rank that trains the row decodes again, a digest of the uint8 frames
-    the worker encoded (what the decoded frames must equal) and its ``(t, h, w)`` grid."""
+    (``paravt.workers.pixels``). ``rollout.async_pixels=decode``: per segment, the frame
+    request the trainer rank that trains the row decodes again and a digest of the uint8 frames
+    the worker encoded (what the decoded frames must equal); ``frames``: the uint8 frames
+    themselves and their sample times (the trainer re-encodes them, no decode; ``requests``
+    and ``digests`` may then be empty). Either way each segment's ``(t, h, w)`` grid."""
 
     requests: tuple[FrameRequest, ...]
     digests: tuple[str, ...]
     grids: tuple[tuple[int, int, int], ...]
     kind: Literal["video", "image"] = "video"
+    frames: tuple[torch.Tensor, ...] | None = None  # (T, H, W, 3) uint8, one per segment
+    timestamps: tuple[tuple[float, ...], ...] | None = None
 
 
 # ------------------------------------------------------------------------------------ agent

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pickle
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +140,56 @@ def test_a_clip_without_a_request_keeps_its_pixels(tiny, synth_dir) -> None:
     assert [t.uid for t in kept] == [sub.uid] and kept[0].visual_source is None
     (h,) = restore_pixels([w], DecodePlanner("pyav"), tiny).groups
     assert all(t.visuals is not None for t in (*h.trajectories, *h.sub_trajectories))
+
+
+@pytest.mark.parametrize("crop_mode", ["subagent", "frames"])
+def test_frames_mode_reencodes_the_workers_frames_bitwise_without_decoding(
+    tiny, synth_dir, tmp_path, crop_mode
+) -> None:
+    """``rollout.async_pixels=frames``: the rows carry their clips' uint8 frames (each clip
+    once), the trainer re-encodes them with no decode at all (the video may be gone), and the
+    pixels are bitwise the worker's; the wire is well under the pixels' (``ship``)."""
+    rows0 = load_samples(synth_dir, split="train")[:2]
+    samples = []
+    for s in rows0:  # copies the test deletes after the rollout
+        dst = tmp_path / f"{s.id}.mp4"
+        shutil.copy(s.video, dst)
+        samples.append(replace(s, video=str(dst)))
+    groups = _rollout(tiny, samples, crop_mode)
+    rows = _rows(groups)
+    wire = strip_pixels(groups, frames=True)
+    sent = _rows(wire)
+    assert all(t.visuals is None and t.visual_source.frames is not None for t in sent)
+    full, light = len(pickle.dumps(groups)), len(pickle.dumps(wire))
+    assert light * 3 < full, (light, full)  # uint8 frames vs float32 patches (and views)
+    for s in samples:
+        Path(s.video).unlink()  # nothing is decoded again
+    planner = DecodePlanner("pyav")
+    done = restore_pixels(pickle.loads(pickle.dumps(wire)), planner, tiny)
+    assert done.errors == [] and len(done.groups) == 2
+    assert planner.stats["requests"] == 0 and planner.stats["frames_decoded"] == 0
+    for a, b in zip(rows, _rows(done.groups)):
+        va, vb = a.visuals, b.visuals
+        assert torch.equal(va.pixel_values, vb.pixel_values), a.uid
+        assert torch.equal(va.grid_thw, vb.grid_thw) and va.timestamps == vb.timestamps
+        assert all(torch.equal(x, y) for x, y in zip(va.frames, vb.frames))
+        assert vb.requests == va.requests
+    for g, h in zip(groups, done.groups):  # shared as the worker shared them
+        assert len({id(t.visuals) for t in h.trajectories}) == len(
+            {id(t.visuals) for t in g.trajectories}
+        )
+    assert done.metrics["async/restore_clips_sent_as_frames"] > 0
+    assert done.metrics["async/restore_frames_decoded"] == 0.0
+
+
+def test_the_trainers_decode_deadline_is_above_the_workers() -> None:
+    """A worker decodes a group's clips of a file in up to 1 + max_turns planner runs, each
+    under ``video.decode_timeout_s``; the trainer decodes them in one pass, so its deadline is
+    their sum (a trainer deadline at the worker's would drop groups the worker read in time)."""
+    from types import SimpleNamespace
+
+    from paravt.workers.pipeline import RolloutPipeline
+
+    cfg = load_config("tiny_cpu", overrides=["video.decode_timeout_s=7", "agent.max_turns=3"])
+    deadline = RolloutPipeline.restore_deadline_s.fget(SimpleNamespace(cfg=cfg))
+    assert deadline == 4 * 7.0 > cfg.video.decode_timeout_s

@@ -182,10 +182,13 @@ def test_eta1_versions_staleness_and_ratios(assets, tmp_path) -> None:
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-6), (step, r["ratio_mean"])
         assert r["clip_frac"] == 0.0
         assert r["tool_calls_per_rollout"] == 2.0  # the scripted first turn
-        # rollout.async_pixels=decode (the default): the rows came without their pixels and
-        # the trainer decoded each distinct clip (the overview once per group, the crops);
-        # the behaviour log-probs below are recomputed on these restored pixels.
+        # rollout.async_pixels=frames (the default): the rows came with their clips' uint8
+        # frames instead of their pixels, and the trainer re-encoded each distinct clip (the
+        # overview once per group, the crops) without decoding any; the behaviour log-probs
+        # below are recomputed on these restored pixels.
         assert r["async/restore_rows"] >= 2 * 2 + 2 * 2 * 2, (step, r)
+        assert r["async/restore_clips_sent_as_frames"] == r["async/restore_clips"] > 0
+        assert r["async/restore_frames_decoded"] == 0.0
         assert r["async/restore_dropped_groups"] == 0.0
         assert 0 < r["async/received_mb"] < 1.0
     assert max(r["async/staleness_max"] for r in rows.values()) == 1.0
@@ -247,12 +250,14 @@ def _check_behaviour_versions(out: Path, steps: int, eta: int) -> tuple[int, dic
 def test_two_fsdp_trainers_and_a_worker(assets, tmp_path) -> None:
     """Three processes: two trainer ranks (FSDP2 over their own process group) and a worker.
     Rank 0 splits each step's groups between the trainers by prompt position; both prompts
-    are trained (``num_groups`` 2), staleness stays <= 1, and the run ends cleanly."""
+    are trained (``num_groups`` 2), staleness stays <= 1, and the run ends cleanly. Under
+    ``rollout.async_pixels=decode``: each trainer rank decodes its own share's clips."""
     out = tmp_path / "run"
     proc = torchrun(
         3, "-m", "paravt.train",
         *_overrides(assets, out, **{"rollout.workers": 1, "rollout.max_staleness": 1,
-                                    "train.dump_batches": "false"}),
+                                    "train.dump_batches": "false",
+                                    "rollout.async_pixels": "decode"}),
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -64,6 +64,38 @@ def test_planner_matches_per_request_decode_bitwise(three_files) -> None:
         assert [read_frame_index(f) for f in got.frames] == got.indices.tolist()
 
 
+def test_threaded_decode_is_bitwise_the_one_thread_decode_and_config_reaches_it(
+    three_files, monkeypatch
+) -> None:
+    """``video.decode_threads`` (0 = FFmpeg's frame + slice threads, the default): the same
+    frames as one thread, and ``DecodePlanner.from_config`` (every planner of a run) passes it
+    to the PyAV decoder."""
+    from paravt.config import load_config
+    from paravt.video import pyav_backend
+
+    reqs = _step_requests(three_files)
+    one = DecodePlanner(cache_frames=0, threads=1).run(reqs)
+    auto = DecodePlanner(cache_frames=0, threads=0).run(reqs)
+    for a, b in zip(one, auto):
+        _assert_same(a, b)
+    seen: list[int] = []
+    real = pyav_backend.iter_indices
+
+    def spy(sidx, indices, stats=None, threads=0):
+        seen.append(threads)
+        return real(sidx, indices, stats, threads)
+
+    monkeypatch.setattr("paravt.video.planner._ITER_BACKENDS", {"pyav": spy})
+    for n in (0, 3):
+        cfg = load_config("tiny_cpu", overrides=[f"video.decode_threads={n}"])
+        planner = DecodePlanner.from_config(cfg.video)
+        assert planner.timeout_s == cfg.video.decode_timeout_s
+        planner.run(reqs[:1])
+        assert seen[-1] == n
+    with pytest.raises(ValueError, match="decoder threads must be >= 0"):
+        DecodePlanner(threads=-1)
+
+
 def test_planner_decodes_each_frame_at_most_once_gop_optimal(three_files) -> None:
     reqs = _step_requests(three_files)
     planner = DecodePlanner(cache_frames=4096)

@@ -83,9 +83,7 @@ class AgentEncoder:
         self.cfg = cfg
         self.tokenizer = bundle.tokenizer
         self.factor = int(bundle.vision.factor)
-        self.planner = planner or DecodePlanner(
-            cfg.video.backend, cfg.video.cache_frames, timeout_s=cfg.video.decode_timeout_s
-        )
+        self.planner = planner or DecodePlanner.from_config(cfg.video)
         self.tools = tools if tools is not None else load_tools(list(cfg.agent.tools))
         self.text = TextCache(self.tokenizer)
         why = markup_fits(self.text)

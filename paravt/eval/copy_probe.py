@@ -161,7 +161,7 @@ def probe_rows(
         raise ConfigError(f"{d}/{split}.jsonl has no row with need_K{k} (a 'spot' task folder?)")
     rows = rows[:limit] if limit > 0 else rows
     samples = {s.id: s for s in load_samples(d, split=split)}
-    planner = DecodePlanner(cfg.video.backend, cfg.video.cache_frames)
+    planner = DecodePlanner.from_config(cfg.video)
     st = oracle_settings(cfg)
     counts = ProbeCounts()
     bundle.model.eval()

@@ -22,6 +22,7 @@ step goes on with a fresh helper (``paravt.video.deadline`` says what happens to
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,12 +106,28 @@ class DecodePlanner:
         cache_bytes: int = 2 << 30,
         *,
         timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S,
+        threads: int = 0,
     ) -> None:
         _check_backend(backend)
         self.backend = backend
         self.timeout_s = check_timeout(timeout_s)
+        if threads < 0:
+            raise ValueError(f"decoder threads must be >= 0 (0 = automatic), got {threads}")
+        self.threads = int(threads)  # PyAV's decoder threads (0 = automatic; 1 = one)
         self.cache = FrameCache(cache_frames, cache_bytes)
         self.stats: dict[str, int] = dict.fromkeys(_STAT_KEYS, 0)
+
+    @classmethod
+    def from_config(cls, video: Any, timeout_s: float | None = None) -> DecodePlanner:
+        """The planner a ``VideoConfig`` asks for (backend, cache, ``decode_threads``), with
+        its ``decode_timeout_s`` unless ``timeout_s`` is given. Every planner of a run (the
+        agent's, the SFT encoder's, an asynchronous trainer rank's restore) is built here."""
+        return cls(
+            video.backend,
+            video.cache_frames,
+            timeout_s=video.decode_timeout_s if timeout_s is None else timeout_s,
+            threads=video.decode_threads,
+        )
 
     def run(self, requests: list[FrameRequest]) -> list[FrameBatch | VideoError]:
         """One result per request, in order: a ``FrameBatch`` or the ``VideoError`` for it."""
@@ -271,7 +288,8 @@ class DecodePlanner:
     def _iter_decode(
         self, sidx: StreamIndex, indices: list[int], st: dict[str, int]
     ) -> Iterator[tuple[int, np.ndarray]]:
-        for i, a in _ITER_BACKENDS[self.backend](sidx, indices, st):
+        kw = {"threads": self.threads} if self.backend == "pyav" else {}
+        for i, a in _ITER_BACKENDS[self.backend](sidx, indices, st, **kw):
             yield i, np.ascontiguousarray(a)
 
 

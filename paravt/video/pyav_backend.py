@@ -74,11 +74,15 @@ def _near(sidx: StreamIndex, pos: int) -> str:
 
 
 def iter_indices(
-    sidx: StreamIndex, indices: list[int], stats: dict[str, int] | None = None
+    sidx: StreamIndex, indices: list[int], stats: dict[str, int] | None = None, threads: int = 0
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(index, (H, W, 3) uint8 RGB)`` for display-order ``indices`` (sorted, unique)
     of the probed file, in ascending order, as they come out of the decoder (so a caller can
     resize and drop native frames on the fly instead of holding them all).
+
+    ``threads``: the decoder's threads (``video.decode_threads``): 0 = FFmpeg's choice with
+    frame and slice threading (``thread_type="AUTO"``), 1 = one thread, N = N threads. H.264
+    decoding is bit-exact whatever the threads (the worker's and trainer's digests agree).
 
     ``stats`` (if given) is incremented in place: ``frames_decoded`` (frames out of the
     decoder), ``seeks``, ``files_opened``, ``decode_errors`` (packets the decoder rejected).
@@ -107,6 +111,9 @@ def iter_indices(
         # By overall index: the probed stream, also when audio or another video track
         # comes before it.
         stream = container.streams[sidx.stream_index]
+        if threads != 1:
+            stream.thread_type = "AUTO"
+            stream.thread_count = threads
         gen: Iterator | None = None
         for keyframe, wanted in gop_plan(sidx.meta.keyframes, indices):
             if gen is None or not (keyframe <= pos + 1 <= wanted[0]):
@@ -174,7 +181,7 @@ def iter_indices(
 
 
 def decode_indices(
-    sidx: StreamIndex, indices: list[int], stats: dict[str, int] | None = None
+    sidx: StreamIndex, indices: list[int], stats: dict[str, int] | None = None, threads: int = 0
 ) -> dict[int, np.ndarray]:
     """``{index: (H, W, 3) uint8 RGB}`` for ``indices``; see ``iter_indices``."""
-    return dict(iter_indices(sidx, indices, stats))
+    return dict(iter_indices(sidx, indices, stats, threads))

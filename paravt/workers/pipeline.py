@@ -116,7 +116,7 @@ class RolloutPipeline:
     ``sampler``: the run's ``PromptSampler`` (rank 0's draws are the run's prompts);
     ``engine``: the trainer's own engine, which only evaluates (None: no evaluation);
     ``bundle``: the policy's ``ModelBundle`` (its vision spec and tokenizer re-encode the clips
-    that arrive as decode requests, ``rollout.async_pixels=decode``)."""
+    that arrive without their pixels, ``rollout.async_pixels=frames|decode``)."""
 
     abandon_when = "while waiting for its rollouts"
 
@@ -424,8 +424,7 @@ class RolloutPipeline:
         if batch is None:
             return None
         if self._planner is None:
-            v = self.cfg.video
-            self._planner = DecodePlanner(v.backend, v.cache_frames, timeout_s=v.decode_timeout_s)
+            self._planner = DecodePlanner.from_config(self.cfg.video, self.restore_deadline_s)
         done = restore_pixels(
             batch.groups, self._planner, self.bundle, f"trainer rank {self.ctx.rank}"
         )
@@ -434,6 +433,15 @@ class RolloutPipeline:
         if self.ctx.is_main:
             batch.metrics.update(done.metrics)
         return batch
+
+    @property
+    def restore_deadline_s(self) -> float:
+        """The deadline of one file's decode on a trainer rank (``async_pixels=decode``): the
+        worker decoded a group's clips of a file in up to ``1 + agent.max_turns`` planner runs
+        (the overview, then each turn's crops), each under ``video.decode_timeout_s``; the
+        trainer decodes them all in ONE pass, cold, so it gets their sum. A trainer deadline
+        at the worker's would drop groups the worker decoded in time."""
+        return (1 + self.cfg.agent.max_turns) * self.cfg.video.decode_timeout_s
 
     def _share(self, step: int, preempt: Any) -> RolloutBatch | None:
         """This rank's share of step ``step``'s rollouts as they arrived (see ``collect``)."""

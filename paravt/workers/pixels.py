@@ -1,5 +1,13 @@
-"""An asynchronous run's rollouts travel without their pixels (``rollout.async_pixels=decode``,
-the default).
+"""An asynchronous run's rollouts travel without their float pixels
+(``rollout.async_pixels=frames``, the default, or ``decode``).
+
+``frames`` (since 2026-12-07): each clip's uint8 frames at their patchified size travel (4x
+smaller than the float32 patches, each clip once) and the trainer rank re-encodes them with
+``encode_frames_batch``, no decode and no video read on the trainer's step: at 720p/1080p
+30 fps the decode below is a full decode per group on every trainer rank, 4-12x the trainer's
+seconds of ``frames`` (``bench/test_bench_async_pixels.py``, the HD cases); the trainer's
+decode deadline (``RolloutPipeline.restore_deadline_s``) is then moot. ``decode`` sends the
+fewest bytes (a decode request per clip), as follows.
 
 A finished group's rows carry float32 patches of every clip they saw (and the uint8 frames
 they were made from): at 32 prompts a step about 2.5 GB without tool calls and 17 GB with 12
@@ -29,6 +37,10 @@ A clip whose frames decode differently on the trainer (another decoder build, a 
 since the rollout) or not at all drops its group, counted as a skipped prompt with an error
 naming the file, the times and the fix (``rollout.async_pixels=ship``), like a video the
 rollout itself could not decode: nothing trains on pixels the policy did not see.
+
+Under ``frames`` a ``VisualSource`` carries the frames and their times instead of digests
+(a plug-in view that changed its frames travels so too: it has frames, not a request), and
+``restore_pixels`` re-encodes them in the same one pack; the pixels are bitwise the worker's.
 """
 
 from __future__ import annotations
@@ -43,7 +55,14 @@ import numpy as np
 import torch
 
 from paravt.agent.context import encode_frames_batch
-from paravt.types import FrameRequest, Group, Trajectory, VisualInputs, VisualSource
+from paravt.types import (
+    FrameRequest,
+    Group,
+    Trajectory,
+    VisualInputs,
+    VisualSource,
+    own_tensor,
+)
 from paravt.video.errors import VideoError
 from paravt.video.planner import DecodePlanner
 
@@ -56,9 +75,29 @@ def frames_digest(frames: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _source(v: VisualInputs, digests: dict[int, str]) -> VisualSource | None:
-    """``v`` as a ``VisualSource``, or None when a segment has no request or frames."""
+def _source(
+    v: VisualInputs, digests: dict[int, str], owned: dict[int, torch.Tensor] | None = None
+) -> VisualSource | None:
+    """``v`` as a ``VisualSource``, or None when a segment has no request or frames (with
+    ``owned``, the ``frames`` mode: None when a segment has no frames and times, or ``v`` is
+    not a video; each distinct frames tensor is copied once into ``owned``)."""
     n = v.num_segments
+    if owned is not None:
+        if v.frames is None or v.timestamps is None or len(v.frames) != n or v.kind != "video":
+            return None
+        if len(v.timestamps) != n:
+            return None
+        for f in v.frames:
+            if id(f) not in owned:
+                owned[id(f)] = own_tensor(f)
+        return VisualSource(
+            tuple(v.requests) if v.requests is not None else (),
+            (),
+            _grids(v),
+            v.kind,
+            tuple(owned[id(f)] for f in v.frames),
+            tuple(tuple(float(x) for x in ts) for ts in v.timestamps),
+        )
     if v.requests is None or v.frames is None or len(v.requests) != n or len(v.frames) != n:
         return None
     for f in v.frames:
@@ -88,18 +127,21 @@ def _map_rows(groups: list[Group], f: Callable[[Trajectory], Trajectory]) -> lis
     ]
 
 
-def strip_pixels(groups: list[Group]) -> list[Group]:
+def strip_pixels(groups: list[Group], frames: bool = False) -> list[Group]:
     """Copies of ``groups`` whose rows carry a ``VisualSource`` instead of their pixels where
-    every clip of the row has one (the worker, before sending; ``groups`` are unchanged)."""
+    every clip of the row has one (the worker, before sending; ``groups`` are unchanged).
+    ``frames`` (``rollout.async_pixels=frames``): the sources carry the clips' uint8 frames
+    (each distinct clip once, in storage of its own) instead of digests to decode against."""
     memo: dict[int, VisualSource | None] = {}
     digests: dict[int, str] = {}
+    owned: dict[int, torch.Tensor] | None = {} if frames else None
 
     def strip(t: Trajectory) -> Trajectory:
         v = t.visuals
         if v is None:
             return t
         if id(v) not in memo:
-            memo[id(v)] = _source(v, digests)
+            memo[id(v)] = _source(v, digests, owned)
         src = memo[id(v)]
         return t if src is None else replace(t, visuals=None, visual_source=src)
 
@@ -162,14 +204,23 @@ def restore_pixels(
                 rows += 1
     if not sources:
         return Restored(groups)
-    keys = list(dict.fromkeys(_key(r) for s in sources.values() for r in s.requests))
+    sent = {sid for sid, s in sources.items() if s.frames is not None}  # frames: no decode
+    keys = list(
+        dict.fromkeys(_key(r) for sid, s in sources.items() if sid not in sent for r in s.requests)
+    )
     before = dict(planner.stats)
     decoded = dict(zip(keys, planner.run([FrameRequest(v, ts, size) for v, ts, size in keys])))
     digests: dict[tuple[Any, ...], str] = {}
     bad: dict[int, str] = {}
     clips: list[tuple[torch.Tensor, list[float]]] = []
-    reqs: list[FrameRequest] = []
+    reqs: list[FrameRequest | None] = []
     for sid, src in sources.items():
+        if sid in sent:  # the worker's own frames: re-encoded as they are
+            assert src.frames is not None and src.timestamps is not None
+            for i, f in enumerate(src.frames):
+                clips.append((f, list(src.timestamps[i])))
+                reqs.append(src.requests[i] if len(src.requests) == len(src.frames) else None)
+            continue
         for r, want in zip(src.requests, src.digests):
             fb = decoded[_key(r)]
             if isinstance(fb, VideoError):
@@ -196,13 +247,14 @@ def restore_pixels(
     for sid, src in sources.items():
         if sid in bad:
             continue
-        parts = [next(encoded).visuals for _ in src.requests]
+        parts = [next(encoded).visuals for _ in src.grids]
         vis = parts[0] if len(parts) == 1 else VisualInputs.concat(parts)
         assert vis is not None
         grids = _grids(vis)
         if grids != src.grids or vis.kind != src.kind:
+            what = _where(src.requests[0]) if src.requests else "a clip sent as frames"
             bad[sid] = (
-                f"the clips of {_where(src.requests[0])} re-encoded on {who} have grids {grids} "
+                f"the clips of {what} re-encoded on {who} have grids {grids} "
                 f"({vis.kind}), the worker's {src.grids} ({src.kind}): the trainer and the "
                 "worker encode differently (model.vision settings); set "
                 "rollout.async_pixels=ship to send the pixels instead"
@@ -227,6 +279,7 @@ def restore_pixels(
         "async/restore_clips": float(len(sources)),
         "async/restore_frames_decoded": float(after["frames_decoded"] - before["frames_decoded"]),
         "async/restore_cache_hits": float(after["cache_hits"] - before["cache_hits"]),
+        "async/restore_clips_sent_as_frames": float(len(sent)),
         "async/restore_dropped_groups": float(len(groups) - len(kept)),
     }
     return Restored(kept, errors, metrics)

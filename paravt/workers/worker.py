@@ -30,9 +30,10 @@ Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the 
 ``roles.results`` channel; a claim's reply has one entry per ticket (``ticket_entries``: its
 group, or ``skipped`` with the runner's reason when the video could not be read), and each
 claim is announced first (``claimed``, for the trainer's ``ClaimWatchdog``), with the runner's errors and counters and the worker's busy / idle
-seconds; under ``rollout.async_pixels=decode`` (the default) its rows carry their clips' decode
-requests instead of their pixels (``paravt.workers.pixels.strip_pixels``; ``ship``: each clip
-compacted once, ``compact_pixels``). A rollout that raises sends its traceback and the worker
+seconds; under ``rollout.async_pixels=frames`` (the default) its rows carry their clips' uint8
+frames instead of their pixels, under ``decode`` their decode requests
+(``paravt.workers.pixels.strip_pixels``; ``ship``: each clip's pixels compacted once,
+``compact_pixels``). A rollout that raises sends its traceback and the worker
 exits 1; a trainer that disappears fails the control thread's receive, and the worker exits 1 naming it. SIGTERM /
 SIGUSR1 (a cluster preempting the job) and SIGINT (a Ctrl-C, which torchrun forwards to every
 process) are left to the trainer, which checkpoints and then sends ``stop``.
@@ -220,8 +221,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                     raise weights.failed from None
                 break  # the trainer said stop (or is gone: raised below)
             busy = time.perf_counter() - t1  # (the engine owns its device: it never sleeps)
-            if cfg.rollout.async_pixels == "decode":  # the trainer ranks decode the clips
-                groups = strip_pixels(groups)
+            if cfg.rollout.async_pixels in ("decode", "frames"):  # restored by the trainer
+                groups = strip_pixels(groups, frames=cfg.rollout.async_pixels == "frames")
             else:  # each clip once, in storage of its own (not its turn's packed tensor)
                 groups = compact_pixels(groups)
             reply = dict(job["reply"])
