@@ -12,7 +12,11 @@ the shipped example plug-ins (``paravt.agent.examples``) the README's plug-in co
   unreadable video) name the file, the line and the fix.
 * ``zoom_frame`` in the agent loop (scripted engine): its sub-agent sees exactly the region of
   the decoded frame, upscaled to the crop budget; ``zoom_cost`` prices each zoom; the README's
-  plug-in command trains one step with them.
+  plug-in command trains one step with them; ``paravt.agent.toolkit`` is where the example
+  imports from.
+* The CUDA node (item 8): docs/install.md's commands parse with pip's parser and name extras
+  that exist; every GPU recipe opens with its GPU status line; docs/precision_and_memory.md's
+  8B peak is what ``python -m paravt.plan`` prints.
 """
 
 from __future__ import annotations
@@ -340,6 +344,32 @@ def test_zoom_frame_shows_the_region_upscaled_and_zoom_cost_prices_it(make_clip)
     b = t.reward_breakdown
     assert b["zoom_cost"] == -1.0
     assert b["total"] == pytest.approx(b["acc"] + cfg.reward.w_fmt * b["fmt"] + b["tool"] - 0.02)
+
+
+def test_toolkit_is_the_one_place_a_tool_imports_from() -> None:
+    """``paravt.agent.toolkit`` names the owners' own objects (not copies), the shipped example
+    imports paravt only through it, and ``to_crop_budget`` refuses an empty region in one line
+    naming the shape and the fix."""
+    import ast
+
+    from paravt.agent import toolkit, tools
+    from paravt.video.sampling import resize_frames
+    from paravt.vision.resize import smart_resize
+
+    assert toolkit.resize_frames is resize_frames and toolkit.smart_resize is smart_resize
+    assert toolkit.Tool is tools.Tool and set(toolkit.__all__) <= set(dir(toolkit))
+    src = (ROOT / "paravt" / "agent" / "examples.py").read_text()
+    mods = {
+        n.module
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("paravt")
+    }
+    assert mods == {"paravt.agent.toolkit"}, mods
+    cfg = load_config("tiny_cpu")
+    out = toolkit.to_crop_budget(torch.zeros(1, 8, 10, 3, dtype=torch.uint8), cfg.video, 32)
+    assert out.dtype == torch.uint8 and out.shape[1] % 32 == 0 and out.shape[2] % 32 == 0
+    with pytest.raises(ValueError, match=r"shape \(1, 0, 10, 3\).*cut a non-empty region"):
+        toolkit.to_crop_budget(torch.zeros(1, 0, 10, 3, dtype=torch.uint8), cfg.video, 32)
 
 
 def test_readme_plugin_command_trains_one_step(assets, tmp_path: Path) -> None:
