@@ -436,8 +436,9 @@ def test_cuda_install_commands_parse_and_the_extras_resolve() -> None:
 
 
 def test_every_gpu_recipe_starts_with_its_gpu_status() -> None:
-    """The 8B recipe files and docs/vllm.md open with the one status line, and what it says
-    has run is what docs/gpu/'s latest summary says passed (and vLLM was skipped there)."""
+    """The 8B recipe files, docs/vllm.md, the README's and docs/own_data.md's 8B recipes open
+    with the one status line, and what it says has run is what docs/gpu/'s latest summary says
+    passed (and vLLM was skipped there)."""
     recipes = sorted((ROOT / "configs").glob("*8b*"))
     assert recipes
     for f in recipes:
@@ -445,6 +446,14 @@ def test_every_gpu_recipe_starts_with_its_gpu_status() -> None:
         assert head.startswith(GPU_STATUS) and "never run on a GPU: an SFT or RL step" in head, f
     vllm = (ROOT / "docs" / "vllm.md").read_text().split("\n\n")[1]
     assert vllm.startswith(f"**{GPU_STATUS}") and "vLLM rollouts" in vllm
+    md_status = GPU_STATUS.replace("GPU status", "**GPU status**")
+    for doc, heading in [
+        (ROOT / "README.md", "### Train a real model on one node"),
+        (DOC, "## 5. The real model: Qwen3-VL-8B on one 8-GPU node"),
+    ]:
+        first = doc.read_text().split(heading + "\n\n", 1)[1].split("\n\n")[0]
+        assert first.startswith(md_status), (doc, first)
+        assert "an SFT or RL step" in first and "vLLM" in first, (doc, first)
     summary = (ROOT / "docs" / "gpu" / "summary_run7.txt").read_text()
     assert "252 passed" in summary and "bench_vllm: SKIPPED" in summary
     assert "all steps passed" in summary
