@@ -154,11 +154,11 @@ COVERAGE: dict[str, tuple[str, str]] = {
         "tests/test_view.py::test_planted_symlinks_are_replaced_never_written_through",
         "`paravt.view.main([RUN])` into RUN/view, as the README's command",
     ),
-    "python -m paravt.train 'agent.tools=[paravt.agent.crop:CROP,mytools:ZOOM]' "
-    "'reward.extra_terms=[{fn: \"myrewards:zoom_calls\", weight: 0.5}]'": (
+    "python -m paravt.train 'agent.tools=[paravt.agent.crop:CROP,paravt.agent.examples:ZOOM]' "
+    "'reward.extra_terms=[{fn: \"paravt.agent.examples:zoom_cost\", weight: 0.02}]'": (
         HERE,
-        "test_plugin_command_parses_and_validates; the training step with these keys: "
-        "tests/test_agent_plugins.py::test_two_tools_through_one_train_step",
+        "test_plugin_command_parses_and_validates; one training step with these keys: "
+        "tests/test_own_data.py::test_readme_plugin_command_trains_one_step",
     ),
     "make bench": (
         HERE,
@@ -307,22 +307,19 @@ def test_gpu_training_commands_parse_and_validate(tmp_path: Path) -> None:
 
 
 def test_plugin_command_parses_and_validates() -> None:
-    """The README's plug-in overrides parse as written; with the test suite's own plug-ins
-    (``tests/agent_plugins.py``: a zoom tool, the term ``zoom_calls``) in place of
-    ``mytools`` / ``myrewards``, ``validate_run`` imports them and passes; as written it names
-    the module it cannot import."""
+    """The README's plug-in overrides parse as written and name the shipped examples
+    (``paravt.agent.examples``: the ``zoom_frame`` tool, the term ``zoom_cost``), which
+    ``validate_run`` imports; the same keys with a module that does not exist are refused,
+    naming it."""
     cmd = next(c for c in COVERAGE if "agent.tools=" in c)
     argv = shlex.split(cmd)[3:]
     cfg, _ = train_args(argv)
-    assert [t for t in cfg.agent.tools] == ["paravt.agent.crop:CROP", "mytools:ZOOM"]
+    assert cfg.agent.tools == ["paravt.agent.crop:CROP", "paravt.agent.examples:ZOOM"]
+    assert cfg.reward.extra_terms[0].weight == 0.02
+    validate_run(cfg, 1)
+    cfg, _ = train_args([a.replace("paravt.agent.examples", "mytools") for a in argv])
     with pytest.raises(Exception, match="mytools"):
         validate_run(cfg, 1)
-    ours = [
-        a.replace("mytools", "agent_plugins").replace("myrewards", "agent_plugins") for a in argv
-    ]
-    cfg, _ = train_args(ours)
-    validate_run(cfg, 1)
-    assert cfg.reward.extra_terms[0].weight == 0.5
 
 
 def test_six_benchmark_evaluations_run(assets, tmp_path: Path) -> None:
