@@ -1146,6 +1146,11 @@ def resolve_plugin(spec: str, key: str) -> Any:
             f"{key}: {spec!r}: module {mod_name!r} does not import ({e}); put it on PYTHONPATH "
             "or fix the module name"
         ) from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 — the module's own code raised
+        raise ConfigError(
+            f"{key}: {spec!r}: importing module {mod_name!r} raised {type(e).__name__}: {e}; "
+            "fix the module (it runs when imported)"
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(
