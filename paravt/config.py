@@ -26,7 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.machinery
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1129,15 +1132,47 @@ def _plugin_errors(key: str, specs: list[str], *, allow_empty: bool) -> list[str
     return errs
 
 
+def _implicit_cwd_origin(mod_name: str) -> str | None:
+    """Where ``mod_name``'s top-level module would be imported from when that is the current
+    folder Python put on ``sys.path`` implicitly (``python -m``'s ``sys.path[0]``, or ``''``)
+    and PYTHONPATH does not name it; else None (already imported, found elsewhere first, or
+    asked for). Running ``python -m paravt.eval`` inside someone's run folder must not execute
+    the folder's ``evil.py`` because a config names ``evil:X`` (issue 66)."""
+    top = mod_name.partition(".")[0]
+    if top in sys.modules:
+        return None
+    cwd = os.path.realpath(os.getcwd())
+    asked = {os.path.realpath(p or ".") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)}
+    if cwd in asked and os.environ.get("PYTHONPATH"):
+        return None
+    for entry in sys.path:
+        try:
+            found = importlib.machinery.PathFinder.find_spec(top, [entry or "."])
+        except (ImportError, ValueError, OSError):
+            found = None
+        if found is not None:
+            implicit = os.path.realpath(entry or ".") == cwd
+            return (found.origin or entry or ".") if implicit else None
+    return None
+
+
 def resolve_plugin(spec: str, key: str) -> Any:
     """The object a plug-in key's ``module:attr`` names (``attr`` may be dotted): how
     ``agent.tools`` (``paravt.agent.tools.load_tools``) and ``reward.extra_terms``
     (``paravt.rewards.compose.load_terms``) are resolved. Raises ``ConfigError`` naming
-    ``key``, the problem and the fix."""
+    ``key``, the problem and the fix: a module that does not import, raises while importing,
+    or would come from the implicit current folder (:func:`_implicit_cwd_origin`)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ConfigError(
             f"{key}: {spec!r} is not of the form 'module:attr' (e.g. paravt.agent.crop:CROP)"
+        )
+    if where := _implicit_cwd_origin(mod_name):
+        raise ConfigError(
+            f"{key}: {spec!r}: module {mod_name!r} would be imported from the current folder "
+            f"({where}), which plug-ins never are (a shared folder's .py files would run); put "
+            "its folder on PYTHONPATH explicitly (PYTHONPATH=. to mean this one) or run from "
+            "another folder"
         )
     try:
         obj: Any = importlib.import_module(mod_name)
