@@ -1196,6 +1196,31 @@ def resolve_plugin(spec: str, key: str) -> Any:
     return obj
 
 
+def plugin_specs(cfg: Config) -> set[str]:
+    """The plug-in modules' ``module:attr`` specs ``cfg`` names outside paravt's own package
+    (``agent.tools``, ``reward.extra_terms``): code that loading them would run."""
+    specs = {str(t) for t in cfg.agent.tools} | {str(t.fn) for t in cfg.reward.extra_terms}
+    return {s for s in specs if s.partition(":")[0].partition(".")[0] != "paravt"}
+
+
+def stored_plugin_errors(
+    ours: Config, stored: Config, config_yaml: Path, trust: bool, command: str
+) -> list[str]:
+    """The plug-ins that ``config_yaml`` (a checkpoint's stored run config) brings in beyond
+    ``ours`` (the preset, ``--config`` files and overrides the caller typed), refused unless
+    ``--trust-plugins``: ``eval --model RUN`` of someone else's run imported and called the
+    modules its config named (issue 66). ``command``: the refusing command (``eval``,
+    ``rollout``), which both call this before anything loads."""
+    foreign = sorted(plugin_specs(stored) - plugin_specs(ours))
+    if not foreign or trust:
+        return []
+    return [
+        f"{config_yaml} names plug-in code {', '.join(foreign)} (agent.tools / "
+        f"reward.extra_terms), which {command} does not import from a run's stored config: "
+        "read it, then pass --trust-plugins to run it, or give your own --config"
+    ]
+
+
 def _cross_section_errors(cfg: Config) -> list[str]:
     """The rules between sections: the evaluation conditions (``train`` with ``video``'s
     default K) and the minibatch split of a step's sequences (``train``, ``rollout``,

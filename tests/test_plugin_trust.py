@@ -60,6 +60,17 @@ def test_eval_refuses_a_runs_stored_plugins_unless_trusted(shared_run, tmp_path,
     assert "trust-plugins" not in capsys.readouterr().err
 
 
+def test_rollout_refuses_a_runs_stored_plugins_unless_trusted(shared_run, capsys) -> None:
+    """``python -m paravt.rollout --model RUN`` takes the run's config as eval does, so it
+    refuses its plug-ins the same way (on main it went on to load them)."""
+    from paravt.rollout import main
+
+    assert main(["--model", str(shared_run / "checkpoints" / "step_000001")]) == 2
+    err = capsys.readouterr().err
+    assert "names plug-in code evil_plug:TOOL" in err and "which rollout does not" in err
+    assert "--trust-plugins" in err and not (shared_run / "EXECUTED").exists()
+
+
 def test_a_plugin_is_never_imported_from_the_implicit_current_folder(
     shared_run, monkeypatch
 ) -> None:

@@ -39,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
-from paravt.config import PRESETS, Config, ConfigError, ConfigHelpParser, load_config
+from paravt.config import (
+    PRESETS,
+    Config,
+    ConfigError,
+    ConfigHelpParser,
+    load_config,
+    stored_plugin_errors,
+)
 from paravt.files import FolderBusy, claim_folder
 from paravt.log import get_logger
 
@@ -98,28 +105,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)
 
 
-def plugin_specs(cfg: Config) -> set[str]:
-    """The plug-in modules' ``module:attr`` specs ``cfg`` names outside paravt's own package
-    (``agent.tools``, ``reward.extra_terms``): code that loading them would run."""
-    specs = {str(t) for t in cfg.agent.tools} | {str(t.fn) for t in cfg.reward.extra_terms}
-    return {s for s in specs if s.partition(":")[0].partition(".")[0] != "paravt"}
-
-
-def stored_plugin_errors(ours: Config, stored: Config, config_yaml: Path, trust: bool) -> list[str]:
-    """The plug-ins that ``config_yaml`` (a checkpoint's stored run config) brings in beyond
-    ``ours`` (the preset, ``--config`` files and overrides the caller typed), refused unless
-    ``--trust-plugins``: ``eval --model RUN`` of someone else's run imported and called the
-    modules its config named (issue 66)."""
-    foreign = sorted(plugin_specs(stored) - plugin_specs(ours))
-    if not foreign or trust:
-        return []
-    return [
-        f"{config_yaml} names plug-in code {', '.join(foreign)} (agent.tools / "
-        "reward.extra_terms), which eval does not import from a run's stored config: read it, "
-        "then pass --trust-plugins to run it, or give your own --config"
-    ]
-
-
 def sampling_errors(cfg: Config) -> list[str]:
     """``rollout.top_p`` < 1 where decoding is greedy: no effect at all when both roles are
     greedy. (An engine that refuses greedy requests with top_p < 1 when either is, vLLM, is
@@ -171,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         trained_with = None if a.config else run_config(model_path)
         if trained_with is not None:  # evaluate with the settings the checkpoint trained with
             ours, cfg = cfg, load_config(a.preset, [str(trained_with)], overrides)
-            errs = stored_plugin_errors(ours, cfg, Path(trained_with), a.trust_plugins)
+            errs = stored_plugin_errors(ours, cfg, Path(trained_with), a.trust_plugins, "eval")
             if errs:
                 raise ConfigError(errs[0])
         if a.frames < 1:
