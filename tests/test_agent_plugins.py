@@ -298,6 +298,9 @@ BAD_SCHEMA = _named("zoom_frame", _bad)
 _nan = copy.deepcopy(ZOOM_SCHEMA)
 _nan["function"]["parameters"]["properties"]["time"]["default"] = float("nan")
 NAN_SCHEMA = _named("zoom_frame", _nan)
+_long = copy.deepcopy(ZOOM_SCHEMA)
+_long["function"]["description"] = "look " * 200_000
+LONG_SCHEMA = _named("zoom_frame", _long)
 
 
 def three(traj, sample, extra):
@@ -348,6 +351,9 @@ def test_validate_run_refuses_broken_plugins_before_anything_loads(tmp_path, mon
     assert "'bad_plugins:BAD_SCHEMA': its schema's parameters are no valid JSON schema" in msg
     assert "nummber" in msg and "fix the tool's schema" in msg
     assert "schema is not JSON" in refusal(["bad_plugins:NAN_SCHEMA"])
+    assert "schema is 1,000,584 characters of JSON, over the 8,192" in refusal(
+        ["bad_plugins:LONG_SCHEMA"]
+    )
     msg = refusal(term="os:getpid")
     assert "reward.extra_terms[0].fn: 'os:getpid' is a built-in, not a Python function" in msg
     assert "is a class" in refusal(term="bad_plugins:TermClass")

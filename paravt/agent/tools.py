@@ -58,6 +58,9 @@ log = logging.getLogger("paravt.agent.tools")
 MAX_INSTRUCTION_CHARS = 4096
 #: The most characters of a :meth:`Tool.label` (the text before a summary; ``[2.0-6.0 s]``).
 MAX_LABEL_CHARS = 256
+#: The most characters of a tool's schema as JSON (written into every main prompt's system
+#: turn; ``crop_video``'s is about 700): a megabyte of description would fill every context.
+MAX_SCHEMA_CHARS = 8192
 #: What a tool's name may be: OpenAI's and Qwen's function-name rule. No space, no markup:
 #: the name is written into the system prompt's ``<tools>`` block and matched against what the
 #: model writes, so ``<|im_start|>`` or an empty name would break the template or the parser.
@@ -206,15 +209,20 @@ def plan_problem(plan: object, video: str, vcfg: VideoConfig) -> str | None:
 
 def schema_problem(name: str, schema: object) -> str | None:
     """Why ``schema`` is not a function schema for tool ``name``, or None: a JSON-serialisable
-    ``{"type": "function", "function": {"name": name, "parameters": <object schema>, ...}}``
+    (at most :data:`MAX_SCHEMA_CHARS`) ``{"type": "function", "function": {"name": name, "parameters": <object schema>, ...}}``
     whose parameters pass jsonschema's meta-schema check (when jsonschema is installed; else a
     structural check of ``type`` / ``properties`` / ``required``)."""
     if not isinstance(schema, dict):
         return f"schema is {type(schema).__name__}, not a dict"
     try:
-        json.dumps(schema, allow_nan=False)
+        size = len(json.dumps(schema, allow_nan=False))
     except (TypeError, ValueError) as e:
         return f"schema is not JSON ({e})"
+    if size > MAX_SCHEMA_CHARS:
+        return (
+            f"schema is {size:,} characters of JSON, over the {MAX_SCHEMA_CHARS:,} a tool's "
+            "schema may take in every prompt; shorten its descriptions"
+        )
     fn = schema.get("function")
     if schema.get("type") != "function" or not isinstance(fn, dict):
         return 'schema must be {"type": "function", "function": {...}}'
