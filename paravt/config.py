@@ -26,7 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.machinery
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1147,15 +1150,47 @@ def _plugin_errors(key: str, specs: list[str], *, allow_empty: bool) -> list[str
     return errs
 
 
+def _implicit_cwd_origin(mod_name: str) -> str | None:
+    """Where ``mod_name``'s top-level module would be imported from when that is the current
+    folder Python put on ``sys.path`` implicitly (``python -m``'s ``sys.path[0]``, or ``''``)
+    and PYTHONPATH does not name it; else None (already imported, found elsewhere first, or
+    asked for). Running ``python -m paravt.eval`` inside someone's run folder must not execute
+    the folder's ``evil.py`` because a config names ``evil:X`` (issue 66)."""
+    top = mod_name.partition(".")[0]
+    if top in sys.modules:
+        return None
+    cwd = os.path.realpath(os.getcwd())
+    asked = {os.path.realpath(p or ".") for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)}
+    if cwd in asked and os.environ.get("PYTHONPATH"):
+        return None
+    for entry in sys.path:
+        try:
+            found = importlib.machinery.PathFinder.find_spec(top, [entry or "."])
+        except (ImportError, ValueError, OSError):
+            found = None
+        if found is not None:
+            implicit = os.path.realpath(entry or ".") == cwd
+            return (found.origin or entry or ".") if implicit else None
+    return None
+
+
 def resolve_plugin(spec: str, key: str) -> Any:
     """The object a plug-in key's ``module:attr`` names (``attr`` may be dotted): how
     ``agent.tools`` (``paravt.agent.tools.load_tools``) and ``reward.extra_terms``
     (``paravt.rewards.compose.load_terms``) are resolved. Raises ``ConfigError`` naming
-    ``key``, the problem and the fix."""
+    ``key``, the problem and the fix: a module that does not import, raises while importing,
+    or would come from the implicit current folder (:func:`_implicit_cwd_origin`)."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ConfigError(
             f"{key}: {spec!r} is not of the form 'module:attr' (e.g. paravt.agent.crop:CROP)"
+        )
+    if where := _implicit_cwd_origin(mod_name):
+        raise ConfigError(
+            f"{key}: {spec!r}: module {mod_name!r} would be imported from the current folder "
+            f"({where}), which plug-ins never are (a shared folder's .py files would run); put "
+            "its folder on PYTHONPATH explicitly (PYTHONPATH=. to mean this one) or run from "
+            "another folder"
         )
     try:
         obj: Any = importlib.import_module(mod_name)
@@ -1163,6 +1198,11 @@ def resolve_plugin(spec: str, key: str) -> Any:
         raise ConfigError(
             f"{key}: {spec!r}: module {mod_name!r} does not import ({e}); put it on PYTHONPATH "
             "or fix the module name"
+        ) from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 — the module's own code raised
+        raise ConfigError(
+            f"{key}: {spec!r}: importing module {mod_name!r} raised {type(e).__name__}: {e}; "
+            "fix the module (it runs when imported)"
         ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -1172,6 +1212,31 @@ def resolve_plugin(spec: str, key: str) -> Any:
             )
         obj = getattr(obj, part)
     return obj
+
+
+def plugin_specs(cfg: Config) -> set[str]:
+    """The plug-in modules' ``module:attr`` specs ``cfg`` names outside paravt's own package
+    (``agent.tools``, ``reward.extra_terms``): code that loading them would run."""
+    specs = {str(t) for t in cfg.agent.tools} | {str(t.fn) for t in cfg.reward.extra_terms}
+    return {s for s in specs if s.partition(":")[0].partition(".")[0] != "paravt"}
+
+
+def stored_plugin_errors(
+    ours: Config, stored: Config, config_yaml: Path, trust: bool, command: str
+) -> list[str]:
+    """The plug-ins that ``config_yaml`` (a checkpoint's stored run config) brings in beyond
+    ``ours`` (the preset, ``--config`` files and overrides the caller typed), refused unless
+    ``--trust-plugins``: ``eval --model RUN`` of someone else's run imported and called the
+    modules its config named (issue 66). ``command``: the refusing command (``eval``,
+    ``rollout``), which both call this before anything loads."""
+    foreign = sorted(plugin_specs(stored) - plugin_specs(ours))
+    if not foreign or trust:
+        return []
+    return [
+        f"{config_yaml} names plug-in code {', '.join(foreign)} (agent.tools / "
+        f"reward.extra_terms), which {command} does not import from a run's stored config: "
+        "read it, then pass --trust-plugins to run it, or give your own --config"
+    ]
 
 
 def _cross_section_errors(cfg: Config) -> list[str]:

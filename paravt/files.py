@@ -24,6 +24,10 @@
   and ``splitlines()`` cuts a row there. ``paravt.metrics.read_metrics`` (files the project
   appends to: skips a torn line) and :func:`read_jsonl` (data sets: a bad line is an error
   naming it) read through it.
+* :func:`unencodable_text`: the first lone surrogate in a row's strings (valid JSON as a
+  ``"\\ud83d"`` escape, no UTF-8 and no tokenizer can encode it): :func:`read_jsonl` refuses
+  such a line naming the file, the line and the field, and ``paravt.data.readers`` does the
+  same for a parquet row.
 """
 
 from __future__ import annotations
@@ -212,12 +216,49 @@ def jsonl_lines(blob: bytes) -> Iterator[tuple[int, bytes]]:
             yield n, raw
 
 
+def unencodable_text(value: Any, field: str = "") -> str | None:
+    """What is wrong with the first string in ``value`` (a row: dicts, lists, strings, keys
+    included) that UTF-8 cannot encode, or None. The only such code points a Python string can
+    hold are the surrogates U+D800..U+DFFF: ``json.loads`` joins an escaped pair
+    (``"\\ud83d\\ude00"``) into one character and leaves a lone half as it is, which every
+    tokenizer then refuses (``TypeError``) at whatever step draws the row. The answer names
+    the field as a path (``question``, ``options[2]``, ``extra_info.notes``), the code point
+    and its position: ``"field 'question' holds a lone surrogate U+D83D at character 7 ..."``.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            cp = ord(value[e.start])
+            return (
+                f"field '{field or '(value)'}' holds a lone surrogate U+{cp:04X} at character "
+                f"{e.start} (half of a UTF-16 pair, e.g. a JSON '\\u{cp:04x}' escape without its "
+                "partner), which no UTF-8 text or tokenizer can hold; write the whole character "
+                "or remove it"
+            )
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            key = str(k).encode("utf-8", "backslashreplace").decode()  # printable in a message
+            name = f"{field}.{key}" if field else key
+            if (bad := unencodable_text(k, f"{name} (its key)")) or (
+                bad := unencodable_text(v, name)
+            ):
+                return bad
+    elif isinstance(value, (list, tuple)):
+        for j, v in enumerate(value):
+            if bad := unencodable_text(v, f"{field}[{j}]"):
+                return bad
+    return None
+
+
 def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """``(line number, row)`` of every non-blank line of the JSONL data file ``path`` (an
     annotation file, SFT records, an oracle's ``sft.jsonl``), in order. Strict, unlike
     ``paravt.metrics.read_metrics``: a line that is not UTF-8, not JSON or not an object raises
     :class:`JsonlError` naming ``path:line``; a missing file raises ``FileNotFoundError`` and a
-    FIFO or other non-file :class:`NotRegularFile`."""
+    FIFO or other non-file :class:`NotRegularFile`. A string no UTF-8 can hold (a lone
+    surrogate, :func:`unencodable_text`) is a :class:`JsonlError` naming the line and field."""
     blob = read_regular(path)
     if blob is None:
         mode = os.stat(path).st_mode  # FileNotFoundError when nothing is there
@@ -233,6 +274,8 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
             raise JsonlError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(row, dict):
             raise JsonlError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        if bad := unencodable_text(row):
+            raise JsonlError(f"{where}: {bad}")
         rows.append((n, row))
     return rows
 

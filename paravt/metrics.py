@@ -527,9 +527,12 @@ def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None
         ok = ok and a["well_formed"] and (i < len(traj.turns) - 1 or a["answer"])
     calls = [c for turn in traj.turns for c in turn.calls]
     by_tool: dict[str, int] = {}
+    tool_errors: dict[str, int] = {}  # calls a plug-in's own bug failed (paravt.agent.tools)
     for c in calls:
         if c.status not in _NO_TOOL:
             by_tool[c.name] = by_tool.get(c.name, 0) + 1
+        if c.status == "tool_error":
+            tool_errors[c.name] = tool_errors.get(c.name, 0) + 1
     return {
         "K": int(num_frames),
         # The prompt (group) it was rolled out for: prompt-level statistics (paravt.alarms).
@@ -542,6 +545,7 @@ def trajectory_record(traj: Any, num_frames: int, advantage: float | None = None
         "n_calls": len(calls),
         # Calls per tool of the run (``agent.tools``), whatever their status.
         "tool_calls": by_tool,
+        "tool_errors": tool_errors,
         "bad_calls": sum(c.status != "ok" for c in calls),
         "used_tool": float(any(c.status == "ok" for c in calls)),
         "response_tokens": int(sum(traj.loss_mask)),
@@ -648,6 +652,9 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     * ``tool_calls/<name>``: the calls naming tool ``<name>`` of the run per rollout, whatever
       their status (absent for a tool no rollout of the records named; a call naming no tool
       of the run counts in ``tool_calls_per_rollout`` and ``parse_error_rate`` only);
+    * ``tool_errors/<name>``: the calls per rollout that tool ``<name>``'s own bug failed
+      (``tool_error``: a plug-in method raised or returned garbage, ``paravt.agent.tools``;
+      absent when none did);
     * ``tool_call_rate``: fraction of rollouts that executed at least one valid crop;
     * ``parse_error_rate``: fraction of attempted calls that failed to parse/validate;
     * ``accuracy``: mean ``acc`` reward (1/0 for mcq);
@@ -683,6 +690,9 @@ def rollout_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     for name in sorted({n for r in records for n in r.get("tool_calls", {})}):
         n_calls = sum(r.get("tool_calls", {}).get(name, 0) for r in records)
         out[f"tool_calls/{name}"] = n_calls / len(records)
+    for name in sorted({n for r in records for n in r.get("tool_errors", {})}):
+        n_err = sum(r.get("tool_errors", {}).get(name, 0) for r in records)
+        out[f"tool_errors/{name}"] = n_err / len(records)
     out["tool_call_rate"] = _mean([r["used_tool"] for r in records])
     _prompt_stats(out, "tool_call_rate", records)
     out["parse_error_rate"] = (

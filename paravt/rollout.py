@@ -5,7 +5,8 @@
 
 The model is ``--model``, else ``model.path``, else the newest checkpoint of
 ``train.out_dir`` (what ``make train`` wrote; a checkpoint of a paravt run rolls out with that
-run's ``config.yaml`` unless ``--config`` is given). With none, it says the model is untrained
+run's ``config.yaml`` unless ``--config`` is given; one naming plug-in code outside paravt is
+refused unless ``--trust-plugins``, as ``paravt.eval`` does). With none, it says the model is untrained
 and how to train it, and rolls out the untrained tiny model.
 
 With no data configured (the embedded default) it generates the synthetic long-video task
@@ -27,7 +28,7 @@ from typing import Any
 from paravt.agent import AgentRunner
 from paravt.algo.gating import frame_budget
 from paravt.checkpoint import resolve_model_path, run_config
-from paravt.config import PRESETS, Config, ConfigError, load_config
+from paravt.config import PRESETS, Config, ConfigError, load_config, stored_plugin_errors
 from paravt.data import resolve_data
 from paravt.data.readers import load_samples
 from paravt.engines import make_engine
@@ -137,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         help="HF model dir or paravt checkpoint dir (default: model.path, else the newest "
         "checkpoint of train.out_dir, else the untrained tiny model)",
     )
+    ap.add_argument(
+        "--trust-plugins",
+        action="store_true",
+        help="import the plug-ins (agent.tools, reward.extra_terms) that the checkpoint's "
+        "stored config.yaml names; without it such a run is refused (its code never runs)",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args(argv)
     try:
@@ -144,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         path = model_path(cfg, args.model)
         trained_with = run_config(path) if path and not args.config else None
         if trained_with is not None:  # roll out with the settings the checkpoint trained with
-            cfg = load_config(args.preset, [str(trained_with)], args.overrides)
+            ours, cfg = cfg, load_config(args.preset, [str(trained_with)], args.overrides)
+            trust = args.trust_plugins
+            if errs := stored_plugin_errors(ours, cfg, trained_with, trust, "rollout"):
+                raise ConfigError(errs[0])
     except ConfigError as e:
         log.error(f"error: {e}")
         return 2

@@ -32,7 +32,7 @@ ROLLOUT_COUNTS = ("context_forced_answers", "context_cut_answers", "context_ende
 SUMS = (
     "kl_pen", "kl_rows",  # the KL-in-reward penalty (algo.kl_mode=reward) over trained rows
     "loss_num", "den", "ent", "ent_n", *UPDATE_STATS, "n_tokens",  # the update
-    "gen_tokens", "num_groups", "skipped_prompts", "packed_tokens",
+    "gen_tokens", "num_groups", "skipped_prompts", "skipped_context", "packed_tokens",
     "backbone_rows", "main_prompt", "main_suffix", "main_rows",  # the context mix
     *ROLLOUT_COUNTS, "sub_agents",
 )  # fmt: skip
@@ -144,6 +144,9 @@ class Reduced:
                 "trained_tokens": s["gen_tokens"],
                 "num_groups": s["num_groups"],
                 "skipped_prompts": s["skipped_prompts"],
+                # Of those, prompts whose question alone fills the context (not trained:
+                # paravt.train.drop_unfit_prompts).
+                "skipped_context": s["skipped_context"],
                 # Every position of every trained sequence (prompts and visual placeholders
                 # included): what one PPO epoch's forwards process, the T of an update's
                 # 6 * params * T FLOPs.

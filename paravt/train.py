@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paravt.agent.loop import AgentRunner
+from paravt.agent.loop import PROMPT_TOO_LONG, AgentRunner
 from paravt.alarms import CollapseDetector, EmptySteps, EmptyStepsError
 from paravt.algo.advantages import apply_kl_reward, build_units
 from paravt.algo.guard import NonFiniteGuard
@@ -127,7 +127,7 @@ from paravt.runfolder import check_run_folder, logged_eval, record_run
 from paravt.sft import run_sft
 from paravt.step_stats import StepStats
 from paravt.trainer import Trainer
-from paravt.types import PackedBatch
+from paravt.types import PackedBatch, RolloutBatch
 from paravt.validate import validate_run
 from paravt.video import probe
 from paravt.workers import RolloutPipeline, TrainerGone, WorkerFailed, init_async, run_worker
@@ -406,6 +406,11 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     if batch is None or (tr.preempt is not None and tr.preempt.should_abandon()):
         raise StepAbandoned(step)
 
+    # A prompt whose question alone fills the engine's context generated nothing, but its G
+    # rows would still go through every forward (minutes on a CPU, an OOM on a GPU): skipped
+    # here, as the evaluation skips it (an error row of kind "context"), and counted.
+    stats.add(skipped_context=float(drop_unfit_prompts(batch)))
+
     # 2. Score: rewards (sub-agents inherit their parent's). A non-finite reward or advantage on
     # any rank skips the step's update on every rank (paravt.algo.guard); so do a non-finite
     # loss or gradient norm, per optimizer step.
@@ -470,6 +475,26 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
                                    video_meta=tr.video_meta, store=tr.thumbs),
             )  # fmt: skip
     return m
+
+
+def drop_unfit_prompts(batch: RolloutBatch) -> int:
+    """Remove from ``batch.groups`` every group whose prompt alone (overview frames and
+    question) left no room in the engine's context: each of its rollouts ended before its
+    first turn with the agent loop's ``PROMPT_TOO_LONG`` error (``paravt.agent.loop``). Its
+    error joins ``batch.errors`` (the step's skipped prompts, quoted by the empty-step alarm);
+    returns how many were dropped (``skipped_context`` in the step's metrics). Called by
+    :func:`train_step` before scoring; the evaluation's ``runner`` makes the same case an
+    error row of kind ``"context"``."""
+    kept, dropped = [], 0
+    for g in batch.groups:
+        said = [x for t in g.trajectories if not t.turns for x in t.errors if PROMPT_TOO_LONG in x]
+        if g.trajectories and said and all(not t.turns for t in g.trajectories):
+            batch.errors.append(f"sample {g.sample.id}: {said[0]} (not trained)")
+            dropped += 1
+        else:
+            kept.append(g)
+    batch.groups = kept
+    return dropped
 
 
 def release_cache(tr: Trainer) -> int:

@@ -195,6 +195,7 @@ ToolCallStatus = Literal[
     "unclosed",
     "decode_error",
     "sub_agent_error",
+    "tool_error",  # a plug-in tool's method raised or returned garbage (paravt.agent.tools)
 ]
 
 

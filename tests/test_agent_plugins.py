@@ -117,8 +117,9 @@ def test_two_tools_in_one_turn_and_a_reward_term(bundle, make_clip):  # noqa: F8
 
 
 def test_a_tool_that_raises_fails_only_its_call(bundle, make_clip, caplog):  # noqa: F811
-    """A plug-in whose ``view`` raises (a bug) fails its own call as a ``decode_error``; the
-    crop beside it and the episode go on (the runner's ``tools`` given directly)."""
+    """A plug-in whose ``view`` raises (a bug) fails its own call as a ``tool_error`` (issue
+    66: was a ``decode_error``, which named no tool); the crop beside it and the episode go on
+    (the runner's ``tools`` given directly)."""
     from agent_plugins import ZoomFrame
 
     from paravt.agent.crop import CROP
@@ -136,16 +137,16 @@ def test_a_tool_that_raises_fails_only_its_call(bundle, make_clip, caplog):  # n
     cfg = load_config("tiny_cpu")
     runner = AgentRunner(eng, bundle, cfg, tools=ToolBox([CROP, Broken()]))
     sample = Sample("qa", video, "Which shape appears?", "B", "mcq")
-    with caplog.at_level("WARNING", logger="paravt.agent.encoder"):
+    with caplog.at_level("WARNING", logger="paravt.agent.tools"):
         (g,) = runner.rollout([sample], [4], group_size=1, seed=0)
     (t,) = g.trajectories
     crop, zoom = t.turns[0].calls
     assert crop.status == "ok" and crop.response
-    assert zoom.status == "decode_error"
-    assert zoom.error == "the zoom_frame view could not be made (RuntimeError: boom)"
+    assert zoom.status == "tool_error"
+    assert zoom.error == "the zoom_frame tool failed (view: raised RuntimeError: boom)"
     assert "tool zoom_frame: view raised RuntimeError: boom" in caplog.text
     assert [s.uid for s in g.sub_trajectories] == [f"{t.uid}:t0:c0"]
-    assert len(t.turns) == 2 and runner.stats.calls["decode_error"] == 1
+    assert len(t.turns) == 2 and runner.stats.calls["tool_error"] == 1
     _check_token_exact(t, eng)
 
 
@@ -267,3 +268,105 @@ def test_two_tools_through_one_train_step(assets, tmp_path) -> None:
             ]
             assert t.reward_breakdown["zoom_calls"] == 1.0
         assert {s.uid.rsplit(":", 1)[1] for s in g.sub_trajectories} == {"c0", "c1"}
+
+
+_BAD_PLUGINS = """
+import copy
+from agent_plugins import ZoomFrame, ZOOM_SCHEMA
+
+
+class NeedsArgs(ZoomFrame):
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def _named(name, schema=None):
+    t = ZoomFrame()
+    t.name = name
+    s = copy.deepcopy(ZOOM_SCHEMA)
+    s["function"]["name"] = name
+    t.schema = schema if schema is not None else s
+    return t
+
+
+EMPTY = _named("")
+SPECIAL = _named("<|im_start|>")
+SPACED = _named("zoom frame")
+_bad = copy.deepcopy(ZOOM_SCHEMA)
+_bad["function"]["parameters"]["properties"]["time"]["type"] = "nummber"
+BAD_SCHEMA = _named("zoom_frame", _bad)
+_nan = copy.deepcopy(ZOOM_SCHEMA)
+_nan["function"]["parameters"]["properties"]["time"]["default"] = float("nan")
+NAN_SCHEMA = _named("zoom_frame", _nan)
+_long = copy.deepcopy(ZOOM_SCHEMA)
+_long["function"]["description"] = "look " * 200_000
+LONG_SCHEMA = _named("zoom_frame", _long)
+
+
+def three(traj, sample, extra):
+    return 0.0
+
+
+class TermClass:
+    def __init__(self, traj, sample):
+        pass
+"""
+
+
+def test_validate_run_refuses_broken_plugins_before_anything_loads(tmp_path, monkeypatch) -> None:
+    """Issue 66 item 2: a tool class that needs constructor arguments, a module that raises at
+    import, a tool named empty / template-special / with a space, an invalid JSON schema, and
+    a reward term that is no plug-in function (``os:getpid``, a class, another arity) are each
+    a ConfigError from ``validate_run`` naming the key, the spec and the fix. On main the
+    constructor's TypeError and the module's own exception escaped raw, and the names, the
+    schema and ``os:getpid`` were accepted."""
+    from paravt.validate import validate_run
+
+    (tmp_path / "bad_plugins.py").write_text(_BAD_PLUGINS)
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('planted')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def refusal(tools: list[str] | None = None, term: str | None = None) -> str:
+        over = ["sft.steps=0"]
+        if tools:
+            over.append(f"agent.tools=[{','.join(tools)}]")
+        if term:
+            over.append(f'reward.extra_terms=[{{fn: "{term}"}}]')
+        cfg = load_config("tiny_cpu", overrides=over)
+        with pytest.raises(ConfigError) as e:
+            validate_run(cfg, world_size=1)
+        return str(e.value)
+
+    msg = refusal(["bad_plugins:NeedsArgs"])
+    assert "agent.tools: 'bad_plugins:NeedsArgs' could not be built with no argument" in msg
+    assert "TypeError" in msg and "constructor defaults" in msg
+    msg = refusal(["raises_at_import:X"])
+    assert "importing module 'raises_at_import' raised RuntimeError: planted" in msg
+    assert "fix the module" in msg
+    for spec, shown in (("EMPTY", "''"), ("SPECIAL", "'<|im_start|>'"), ("SPACED", "'zoom frame'")):
+        msg = refusal([f"bad_plugins:{spec}"])
+        assert f"'bad_plugins:{spec}' is named {shown}" in msg, msg
+        assert "letters, digits, '_' or '-'" in msg and "rename it" in msg
+    msg = refusal(["paravt.agent.crop:CROP", "bad_plugins:BAD_SCHEMA"])
+    assert "'bad_plugins:BAD_SCHEMA': its schema's parameters are no valid JSON schema" in msg
+    assert "nummber" in msg and "fix the tool's schema" in msg
+    assert "schema is not JSON" in refusal(["bad_plugins:NAN_SCHEMA"])
+    assert "schema is 1,000,584 characters of JSON, over the 8,192" in refusal(
+        ["bad_plugins:LONG_SCHEMA"]
+    )
+    msg = refusal(term="os:getpid")
+    assert "reward.extra_terms[0].fn: 'os:getpid' is a built-in, not a Python function" in msg
+    assert "is a class" in refusal(term="bad_plugins:TermClass")
+    assert "takes (traj, sample, extra), not (trajectory, sample)" in refusal(
+        term="bad_plugins:three"
+    )
+    # The good ones still pass: the example tool and term of this module.
+    cfg = load_config(
+        "tiny_cpu",
+        overrides=[
+            "sft.steps=0",
+            "agent.tools=[paravt.agent.crop:CROP,agent_plugins:ZoomFrame]",
+            'reward.extra_terms=[{fn: "agent_plugins:zoom_calls"}]',
+        ],
+    )
+    validate_run(cfg, world_size=1)

@@ -243,14 +243,14 @@ def test_call_fields_counts_model_format_errors_only():
     statuses = get_args(ToolCallStatus)
     calls = [ToolCall(raw="", status=s) for s in statuses]
     traj = Trajectory("m", "main", "q1", 0, [1], [0], [0.0], 1, turns=[Turn("x", calls), Turn("y")])
-    system = {"decode_error", "sub_agent_error"}
+    system = {"decode_error", "sub_agent_error", "tool_error"}
     assert call_fields(traj) == {
         "calls": len(statuses),
         "calls_ok": 1,
         "call_format_errors": len(set(statuses) - {"ok"} - system),
         "turns": 2,
     }
-    assert len(statuses) == 10 and call_fields(traj)["call_format_errors"] == 7
+    assert len(statuses) == 11 and call_fields(traj)["call_format_errors"] == 7
 
 
 # ----------------------------------------------------------------------------------- summary

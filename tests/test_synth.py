@@ -44,6 +44,37 @@ def test_rerun_with_same_params_rewrites_nothing(synth_dir) -> None:
     assert {p: p.stat().st_mtime_ns for p in synth_dir.rglob("*") if p.is_file()} == before
 
 
+def test_a_folder_of_another_seed_is_refused_not_regenerated(synth_dir) -> None:
+    """Issue 66 item 3: two runs differing only in ``data.synth_seed`` shared one folder, the
+    second regenerated it and the first trained on the new videos against its old answers.
+    Now the second is refused (a ``ConfigError``: exit 2 from ``paravt.train``), naming the
+    key and both values, and nothing in the folder is touched (on main: regenerated)."""
+    from paravt.config import ConfigError, load_config
+    from paravt.data.synth import SynthFolderTaken, generate_from_config
+
+    before = {p: p.stat().st_mtime_ns for p in synth_dir.rglob("*") if p.is_file()}
+    with pytest.raises(SynthFolderTaken) as e:
+        generate(synth_dir, 3, seed=1, min_duration=60, max_duration=60)
+    msg = str(e.value)
+    assert f"{synth_dir} holds the synthetic task of other settings" in msg
+    assert "data.synth_seed 0 -> 1" in msg and f"data.synth_dir={synth_dir}-seed1" in msg
+    assert isinstance(e.value, ConfigError)
+    # Through the config, as train and rollout reach it: two settings differ, both named.
+    cfg = load_config(
+        overrides=[
+            f"data.synth_dir={synth_dir}",
+            "data.synth_seed=2",
+            "data.synth_num_videos=4",
+            "data.synth_min_duration=60",
+            "data.synth_max_duration=60",
+            "data.synth_task=cue",
+        ]
+    )
+    with pytest.raises(SynthFolderTaken, match=r"data.synth_num_videos 3 -> 4.*seed 0 -> 2"):
+        generate_from_config(cfg)
+    assert {p: p.stat().st_mtime_ns for p in synth_dir.rglob("*") if p.is_file()} == before
+
+
 def test_rows_schema_and_answers(synth_dir) -> None:
     train, val = _rows(synth_dir / "train.jsonl"), _rows(synth_dir / "val.jsonl")
     assert len(train) == 6 and len(val) == 3  # 2 train videos + 1 val video, 3 questions each

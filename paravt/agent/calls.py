@@ -100,9 +100,13 @@ def run_calls(
         dt_tool = time.perf_counter() - t0
         st.crop_s += dt_tool
         return results, dt_tool
-    sub_ctx: list[tuple[int, Context]] = [
-        (i, encoder.sub_context(jobs[i].sample, jobs[i].call, clip)) for i, clip in zip(ok, clips)
-    ]
+    sub_ctx: list[tuple[int, Context]] = []
+    for i, clip in zip(ok, clips):
+        ctx = encoder.sub_context(jobs[i].sample, jobs[i].call, clip)
+        if isinstance(ctx, ToolFailure):  # the tool's instruction raised or was no text
+            results[i] = CallResult(ctx.status, "", ctx.error, ctx.detail or ctx.error, stage=0)
+        else:
+            sub_ctx.append((i, ctx))
     st.crops += len(sub_ctx)
     dt_tool = time.perf_counter() - t0
 

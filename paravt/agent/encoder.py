@@ -30,7 +30,14 @@ from paravt.agent.context import (
     sub_prompt,
 )
 from paravt.agent.parser import parse_tool_calls
-from paravt.agent.tools import ToolBox, ToolFailure, load_tools
+from paravt.agent.tools import (
+    ToolBox,
+    ToolFailure,
+    load_tools,
+    plan_problem,
+    tool_failure,
+    view_problem,
+)
 from paravt.config import Config
 from paravt.engines.engine import SamplingParams
 from paravt.types import FrameRequest, Sample, ToolCall, Trajectory, Turn, VideoMeta
@@ -51,10 +58,9 @@ VISUAL_TOKENS = ("<|video_pad|>", "<|image_pad|>", "<|vision_start|>", "<|vision
 
 
 def _tool_bug(name: str, where: str, e: Exception) -> ToolFailure:
-    """A tool's ``plan`` / ``view`` raised: that call fails (``decode_error``), logged once."""
-    msg = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    log.warning("tool %s: %s raised %s; the call fails as a decode_error", name, where, msg)
-    return ToolFailure("decode_error", f"the {name} view could not be made ({msg})")
+    """A tool's ``plan`` / ``view`` raised: that call fails (``tool_error``, logged)."""
+    msg = f"raised {type(e).__name__}: {e}" if str(e) else f"raised {type(e).__name__}"
+    return tool_failure(name, where, msg)
 
 
 def frame_times(fb: Any) -> list[float]:
@@ -199,11 +205,15 @@ class AgentEncoder:
             out[i] = main_prompt(self.text, clip, question, self.cfg.agent.max_parallel, schemas)
         return out
 
-    def sub_context(self, sample: Sample, call: ToolCall, clip: Clip) -> Context:
+    def sub_context(self, sample: Sample, call: ToolCall, clip: Clip) -> Context | ToolFailure:
         """A sub-agent's prompt for the view ``clip`` of a valid ``call``: its tool's
-        instruction, with the question when ``agent.sub_agent_include_question``."""
+        instruction, with the question when ``agent.sub_agent_include_question``; or the
+        call's ``tool_error`` when the tool's instruction raises or is no bounded text
+        (``ToolBox.instruction``)."""
         q = sample.question if self.cfg.agent.sub_agent_include_question else None
-        instruction = self.tools.tools[call.name].instruction(call, q)
+        instruction = self.tools.instruction(call, q)
+        if isinstance(instruction, ToolFailure):
+            return instruction
         return sub_prompt(self.text, clip, instruction)
 
     def decode_views(
@@ -214,7 +224,8 @@ class AgentEncoder:
         """The view of each valid ``(call, video, meta)``: the frames its tool planned,
         decoded in ONE planner run for all of them, then cut by the tool
         (:meth:`~paravt.agent.tools.Tool.view`); or why there is none (never raises: a tool
-        whose ``plan`` or ``view`` raises fails that call as a ``decode_error``, logged). Also
+        whose ``plan`` or ``view`` raises, or returns what ``paravt.agent.tools.plan_problem``
+        / ``view_problem`` refuse, fails that call as a ``tool_error``, logged). Also
         returns the planner runs made (0 when nothing was left to decode, else 1) and, per
         view, its source: the request when the view is exactly the decoded frames at the
         requested times (``crop_video``'s), else None (``encode_frames_batch``'s
@@ -228,6 +239,8 @@ class AgentEncoder:
                 p = tool.plan(call, video, meta, self.cfg.video, self.factor)
             except Exception as e:  # noqa: BLE001 — a tool's bug fails its call, not the run
                 p = _tool_bug(tool.name, "plan", e)
+            if why := plan_problem(p, video, self.cfg.video):
+                p = tool_failure(tool.name, "plan", why)
             if isinstance(p, FrameRequest):
                 p = FrameRequest(p.video, p.timestamps, p.size, tag=f"crop:{i}")
             plans.append(p)
@@ -253,6 +266,10 @@ class AgentEncoder:
                 except Exception as e:  # noqa: BLE001 — a tool's bug fails its call, not the run
                     out.append(_tool_bug(tool.name, "view", e))
                     continue
+                if why := view_problem(view, self.cfg.video, self.factor):
+                    out.append(tool_failure(tool.name, "view", why))
+                    continue
+                view = (view[0], [float(x) for x in view[1]])
                 out.append(view)
                 if view[0] is fb.frames and list(view[1]) == frame_times(fb):
                     sources[-1] = plans[i]  # type: ignore[assignment]
@@ -344,6 +361,11 @@ class AgentEncoder:
         for (i, v), clip in zip(ok, clips):
             ti, k, c = jobs[i]
             ctx = self.sub_context(sample, c, clip)
+            if isinstance(ctx, ToolFailure):
+                raise ValueError(
+                    f"SFT record of sample {sample.id}, turn {ti} call {k}: {ctx.error}; fix the "
+                    "tool or drop the record"
+                )
             prompt_len = len(ctx.tokens)
             ids = self.text.target(c.response) + [self.im_end]
             ctx.add_generated(ids, [0.0] * len(ids))

@@ -434,7 +434,13 @@ class AgentRunner:
         n0 = len(e.ctx.tokens)
         if not (t.finish_reason == "stop" and e.ctx.tokens[-1] == self.encoder.im_end):
             e.ctx.add_markup([self.encoder.im_end])  # close the turn the length cap cut off
-        contents = self.encoder.tool_texts(t.calls)
+        before = [c.status for c in t.calls]
+        contents = self.encoder.tool_texts(t.calls)  # a plug-in label that fails marks its call
+        for k, (was, c) in enumerate(zip(before, t.calls)):
+            if was == "ok" and c.status != "ok":
+                e.errors.append(f"turn {len(e.turns) - 1} call {k}: {c.status}: {c.error}")
+                st.calls["ok"] -= 1
+                st.calls[c.status] += 1
         if clips is not None:  # the shared over-limit error has no frames
             clips = [cl for cl, c in zip(clips, t.calls) if c.status != "over_parallel_limit"]
             clips += [None] * (len(contents) - len(clips))

@@ -90,7 +90,7 @@ def parse_call(raw: str, *, duration: float, tools: ToolBox | None = None) -> To
         call.error = f"{tool.name} needs an 'arguments' object with {' and '.join(params)}"
         return call
     call.arguments = args
-    tool.check(call, args, duration)
+    tools.check(call, args, duration)  # a check that raises fails this call (tool_error)
     return call
 
 

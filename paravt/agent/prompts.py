@@ -156,7 +156,10 @@ def tool_response_text(call: ToolCall, label: Callable[[ToolCall], str] | None =
     with no special-token parsing and wraps it in the ``<tool_response>`` markup."""
     if call.status == "ok":
         if label is not None:
-            return f"{label(call)} {call.response}"
+            head = label(call)  # ToolBox.label: a label that fails marks the call failed
+            if call.status == "ok":
+                return f"{head} {call.response}"
+            return f"Error: {call.error}"
         assert call.start is not None and call.end is not None
         return f"[{call.start:.1f}-{call.end:.1f} s] {call.response}"
     return f"Error: {call.error}"

@@ -37,6 +37,9 @@ and the field; ``DatasetError``):
   (stable), and ``load_samples`` warns once naming the file and the rows
   (``DatasetReport.renamed_ids``). Records that refer to a duplicated id by name (SFT rows)
   match its first row.
+* text: a string no UTF-8 can hold (a lone surrogate such as the JSON escape ``"\\ud83d"``,
+  in any field, nested ones and keys included) is an error naming the field
+  (``paravt.files.unencodable_text``): the tokenizer would raise at whatever step drew it.
 * answers: a null, NaN or infinite answer is an error (it would score as the text "None" /
   "nan"); a ``[start, end]`` answer keeps its numbers exactly.
 * missing videos: rows whose video file is missing are DROPPED (not fatal; a partially synced
@@ -60,7 +63,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from paravt.answers import normalize_text, option_text, options_from_question, parse_window
-from paravt.files import JsonlError, NotRegularFile, read_jsonl
+from paravt.files import JsonlError, NotRegularFile, read_jsonl, unencodable_text
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.data")
@@ -392,6 +395,10 @@ def _parquet_samples(file: Path, root: Path) -> list[_Row]:
         prompt = _messages(row["prompt"], where)
         extra = _extra_info(row["extra_info"], where)
         videos = _video_list(row["videos"], where)
+        # Arrow strings are UTF-8, but a JSON-string cell's "\ud83d" escape parses to a lone
+        # surrogate: refused here, as read_jsonl refuses it in a JSONL row.
+        if bad := unencodable_text({**row, "prompt": prompt, "extra_info": extra}):
+            raise DatasetError(f"{where}: {bad}")
         system = [_text_of(m.get("content")) for m in prompt if m.get("role") == "system"]
         user = [_text_of(m.get("content")) for m in prompt if m.get("role") == "user"]
         question = "\n".join(u.replace("<video>", "").strip() for u in user).strip()

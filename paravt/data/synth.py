@@ -6,7 +6,8 @@
     DIR/videos/vid_0000.mp4 ...   real H.264 (libx264) or VP9 (libvpx) files
     DIR/train.jsonl DIR/val.jsonl  one question per row (mcq | oe | tvg), paths relative to DIR
     DIR/sft.jsonl                  oracle tool-use trajectories for the train rows
-    DIR/manifest.json              the parameters; a rerun with the same ones is a no-op
+    DIR/manifest.json              the parameters; a rerun with the same ones is a no-op,
+                                   one with another seed (or other task settings) is refused
 
 Each video (``min_duration``–``max_duration`` s, ``fps`` frames/s, low resolution) shows a
 dark background with a small moving dot. Once, for 20–30 s, the background changes to a cue
@@ -49,6 +50,7 @@ import av
 import numpy as np
 import torch
 
+from paravt.config import ConfigError
 from paravt.data.sft_records import SFTRecord, SFTTurn, write_sft_records
 from paravt.data.synth_tasks import SYNTH_TASK_MIN_SECONDS, synth_task_error
 from paravt.files import write_atomic
@@ -1042,7 +1044,9 @@ def generate(
     one SFT trajectory per overview budget of ``oracle`` (see :func:`_sft`; pass
     :func:`oracle_settings` of the run's config so that the oracle's crops are sampled as the
     run samples them). If ``out_dir/manifest.json`` records the same parameters and every file
-    exists, nothing is rewritten.
+    exists, nothing is rewritten; if it records another task (another seed, count, durations,
+    task or generator version) the folder is refused (:func:`refuse_other_task`), never
+    regenerated under a run that reads it; other oracle settings rewrite ``sft.jsonl``.
 
     ``task='spot'`` writes the "spot" task instead (:func:`_plan_spot`, :func:`_spot_rows`,
     :func:`_spot_sft`): one square per video, one fixed-option mcq row per video (its colour;
@@ -1099,12 +1103,14 @@ def generate(
     names = [f"vid_{v:04d}" for v in range(num_videos)]
     files = [out / "videos" / f"{n}{ext}" for n in names]
     files += [out / f for f in ("train.jsonl", "val.jsonl", "sft.jsonl")]
-    if manifest.exists() and all(f.exists() for f in files):
-        try:
-            if json.loads(manifest.read_text())["params"] == params:
-                return out
-        except (ValueError, KeyError):
-            pass  # unreadable manifest: regenerate
+    try:
+        old = json.loads(manifest.read_text())["params"]
+    except (OSError, ValueError, KeyError, TypeError):
+        old = None  # none yet, or unreadable: (re)generate
+    if old == params and all(f.exists() for f in files):
+        return out
+    if isinstance(old, dict):
+        refuse_other_task(out, old, params)
     out.mkdir(parents=True, exist_ok=True)
     n_val = 0 if num_videos < 2 else max(1, round(val_fraction * num_videos))
     train, val, plans = [], [], []
@@ -1145,6 +1151,44 @@ def generate(
     write_sft_records(out / "sft.jsonl", sft)
     write_atomic(manifest, json.dumps({"params": params, "videos": plans}, indent=1) + "\n")
     return out
+
+
+class SynthFolderTaken(ConfigError):
+    """A synthetic task folder holds the task of other settings (another ``data.synth_seed``,
+    ...): regenerating it would change the videos under a run that trains on its rows."""
+
+
+# generate()'s parameter -> the config key that sets it, for the refusal's message.
+_PARAM_KEYS = {
+    "seed": "data.synth_seed",
+    "num_videos": "data.synth_num_videos",
+    "task": "data.synth_task",
+    "min_duration": "data.synth_min_duration",
+    "max_duration": "data.synth_max_duration",
+    "mcq_variants": "data.synth_mcq_variants",
+    "decoy_share": "data.synth_decoy_share",
+    "version": "the generator's version",
+}
+
+
+def refuse_other_task(out: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Raise :class:`SynthFolderTaken` when folder ``out``'s manifest parameters ``old``
+    differ from ``new`` in what defines the task: its videos and its rows (every parameter but
+    the oracle's settings, which change ``sft.jsonl`` only and are regenerated in place).
+    Before issue 66 such a folder was regenerated in place: two runs differing only in
+    ``data.synth_seed`` shared ``runs/data/synth``, and the first trained on the second's
+    videos against its own (old) answers, silently. Called by :func:`generate`."""
+    keys = sorted((set(old) | set(new)) - {"oracle"}, key=str)
+    differ = [k for k in keys if old.get(k) != new.get(k)]
+    if not differ:
+        return
+    what = ", ".join(f"{_PARAM_KEYS.get(k, k)} {old.get(k)!r} -> {new.get(k)!r}" for k in differ)
+    raise SynthFolderTaken(
+        f"{out} holds the synthetic task of other settings ({what}); regenerating it would "
+        "change the videos under any run that trains or evaluates on it. Give this run a task "
+        f"folder of its own (data.synth_dir={out}-seed{new.get('seed')}), or delete {out} if "
+        "no run uses it"
+    )
 
 
 def read_plans(data_dir: str | Path) -> tuple[float, dict[str, VideoPlan]]:

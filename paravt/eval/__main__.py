@@ -21,7 +21,9 @@ most 5 parallel calls. ``--frames`` is checked against the model's context (and 
 ``--model`` defaults to ``model.path``, else the newest checkpoint of ``train.out_dir`` (what
 ``make train`` wrote). A checkpoint of a paravt run is evaluated with that run's
 ``config.yaml`` (pixel budgets, prompts, token caps: what it trained with) unless ``--config``
-is given; any other model with ``--preset`` (default ``tiny_cpu``: pass
+is given (a stored config naming plug-in code, ``agent.tools`` / ``reward.extra_terms``
+outside paravt, is refused unless ``--trust-plugins``: someone else's run is not code to run);
+any other model with ``--preset`` (default ``tiny_cpu``: pass
 ``--preset qwen3vl_8b_paragrpo`` for Qwen3-VL-8B). Results go to ``--out`` (default
 ``runs/eval/<benchmark>``): ``results.jsonl``, ``summary.json`` and a markdown table; a rerun
 into the same folder resumes (``paravt.eval.runner``) when every setting is the same, and is
@@ -37,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
-from paravt.config import PRESETS, Config, ConfigError, ConfigHelpParser, load_config
+from paravt.config import (
+    PRESETS,
+    Config,
+    ConfigError,
+    ConfigHelpParser,
+    load_config,
+    stored_plugin_errors,
+)
 from paravt.files import FolderBusy, claim_folder
 from paravt.log import get_logger
 
@@ -85,6 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--preset", default="tiny_cpu", choices=sorted(PRESETS))
     ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
+    ap.add_argument(
+        "--trust-plugins",
+        action="store_true",
+        help="import the plug-ins (agent.tools, reward.extra_terms) that the checkpoint's "
+        "stored config.yaml names; without it such a run is refused (its code never runs)",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted key=value config overrides")
     # Intermixed: `k=v --limit 3 k2=v2` (overrides on both sides of a flag), as train takes.
     return ap.parse_intermixed_args(argv)
@@ -140,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model_path(cfg, a.model)
         trained_with = None if a.config else run_config(model_path)
         if trained_with is not None:  # evaluate with the settings the checkpoint trained with
-            cfg = load_config(a.preset, [str(trained_with)], overrides)
+            ours, cfg = cfg, load_config(a.preset, [str(trained_with)], overrides)
+            errs = stored_plugin_errors(ours, cfg, Path(trained_with), a.trust_plugins, "eval")
+            if errs:
+                raise ConfigError(errs[0])
         if a.frames < 1:
             raise ConfigError(f"--frames {a.frames} must be >= 1")
         if a.batch_size < 1:

@@ -88,7 +88,7 @@ from typing import Any
 
 from paravt.answers import option_text
 from paravt.data.readers import DatasetError, describe_value, read_samples
-from paravt.files import read_jsonl
+from paravt.files import read_jsonl, unencodable_text
 from paravt.types import Sample
 
 log = logging.getLogger("paravt.eval")
@@ -214,6 +214,8 @@ def _json_rows(f: _File) -> list[dict]:
     for i, row in enumerate(data):
         if not isinstance(row, dict):
             raise f.error(i, None, f"is {describe_value(row)}, expected a JSON object")
+        if bad := unencodable_text(row):  # a lone "\ud83d": no tokenizer encodes it
+            raise BenchmarkFormatError(f"{f.path} row {i}: {bad}")
     return data
 
 

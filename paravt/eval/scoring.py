@@ -261,8 +261,8 @@ def call_fields(traj: Trajectory) -> dict[str, int]:
     and ``call_format_errors``: calls whose status is a *model* format error, the set the tool
     reward penalises (:func:`paravt.rewards.tool.call_counts`): ``bad_json``,
     ``unknown_tool``, ``bad_arguments``, ``bad_range``, ``outside_video``,
-    ``over_parallel_limit``, ``unclosed``. ``decode_error`` and ``sub_agent_error`` are
-    failures of the system, not of the model's format, and are not counted.
+    ``over_parallel_limit``, ``unclosed``. ``decode_error``, ``sub_agent_error`` and
+    ``tool_error`` are failures of the system, not of the model's format, and are not counted.
     """
     n = call_counts(traj)
     return {

@@ -10,11 +10,16 @@ columns and the tests.
 Plug-in terms (``reward.extra_terms``, as TRL's reward functions and verl's custom reward):
 each a :data:`RewardTerm` named ``module:attr`` in the config, called on every main
 trajectory with its sample, logged as ``reward/<name>`` (its breakdown key) and added to the
-total with its weight. None by default: the total is then exactly the three terms above.
+total with its weight. None by default: the total is then exactly the three terms above. A
+term that raises or returns no finite number scores 0 for that trajectory, with a named error
+in its ``errors`` and ``reward/term_errors`` counting them (:func:`_term_value`); one that is
+no plug-in function (``os:getpid``, a class) is refused at load (:func:`term_problem`).
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
 from collections.abc import Callable
 from functools import lru_cache
@@ -34,7 +39,7 @@ RewardTerm = Callable[[Trajectory, Sample], float]
 #: The built-in breakdown keys (``score``'s); a plug-in term may not take one as its name.
 BUILTIN_KEYS = frozenset(
     "total acc has_answer em f1 iou fmt fmt_base anchor think_closed flow unclosed_think tool "
-    "n_calls n_ok n_model_errors n_system_errors num_turns forced".split()
+    "n_calls n_ok n_model_errors n_system_errors num_turns forced term_errors".split()
 )
 
 
@@ -43,15 +48,35 @@ def term_name(term: ExtraRewardTerm) -> str:
     return term.name or term.fn.rpartition(":")[2].rpartition(".")[2]
 
 
+def term_problem(obj: object) -> str | None:
+    """Why ``obj`` is no :data:`RewardTerm`, or None. The rule: a Python function (or an
+    instance whose ``__call__`` is one) whose signature takes ``(trajectory, sample)``
+    positionally. So ``os:getpid`` (a builtin: any callable was accepted, and called on every
+    trajectory), a class (calling it builds an object, not a float) and a function of another
+    arity are refused before anything loads (``paravt.validate.validate_run``)."""
+    if isinstance(obj, type):
+        return "is a class; name a function (trajectory, sample) -> float or an instance of it"
+    fn = obj if inspect.isfunction(obj) or inspect.ismethod(obj) else None
+    if fn is None and callable(obj):  # an instance of a class with a Python __call__
+        call = inspect.getattr_static(type(obj), "__call__", None)
+        fn = call.__get__(obj) if inspect.isfunction(call) else None
+    if fn is None:
+        what = "a built-in" if inspect.isbuiltin(obj) else f"a {type(obj).__name__}"
+        return f"is {what}, not a Python function (trajectory, sample) -> float"
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return f"takes {inspect.signature(fn)}, not (trajectory, sample)"
+    return None
+
+
 @lru_cache(maxsize=64)
 def load_term(fn: str, key: str = "reward.extra_terms") -> RewardTerm:
     """The function ``module:attr`` names, or a ``ConfigError`` naming ``key``, the problem and
-    the fix. Cached: a run resolves each term once."""
+    the fix (:func:`term_problem`). Cached: a run resolves each term once."""
     obj = resolve_plugin(fn, key)
-    if not callable(obj):
-        raise ConfigError(
-            f"{key}: {fn!r} is a {type(obj).__name__}, not a function (trajectory, sample) -> float"
-        )
+    if why := term_problem(obj):
+        raise ConfigError(f"{key}: {fn!r} {why}; a reward term is a plug-in function")
     return obj  # type: ignore[return-value]
 
 
@@ -116,18 +141,44 @@ def score(traj: Trajectory, sample: Sample, cfg: RewardConfig) -> dict[str, floa
     out["num_turns"] = float(len(traj.turns))
     out["forced"] = float(any(t.forced_answer for t in traj.turns))
     out["total"] = out["acc"] + cfg.w_fmt * out["fmt"] + out["tool"]
+    if cfg.extra_terms:
+        out["term_errors"] = 0.0
     for name, weight, fn in load_terms(cfg) if cfg.extra_terms else ():
-        value = fn(traj, sample)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(
-                f"reward term {name!r} returned {type(value).__name__} for {traj.uid}; a term "
-                "returns a float"
-            )
-        out[name] = float(value)
-        if not math.isfinite(out[name]):
-            raise ValueError(f"reward term {name!r} returned {value} for {traj.uid}")
-        out["total"] += weight * out[name]
+        value, why = _term_value(fn, traj, sample)
+        if why:  # the plug-in's failure: 0 for this trajectory, named in its errors
+            out["term_errors"] += 1.0
+            traj.errors.append(f"reward term {name!r} {why}; it scores 0 for this rollout")
+            if (name, why[:40]) not in _WARNED:
+                _WARNED.add((name, why[:40]))
+                log.warning("reward term %r %s (rollout %s); it scores 0", name, why, traj.uid)
+        out[name] = value
+        out["total"] += weight * value
     return out
+
+
+log = logging.getLogger("paravt.rewards")
+_WARNED: set[tuple[str, str]] = set()  # (term, problem) pairs already warned about
+
+
+def _term_value(fn: RewardTerm, traj: Trajectory, sample: Sample) -> tuple[float, str]:
+    """A plug-in term's value for one trajectory and ``""``, or ``0.0`` and what went wrong:
+    it raised, or returned no finite number (a bool, a string, NaN, inf). Issue 66 chose the
+    zero over dropping the rollout: its other rewards stay as they are, and the failure is a
+    named error of the trajectory (``Trajectory.errors``) counted as ``reward/term_errors``
+    (the mean failed terms per rollout) in the step's metrics."""
+    try:
+        value = fn(traj, sample)
+    except Exception as e:  # noqa: BLE001 — a plug-in's bug costs its term, not the run
+        return 0.0, f"raised {type(e).__name__}: {str(e)[:200]}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0, f"returned {type(value).__name__}, not a float"
+    try:
+        x = float(value)
+    except OverflowError:
+        return 0.0, f"returned {str(value)[:40]}, past a float's range"
+    if not math.isfinite(x):
+        return 0.0, f"returned {x}, not a finite number"
+    return x, ""
 
 
 def score_groups(groups: list[Group], cfg: RewardConfig) -> None:

@@ -14,14 +14,15 @@ shows the answer loses ``call_cost`` per crop against one that answers at once.
 
 ``n_model_errors`` counts calls the *model* got wrong (bad JSON, unknown tool, bad arguments,
 bad range, outside the video, over the parallel limit, unclosed). Failures of the system
-(``decode_error``, ``sub_agent_error``) are neither paid nor penalised.
+(``decode_error``, ``sub_agent_error``, and ``tool_error``: a plug-in tool's own bug) are
+neither paid nor penalised.
 """
 
 from __future__ import annotations
 
 from paravt.types import Trajectory
 
-SYSTEM_ERRORS = frozenset({"decode_error", "sub_agent_error"})
+SYSTEM_ERRORS = frozenset({"decode_error", "sub_agent_error", "tool_error"})
 
 
 def call_counts(traj: Trajectory) -> dict[str, int]:
