@@ -96,8 +96,11 @@ def _previous_bwd_triton(grad_logprob, hidden, weight, targets, lse, bv):
     here as the memory baseline: a full NaN-safe copy of ``hidden``, a fresh fp32 ``dZ W``
     product per vocabulary tile added into ``dH``, a ``bv``-column logits tile (no entropy,
     no bias, temperature 1: the bench's case)."""
+    from paravt_kernels.linear_logprob_reference import (
+        void_row_stand_ins,
+        zero_nonfinite_dead_rows,
+    )
     from paravt_kernels.linear_logprob_triton import bwd_tile, mm_f32
-    from paravt_kernels.reference import void_row_stand_ins, zero_nonfinite_dead_rows
 
     n_tok, d = hidden.shape
     vocab = weight.shape[0]

@@ -9,17 +9,15 @@ Each op's pure-torch path (the CPU path and the test oracle) lives beside its Tr
   shared with the Triton path (``linear_policy_loss_fused``)
 * ``packing.py`` — ``seq_ids_from_cu_seqlens``, ``broadcast_to_tokens`` (``cu_seqlens`` helpers)
 
-This module re-exports their public names, so ``paravt_kernels.reference.<name>`` (used by
-``paravt.plan``, ``paravt.algo.advantages``, the tests and the benchmarks) keeps working.
-Setting one of these names here (``monkeypatch.setattr(reference, "LPL_CHUNK_BYTES_CPU", n)``)
-also sets it on the module that owns it, which is where the code reads it at call time, so a
-patch of the face behaves as it did when everything lived in this one file. New code should
-import from the owning module.
+This module re-exports their public names (the same objects), so
+``paravt_kernels.reference.<name>`` keeps working for code written against the one-file
+module. It is a plain module: paravt itself imports each name from its owner, and a call-time
+constant (``LPL_CHUNK_BYTES_CPU``, ``TORCH_VOCAB_TILE``, ``POLICY_TOKEN_CHUNK``) is read where
+it is defined, so patch it there (``OWNERS[name]`` names the module), not here.
 """
 
 from __future__ import annotations
 
-import sys
 import types
 
 from . import (
@@ -52,16 +50,3 @@ OWNERS: dict[str, types.ModuleType] = {
 }
 
 __all__ = sorted(OWNERS)
-
-
-class _Face(types.ModuleType):
-    """This module's type: setting a re-exported name sets it on its owner too (see above)."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        owner = OWNERS.get(name)
-        if owner is not None:
-            setattr(owner, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Face

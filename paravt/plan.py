@@ -553,7 +553,8 @@ def plan_memory(
 
     # Fused log-prob / policy-loss buffers.
     # lazy: read per call (the chunk sizes are tunables a test patches)
-    from paravt_kernels.reference import LPL_CHUNK_BYTES_CPU, TORCH_VOCAB_TILE, lpl_row_chunk
+    from paravt_kernels.linear_logprob_reference import TORCH_VOCAB_TILE
+    from paravt_kernels.linear_policy_loss_reference import LPL_CHUNK_BYTES_CPU, lpl_row_chunk
 
     budget = GPU_CHUNK_BYTES if layout.gpu else LPL_CHUNK_BYTES_CPU
     rows = min(lpl_row_chunk(s.vocab, budget), tok)

@@ -423,7 +423,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # minibatches (the same global ones on every rank, about the same tokens each).
     # 4. Pack them, and the reference / proximal log-probs (no grad).
     with tr.phase(step, "logprobs"):
-        units = build_units(batch.groups, algo)
+        units = build_units(batch.groups, algo, ctx.device)
         guard.check_advantages(units)
         # Each main rollout's group advantage, before balancing moves units between ranks
         # (the tool-vs-no-tool advantage metrics, adv/*).

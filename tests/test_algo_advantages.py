@@ -91,3 +91,44 @@ def test_split_units_keeps_subs_with_parents(n: int, sizes: list[int]) -> None:
     parts = split_units(units, n)
     assert [len(p) for p in parts] == sizes
     assert [u.main.uid for p in parts for u in p] == [u.main.uid for u in units]
+
+
+def test_advantages_are_computed_on_the_trainers_device_through_the_op(monkeypatch) -> None:
+    """``build_units(groups, algo, device)`` (``train_step`` passes ``ctx.device``) builds the
+    rewards on that device and calls the ``paravt_kernels`` op there: on CUDA its Triton
+    kernel (``test_cuda_advantages_run_the_triton_kernel``). On the CPU, the meta device shows
+    the tensors are made where asked (the op's fake kernel answers) and the op is the one
+    called."""
+    import paravt_kernels
+
+    algo = AlgoConfig()
+    seen: list[torch.device] = []
+    real = paravt_kernels.group_advantage
+
+    def spy(rewards, index, **kw):
+        seen.append(rewards.device)
+        return real(rewards, index, **kw)
+
+    monkeypatch.setattr(paravt_kernels, "group_advantage", spy)
+    out = group_advantages(_groups(), algo, "meta")
+    assert out.device.type == "meta" and out.shape == (5,)
+    assert [d.type for d in seen] == ["meta"]
+    units = build_units(_groups(), algo, "cpu")
+    assert [d.type for d in seen] == ["meta", "cpu"]
+    assert [u.advantage for u in units] == group_advantages(_groups(), algo).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_advantages_run_the_triton_kernel() -> None:
+    """On CUDA (PARAVT_IMPL=auto) the trainer's advantages run the Triton kernel and equal the
+    CPU torch path's."""
+    pytest.importorskip("triton")
+    from paravt_kernels.dispatch import resolve_impl
+
+    algo = AlgoConfig()
+    assert resolve_impl(torch.device("cuda"), "group_advantage") == "triton"
+    on_gpu = group_advantages(_groups(), algo, "cuda")
+    assert on_gpu.device.type == "cuda"
+    torch.testing.assert_close(on_gpu.cpu(), group_advantages(_groups(), algo, "cpu"))
+    units = build_units(_groups(), algo, torch.device("cuda"))
+    assert [u.advantage for u in units] == pytest.approx(on_gpu.tolist())

@@ -391,8 +391,8 @@ def test_errors_name_the_problem(monkeypatch):
 
 def _budget_rows(monkeypatch, rows, v):
     """Shrink the CPU chunk budget so that a chunk holds ``rows`` rows of a ``v`` vocabulary."""
-    monkeypatch.setattr(ref, "LPL_CHUNK_BYTES_CPU", rows * 4 * v)
-    assert ref.lpl_row_chunk(v, ref.LPL_CHUNK_BYTES_CPU) == rows
+    monkeypatch.setattr(ref.OWNERS["LPL_CHUNK_BYTES_CPU"], "LPL_CHUNK_BYTES_CPU", rows * 4 * v)
+    assert ref.lpl_row_chunk(v, rows * 4 * v) == rows
 
 
 @pytest.mark.parametrize("rows", [1, 7, 82, 83, 500])

@@ -176,7 +176,7 @@ def test_validation_errors():
 def test_torch_path_token_chunks_are_invisible(agg, monkeypatch):
     """The fused torch path walks tokens in chunks; chunk edges inside sequences change nothing."""
     monkeypatch.setenv("PARAVT_IMPL", "torch")
-    monkeypatch.setattr(ref, "POLICY_TOKEN_CHUNK", 64)
+    monkeypatch.setattr(ref.OWNERS["POLICY_TOKEN_CHUNK"], "POLICY_TOKEN_CHUNK", 64)
     b = _batch([5, 1000, 2, 40], seed=21)
     cfg = {
         "prox": True,

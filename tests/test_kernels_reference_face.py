@@ -4,8 +4,10 @@ The four ops' torch references live beside their Triton files (``<op>_reference.
 ``packing.py``; ``reference`` re-exports them so that ``paravt_kernels.reference.<name>`` keeps
 working. Checked here: every name the one-file module exported is still there and IS the
 owner's object (no copy that could drift), each name has exactly one owner that defines it,
-and a ``monkeypatch`` of a call-time constant on the face reaches the code that reads it
-(the torch and Triton row chunks of ``linear_policy_loss``), and is undone with the patch.
+a ``monkeypatch`` of a call-time constant on its owner reaches the code that reads it (the
+torch and Triton row chunks of ``linear_policy_loss``) and is undone with the patch, and
+paravt imports no name through the face (issue 64: the face no longer swaps its module class
+to forward patches; paravt reads each name from its owner).
 """
 
 from __future__ import annotations
@@ -50,14 +52,14 @@ def test_each_op_reference_sits_beside_its_triton_file() -> None:
         assert reference.OWNERS[f"{op}_torch"].__name__ == f"paravt_kernels.{op}_reference"
 
 
-def test_face_monkeypatch_reaches_the_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_owner_monkeypatch_reaches_the_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     vocab = 257
     h = torch.zeros(50, 8)
     w32, w16 = torch.zeros(vocab, 8), torch.zeros(vocab, 8, dtype=torch.bfloat16)
     default_rows = lplr.TorchRowChunks(h, w32, None, 1.0).rows
     with monkeypatch.context() as mp:
-        mp.setattr(reference, "LPL_CHUNK_BYTES_CPU", 7 * 4 * vocab)
-        mp.setattr(reference, "TORCH_VOCAB_TILE", 100)
+        mp.setattr(reference.OWNERS["LPL_CHUNK_BYTES_CPU"], "LPL_CHUNK_BYTES_CPU", 7 * 4 * vocab)
+        mp.setattr(reference.OWNERS["TORCH_VOCAB_TILE"], "TORCH_VOCAB_TILE", 100)
         assert lplr.LPL_CHUNK_BYTES_CPU == 7 * 4 * vocab and llr.TORCH_VOCAB_TILE == 100
         assert lplr.TorchRowChunks(h, w32, None, 1.0).rows == 7
         assert lplr.TorchRowChunks(h, w16, None, 1.0).tiles == [(0, 100), (100, 200), (200, 257)]
@@ -65,7 +67,27 @@ def test_face_monkeypatch_reaches_the_row_chunks(monkeypatch: pytest.MonkeyPatch
         from paravt_kernels.linear_policy_loss_triton import TritonRowChunks
 
         assert TritonRowChunks(h, w32, None, 1.0).rows == 7
-    # undone on the owner, not only on the face
+    # undone with the patch
     assert lplr.LPL_CHUNK_BYTES_CPU == reference.LPL_CHUNK_BYTES_CPU == 64 << 20
     assert llr.TORCH_VOCAB_TILE == reference.TORCH_VOCAB_TILE == 2048
     assert lplr.TorchRowChunks(h, w32, None, 1.0).rows == default_rows
+
+
+def test_paravt_imports_no_name_through_the_face() -> None:
+    """paravt, the benchmarks and the kernels' own modules import each name from its owner."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    users = [
+        p
+        for d in ("paravt", "bench", "kernels")
+        for p in sorted((root / d).rglob("*.py"))
+        if p.name != "reference.py"
+        and (
+            "paravt_kernels.reference" in p.read_text()
+            or "from paravt_kernels import reference" in p.read_text()
+            or (p.parent.name == "kernels" and "from . import reference" in p.read_text())
+        )
+    ]
+    assert users == [], [str(p.relative_to(root)) for p in users]
+    assert type(reference) is type(inspect)  # a plain module: no class swapped in

@@ -29,18 +29,23 @@ from paravt.config import AlgoConfig
 from paravt.types import Group, PackedBatch, SequenceUnit, Trajectory
 
 
-def group_advantages(groups: list[Group], algo: AlgoConfig) -> torch.Tensor:
-    """``(sum_g G_g,)`` float32 advantages of every main trajectory, groups in order."""
+def group_advantages(
+    groups: list[Group], algo: AlgoConfig, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """``(sum_g G_g,)`` float32 advantages of every main trajectory, groups in order, computed
+    on ``device`` by the ``paravt_kernels`` op: on a CUDA device (the trainer's, ``train_step``
+    via ``build_units``) its Triton kernel runs (``PARAVT_IMPL=auto``), elsewhere its torch
+    path."""
     # lazy: looked up per call, so a swapped paravt_kernels op is the one used
     from paravt_kernels import group_advantage
 
     rewards = [t.reward for g in groups for t in g.trajectories]
     index = [gi for gi, g in enumerate(groups) for _ in g.trajectories]
     if not rewards:
-        return torch.zeros(0)
+        return torch.zeros(0, device=device)
     return group_advantage(
-        torch.tensor(rewards, dtype=torch.float32),
-        torch.tensor(index, dtype=torch.int64),
+        torch.tensor(rewards, dtype=torch.float32, device=device),
+        torch.tensor(index, dtype=torch.int64, device=device),
         normalize_std=algo.normalize_std,
         eps=algo.adv_eps,
         scale=algo.adv_scale,
@@ -48,9 +53,12 @@ def group_advantages(groups: list[Group], algo: AlgoConfig) -> torch.Tensor:
     )
 
 
-def build_units(groups: list[Group], algo: AlgoConfig) -> list[SequenceUnit]:
-    """Main trajectories (+ their sub-agents when ``algo.train_sub_agents``) with advantages."""
-    adv = group_advantages(groups, algo).tolist()
+def build_units(
+    groups: list[Group], algo: AlgoConfig, device: torch.device | str = "cpu"
+) -> list[SequenceUnit]:
+    """Main trajectories (+ their sub-agents when ``algo.train_sub_agents``) with advantages
+    (``group_advantages`` on ``device``: the trainer passes its own)."""
+    adv = group_advantages(groups, algo, device).tolist()
     units: list[SequenceUnit] = []
     k = 0
     for g in groups:
@@ -81,7 +89,7 @@ def apply_kl_reward(batch: PackedBatch, algo: AlgoConfig) -> torch.Tensor:
     outside the loss).
     """
     # lazy: looked up per call, so a swapped paravt_kernels op is the one used
-    from paravt_kernels.reference import kl_penalty
+    from paravt_kernels.policy_loss_reference import kl_penalty
 
     n_seq = batch.cu_seqlens.numel() - 1
     if algo.kl_mode != "reward" or algo.kl_coef == 0.0:
