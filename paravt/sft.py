@@ -59,8 +59,8 @@ from paravt.algo.logprobs import packed_logprob_rows
 from paravt.algo.packing import microbatches, pack_units
 from paravt.assets import prepare_assets
 from paravt.checkpoint import (
-    SFT_STATE_FILE,
     load_sft_state,
+    read_sft_small,
     save_model_dir,
     save_sft_state,
     sft_save_error,
@@ -240,14 +240,16 @@ def _sft_state(
 def _read_sft_state(path: Path) -> tuple[dict[str, Any], Path | None] | None:
     """The saved SFT state at ``path`` (``sft_resume_dir``) as ``(small, folder)``: the
     sharded folder (or the one a kill between its renames left aside), else an older paravt's
-    one-file ``<run>/sft.resume.pt`` (full weights and moments inside, ``folder`` None)."""
+    one-file ``<run>/sft.resume.pt`` (full weights and moments inside, ``folder`` None).
+    Read without running code and checked against the folder's manifest
+    (``paravt.checkpoint.read_sft_small``): a damaged or foreign state is one line
+    (``CheckpointLoadError``)."""
     folder = sft_state_folder(path)
     if folder is not None:
-        small = torch.load(folder / SFT_STATE_FILE, map_location="cpu", weights_only=False)
-        return small, folder
+        return read_sft_small(folder), folder
     legacy = Path(str(path) + ".pt")
     if legacy.is_file():
-        return torch.load(legacy, map_location="cpu", weights_only=False), None
+        return read_sft_small(legacy), None
     return None
 
 
