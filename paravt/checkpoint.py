@@ -1234,7 +1234,7 @@ def verify_checkpoint(ckpt: str | Path, run_dir: str | Path, ctx: DistContext | 
     ckpt = Path(ckpt)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     rid = run_id(run_dir)
-    problem, has_manifest = _problem_of(ckpt, rid, slice(rank, None, world))
+    problem, _ = _problem_of(ckpt, rid, slice(rank, None, world))
     if ctx is not None and ctx.world_size > 1:
         problem = next((p for p in all_gather_objects(problem, ctx) if p), "")
     if problem:
@@ -1244,7 +1244,14 @@ def verify_checkpoint(ckpt: str | Path, run_dir: str | Path, ctx: DistContext | 
         small = safe_torch_load(state)
     except Exception as e:  # noqa: BLE001 - a torn or planted file: torch raises many kinds
         return f"{STATE_FILE} cannot be read without running code or is torn ({_why(e)})"
-    if not has_manifest and "train_state" in small:  # unverified: the metadata at least
+    if isinstance(small, dict) and isinstance(small.get("train_state"), dict):
+        # Read through the checked unpickler before DCP touches it: a manifest rewritten to
+        # match a planted .metadata is refused here, naming the file, not mid-load.
+        if small["train_state"].get("dir") != TRAIN_STATE_DIR:
+            return (
+                f"{STATE_FILE} names its sharded state {small['train_state'].get('dir')!r}, "
+                f"not {TRAIN_STATE_DIR!r} beside it"
+            )
         try:
             read_dcp_metadata(ckpt / small["train_state"]["dir"] / ".metadata")
         except Exception as e:  # noqa: BLE001
@@ -1292,7 +1299,16 @@ def resume_checkpoint(
                 "must name a step_N folder beside it)"
             )
             target = None
-        elif (root / name) in found:
+        elif (root / name).is_symlink():
+            where = f"{pointer}"
+            problem = (
+                f"names {name!r}, a link to {os.readlink(root / name)!r}, not a checkpoint "
+                "folder of this run"
+            )
+            target = None
+        elif (root / name) in found or (root / name).is_dir():
+            # A folder without its trainer_state.pt is no complete checkpoint, but latest
+            # naming it means it was one: damaged (verify names the file), not skipped.
             target = root / name
     if target is not None and not problem:
         problem = verify_checkpoint(target, run_dir, ctx)
