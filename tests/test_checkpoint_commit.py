@@ -17,9 +17,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+from test_checkpoint_trust import _trainer
 from test_train_resume import tiny_overrides
 from train_runs import ROOT, assert_same_row, train_rows
+
+from paravt import checkpoint as C
 
 
 def _argv(assets: dict[str, str], out: Path, *extra: str) -> list[str]:
@@ -53,3 +58,38 @@ def test_kill_9_after_a_background_save_finished_resumes_from_it(assets, tmp_pat
     again = train_rows(out)
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     assert_same_row(4, killed[4], again[4], "kill -9 after a finished background save")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_export_is_on_disk_before_the_checkpoint_is_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    """Every file of the HF export (``model.safetensors``, ``config.json`` ...) is fsynced
+    before the folder is renamed into place (``save_model_dir``'s ``_fsync_files``), in the
+    foreground and from the background save's export thread; on main only
+    ``trainer_state.pt`` was (a crash after the commit could leave a ``latest`` whose export is
+    still in the page cache, lost)."""
+    synced: set[str] = set()
+    at_commit: list[set[str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced.add(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(src).name.startswith(".tmp-step_"):
+            at_commit.append(set(synced))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tr = _trainer(tmp_path)
+    tr.cfg.train.async_save = background
+    assert C.save_trainer(tr, 1)
+    C.finish_trainer_save(tr)
+    ckpt = tmp_path / C.CKPT_DIR / "step_000001"
+    assert ckpt.is_dir() and len(at_commit) == 1
+    done = at_commit[0]
+    assert {"model.safetensors", C.STATE_FILE, "__0_0.distcp"} <= done, sorted(done)
+    assert any(n.startswith(f".{C.MANIFEST}.") for n in done), sorted(done)  # (atomic_file's)
