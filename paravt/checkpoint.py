@@ -19,7 +19,12 @@ Layout (one directory per saved step, under ``<out_dir>/checkpoints``)::
                                                               model.dtype, the float32 masters
                                                               ("model"); each rank writes its
                                                               own shards, in parallel
+      manifest.json                                         <- rank 0, last: the run id,
+                                                              the step, every file's size and
+                                                              sha256 (``verify_checkpoint``)
     latest                                                  <- text file: "step_000004"
+  <out_dir>/run_id                                          <- the run's identity, written
+                                                              when the run folder is created
 
 Who writes what (``save_trainer``, every rank): no rank gathers the optimizer state or the
 masters. Each rank writes its ``__<rank>_0.distcp`` (its FSDP2 shards) and rank 0 the
@@ -62,16 +67,35 @@ the update after the save does not reach it, checked bitwise by
 ``tests/test_checkpoint_async.py``) and writes them from a thread, coordinating over a gloo
 process group of its own (``_save_group``) while the training step's collectives use the
 default one; rank 0 writes the export from a second thread. The call returns after the copy.
-``finish_trainer_save`` (the next save, the run's end, a preemption's or a lost worker's
-checkpoint) waits for every rank's write and then commits as above: ``trainer_state.pt``,
+``finish_trainer_save`` commits it at the end of the first step by which every rank's write
+is done (each rank adds ``background_save_written`` to the step's one all-reduce, the
+``save_written`` sum of ``StepStats``; the sum equal to the world size: no rank waits) or,
+whichever comes first, waits for every rank's write at the next save, the run's end, a
+preemption's or a lost worker's checkpoint; then commits as above: ``trainer_state.pt``,
 the rename into place, ``latest``, ``keep_last``. One save is in flight at a time. A failed
 background write surfaces at that wait, on every rank, naming its step (``CheckpointSaveError``
 under ``train.on_save_error``, as a foreground save's); a kill during it leaves only a
 ``.tmp-step_*`` folder, which the next save removes. A run that raises for another reason
 leaves the write uncommitted (the previous checkpoint is the newest).
 
-``trainer_state.pt`` is a ``torch.save`` pickle written by this module and read back with
-``weights_only=False`` (it holds Python/NumPy RNG states); only load checkpoints you wrote.
+The HF export is gathered onto rank 0 and written by it alone (in the background under
+``train.async_save``), fsynced file by file before the folder is committed. The installed
+torch has DCP's ``HuggingFaceStorageWriter`` (every rank writing its part of the
+safetensors), not used yet: the export is what ``--resume``'s model load, eval and vLLM read
+from every checkpoint as one ``model.safetensors`` in the compute dtype, and that writer's
+per-rank files need a consolidation pass (and a reader of the sharded form) that is not
+written; issue 61 item 4's other half, left open.
+
+Trust (``resume_checkpoint``, ``--resume``'s pick, before anything loads): ``latest`` must
+name a ``step_N`` folder beside it (no path, no link); the checkpoint's ``manifest.json``
+must carry this run folder's ``run_id`` and list exactly its files, each of the size and
+sha256 written at save; ``trainer_state.pt`` (and the SFT's ``state.pt``) are read with
+``torch.load(weights_only=True)`` (NumPy's array records allowed: the RNG states), DCP's
+``.metadata`` through ``_MetadataUnpickler`` (DCP's records only) and its non-tensor items
+with ``weights_only=True`` (``_safe_load_planner``): no code in a checkpoint runs. Anything
+wrong is one ``CheckpointLoadError`` line naming the step, the file and the newest intact
+checkpoint, which ``train.resume_fallback`` continues from (``tests/test_checkpoint_trust.py``).
+A checkpoint of an older paravt (no manifest, no ``run_id``) resumes without the digests.
 """
 
 from __future__ import annotations

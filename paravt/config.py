@@ -644,7 +644,8 @@ class TrainConfig:
     # CPU copy of this rank's shards, and the checkpoint is committed (renamed into place,
     # `latest`, keep_last) once every rank's write is done: at the end of the first step by
     # which every rank has finished writing (agreed in the step's one all-reduce), or at the
-    # next save or when the run ends or stops, whichever is first; the run's last checkpoint is written in the foreground. It pays where the
+    # next save or when the run ends or stops, whichever is first; the run's last checkpoint
+    # is written in the foreground. It pays where the
     # write is slow next to the copy: a large state (fp32 masters + AdamW moments, 12 bytes a
     # parameter over the ranks) on a slow or network disk (190 MB on this CPU: the save
     # blocks 0.2 s instead of 1.3-2.2 s, bench/test_bench_checkpoint_save.py). The price is
