@@ -24,6 +24,7 @@ end in raw ``EOFError``/``SafetensorError``/``RuntimeError`` tracebacks; there i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import types
 from pathlib import Path
@@ -272,19 +273,48 @@ def test_a_torn_legacy_sft_file_is_one_line(tmp_path: Path) -> None:
     assert "\n" not in str(e.value)
 
 
-def test_train_resume_path_uses_the_checked_resume(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``build_trainer`` picks the resume checkpoint through ``resume_checkpoint`` (and
-    ``main`` turns its refusal into one ``error:`` line, exit 1)."""
-    import inspect
+def test_a_real_resume_refuses_a_damaged_latest_and_falls_back_when_asked(
+    assets: dict[str, str], tmp_path: Path
+) -> None:
+    """The main path: ``python -m paravt.train --resume`` (``build_trainer`` picks the
+    checkpoint through ``resume_checkpoint``) on a run whose newest checkpoint's export was
+    cut short exits 1 with the one line, no traceback; ``train.resume_fallback=true``
+    continues from the step before, bitwise the first run's next row. On main the same
+    resume died in a raw ``SafetensorError`` traceback."""
+    import subprocess
+    import sys
 
-    from paravt import train
+    from test_train_resume import tiny_overrides
+    from train_runs import ROOT, assert_same_row, train_rows
 
-    src = inspect.getsource(train.build_trainer)
-    assert "resume_checkpoint(out, ctx, fallback=t.resume_fallback)" in src
-    assert "latest_checkpoint(out) if t.resume" not in src
+    out = tmp_path / "run"
+    over = [*tiny_overrides(assets, out, 4), "train.save_every=2", "train.keep_last=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def refuse(*a: Any, **k: Any) -> None:
-        raise CheckpointLoadError("--resume refused: checkpoint step 2 (x): y. z")
+    def train(*extra: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "paravt.train", *extra, *over]
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
-    monkeypatch.setattr(train, "run", refuse)
-    assert train.main(["--resume"]) == 1
+    first = train()
+    assert first.returncode == 0, first.stderr[-3000:]
+    rows = train_rows(out)
+    root = out / C.CKPT_DIR
+    assert (root / "latest").read_text().strip() == "step_000004"
+    _truncate(root / "step_000004" / "model.safetensors")
+
+    refused = train("--resume")
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    said = refused.stdout + refused.stderr
+    assert "Traceback" not in said, said[-3000:]
+    line = next(x for x in said.splitlines() if "--resume refused" in x)
+    assert "checkpoint step 4" in line and "model.safetensors" in line
+    assert f"step 2 ({root / 'step_000002'})" in line and "resume_fallback=true" in line
+
+    fell_back = train("--resume", "train.resume_fallback=true")
+    assert fell_back.returncode == 0, fell_back.stderr[-3000:]
+    assert "resuming from the newest intact checkpoint, step 2" in (
+        fell_back.stdout + fell_back.stderr
+    )
+    again = train_rows(out)
+    assert sorted(again) == [1, 2, 3, 4]
+    assert_same_row(3, rows[3], again[3], "resumed from the intact step 2")
