@@ -669,9 +669,17 @@ def read_sft_small(where: Path) -> dict[str, Any]:
         target = where
     if not problem:
         try:
-            return safe_torch_load(target)
+            small = safe_torch_load(target)
         except Exception as e:  # noqa: BLE001 - a torn or planted file: torch raises many kinds
             problem = f"{target.name} cannot be read without running code or is torn ({_why(e)})"
+    if not problem and where.is_dir():  # the shards' .metadata, before DCP reads it
+        meta = where / TRAIN_STATE_DIR / ".metadata"
+        try:
+            read_dcp_metadata(meta)
+        except Exception as e:  # noqa: BLE001
+            problem = f"{TRAIN_STATE_DIR}/.metadata cannot be read safely ({_why(e)})"
+    if not problem:
+        return small
     raise CheckpointLoadError(f"--resume refused: the SFT state {where}: {problem}. {fix}")
 
 

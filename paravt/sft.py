@@ -59,6 +59,8 @@ from paravt.algo.logprobs import packed_logprob_rows
 from paravt.algo.packing import microbatches, pack_units
 from paravt.assets import prepare_assets
 from paravt.checkpoint import (
+    MANIFEST,
+    CheckpointLoadError,
     load_sft_state,
     read_sft_small,
     save_model_dir,
@@ -245,6 +247,8 @@ def _read_sft_state(path: Path) -> tuple[dict[str, Any], Path | None] | None:
     (``paravt.checkpoint.read_sft_small``): a damaged or foreign state is one line
     (``CheckpointLoadError``)."""
     folder = sft_state_folder(path)
+    if folder is None and (Path(path) / MANIFEST).is_file():
+        folder = Path(path)  # a saved state missing a file: refused naming it, not redone
     if folder is not None:
         return read_sft_small(folder), folder
     legacy = Path(str(path) + ".pt")
@@ -486,7 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info(to_yaml(cfg))
     data_dir, model_dir = prepare_assets(cfg, ctx)
     out = a.out or str(Path(cfg.train.out_dir) / "sft")
-    res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
+    try:
+        res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
+    except CheckpointLoadError as e:  # a damaged or planted saved state: one line
+        log.error(f"error: {e}")
+        cleanup(ctx)
+        return 1
     if ctx.is_main:
         print(json.dumps(res, indent=1))  # the command's result (stdout)
         log.info(f"[sft] wrote {out}")

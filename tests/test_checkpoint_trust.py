@@ -250,18 +250,37 @@ def test_no_intact_checkpoint_left_says_so(pristine: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("how", ["truncate", "flip", "delete"])
-def test_a_torn_sft_state_is_one_line(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["state.pt", "manifest.json", "train_state/.metadata", "train_state/__0_0.distcp"]
+)
+def test_a_damaged_sft_state_is_one_line(tmp_path: Path, how: str, name: str) -> None:
     tr = _trainer(tmp_path)
     path = tmp_path / "sft.resume"
     C.save_sft_state(path, {"step": 3, "losses": [1.0]}, tr.policy, tr.optimizer, DistContext())
     folder = C.sft_state_folder(path)
     assert folder is not None and C.read_sft_small(folder)["step"] == 3
-    f = folder / C.SFT_STATE_FILE
+    f = folder / name
     {"truncate": _truncate, "flip": _flip, "delete": Path.unlink}[how](f)
+    from paravt.sft import _read_sft_state  # the SFT's resume reads it so
+
     with pytest.raises(CheckpointLoadError) as e:
-        C.read_sft_small(folder)
+        _read_sft_state(path)
     msg = str(e.value)
-    assert "\n" not in msg and "state.pt" in msg and str(folder) in msg and "Remove" in msg
+    assert "\n" not in msg and name in msg and str(folder) in msg and "Remove" in msg
+
+
+def test_a_planted_sft_metadata_is_refused_without_running(tmp_path: Path) -> None:
+    import pickle
+
+    tr = _trainer(tmp_path)
+    path = tmp_path / "sft.resume"
+    C.save_sft_state(path, {"step": 3}, tr.policy, tr.optimizer, DistContext())
+    marker = tmp_path / "pwned"
+    (path / "train_state/.metadata").write_bytes(pickle.dumps(_Marker(str(marker))))
+    _rewrite_manifest(path, "train_state/.metadata")
+    with pytest.raises(CheckpointLoadError, match="train_state/.metadata cannot be read safely"):
+        C.read_sft_small(path)
+    assert not marker.exists()
 
 
 def test_a_torn_legacy_sft_file_is_one_line(tmp_path: Path) -> None:
