@@ -19,7 +19,12 @@ Layout (one directory per saved step, under ``<out_dir>/checkpoints``)::
                                                               model.dtype, the float32 masters
                                                               ("model"); each rank writes its
                                                               own shards, in parallel
+      manifest.json                                         <- rank 0, last: the run id,
+                                                              the step, every file's size and
+                                                              sha256 (``verify_checkpoint``)
     latest                                                  <- text file: "step_000004"
+  <out_dir>/run_id                                          <- the run's identity, written
+                                                              when the run folder is created
 
 Who writes what (``save_trainer``, every rank): no rank gathers the optimizer state or the
 masters. Each rank writes its ``__<rank>_0.distcp`` (its FSDP2 shards) and rank 0 the
@@ -62,16 +67,35 @@ the update after the save does not reach it, checked bitwise by
 ``tests/test_checkpoint_async.py``) and writes them from a thread, coordinating over a gloo
 process group of its own (``_save_group``) while the training step's collectives use the
 default one; rank 0 writes the export from a second thread. The call returns after the copy.
-``finish_trainer_save`` (the next save, the run's end, a preemption's or a lost worker's
-checkpoint) waits for every rank's write and then commits as above: ``trainer_state.pt``,
+``finish_trainer_save`` commits it at the end of the first step by which every rank's write
+is done (each rank adds ``background_save_written`` to the step's one all-reduce, the
+``save_written`` sum of ``StepStats``; the sum equal to the world size: no rank waits) or,
+whichever comes first, waits for every rank's write at the next save, the run's end, a
+preemption's or a lost worker's checkpoint; then commits as above: ``trainer_state.pt``,
 the rename into place, ``latest``, ``keep_last``. One save is in flight at a time. A failed
 background write surfaces at that wait, on every rank, naming its step (``CheckpointSaveError``
 under ``train.on_save_error``, as a foreground save's); a kill during it leaves only a
 ``.tmp-step_*`` folder, which the next save removes. A run that raises for another reason
 leaves the write uncommitted (the previous checkpoint is the newest).
 
-``trainer_state.pt`` is a ``torch.save`` pickle written by this module and read back with
-``weights_only=False`` (it holds Python/NumPy RNG states); only load checkpoints you wrote.
+The HF export is gathered onto rank 0 and written by it alone (in the background under
+``train.async_save``), fsynced file by file before the folder is committed. The installed
+torch has DCP's ``HuggingFaceStorageWriter`` (every rank writing its part of the
+safetensors), not used yet: the export is what ``--resume``'s model load, eval and vLLM read
+from every checkpoint as one ``model.safetensors`` in the compute dtype, and that writer's
+per-rank files need a consolidation pass (and a reader of the sharded form) that is not
+written; issue 61 item 4's other half, left open.
+
+Trust (``resume_checkpoint``, ``--resume``'s pick, before anything loads): ``latest`` must
+name a ``step_N`` folder beside it (no path, no link); the checkpoint's ``manifest.json``
+must carry this run folder's ``run_id`` and list exactly its files, each of the size and
+sha256 written at save; ``trainer_state.pt`` (and the SFT's ``state.pt``) are read with
+``torch.load(weights_only=True)`` (NumPy's array records allowed: the RNG states), DCP's
+``.metadata`` through ``_MetadataUnpickler`` (DCP's records only) and its non-tensor items
+with ``weights_only=True`` (``_safe_load_planner``): no code in a checkpoint runs. Anything
+wrong is one ``CheckpointLoadError`` line naming the step, the file and the newest intact
+checkpoint, which ``train.resume_fallback`` continues from (``tests/test_checkpoint_trust.py``).
+A checkpoint of an older paravt (no manifest, no ``run_id``) resumes without the digests.
 """
 
 from __future__ import annotations
@@ -79,8 +103,12 @@ from __future__ import annotations
 import copy
 import errno
 import hashlib
+import json
 import os
+import pickle
 import random
+import re
+import secrets
 import shutil
 import time
 import warnings
@@ -122,6 +150,21 @@ LATEST = "latest"
 # Files of a source model directory that are not weights (copied so the checkpoint is a
 # complete HF directory: tokenizer, chat template, processor configs).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json")
+
+
+#: The run folder's identity (``run_id``: written once, when the folder's run is created)
+#: and each checkpoint's record of it and of its files (``manifest.json``: the run id, the
+#: step, every file's size and sha256, written at save; ``verify_checkpoint`` checks it).
+RUN_ID_FILE = "run_id"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+_STEP_NAME = re.compile(r"step_\d{6,}")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint (or the SFT state) that ``--resume`` refuses: damaged, not this run's, or
+    holding code to run on load. The message is one line naming the step, the file and the
+    newest intact checkpoint (``--resume train.resume_fallback=true`` continues from it)."""
 
 
 class CheckpointSaveError(RuntimeError):
@@ -280,7 +323,8 @@ def save_model_dir(
     tokenizer: Any = None,
     source_dir: str | Path | None = None,
 ) -> Path:
-    """Write ``state_dict`` as an HF model directory (safetensors) at ``out`` (not atomic).
+    """Write ``state_dict`` as an HF model directory (safetensors) at ``out`` (not atomic),
+    every file fsynced before it returns (``_fsync_files``).
 
     ``model`` supplies ``save_pretrained`` (config.json, tied-weight handling); a plain
     ``nn.Module`` gets ``model.safetensors`` only. ``source_dir``'s non-weight files
@@ -302,7 +346,22 @@ def save_model_dir(
         save_file(state_dict, str(out / "model.safetensors"))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    _fsync_files(out)
     return out
+
+
+def _fsync_files(folder: Path) -> None:
+    """Every regular file directly in ``folder`` synced to disk, then the folder's names: a
+    checkpoint's export is renamed into place (and becomes ``latest``) only once it is on
+    disk, not in the page cache that a crash loses (``save_model_dir``)."""
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and not f.is_symlink():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(folder)
 
 
 def _set_config_dtype(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
@@ -430,6 +489,7 @@ def save_checkpoint(
     _prepare(root, step, needed, prev)
     try:
         _write_files(tmp, step, model, model_state, trainer_state, tokenizer, source_dir)
+        _write_manifest(tmp, step, run_id(run_dir, create=True), {})
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise _save_error(step, root, e.filename or tmp, needed, e, prev) from e
@@ -474,30 +534,38 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
 
     state = sharded_train_state(model, optimizer, masters=masters)
-    reader = dcp.FileSystemReader(str(path))
+    reader = _checked_reader(path)  # no code runs from the files (the module docstring)
     with _quiet_single_process():
-        dcp.load(state, storage_reader=reader, no_dist=not _group_up())
+        dcp.load(
+            state, storage_reader=reader, planner=_safe_load_planner(), no_dist=not _group_up()
+        )
     load_sharded_train_state(model, optimizer, state)
 
 
 def _write_shards(
     path: Path, sharded: dict[str, Any], ctx: DistContext
-) -> tuple[int, str, str] | None:
-    """Every rank writes its shards (``save_sharded``); the first failed rank's ``(errno,
-    strerror, filename)``, the same on every rank, or None when every write succeeded. A
-    failure that is not the file system's (a bug) raises, on every rank alike (DCP's).
-    ``save_trainer``'s and ``save_sft_state``'s shard write."""
+) -> tuple[tuple[int, str, str] | None, dict[str, Any]]:
+    """Every rank writes its shards (``save_sharded``) and digests them (``_shard_digests``);
+    the first failed rank's ``(errno, strerror, filename)``, the same on every rank, or None
+    when every write succeeded, and every rank's digests (one gather). A failure that is not
+    the file system's (a bug) raises, on every rank alike (DCP's). ``save_trainer``'s and
+    ``save_sft_state``'s shard write."""
     from torch.distributed.checkpoint import CheckpointException
 
     err: OSError | None = None
+    digests: dict[str, Any] = {}
     try:
         save_sharded(path, sharded)
+        digests = _shard_digests(path, ctx.rank)
     except (OSError, CheckpointException) as e:
         err = _dcp_failure(e)
         if err is None:
             raise
-    errs = all_gather_objects(None if err is None else (err.errno, err.strerror, err.filename), ctx)
-    return next((x for x in errs if x is not None), None)
+    mine = None if err is None else (err.errno, err.strerror, err.filename)
+    got = all_gather_objects((mine, digests), ctx)
+    return next((x for x, _ in got if x is not None), None), {
+        k: v for _, d in got for k, v in d.items()
+    }
 
 
 def _dcp_failure(e: BaseException) -> OSError | None:
@@ -543,7 +611,7 @@ def save_sft_state(
     bad = all_gather_objects(None if err is None else str(err), ctx)[0]
     if bad is None:
         try:
-            failed = _write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx)
+            failed, digests = _write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx)
         finally:
             if optim_empty:
                 optimizer.state.clear()
@@ -553,6 +621,8 @@ def save_sft_state(
             with atomic_file(tmp / SFT_STATE_FILE) as f:
                 torch.save({**small, "format": SHARDED_FORMAT, "optim_empty": optim_empty}, f)
             _fsync_dir(tmp / TRAIN_STATE_DIR)
+            step = int(small.get("step", 0))
+            _write_manifest(tmp, step, run_id(path.parent, create=True), digests)
             _fsync_dir(tmp)
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -578,6 +648,39 @@ def sft_state_folder(path: str | Path) -> Path | None:
         if (cand / SFT_STATE_FILE).is_file() and (cand / TRAIN_STATE_DIR / ".metadata").is_file():
             return cand
     return None
+
+
+def read_sft_small(where: Path) -> dict[str, Any]:
+    """The small state of a cold-start SFT state (``paravt.sft``'s resume): ``where`` a
+    ``save_sft_state`` folder (its ``state.pt``, after the folder is checked against its
+    manifest: run id, sizes, digests, as ``verify_checkpoint``) or an older paravt's one-file
+    ``sft.resume.pt``; read without running code. Anything wrong is ``CheckpointLoadError``,
+    one line naming the file and the way out (the SFT has no older state to fall back to)."""
+    run_dir = where.parent
+    fix = (
+        f"Remove {where} to run the cold-start SFT again from its start (--resume does so "
+        "when there is no SFT state), or restore the file"
+    )
+    problem = ""
+    if where.is_dir():
+        problem, _ = _problem_of(where, run_id(run_dir), slice(None))
+        target = where / SFT_STATE_FILE
+    else:
+        target = where
+    if not problem:
+        try:
+            small = safe_torch_load(target)
+        except Exception as e:  # noqa: BLE001 - a torn or planted file: torch raises many kinds
+            problem = f"{target.name} cannot be read without running code or is torn ({_why(e)})"
+    if not problem and where.is_dir():  # the shards' .metadata, before DCP reads it
+        meta = where / TRAIN_STATE_DIR / ".metadata"
+        try:
+            read_dcp_metadata(meta)
+        except Exception as e:  # noqa: BLE001
+            problem = f"{TRAIN_STATE_DIR}/.metadata cannot be read safely ({_why(e)})"
+    if not problem:
+        return small
+    raise CheckpointLoadError(f"--resume refused: the SFT state {where}: {problem}. {fix}")
 
 
 def load_sft_state(
@@ -712,8 +815,8 @@ def _save_trainer(
         tr.pending_save = _start_background(tr, job, sharded)
         return True
     # Every rank writes its shards into the folder rank 0 made.
-    bad = _write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx)
-    return _complete(tr, job, bad, exported=False)
+    bad, digests = _write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx)
+    return _complete(tr, job, bad, digests, exported=False)
 
 
 def _detached(export: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -798,20 +901,44 @@ def _start_background(tr: Any, job: _SaveJob, sharded: dict[str, Any]) -> AsyncS
             async_stager=_CopyStager(),
             no_dist=group is None,
         )
+    # This rank's digests of what it wrote, in the background too (its shards; rank 0 also
+    # the export): the commit at a step's end reads no byte.
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="paravt-save")
+    shards = pool.submit(_then_digest, shards, job.tmp / TRAIN_STATE_DIR, tr.ctx.rank)
     export = None
     if tr.ctx.is_main:
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paravt-export")
         export = pool.submit(
-            save_model_dir,
-            job.tmp,
-            tr.policy,
-            job.export,
-            tokenizer=tr.bundle.tokenizer,
-            source_dir=tr.init_dir,
+            _export_and_digest, job.tmp, tr.policy, job.export, tr.bundle.tokenizer, tr.init_dir
         )
-        pool.shutdown(wait=False)
+    pool.shutdown(wait=False)
     job.export = {}  # the export thread holds it; nothing else needs it
     return AsyncSave(job, shards, export, started)
+
+
+def background_save_written(tr: Any) -> bool:
+    """Whether this rank's part of ``tr``'s background checkpoint write is finished (its shard
+    write, and rank 0's export): the flag ``paravt.train.train_step`` adds to the step's one
+    all-reduce (``StepStats``, ``save_written``). Summed to the world size, every rank's is,
+    and the step commits the save (``finish_trainer_save``) at its end, without waiting for
+    anything; False while none is in flight."""
+    pending: AsyncSave | None = getattr(tr, "pending_save", None)
+    if pending is None:
+        return False
+    return all(f is None or f.done() for f in (pending.shards, pending.export))
+
+
+def _then_digest(shards: Future[Any], folder: Path, rank: int) -> dict[str, Any]:
+    """The background shard write's outcome (raises as it did), then this rank's digests."""
+    shards.result()
+    return _shard_digests(folder, rank)
+
+
+def _export_and_digest(
+    tmp: Path, model: torch.nn.Module, export: dict[str, torch.Tensor], tok: Any, src: str
+) -> dict[str, Any]:
+    """Rank 0's background export (``save_model_dir``, fsynced), then its digests."""
+    save_model_dir(tmp, model, export, tokenizer=tok, source_dir=src)
+    return _top_digests(tmp)
 
 
 def finish_trainer_save(tr: Any) -> tuple[int, bool] | None:
@@ -833,11 +960,12 @@ def finish_trainer_save(tr: Any) -> tuple[int, bool] | None:
     tr.pending_save = None
     job, ctx = pending.job, tr.ctx
     mine: tuple[Any, ...] | None = None
+    digests: dict[str, Any] = {}
     for fut in (pending.shards, pending.export):
         if fut is None or mine is not None:
             continue
         try:
-            fut.result()
+            digests.update(fut.result())
         # (DCP's CheckpointException is a BaseException.) Decided after the gather, the same
         # on every rank.
         except (Exception, CheckpointException) as e:
@@ -847,7 +975,8 @@ def finish_trainer_save(tr: Any) -> tuple[int, bool] | None:
                 if err is not None
                 else ("bug", f"{type(e).__name__}: {e}")
             )
-    outcomes = all_gather_objects(mine, ctx)
+    got = all_gather_objects((mine, digests), ctx)
+    outcomes = [o for o, _ in got]
     bug = next(((r, o[1]) for r, o in enumerate(outcomes) if o and o[0] == "bug"), None)
     if bug is not None:
         if ctx.is_main:
@@ -859,16 +988,24 @@ def finish_trainer_save(tr: Any) -> tuple[int, bool] | None:
             "train.async_save=false to save in the foreground)"
         )
     bad = next((tuple(o[1:]) for o in outcomes if o), None)
-    ok = _complete(tr, job, bad, exported=True)
+    ok = _complete(tr, job, bad, {k: v for _, d in got for k, v in d.items()}, exported=True)
     if ok:
         tr.times["time/checkpoint_write"] = time.perf_counter() - pending.started
     return job.step, ok
 
 
-def _complete(tr: Any, job: _SaveJob, bad: tuple[Any, ...] | None, *, exported: bool) -> bool:
+def _complete(
+    tr: Any,
+    job: _SaveJob,
+    bad: tuple[Any, ...] | None,
+    digests: dict[str, Any],
+    *,
+    exported: bool,
+) -> bool:
     """Every rank, after the shard write (``bad``: the first failed rank's ``(errno,
-    strerror, filename)``): rank 0 writes the export (unless ``exported``: the background
-    did) and ``trainer_state.pt`` and commits; every rank learns the outcome."""
+    strerror, filename)``; ``digests``: every rank's shard digests): rank 0 writes the export
+    (unless ``exported``: the background did) and ``trainer_state.pt``, then the manifest,
+    and commits; every rank learns the outcome."""
     ctx, step, root, tmp = tr.ctx, job.step, job.root, job.tmp
     failed: CheckpointSaveError | None = None
     if ctx.is_main:
@@ -884,6 +1021,7 @@ def _complete(tr: Any, job: _SaveJob, bad: tuple[Any, ...] | None, *, exported: 
                 else:
                     model, tok = tr.policy, tr.bundle.tokenizer
                     _write_files(tmp, step, model, job.export, job.small, tok, tr.init_dir)
+                _write_manifest(tmp, step, run_id(job.run_dir, create=True), digests)
             except OSError as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise _save_error(step, root, e.filename or tmp, job.needed, e, job.prev) from e
@@ -909,24 +1047,360 @@ def _on_save_error(tr: Any, said: str, failed: CheckpointSaveError | None) -> bo
     raise failed or CheckpointSaveError(said)
 
 
+# ------------------------------------------------------------------- trust: identity, digests
+
+
+def run_id(run_dir: str | Path, *, create: bool = False) -> str | None:
+    """The run folder's identity: the random id in ``<run_dir>/run_id``, written once when
+    the folder's run is created (``paravt.train``'s start, or the first save: ``create``).
+    Every checkpoint's ``manifest.json`` records it; ``verify_checkpoint`` refuses one whose
+    id is another's. None when the folder has none (a run of an older paravt)."""
+    path = Path(run_dir) / RUN_ID_FILE
+    try:
+        text = path.read_text().strip() if path.is_file() and not path.is_symlink() else ""
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    if text or not create:
+        return text or None
+    new = secrets.token_hex(16)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(path, new + "\n")
+    return new
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes, read in 4 MiB pieces (the manifest's per-file digest)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _digests(folder: Path, names: list[str]) -> dict[str, list[Any]]:
+    """``{name: [size, sha256]}`` of ``folder/name`` for each name."""
+    return {n: [(folder / n).stat().st_size, file_digest(folder / n)] for n in names}
+
+
+def _shard_digests(folder: Path, rank: int) -> dict[str, list[Any]]:
+    """This rank's shard files in ``folder`` (DCP's ``__<rank>_*.distcp``), keyed as the
+    manifest names them (``train_state/__0_0.distcp``): each rank digests what it wrote, in
+    parallel, while the bytes are still in its page cache."""
+    names = sorted(f.name for f in folder.glob(f"__{rank}_*.distcp"))
+    return {f"{folder.name}/{n}": v for n, v in _digests(folder, names).items()}
+
+
+def _top_digests(folder: Path, skip: Any = ()) -> dict[str, list[Any]]:
+    """Every regular file directly in ``folder`` but the manifest and ``skip`` (digested
+    already: a background save's export, by its thread): rank 0's part of the manifest."""
+    names = sorted(
+        f.name for f in folder.iterdir() if f.is_file() and f.name not in {MANIFEST, *skip}
+    )
+    return _digests(folder, names)
+
+
+def _write_manifest(folder: Path, step: int, rid: str | None, files: dict[str, Any]) -> None:
+    """Rank 0, last before the rename into place: ``manifest.json`` (run id, step, every
+    file's size and digest), synced. ``files`` holds every rank's shard digests already; the
+    ``.metadata`` and the top-level files are digested here."""
+    meta = folder / TRAIN_STATE_DIR / ".metadata"
+    files = dict(files)
+    if meta.is_file():
+        files[f"{TRAIN_STATE_DIR}/.metadata"] = [meta.stat().st_size, file_digest(meta)]
+    files.update(_top_digests(folder, skip=files))
+    body = {"format": MANIFEST_FORMAT, "run_id": rid, "step": int(step), "files": files}
+    with atomic_file(folder / MANIFEST) as f:
+        f.write((json.dumps(body, indent=1, sort_keys=True) + "\n").encode())
+
+
+# NumPy's array reconstruction (the RNG states' key arrays): data, no code. With it, a
+# checkpoint's small state loads under ``weights_only=True``; anything else a pickle names
+# (a planted ``os.system``) is refused by torch's weights-only unpickler.
+_NUMPY_SAFE = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_torch_load(path: str | Path, *, mmap: bool = False) -> Any:
+    """``torch.load`` that runs no code: ``weights_only=True`` with NumPy arrays allowed
+    (``trainer_state.pt``, the SFT's ``state.pt``). Raises what torch raises (an
+    ``UnpicklingError`` for a pickle that names anything else, ``RuntimeError`` / ``EOFError``
+    for a torn file); the callers turn it into one line."""
+    with torch.serialization.safe_globals(_NUMPY_SAFE):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+#: What a DCP ``.metadata`` pickle may name: DCP's own records, ``torch.Size`` and dtypes,
+#: the layout decoder, a path. ``_MetadataUnpickler`` refuses anything else before DCP reads
+#: the file (``FileSystemReader.read_metadata`` is a plain ``pickle.load``).
+_DCP_METADATA_NAMES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+}  # fmt: skip
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_METADATA_NAMES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (
+            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"names {module}.{name}, which no checkpoint's metadata holds (code to run on load)"
+        )
+
+
+def read_dcp_metadata(path: str | Path) -> Any:
+    """A DCP ``.metadata`` file read through ``_MetadataUnpickler`` (DCP's records only)."""
+    with open(path, "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _checked_reader(path: str | Path) -> Any:
+    """DCP's ``FileSystemReader`` whose metadata read is ``read_dcp_metadata`` (no code runs
+    from a planted ``.metadata``). ``load_sharded`` and ``read_train_state`` read with it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            md = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return _Reader(str(path))
+
+
+def _safe_load_planner(empty: bool = False) -> Any:
+    """DCP's default load planner (``empty``: the one that builds the state dict from the
+    metadata, ``read_train_state``'s) with its non-tensor items (AdamW's param groups) read by
+    ``torch.load(weights_only=True)``, not ``weights_only=False`` as DCP's own does."""
+    import io
+
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        _EmptyStateDictLoadPlanner,
+    )
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class _Planner(_EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner):  # type: ignore[misc]
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._nested_dict import set_element
+
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _Planner()
+
+
+def _problem_of(ckpt: Path, rid: str | None, mine: slice) -> tuple[str, bool]:
+    """The first thing wrong with checkpoint folder ``ckpt`` against its manifest, checking
+    the files of ``mine`` (this rank's share of the sorted manifest), or "" when nothing is;
+    and whether the checkpoint has a manifest at all."""
+    path = ckpt / MANIFEST
+    if not path.is_file() or path.is_symlink():
+        if rid is None:  # a run of an older paravt: its checkpoints carry no manifest
+            return "", False
+        return (
+            f"{MANIFEST} is missing (every checkpoint of this run has one: the folder was "
+            "altered, or copied in from elsewhere)",
+            False,
+        )
+    try:
+        man = json.loads(path.read_text())
+        files = {str(k): (int(v[0]), str(v[1])) for k, v in man["files"].items()}
+        their = man["run_id"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"{MANIFEST} is damaged ({type(e).__name__}: {e})", True
+    if their != rid:
+        return (
+            f"it belongs to another run (run id {their}; this run folder's {RUN_ID_FILE} is "
+            f"{rid}): its files were copied in from another run folder",
+            True,
+        )
+    present = {
+        str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if not f.is_dir() or f.is_symlink()
+    }
+    for name in sorted(present - files.keys() - {MANIFEST}):
+        return (
+            f"{name} is not one of the files this run wrote there (copied in from another "
+            "run folder?)",
+            True,
+        )
+    for name in sorted(files)[mine]:
+        size, digest = files[name]
+        f = ckpt / name
+        if f.is_symlink() or (f.exists() and not f.is_file()):
+            return f"{name} is not a regular file (a link or other node planted there)", True
+        if not f.is_file():
+            return f"{name} is missing", True
+        got = f.stat().st_size
+        if got != size:
+            return f"{name} is {got} bytes, {size} were written (cut short or damaged)", True
+        if file_digest(f) != digest:
+            return (
+                f"{name} does not match the digest written at save (damaged, or replaced by "
+                "another run's file)",
+                True,
+            )
+    return "", True
+
+
+def verify_checkpoint(ckpt: str | Path, run_dir: str | Path, ctx: DistContext | None = None) -> str:
+    """What is wrong with checkpoint ``ckpt`` of the run folder ``run_dir`` ("" when
+    nothing): its manifest's run id against the folder's, every file present, regular, of
+    the size and sha256 written at save, no file that the save did not write; then its
+    ``trainer_state.pt`` read without running code (``safe_torch_load``) and its DCP
+    ``.metadata`` through ``read_dcp_metadata``. On several ranks each digests its share of
+    the files and the ranks agree (one gather). ``resume_checkpoint``'s check."""
+    ckpt = Path(ckpt)
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
+    rid = run_id(run_dir)
+    problem, _ = _problem_of(ckpt, rid, slice(rank, None, world))
+    if ctx is not None and ctx.world_size > 1:
+        problem = next((p for p in all_gather_objects(problem, ctx) if p), "")
+    if problem:
+        return problem
+    state = ckpt / STATE_FILE
+    try:
+        small = safe_torch_load(state)
+    except Exception as e:  # noqa: BLE001 - a torn or planted file: torch raises many kinds
+        return f"{STATE_FILE} cannot be read without running code or is torn ({_why(e)})"
+    if isinstance(small, dict) and isinstance(small.get("train_state"), dict):
+        # Read through the checked unpickler before DCP touches it: a manifest rewritten to
+        # match a planted .metadata is refused here, naming the file, not mid-load.
+        if small["train_state"].get("dir") != TRAIN_STATE_DIR:
+            return (
+                f"{STATE_FILE} names its sharded state {small['train_state'].get('dir')!r}, "
+                f"not {TRAIN_STATE_DIR!r} beside it"
+            )
+        try:
+            read_dcp_metadata(ckpt / small["train_state"]["dir"] / ".metadata")
+        except Exception as e:  # noqa: BLE001
+            return f"{small['train_state']['dir']}/.metadata cannot be read safely ({_why(e)})"
+    return ""
+
+
+def _why(e: BaseException) -> str:
+    """An exception's first line, short (torch's weights-only refusal is a page long)."""
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    if "Weights only load failed" in first or "weights_only" in first:
+        names = re.findall(r"GLOBAL ([\w.]+)", str(e))
+        first = f"it names {names[0]}, code that only a trusted file may run" if names else first
+    return f"{type(e).__name__}: {first[:200]}"
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("_")[1])
+
+
+def resume_checkpoint(
+    run_dir: str | Path, ctx: DistContext | None = None, *, fallback: bool = False
+) -> Path | None:
+    """The checkpoint ``--resume`` continues from (``paravt.train.build_trainer``, every
+    rank): ``latest`` if it names one of this run folder's own checkpoints and that one is
+    intact (``verify_checkpoint``), else None when the run has none. A ``latest`` that
+    points out of the run folder, or a checkpoint that is damaged or another run's, raises
+    ``CheckpointLoadError``: one line naming the step, the file and the newest intact
+    checkpoint, which ``fallback`` (``train.resume_fallback``) continues from instead."""
+    root = Path(run_dir) / CKPT_DIR
+    found = list_checkpoints(run_dir)
+    pointer = root / LATEST
+    target: Path | None = found[-1] if found else None
+    problem = where = ""
+    if pointer.exists() or pointer.is_symlink():
+        try:
+            name = pointer.read_text().strip() if pointer.is_file() else ""
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if pointer.is_symlink() or not _STEP_NAME.fullmatch(name):
+            where = f"{pointer}"
+            problem = (
+                f"names {name!r}, which is not a checkpoint of this run folder (a pointer "
+                "must name a step_N folder beside it)"
+            )
+            target = None
+        elif (root / name).is_symlink():
+            where = f"{pointer}"
+            problem = (
+                f"names {name!r}, a link to {os.readlink(root / name)!r}, not a checkpoint "
+                "folder of this run"
+            )
+            target = None
+        elif (root / name) in found or (root / name).is_dir():
+            # A folder without its trainer_state.pt is no complete checkpoint, but latest
+            # naming it means it was one: damaged (verify names the file), not skipped.
+            target = root / name
+    if target is not None and not problem:
+        problem = verify_checkpoint(target, run_dir, ctx)
+        where = f"checkpoint step {_step_of(target)} ({target}): "
+    if not problem:
+        return target
+    others = [c for c in reversed(found) if c != target]
+    good = next((c for c in others if not verify_checkpoint(c, run_dir, ctx)), None)
+    head = f"{where}{problem}" if target is not None else f"{where} {problem}"
+    if good is not None and fallback:
+        if ctx is None or ctx.is_main:
+            log.warning(
+                f"[train] warning: {head}; train.resume_fallback=true: resuming from the "
+                f"newest intact checkpoint, step {_step_of(good)} ({good})"
+            )
+        return good
+    if good is not None:
+        offer = (
+            f"The newest intact checkpoint is step {_step_of(good)} ({good}): rerun with "
+            "--resume train.resume_fallback=true to continue from it, or restore the file"
+        )
+    else:
+        offer = (
+            "No other checkpoint of this run is intact: restore the file, or start the run "
+            "again in a new train.out_dir"
+        )
+    raise CheckpointLoadError(f"--resume refused: {head}. {offer}")
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``run_dir/checkpoints``, oldest first."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    dirs = [d for d in root.glob("step_*") if d.is_dir() and (d / STATE_FILE).is_file()]
+    dirs = [
+        d
+        for d in root.glob("step_*")
+        if _STEP_NAME.fullmatch(d.name)
+        and d.is_dir()
+        and not d.is_symlink()  # a link to another run's folder is none of this run's
+        and (d / STATE_FILE).is_file()
+    ]
     return sorted(dirs, key=lambda d: int(d.name.split("_")[1]))
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` points to, else the newest complete one, else None."""
+    """The checkpoint ``latest`` points to, else the newest complete one, else None. Only a
+    ``step_N`` folder of this run's ``checkpoints/`` is ever returned: a pointer naming
+    anything else (``../../other/step_000004``, a link) is not followed (``--resume`` refuses
+    it, naming it: ``resume_checkpoint``)."""
     root = Path(run_dir) / CKPT_DIR
     pointer = root / LATEST
-    if pointer.is_file():
-        cand = root / pointer.read_text().strip()
-        if (cand / STATE_FILE).is_file():
-            return cand
     found = list_checkpoints(run_dir)
+    if pointer.is_file() and not pointer.is_symlink():
+        try:
+            name = pointer.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if _STEP_NAME.fullmatch(name) and root / name in found:
+            return root / name
     return found[-1] if found else None
 
 
@@ -941,8 +1415,9 @@ def load_trainer_state(ckpt_dir: str | Path) -> dict[str, Any]:
             "checkpoint (or was cut short) — pick another or start without --resume"
         )
     # mmap: a format-1 file's masters and AdamW's moments (16 bytes a parameter) are paged in
-    # as they are copied into the model, not read into a second host copy first.
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    # as they are copied into the model, not read into a second host copy first. No code runs
+    # from the file (``safe_torch_load``: weights_only).
+    return safe_torch_load(path, mmap=True)
 
 
 def load_train_state(
@@ -994,8 +1469,6 @@ def read_train_state(ckpt_dir: str | Path) -> dict[str, Any]:
     state = load_trainer_state(ckpt_dir)
     if "optimizer" in state:  # format 1
         return {k: state[k] for k in ("optimizer", "masters") if k in state}
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     out: dict[str, Any] = {}
@@ -1004,8 +1477,8 @@ def read_train_state(ckpt_dir: str | Path) -> dict[str, Any]:
     path = Path(ckpt_dir) / state["train_state"]["dir"]
     _load_state_dict(
         out,
-        storage_reader=dcp.FileSystemReader(str(path)),
-        planner=_EmptyStateDictLoadPlanner(),
+        storage_reader=_checked_reader(path),
+        planner=_safe_load_planner(empty=True),
         no_dist=True,
     )
     res = {"optimizer": out["optim"]}

@@ -660,8 +660,10 @@ class TrainConfig:
     # Write each checkpoint in the background (torch.distributed.checkpoint's async_save over
     # a gloo group of its own; rank 0's HF export from a thread): the save waits only for a
     # CPU copy of this rank's shards, and the checkpoint is committed (renamed into place,
-    # `latest`, keep_last) once every rank's write is done, at the next save or when the run
-    # ends or stops; the run's last checkpoint is written in the foreground. It pays where the
+    # `latest`, keep_last) once every rank's write is done: at the end of the first step by
+    # which every rank has finished writing (agreed in the step's one all-reduce), or at the
+    # next save or when the run ends or stops, whichever is first; the run's last checkpoint
+    # is written in the foreground. It pays where the
     # write is slow next to the copy: a large state (fp32 masters + AdamW moments, 12 bytes a
     # parameter over the ranks) on a slow or network disk (190 MB on this CPU: the save
     # blocks 0.2 s instead of 1.3-2.2 s, bench/test_bench_checkpoint_save.py). The price is
@@ -671,6 +673,12 @@ class TrainConfig:
     async_save: bool = False
     # Resume from the latest checkpoint in out_dir.
     resume: bool = False
+    # When --resume finds the latest checkpoint damaged (a file cut short, missing or
+    # altered), not this run's (files or a `latest` pointer from another run folder) or
+    # holding code to run on load, it stops with one line naming the step, the file and the
+    # newest intact checkpoint; true continues from that one instead (the steps after it
+    # are trained again).
+    resume_fallback: bool = False
     # Dtype of the trained parameters (the masters) and of AdamW's moments: float32 |
     # bfloat16 | float16. When it differs from model.dtype (the compute dtype) the policy is
     # FSDP2-sharded with MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=float32),

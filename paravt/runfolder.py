@@ -45,6 +45,7 @@ CONFIG_FILE = "config.yaml"
 RESUME_MAY_CHANGE: dict[str, str] = {
     "train.steps": "the run's length: a resume may extend it",
     "train.resume": "the resume itself",
+    "train.resume_fallback": "which intact checkpoint the resume starts from",
     "train.out_dir": "the folder (moved or linked) the run is in",
     "train.progress": "the progress bar",
     "train.wandb": "logging",

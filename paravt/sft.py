@@ -59,8 +59,10 @@ from paravt.algo.logprobs import packed_logprob_rows
 from paravt.algo.packing import microbatches, pack_units
 from paravt.assets import prepare_assets
 from paravt.checkpoint import (
-    SFT_STATE_FILE,
+    MANIFEST,
+    CheckpointLoadError,
     load_sft_state,
+    read_sft_small,
     save_model_dir,
     save_sft_state,
     sft_save_error,
@@ -240,14 +242,18 @@ def _sft_state(
 def _read_sft_state(path: Path) -> tuple[dict[str, Any], Path | None] | None:
     """The saved SFT state at ``path`` (``sft_resume_dir``) as ``(small, folder)``: the
     sharded folder (or the one a kill between its renames left aside), else an older paravt's
-    one-file ``<run>/sft.resume.pt`` (full weights and moments inside, ``folder`` None)."""
+    one-file ``<run>/sft.resume.pt`` (full weights and moments inside, ``folder`` None).
+    Read without running code and checked against the folder's manifest
+    (``paravt.checkpoint.read_sft_small``): a damaged or foreign state is one line
+    (``CheckpointLoadError``)."""
     folder = sft_state_folder(path)
+    if folder is None and (Path(path) / MANIFEST).is_file():
+        folder = Path(path)  # a saved state missing a file: refused naming it, not redone
     if folder is not None:
-        small = torch.load(folder / SFT_STATE_FILE, map_location="cpu", weights_only=False)
-        return small, folder
+        return read_sft_small(folder), folder
     legacy = Path(str(path) + ".pt")
     if legacy.is_file():
-        return torch.load(legacy, map_location="cpu", weights_only=False), None
+        return read_sft_small(legacy), None
     return None
 
 
@@ -482,7 +488,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info(to_yaml(cfg))
     data_dir, model_dir = prepare_assets(cfg, ctx)
     out = a.out or str(Path(cfg.train.out_dir) / "sft")
-    res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
+    try:
+        res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=out, ctx=ctx)
+    except CheckpointLoadError as e:  # a damaged or planted saved state: one line
+        log.error(f"error: {e}")
+        cleanup(ctx)
+        return 1
     if ctx.is_main:
         print(json.dumps(res, indent=1))  # the command's result (stdout)
         log.info(f"[sft] wrote {out}")

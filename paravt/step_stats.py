@@ -35,6 +35,10 @@ SUMS = (
     "gen_tokens", "num_groups", "skipped_prompts", "skipped_context", "packed_tokens",
     "backbone_rows", "main_prompt", "main_suffix", "main_rows",  # the context mix
     *ROLLOUT_COUNTS, "sub_agents",
+    # 1 on a rank whose part of the background checkpoint in flight is written
+    # (``paravt.checkpoint.background_save_written``): the sum equal to the world size is the
+    # ranks' agreement that ``train_step`` commits it at this step's end, in this all-reduce.
+    "save_written",
 )  # fmt: skip
 
 #: The update's metrics, absent from a step that trained on nothing.

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import pickle
 import random
 import re
 import sys
@@ -63,12 +64,16 @@ from paravt.algo.packing import balance_units, microbatches, pack_units, split_u
 from paravt.algo.reference import ReferencePolicy
 from paravt.assets import prepare_data, prepare_model, read_datasets
 from paravt.checkpoint import (
+    CheckpointLoadError,
     CheckpointSaveError,
+    background_save_written,
     finish_trainer_save,
     latest_checkpoint,
     load_train_state,
     load_trainer_state,
+    resume_checkpoint,
     rng_state,
+    run_id,
     save_trainer,
     set_rng_state,
     step_dirname,
@@ -264,7 +269,10 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
             )
 
     # 2. Policy (from the latest checkpoint on --resume), reference, engine.
-    ckpt = latest_checkpoint(out) if t.resume else None
+    # Checked before anything loads (paravt.checkpoint.resume_checkpoint): this run's own
+    # files, intact, read without running code; else one line, or the newest intact one
+    # under train.resume_fallback.
+    ckpt = resume_checkpoint(out, ctx, fallback=t.resume_fallback) if t.resume else None
     if t.resume and ckpt is None:
         log.info(f"[train] --resume: no checkpoint in {out}/checkpoints; starting from step 0")
     if ckpt is None and ctx.is_main and (why := untrained_start(cfg)):
@@ -367,7 +375,15 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
 
     # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if st is not None:
-        load_train_state(ckpt, st, policy, optimizer, ctx)  # (and the sharded masters)
+        try:  # (and the sharded masters)
+            load_train_state(ckpt, st, policy, optimizer, ctx)
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            # An unverified checkpoint (an older paravt's: no manifest) whose shards are torn.
+            raise CheckpointLoadError(
+                f"--resume refused: checkpoint step {st['step']} ({ckpt}): its training state "
+                f"cannot be read ({type(e).__name__}: {str(e).strip()[:200]}). Remove that "
+                "folder so that --resume takes the one before, or start a new train.out_dir"
+            ) from e
         scheduler.load_state_dict(st["scheduler"])
         source.load_data_state(st["data"], int(st["step"]))
         rngs = st.get("rng", [])
@@ -451,9 +467,14 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         tr.source.publish(tr.policy, step)
 
     # 7. Stats: every rank's sums in one all-reduce, the trajectory records in one gather.
+    # A background checkpoint (train.async_save) whose write every rank has finished is
+    # committed here (it becomes ``latest``): the ranks agree in that same all-reduce.
     with tr.phase(step, "metrics"):
         stats.add_rollout(batch, units, batches, advantage)
+        stats.add(save_written=float(background_save_written(tr)))
         reduced = stats.reduce(ctx)
+        if reduced.sums["save_written"] >= ctx.world_size:
+            finish_trainer_save(tr)
         tr.times["time/step"] = time.perf_counter() - t_step
         m = reduced.metrics(stats, tr.times["time/step"], float(tr.scheduler.get_last_lr()[0]))
         m.update(tr.times)
@@ -640,6 +661,8 @@ def _run(
         out.mkdir(parents=True, exist_ok=True)
         with RunFolderWrites(cfg.train.on_save_error, out).guard("config", out / "config.yaml"):
             write_atomic(out / "config.yaml", to_yaml(cfg))
+            if not cfg.train.resume:  # a new run: its identity, which its checkpoints carry
+                run_id(out, create=True)
             record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
         log.info(config_summary(cfg))
         log.debug(to_yaml(cfg))
@@ -915,7 +938,13 @@ def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> i
         log.error(f"error: {e}")
         return 2
     # A full disk; no data; a link or a FIFO planted where the run writes a file.
-    except (CheckpointSaveError, DiskFullError, EmptyStepsError, NotRegularFile) as e:
+    except (
+        CheckpointSaveError,
+        CheckpointLoadError,
+        DiskFullError,
+        EmptyStepsError,
+        NotRegularFile,
+    ) as e:
         log.error(f"error: {e}")
         return 1
     # Asynchronous: a rollout worker died or raised (the trainer's view), or the trainer died

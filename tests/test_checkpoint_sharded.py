@@ -333,3 +333,55 @@ def test_the_sft_state_is_saved_sharded_and_read_back_bitwise(tmp_path: Path) ->
     full = (8 * (1024 * 1024 + 1024)) * 4 * 3  # masters + two moments, float32
     print(f"peak RSS growth during the SFT state save: {[p / 2**20 for p in peaks]} MiB")
     assert max(peaks) < full / 3, (peaks, full)
+
+
+TRUST = COMMON + textwrap.dedent(
+    """
+    from paravt.distributed import barrier
+    out = sys.argv[1]
+    ctx, model, opt, sched = build(0)
+    model(torch.randn(4, 1024)).square().mean().backward()
+    opt.step(); sched.step(); opt.zero_grad()
+    tr = trainer(ctx, model, opt, sched, out)
+    assert C.save_trainer(tr, 1) and C.save_trainer(tr, 2)
+    if ctx.is_main:   # rank 1's shard of step 2, one byte flipped (size unchanged)
+        f = Path(out) / "checkpoints/step_000002/train_state/__1_0.distcp"
+        data = bytearray(f.read_bytes()); data[len(data) // 2] ^= 1; f.write_bytes(bytes(data))
+    barrier(ctx)
+    try:
+        C.resume_checkpoint(out, ctx)
+        print(f"ACCEPTED rank={ctx.rank}")
+    except C.CheckpointLoadError as e:
+        print(f"REFUSED rank={ctx.rank} {e}")
+    good = C.resume_checkpoint(out, ctx, fallback=True)
+    C.load_train_state(good, C.load_trainer_state(good), model, opt, ctx)
+    print(f"FELL_BACK rank={ctx.rank} {good.name}")
+    cleanup(ctx)
+    """
+)
+
+
+def test_two_ranks_agree_on_a_damaged_shard_whichever_rank_digests_it(tmp_path: Path) -> None:
+    """``resume_checkpoint`` on 2 gloo ranks: each rank digests its share of the manifest's
+    files and the ranks agree in one gather, so both refuse with the same line naming the
+    flipped shard of rank 1, and both fall back to step 1 and load it (issue 66 item 1)."""
+    from torchrun import torchrun
+
+    run = tmp_path / "run"
+    script = tmp_path / "trust.py"
+    script.write_text(TRUST)
+    # This checkout's paravt, not the editable install's (a script's own folder comes first
+    # on sys.path, and the venv's editable finder may point at another checkout).
+    root = str(Path(__file__).resolve().parents[1])
+    proc = torchrun(2, str(script), str(run), env={"PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    refused = sorted(x for x in out.splitlines() if x.startswith("REFUSED"))
+    assert len(refused) == 2, out
+    assert refused[0].split(" ", 2)[2] == refused[1].split(" ", 2)[2]  # the same line
+    assert "checkpoint step 2" in refused[0] and "train_state/__1_0.distcp" in refused[0]
+    assert "does not match the digest" in refused[0] and "step_000001" in refused[0]
+    assert sorted(x for x in out.splitlines() if x.startswith("FELL_BACK")) == [
+        "FELL_BACK rank=0 step_000001",
+        "FELL_BACK rank=1 step_000001",
+    ]
