@@ -12,6 +12,20 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+#: The checkout these tests belong to: first on every rank's import path, so a script rank
+#: (``run_worker``: ``python script.py`` puts the script's folder first, not the checkout)
+#: imports this checkout's paravt, not whichever one the environment installed (a worktree,
+#: a second clone sharing a virtualenv).
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rank_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every launched rank: one thread, a fixed hash seed, ``ROOT`` first
+    on ``PYTHONPATH``; ``env`` on top."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    base = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONPATH": path}
+    return {**os.environ, **base, **(env or {})}
+
 
 def torchrun(
     nproc: int, *args: str, timeout: float = 300, env: dict[str, str] | None = None
@@ -19,7 +33,7 @@ def torchrun(
     """``python -m torch.distributed.run --nproc-per-node NPROC --standalone ARGS...`` with one
     thread per rank and a fixed hash seed; output captured. ``args``: a script path or
     ``-m module``, then its arguments."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **(env or {})}
+    full_env = rank_env(env)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--standalone", *args,
@@ -45,7 +59,7 @@ def launch_nodes(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **(env or {})}
+    full_env = rank_env(env)
     procs = []
     for node in range(nnodes):
         cmd = [
