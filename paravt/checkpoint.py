@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -114,7 +115,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -452,10 +453,64 @@ def _commit(
     if keep_last > 0:
         for done in list_checkpoints(run_dir)[:-keep_last]:
             try:
-                shutil.rmtree(_move_aside(done), ignore_errors=True)
+                _prune(done)
             except OSError as e:  # the new checkpoint is complete: pruning is best effort
                 log.warning("could not remove old checkpoint %s: %s", done, e)
     return final
+
+
+class CheckpointGone(ConfigError):
+    """The checkpoint folder a reader was about to pin was pruned first (``pin_checkpoint``)."""
+
+
+@contextmanager
+def pin_checkpoint(path: str | Path) -> Iterator[Path]:
+    """Hold a reader's pin on checkpoint folder ``path`` for the block (``python -m
+    paravt.eval`` holds one on the checkpoint it evaluates, for its whole run): the training
+    run's ``keep_last`` pruning skips a pinned checkpoint (``_prune``: it is pruned at a later
+    save, once free), so an evaluation of a live run never loses its files mid-load. The pin
+    is a shared ``flock`` on the folder; on a filesystem without ``flock`` nothing is pinned
+    (a warning says so). Raises ``CheckpointGone`` when ``path`` was pruned before the pin
+    took hold (the caller resolves the newest checkpoint again)."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise CheckpointGone(f"checkpoint {p} was pruned before it could be read") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except OSError as e:  # no flock here (some network filesystems)
+            log.warning(
+                f"cannot pin {p} against pruning ({e.strerror}): the filesystem has no flock; "
+                "if the run that writes it is live, keep train.keep_last large enough"
+            )
+        try:
+            same = os.stat(p).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # moved aside (pruned) between resolving the path and the pin
+            raise CheckpointGone(f"checkpoint {p} was pruned before it could be read")
+        yield p
+    finally:
+        os.close(fd)
+
+
+def _prune(done: Path) -> None:
+    """Delete old checkpoint ``done`` unless a reader pins it (``pin_checkpoint``): then it is
+    kept, said once in the log, and pruned by a later save."""
+    fd = os.open(done, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info(f"kept {done}: a reader (an evaluation) has it open; pruned at a later save")
+            return
+        except OSError:  # no flock on this filesystem: nothing can pin it
+            pass
+        shutil.rmtree(_move_aside(done), ignore_errors=True)
+    finally:
+        os.close(fd)
 
 
 def save_checkpoint(
@@ -1529,6 +1584,26 @@ def resolve_model_path(cfg: Any, given: str) -> str:
             "pass --model PATH"
         )
     return str(ckpt)
+
+
+def resolve_and_pin(cfg: Any, given: str, pins: ExitStack) -> str:
+    """``resolve_model_path``, and where that is a run's checkpoint folder, a reader's pin on it
+    held until ``pins`` closes (``pin_checkpoint``: the run's pruning skips it). A checkpoint
+    pruned between the two is resolved again (a run folder's newest moved on)."""
+    for _ in range(3):
+        path = resolve_model_path(cfg, given)
+        if Path(path).parent.name != CKPT_DIR:
+            return path  # an HF model folder: no run prunes it
+        try:
+            pins.enter_context(pin_checkpoint(path))
+            return path
+        except CheckpointGone:
+            continue
+    raise ConfigError(
+        f"the newest checkpoint of {given or cfg.train.out_dir} was pruned three times before "
+        "it could be pinned (a run saving faster than it can be opened): pass a checkpoint "
+        "folder, or raise the run's train.keep_last"
+    )
 
 
 def weights_fingerprint(model_dir: str | Path) -> str:

@@ -122,3 +122,64 @@ def test_hf_checkpoint_loads_with_from_pretrained(tmp_path: Path) -> None:
     back = Qwen3VLForConditionalGeneration.from_pretrained(ck, local_files_only=True)
     for (k, a), (k2, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert k == k2 and torch.equal(a, b), k
+
+
+def test_a_pinned_checkpoint_survives_pruning_until_released(tmp_path: Path) -> None:
+    """``pin_checkpoint`` (an evaluation of a live run holds one): keep_last pruning skips the
+    pinned checkpoint and prunes it at the first save after the pin is released; a path pruned
+    before the pin took hold is ``CheckpointGone``, and ``resolve_and_pin`` then resolves the
+    run's newest again. On main the pinned folder was deleted under its reader."""
+    from contextlib import ExitStack
+
+    from paravt.checkpoint import CheckpointGone, pin_checkpoint, resolve_and_pin
+    from paravt.config import load_config
+
+    m, opt = _module_and_optimizer()
+    _save(tmp_path, 1, m, opt, keep_last=1)
+    two = _save(tmp_path, 2, m, opt, keep_last=1)
+    names = lambda: [p.name for p in list_checkpoints(tmp_path)]  # noqa: E731
+    with pin_checkpoint(two):
+        _save(tmp_path, 3, m, opt, keep_last=1)
+        assert names() == ["step_000002", "step_000003"]
+        _save(tmp_path, 4, m, opt, keep_last=1)
+        assert names() == ["step_000002", "step_000004"]
+        assert (two / "model.safetensors").is_file()
+    _save(tmp_path, 5, m, opt, keep_last=1)
+    assert names() == ["step_000005"]
+    with pytest.raises(CheckpointGone, match="step_000002 was pruned"):
+        with pin_checkpoint(two):
+            pass
+    cfg = load_config("tiny_cpu")
+    with ExitStack() as pins:
+        got = resolve_and_pin(cfg, str(tmp_path), pins)
+        assert Path(got).name == "step_000005"
+        _save(tmp_path, 6, m, opt, keep_last=1)
+        assert names() == ["step_000005", "step_000006"]  # pinned by this block
+    _save(tmp_path, 7, m, opt, keep_last=1)
+    assert names() == ["step_000007"]
+
+
+def test_eval_holds_its_pin_while_it_runs(tmp_path: Path, monkeypatch) -> None:
+    """``python -m paravt.eval --model RUN`` resolves the run's newest checkpoint through
+    ``resolve_and_pin`` with a stack that lives as long as the evaluation: a save of the live
+    run while it runs cannot prune it (checked from inside, then the evaluation is stopped)."""
+    import paravt.eval.__main__ as ev
+    from paravt.checkpoint import resolve_and_pin
+    from paravt.config import ConfigError
+
+    m, opt = _module_and_optimizer()
+    _save(tmp_path, 1, m, opt, keep_last=1)
+    seen: list[str] = []
+
+    def spy(cfg, given, pins):
+        path = resolve_and_pin(cfg, given, pins)
+        _save(tmp_path, 2, m, opt, keep_last=1)  # the live run saves meanwhile
+        seen.append(path)
+        assert Path(path).is_dir() and Path(path).name == "step_000001"
+        raise ConfigError("stop here (test)")
+
+    monkeypatch.setattr(ev, "resolve_and_pin", spy)
+    assert ev.main(["--benchmark", "synth", "--model", str(tmp_path)]) == 2
+    assert len(seen) == 1
+    _save(tmp_path, 3, m, opt, keep_last=1)  # released with the evaluation
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000003"]

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from paravt.checkpoint import resolve_model_path, run_config, weights_fingerprint
+from paravt.checkpoint import resolve_and_pin, run_config, weights_fingerprint
 from paravt.config import (
     PRESETS,
     Config,
@@ -143,6 +144,12 @@ def frames_errors(cfg: Config, frames: int, model_path: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The checkpoint evaluated is pinned for the whole run (a live run's pruning skips it).
+    with ExitStack() as pins:
+        return _main(argv, pins)
+
+
+def _main(argv: list[str] | None, pins: ExitStack) -> int:
     a = parse_args(argv)
     overrides = list(EVAL_DEFAULTS)
     if a.engine:
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides += list(a.overrides)
     try:
         cfg = load_config(a.preset, a.config, overrides)
-        model_path = resolve_model_path(cfg, a.model)
+        model_path = resolve_and_pin(cfg, a.model, pins)
         trained_with = None if a.config else run_config(model_path)
         if trained_with is not None:  # evaluate with the settings the checkpoint trained with
             ours, cfg = cfg, load_config(a.preset, [str(trained_with)], overrides)
