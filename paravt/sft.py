@@ -33,8 +33,10 @@ shuffle RNG and order, the losses so far — to the folder ``<out>.resume``
 (``paravt.runfolder.sft_resume_dir``; each rank writes its own shards of the masters and
 moments, nothing is gathered: ``paravt.checkpoint.save_sft_state``) and stops the run (``SFTPreempted``, exit 0). The next
 ``run_sft`` of the same settings (the resumed run) continues from that step: on CPU the final
-weights equal an uninterrupted SFT's bitwise. A state made with other settings is set aside
-and the SFT starts over; the finished SFT deletes it.
+weights equal an uninterrupted SFT's bitwise. On another number of ranks it continues too
+(the shards are read on any world size; the records are split per rank, so each rank's order
+is drawn again: not bitwise). A state made with other settings is set aside and the SFT
+starts over; the finished SFT deletes it.
 """
 
 from __future__ import annotations
@@ -222,6 +224,23 @@ def _sft_settings(
     )
 
 
+def _continues(saved: Any, settings: dict[str, Any]) -> bool:
+    """Whether an SFT state saved with ``saved`` settings is continued under ``settings``: the
+    same everything but the world size (the shards are read on any world size, as the RL
+    state's; the records are split per rank, so only their total must match)."""
+    if not isinstance(saved, dict):
+        return False
+
+    def portable(x: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in x.items() if k not in ("world_size", "trajectories")}
+
+    try:
+        total = sum(saved["trajectories"]) == sum(settings["trajectories"])
+    except (KeyError, TypeError):
+        return False
+    return total and portable(saved) == portable(settings) and "world_size" in saved
+
+
 def _sft_state(
     settings: dict[str, Any], step: int, sched: Any, rng: random.Random, order: list[int],
     losses: list[float], ctx: Any,
@@ -315,7 +334,7 @@ def _run_sft(
     resume_file = sft_resume_dir(out_dir)
     settings = _sft_settings(cfg, model_dir, sft_path, counts, ctx.world_size)
     saved, folder = _read_sft_state(resume_file) or (None, None)
-    if saved is not None and saved.get("settings") != settings:
+    if saved is not None and not _continues(saved.get("settings"), settings):
         if ctx.is_main:
             log(f"[sft] {resume_file} was saved with other settings: not continued")
         saved = None
@@ -344,13 +363,23 @@ def _run_sft(
         else:
             load_full_optimizer_state(model, opt, saved["optimizer"], ctx)
         sched.load_state_dict(saved["scheduler"])
-        rng_state, order = saved["ranks"][ctx.rank]
-        rng.setstate(rng_state)
-        order = list(order)
         losses = list(saved["losses"])
         first = int(saved["step"])
+        was = int(saved["settings"]["world_size"])
+        if was == ctx.world_size:  # each rank's own shuffle: bitwise an uninterrupted SFT
+            rng_state, order = saved["ranks"][ctx.rank]
+            rng.setstate(rng_state)
+            order = list(order)
+        else:  # the records split another way: a fresh draw of each rank's order
+            rng = random.Random(f"paravt-sft:{cfg.train.seed}:{ctx.rank}:from-{first}:{was}")
         if ctx.is_main:
-            log(f"[sft] continuing from {resume_file}: step {first} of {s.steps} done")
+            moved = (
+                ""
+                if was == ctx.world_size
+                else f" (saved on {was} rank(s), now {ctx.world_size}: the weights, moments "
+                "and schedule continue, the record order is drawn again)"
+            )
+            log(f"[sft] continuing from {resume_file}: step {first} of {s.steps} done{moved}")
     for step in range(first, s.steps):
         if pre is not None:
             pre.enter(0, f"sft step {step + 1}")

@@ -406,3 +406,44 @@ def test_an_evaluation_a_preemption_skipped_is_owed_on_resume(
     assert [(r["kind"], r["step"], r["condition"], r["samples"]) for r in held] == [
         ("eval_step", 1, "K2_tools", 1), ("eval_after", 2, "K2_tools", 1)
     ]  # fmt: skip
+
+
+def test_an_sft_state_saved_on_two_ranks_continues_on_one(
+    assets: dict[str, str], tmp_path: Path
+) -> None:
+    """The cold-start SFT's state resumes across world sizes, like the RL state (issue 66
+    item 4): a SIGTERM during SFT step 3 of a two-rank run saves the state after step 2 (each
+    rank its shards); ``--resume`` on one process continues from step 2 (weights, moments,
+    schedule and losses; the record order drawn again, said in the log), not from step 0 as
+    before (the world size was part of the settings a state had to match)."""
+    out = tmp_path / "run"
+    over = [
+        *_rank_overrides(assets, out),
+        "train.steps=1",
+        "sft.steps=4",
+        "sft.batch_size=2",
+        "train.eval_prompts=0",
+    ]
+    log = tmp_path / "train.log"
+    proc = _torchrun_popen(over, log, {ENV: "SIGTERM:0:sft step 3"})
+    rc = proc.wait(timeout=300)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "stopped the cold-start SFT after step 2 of 4" in text, text[-3000:]
+    from paravt.runfolder import sft_resume_dir
+
+    state = sft_resume_dir(out / "sft")
+    assert sorted(p.name for p in (state / "train_state").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"
+    ]  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "paravt.train", *over, "--resume"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = resumed.stdout + resumed.stderr
+    assert "[sft] continuing from" in said and "step 2 of 4 done" in said, said[-3000:]
+    assert "saved on 2 rank(s), now 1" in said, said[-3000:]
+    assert "[sft] step 1/4" not in said  # not redone
+    assert not state.exists() and (out / "sft" / "model.safetensors").is_file()
+    assert train_steps(out) == [1]
