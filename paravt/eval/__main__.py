@@ -47,7 +47,7 @@ from paravt.config import (
     load_config,
     stored_plugin_errors,
 )
-from paravt.files import FolderBusy, claim_folder
+from paravt.files import FolderError, claim_folder
 from paravt.log import get_logger
 
 log = get_logger(__name__)
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     # it, started at the same moment, is refused instead of interleaving its rows.
     try:
         claim = claim_folder(out, "a paravt.eval evaluation", "pass another --out")
-    except FolderBusy as e:
+    except FolderError as e:
         log.error(f"error: {e}")
         return 2
     try:

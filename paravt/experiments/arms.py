@@ -46,7 +46,7 @@ from paravt.assets import prepare_assets
 from paravt.checkpoint import latest_checkpoint
 from paravt.config import Config, ConfigError, load_config
 from paravt.distributed import DistContext
-from paravt.files import FolderBusy, FolderClaim, write_atomic
+from paravt.files import FolderClaim, FolderError, write_atomic
 from paravt.log import get_logger
 from paravt.metrics import read_metrics
 from paravt.sft import run_sft
@@ -385,7 +385,7 @@ class FolderLock:
                     )
         try:  # atomic: of two drivers started at the same moment, one holds the folder
             self.claim = FolderClaim(self.path.parent, f"a {self.tag} driver").acquire()
-        except FolderBusy as e:
+        except FolderError as e:
             raise ConfigError(f"{e} (or pass another --out)") from None
         me = os.getpid()
         self.state = {"tag": self.tag, "pid": me, "pid_start": _start_ticks(me)}
