@@ -283,3 +283,19 @@ def test_view_of_a_read_only_run_folder_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert f"{d / 'view'}" in r.stderr and "--out DIR" in r.stderr
     assert not (d / "view").exists()
+
+
+def test_an_experiment_driver_on_a_read_only_out_is_one_line(tmp_path: Path) -> None:
+    # On main: a raw OSError traceback from the driver's lock (its mkdir, then its open).
+    d, setup = _read_only(tmp_path)
+    code = f"""
+        import sys
+        from paravt.experiments import main
+        sys.exit(main(["ablation", "--seeds", "1", "--arms", "vanilla", "--out",
+                       {str(d / "abl")!r}]))
+        """
+    r = _run(setup, code)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert f"error: {d}" in r.stderr and "is not writable" in r.stderr, r.stderr
+    assert not (d / "abl").exists()

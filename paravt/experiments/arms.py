@@ -399,7 +399,7 @@ class FolderLock:
         self.state: dict[str, Any] = {}
 
     def __enter__(self) -> FolderLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # No mkdir here: FolderClaim makes the folder, and a read-only one is its one line.
         if self.path.is_file():
             try:
                 old = json.loads(self.path.read_text())
