@@ -36,6 +36,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -46,8 +47,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+_log = logging.getLogger("paravt.files")
+
 # What a full file system raises: no space (ENOSPC) or the user's quota spent (EDQUOT).
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# What a folder that cannot be written raises: a read-only mount (EROFS), no permission
+# (EACCES; EPERM for an immutable folder).
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class JsonlError(ValueError):
@@ -281,22 +287,68 @@ def read_jsonl(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
 
 
 # ------------------------------------------------------------------------- folder claims
-class FolderBusy(RuntimeError):
+class FolderError(RuntimeError):
+    """A folder a run, an evaluation or a driver was pointed at cannot be claimed: another
+    process holds it (:class:`FolderBusy`), it is not writable (a read-only mount or folder),
+    or its file system is full. The message is one line naming the folder and the fix."""
+
+
+class FolderBusy(FolderError):
     """Another live process holds the folder a run, an evaluation or a driver was pointed at
     (:class:`FolderClaim`); the message names the holder and the ways out."""
+
+
+#: What ``flock`` raises on a file system that does not support it (NFS without its lock
+#: daemon, some FUSE and SMB mounts): the claim then falls back to an exclusive lock file.
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
+#: A lock file with no readable record this many seconds old is a holder that died between
+#: creating it and writing it (the fallback claim; its record is written right after).
+_EMPTY_LOCK_STALE_S = 10.0
+
+
+def _unwritable(folder: Path, e: OSError, what: str) -> FolderError:
+    """The one line for a folder that cannot be written (read-only, no permission, full)."""
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    if e.errno in DISK_FULL:
+        try:
+            free = f"{int(shutil.disk_usage(folder).free)} bytes free"
+        except OSError:
+            free = "free space unknown"
+        return FolderError(
+            f"{folder}: no space left on its file system ({e.strerror}, {code}; {free}): "
+            f"{what} cannot even write its lock file there; free space on that file system "
+            "or choose a folder on another"
+        )
+    return FolderError(
+        f"{folder} is not writable ({e.strerror}, {code}): {what} writes its records there; "
+        "make it writable (a read-only mount: remount it read-write; a folder: chmod u+w) or "
+        "choose another folder"
+    )
 
 
 class FolderClaim:
     """An exclusive claim on a folder for a process's life: ``FOLDER/.lock``, opened without
     following a symlink and held with ``flock(LOCK_EX | LOCK_NB)``, which the kernel drops when
     the process ends however it ends (no stale lock after a ``kill -9``). The file records who
-    holds it (``pid``, ``what``, the command line, the start time) for the refusal's message.
+    holds it (``pid``, ``host``, ``what``, the command line, the start time) for the refusal's
+    message.
 
     Taking it is atomic: two processes started at the same moment cannot both hold it (a check
     of the folder followed by a write could both pass), so a caller takes the claim *before* it
     checks what the folder holds. The second raises :class:`FolderBusy` naming the holder.
     On release the file is removed; a claim taken on a file that was removed meanwhile (its
     holder released it between our open and our lock) is retried on the new file.
+
+    A file system without ``flock`` (:data:`NO_FLOCK`: NFS without its lock daemon, some FUSE
+    mounts) gets an exclusive lock file instead: ``.lock`` created with ``O_EXCL`` holds the
+    folder while it exists. A process killed with ``kill -9`` leaves it behind; a later claim
+    on the same host removes it once its ``pid`` is dead, and one from another host is refused
+    naming the holder and the host (delete ``.lock`` if that process is gone). Two processes
+    that find the same stale file at the same moment can both remove it, the narrow race of
+    any pid file: ``flock`` has none.
+
+    A folder that cannot be written (a read-only mount, no permission) or whose file system is
+    full raises :class:`FolderError` naming it, and leaves no ``.lock`` behind.
 
     Users: ``paravt.train.run`` (``train.out_dir``, rank 0), ``paravt.eval`` (``--out``) and
     the experiments' drivers (``paravt.experiments.arms.FolderLock``)."""
@@ -307,6 +359,7 @@ class FolderClaim:
         self.folder, self.what, self.fix = Path(folder), what, fix
         self.path = self.folder / self.NAME
         self.fd: int | None = None
+        self.flock = True  # False: the fallback lock file (no flock on this file system)
 
     def holder(self) -> dict[str, Any]:
         """What the lock file says of its holder ({} when unreadable)."""
@@ -317,14 +370,16 @@ class FolderClaim:
             return {}
         return got if isinstance(got, dict) else {}
 
-    def _busy(self) -> FolderBusy:
-        h = self.holder()
+    def _busy(self, h: dict[str, Any] | None = None) -> FolderBusy:
+        h = self.holder() if h is None else h
         for _ in range(20):  # a holder that has just locked writes its record a moment later
             if h:
                 break
             time.sleep(0.05)
             h = self.holder()
         who = f"pid {h.get('pid', '?')}"
+        if h.get("host") and h["host"] != os.uname().nodename:
+            who += f" on host {h['host']}"
         if h.get("what"):
             who += f", {h['what']}"
         if h.get("since"):
@@ -332,25 +387,47 @@ class FolderClaim:
         if h.get("argv"):
             who += f": {' '.join(map(str, h['argv']))[:200]}"
         fix = self.fix or "wait for it to end, stop it, or choose another folder"
+        if not self.flock:
+            fix += f" (if that process is gone, delete {self.path})"
         return FolderBusy(f"{self.folder} is in use by another process ({who}); {fix}")
 
-    def acquire(self) -> FolderClaim:
-        """Take the claim or raise :class:`FolderBusy`; returns self."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for _ in range(20):
-            try:
-                fd = os.open(
-                    self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-                )
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise not_regular(self.path, os.lstat(self.path).st_mode, "lock") from None
+    def _open(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise not_regular(self.path, os.lstat(self.path).st_mode, "lock") from None
+            if e.errno in (errno.EEXIST, errno.ENOENT):
                 raise
+            raise _unwritable(self.folder, e, self.what) from None
+
+    def acquire(self) -> FolderClaim:
+        """Take the claim or raise :class:`FolderBusy` (:class:`FolderError` for a folder that
+        cannot be written); returns self."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _unwritable(self.folder, e, self.what) from None
+        for _ in range(20):
+            try:  # O_EXCL first: the fallback needs to know whether the file is ours
+                fd, created = self._open(os.O_CREAT | os.O_EXCL), True
+            except FileExistsError:
+                try:
+                    fd, created = self._open(0), False
+                except FileNotFoundError:  # its holder released it meanwhile
+                    continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise self._busy() from None
+            except OSError as e:
+                if e.errno not in NO_FLOCK:
+                    os.close(fd)
+                    raise
+                if self._fallback(fd, created, e):
+                    return self
+                continue
             try:  # the file we locked is still the one at the path: ours
                 same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -358,17 +435,56 @@ class FolderClaim:
             if not same:
                 os.close(fd)
                 continue
-            self.fd = fd
-            self.record(
-                {
-                    "pid": os.getpid(),
-                    "what": self.what,
-                    "argv": sys.argv,
-                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-                }
-            )
+            self._hold(fd)
             return self
         raise FolderBusy(f"{self.path}: the lock file keeps being replaced; retry")
+
+    def _hold(self, fd: int) -> None:
+        """Write the holder's record into the file we now hold; a write that fails (a full
+        disk) removes the file and raises :class:`FolderError`."""
+        self.fd = fd
+        info = {
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+            "what": self.what,
+            "argv": sys.argv,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        try:
+            self.record(info)
+        except OSError as e:
+            self.release()
+            raise _unwritable(self.folder, e, self.what) from None
+
+    def _fallback(self, fd: int, created: bool, e: OSError) -> bool:
+        """The claim on a file system without ``flock`` (class docstring): held when we created
+        the file; busy when a live (or unknown) holder has it; a stale file is removed and the
+        caller retries (False)."""
+        if self.flock:
+            self.flock = False
+            _log.warning(
+                f"{self.folder}: its file system does not support flock "
+                f"({errno.errorcode.get(e.errno or 0, e.errno)}): claiming it with an exclusive "
+                f"lock file {self.path} instead (a holder killed with kill -9 leaves it; a "
+                "later claim on this host removes it once that pid is dead)"
+            )
+        if created:
+            self._hold(fd)
+            return True
+        os.close(fd)
+        h = self.holder()
+        try:
+            age = time.time() - os.stat(self.path, follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return False  # released meanwhile: retry
+        if not h:
+            if age < _EMPTY_LOCK_STALE_S:
+                raise self._busy()
+        elif h.get("host") not in (None, os.uname().nodename) or _alive(h.get("pid")):
+            raise self._busy(h)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # stale: its holder is dead
+        return False
 
     def record(self, info: dict[str, Any]) -> None:
         """Rewrite what the lock file says of its holder (through the held file: a rename
@@ -376,7 +492,8 @@ class FolderClaim:
         assert self.fd is not None, "record() on a claim not held"
         blob = (json.dumps(info) + "\n").encode()
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, blob, 0)
+        if os.pwrite(self.fd, blob, 0) != len(blob):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
 
     def release(self) -> None:
         """Remove the lock file and drop the claim (idempotent)."""
@@ -394,10 +511,41 @@ class FolderClaim:
         self.release()
 
 
+def _alive(pid: Any) -> bool:
+    """Whether a process ``pid`` of this host lives (True when unknown: not an int, or one we
+    may not signal)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def writes_as_rank0(environ: Any = None) -> bool:
+    """Whether this process writes a folder's records as rank 0: ``RANK`` unset or 0, or no
+    distributed job to be a rank of (``WORLD_SIZE`` unset, 1 or unreadable). A ``RANK=1`` left
+    in the environment of a shell inside a torchrun or Kubernetes job, with no ``WORLD_SIZE``
+    above 1, is a stray: ``paravt.distributed.init_distributed`` then runs one process, rank 0,
+    which writes every record, so it must hold the claim too (two such runs into one folder
+    were both let in)."""
+    env = os.environ if environ is None else environ
+    if env.get("RANK", "0").strip() in ("", "0"):
+        return True
+    try:
+        return int(env.get("WORLD_SIZE", "1")) <= 1
+    except ValueError:
+        return True
+
+
 def claim_folder(folder: str | Path, what: str, fix: str = "") -> FolderClaim | None:
-    """The :class:`FolderClaim` on ``folder`` of a command's rank 0 (the environment's ``RANK``
-    unset or 0: the process that writes the folder's records); None on the other ranks, which
-    write nothing there before rank 0 has its claim. Raises :class:`FolderBusy`."""
-    if os.environ.get("RANK", "0") not in ("", "0"):
+    """The :class:`FolderClaim` on ``folder`` of a command's rank 0 (:func:`writes_as_rank0`:
+    the process that writes the folder's records); None on the other ranks of a distributed
+    job, which write nothing there before rank 0 has its claim. Raises :class:`FolderError`
+    (:class:`FolderBusy` when another process holds it)."""
+    if not writes_as_rank0():
         return None
     return FolderClaim(folder, what, fix).acquire()

@@ -4,8 +4,9 @@ Every module logs through ``get_logger(__name__)`` (a child of the ``paravt`` lo
 ``print``. What a user sees is unchanged in form: the message alone, INFO and DEBUG on stdout,
 WARNING and above on stderr, flushed at once. What changes:
 
-* **Rank 0 by default.** Under torchrun only global rank 0 (``RANK``) says its INFO and DEBUG
-  lines; an INFO line every rank must say (a rollout worker's) passes ``extra=ALL_RANKS``.
+* **Rank 0 by default.** Under torchrun only global rank 0 (``RANK``, counted when
+  ``WORLD_SIZE`` is above 1) says its INFO and DEBUG lines; an INFO line every rank must say
+  (a rollout worker's) passes ``extra=ALL_RANKS``.
   Warnings and errors come from every rank (rank k's unreadable video or decode timeout is its
   own): code that warns about the run as a whole warns on rank 0 only (``ctx.is_main``).
 * **Levels.** ``PARAVT_LOG_LEVEL`` (``DEBUG``, ``INFO``: the default, ``WARNING``, ``ERROR``)
@@ -54,7 +55,20 @@ class _StdoutFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING:
             return False
-        return getattr(record, "all_ranks", False) or os.environ.get("RANK", "0") == "0"
+        return getattr(record, "all_ranks", False) or _rank0()
+
+
+def _rank0() -> bool:
+    """Rank 0 of the job, or no job: ``RANK`` unset or 0, or ``WORLD_SIZE`` not above 1 (a
+    ``RANK=1`` left in a shell inside a torchrun or Kubernetes job runs one process, rank 0,
+    which must say its lines; ``paravt.files.writes_as_rank0``, the same rule, which this
+    module cannot import)."""
+    if os.environ.get("RANK", "0").strip() in ("", "0"):
+        return True
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) <= 1
+    except ValueError:
+        return True
 
 
 def level() -> int:

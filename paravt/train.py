@@ -108,7 +108,7 @@ from paravt.distributed import (
 from paravt.engines import engine_spec, make_engine
 from paravt.eval.conditions import eval_conditions
 from paravt.eval.heldout import before_after_table, evaluate, table_rows
-from paravt.files import FolderBusy, NotRegularFile, claim_folder, write_atomic
+from paravt.files import FolderError, NotRegularFile, claim_folder, write_atomic
 from paravt.log import get_logger
 from paravt.metrics import (
     DiskFullError,
@@ -619,7 +619,7 @@ def run(cfg: Config, *, keep_handlers: bool = False) -> dict[str, Any]:
     check_device_memory(cfg, world_size_from_env())  # CUDA: the memory plan fits the device
     try:  # rank 0 holds the folder for the run's life; a second run into it is refused
         claim = claim_folder(cfg.train.out_dir, "a paravt.train run", _BUSY_FIX)
-    except FolderBusy as e:
+    except FolderError as e:
         raise ConfigError(str(e)) from None
     try:
         return _claimed_run(cfg, keep_handlers)

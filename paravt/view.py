@@ -30,6 +30,7 @@ load lazily (as they scroll into view), so a page of 100 trajectories opens in w
 from __future__ import annotations
 
 import argparse
+import errno
 import html
 import json
 import os
@@ -40,7 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paravt.files import DISK_FULL, file_kind, read_text_regular, write_atomic, write_failure
+from paravt.files import (
+    DISK_FULL,
+    UNWRITABLE,
+    file_kind,
+    read_text_regular,
+    write_atomic,
+    write_failure,
+)
 from paravt.log import get_logger
 from paravt.metrics import read_metrics
 
@@ -799,6 +807,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error(f"error: {e}")
         return 2
     except OSError as e:
+        if e.errno in UNWRITABLE:  # a read-only run folder (a mount, a shared copy) or --out
+            code = errno.errorcode.get(e.errno or 0, str(e.errno))
+            log.error(
+                f"error: {e.filename or dst} cannot be written ({e.strerror}, {code}): the "
+                f"report's pages go to {dst}, which is not writable. Fix: pass --out DIR to a "
+                "folder you can write (e.g. --out /tmp/view), or make it writable; the run's "
+                "own files are untouched"
+            )
+            return 2
         if e.errno not in DISK_FULL:
             raise
         log.error(

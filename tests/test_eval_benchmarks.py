@@ -7,6 +7,7 @@ the adapters against them, then break one field at a time and check the error na
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -352,3 +353,12 @@ def test_parse_srt_bad_time_and_subtitle_file_error(tmp_path: Path) -> None:
     (tmp_path / "subtitle/Xy7-kPq_2aB.srt").write_text("1\nsoon --> later\nhi\n")
     _raises("videomme_sub", tmp_path, r"subtitle/Xy7-kPq_2aB\.srt: SRT block 1")
     assert load_benchmark("videomme", tmp_path)[2].id == "002-1"  # no subtitles read
+
+
+@pytest.mark.parametrize("name", ["longvideobench", "mlvu"])
+@pytest.mark.parametrize("bad", [-60.0, math.nan, math.inf, 0.0])
+def test_a_row_duration_that_is_no_length_is_refused(tmp_path: Path, name: str, bad: float) -> None:
+    # Issue 66 item 5c: on main a duration of -60 or NaN went into the sample as it was.
+    p = _parquet(tmp_path, name)
+    _rewrite(p, lambda rows: rows[1].update(duration=bad))
+    _raises(name, tmp_path, r"row 1 \(id '[^']+'\): field 'duration' is .*not a video's length")

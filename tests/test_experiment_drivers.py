@@ -1,5 +1,5 @@
 """Issue 34 item 19: the experiment drivers (``python -m paravt.experiments ablation`` and
-``collapse``, their shared ``paravt.experiments.arms``) redo a finished arm run made with other settings,
+``collapse``, their shared ``paravt.experiments.arms``) redo a finished arm run made with other settings (keeping the old one in superseded/),
 forward SIGTERM to the arm run's process group, refuse a folder a live run holds, and refuse an
 empty ``--arms`` list."""
 
@@ -77,11 +77,23 @@ def test_a_rerun_with_other_rl_settings_redoes_the_arm_run(assets, tmp_path, cap
     assert "finished before" not in first and not (out / ".lock").exists()
     assert main(_ablation_args(assets, tmp_path, out)) == 0
     assert "vanilla seed 0: finished before, kept" in capsys.readouterr().out
+    finished = (out / "vanilla" / "seed0" / "metrics.jsonl").read_bytes()
     assert main(_ablation_args(assets, tmp_path, out, "algo.lr=0.001")) == 0
     again = capsys.readouterr().out
     assert "vanilla seed 0: made with other settings (algo.lr: 0.0001 -> 0.001): redone" in again
     cfg = (out / "vanilla" / "seed0" / "config.yaml").read_text()
     assert "lr: 0.001" in cfg
+    # The finished run is kept, not deleted (issue 66 item 4g; on main it was rmtree'd).
+    kept = out / "vanilla" / "superseded" / "seed0.1"
+    assert f"vanilla seed 0: its earlier run is kept in {kept}" in again
+    assert (kept / "metrics.jsonl").read_bytes() == finished
+    assert "lr: 0.0001" in (kept / "config.yaml").read_text()
+    # A third setting sets the second run aside beside the first; the ablation's own
+    # folders (OUT/ARM/seedN) are the new run's.
+    assert main(_ablation_args(assets, tmp_path, out, "algo.lr=0.002")) == 0
+    assert "lr: 0.001" in (out / "vanilla" / "superseded" / "seed0.2" / "config.yaml").read_text()
+    assert (kept / "metrics.jsonl").read_bytes() == finished
+    assert sorted(p.name for p in out.glob("*/seed*")) == ["seed0"]
 
 
 def _pids_of(run_dir: Path) -> list[int]:

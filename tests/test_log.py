@@ -22,11 +22,17 @@ def test_info_to_stdout_warnings_to_stderr_rank_zero_only(capsys, monkeypatch) -
     cap = capsys.readouterr()
     assert cap.out == "said on rank 0\n" and cap.err == "warned on rank 0\n"
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
     log.info("not said")
     log.info("said by every rank", extra=ALL_RANKS)
     log.warning("rank 3's own trouble")  # warnings and errors: every rank's
     cap = capsys.readouterr()
     assert cap.out == "said by every rank\n" and cap.err == "rank 3's own trouble\n"
+    # A RANK left in the environment with no job (no WORLD_SIZE above 1): the one process is
+    # rank 0 and says its lines (issue 66 item 5d; on main it said nothing at INFO).
+    monkeypatch.delenv("WORLD_SIZE")
+    log.info("said by a lone process with a stray RANK")
+    assert capsys.readouterr().out == "said by a lone process with a stray RANK\n"
 
 
 def test_level_from_the_environment(capsys, monkeypatch) -> None:

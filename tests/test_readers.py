@@ -425,3 +425,46 @@ def test_training_rows_get_the_evaluations_answer_checks(synth_dir, tmp_path, ca
         assert len(load_samples(f, video_root=root)) == 1
     text = " ".join(str(w.message) for w in got)
     assert "fifo.mp4 (is a FIFO (named pipe)" in text and "dir.mp4 (is a directory" in text, text
+
+
+# ------------------------------------------- times out of range (issue 66 item 5c, fuzz-ish)
+@pytest.mark.parametrize(
+    "answer, time",
+    [("[-10, -5]", "-10"), ([-10, -5], "-10"), ([1e9, 2e9], "1e\\+09"), ("90000-90010", "90000")],
+)
+def test_a_tvg_answer_window_out_of_range_is_refused(synth_dir, tmp_path, answer, time):
+    # On main the range check covered event_start/event_end only: these windows loaded.
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0), _row(1, question_type="tvg", answer=answer)])
+    with pytest.raises(DatasetError, match=rf"d\.jsonl:2: tvg 'answer' .* the time {time} s"):
+        load_samples(f, video_root=str(synth_dir))
+    p = tmp_path / "d.parquet"
+    _parquet(p, [json.dumps({"answer": answer, "question_type": "tvg", "index": 0})])
+    with pytest.raises(DatasetError, match=r"d\.parquet row 0: tvg 'answer' .* outside \[0,"):
+        load_samples(p, video_root=str(synth_dir))
+
+
+@pytest.mark.parametrize("bad", [-60, -60.0, 0, math.nan, math.inf, -math.inf, 1e9])
+def test_a_row_duration_that_is_no_length_is_refused(synth_dir, tmp_path, bad):
+    # On main a 'duration' of -60 or NaN went into Sample.extra as it was.
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0, duration=12.5), _row(1, duration=bad)])
+    with pytest.raises(DatasetError, match=r"d\.jsonl:2: 'duration' is .*not a video's length"):
+        load_samples(f, video_root=str(synth_dir))
+    p = tmp_path / "d.parquet"  # a struct extra_info: absent keys are null, and pass
+    _parquet(
+        p,
+        [
+            {"answer": "B", "index": 0, "duration": None},
+            {"answer": "B", "index": 1, "duration": float(bad)},
+        ],
+    )
+    with pytest.raises(DatasetError, match=r"d\.parquet row 1: 'duration' is"):
+        load_samples(p, video_root=str(synth_dir))
+
+
+def test_a_good_or_categorical_duration_loads(synth_dir, tmp_path):
+    f = tmp_path / "d.jsonl"
+    _jsonl(f, [_row(0, duration=12.5), _row(1, duration="short"), _row(2)])
+    got = load_samples(f, video_root=str(synth_dir))
+    assert [s.extra.get("duration") for s in got] == [12.5, "short", None]

@@ -24,9 +24,11 @@ and the field; ``DatasetError``):
   bare string is refused: each character would become an option); parquet ``prompt`` a list
   of ``{"role", "content"}`` messages (or its JSON string), ``videos`` a non-empty list of
   ``{"video": path}`` (or path strings), ``extra_info`` an object (or its JSON string).
-* ground truths: ``event_start``/``event_end`` must be finite numbers; a tvg row needs a window
-  (both events, ``start < end``, or an answer ``parse_window`` reads, e.g. ``"12.5-16.0"`` or
-  ``[12.5, 16.0]``), and the events are filled from that answer. The parser is the reward's own,
+* ground truths: ``event_start``/``event_end`` must be finite numbers in ``[0, MAX_VIDEO_S]``;
+  a tvg row needs a window (both events, ``start < end``, or an answer ``parse_window`` reads,
+  e.g. ``"12.5-16.0"`` or ``[12.5, 16.0]``, in the same range), and the events are filled
+  from that answer. A numeric ``duration`` field must be a video's length
+  (:func:`duration_problem`). The parser is the reward's own,
   so a row that loads is a row ``score_groups`` can score.
 * ids: a row's id is its ``id`` (parquet: ``extra_info.id``, ``extra_info.index``, then an
   ``id``/``index`` column); an absent, null, NaN or empty id is synthesised as
@@ -267,10 +269,8 @@ def _checked(sample: Sample, where: str) -> Sample:
         raise DatasetError(f"{where}: 'answer' is empty; every row needs a ground-truth answer")
     for key, t in (("event_start", start), ("event_end", end)):
         if t is not None and not 0.0 <= t <= MAX_VIDEO_S:
-            raise DatasetError(
-                f"{where}: '{key}' = {t} s is outside [0, {MAX_VIDEO_S:.0f}] s (seconds from the "
-                "video's start; a negative time or one past a day is a unit or sign error)"
-            )
+            raise DatasetError(f"{where}: '{key}' = {t} s is {_OUT_OF_RANGE}")
+    _check_duration(sample.extra.get("duration"), where)
     if sample.question_type == "mcq":
         _check_mcq_answer(sample, where)
     if sample.question_type != "tvg":
@@ -283,6 +283,12 @@ def _checked(sample: Sample, where: str) -> Sample:
                 "start < end (write 'start-end' in seconds, e.g. '12.5-16.0', or set "
                 "event_start/event_end)"
             )
+        for t in win:  # the window the answer gives: the same range as the events'
+            if not 0.0 <= t <= MAX_VIDEO_S:
+                raise DatasetError(
+                    f"{where}: tvg 'answer' {sample.answer!r} has the time {t:g} s, which is "
+                    f"{_OUT_OF_RANGE}"
+                )
         sample.event_start, sample.event_end = win
     elif not start < end:  # type: ignore[operator]
         raise DatasetError(
@@ -294,6 +300,30 @@ def _checked(sample: Sample, where: str) -> Sample:
 #: The longest video a row's times may point into (24 h): a larger time is a unit error
 #: (milliseconds written as seconds), not a video.
 MAX_VIDEO_S = 24 * 3600.0
+_OUT_OF_RANGE = (
+    f"outside [0, {MAX_VIDEO_S:.0f}] s (seconds from the video's start; a negative time or one "
+    "past a day is a unit or sign error)"
+)
+
+
+def duration_problem(value: Any) -> str:
+    """Why a row's numeric ``duration`` (seconds; a benchmark's or a data set's annotation)
+    is no video's length ("" when it is one, or when it is no number: a category such as
+    Video-MME's ``"short"``). A negative, zero, NaN, infinite or over-a-day duration would
+    reach the results and the viewer's time axis as if it were the video's."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return ""
+    if math.isfinite(value) and 0.0 < value <= MAX_VIDEO_S:
+        return ""
+    return (
+        f"is {value!r}, not a video's length: expected a finite number of seconds in "
+        f"(0, {MAX_VIDEO_S:.0f}]; fix the row or drop the field"
+    )
+
+
+def _check_duration(value: Any, where: str) -> None:
+    if why := duration_problem(value):
+        raise DatasetError(f"{where}: 'duration' {why}")
 
 
 def _check_mcq_answer(sample: Sample, where: str) -> None:

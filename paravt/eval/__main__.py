@@ -48,7 +48,7 @@ from paravt.config import (
     load_config,
     stored_plugin_errors,
 )
-from paravt.files import FolderBusy, claim_folder
+from paravt.files import FolderError, claim_folder
 from paravt.log import get_logger
 
 log = get_logger(__name__)
@@ -234,7 +234,7 @@ def _main(argv: list[str] | None, pins: ExitStack) -> int:
     # it, started at the same moment, is refused instead of interleaving its rows.
     try:
         claim = claim_folder(out, "a paravt.eval evaluation", "pass another --out")
-    except FolderBusy as e:
+    except FolderError as e:
         log.error(f"error: {e}")
         return 2
     try:

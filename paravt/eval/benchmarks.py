@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import Any
 
 from paravt.answers import option_text
-from paravt.data.readers import DatasetError, describe_value, read_samples
+from paravt.data.readers import DatasetError, describe_value, duration_problem, read_samples
 from paravt.files import read_jsonl, unencodable_text
 from paravt.types import Sample
 
@@ -106,6 +106,15 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _duration(f: _File, row: dict, i: int, rid: Any) -> float:
+    """A row's ``duration`` (seconds), a number that is a video's length (a negative or NaN one
+    would reach the results as the video's)."""
+    v = f.get(row, i, "duration", "number", rid)
+    if why := duration_problem(v):
+        raise f.error(i, "duration", why, rid)
+    return float(v)
 
 
 def _is_str_list(v: Any) -> bool:
@@ -508,7 +517,7 @@ def _longvideobench(root: Path, bench: str) -> list[Sample]:
         }
         video, missing = videos.find([root / "videos" / rel])
         extra = _extra(bench, categories, rid, i, missing)
-        extra["duration"] = float(f.get(row, i, "duration", "number", rid))
+        extra["duration"] = _duration(f, row, i, rid)
         answer = string.ascii_uppercase[choice]
         out.append(
             Sample(
@@ -617,9 +626,8 @@ def _mlvu(root: Path, bench: str) -> list[Sample]:
         video, missing = videos.find([root / rel, root / "video" / rel])
         extra = _extra(bench, {"task_type": task}, row["question_id"], i, missing)
         extra.update(raw_question=raw_q, raw_answer=raw_answer)
-        duration = f.optional(row, i, "duration", "number", sid)
-        if duration is not None:
-            extra["duration"] = float(duration)
+        if row.get("duration") is not None:
+            extra["duration"] = _duration(f, row, i, sid)
         options = _lettered(cands, f, i, sid, "candidates")
         out.append(Sample(sid, video, stem, answer, "mcq", options=options, extra=extra))
     _check_unique_ids(f, out, "question_id")

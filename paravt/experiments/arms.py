@@ -19,8 +19,9 @@ its parts switched off by ``key=value`` overrides:
 - ``paragrpo_no_rtool``: both, without the tool reward R_tool (``reward.tool_bonus=0``).
 
 Also the drivers' shared machinery: the stamp that says what an arm run was made with (a
-rerun with other settings redoes it), the folder lock (a rerun never wipes a folder a live run
-writes into) and the arm-run launcher that forwards the driver's signals to the run.
+rerun with other settings redoes it, the earlier run moved to ``superseded/``, never
+deleted), the folder lock (a rerun never wipes a folder a live run writes into) and the
+arm-run launcher that forwards the driver's signals to the run.
 
 This module sits below both experiment modules (it imports only ``paravt.config``,
 ``paravt.checkpoint`` and ``paravt.metrics``, and ``paravt.sft`` for the cold start), so
@@ -46,7 +47,7 @@ from paravt.assets import prepare_assets
 from paravt.checkpoint import latest_checkpoint
 from paravt.config import Config, ConfigError, load_config
 from paravt.distributed import DistContext
-from paravt.files import FolderBusy, FolderClaim, write_atomic
+from paravt.files import FolderClaim, FolderError, write_atomic
 from paravt.log import get_logger
 from paravt.metrics import read_metrics
 from paravt.sft import run_sft
@@ -225,7 +226,8 @@ def arm_action(run_dir: Path, stamp: dict[str, Any], label: str) -> str:
     a SIGTERM to the driver reaches the run, which checkpoints its last step as any training
     run does; ``python -m paravt.train --resume`` continues it) or ``"start"`` (anything else:
     the folder is wiped and the run starts over; a finished run made with other settings says
-    ``<why>: redone``). :func:`run_arms` uses it for every job."""
+    ``<why>: redone``; :func:`run_arms` first moves such a run, or one holding a checkpoint,
+    to ``superseded/`` with :func:`set_aside`). :func:`run_arms` uses it for every job."""
 
     keep, why = kept_run(run_dir, stamp)
     if keep:
@@ -277,6 +279,12 @@ def run_arms(
         if action == "keep":
             continue
         if action == "start":
+            if run_finished(run_dir) or latest_checkpoint(run_dir) is not None:
+                kept = set_aside(run_dir)  # a run made with other settings: never deleted
+                log.info(
+                    f"[{tag}] {i}/{len(jobs)} {arm} seed {seed}: its earlier run is kept in "
+                    f"{kept} (delete it when you no longer need it)"
+                )
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             write_stamp(run_dir, stamp)
@@ -298,6 +306,29 @@ def run_arms(
 
 
 NOT_FINISHED = "not finished"
+
+#: Where a rerun with other settings moves an arm run that finished or holds a checkpoint
+#: (``OUT/ARM/superseded/seedN.K``): out of the ``OUT/ARM/seedN`` pattern the drivers and
+#: reports read, and never deleted.
+SUPERSEDED = "superseded"
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Move ``run_dir`` (``OUT/ARM/seedN``) to the first free ``OUT/ARM/superseded/seedN.K``
+    (K = 1, 2, ...) and return it: a rerun with one flag changed used to delete a finished
+    arm run (hours of training) before redoing it under the new settings."""
+    parent = run_dir.parent / SUPERSEDED
+    parent.mkdir(parents=True, exist_ok=True)
+    k = 1
+    while True:
+        dst = parent / f"{run_dir.name}.{k}"
+        try:
+            dst.mkdir()  # claims the name: two drivers cannot pick the same one
+        except FileExistsError:
+            k += 1
+            continue
+        os.replace(run_dir, dst)  # an empty directory is replaced by the rename
+        return dst
 
 
 def kept_run(run_dir: Path, stamp: dict[str, Any]) -> tuple[bool, str]:
@@ -368,7 +399,7 @@ class FolderLock:
         self.state: dict[str, Any] = {}
 
     def __enter__(self) -> FolderLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # No mkdir here: FolderClaim makes the folder, and a read-only one is its one line.
         if self.path.is_file():
             try:
                 old = json.loads(self.path.read_text())
@@ -385,7 +416,7 @@ class FolderLock:
                     )
         try:  # atomic: of two drivers started at the same moment, one holds the folder
             self.claim = FolderClaim(self.path.parent, f"a {self.tag} driver").acquire()
-        except FolderBusy as e:
+        except FolderError as e:
             raise ConfigError(f"{e} (or pass another --out)") from None
         me = os.getpid()
         self.state = {"tag": self.tag, "pid": me, "pid_start": _start_ticks(me)}
