@@ -271,6 +271,13 @@ class RolloutConfig:
     # is safe here because every wake that generates follows a full weight push (the engine
     # refuses to generate with discarded weights).
     vllm_sleep_level: int = 1
+    # GPU only: false (the default) lets vLLM capture CUDA graphs of its decode steps (its
+    # default sizes up to min(2 x vllm_max_num_seqs, 512) tokens): fewer kernel launches,
+    # most felt at the small batches of multi-turn tails; the graph pool is a term of the
+    # memory plan, held through the update (vLLM's sleep keeps it). true = eager (no capture,
+    # faster start-up, less memory). vLLM on a CPU always runs eager (torch.compile doubles its
+    # start-up for little decode speed at these sizes), whatever this says.
+    vllm_enforce_eager: bool = False
     # Asynchronous PARA-GRPO (paravt.workers): the last ``workers`` ranks of a torchrun job
     # are rollout workers, each with its own engine, generating while the other ranks (the
     # trainers, FSDP2 among themselves) update; weights are streamed to them after every step

@@ -24,7 +24,7 @@
 #     kernel_targets  bench/gpu_kernels.py --targets: policy_loss >= 70% of HBM bandwidth in
 #                     <= 2 kernels, linear_logprob <= 3x Liger FLCE's peak memory,
 #                     linear_policy_loss >= 680 TFLOP/s; every baseline in the same run
-#     gpu_tests       the tests that use the GPU (pytest -k cuda over GPU_TESTS: 13 tests; the
+#     gpu_tests       the tests that use the GPU (pytest -k cuda over GPU_TESTS: 14 tests; the
 #                     rest of those files runs in CI)
 #     varlen          scripts/varlen_attn_check.py (varlen_attn vs the per-sequence SDPA paths)
 #   extra  (timeout_s 240; right after main, on the warm machine)
@@ -407,7 +407,7 @@ plan_fits() {  # ARCH: 0 fits the card, 1 does not fit, 2 the plan itself failed
 # file that skips without CUDA is missing here.
 GPU_TESTS=(tests/test_kernels_reference_parity.py tests/test_pack_vision.py
   tests/test_vision_encoder.py tests/test_weight_sync.py tests/test_reference_placement.py
-  tests/test_shared_prefix_cuda.py)
+  tests/test_shared_prefix_cuda.py tests/test_vllm_graphs.py)
 XDIST=()
 "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$CUDA" = 1 ] && XDIST=(-n 4)
 D=()

@@ -472,3 +472,33 @@ def test_phases_placement_cache_and_workers_on_the_8b_recipe():
 
 def _with_train(cfg, **kw):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw))
+
+
+def test_the_vllm_graph_pool_is_a_term_kept_through_the_update_and_push():
+    """Issue 61 item 3: with CUDA graphs (``rollout.vllm_enforce_eager=false``, the default)
+    the plan counts vLLM's graph pool: inside the engine's share while it generates, held on
+    its own through the update and the push by an asleep engine; none when eager. By hand at
+    ``vllm_max_num_seqs=64`` on the 8B recipe (hidden 4096, bf16)."""
+    from paravt.plan import GRAPH_ACTIVATIONS, GRAPH_FIXED_BYTES, graph_capture_sizes
+
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=["rollout.vllm_max_num_seqs=64"])
+    s = model_shape(cfg)
+    assert cfg.rollout.vllm_enforce_eager is False and cfg.rollout.vllm_sleep
+    sizes = graph_capture_sizes(64)
+    assert sizes == [1, 2, 4, *range(8, 129, 8)]  # capped at 2 x 64 = 128 tokens
+    assert graph_capture_sizes(1024)[-1] == 512 and len(graph_capture_sizes(1024)) == 51
+    full = [n for n in sizes if n <= 64]
+    expect = sum(GRAPH_ACTIVATIONS * n * 4096 * 2 + GRAPH_FIXED_BYTES for n in sizes + full)
+    lay = Layout(nproc_per_node=8, device_bytes=int(79.65 * GIB))
+    pl = plan_memory(cfg, lay, s)
+    g = pl.term("vLLM CUDA graph pool")
+    assert (g.rollout, g.update, g.sync) == (0, pytest.approx(expect), pytest.approx(expect))
+    eager = plan_memory(
+        load_config("qwen3vl_8b_paragrpo", overrides=["rollout.vllm_enforce_eager=true"]), lay, s
+    )
+    assert "vLLM CUDA graph pool" not in {t.name for t in eager.terms}
+    assert pl.update - eager.update == pytest.approx(expect * 1.05)  # with its 5% slack
+    # An engine that stays awake holds its whole share in the update: no second count.
+    awake = plan_memory(load_config("qwen3vl_8b_paragrpo", overrides=["rollout.vllm_sleep=false"]),
+                        lay, s)  # fmt: skip
+    assert awake.term("vLLM CUDA graph pool").update == 0
