@@ -300,6 +300,15 @@ class RolloutConfig:
     # on trainer rank 0 during the push: pinned host memory on a GPU, plus one bucket on the
     # device); false: each bucket is sent as it is packed.
     weight_sync_overlap: bool = True
+    # Seconds a weight push may take from its start until every worker holds the version
+    # (sent, received, verified: paravt.weight_sync.PushWatch). Past it, the workers that do
+    # not hold it are named (alive but silent when their heartbeat is fresh, gone when it is
+    # stale) and the run stops with WorkerFailed (--resume continues). Larger for slow
+    # fabrics: an 8B bf16 push is 16 GiB.
+    weight_push_timeout_s: float = 600.0
+    # Seconds between a rollout worker's heartbeats on the rendezvous store (its received
+    # version and its wait for weights); a beat older than 3 intervals counts as gone.
+    worker_heartbeat_s: float = 2.0
     # How a step's prompts reach the workers (paravt.workers.pipeline). 'group': any free
     # worker claims the next groups (a prompt's G samples) and the trainer trains the first
     # ``prompts_per_step`` finished groups within η, so a slow worker does not gate a step
@@ -1015,6 +1024,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
     "rollout.weight_bucket_mb": (">= 1", "MiB per bucket of the bucketed weight sync"),
+    "rollout.weight_push_timeout_s": ("> 0", "seconds until every worker holds a push"),
+    "rollout.worker_heartbeat_s": ("> 0", "seconds between a worker's heartbeats"),
     "rollout.dispatch_groups": (">= 0", "groups a free worker claims at once; 0 = P / W"),
     "model.tiny_vocab": (">= 4096", "the tiny tokenizer has 4096 ids; 151936 = Qwen3-VL's"),
     "rollout.group_size": (">= 1", "samples per prompt"),

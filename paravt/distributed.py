@@ -495,18 +495,22 @@ def full_weights(
     device: what the trainer streams into each rank's rollout engine after an update
     (``paravt.rollout_source.push_weights``, the asynchronous workers' ``RolloutPipeline.publish``).
     ``dtype``: floating-point entries cast to it (the compute dtype the engines hold, from
-    float32 masters), one entry at a time. Under FSDP2 each sharded entry is all-gathered only
+    float32 masters), one entry at a time, each shard before its gather (half the bytes of
+    gathering fp32 masters). Under FSDP2 each sharded entry is all-gathered only
     when the consumer asks for it (``DTensor.full_tensor``), so the extra memory is one
     tensor, not a second full copy of the model; every rank must consume the stream to its
     end, in the same order (each entry is a collective). On one rank: the detached state dict
     entries.
     """
     for name, t in model.state_dict().items():
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
         t = t.detach()
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            # Cast before the gather: a DTensor casts its local shard, so the all-gather moves
+            # compute-dtype bytes (half of fp32 masters'); the same values (a cast is per
+            # element).
             t = t.to(dtype)
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
         yield name, t
 
 

@@ -462,6 +462,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
             m.update(batch.metrics)
             m["async/trainer_idle_frac"] = m["time/rollout"] / max(m["time/step"], 1e-9)
+        if (pub := getattr(tr.source, "publisher", None)) is not None:  # rank 0's weight push
+            m.update(pub.metrics())  # async/push_s, each worker's wait for weights
         tr.step_errors = reduced.errors
         if ctx.is_main and cfg.train.log_trajectories:
             tr.logger.log_trajectories(

@@ -39,6 +39,20 @@ WORKER = textwrap.dedent(
     gn = clip_grad_norm(list(model.parameters()), 10.0)
     opt.step()
     sd = full_state_dict(model, ctx)
+    # The weight push's stream casts each shard before its gather (issue 61 item 5): every
+    # all-gather moves bf16, and the values are the gathered fp32 ones cast.
+    from torch.distributed.tensor import DTensor
+    from paravt.distributed import full_weights
+    gathered, real = [], DTensor.full_tensor
+    def spy(self, *a, **k):
+        gathered.append(self.dtype)
+        return real(self, *a, **k)
+    DTensor.full_tensor = spy
+    pushed = dict(full_weights(model, torch.bfloat16))
+    DTensor.full_tensor = real
+    assert gathered and set(gathered) == {torch.bfloat16}, gathered
+    for k, v in sd.items():
+        assert torch.equal(pushed[k], v.to(torch.bfloat16)), k
     osd = full_optimizer_state(model, opt, ctx)
     n_forwards = all_gather_objects(len(rows), ctx)
     if ctx.is_main:
