@@ -678,6 +678,12 @@ class TrainConfig:
     # moves a weight by about the lr, and at lr 2e-6 most such steps are below half a bf16
     # ulp of a weight of size 0.02 (~6e-5) and round away: the policy barely moves.
     master_dtype: str = "float32"
+    # Over several nodes of several ranks each (torchrun's LOCAL_WORLD_SIZE), shard the policy
+    # within a node and replicate it across nodes (HSDP: a 2-D mesh, paravt.distributed.
+    # train_mesh): the step's all-gathers and reduce-scatters stay on the node, one gradient
+    # all-reduce crosses nodes. false: FSDP over every rank (each rank holds 1/world of the
+    # states, the fix the memory plan names when a node's share does not fit).
+    hsdp: bool = True
     # On a CUDA device, stop before any weights load when the memory plan (python -m
     # paravt.plan) does not fit the device; false skips the check (the plan is an estimate).
     memory_check: bool = True

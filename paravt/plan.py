@@ -311,6 +311,10 @@ class Plan:
     reference_why: str = ""
     #: An asynchronous run's worker rank (``rollout.workers`` > 0): its terms, in the rollout.
     worker_terms: list[Term] = field(default_factory=list)
+    shard: int = 1  # ranks each state is sharded over (a node's under HSDP, else all of them)
+    hsdp: bool = False  # the 2-D mesh across nodes (``distributed.train_mesh``)
+    #: Bytes each rank moves per micro-batch in collectives across nodes (0 on one node).
+    cross_node_bytes: float = 0.0
 
     @property
     def rollout(self) -> float:
@@ -411,8 +415,22 @@ def plan_memory(
     ranks = max(1, layout.world - r.workers)
     mixed = bm != bc
     fsdp = ranks > 1 or mixed
-    n = ranks if fsdp else 1
-    pl = Plan(cfg, s, layout, ranks)
+    # HSDP (``distributed.train_mesh``, synchronous runs): the states are sharded over a
+    # node's ranks only, replicated across the nodes.
+    hsdp = (fsdp and cfg.train.hsdp and r.workers == 0 and layout.nnodes > 1
+            and 1 < layout.nproc_per_node < ranks)  # fmt: skip
+    n = (layout.nproc_per_node if hsdp else ranks) if fsdp else 1
+    pl = Plan(cfg, s, layout, ranks, shard=n, hsdp=hsdp)
+    # Bytes each rank moves per micro-batch in collectives that cross nodes: 1-D FSDP over
+    # nodes all-gathers the compute weights twice (forward, backward) and reduce-scatters the
+    # gradients (in fp32 under mixed precision) over every rank; HSDP keeps those on the node
+    # and all-reduces its gradient shard across the nodes (a ring: 2 (R-1)/R of it).
+    red_b = 4 if mixed else bc
+    if layout.nnodes > 1 and fsdp and not hsdp:
+        pl.cross_node_bytes = (2 * bc + red_b) * s.params * (ranks - 1) / ranks
+    elif hsdp:
+        reps = ranks // n
+        pl.cross_node_bytes = 2 * (reps - 1) / reps * s.trainable * red_b / n
     T: list[Term] = pl.terms
 
     def add(name: str, rollout: float, update: float, note: str = "", sync: float = 0) -> None:
@@ -761,6 +779,13 @@ def fixes(pl: Plan) -> list[str]:
                 "policy, its states and gradients)"
             )
             break
+        flat = _with(cfg, train__hsdp=False)
+        if cfg.train.hsdp and fits(flat, dataclasses.replace(lay, nnodes=nodes)):
+            out.append(
+                f"more ranks: --nnodes {nodes} ({nodes * lay.nproc_per_node} ranks shard the "
+                "policy, its states and gradients: train.hsdp=false, FSDP across the nodes)"
+            )
+            break
     if not cfg.model.gradient_checkpointing and fits(
         _with(cfg, model__gradient_checkpointing=True)
     ):
@@ -858,8 +883,14 @@ def format_plan(pl: Plan) -> str:
         f"model: {s.source} ({s.model_type}), {s.params / 1e9:.3f} B parameters, "
         f"{s.trainable / 1e9:.3f} B trainable; compute {pl.cfg.model.dtype}, masters "
         f"{pl.cfg.train.master_dtype}",
-        f"layout: {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); {pl.ranks} rank(s) "
-        f"shard the policy; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
+        f"layout: {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); {pl.shard} rank(s) "
+        f"shard the policy{' (HSDP: replicated across the nodes)' * pl.hsdp}"
+        + (
+            f", {pl.cross_node_bytes / 1e9:.1f} GB a rank across nodes a micro-batch"
+            if pl.cross_node_bytes
+            else ""
+        )  # fmt: skip
+        + f"; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
         "GiB per rank",
         "",
         f"{'per trainer rank' if pl.worker_terms else 'per rank':<42} {'rollout':>8} "

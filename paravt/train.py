@@ -601,7 +601,7 @@ def _claimed_run(cfg: Config, keep_handlers: bool) -> dict[str, Any]:
             cleanup(ctx)
             return {"worker": roles.rank, **totals}
     else:
-        ctx = init_distributed(cfg.model.device)
+        ctx = init_distributed(cfg.model.device, hsdp=cfg.train.hsdp)
     with Preemption(cfg.train.preempt_grace_s, ctx, keep=keep_handlers) as pre:
         try:
             return _run(cfg, ctx, pre, roles)
