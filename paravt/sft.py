@@ -512,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error(f"error: {e}")
         return 2
 
-    ctx = init_distributed(cfg.model.device)
+    ctx = init_distributed(cfg.model.device, hsdp=cfg.train.hsdp)
     if ctx.is_main:
         log.info(to_yaml(cfg))
     data_dir, model_dir = prepare_assets(cfg, ctx)

@@ -488,6 +488,8 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
             m.update(batch.metrics)
             m["async/trainer_idle_frac"] = m["time/rollout"] / max(m["time/step"], 1e-9)
+        if (pub := getattr(tr.source, "publisher", None)) is not None:  # rank 0's weight push
+            m.update(pub.metrics())  # async/push_s, each worker's wait for weights
         tr.step_errors = reduced.errors
         if ctx.is_main and cfg.train.log_trajectories:
             tr.logger.log_trajectories(
@@ -645,7 +647,7 @@ def _claimed_run(cfg: Config, keep_handlers: bool) -> dict[str, Any]:
             cleanup(ctx)
             return {"worker": roles.rank, **totals}
     else:
-        ctx = init_distributed(cfg.model.device)
+        ctx = init_distributed(cfg.model.device, hsdp=cfg.train.hsdp)
     with Preemption(cfg.train.preempt_grace_s, ctx, keep=keep_handlers) as pre:
         try:
             return _run(cfg, ctx, pre, roles)

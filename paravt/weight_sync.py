@@ -46,6 +46,8 @@ failure path: the last completed step is checkpointed).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -79,6 +81,187 @@ MODES = ("bucketed", "host")
 
 class WeightSyncError(RuntimeError):
     """A tensor the worker received or loaded differs from the trainer's (checksum)."""
+
+
+class PushStalled(RuntimeError):
+    """A weight push passed its deadline (``rollout.weight_push_timeout_s``) with a worker not
+    holding the version; the message names each such worker and what its heartbeat says.
+    Raised by ``WeightPublisher.wait``; ``RolloutPipeline`` turns it into ``WorkerFailed``
+    at its next ``collect``."""
+
+
+#: A worker's heartbeat on the rendezvous store (``Heartbeat``, read by ``PushWatch``).
+HEARTBEAT_KEY = "paravt/async/heartbeat/{rank}"
+#: A heartbeat older than this many intervals counts as gone (not merely busy).
+STALE_BEATS = 3
+
+
+class Heartbeat:
+    """A rollout worker's heartbeat on the rendezvous ``store`` (``paravt.workers.worker``):
+    every ``interval_s`` (a daemon thread) and at once on each change, it writes the version it
+    last received whole and verified (``received``) and its total wait for weights
+    (``waited``: the main thread blocked until the version its work needs arrived) with the
+    wall time. The trainer's ``PushWatch`` reads them: a fresh beat without the pushed version
+    is a worker alive but silent (hung), a stale one a worker gone; ``WeightPublisher.metrics``
+    reports each worker's wait. ``start`` begins the beats; ``stop`` ends them."""
+
+    def __init__(self, store: Any, rank: int, interval_s: float = 2.0) -> None:
+        self.store, self.rank, self.interval_s = store, int(rank), float(interval_s)
+        self.version = -1
+        self.wait_s = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def received(self, version: int) -> None:
+        """A version arrived whole and verified (``receive``)."""
+        with self._lock:
+            self.version = max(self.version, int(version))
+        self.beat()
+
+    def waited(self, seconds: float) -> None:
+        """The worker's main thread waited ``seconds`` for the weights its work needs."""
+        with self._lock:
+            self.wait_s += max(0.0, float(seconds))
+        self.beat()
+
+    def beat(self) -> None:
+        with self._lock:
+            state = {"t": time.time(), "version": self.version, "wait_s": self.wait_s,
+                     "interval_s": self.interval_s}  # fmt: skip
+        self.store.set(HEARTBEAT_KEY.format(rank=self.rank), json.dumps(state))
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread = threading.Thread(
+            target=self._run, name=f"paravt-heartbeat-{self.rank}", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - the store is gone: the trainer has exited
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def read_heartbeat(store: Any, rank: int) -> dict[str, float] | None:
+    """Worker ``rank``'s last heartbeat (``Heartbeat``), or None when it never beat."""
+    key = HEARTBEAT_KEY.format(rank=int(rank))
+    if not store.check([key]):
+        return None
+    return json.loads(store.get(key))
+
+
+class PushWatch:
+    """Trainer rank 0's deadline on each weight push (``WeightPublisher``): from ``start``,
+    every worker in ``ranks`` must hold the version (its ``Heartbeat`` says so) within
+    ``timeout_s``; ``overdue`` names the ones that do not, as ``PushStalled``: alive but
+    silent (a fresh heartbeat: hung in its receive or its checksum) or gone (no beat for
+    ``STALE_BEATS`` intervals)."""
+
+    def __init__(
+        self,
+        store: Any,
+        ranks: Iterable[int],
+        timeout_s: float = 600.0,
+        on_stall: Any = None,
+    ) -> None:
+        self.store, self.ranks, self.timeout_s = store, [int(r) for r in ranks], float(timeout_s)
+        #: ``on_stall(rank, error)``: called once per stalled push, from the publisher's watch
+        #: thread, with the first late worker (``RolloutPipeline`` queues it as that worker's
+        #: failure, so the trainer's wait for rollouts raises ``WorkerFailed`` at once).
+        self.on_stall = on_stall
+        self.version = -1
+        self.t0 = 0.0
+
+    def start(self, version: int) -> None:
+        self.version, self.t0 = int(version), time.perf_counter()
+
+    def beats(self) -> dict[int, dict[str, float] | None]:
+        return {r: read_heartbeat(self.store, r) for r in self.ranks}
+
+    def missing(self) -> list[int]:
+        """The workers that do not hold the pushed version yet."""
+        return [r for r, b in self.beats().items() if b is None or b["version"] < self.version]
+
+    def remaining(self) -> float:
+        """Seconds left until the push's deadline (a send on the caller's thread waits no
+        longer: ``WeightPublisher.push``)."""
+        return self.t0 + self.timeout_s - time.perf_counter()
+
+    def overdue(self) -> None:
+        """Raise ``PushStalled`` when the deadline has passed and a worker lacks the version."""
+        if time.perf_counter() - self.t0 <= self.timeout_s or not self.missing():
+            return
+        raise self.stalled()
+
+    def stalled(self) -> PushStalled:
+        """``PushStalled`` naming the workers that do not hold the version and what their
+        heartbeats say (alive but silent, or gone)."""
+        took, late = time.perf_counter() - self.t0, self.missing()
+        now, parts = time.time(), []
+        for r in late:
+            b = read_heartbeat(self.store, r)
+            if b is None:
+                parts.append(f"rank {r} never beat (no heartbeat on the store)")
+                continue
+            age = now - b["t"]
+            state = ("alive but silent (hung)" if age <= STALE_BEATS * b["interval_s"]
+                     else f"gone (no heartbeat for {age:.0f} s)")  # fmt: skip
+            parts.append(
+                f"rank {r} is {state}: last heartbeat {age:.1f} s ago, holds version "
+                f"{int(b['version'])}"
+            )
+        return PushStalled(
+            f"weight push of version {self.version}: {len(late)} rollout worker(s) did not "
+            f"receive it within rollout.weight_push_timeout_s={self.timeout_s:g} "
+            f"({took:.0f} s): {'; '.join(parts)}. Stopping (--resume continues from the last "
+            "checkpoint); raise rollout.weight_push_timeout_s if the fabric is just slow"
+        )
+
+
+class CopyStream:
+    """The dedicated CUDA stream the weight push copies its buckets on (issue 61 item 5): the
+    snapshot's gather-side copies and checksums (trainer, after the update) and the sending
+    thread's host-to-device bucket copies, so neither queues behind nor holds up the next
+    step's compute on the default stream. On a CPU the same calls with no stream (no-ops), so
+    the CPU runs the CUDA path's code. ``entered`` counts the uses (tests)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self.stream: Any = torch.cuda.Stream(self.device) if cuda else None
+        self.entered = 0
+
+    @contextlib.contextmanager
+    def copying(self, after_compute: bool) -> Iterator[None]:
+        """Queue the block's work on the copy stream. ``after_compute``: first wait for what the
+        current stream has queued (the update that wrote the weights being packed)."""
+        self.entered += 1
+        if self.stream is None:
+            yield
+            return
+        if after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def keep(self, t: torch.Tensor) -> None:
+        """``t`` (allocated on another stream) is read on the copy stream: its memory must not
+        be reused before that work ends (the caching allocator's ``record_stream``)."""
+        if self.stream is not None and t.is_cuda:
+            t.record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        """Wait for the copy stream's work only (not the compute on the default stream)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 @dataclass(frozen=True)
@@ -283,6 +466,7 @@ class WeightPublisher:
         bucket_bytes: int = 256 << 20,
         overlap: bool = True,
         device: torch.device | str = "cpu",
+        watch: PushWatch | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"rollout.weight_sync={mode!r}: choose one of {MODES}")
@@ -291,9 +475,17 @@ class WeightPublisher:
         self.ctrl, self.group, self.mode = ctrl, group, mode
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
         self.device = torch.device(device)
+        #: The bucket copies' own CUDA stream (a no-op on a CPU): ``CopyStream``.
+        self.copy_stream = CopyStream(self.device)
+        #: The push's deadline and the workers' heartbeats (None: no deadline, e.g. tests).
+        self.watch = watch
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._t0 = 0.0
         self.last_snapshot_s = 0.0
+        #: Seconds of the last push that completed: its start until every worker held it.
+        self.last_push_s = 0.0
 
     @property
     def in_flight(self) -> bool:
@@ -301,18 +493,61 @@ class WeightPublisher:
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Join the background push (``timeout``: seconds, None = until it ends); True when it
-        has ended. Its error, if it failed, is raised here (once)."""
-        th = self._thread
-        if th is not None:
-            th.join(timeout)
-            if th.is_alive():
+        """Wait for the push to end (``timeout``: seconds, None = until it does); True when it
+        has: sent and, with a ``watch``, held by every worker (their heartbeats). Its error,
+        if it failed, is raised here (once): a send's, or ``PushStalled`` naming the workers
+        that did not hold it by its deadline."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if isinstance(self._error, PushStalled):  # raised at once: the sender may be stuck
+                e, self._error = self._error, None
+                raise e
+            alive = [th for th in (self._thread, self._watcher) if th is not None and th.is_alive()]
+            if not alive:
+                break
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
                 return False
-            self._thread = None
+            alive[0].join(0.05 if left is None else min(0.05, left))
+        self._thread = self._watcher = None
         if self._error is not None:
             e, self._error = self._error, None
             raise e
         return True
+
+    def _watch(self, sender: threading.Thread | None) -> None:
+        """The push's deadline (its own thread, so that a stall is noticed whoever waits):
+        every worker must hold the version (``PushWatch``) by ``rollout.weight_push_timeout_s``,
+        else ``PushStalled`` (kept for ``wait``, and handed to ``watch.on_stall``)."""
+        w = self.watch
+        assert w is not None
+        try:
+            while True:
+                if (sender is None or not sender.is_alive()) and not w.missing():
+                    self.last_push_s = time.perf_counter() - self._t0
+                    return
+                if self._error is not None and (sender is None or not sender.is_alive()):
+                    return  # the send failed: that error is the push's
+                w.overdue()
+                time.sleep(0.05)
+        except PushStalled as e:
+            self._error = self._error or e
+            late = w.missing()
+            if w.on_stall is not None:
+                w.on_stall(late[0] if late else -1, e)
+
+    def metrics(self) -> dict[str, float]:
+        """``async/push_s`` (the last completed push: its start until every worker held it),
+        ``async/push_snapshot_s`` (its packing on the trainer, overlapped pushes) and, with a
+        ``watch``, ``async/worker_<rank>_wait_weights_s`` (each worker's total wait for
+        weights so far, from its heartbeat). Logged with every step
+        (``paravt.train.train_step``)."""
+        out = {"async/push_s": self.last_push_s, "async/push_snapshot_s": self.last_snapshot_s}
+        if self.watch is not None:
+            for r, b in self.watch.beats().items():
+                if b is not None:
+                    out[f"async/worker_{r}_wait_weights_s"] = float(b["wait_s"])
+        return out
 
     def push(
         self, version: int, specs: list[Spec], stream: Iterable[tuple[str, torch.Tensor]]
@@ -323,27 +558,67 @@ class WeightPublisher:
         raised. A previous background push must have ended (``wait``)."""
         if self.in_flight:
             raise RuntimeError("WeightPublisher.push: the previous push is still in flight")
+        if self._watcher is not None and self._watcher.is_alive():
+            raise RuntimeError("WeightPublisher.push: the previous push is not held yet (wait)")
+        self._t0 = time.perf_counter()
+        if self.watch is not None:
+            self.watch.start(version)
         it = iter(stream)
+        sent = False
         try:
             header = {"kind": "weights", "version": int(version), "sync": self.mode,
                       "specs": [(s.name, s.shape, s.dtype) for s in specs],
                       "bucket_bytes": self.bucket_bytes}  # fmt: skip
-            self.ctrl.bcast(header)
+            self._on_time(lambda: self.ctrl.bcast(header, **self._deadline()))
             if self.mode == "host":
                 self._push_host(specs, it)
             else:
                 self._push_bucketed(specs, it)
+            sent = True
         finally:
             for _ in it:  # a failed send still walks the collectives to the end
                 pass
+            # (a failed send's error propagates: no deadline to watch)
+            if sent and self.watch is not None:
+                self._watcher = threading.Thread(
+                    target=self._watch, args=(self._thread,), name="paravt-push-watch",
+                    daemon=True,
+                )  # fmt: skip
+                self._watcher.start()
+            elif sent and self._thread is None:
+                self.last_push_s = time.perf_counter() - self._t0
 
     def _push_host(self, specs: list[Spec], it: Iterator[tuple[str, torch.Tensor]]) -> None:
         sums = []
         for s, (name, t) in zip(specs, it):
             _check_entry(s, name, t)
             sums.append(checksum(t))
-            self.ctrl.bcast_tensor(t.detach().to("cpu").contiguous())
-        self.ctrl.bcast_tensor(_stack(sums, "cpu"))
+            t = t.detach().to("cpu").contiguous()
+            self._on_time(lambda t=t: self.ctrl.bcast_tensor(t, **self._deadline()))
+        self._on_time(lambda: self.ctrl.bcast_tensor(_stack(sums, "cpu"), **self._deadline()))
+
+    def _deadline(self) -> dict[str, float]:
+        """The ``timeout_s`` of a send on the caller's thread: what is left of the push's
+        deadline (none without a ``watch``)."""
+        return {} if self.watch is None else {"timeout_s": self.watch.remaining()}
+
+    def _on_time(self, send: Any) -> None:
+        """Run a send on the caller's thread under the push's deadline: a worker that does
+        not take part in time (alive but silent: it never reads its control stream) raises
+        ``PushStalled`` naming it, here, and hands it to ``watch.on_stall``."""
+        if self.watch is None:
+            send()
+            return
+        try:
+            send()
+        except RuntimeError as e:
+            if "timed out" not in str(e):  # (the wait was what the deadline left)
+                raise
+            err = self.watch.stalled()
+            late = self.watch.missing()
+            if self.watch.on_stall is not None:
+                self.watch.on_stall(late[0] if late else -1, err)
+            raise err from e
 
     def _push_bucketed(self, specs: list[Spec], it: Iterator[tuple[str, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
@@ -353,17 +628,21 @@ class WeightPublisher:
         # second compute-dtype model, 16 GiB at 8B): the sending thread copies one bucket at a
         # time back to the device for NCCL (``_send_all``).
         host = self.overlap and self.device.type == "cuda"
+        cs = self.copy_stream
         for b in plan_buckets(specs, self.bucket_bytes):
             if host:
                 buf = torch.empty(b.nbytes, dtype=torch.uint8, pin_memory=True)
             else:
-                buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
+                with cs.copying(after_compute=False):  # (allocated for the copy stream)
+                    buf = torch.empty(b.nbytes, dtype=torch.uint8, device=self.device)
             for sl in b.slots:
-                name, t = next(it)
+                name, t = next(it)  # (gathered on the default stream: a collective)
                 _check_entry(specs[sl.index], name, t)
-                t = t.detach().to(self.device)
-                sums.append(checksum(t))
-                buf[sl.offset : sl.offset + sl.nbytes].copy_(as_bytes(t), non_blocking=host)
+                with cs.copying(after_compute=True):  # after the gather that produced it
+                    cs.keep(t)
+                    t = t.detach().to(self.device)
+                    sums.append(checksum(t))
+                    buf[sl.offset : sl.offset + sl.nbytes].copy_(as_bytes(t), non_blocking=host)
             if self.overlap:
                 ready.append(buf)
             else:
@@ -381,10 +660,9 @@ class WeightPublisher:
         self._thread.start()
 
     def _packed(self) -> None:
-        """CUDA: wait for the packing queued on this thread's stream (the weights group sends
-        on a side stream of its own)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        """CUDA: wait for the packing queued on the copy stream (not for the compute queued on
+        the default stream; the weights group sends on a side stream of its own)."""
+        self.copy_stream.synchronize()
 
     def _send_all(self, bufs: list[torch.Tensor]) -> None:
         try:
@@ -393,9 +671,12 @@ class WeightPublisher:
             while bufs:
                 buf = bufs.pop(0)  # each buffer freed once sent
                 if buf.device != self.device:  # pinned host snapshot: one bucket on the device
-                    buf = buf.to(self.device, non_blocking=True)
-                    torch.cuda.current_stream(self.device).synchronize()
+                    # On the copy stream: the default stream is the next step's compute.
+                    with self.copy_stream.copying(after_compute=False):
+                        buf = buf.to(self.device, non_blocking=True)
+                    self.copy_stream.synchronize()
                 self.group.bcast(buf)
+            self.last_push_s = time.perf_counter() - self._t0  # (sent; watched: until held)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self._error = e
 
@@ -421,13 +702,18 @@ def specs_of(header: dict[str, Any]) -> list[Spec]:
 
 
 def receive(
-    header: dict[str, Any], ctrl: Any, group: Any | None, device: torch.device | str = "cpu"
+    header: dict[str, Any],
+    ctrl: Any,
+    group: Any | None,
+    device: torch.device | str = "cpu",
+    heartbeat: Heartbeat | None = None,
 ) -> Staged:
     """Receive the version announced by ``header`` (the worker's end of ``push``), verify the
     received tensors against the trainer's checksums and return them staged. ``host``: over
     ``ctrl`` (call it from the thread that reads ``ctrl``), into CPU tensors; ``bucketed``:
     over ``group`` into buffers on ``device`` (the group's). Raises ``WeightSyncError`` on a
-    mismatch."""
+    mismatch. ``heartbeat``: told the version once it is verified (the trainer's
+    ``PushWatch`` waits for that)."""
     specs, version = specs_of(header), int(header["version"])
     if header.get("sync", "host") == "host":
         tensors = []
@@ -452,4 +738,6 @@ def receive(
         sums = torch.empty(len(specs), 3, dtype=torch.int64, device=device)
         group.bcast(sums)
     verify(specs, tensors, sums, version, "as received")
+    if heartbeat is not None:
+        heartbeat.received(version)
     return Staged(version, specs, tensors, sums)

@@ -407,7 +407,7 @@ plan_fits() {  # ARCH: 0 fits the card, 1 does not fit, 2 the plan itself failed
 # file that skips without CUDA is missing here.
 GPU_TESTS=(tests/test_kernels_reference_parity.py tests/test_pack_vision.py tests/test_algo_advantages.py
   tests/test_vision_encoder.py tests/test_weight_sync.py tests/test_reference_placement.py
-  tests/test_shared_prefix_cuda.py)
+  tests/test_shared_prefix_cuda.py tests/test_vllm_graphs.py tests/test_distributed.py)
 XDIST=()
 "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$CUDA" = 1 ] && XDIST=(-n 4)
 D=()

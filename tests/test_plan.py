@@ -26,6 +26,7 @@ from paravt.plan import (
     _text_layer_bytes,
     _vision_layer_bytes,
     check_run,
+    format_plan,
     model_shape,
     plan_memory,
 )
@@ -368,7 +369,7 @@ def test_train_stops_before_loading_when_the_plan_does_not_fit_the_cuda_device(
     )
     built = []
     monkeypatch.setattr(train, "build_trainer", lambda *a: built.append(a) or 1 / 0)
-    monkeypatch.setattr(train, "init_distributed", lambda *a: built.append(a) or 1 / 0)
+    monkeypatch.setattr(train, "init_distributed", lambda *a, **k: built.append(a) or 1 / 0)
     args = ["model.device=cuda", f"train.out_dir={tmp_path}/run", f"data.synth_dir={tmp_path}/d"]
     assert train.main(args) == 2
     err = capsys.readouterr().err
@@ -472,3 +473,57 @@ def test_phases_placement_cache_and_workers_on_the_8b_recipe():
 
 def _with_train(cfg, **kw):
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **kw))
+
+
+def test_the_vllm_graph_pool_is_a_term_kept_through_the_update_and_push():
+    """Issue 61 item 3: with CUDA graphs (``rollout.vllm_enforce_eager=false``, the default)
+    the plan counts vLLM's graph pool: inside the engine's share while it generates, held on
+    its own through the update and the push by an asleep engine; none when eager. By hand at
+    ``vllm_max_num_seqs=64`` on the 8B recipe (hidden 4096, bf16)."""
+    from paravt.plan import GRAPH_ACTIVATIONS, GRAPH_FIXED_BYTES, graph_capture_sizes
+
+    cfg = load_config("qwen3vl_8b_paragrpo", overrides=["rollout.vllm_max_num_seqs=64"])
+    s = model_shape(cfg)
+    assert cfg.rollout.vllm_enforce_eager is False and cfg.rollout.vllm_sleep
+    sizes = graph_capture_sizes(64)
+    assert sizes == [1, 2, 4, *range(8, 129, 8)]  # capped at 2 x 64 = 128 tokens
+    assert graph_capture_sizes(1024)[-1] == 512 and len(graph_capture_sizes(1024)) == 51
+    full = [n for n in sizes if n <= 64]
+    expect = sum(GRAPH_ACTIVATIONS * n * 4096 * 2 + GRAPH_FIXED_BYTES for n in sizes + full)
+    lay = Layout(nproc_per_node=8, device_bytes=int(79.65 * GIB))
+    pl = plan_memory(cfg, lay, s)
+    g = pl.term("vLLM CUDA graph pool")
+    assert (g.rollout, g.update, g.sync) == (0, pytest.approx(expect), pytest.approx(expect))
+    eager = plan_memory(
+        load_config("qwen3vl_8b_paragrpo", overrides=["rollout.vllm_enforce_eager=true"]), lay, s
+    )
+    assert "vLLM CUDA graph pool" not in {t.name for t in eager.terms}
+    assert pl.update - eager.update == pytest.approx(expect * 1.05)  # with its 5% slack
+    # An engine that stays awake holds its whole share in the update: no second count.
+    awake = plan_memory(load_config("qwen3vl_8b_paragrpo", overrides=["rollout.vllm_sleep=false"]),
+                        lay, s)  # fmt: skip
+    assert awake.term("vLLM CUDA graph pool").update == 0
+
+
+def test_two_nodes_plan_hsdp_per_node_shards_and_the_cross_node_bytes():
+    """Issue 61 item 6: over 2 nodes x 8 ranks the plan shards the states over a node's 8
+    ranks (HSDP, replicated across the nodes, as ``distributed.train_mesh``) and counts the
+    bytes a rank moves across nodes a micro-batch: the gradient shard's all-reduce (~4 GB at
+    8B, fp32) instead of the 1-D mesh's all-gathers and reduce-scatter over all 16 ranks
+    (~60 GB, train.hsdp=false). On main the plan had neither (16-way shards, no such term)."""
+    cfg = _cfg("model.config=qwen3vl_8b", "model.dtype=bfloat16", "rollout.engine=vllm",
+               "model.gradient_checkpointing=true")  # fmt: skip
+    two = Layout(nproc_per_node=8, nnodes=2, device_bytes=int(80 * GIB))
+    h = plan_memory(cfg, two)
+    f = plan_memory(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, hsdp=False)), two)
+    one = plan_memory(cfg, Layout(nproc_per_node=8, nnodes=1, device_bytes=int(80 * GIB)))
+    assert h.hsdp and (h.shard, f.shard, one.shard) == (8, 16, 8) and not f.hsdp
+    # Per rank, HSDP holds what one node of 8 holds; FSDP over 16 half of its masters.
+    assert h.term("AdamW moments").update == one.term("AdamW moments").update
+    assert f.term("AdamW moments").update == pytest.approx(h.term("AdamW moments").update / 2)
+    p, t = h.shape.params, h.shape.trainable
+    assert one.cross_node_bytes == 0
+    assert f.cross_node_bytes == pytest.approx((2 * 2 + 4) * p * 15 / 16)  # bf16 x2 + fp32
+    assert h.cross_node_bytes == pytest.approx(2 * (1 / 2) * t * 4 / 8)
+    assert f.cross_node_bytes > 10 * h.cross_node_bytes
+    assert "8 rank(s) shard the policy (HSDP: replicated across the nodes)" in format_plan(h)

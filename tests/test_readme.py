@@ -240,7 +240,10 @@ def test_two_node_plan_runs(capsys) -> None:
     cmd = next(c for c in COVERAGE if c.startswith("python -m paravt.plan") and "--nnodes" in c)
     assert plan_main(shlex.split(cmd)[3:]) == 0
     out = capsys.readouterr().out
-    assert "2 node(s) x 8 rank(s); 16 rank(s) shard the policy" in out, out[-2000:]
+    assert (
+        "2 node(s) x 8 rank(s); 8 rank(s) shard the policy (HSDP: replicated across the nodes), "
+        in out
+    ), out[-2000:]
     assert ": fits (" in out, out[-2000:]
 
 

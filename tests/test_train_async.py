@@ -157,6 +157,10 @@ def test_eta0_with_a_worker_reproduces_the_synchronous_run(assets, tmp_path) -> 
         assert_same_row(step, ra[step], a, "the same run with one rollout worker (eta=0)")
         assert rb[step]["async/staleness_max"] == 0.0
         assert rb[step]["async/version"] == step - 1
+        # The weight push's metrics (issue 61 item 5): its time until the worker held it,
+        # and the worker's wait for weights, from its heartbeat on the store.
+        assert rb[step]["async/push_s"] > 0
+        assert rb[step]["async/worker_1_wait_weights_s"] >= 0
     assert (sync / "trajectories.jsonl").read_bytes() == (asyn / "trajectories.jsonl").read_bytes()
     for step in (1, 2, 3):
         name = f"checkpoints/step_{step:06d}"

@@ -14,7 +14,12 @@ tests/test_train_async.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -293,3 +298,128 @@ def test_an_overlapped_cuda_push_snapshots_to_pinned_host_and_sends_the_cpu_byte
     assert [d for d, _ in sent["cuda"]] == ["cuda"] * len(sent["cpu"])  # NCCL gets CUDA buffers
     for (_, a), (_, b) in zip(sent["cpu"], sent["cuda"], strict=True):
         assert torch.equal(a, b)
+
+
+# ---- issue 61 item 5: the copy stream, the deadline, heartbeats, metrics ---------------------
+_HUNG_WORKER = """
+import sys, time, torch, torch.distributed as dist
+from paravt.weight_sync import Heartbeat, receive
+from paravt.workers.roles import Channel, WeightGroup
+
+port, mode = int(sys.argv[1]), sys.argv[2]
+store = dist.TCPStore("127.0.0.1", port, 2, False)
+ctrl = Channel(store, "ctrl", 1, 2)
+group = WeightGroup(store, "weights", 1, 2, torch.device("cpu"))
+beat = Heartbeat(store, 1, interval_s=0.2).start()
+print("JOINED", flush=True)
+if mode == "hung":  # alive (its heartbeat thread beats) but never reads the push
+    time.sleep(600)
+header = ctrl.bcast()
+if mode == "stuck":  # reads the header, then hangs before the buckets
+    time.sleep(600)
+beat.waited(0.25)
+receive(header, ctrl, group, heartbeat=beat)
+print("RECEIVED", flush=True)
+time.sleep(600)  # the test kills it
+"""
+
+
+def _with_worker_process(tmp_path: Any, mode: str, trainer: Any) -> Any:
+    """Trainer rank 0 here (a thread), a rollout worker as a real process joined over a TCP
+    store (gloo groups, as ``paravt.workers.roles``); ``trainer(ctrl, group, store)``."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    script = tmp_path / "worker.py"
+    script.write_text(_HUNG_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(script), str(store.port), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        ctrl = Channel(store, "ctrl", 0, 2)
+        group = WeightGroup(store, "weights", 0, 2, torch.device("cpu"))
+        assert proc.stdout.readline().strip() == "JOINED"
+        return trainer(ctrl, group, store), proc
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("mode", ["hung", "stuck"])
+def test_a_hung_worker_process_is_named_at_the_push_deadline(tmp_path: Any, mode: str) -> None:
+    """A real worker process that joined the groups and beats, but never reads the push (hung:
+    the header's send on the trainer's thread) or hangs after its header (stuck: the buckets'
+    sending thread): past ``rollout.weight_push_timeout_s`` the push raises ``PushStalled``
+    naming it as alive but silent (on main a push waits 7 days: ``CTRL_TIMEOUT``), and hands
+    it to ``on_stall`` (the pipeline's ``WorkerFailed``)."""
+    w = {f"layer{i}.weight": torch.randn(1 << 20) for i in range(8)}  # 32 MiB: blocks gloo
+
+    def trainer(ctrl: Channel, group: WeightGroup, store: Any) -> Any:
+        stalled: list[tuple[int, str]] = []
+        watch = ws.PushWatch(store, [1], timeout_s=2.0,
+                             on_stall=lambda r, e: stalled.append((r, str(e))))  # fmt: skip
+        pub = WeightPublisher(ctrl, group, bucket_bytes=4 << 20, overlap=True, watch=watch)
+        t0 = time.monotonic()
+        with pytest.raises(ws.PushStalled) as e:
+            pub.push(5, _specs(w), iter(w.items()))
+            assert mode == "stuck"  # the header went out: the sending thread is stuck
+            assert pub.wait(0.5) is False  # not held yet, and not overdue yet
+            pub.wait(30)
+        took = time.monotonic() - t0
+        return str(e.value), stalled, took
+
+    (msg, stalled, took), _ = _with_worker_process(tmp_path, mode, trainer)
+    assert 2.0 <= took < 15, took
+    assert msg.startswith("weight push of version 5: 1 rollout worker(s) did not receive it "
+                          "within rollout.weight_push_timeout_s=2")  # fmt: skip
+    assert "rank 1 is alive but silent (hung)" in msg and "holds version -1" in msg
+    assert stalled and stalled[0][0] == 1 and stalled[0][1] == msg
+
+
+def test_a_push_is_done_when_the_worker_holds_it_with_its_metrics(tmp_path: Any) -> None:
+    """The same real worker process reading the push: ``wait`` returns once its heartbeat
+    says it holds the version; ``metrics`` give the push time and the worker's wait."""
+    w = _weights()
+
+    def trainer(ctrl: Channel, group: WeightGroup, store: Any) -> Any:
+        pub = WeightPublisher(ctrl, group, bucket_bytes=4096, overlap=True,
+                              watch=ws.PushWatch(store, [1], timeout_s=60))  # fmt: skip
+        pub.push(2, _specs(w), iter(w.items()))
+        assert pub.wait(60)
+        assert ws.read_heartbeat(store, 1)["version"] == 2
+        return pub.metrics(), pub.copy_stream.entered
+
+    (m, entered), _ = _with_worker_process(tmp_path, "reads", trainer)
+    assert m["async/push_s"] > 0 and m["async/push_snapshot_s"] > 0
+    assert m["async/worker_1_wait_weights_s"] == pytest.approx(0.25)
+    # Every entry was copied, and every bucket allocated, on the copy stream (the CUDA path).
+    assert entered == len(w) + len(plan_buckets(_specs(w), 4096))
+
+
+@CUDA
+def test_cuda_stream_the_push_does_not_wait_for_the_next_steps_compute() -> None:
+    """The sending thread's bucket copies run on the push's own stream: with the next step's
+    compute queued on the default stream, the push ends while that compute still runs (on
+    main the thread synchronised the default stream: it ended after the compute)."""
+
+    class Grp:
+        def bcast(self, obj: Any = None) -> None:
+            pass
+
+    dev = torch.device("cuda")
+    w = {f"l{i}.weight": torch.randn(1 << 20, device=dev).bfloat16() for i in range(8)}
+    pub = WeightPublisher(Grp(), Grp(), bucket_bytes=4 << 20, overlap=True, device=dev)
+    assert pub.copy_stream.stream is not None
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    gate = threading.Event()
+    real = pub._send_all
+    pub._send_all = lambda bufs: (gate.wait(60), real(bufs))  # type: ignore[method-assign]
+    pub.push(1, _specs(w), iter(w.items()))  # packed (after the update); sending held
+    x = a
+    for _ in range(400):  # the next step: ~0.5 s of matmuls queued on the default stream
+        x = (x @ a) * 1e-3
+    done = torch.cuda.Event()
+    done.record()
+    gate.set()
+    assert pub.wait(60)
+    assert not done.query(), "the push waited for the compute on the default stream"
+    torch.cuda.synchronize()

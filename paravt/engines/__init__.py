@@ -67,6 +67,12 @@ class EngineSpec:
     device_share_key: str = ""
     sleep_key: str = ""
     cpu_kv_cache_key: str = ""
+    # On a GPU the engine captures CUDA graphs unless this ``rollout`` key is true ('' = it
+    # captures none): their memory pool is a plan term (``paravt.plan.graph_pool_bytes``),
+    # held while the engine sleeps.
+    eager_key: str = ""
+    # The ``rollout`` key of the sequences the engine schedules at once (its graphs' sizes).
+    max_num_seqs_key: str = ""
 
 
 def _register(*engines: EngineSpec) -> dict[str, EngineSpec]:
@@ -90,6 +96,8 @@ ENGINES: dict[str, EngineSpec] = _register(
         device_share_key="vllm_gpu_memory_utilization",
         sleep_key="vllm_sleep",
         cpu_kv_cache_key="vllm_kv_cache_gib",
+        eager_key="vllm_enforce_eager",
+        max_num_seqs_key="vllm_max_num_seqs",
     ),
 )
 

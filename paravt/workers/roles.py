@@ -73,18 +73,26 @@ class Channel:
         self.last_bytes = int(n[0])
         return _decode(data)
 
-    def bcast_tensor(self, t: torch.Tensor) -> None:
-        """Broadcast ``t`` (a CPU tensor) from member 0 into every member's ``t``."""
+    def bcast_tensor(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
+        """Broadcast ``t`` (a CPU tensor) from member 0 into every member's ``t``.
+        ``timeout_s``: raise ``RuntimeError`` when a member has not taken part by then (the
+        weight push's deadline, ``paravt.weight_sync.PushWatch``); None: the group's own."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        work = self.pg.broadcast([t], opts)
+        if timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=max(1e-3, timeout_s)))
 
-    def bcast(self, obj: Any = None) -> Any:
-        """Member 0's ``obj`` on every member (the others pass nothing)."""
+    def bcast(self, obj: Any = None, timeout_s: float | None = None) -> Any:
+        """Member 0's ``obj`` on every member (the others pass nothing). ``timeout_s``: as
+        ``bcast_tensor`` (member 0)."""
         if self.member == 0:
             data = _encode(obj)
-            self.bcast_tensor(torch.tensor([data.numel()], dtype=torch.int64))
-            self.bcast_tensor(data)
+            kw = {} if timeout_s is None else {"timeout_s": timeout_s}
+            self.bcast_tensor(torch.tensor([data.numel()], dtype=torch.int64), **kw)
+            self.bcast_tensor(data, **kw)
             return obj
         n = torch.zeros(1, dtype=torch.int64)
         self.bcast_tensor(n)

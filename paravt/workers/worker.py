@@ -62,7 +62,7 @@ from paravt.distributed import DistContext
 from paravt.engines import engine_spec, make_engine
 from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
-from paravt.weight_sync import Staged, WeightSyncError, receive, verify_engine
+from paravt.weight_sync import Heartbeat, Staged, WeightSyncError, receive, verify_engine
 from paravt.workers.pipeline import CLAIM_KEY
 from paravt.workers.pixels import compact_pixels, strip_pixels
 from paravt.workers.roles import AsyncRoles
@@ -91,6 +91,9 @@ class _Weights:
         self.arrived = threading.Condition(self.lock)
         self.gone = ""  # why the control stream failed (the trainer is gone), if it did
         self.failed: WeightSyncError | None = None  # a received version failed its checksums
+        #: This worker's heartbeat on the store (``paravt.weight_sync.Heartbeat``): the
+        #: versions it holds (the trainer's push deadline) and its wait for weights.
+        self.heartbeat: Heartbeat | None = None
 
     def stage(self, staged: Staged) -> None:
         with self.arrived:
@@ -120,6 +123,10 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     # The control thread first: the trainer's first weight push and prompts are staged while
     # the model loads and the engine starts (minutes for vLLM), so the trainer never waits.
     weights = _Weights()
+    if roles.store is not None:
+        weights.heartbeat = Heartbeat(
+            roles.store, roles.rank, cfg.rollout.worker_heartbeat_s
+        ).start()
     jobs: queue.Queue[Any] = queue.Queue()
     headers: queue.Queue[Any] = queue.Queue()  # bucketed weight headers, for the weight thread
     stop = threading.Event()
@@ -195,6 +202,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             # The work follows the weights it needs in the stream: wait for the control thread
             # to have staged them (it has, unless the stream is still being read).
             need = int(job["min_version"])
+            t_wait = time.perf_counter()
             with weights.arrived:
                 weights.arrived.wait_for(
                     lambda need=need: (
@@ -203,6 +211,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                         or weights.failed is not None
                     )
                 )
+            if weights.heartbeat is not None:  # the wait for weights (async/* metrics)
+                weights.heartbeat.waited(time.perf_counter() - t_wait)
             idle += time.perf_counter() - t0
             runner.before_turn = swap
             t1 = time.perf_counter()
@@ -262,6 +272,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             raise
     ctrl.join(timeout=30)
     receiver.join(timeout=30)
+    if weights.heartbeat is not None:
+        weights.heartbeat.stop()
     getattr(engine, "close", lambda: None)()
     done = f"{totals['groups']} group(s)" if group else f"{totals['steps']} step(s)"
     log.info(
@@ -476,7 +488,7 @@ def _control_loop(
                 jobs.put(msg)
             elif kind == "weights":
                 if msg.get("sync", "host") == "host":  # through ctrl, here, into host memory
-                    weights.stage(receive(msg, roles.ctrl, None))
+                    weights.stage(receive(msg, roles.ctrl, None, heartbeat=weights.heartbeat))
                 else:
                     headers.put(msg)  # the weight thread receives the buckets
             elif kind == "stop":
@@ -511,7 +523,7 @@ def _weight_loop(
     device = roles.weights.device if roles.weights is not None else torch.device("cpu")
     while (msg := headers.get()) is not None:
         try:
-            weights.stage(receive(msg, None, roles.weights, device))
+            weights.stage(receive(msg, None, roles.weights, device, weights.heartbeat))
         except WeightSyncError as e:
             weights.fail(e, jobs)
             return
