@@ -328,8 +328,9 @@ class RolloutConfig:
     dispatch_groups: int = 0
     # dispatch=group: trainer rank 0 warns, naming the worker and its tickets, when a worker
     # has held a claim this many times longer than the median of the claims finished so far
-    # (and at least ``claim_watchdog_min_s``): a hung worker (a stuck decode, a wedged GPU)
-    # is named while the run goes on. 0 = off.
+    # (and at least ``claim_watchdog_min_s``; before any claim finished, this many times
+    # ``claim_watchdog_min_s``): a hung worker (a stuck decode, a wedged GPU) is named while
+    # the run goes on. 0 = off.
     claim_watchdog_factor: float = 5.0
     # dispatch=group: the watchdog's floor in seconds (a claim held shorter is never named).
     claim_watchdog_min_s: float = 120.0

@@ -285,3 +285,18 @@ def test_the_claim_watchdog_names_a_worker_far_slower_than_its_peers() -> None:
     off.claimed(2, [1])
     clock.t += 1e6
     assert off.overdue() == []
+
+
+def test_the_claim_watchdog_names_a_worker_hung_from_its_first_claim() -> None:
+    """Before any claim has finished (the first claims carry the engines' warm-up) there is no
+    median to compare with: the limit is ``factor * min_s``, so a worker hung from its first
+    claim is still named (before, never)."""
+    clock = _Clock()
+    dog = ClaimWatchdog(5.0, 4.0, clock=clock)
+    dog.claimed(1, [0, 1])
+    clock.t += 20.0
+    assert dog.overdue() == []  # 20 s = 5 x 4 s: not past it
+    clock.t += 1.0
+    (line,) = dog.overdue()
+    assert line.startswith("rollout worker rank 1 has held its claim of tickets 0..1 for 21 s")
+    assert "no claim has finished yet (limit 20 s)" in line

@@ -413,15 +413,15 @@ def flip(t, name):
 
 real_bcast, real_tensor = roles.Channel.bcast, roles.Channel.bcast_tensor
 
-def bcast(self, obj=None):
-    msg = real_bcast(self, obj)
+def bcast(self, obj=None, timeout_s=None):
+    msg = real_bcast(self, obj, timeout_s)
     if (self.member != 0 and isinstance(msg, dict) and msg.get("kind") == "weights"
             and msg.get("sync", "host") == "host" and not state["done"]):
         state["left"], state["name"] = pick(msg["specs"])
     return msg
 
-def bcast_tensor(self, t):
-    real_tensor(self, t)
+def bcast_tensor(self, t, timeout_s=None):
+    real_tensor(self, t, timeout_s)
     if self.member != 0 and state["left"] is not None:
         if state["left"] == 0:
             state["left"] = None
@@ -667,3 +667,39 @@ def test_negative_or_workerless_staleness_is_a_config_error() -> None:
         load_config(overrides=["rollout.max_staleness=1"])
     with pytest.raises(ConfigError, match=r"rollout.workers=-2 must be >= 0"):
         load_config(overrides=["rollout.workers=-2"])
+
+
+def test_a_worker_that_stops_answering_is_named_and_sigterm_still_saves(assets, tmp_path) -> None:
+    """A rollout worker that stops answering mid-run (test hook ``1:h=2``: it hangs after its
+    second rollout) while the trainer waits for step 2 at η = 0: the claim watchdog names it
+    (after factor x the median claim; before this round nothing named it), and a SIGTERM then
+    still saves: the trainer abandons the step it waits for, checkpoints step 1, stops the
+    worker (which leaves its wait at once) and every rank exits 0; ``--resume`` continues."""
+    out = tmp_path / "run"
+    over = _overrides(assets, out, **{"rollout.workers": 1, "train.steps": 3,
+                                      "train.dump_batches": "false", "train.save_every": 0,
+                                      "rollout.claim_watchdog_factor": 3.0,
+                                      "rollout.claim_watchdog_min_s": 1.0})  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--standalone", "-m", "paravt.train", *over,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+           "PARAVT_TEST_SLOW_WORKER": "1:h=2"}  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    m = _wait_for_line(proc, r"rollout worker rank 1 has held its claim of tickets (\d+)", 240)
+    assert m.group(1) == "2"  # step 2's claim (tickets 0-1 were step 1's)
+    os.kill(_trainer_pid(proc.pid), signal.SIGTERM)  # the trainer alone: the scheduler's way
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest[-3000:]
+    line = next((x for x in rest.splitlines() if x.startswith("[preempt] ")), "")
+    assert "SIGTERM at step 2" in line and "abandoned step 2" in line, rest[-3000:]
+    assert "step_000001" in line, line
+    assert re.search(r"\[worker 1\] stopped after 2 group", rest), rest[-3000:]
+    assert "Traceback" not in rest, rest[-3000:]
+    assert sorted(train_rows(out)) == [1]
+    resumed = torchrun(2, "-m", "paravt.train", "--resume", *over, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(train_rows(out)) == [1, 2, 3]

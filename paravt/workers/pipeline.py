@@ -665,23 +665,29 @@ class ClaimWatchdog:
         return max((now - t0 for _, t0 in self.held.values()), default=0.0)
 
     def overdue(self) -> list[str]:
-        """One line per claim newly overdue (empty while off or before any claim finished)."""
-        if self.factor <= 0 or not self.durations:
+        """One line per claim newly overdue (empty while off). Before any claim has finished
+        (the first claims carry the engines' warm-up) the limit is ``factor * min_s``, so a
+        worker hung from its first claim is named too."""
+        if self.factor <= 0:
             return []
-        med = float(sorted(self.durations)[len(self.durations) // 2])
-        limit = max(self.factor * med, self.min_s)
+        med = float(sorted(self.durations)[len(self.durations) // 2]) if self.durations else 0.0
+        limit = max(self.factor * med, self.min_s) if med else self.factor * self.min_s
         now, out = self.clock(), []
         for w, (tickets, t0) in sorted(self.held.items()):
             held = now - t0
             if held <= limit or (w, tickets[0]) in self.named:
                 continue
             self.named.add((w, tickets[0]))
+            than = (
+                f"{held / med:.1f}x the median claim ({med:.1f} s over {len(self.durations)})"
+                if med
+                else f"and no claim has finished yet (limit {limit:.0f} s)"
+            )
             out.append(
                 f"rollout worker rank {w} has held its claim of tickets {tickets[0]}.."
-                f"{tickets[-1]} for {held:.0f} s, {held / max(med, 1e-9):.1f}x the median "
-                f"claim ({med:.1f} s over {len(self.durations)}): it may be hung (a stuck "
-                "decode or engine). Other workers claim the tickets left; a step that needs "
-                "this claim's groups waits for them. Check that rank's log and stack (py-spy "
+                f"{tickets[-1]} for {held:.0f} s, {than}: it may be hung (a stuck decode or "
+                "engine). Other workers claim the tickets left; a step that needs this "
+                "claim's groups waits for them. Check that rank's log and stack (py-spy "
                 "dump); the watchdog is rollout.claim_watchdog_factor / claim_watchdog_min_s"
             )
         return out

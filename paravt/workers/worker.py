@@ -409,24 +409,29 @@ def ticket_entries(
 
 def _slow_hook(rank: int) -> tuple[str, float] | None:
     """Test hook ``PARAVT_TEST_SLOW_WORKER`` (``SLOW_WORKER_ENV``): ``"RANK:s=SECONDS"`` (worker
-    ``RANK`` sleeps that long after each rollout) or ``"RANK:v=N"`` (it holds each rollout's
+    ``RANK`` sleeps that long after each rollout), ``"RANK:v=N"`` (it holds each rollout's
     result until it has received the version N above the oldest it sampled with, so the
-    result arrives N versions stale). None for the other workers, or when unset."""
+    result arrives N versions stale) or ``"RANK:h=N"`` (it hangs, until stopped, after its
+    N-th rollout: a worker that stops answering mid-run). None for the other workers, or
+    when unset."""
     raw = os.environ.get(SLOW_WORKER_ENV, "")
     if not raw:
         return None
     try:
         r, spec = raw.split(":")
         kind, val = spec.split("=")
-        if kind not in ("s", "v"):
+        if kind not in ("s", "v", "h"):
             raise ValueError(kind)
         target, value = int(r), float(val)
     except ValueError:
         raise RuntimeError(
-            f"{SLOW_WORKER_ENV}={raw!r} (a test hook): expected 'RANK:s=SECONDS' or "
-            "'RANK:v=VERSIONS', e.g. '2:s=3'; unset it for a normal run"
+            f"{SLOW_WORKER_ENV}={raw!r} (a test hook): expected 'RANK:s=SECONDS', "
+            "'RANK:v=VERSIONS' or 'RANK:h=ROLLOUTS', e.g. '2:s=3'; unset it for a normal run"
         ) from None
     return (kind, value) if target == rank else None
+
+
+_ROLLOUTS_DONE = [0]  # the ``h`` hook's count of this worker's rollouts
 
 
 def _be_slow(
@@ -437,6 +442,10 @@ def _be_slow(
     kind, value = slow
     if kind == "s":
         stop.wait(value)
+    elif kind == "h":
+        _ROLLOUTS_DONE[0] += 1
+        if _ROLLOUTS_DONE[0] >= value:
+            stop.wait()
     else:
         olds = [t.oldest_version() for g in groups for t in g.trajectories]
         need = min((v for v in olds if v is not None), default=0) + int(value)
