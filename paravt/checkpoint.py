@@ -463,52 +463,66 @@ class CheckpointGone(ConfigError):
     """The checkpoint folder a reader was about to pin was pruned first (``pin_checkpoint``)."""
 
 
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def _pin_file(folder: Path) -> Path:
+    """The lock file of checkpoint ``folder``'s readers: beside it (``.pin-step_N``), never
+    inside (a checkpoint's files are exactly its manifest's), a regular file opened for
+    writing (NFS emulates ``flock`` with POSIX locks, which need that for ``LOCK_EX``)."""
+    return folder.with_name(f".pin-{folder.name}")
+
+
 @contextmanager
 def pin_checkpoint(path: str | Path) -> Iterator[Path]:
     """Hold a reader's pin on checkpoint folder ``path`` for the block (``python -m
     paravt.eval`` holds one on the checkpoint it evaluates, for its whole run): the training
     run's ``keep_last`` pruning skips a pinned checkpoint (``_prune``: it is pruned at a later
     save, once free), so an evaluation of a live run never loses its files mid-load. The pin
-    is a shared ``flock`` on the folder; on a filesystem without ``flock`` nothing is pinned
-    (a warning says so). Raises ``CheckpointGone`` when ``path`` was pruned before the pin
-    took hold (the caller resolves the newest checkpoint again)."""
+    is a shared ``flock`` on ``_pin_file``; where it cannot be taken (no ``flock``, a
+    read-only checkpoints folder, which no run prunes either) nothing is pinned and a warning
+    says so. Raises ``CheckpointGone`` when ``path`` was pruned before the pin took hold (the
+    caller resolves the newest checkpoint again)."""
     p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
-        raise CheckpointGone(f"checkpoint {p} was pruned before it could be read") from None
+    if not p.is_dir():
+        raise CheckpointGone(f"checkpoint {p} was pruned before it could be read")
+    fd = None
     try:
         try:
+            fd = os.open(_pin_file(p), os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_SH)
-        except OSError as e:  # no flock here (some network filesystems)
+        except OSError as e:  # no flock, or a folder this reader cannot write
             log.warning(
-                f"cannot pin {p} against pruning ({e.strerror}): the filesystem has no flock; "
-                "if the run that writes it is live, keep train.keep_last large enough"
+                f"cannot pin {p} against pruning ({e.strerror}); if the run that writes it "
+                "is live, keep train.keep_last large enough"
             )
-        try:
-            same = os.stat(p).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:  # moved aside (pruned) between resolving the path and the pin
+        if not p.is_dir():  # pruned between resolving the path and the pin
             raise CheckpointGone(f"checkpoint {p} was pruned before it could be read")
         yield p
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _prune(done: Path) -> None:
     """Delete old checkpoint ``done`` unless a reader pins it (``pin_checkpoint``): then it is
-    kept, said once in the log, and pruned by a later save."""
-    fd = os.open(done, os.O_RDONLY | os.O_DIRECTORY)
+    kept, said in the log, and pruned by a later save. Where the pin file cannot be locked
+    for another reason than a filesystem without ``flock``, the checkpoint is kept too (a
+    warning): deleting what a reader may hold is worse than a full disk's clear error."""
+    pin = _pin_file(done)
+    fd = os.open(pin, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info(f"kept {done}: a reader (an evaluation) has it open; pruned at a later save")
             return
-        except OSError:  # no flock on this filesystem: nothing can pin it
-            pass
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                log.warning(f"kept {done}: its pin {pin} cannot be locked ({e.strerror})")
+                return
         shutil.rmtree(_move_aside(done), ignore_errors=True)
+        pin.unlink(missing_ok=True)
     finally:
         os.close(fd)
 
@@ -1171,7 +1185,8 @@ def _write_manifest(folder: Path, step: int, rid: str | None, files: dict[str, A
 # NumPy's array reconstruction (the RNG states' key arrays): data, no code. With it, a
 # checkpoint's small state loads under ``weights_only=True``; anything else a pickle names
 # (a planted ``os.system``) is refused by torch's weights-only unpickler.
-_NUMPY_SAFE = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+_NP_CORE = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core (1.x has only it)
+_NUMPY_SAFE = [_NP_CORE.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def safe_torch_load(path: str | Path, *, mmap: bool = False) -> Any:

@@ -136,9 +136,10 @@ class VideoConfig:
     # sample fails like an unreadable video: skipped in RL, an error tool response for a
     # crop, an error row in eval. Too low fails long healthy videos.
     decode_timeout_s: float = 60.0
-    # PyAV decoder threads per decode (frame + slice threading): 0 = FFmpeg's choice (up to
-    # the cores), 1 = one thread. Bit-exact either way; a sparse overview gains little (each
-    # seek restarts the pipeline), a dense read of long 30 fps video several-fold.
+    # PyAV decoder threads per decode (frame + slice threading): 0 = this process's share
+    # of the node's cores (the cores over torchrun's LOCAL_WORLD_SIZE, at most 16), 1 = one
+    # thread. Bit-exact either way; a sparse overview gains little (each seek restarts the
+    # pipeline), a dense read of long 30 fps video several-fold.
     decode_threads: int = 0
 
     def validate(self) -> list[str]:

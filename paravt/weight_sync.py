@@ -125,11 +125,17 @@ class Heartbeat:
             self.wait_s += max(0.0, float(seconds))
         self.beat()
 
-    def beat(self) -> None:
+    def beat(self) -> bool:
+        """Write this worker's state to the store; False when the store is gone (the trainer
+        that hosts it has exited: its own fault path names that, a beat never raises)."""
         with self._lock:
             state = {"t": time.time(), "version": self.version, "wait_s": self.wait_s,
                      "interval_s": self.interval_s}  # fmt: skip
-        self.store.set(HEARTBEAT_KEY.format(rank=self.rank), json.dumps(state))
+        try:
+            self.store.set(HEARTBEAT_KEY.format(rank=self.rank), json.dumps(state))
+        except Exception:  # noqa: BLE001 - a closed store raises several kinds
+            return False
+        return True
 
     def start(self) -> Heartbeat:
         self.beat()
@@ -141,9 +147,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self.beat()
-            except Exception:  # noqa: BLE001 - the store is gone: the trainer has exited
+            if not self.beat():  # the store is gone: the trainer has exited
                 return
 
     def stop(self) -> None:
@@ -531,10 +535,13 @@ class WeightPublisher:
                 w.overdue()
                 time.sleep(0.05)
         except PushStalled as e:
-            self._error = self._error or e
             late = w.missing()
+            if not late:  # every worker took it as the deadline passed: held in time
+                self.last_push_s = time.perf_counter() - self._t0
+                return
+            self._error = self._error or e
             if w.on_stall is not None:
-                w.on_stall(late[0] if late else -1, e)
+                w.on_stall(late[0], e)
 
     def metrics(self) -> dict[str, float]:
         """``async/push_s`` (the last completed push: its start until every worker held it),
@@ -645,13 +652,14 @@ class WeightPublisher:
                     buf[sl.offset : sl.offset + sl.nbytes].copy_(as_bytes(t), non_blocking=host)
             if self.overlap:
                 ready.append(buf)
-            else:
+            else:  # on this thread: under what is left of the push's deadline
                 self._packed()
-                self.group.bcast(buf)
+                self._on_time(lambda b=buf: self.group.bcast(b, **self._deadline()))
         ready.append(_stack(sums, self.device))
         self._packed()  # (overlap: the snapshot is complete before the thread sends it)
         if not self.overlap:
-            self.group.bcast(ready.pop())
+            last = ready.pop()
+            self._on_time(lambda: self.group.bcast(last, **self._deadline()))
             return
         self.last_snapshot_s = time.perf_counter() - t0
         self._thread = threading.Thread(

@@ -144,7 +144,12 @@ def test_a_pinned_checkpoint_survives_pruning_until_released(tmp_path: Path) -> 
         _save(tmp_path, 4, m, opt, keep_last=1)
         assert names() == ["step_000002", "step_000004"]
         assert (two / "model.safetensors").is_file()
+        # the readers' lock file sits beside the folder, never inside (its files are exactly
+        # its manifest's)
+        assert (two.parent / ".pin-step_000002").is_file()
+        assert not [f for f in two.iterdir() if f.name.startswith(".pin")]
     _save(tmp_path, 5, m, opt, keep_last=1)
+    assert not (two.parent / ".pin-step_000002").exists()  # pruned with its folder
     assert names() == ["step_000005"]
     with pytest.raises(CheckpointGone, match="step_000002 was pruned"):
         with pin_checkpoint(two):

@@ -86,12 +86,16 @@ def test_threaded_decode_is_bitwise_the_one_thread_decode_and_config_reaches_it(
         return real(sidx, indices, stats, threads)
 
     monkeypatch.setattr("paravt.video.planner._ITER_BACKENDS", {"pyav": spy})
-    for n in (0, 3):
+    from paravt.video.planner import default_decode_threads
+
+    for n, local, want in ((3, "8", 3), (0, "1", None), (0, "10000", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
         cfg = load_config("tiny_cpu", overrides=[f"video.decode_threads={n}"])
         planner = DecodePlanner.from_config(cfg.video)
         assert planner.timeout_s == cfg.video.decode_timeout_s
         planner.run(reqs[:1])
-        assert seen[-1] == n
+        # 0: this process's share of the cores (one rank a node: all of them, at most 16)
+        assert seen[-1] == (want or default_decode_threads()) and 1 <= seen[-1] <= 16
     with pytest.raises(ValueError, match="decoder threads must be >= 0"):
         DecodePlanner(threads=-1)
 

@@ -344,24 +344,28 @@ def _with_worker_process(tmp_path: Any, mode: str, trainer: Any) -> Any:
         proc.wait(30)
 
 
-@pytest.mark.parametrize("mode", ["hung", "stuck"])
-def test_a_hung_worker_process_is_named_at_the_push_deadline(tmp_path: Any, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "overlap"), [("hung", True), ("stuck", True), ("stuck", False)])
+def test_a_hung_worker_process_is_named_at_the_push_deadline(
+    tmp_path: Any, mode: str, overlap: bool
+) -> None:
     """A real worker process that joined the groups and beats, but never reads the push (hung:
     the header's send on the trainer's thread) or hangs after its header (stuck: the buckets'
     sending thread): past ``rollout.weight_push_timeout_s`` the push raises ``PushStalled``
     naming it as alive but silent (on main a push waits 7 days: ``CTRL_TIMEOUT``), and hands
-    it to ``on_stall`` (the pipeline's ``WorkerFailed``)."""
+    it to ``on_stall`` (the pipeline's ``WorkerFailed``). Without overlap
+    (``rollout.weight_sync_overlap=false``) the buckets go out on the caller's thread, under
+    what is left of the same deadline (before, with no timeout: 7 days)."""
     w = {f"layer{i}.weight": torch.randn(1 << 20) for i in range(8)}  # 32 MiB: blocks gloo
 
     def trainer(ctrl: Channel, group: WeightGroup, store: Any) -> Any:
         stalled: list[tuple[int, str]] = []
         watch = ws.PushWatch(store, [1], timeout_s=2.0,
                              on_stall=lambda r, e: stalled.append((r, str(e))))  # fmt: skip
-        pub = WeightPublisher(ctrl, group, bucket_bytes=4 << 20, overlap=True, watch=watch)
+        pub = WeightPublisher(ctrl, group, bucket_bytes=4 << 20, overlap=overlap, watch=watch)
         t0 = time.monotonic()
         with pytest.raises(ws.PushStalled) as e:
             pub.push(5, _specs(w), iter(w.items()))
-            assert mode == "stuck"  # the header went out: the sending thread is stuck
+            assert mode == "stuck" and overlap  # the header went out: the thread is stuck
             assert pub.wait(0.5) is False  # not held yet, and not overdue yet
             pub.wait(30)
         took = time.monotonic() - t0

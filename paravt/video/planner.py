@@ -21,6 +21,7 @@ step goes on with a fresh helper (``paravt.video.deadline`` says what happens to
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -83,6 +84,22 @@ def _check_size(path: str, size: tuple[int, int] | None) -> tuple[int, int] | No
     return int(size[0]), int(size[1])
 
 
+def default_decode_threads() -> int:
+    """``video.decode_threads=0``: this process's share of the node's cores, the cores it may
+    run on over the ranks torchrun starts on the node (``LOCAL_WORLD_SIZE``), at most 16 and at
+    least 1, so that 8 ranks (and their rollout workers) decoding at once do not each start a
+    thread per core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    except ValueError:
+        local = 1
+    return max(1, min(16, cores // local))
+
+
 class DecodePlanner:
     """Decode many frame requests with one pass per file and a shared LRU frame cache.
 
@@ -119,14 +136,15 @@ class DecodePlanner:
 
     @classmethod
     def from_config(cls, video: Any, timeout_s: float | None = None) -> DecodePlanner:
-        """The planner a ``VideoConfig`` asks for (backend, cache, ``decode_threads``), with
-        its ``decode_timeout_s`` unless ``timeout_s`` is given. Every planner of a run (the
-        agent's, the SFT encoder's, an asynchronous trainer rank's restore) is built here."""
+        """The planner a ``VideoConfig`` asks for (backend, cache, ``decode_threads``; 0:
+        ``default_decode_threads``), with its ``decode_timeout_s`` unless ``timeout_s`` is
+        given. Every planner of a run (the agent's, the SFT encoder's, an asynchronous trainer
+        rank's restore) is built here."""
         return cls(
             video.backend,
             video.cache_frames,
             timeout_s=video.decode_timeout_s if timeout_s is None else timeout_s,
-            threads=video.decode_threads,
+            threads=video.decode_threads or default_decode_threads(),
         )
 
     def run(self, requests: list[FrameRequest]) -> list[FrameBatch | VideoError]:

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import av
 import numpy as np
@@ -189,6 +190,21 @@ def probe_cache_info() -> dict[str, int]:
     """``{"files", "bytes", "max_bytes"}`` of the probe cache (``PROBE_CACHE_BYTES``)."""
     with _cache_lock:
         return {"files": len(_cache), "bytes": _cache_bytes, "max_bytes": PROBE_CACHE_BYTES}
+
+
+def _last_packet_end(container: Any, declared: float) -> float:
+    """The latest end (s) of any stream's packets in the file's last seconds before
+    ``declared`` (0.0 when the file cannot be read there: a cut file)."""
+    end = 0.0
+    try:
+        container.seek(max(0, int((declared - 5.0) * 1e6)), backward=True, any_frame=True)
+        for pkt in container.demux():
+            if pkt.pts is None or pkt.time_base is None:
+                continue
+            end = max(end, float((pkt.pts + (pkt.duration or 0)) * pkt.time_base))
+    except (av.error.FFmpegError, OSError):
+        pass
+    return end
 
 
 def probe(path: str, timeout_s: float | None = DEFAULT_DECODE_TIMEOUT_S) -> VideoMeta:
@@ -412,13 +428,21 @@ def _probe_fields(path: str, file_key: tuple[int, int]) -> StreamIndex:
         # The duration the header declares, on the file's timeline (a stream's own duration
         # starts at its first frame; the container's at 0:00).
         declared = None
+        whole_file = False  # the declared duration is the container's (all its streams)
         if stream.duration is not None:
             declared = start + float(stream.duration * tb)
         elif container.duration is not None:
             declared = container.duration / 1e6  # AV_TIME_BASE units
+            whole_file = True
         if declared is not None and declared <= duration + 1.5 * frame_dur:
             declared = None  # consistent with the packets: not truncated
-        if declared is not None and declared - duration > max(CUT_MIN_S, CUT_FRAC * declared):
+        short = max(CUT_MIN_S, CUT_FRAC * declared) if declared is not None else 0.0
+        if declared is not None and whole_file and len(container.streams) > 1:
+            # The container's duration spans every stream: an audio track that outlasts the
+            # picture is a whole file; a cut one ends every stream early.
+            if _last_packet_end(container, declared) >= declared - short:
+                declared = None
+        if declared is not None and declared - duration > short:
             raise VideoError(
                 path,
                 f"its header declares {declared:.3f} s but its frames end at {duration:.3f} s "

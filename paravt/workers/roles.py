@@ -125,17 +125,22 @@ class WeightGroup:
             self.pg = dist.ProcessGroupGloo(prefixed, member, size, CTRL_TIMEOUT)
             self.backend = "gloo"
 
-    def bcast(self, t: torch.Tensor) -> None:
+    def bcast(self, t: torch.Tensor, timeout_s: float | None = None) -> None:
         """Broadcast ``t`` (on the group's device) from member 0 into every member's ``t``;
         returns once ``t`` may be reused or read. CUDA: the collective is ordered on a side
         stream of this group's, which is synchronised, so the CPU waits for the broadcast
         only, not for the compute another thread has queued on the default stream (the
         trainer's next step, the worker's generation); whatever wrote ``t`` before must be
-        complete (``WeightPublisher`` synchronises its packing first)."""
+        complete (``WeightPublisher`` synchronises its packing first). ``timeout_s`` (gloo:
+        the push's deadline, ``RuntimeError`` past it; NCCL: its own watchdog's timeout)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         if not t.is_cuda:
-            self.pg.broadcast([t], opts).wait()
+            work = self.pg.broadcast([t], opts)
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=max(1e-3, timeout_s)))
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream(t.device)

@@ -260,6 +260,8 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             totals["idle_s"] += idle
             idle = 0.0
     except BaseException as e:  # tell the trainer which worker failed and why, then exit 1
+        if weights.heartbeat is not None:  # no beats from a failed worker
+            weights.heartbeat.stop()
         if not isinstance(e, TrainerGone):
             _report(results, roles.rank, e)
         raise
