@@ -504,27 +504,48 @@ def pin_checkpoint(path: str | Path) -> Iterator[Path]:
             os.close(fd)
 
 
-def _prune(done: Path) -> None:
-    """Delete old checkpoint ``done`` unless a reader pins it (``pin_checkpoint``): then it is
-    kept, said in the log, and pruned by a later save. Where the pin file cannot be locked
-    for another reason than a filesystem without ``flock``, the checkpoint is kept too (a
-    warning): deleting what a reader may hold is worse than a full disk's clear error."""
-    pin = _pin_file(done)
-    fd = os.open(pin, os.O_RDWR | os.O_CREAT, 0o644)
+def _pinned(pin: Path) -> bool:
+    """Whether a reader holds ``pin`` (``pin_checkpoint``). Never creates it (a save killed
+    mid-prune leaves no file behind); a pin that cannot be locked for another reason than a
+    filesystem without ``flock`` counts as held (deleting what a reader may hold is worse
+    than a full disk's clear error)."""
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info(f"kept {done}: a reader (an evaluation) has it open; pruned at a later save")
-            return
-        except OSError as e:
-            if e.errno not in _NO_FLOCK:
-                log.warning(f"kept {done}: its pin {pin} cannot be locked ({e.strerror})")
-                return
-        shutil.rmtree(_move_aside(done), ignore_errors=True)
-        pin.unlink(missing_ok=True)
+        fd = os.open(pin, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        log.warning(f"cannot check the pin {pin} ({e.strerror}): its checkpoint is kept")
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        if e.errno not in _NO_FLOCK:
+            log.warning(f"cannot lock the pin {pin} ({e.strerror}): its checkpoint is kept")
+            return True
     finally:
         os.close(fd)
+    return False
+
+
+def _prune(done: Path) -> None:
+    """Delete old checkpoint ``done`` unless a reader pins it (``pin_checkpoint``): then it is
+    kept, said in the log, and pruned by a later save. A reader that pins it while it is
+    moved aside finds it gone (``CheckpointGone``) or, pinned before the second check, gets it
+    back in place."""
+    pin = _pin_file(done)
+    kept = f"kept {done}: a reader (an evaluation) has it open; pruned at a later save"
+    if _pinned(pin):
+        log.info(kept)
+        return
+    aside = _move_aside(done)
+    if _pinned(pin):  # pinned while it moved
+        os.replace(aside, done)
+        log.info(kept)
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+    pin.unlink(missing_ok=True)
 
 
 def save_checkpoint(

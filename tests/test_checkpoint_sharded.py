@@ -348,14 +348,16 @@ TRUST = COMMON + textwrap.dedent(
         f = Path(out) / "checkpoints/step_000002/train_state/__1_0.distcp"
         data = bytearray(f.read_bytes()); data[len(data) // 2] ^= 1; f.write_bytes(bytes(data))
     barrier(ctx)
+    said = open(Path(out).parent / f"said{ctx.rank}.txt", "w")  # a file each: no interleaving
     try:
         C.resume_checkpoint(out, ctx)
-        print(f"ACCEPTED rank={ctx.rank}")
+        print(f"ACCEPTED rank={ctx.rank}", file=said)
     except C.CheckpointLoadError as e:
-        print(f"REFUSED rank={ctx.rank} {e}")
+        print(f"REFUSED rank={ctx.rank} {e}", file=said)
     good = C.resume_checkpoint(out, ctx, fallback=True)
     C.load_train_state(good, C.load_trainer_state(good), model, opt, ctx)
-    print(f"FELL_BACK rank={ctx.rank} {good.name}")
+    print(f"FELL_BACK rank={ctx.rank} {good.name}", file=said)
+    said.close()
     cleanup(ctx)
     """
 )
@@ -375,7 +377,8 @@ def test_two_ranks_agree_on_a_damaged_shard_whichever_rank_digests_it(tmp_path: 
     root = str(Path(__file__).resolve().parents[1])
     proc = torchrun(2, str(script), str(run), env={"PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    # each rank's lines from its own file (two processes' stdout interleave mid-line)
+    out = "".join((tmp_path / f"said{r}.txt").read_text() for r in (0, 1))
     refused = sorted(x for x in out.splitlines() if x.startswith("REFUSED"))
     assert len(refused) == 2, out
     assert refused[0].split(" ", 2)[2] == refused[1].split(" ", 2)[2]  # the same line

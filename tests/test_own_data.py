@@ -412,8 +412,10 @@ def test_cuda_install_commands_parse_and_the_extras_resolve(tmp_path: Path) -> N
         import tomllib
     except ModuleNotFoundError:  # Python 3.10: pip's vendored copy of the same parser
         from pip._vendor import tomli as tomllib
+    import json
+    from types import SimpleNamespace
+
     from packaging.requirements import Requirement
-    from pip._internal.commands import create_command
 
     def pyproject(d: Path) -> dict:
         return tomllib.loads((d / "pyproject.toml").read_text())
@@ -422,11 +424,27 @@ def test_cuda_install_commands_parse_and_the_extras_resolve(tmp_path: Path) -> N
     assert cmds[0] == "python -m venv .venv", cmds
     argvs = [shlex.split(c) for c in cmds[1:]]
     assert all(a[:2] == [".venv/bin/pip", "install"] for a in argvs), cmds
+    # pip's own parser, in a process of its own: importing pip._internal loads the standard
+    # library's distutils, after which setuptools' distutils hack fails in this process (an
+    # xdist worker's next test importing vLLM saw that assertion).
+    code = (
+        "import json, sys\n"
+        "from pip._internal.commands import create_command\n"
+        "out = []\n"
+        "for a in json.load(sys.stdin):\n"
+        "    o, args = create_command('install').parse_args(a)\n"
+        "    out.append(({'index_url': o.index_url, 'build_isolation': o.build_isolation}, args))\n"
+        "print(json.dumps(out))\n"
+    )
+    parsed = subprocess.run(
+        [sys.executable, "-c", code], input=json.dumps([a[2:] for a in argvs]),
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
     have: dict[str, Requirement] = {}  # what earlier commands installed, by name
     order: list[str] = []
     gpu_args: list[str] = []
-    for argv in argvs:
-        opts, args = create_command("install").parse_args(argv[2:])
+    for argv, (o, args) in zip(argvs, json.loads(parsed.stdout)):
+        opts = SimpleNamespace(**o)
         for arg in args:
             path, _, extras = arg.partition("[")
             if not path.startswith("."):
