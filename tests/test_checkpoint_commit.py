@@ -3,9 +3,10 @@ rank's write is done, agreed in the step's one all-reduce (``StepStats``' ``save
 not at the next save (issue 61 item 4).
 
 A real ``python -m paravt.train`` process on the tiny run (6 steps, a checkpoint every 3, in
-the background) SIGKILLs itself inside step 5's update (``paravt.preempt``'s test hook): step
-3's write finished during step 4, so step 4's end made it ``latest`` and ``--resume``
-continues from step 3, reproducing the killed run's step-4 row bitwise. Before this change the
+the background) SIGKILLs itself inside step 6's update (``paravt.preempt``'s test hook), before
+step 6's own save: step 3's write finished during step 4 (or 5, on a busy machine: two steps of
+slack), so that step's end made it ``latest`` and ``--resume`` continues from step 3,
+reproducing the killed run's step-4 row bitwise. Before this change the
 step-3 save was committed only by step 6's save: the kill left a ``.tmp-step_000003`` and the
 resume started over at step 0. About 30 s, most of it the two process start-ups.
 """
@@ -34,13 +35,13 @@ def _argv(assets: dict[str, str], out: Path, *extra: str) -> list[str]:
 
 def test_kill_9_after_a_background_save_finished_resumes_from_it(assets, tmp_path) -> None:
     out = tmp_path / "run"
-    env = {**os.environ, "PARAVT_PREEMPT_TEST_SIGNAL": "SIGKILL:5:update", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PARAVT_PREEMPT_TEST_SIGNAL": "SIGKILL:6:update", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         _argv(assets, out), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
     killed = train_rows(out)
-    assert sorted(killed) == [1, 2, 3, 4]
+    assert sorted(killed) == [1, 2, 3, 4, 5]
     root = out / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_000003"
     assert not list(root.glob(".tmp-*")), "step 3's save was written but never committed"
