@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from paravt.agent import prompts
-from paravt.agent.tools import ToolFailure, number, quote
+from paravt.agent.tools import ToolFailure, numbers, quote
 from paravt.config import VideoConfig
 from paravt.types import CropRequest, FrameBatch, FrameRequest, ToolCall, VideoMeta
 from paravt.video import VideoError, crop_timestamps, frame_size_for_budget
@@ -45,17 +45,9 @@ def check_window(call: ToolCall, args: dict[str, Any], duration: float) -> None:
             "end_time (the video is always the current one)"
         )
         return
-    vals = {}
-    for k in ARG_NAMES:
-        if k not in args:
-            call.status, call.error = "bad_arguments", f"missing argument {k} (seconds)"
-            return
-        v = number(args[k])
-        if v is None:
-            call.status = "bad_arguments"
-            call.error = f"argument {k}={quote(repr(args[k]))} must be a number of seconds"
-            return
-        vals[k] = v
+    vals = numbers(call, args, ARG_NAMES, unit="seconds")
+    if vals is None:
+        return
     s, e = vals["start_time"], vals["end_time"]
     if s >= e:
         call.status = "bad_range"

@@ -38,7 +38,7 @@ from paravt.agent.toolkit import (
     Trajectory,
     VideoConfig,
     VideoMeta,
-    number,
+    numbers,
     quote,
     to_crop_budget,
 )
@@ -103,19 +103,9 @@ class ZoomFrame:
                 "and scale"
             )
             return
-        vals: dict[str, float] = {}
-        for k in ZOOM_ARGS:
-            if k not in args:
-                if k == "scale":
-                    continue
-                call.status, call.error = "bad_arguments", f"missing argument {k}"
-                return
-            v = number(args[k])
-            if v is None:
-                call.status = "bad_arguments"
-                call.error = f"argument {k}={quote(repr(args[k]))} must be a number"
-                return
-            vals[k] = v
+        vals = numbers(call, args, ZOOM_ARGS, optional=("scale",))
+        if vals is None:
+            return
         if not 0.0 <= vals["time"] <= duration:
             call.status = "outside_video"
             call.error = f"time {vals['time']:g} s is outside the video [0, {duration:.1f}] s"

@@ -12,8 +12,9 @@ working when those modules move code around:
   :meth:`Tool.plan` returns), :class:`FrameBatch` (what :meth:`Tool.view` gets),
   :class:`VideoMeta`, :class:`VideoConfig`, and for reward terms :class:`Trajectory` and
   :class:`Sample`;
-- argument checks: :func:`number` (a finite JSON number or None), :func:`quote` (a model-written
-  value for an error message);
+- argument checks: :func:`number` (a finite JSON number or None), :func:`numbers` (a call's
+  named numbers, or the call's ``bad_arguments`` error), :func:`quote` (a model-written value
+  for an error message);
 - pixels: :func:`smart_resize` (the Qwen-VL size rule), :func:`resize_frames` (uint8
   ``(T, H, W, 3)`` resize), and :func:`to_crop_budget`, the two together: a view at the crop
   pixel budget, as :meth:`Tool.view` must return it.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from paravt.agent.tools import Tool, ToolFailure, number, quote
+from paravt.agent.tools import Tool, ToolFailure, number, numbers, quote
 from paravt.config import VideoConfig
 from paravt.types import FrameBatch, FrameRequest, Sample, ToolCall, Trajectory, VideoMeta
 from paravt.video.sampling import resize_frames
@@ -40,6 +41,7 @@ __all__ = [
     "VideoConfig",
     "VideoMeta",
     "number",
+    "numbers",
     "quote",
     "resize_frames",
     "smart_resize",

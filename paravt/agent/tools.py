@@ -362,6 +362,37 @@ def quote(v: object, limit: int = 60) -> str:
     return r if len(r) <= limit else r[:limit] + "…"
 
 
+def numbers(
+    call: ToolCall,
+    args: dict[str, Any],
+    names: tuple[str, ...] | list[str],
+    *,
+    optional: tuple[str, ...] = (),
+    unit: str = "",
+) -> dict[str, float] | None:
+    """The numbers (``number``) ``args`` holds under ``names``, for a tool's ``check``
+    (``crop_video``'s and the shipped ``zoom_frame``'s): on the first one missing (and not
+    ``optional``) or not a number, ``call`` gets status ``bad_arguments`` and an error naming
+    it (``unit``, e.g. ``"seconds"``, said there) and the result is None."""
+    vals: dict[str, float] = {}
+    for k in names:
+        if k not in args:
+            if k in optional:
+                continue
+            call.status = "bad_arguments"
+            call.error = f"missing argument {k}" + (f" ({unit})" if unit else "")
+            return None
+        v = number(args[k])
+        if v is None:
+            call.status = "bad_arguments"
+            call.error = f"argument {k}={quote(repr(args[k]))} must be a number" + (
+                f" of {unit}" if unit else ""
+            )
+            return None
+        vals[k] = v
+    return vals
+
+
 def number(v: object) -> float | None:
     """A finite JSON number as a float, else None (JSON ``true`` is not a number)."""
     # bool is an int subclass in Python; JSON true is not a time.
