@@ -75,50 +75,47 @@ def test_a_cut_within_the_tolerance_probes_and_names_the_declared_duration(whole
         decode(cut, [DURATION - 0.01])
 
 
+def _with_audio(p: Path, extra: float) -> Path:
+    """A DURATION-second H.264 mkv (4 fps, 64 x 64) with a PCM audio track ``extra`` seconds
+    longer, its 0.125 s audio frames interleaved with the video's, the rest after."""
+    with av.open(str(p), "w") as c:
+        v = c.add_stream("libx264", rate=4)
+        v.width, v.height, v.pix_fmt = 64, 64, "yuv420p"
+        a = c.add_stream("pcm_s16le", rate=8000)
+
+        def audio(k: int) -> None:
+            af = av.AudioFrame.from_ndarray(
+                np.zeros((1, 1000), np.int16), format="s16", layout="mono"
+            )
+            af.sample_rate, af.pts, af.time_base = 8000, k * 1000, Fraction(1, 8000)
+            c.mux(a.encode(af))
+
+        frames = int(DURATION * 4)
+        for i in range(frames):
+            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i * 8, np.uint8), format="rgb24")
+            f.pts = i
+            c.mux(v.encode(f))
+            audio(2 * i)
+            audio(2 * i + 1)
+        c.mux(v.encode(None))
+        for k in range(2 * frames, round((DURATION + extra) * 8)):  # past the picture
+            audio(k)
+        c.mux(a.encode(None))
+    return p
+
+
 @pytest.mark.parametrize("extra", [0.5, 3.0])
 def test_whole_files_with_a_longer_audio_track_probe(tmp_path, extra: float) -> None:
     # A container's duration spans its audio: audio past the last frame is a whole file, not
     # a cut one, also 3 s past a 6 s picture (over CUT_FRAC and CUT_MIN_S: the last packets of
     # every stream are read to tell; a cut file ends them all early).
-    p = tmp_path / "av.mkv"
-    with av.open(str(p), "w") as c:
-        v = c.add_stream("libx264", rate=4)
-        v.width, v.height, v.pix_fmt = 64, 64, "yuv420p"
-        a = c.add_stream("pcm_s16le", rate=8000)
-        for i in range(int(DURATION * 4)):
-            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i * 8, np.uint8), format="rgb24")
-            f.pts = i
-            c.mux(v.encode(f))
-        c.mux(v.encode(None))
-        for k in range(int((DURATION + extra) * 10)):  # 0.1 s audio frames
-            af = av.AudioFrame.from_ndarray(
-                np.zeros((1, 800), np.int16), format="s16", layout="mono"
-            )
-            af.sample_rate, af.pts, af.time_base = 8000, k * 800, Fraction(1, 8000)
-            c.mux(a.encode(af))
-        c.mux(a.encode(None))
+    p = _with_audio(tmp_path / "av.mkv", extra)
     assert probe(str(p)).duration == pytest.approx(DURATION)
 
 
 def test_a_file_with_audio_cut_short_is_still_refused(tmp_path) -> None:
     """The same audio + video mkv cut at 50%: every stream ends early, so it is refused."""
-    p = tmp_path / "av.mkv"
-    with av.open(str(p), "w") as c:
-        v = c.add_stream("libx264", rate=4)
-        v.width, v.height, v.pix_fmt = 64, 64, "yuv420p"
-        a = c.add_stream("pcm_s16le", rate=8000)
-        for i in range(int(DURATION * 4)):
-            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i * 8, np.uint8), format="rgb24")
-            f.pts = i
-            c.mux(v.encode(f))
-            for k in range(2 * i, 2 * i + 2):  # audio interleaved with the frames
-                af = av.AudioFrame.from_ndarray(
-                    np.zeros((1, 1000), np.int16), format="s16", layout="mono"
-                )
-                af.sample_rate, af.pts, af.time_base = 8000, k * 1000, Fraction(1, 8000)
-                c.mux(a.encode(af))
-        c.mux(v.encode(None))
-        c.mux(a.encode(None))
+    p = _with_audio(tmp_path / "av.mkv", 0.0)
     assert probe(str(p)).duration == pytest.approx(DURATION)
     cut = _cut(p, 0.5, tmp_path)
     with pytest.raises(VideoError, match="cut short"):
