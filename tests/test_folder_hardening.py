@@ -100,18 +100,15 @@ def _namespaced() -> str:
     return "" if r.returncode == 0 else f"unshare -rm cannot mount here: {r.stderr.strip()}"
 
 
-def _run_in_namespace(setup: str, code: str) -> subprocess.CompletedProcess:
-    """``code`` (Python) after ``setup`` (sh: mounts) in a namespace of its own."""
-    script = f"{setup} && exec {sys.executable} -c {_sq(textwrap.dedent(code))}"
+def _run(setup: str, code: str) -> subprocess.CompletedProcess:
+    """``code`` (Python) in a process of its own; after ``setup`` (sh: mounts) in a namespace of
+    its own when given (``unshare -rm``)."""
+    code = textwrap.dedent(code)
+    argv = [sys.executable, "-c", code]
+    if setup:
+        argv = ["unshare", "-rm", "sh", "-c", f"{setup} && exec {sys.executable} -c {_sq(code)}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-    )
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
 
 
 def _sq(s: str) -> str:
@@ -141,7 +138,7 @@ def test_a_really_full_file_system_is_one_line_and_leaves_no_lock(tmp_path: Path
             print("ERR", e)
         print("LEFT", sorted(os.listdir(out)))
         """
-    r = _run_in_namespace(f"mount -t tmpfs -o size=16k tmpfs {d}", code)
+    r = _run(f"mount -t tmpfs -o size=16k tmpfs {d}", code)
     assert r.returncode == 0, r.stderr
     err = next(line for line in r.stdout.splitlines() if line.startswith("ERR"))
     assert f"{d / 'out'}: no space left on its file system" in err, r.stdout
@@ -228,20 +225,6 @@ def _read_only(tmp_path: Path) -> tuple[Path, str]:
     if why := _namespaced():
         pytest.skip(f"running as root, where chmod blocks nothing, and {why}")
     return d, f"mount --bind {d} {d} && mount -o remount,bind,ro {d}"
-
-
-def _run(setup: str, code: str) -> subprocess.CompletedProcess:
-    if setup:
-        return _run_in_namespace(setup, code)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-    )
 
 
 def test_a_read_only_output_folder_is_one_line(tmp_path: Path) -> None:
