@@ -33,6 +33,7 @@ import json
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,22 +154,27 @@ def _trip(groups: list[Group], bundle: object, mode: str) -> dict[str, float]:
     }
 
 
+def _interleaved(
+    benchmark: Any, groups: list[Group], bundle: object, modes: tuple[str, ...], rounds: int
+) -> dict[str, dict[str, float]]:
+    """Each mode's ``_trip`` per round, the modes interleaved (drift hits every arm alike), the
+    last mode's first trip timed by ``benchmark``; each arm's mean over the rounds."""
+    arms: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for m in modes:
+            if r == 0 and m == modes[-1]:
+                arms[m].append(benchmark.pedantic(_trip, args=(groups, bundle, m), rounds=1))
+            else:
+                arms[m].append(_trip(groups, bundle, m))
+    return {a: {k: sum(x[k] for x in xs) / len(xs) for k in xs[0]} for a, xs in arms.items()}
+
+
 @pytest.mark.benchmark(group="async_pixels")
 def test_bench_async_pixels_decode_vs_ship(benchmark, tmp_path) -> None:
     groups, bundle = _groups(tmp_path)
     rows = [t for g in groups for t in (*g.trajectories, *g.sub_trajectories)]
     assert all(t.visuals is not None and t.visuals.requests for t in rows)
-    arms: dict[str, list[dict[str, float]]] = {"before": [], "ship": [], "decode": []}
-    for r in range(3):  # interleaved rounds: drift hits every arm alike
-        arms["before"].append(_trip(groups, bundle, "before"))
-        arms["ship"].append(_trip(groups, bundle, "ship"))
-        if r == 0:
-            arms["decode"].append(
-                benchmark.pedantic(_trip, args=(groups, bundle, "decode"), rounds=1)
-            )
-        else:
-            arms["decode"].append(_trip(groups, bundle, "decode"))
-    mean = {a: {k: sum(x[k] for x in xs) / len(xs) for k in xs[0]} for a, xs in arms.items()}
+    mean = _interleaved(benchmark, groups, bundle, ("before", "ship", "decode"), rounds=3)
     d = mean["decode"]
 
     def over_decode(s: dict[str, float]) -> dict[str, float]:
@@ -215,17 +221,7 @@ def test_bench_async_pixels_hd_frames_vs_decode(benchmark, tmp_path, size, durat
         tmp_path, k=64, crops=12, crop_frames=16, prompts=1, size=size,
         duration=duration, fps=30.0, gop=60, window=16.0,
     )  # fmt: skip
-    arms: dict[str, list[dict[str, float]]] = {"ship": [], "decode": [], "frames": []}
-    for r in range(2):
-        arms["ship"].append(_trip(groups, bundle, "ship"))
-        arms["decode"].append(_trip(groups, bundle, "decode"))
-        if r == 0:
-            arms["frames"].append(
-                benchmark.pedantic(_trip, args=(groups, bundle, "frames"), rounds=1)
-            )
-        else:
-            arms["frames"].append(_trip(groups, bundle, "frames"))
-    mean = {a: {k: sum(x[k] for x in xs) / len(xs) for k in xs[0]} for a, xs in arms.items()}
+    mean = _interleaved(benchmark, groups, bundle, ("ship", "decode", "frames"), rounds=2)
     d = mean["decode"]
     ratios = {
         f"{a} / decode": {
