@@ -310,7 +310,7 @@ port, mode = int(sys.argv[1]), sys.argv[2]
 store = dist.TCPStore("127.0.0.1", port, 2, False)
 ctrl = Channel(store, "ctrl", 1, 2)
 group = WeightGroup(store, "weights", 1, 2, torch.device("cpu"))
-beat = Heartbeat(store, 1, interval_s=0.2).start()
+beat = Heartbeat(store, 1, interval_s=1.0).start()  # stale after 3 s: > the 2 s deadline under load
 print("JOINED", flush=True)
 if mode == "hung":  # alive (its heartbeat thread beats) but never reads the push
     time.sleep(600)
