@@ -121,9 +121,9 @@ lint: install typecheck
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # mypy over the modules [tool.mypy] in pyproject.toml names (the step, the run, the rollout
-# sources, ...), so a type error there fails `make lint`, `make test` and CI (.ci/run). ~35 s on
-# 2 cores from a clean clone, ~1 s once .mypy_cache is warm. tests/test_typecheck.py checks
-# the wiring and that the configuration rejects a type error.
+# sources, ...), so a type error there fails `make lint`, `make test` and CI (.ci/run). From a
+# clean clone ~15 s of CPU (~30 s on a busy 2-core machine), ~1 s once .mypy_cache is warm.
+# tests/test_typecheck.py checks the wiring and that the configuration rejects a type error.
 typecheck: install
 	$(VENV)/bin/mypy
 
