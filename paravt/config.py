@@ -1262,7 +1262,7 @@ def stored_plugin_errors(
     ``ours`` (the preset, ``--config`` files and overrides the caller typed), refused unless
     ``--trust-plugins``: ``eval --model RUN`` of someone else's run imported and called the
     modules its config named (issue 66). ``command``: the refusing command (``eval``,
-    ``rollout``), which both call this before anything loads."""
+    ``episodes``), which both call this before anything loads."""
     foreign = sorted(plugin_specs(stored) - plugin_specs(ours))
     if not foreign or trust:
         return []

@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -438,7 +438,7 @@ def shard_model(
 
     mesh = ctx.mesh if ctx.distributed else single_rank_mesh(ctx.device)
     mp = MixedPrecisionPolicy()
-    if mixed:
+    if mixed and precision is not None:  # (mixed implies it; said for the type checker)
         mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if offload:
@@ -506,7 +506,8 @@ def full_state_dict(model: torch.nn.Module, ctx: DistContext) -> dict[str, torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    # (typed as any state-dict value; a model's full state dict holds tensors only)
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=opts))
 
 
 def cast_floats(
@@ -632,8 +633,10 @@ def _gather_entries(
 ) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if is_sharded(model):
-        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    local: dict[str, Any]
+    if is_sharded(model):  # tensors and DTensors (typed as any state-dict value)
+        opts = StateDictOptions(full_state_dict=False)
+        local = cast("dict[str, Any]", get_model_state_dict(model, options=opts))
     else:
         local = model.state_dict()
 

@@ -39,7 +39,7 @@ class _CurrentStream(logging.StreamHandler):
         self._err = err
         super().__init__()
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stderr if self._err else sys.stdout
 

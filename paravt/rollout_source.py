@@ -18,7 +18,7 @@ seed are computed, for both sources.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -106,7 +106,7 @@ class RolloutSource(Protocol):
     def load_data_state(self, state: dict[str, Any], start_step: int) -> None:
         """``--resume`` from the checkpoint of step ``start_step``: its ``data_state``."""
 
-    def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
+    def evaluating(self, policy: torch.nn.Module, step: int) -> AbstractContextManager[None]:
         """A context manager around an evaluation of the policy after step ``step``."""
 
     def close(self) -> None:

@@ -376,7 +376,7 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
     # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if st is not None:
         try:  # (and the sharded masters)
-            load_train_state(ckpt, st, policy, optimizer, ctx)
+            load_train_state(ckpt, st, policy, optimizer, ctx)  # type: ignore[arg-type]  # set with st
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             # An unverified checkpoint (an older paravt's: no manifest) whose shards are torn.
             raise CheckpointLoadError(
@@ -830,7 +830,8 @@ def _preempted(
     """
     pre, t = tr.preempt, tr.cfg.train
     ok, path, wrote = _checkpoint_last(tr, done, saved, begin)
-    arrivals = pre.arrivals()  # after the save: how long since the earliest signal
+    # After the save: how long since the earliest signal (``pre`` is set: a signal came).
+    arrivals = pre.arrivals()  # type: ignore[union-attr]
     first, seconds = arrivals[0]
     where = f"{first.signal} at step {first.step} ({first.phase})"
     if tr.ctx.world_size > 1:

@@ -476,7 +476,9 @@ class WeightPublisher:
             raise ValueError(f"rollout.weight_sync={mode!r}: choose one of {MODES}")
         if mode == "bucketed" and group is None:
             raise ValueError("the bucketed weight sync needs the weights group (init_async)")
-        self.ctrl, self.group, self.mode = ctrl, group, mode
+        self.ctrl, self.mode = ctrl, mode
+        #: ``Any``, not ``Any | None``: ``None`` only under ``host``, which never sends on it.
+        self.group: Any = group
         self.bucket_bytes, self.overlap = int(bucket_bytes), bool(overlap)
         self.device = torch.device(device)
         #: The bucket copies' own CUDA stream (a no-op on a CPU): ``CopyStream``.
@@ -504,8 +506,8 @@ class WeightPublisher:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             if isinstance(self._error, PushStalled):  # raised at once: the sender may be stuck
-                e, self._error = self._error, None
-                raise e
+                stalled, self._error = self._error, None
+                raise stalled
             alive = [th for th in (self._thread, self._watcher) if th is not None and th.is_alive()]
             if not alive:
                 break

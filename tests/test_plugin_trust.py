@@ -60,14 +60,14 @@ def test_eval_refuses_a_runs_stored_plugins_unless_trusted(shared_run, tmp_path,
     assert "trust-plugins" not in capsys.readouterr().err
 
 
-def test_rollout_refuses_a_runs_stored_plugins_unless_trusted(shared_run, capsys) -> None:
-    """``python -m paravt.rollout --model RUN`` takes the run's config as eval does, so it
+def test_episodes_refuses_a_runs_stored_plugins_unless_trusted(shared_run, capsys) -> None:
+    """``python -m paravt.episodes --model RUN`` takes the run's config as eval does, so it
     refuses its plug-ins the same way (on main it went on to load them)."""
-    from paravt.rollout import main
+    from paravt.episodes import main
 
     assert main(["--model", str(shared_run / "checkpoints" / "step_000001")]) == 2
     err = capsys.readouterr().err
-    assert "names plug-in code evil_plug:TOOL" in err and "which rollout does not" in err
+    assert "names plug-in code evil_plug:TOOL" in err and "which episodes does not" in err
     assert "--trust-plugins" in err and not (shared_run / "EXECUTED").exists()
 
 

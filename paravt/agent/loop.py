@@ -37,7 +37,7 @@ This module is the episode loop only: encoding (prompts, sub-agent prompts, gene
 the SFT oracle rows) is ``paravt.agent.encoder``, the tool step ``paravt.agent.calls``, the
 tools ``paravt.agent.tools`` (the protocol) and ``paravt.agent.crop`` (``crop_video``). Used by
 training (``paravt.train``), the rollout workers (``paravt.workers``), evaluation
-(``paravt.eval``) and ``python -m paravt.rollout``.
+(``paravt.eval``) and ``python -m paravt.episodes``.
 """
 
 from __future__ import annotations

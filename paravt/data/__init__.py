@@ -32,7 +32,7 @@ __all__ = [
 def resolve_data(cfg: Any) -> Path:
     """The dataset location of ``cfg`` (a ``paravt.config.Config``): ``data.path``, or the
     synthetic task (generated into ``data.synth_dir`` if absent). Used by
-    ``python -m paravt.rollout`` and ``python -m paravt.eval --benchmark synth``."""
+    ``python -m paravt.episodes`` and ``python -m paravt.eval --benchmark synth``."""
     if cfg.data.path:
         return Path(cfg.data.path)
     # lazy: PyAV, only when the synthetic task is read or generated

@@ -1,7 +1,7 @@
 """The oracle main agent: :class:`OracleMainEngine` replays the synthetic task's oracle turns
 (``sft.jsonl``, read by :func:`load_oracle`) over a real engine.
 
-Used by ``python -m paravt.rollout --main oracle``, ``bench/test_bench_vllm_engine.py`` and
+Used by ``python -m paravt.episodes --main oracle``, ``bench/test_bench_vllm_engine.py`` and
 the eval and viewer tests.
 """
 

@@ -514,7 +514,7 @@ def tiny_checkpoint_args(cfg: Any) -> tuple[str, int]:
 def resolve_model(cfg: Any, path: str = "") -> Any:
     """Load ``path`` (a model or paravt checkpoint directory) with ``cfg.model``'s settings, or,
     when it is empty, the tiny offline model (built into ``model.tiny_dir`` if absent). Returns
-    a ``paravt.models.ModelBundle``. Used by ``python -m paravt.rollout``."""
+    a ``paravt.models.ModelBundle``. Used by ``python -m paravt.episodes``."""
 
     if not path:
         tiny_dir, head_dim = tiny_checkpoint_args(cfg)

@@ -206,7 +206,7 @@ class RolloutPipeline:
             if self.group:  # the workers' claims start at ticket 0 (a resumed job's too)
                 self.roles.store.set(CLAIM_KEY, "0")
                 self._after[start_step] = self.ledger.state()
-            self.roles.ctrl.bcast({"kind": "hello", "init_dir": str(init_dir)})
+            self.roles.ctrl.bcast({"kind": "hello", "init_dir": str(init_dir)})  # type: ignore[union-attr]  # rank 0: set
         self.publish(policy, start_step)
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
@@ -290,7 +290,7 @@ class RolloutPipeline:
         per = self.cfg.train.prompts_per_step
         room = (self.eta + 1) * per - self.ledger.outstanding
         if room > 0:
-            self.roles.ctrl.bcast({"kind": "assign", "groups": self.ledger.issue(room, version)})
+            self.roles.ctrl.bcast({"kind": "assign", "groups": self.ledger.issue(room, version)})  # type: ignore[union-attr]  # rank 0: set
 
     def _assign(self, step: int) -> None:
         """Draw step ``step``'s prompts with their K and send them to the workers (static)."""
@@ -303,7 +303,7 @@ class RolloutPipeline:
             "seed": plan.seed,
             "min_version": max(step - 1 - self.eta, 0),
         }
-        self.roles.ctrl.bcast(msg)
+        self.roles.ctrl.bcast(msg)  # type: ignore[union-attr]  # rank 0: set
         self.assigned = step
 
     def data_state(self, done: int) -> dict[str, Any]:
@@ -352,7 +352,7 @@ class RolloutPipeline:
             self._await_push("while stopping the workers")
             self._drain("while stopping the workers")
             self._closing = True
-            self.roles.ctrl.bcast({"kind": "stop"})
+            self.roles.ctrl.bcast({"kind": "stop"})  # type: ignore[union-attr]  # rank 0: set
         except WorkerFailed as e:  # e.g. a preemption that came because a worker died
             log.info(f"error: {e}")
             return
@@ -387,7 +387,8 @@ class RolloutPipeline:
                 )
 
     def _take(self, msg: dict[str, Any], when: str) -> None:
-        kind, w = msg.get("kind"), msg.get("worker")
+        kind = msg.get("kind")
+        w: Any = msg.get("worker")  # the sender's rank: an int in every message read below
         if kind == "batch":
             self._buffer.setdefault(int(msg["step"]), {})[int(w)] = msg
             return
@@ -730,7 +731,7 @@ class GroupLedger:
     def issue(self, n: int, version: int) -> list[dict[str, Any]]:
         """The next ``n`` groups (drawing slots as needed), ticketed; ``min_version``: the
         version a worker must hold to start one (the trainer's, ``version``, sent before)."""
-        out = []
+        out: list[dict[str, Any]] = []
         while len(out) < n:
             if not self.planned:
                 self._draw()
@@ -771,8 +772,8 @@ class GroupLedger:
 def _too_stale(g: Group, version: int, eta: int) -> bool:
     """Whether group ``g``'s oldest sampled token is more than ``eta`` versions behind."""
     olds = [t.oldest_version() for t in (*g.trajectories, *g.sub_trajectories)]
-    olds = [v for v in olds if v is not None]
-    return bool(olds) and version - min(olds) > eta
+    known = [v for v in olds if v is not None]
+    return bool(known) and version - min(known) > eta
 
 
 def _by_worker(workers: Iterable[int]) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""``python -m paravt.rollout`` — roll out a few prompts and print what the agents did.
+"""``python -m paravt.episodes`` — roll out a few prompts and print what the agents did.
 
-    python -m paravt.rollout [--model PATH] [--preset P] [--config F.yaml ...] [key=value ...]
+    python -m paravt.episodes [--model PATH] [--preset P] [--config F.yaml ...] [key=value ...]
         --num-prompts N
 
 The model is ``--model``, else ``model.path``, else the newest checkpoint of
@@ -116,7 +116,7 @@ def print_groups(groups: list[Any], show: int, out: Any = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m paravt.rollout", description=__doc__.split("\n\n")[0]
+        prog="python -m paravt.episodes", description=__doc__.split("\n\n")[0]
     )
     ap.add_argument("--preset", default="tiny_cpu", choices=sorted(PRESETS))
     ap.add_argument("--config", action="append", default=[], help="YAML file (repeatable)")
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if trained_with is not None:  # roll out with the settings the checkpoint trained with
             ours, cfg = cfg, load_config(args.preset, [str(trained_with)], args.overrides)
             trust = args.trust_plugins
-            if errs := stored_plugin_errors(ours, cfg, trained_with, trust, "rollout"):
+            if errs := stored_plugin_errors(ours, cfg, trained_with, trust, "episodes"):
                 raise ConfigError(errs[0])
     except ConfigError as e:
         log.error(f"error: {e}")
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if groups:
         rewards = [t.reward for g in groups for t in g.trajectories]
         log.info(f"mean reward {sum(rewards) / len(rewards):.3f}")
-    for e in runner.errors:
-        log.info(f"skipped: {e}")
+    for err in runner.errors:
+        log.info(f"skipped: {err}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``python -m paravt.rollout``: a real subprocess run on the synthetic task + tiny model."""
+"""``python -m paravt.episodes``: a real subprocess run on the synthetic task + tiny model."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import subprocess
 import sys
 
 from paravt.engines.oracle import OracleMainEngine
-from paravt.rollout import main
+from paravt.episodes import main
 
 
 def test_cli_prints_turns_calls_crops_rewards(synth_dir, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "paravt.rollout",
+        "paravt.episodes",
         "--num-prompts",
         "3",  # the third is temporal grounding: the oracle always crops for it
         "--group-size",
