@@ -888,7 +888,10 @@ def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
         f"{len(conds)} condition(s): {', '.join(map(str, conds))}"
     )
     with tr.source.evaluating(tr.policy, step):  # async: the eval engine gets the weights
-        m = evaluate(tr, seed=t.seed, per_prompt=prompts, label=label)
+        m = evaluate(
+            tr.cfg, tr.ctx, tr.policy, tr.runner, tr.val_samples,
+            seed=t.seed, per_prompt=prompts, label=label,
+        )  # fmt: skip
     tr.logger.log(step, m, kind=kind)
     tr.logger.log_heldout(step, kind, prompts)
     return m
