@@ -589,7 +589,7 @@ def gathered_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The full state dict on rank 0's CPU with floating-point entries in ``dtype`` (None:
     the parameters' own), empty on the other ranks: the HF export of a checkpoint
-    (``paravt.checkpoint.save_trainer``: the compute-dtype cast of the masters).
+    (``paravt.checkpoint.Checkpointer.save``: the compute-dtype cast of the masters).
 
     Gathered one entry at a time, each cast on its shards before it is all-gathered, so that no
     rank ever holds the full model in the master dtype (under fp32 masters and bf16 compute,
