@@ -10,7 +10,7 @@ Read by ``paravt.train`` (the step and the run loop); saved and loaded by its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -30,6 +30,10 @@ from paravt.models import ModelBundle
 from paravt.preempt import Preemption
 from paravt.rollout_source import RolloutSource
 from paravt.types import Sample, VideoMeta
+
+#: What a step started from: the rollout source's data position and this rank's RNG states
+#: (``rng_state``), saved instead of the current ones for a step abandoned before its update.
+StepStart = tuple[dict[str, Any], Any]
 
 
 class TrainerState(TypedDict):
@@ -86,7 +90,7 @@ class Trainer:
     checkpointer: Checkpointer | None = None
     # The sampler position and RNG states of a step abandoned before its update, recorded by
     # ``checkpoint(begin=...)`` for the one save in progress instead of the current ones.
-    _begin: tuple[dict[str, Any], Any] | None = field(default=None, repr=False)
+    _begin: StepStart | None = field(default=None, init=False, repr=False)
 
     @property
     def sampler(self) -> PromptSampler:
@@ -129,7 +133,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """``--resume`` (every rank; ``Checkpointer.load``): ``state_dict``'s keys back, from a
         checkpoint's whole ``trainer_state.pt``: the schedule, the source's data position, this
         rank's RNG states when the saving run had as many ranks, and ``start_step``."""
@@ -145,7 +149,7 @@ class Trainer:
         self,
         step: int,
         *,
-        begin: tuple[dict[str, Any], Any] | None = None,
+        begin: StepStart | None = None,
         background: bool | None = None,
     ) -> bool:
         """Checkpoint the run at step ``step`` (every rank; ``Checkpointer.save``), its

@@ -64,9 +64,9 @@ class Stateful(Protocol):
     ``state_dict`` on every rank at each save (it may be collective), written flat into
     ``trainer_state.pt``; ``load_state_dict`` on ``--resume`` with that whole file."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> Mapping[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclass
@@ -330,7 +330,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------ load
 
-    def load(self, ckpt: str | Path, small: dict[str, Any]) -> None:
+    def load(self, ckpt: str | Path, small: Mapping[str, Any]) -> None:
         """``--resume`` (every rank, after ``shard_model`` and the optimizer): the optimizer
         state and the masters of checkpoint ``ckpt`` (whose ``trainer_state.pt`` is
         ``small``, read already: ``load_trainer_state``) onto this run's world size

@@ -13,7 +13,7 @@ them, and ``read_train_state`` reads either format whole in one process (inspect
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ def dcp_failure(e: BaseException) -> OSError | None:
 
 def load_train_state(
     ckpt_dir: str | Path,
-    state: dict[str, Any],
+    state: Mapping[str, Any],
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     ctx: DistContext,
