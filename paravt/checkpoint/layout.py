@@ -7,10 +7,14 @@ One directory per saved step, under ``<out_dir>/checkpoints``::
       config.json, model.safetensors, tokenizer files ...   <- the exported model, written by
                                                               rank 0 (``export``): what eval,
                                                               vLLM and --resume's model load read
-      trainer_state.pt                                      <- rank 0, small (``small``): the
-                                                              step, the states' dicts (the
-                                                              trainer's: ``Trainer.state_dict``)
-                                                              and the layout's flags, "format": 2
+      trainer_state.pt                                      <- rank 0, small (``small``):
+                                                              "step", the trainer's
+                                                              ``Trainer.state_dict`` (schedule,
+                                                              sampler position "data", every
+                                                              rank's RNG states "rng",
+                                                              "world_size") and the layout's
+                                                              flags ("format": 2, "train_state",
+                                                              "optim_empty")
       train_state/                                          <- the training state, sharded
         .metadata                                              (``sharded``): AdamW's state
         __0_0.distcp, __1_0.distcp, ...                        ("optim") and the float32
