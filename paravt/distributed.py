@@ -588,7 +588,8 @@ def gathered_state_dict(
     model: torch.nn.Module, ctx: DistContext, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
     """The full state dict on rank 0's CPU with floating-point entries in ``dtype`` (None:
-    the parameters' own), empty on the other ranks: the HF export of a checkpoint
+    the parameters' own), empty on the other ranks (``spread_state_dict`` with every entry
+    owned by rank 0): the HF export of a one-rank checkpoint
     (``paravt.checkpoint.Checkpointer.save``: the compute-dtype cast of the masters).
 
     Gathered one entry at a time, each cast on its shards before it is all-gathered, so that no
@@ -596,12 +597,52 @@ def gathered_state_dict(
     rank 0 holds the bf16 copy it exports, plus one entry in flight). Every rank must call it
     (each sharded entry is a collective). Names as ``full_state_dict``'s.
     """
+    return _gather_entries(model, ctx, dtype, lambda sizes: [0] * len(sizes))[0]
+
+
+def export_owners(sizes: Sequence[int], world: int) -> list[int]:
+    """The rank that writes each entry of an export spread over ``world`` ranks
+    (``spread_state_dict``): contiguous runs of the entries in order (so each rank's file holds
+    neighbouring layers, as an HF shard does), balanced by bytes: an entry goes to the rank
+    whose equal share of the total holds the entry's midpoint."""
+    total, acc, out = max(sum(sizes), 1), 0, []
+    for b in sizes:
+        out.append(min(world - 1, int((2 * acc + b) * world // (2 * total))))
+        acc += b
+    return out
+
+
+def spread_state_dict(
+    model: torch.nn.Module, ctx: DistContext, dtype: torch.dtype | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The full state dict spread over the ranks for a parallel HF export (issue 61 item 4:
+    ``paravt.checkpoint`` under several ranks writes one safetensors file per rank instead of
+    rank 0 gathering and writing the whole model alone): ``(this rank's entries on its CPU,
+    every entry's owner rank)``, the owners from ``export_owners`` (the same on every rank:
+    global shapes). Each entry is cast on its shards and all-gathered as in
+    ``gathered_state_dict`` (the same collectives, bitwise the same tensors); only its owner
+    keeps a CPU copy, so the device-to-host copies and the file writes are shared."""
+    return _gather_entries(model, ctx, dtype, lambda sizes: export_owners(sizes, ctx.world_size))
+
+
+def _gather_entries(
+    model: torch.nn.Module,
+    ctx: DistContext,
+    dtype: torch.dtype | None,
+    owners_of: Callable[[list[int]], list[int]],
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if is_sharded(model):
         local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     else:
         local = model.state_dict()
+
+    def out_bytes(t: torch.Tensor) -> int:  # global size (a DTensor's shape is global)
+        cast = dtype is not None and t.is_floating_point()
+        return t.numel() * (torch.empty((), dtype=dtype if cast else t.dtype).element_size())
+
+    owners = dict(zip(local, owners_of([out_bytes(t) for t in local.values()]), strict=True))
     out: dict[str, torch.Tensor] = {}
     for name, t in local.items():
         t = t.detach()
@@ -609,9 +650,9 @@ def gathered_state_dict(
             t = t.to(dtype)  # a DTensor casts its own shard
         if hasattr(t, "full_tensor"):
             t = t.full_tensor()
-        if ctx.is_main:
+        if owners[name] == ctx.rank:
             out[name] = t.cpu()
-    return out
+    return out, owners
 
 
 def sharded_train_state(

@@ -69,6 +69,21 @@ WORKER = textwrap.dedent(
     assert gathered and set(gathered) == {torch.bfloat16}, gathered
     for k, v in sd.items():
         assert torch.equal(pushed[k], v.to(torch.bfloat16)), k
+    # The parallel HF export (issue 61 item 4): each entry on its owner rank only, bitwise the
+    # entries rank 0 gathers alone; owners in contiguous runs.
+    from paravt.distributed import gathered_state_dict, spread_state_dict
+    whole = gathered_state_dict(model, ctx, torch.bfloat16)
+    mine, owners = spread_state_dict(model, ctx, torch.bfloat16)
+    parts = all_gather_objects(mine, ctx)
+    assert list(owners.values()) == sorted(owners.values()), owners
+    assert all(owners[k] == r for r, part in enumerate(parts) for k in part), owners
+    if ctx.is_main:
+        union = {k: v for part in parts for k, v in part.items()}
+        assert list(union) == list(whole) and len(whole) == 4, (list(union), list(whole))
+        assert all(torch.equal(union[k], whole[k]) and union[k].dtype == torch.bfloat16
+                   for k in whole)
+        assert len(set(owners.values())) > 1, owners  # the writes are shared
+        print("SPREAD_OK", flush=True)
     osd = full_optimizer_state(model, opt, ctx)
     n_forwards = all_gather_objects(len(rows), ctx)
     if ctx.is_main:
@@ -109,7 +124,7 @@ def _single_process_step() -> tuple[torch.nn.Module, float]:
 def test_fsdp2_two_ranks_equal_single_process_step(tmp_path: Path) -> None:
     out = tmp_path / "state.pt"
     proc = run_worker(tmp_path, WORKER, 2, str(out))
-    assert "RELOAD_OK" in proc.stdout
+    assert "RELOAD_OK" in proc.stdout and "SPREAD_OK" in proc.stdout
     assert "HSDP_OK" not in proc.stdout  # one node: the 1-D mesh
     got = torch.load(out, weights_only=False)
     assert got["n"] == [6, 6]
@@ -133,7 +148,7 @@ def test_hsdp_two_nodes_shard_within_replicate_across_and_equal_the_fsdp_step(
     with running_nodes(2, str(script), str(out), nprocs=[2, 2]) as procs:
         outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    assert "HSDP_OK" in outs[0] and "RELOAD_OK" in outs[0], outs[0][-3000:]
+    assert all(w in outs[0] for w in ("HSDP_OK", "RELOAD_OK", "SPREAD_OK")), outs[0][-3000:]
     got = torch.load(out, weights_only=False)
     assert got["n"] == [3, 3, 3, 3]
     model, gn = _single_process_step()
@@ -147,6 +162,23 @@ def test_uneven_nodes_are_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=8"):
         train_mesh("cpu", 8, 3)
+
+
+def test_export_owners_are_contiguous_runs_balanced_by_bytes() -> None:
+    """The parallel HF export's split (``spread_state_dict``): each rank a contiguous run of
+    the entries, the runs balanced by bytes; every entry on rank 0 for one rank."""
+    from paravt.distributed import export_owners
+
+    assert export_owners([10] * 8, 4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert export_owners([10] * 8, 1) == [0] * 8
+    assert export_owners([100, 1, 1, 1], 2) == [0, 1, 1, 1]  # the big one alone on rank 0
+    assert export_owners([1, 1, 100, 1], 2) == [0, 0, 1, 1]  # its midpoint is in rank 1's half
+    assert export_owners([], 3) == [] and export_owners([0, 0], 2) == [0, 0]
+    sizes = [int(x) for x in torch.randint(1, 1000, (200,))]
+    owners = export_owners(sizes, 8)
+    assert owners == sorted(owners) and set(owners) == set(range(8))
+    load = [sum(b for b, r in zip(sizes, owners) if r == k) for k in range(8)]
+    assert max(load) - min(load) <= 2 * max(sizes), load
 
 
 def test_single_process_context_helpers() -> None:
