@@ -26,6 +26,7 @@ from paravt.checkpoint.background import AsyncSave, SaveJob, start_background
 from paravt.checkpoint.checkpointer import LAYOUT_KEYS, Checkpointer, Saved, Stateful
 from paravt.checkpoint.commit import pin_checkpoint, save_checkpoint
 from paravt.checkpoint.export import (
+    EXPORT_INDEX,
     load_model_state,
     save_model_dir,
     weights_fingerprint,
@@ -77,7 +78,7 @@ from paravt.log import get_logger
 log = get_logger(__name__)
 
 __all__ = [
-    "CKPT_DIR", "LATEST", "LAYOUT_KEYS", "MANIFEST", "MANIFEST_FORMAT", "RUN_ID_FILE",
+    "CKPT_DIR", "EXPORT_INDEX", "LATEST", "LAYOUT_KEYS", "MANIFEST", "MANIFEST_FORMAT", "RUN_ID_FILE",
     "SFT_STATE_FILE", "SHARDED_FORMAT", "STATE_FILE", "TRAIN_STATE_DIR", "AsyncSave",
     "CheckpointGone", "CheckpointLoadError", "CheckpointSaveError", "Checkpointer", "SaveJob",
     "Saved", "Stateful", "checkpoint_bytes", "file_digest", "latest_checkpoint",

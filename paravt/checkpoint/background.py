@@ -30,13 +30,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from paravt.checkpoint.export import save_model_dir
+from paravt.checkpoint.export import save_model_dir, write_export_meta, write_export_part
 from paravt.checkpoint.layout import TRAIN_STATE_DIR
-from paravt.checkpoint.manifest import shard_digests, top_digests
+from paravt.checkpoint.manifest import digests, shard_digests, top_digests
 from paravt.checkpoint.sharded import group_up, quiet_single_process
-from paravt.distributed import (
-    DistContext,
-)
+from paravt.distributed import DistContext, ExportSplit
 
 
 @dataclass
@@ -68,7 +66,8 @@ class SaveJob:
     prev: Path | None
     keep_last: int
     small: dict[str, Any] = field(repr=False)
-    export: dict[str, torch.Tensor] = field(repr=False)
+    export: dict[str, torch.Tensor] = field(repr=False)  # this rank's part when ``split``
+    split: ExportSplit | None = field(default=None, repr=False)  # several ranks: spread
 
 
 def detached(export: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -166,7 +165,12 @@ def start_background(
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="paravt-save")
     shards = pool.submit(_then_digest, shards, job.tmp / TRAIN_STATE_DIR, ctx.rank)
     export = None
-    if ctx.is_main:
+    if job.split is not None:  # several ranks: each writes its part of the export
+        export = pool.submit(
+            _part_and_digest, job.tmp, model, job.export, job.split, ctx.rank, tokenizer,
+            source_dir,
+        )  # fmt: skip
+    elif ctx.is_main:
         export = pool.submit(_export_and_digest, job.tmp, model, job.export, tokenizer, source_dir)
     pool.shutdown(wait=False)
     job.export = {}  # the export thread holds it; nothing else needs it
@@ -185,3 +189,20 @@ def _export_and_digest(
     """Rank 0's background export (``save_model_dir``, fsynced), then its digests."""
     save_model_dir(tmp, model, export, tokenizer=tok, source_dir=src)
     return top_digests(tmp)
+
+
+def _part_and_digest(
+    tmp: Path,
+    model: torch.nn.Module,
+    part: dict[str, torch.Tensor],
+    split: ExportSplit,
+    rank: int,
+    tok: Any,
+    src: str | None,
+) -> dict[str, Any]:
+    """A rank's background share of a spread export (``write_export_part``; rank 0 also the
+    non-weight files and the index, digested at the commit), then its part's digests."""
+    names = write_export_part(tmp, part, split, rank)
+    if rank == 0:
+        write_export_meta(tmp, model, split, tokenizer=tok, source_dir=src)
+    return digests(tmp, names)

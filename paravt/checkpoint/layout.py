@@ -113,10 +113,13 @@ def checkpoint_bytes(
     model_state: dict[str, torch.Tensor],
     trainer_state: dict[str, Any],
     source_dir: str | Path | None = None,
+    *,
+    export_bytes: int | None = None,
 ) -> int:
-    """Estimated bytes of one checkpoint: every tensor of the weights and the trainer state
-    (optimizer moments dominate: 2x the weights for Adam), the copied non-weight files of
-    ``source_dir`` (twice: the tokenizer is saved again), plus 1 MiB of headers and JSON."""
+    """Estimated bytes of one checkpoint: every tensor of the weights (``export_bytes`` when
+    given: a spread export's total, ``model_state`` being one rank's part) and the trainer
+    state (optimizer moments dominate: 2x the weights for Adam), the copied non-weight files
+    of ``source_dir`` (twice: the tokenizer is saved again), plus 1 MiB of headers and JSON."""
     extra = 0
     if source_dir is not None and Path(source_dir).is_dir():
         extra = 2 * sum(
@@ -124,7 +127,8 @@ def checkpoint_bytes(
             for f in Path(source_dir).iterdir()
             if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES)
         )
-    return _tensor_bytes(model_state) + _tensor_bytes(trainer_state) + extra + _SAVE_SLACK_BYTES
+    weights = _tensor_bytes(model_state) if export_bytes is None else export_bytes
+    return weights + _tensor_bytes(trainer_state) + extra + _SAVE_SLACK_BYTES
 
 
 def free_bytes(path: Path) -> int:

@@ -43,7 +43,7 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _digests(folder: Path, names: list[str]) -> dict[str, list[Any]]:
+def digests(folder: Path, names: list[str]) -> dict[str, list[Any]]:
     """``{name: [size, sha256]}`` of ``folder/name`` for each name."""
     return {n: [(folder / n).stat().st_size, file_digest(folder / n)] for n in names}
 
@@ -53,7 +53,7 @@ def shard_digests(folder: Path, rank: int) -> dict[str, list[Any]]:
     manifest names them (``train_state/__0_0.distcp``): each rank digests what it wrote, in
     parallel, while the bytes are still in its page cache."""
     names = sorted(f.name for f in folder.glob(f"__{rank}_*.distcp"))
-    return {f"{folder.name}/{n}": v for n, v in _digests(folder, names).items()}
+    return {f"{folder.name}/{n}": v for n, v in digests(folder, names).items()}
 
 
 def top_digests(folder: Path, skip: Any = ()) -> dict[str, list[Any]]:
@@ -62,7 +62,7 @@ def top_digests(folder: Path, skip: Any = ()) -> dict[str, list[Any]]:
     names = sorted(
         f.name for f in folder.iterdir() if f.is_file() and f.name not in {MANIFEST, *skip}
     )
-    return _digests(folder, names)
+    return digests(folder, names)
 
 
 def write_manifest(folder: Path, step: int, rid: str | None, files: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ them, and ``read_train_state`` reads either format whole in one process (inspect
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -79,13 +79,17 @@ def load_sharded(
 
 
 def write_shards(
-    path: Path, sharded: dict[str, Any], ctx: DistContext
+    path: Path,
+    sharded: dict[str, Any],
+    ctx: DistContext,
+    then: Callable[[], dict[str, Any]] | None = None,
 ) -> tuple[tuple[int, str, str] | None, dict[str, Any]]:
-    """Every rank writes its shards (``save_sharded``) and digests them (``shard_digests``);
-    the first failed rank's ``(errno, strerror, filename)``, the same on every rank, or None
-    when every write succeeded, and every rank's digests (one gather). A failure that is not
-    the file system's (a bug) raises, on every rank alike (DCP's). ``Checkpointer.save``'s and
-    ``save_sft_state``'s shard write."""
+    """Every rank writes its shards (``save_sharded``) and digests them (``shard_digests``),
+    then runs ``then`` (its other files' write, returning their digests: its part of a spread
+    HF export); the first failed rank's ``(errno, strerror, filename)``, the same on every
+    rank, or None when every write succeeded, and every rank's digests (one gather). A failure
+    that is not the file system's (a bug) raises, on every rank alike (DCP's).
+    ``Checkpointer.save``'s and ``save_sft_state``'s shard write."""
     from torch.distributed.checkpoint import CheckpointException
 
     err: OSError | None = None
@@ -93,6 +97,8 @@ def write_shards(
     try:
         save_sharded(path, sharded)
         digests = shard_digests(path, ctx.rank)
+        if then is not None:
+            digests.update(then())
     except (OSError, CheckpointException) as e:
         err = dcp_failure(e)
         if err is None:
