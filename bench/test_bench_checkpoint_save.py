@@ -1,6 +1,7 @@
-"""The trainer's blocking time for a checkpoint: written in the foreground (``save_trainer``,
-the baseline) vs in the background (``train.async_save``: ``save_trainer(background=True)``
-then ``finish_trainer_save`` at the next save), same process, same state, one run.
+"""The trainer's blocking time for a checkpoint: written in the foreground
+(``Trainer.checkpoint``: ``Checkpointer.save``, the baseline) vs in the background
+(``train.async_save``: ``save(background=True)`` then ``Checkpointer.finish`` at the next
+save), same process, same state, one run.
 
 The state is the 8B recipe's kind at a small size: a 15.9M-parameter MLP (8 x Linear(1408,
 1408)) under FSDP2 on a world of one with float32 masters and bf16 compute, after real AdamW
@@ -28,6 +29,7 @@ import torch
 
 from paravt import checkpoint as C
 from paravt.distributed import Precision, cleanup, init_distributed, shard_model
+from paravt.trainer import Trainer
 
 WIDTH, LAYERS, BATCH = 1408, 8, 8
 ROUNDS, STEPS_AFTER = 3, 2
@@ -52,11 +54,14 @@ def _trainer(out: Path) -> tuple[Any, Any]:
         async_save=False,
     )  # fmt: skip
     cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="bfloat16"))
-    tr = types.SimpleNamespace(
-        cfg=cfg, ctx=ctx, policy=model, optimizer=opt, scheduler=sched,
-        sampler=types.SimpleNamespace(state=lambda: {"pos": 0}),
-        bundle=types.SimpleNamespace(tokenizer=None), init_dir=None, times={},
+    source = types.SimpleNamespace(data_state=lambda done: {"pos": 0})
+    tr = Trainer(
+        cfg=cfg, ctx=ctx, policy=model, bundle=types.SimpleNamespace(tokenizer=None),
+        engine=None, runner=None, reference=None, objective=None, optimizer=opt,
+        scheduler=sched, source=source, val_samples=[], logger=None, init_dir=None,
+        video_meta=None,
     )  # fmt: skip
+    tr.checkpointer = C.Checkpointer.from_config(cfg, ctx, model, opt, states={"trainer": tr})
     step()
     return tr, step
 
@@ -70,18 +75,18 @@ def _run_arms(tmp: Path) -> dict[str, Any]:
         for _ in range(ROUNDS):
             n += 1
             t0 = time.perf_counter()
-            assert C.save_trainer(tr, n, background=False)
+            assert tr.checkpoint(n, background=False)
             res["sync"].append(time.perf_counter() - t0)
             sync_ckpt = C.latest_checkpoint(tr.cfg.train.out_dir)
             n += 1
             t0 = time.perf_counter()
-            assert C.save_trainer(tr, n, background=True)
+            assert tr.checkpoint(n, background=True)
             res["async"].append(time.perf_counter() - t0)
             # The same step's state, written in the background: bitwise the foreground's.
             for _ in range(STEPS_AFTER):
                 step()
             t0 = time.perf_counter()
-            assert C.finish_trainer_save(tr) == (n, True)
+            assert tr.finish_checkpoint() == (n, True)
             res["wait"].append(time.perf_counter() - t0)
             res["write"].append(tr.times["time/checkpoint_write"])
             ckpt = C.latest_checkpoint(tr.cfg.train.out_dir)

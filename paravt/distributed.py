@@ -590,7 +590,8 @@ def gathered_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The full state dict on rank 0's CPU with floating-point entries in ``dtype`` (None:
     the parameters' own), empty on the other ranks (``spread_state_dict`` with every entry
-    owned by rank 0): the one-rank HF export of a checkpoint.
+    owned by rank 0): the HF export of a one-rank checkpoint
+    (``paravt.checkpoint.Checkpointer.save``: the compute-dtype cast of the masters).
 
     Gathered one entry at a time, each cast on its shards before it is all-gathered, so that no
     rank ever holds the full model in the master dtype (under fp32 masters and bf16 compute,
@@ -598,6 +599,17 @@ def gathered_state_dict(
     (each sharded entry is a collective). Names as ``full_state_dict``'s.
     """
     return _gather_entries(model, ctx, dtype, lambda sizes: [0] * len(sizes))[0]
+
+
+@dataclass(frozen=True)
+class ExportSplit:
+    """Which rank writes each entry of an export spread over the ranks
+    (``spread_state_dict``), each entry's bytes and the dtypes as written: the same on
+    every rank."""
+
+    owners: dict[str, int]
+    nbytes: dict[str, int]
+    dtypes: frozenset[torch.dtype]
 
 
 def export_owners(sizes: Sequence[int], world: int) -> list[int]:
@@ -614,12 +626,12 @@ def export_owners(sizes: Sequence[int], world: int) -> list[int]:
 
 def spread_state_dict(
     model: torch.nn.Module, ctx: DistContext, dtype: torch.dtype | None = None
-) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+) -> tuple[dict[str, torch.Tensor], ExportSplit]:
     """The full state dict spread over the ranks for a parallel HF export (issue 61 item 4:
     ``paravt.checkpoint`` under several ranks writes one safetensors file per rank instead of
     rank 0 gathering and writing the whole model alone): ``(this rank's entries on its CPU,
-    every entry's owner rank)``, the owners from ``export_owners`` (the same on every rank:
-    global shapes). Each entry is cast on its shards and all-gathered as in
+    the split)``, each entry's owner from ``export_owners`` (the same on every rank: global
+    shapes). Each entry is cast on its shards and all-gathered as in
     ``gathered_state_dict`` (the same collectives, bitwise the same tensors); only its owner
     keeps a CPU copy, so the device-to-host copies and the file writes are shared."""
     return _gather_entries(model, ctx, dtype, lambda sizes: export_owners(sizes, ctx.world_size))
@@ -630,7 +642,7 @@ def _gather_entries(
     ctx: DistContext,
     dtype: torch.dtype | None,
     owners_of: Callable[[list[int]], list[int]],
-) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+) -> tuple[dict[str, torch.Tensor], ExportSplit]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     local: dict[str, Any]
@@ -640,11 +652,13 @@ def _gather_entries(
     else:
         local = model.state_dict()
 
-    def out_bytes(t: torch.Tensor) -> int:  # global size (a DTensor's shape is global)
-        cast = dtype is not None and t.is_floating_point()
-        return t.numel() * (torch.empty((), dtype=dtype if cast else t.dtype).element_size())
+    def out_dtype(t: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
 
-    owners = dict(zip(local, owners_of([out_bytes(t) for t in local.values()]), strict=True))
+    # Global sizes (a DTensor's shape is global).
+    nbytes = {n: t.numel() * torch.empty((), dtype=out_dtype(t)).element_size()
+              for n, t in local.items()}  # fmt: skip
+    owners = dict(zip(local, owners_of(list(nbytes.values())), strict=True))
     out: dict[str, torch.Tensor] = {}
     for name, t in local.items():
         t = t.detach()
@@ -654,7 +668,7 @@ def _gather_entries(
             t = t.full_tensor()
         if owners[name] == ctx.rank:
             out[name] = t.cpu()
-    return out, owners
+    return out, ExportSplit(owners, nbytes, frozenset(out_dtype(t) for t in local.values()))
 
 
 def sharded_train_state(

@@ -190,7 +190,7 @@ def _quiet_tensorboard_thread() -> None:
 
 class RunFolderWrites:
     """How a run's folder writes meet a full disk, by ``train.on_save_error`` (``policy``),
-    as checkpoints do (``paravt.checkpoint.save_trainer``): ``fail`` raises ``DiskFullError``
+    as checkpoints do (``paravt.checkpoint.Checkpointer.save``): ``fail`` raises ``DiskFullError``
     naming the file, the free space and the ways out; ``continue`` prints that once per kind
     of write (``what``), skips the write and trains on (a later write is tried again: the
     disk may have room by then). Any other ``OSError`` is raised as it is.

@@ -36,7 +36,7 @@ SUMS = (
     "backbone_rows", "main_prompt", "main_suffix", "main_rows",  # the context mix
     *ROLLOUT_COUNTS, "sub_agents",
     # 1 on a rank whose part of the background checkpoint in flight is written
-    # (``paravt.checkpoint.background_save_written``): the sum equal to the world size is the
+    # (``paravt.checkpoint.Checkpointer.written``): the sum equal to the world size is the
     # ranks' agreement that ``train_step`` commits it at this step's end, in this all-reduce.
     "save_written",
 )  # fmt: skip

@@ -29,7 +29,7 @@ This file keeps the run and the step; the stages around them live a floor below,
 its own module: the checks before anything loads (``paravt.validate``), the dataset and model
 folders (``paravt.assets``, shared with ``paravt.sft``), the prompt order
 (``paravt.data.sampler``), the held-out evaluation (``paravt.eval.heldout``), the checkpoint
-of the whole trainer (``paravt.checkpoint.save_trainer``) and the trajectories kept for the
+of the whole trainer (``paravt.checkpoint.Checkpointer``) and the trajectories kept for the
 viewer (``paravt.metrics.trajectory_samples``).
 """
 
@@ -64,18 +64,14 @@ from paravt.algo.packing import balance_units, microbatches, pack_units, split_u
 from paravt.algo.reference import ReferencePolicy
 from paravt.assets import prepare_data, prepare_model, read_datasets
 from paravt.checkpoint import (
+    Checkpointer,
     CheckpointLoadError,
     CheckpointSaveError,
-    background_save_written,
-    finish_trainer_save,
     latest_checkpoint,
-    load_train_state,
     load_trainer_state,
     resume_checkpoint,
     rng_state,
     run_id,
-    save_trainer,
-    set_rng_state,
     step_dirname,
 )
 from paravt.config import (
@@ -373,10 +369,16 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
             out, max_bytes=int(t.viewer_max_mb * 1e6), max_px=t.viewer_thumb_px, disk=logger.disk
         )
 
+    trainer.checkpointer = Checkpointer.from_config(
+        cfg, ctx, policy, optimizer, states={"trainer": trainer},
+        tokenizer=bundle.tokenizer, source_dir=init_dir,
+    )  # fmt: skip
+
     # 5. Resume: optimizer, schedule, RNG, data position; metrics past the checkpoint dropped.
     if st is not None:
-        try:  # (and the sharded masters)
-            load_train_state(ckpt, st, policy, optimizer, ctx)  # type: ignore[arg-type]  # set with st
+        assert ckpt is not None  # set with st
+        try:  # (and the sharded masters; then Trainer.load_state_dict: schedule, data, RNG)
+            trainer.checkpointer.load(ckpt, st)
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
             # An unverified checkpoint (an older paravt's: no manifest) whose shards are torn.
             raise CheckpointLoadError(
@@ -384,12 +386,6 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
                 f"cannot be read ({type(e).__name__}: {str(e).strip()[:200]}). Remove that "
                 "folder so that --resume takes the one before, or start a new train.out_dir"
             ) from e
-        scheduler.load_state_dict(st["scheduler"])
-        source.load_data_state(st["data"], int(st["step"]))
-        rngs = st.get("rng", [])
-        if len(rngs) == ctx.world_size:
-            set_rng_state(rngs[ctx.rank])
-        trainer.start_step = int(st["step"])
         log.info(f"[train] resumed from {ckpt} (step {trainer.start_step})")
     else:
         seed_everything(t.seed + ctx.rank)
@@ -471,10 +467,10 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
     # committed here (it becomes ``latest``): the ranks agree in that same all-reduce.
     with tr.phase(step, "metrics"):
         stats.add_rollout(batch, units, batches, advantage)
-        stats.add(save_written=float(background_save_written(tr)))
+        stats.add(save_written=float(tr.checkpoint_written()))
         reduced = stats.reduce(ctx)
         if reduced.sums["save_written"] >= ctx.world_size:
-            finish_trainer_save(tr)
+            tr.finish_checkpoint()
         tr.times["time/step"] = time.perf_counter() - t_step
         m = reduced.metrics(stats, tr.times["time/step"], float(tr.scheduler.get_last_lr()[0]))
         m.update(tr.times)
@@ -738,7 +734,7 @@ def _run(
             # at the next save (or the end); the last step's in the foreground (nothing after).
             with tr.phase(step, "checkpoint"):
                 back = t.async_save and step < t.steps
-                if save_trainer(tr, step, data=tr.source.data_state(step), background=back):
+                if tr.checkpoint(step, background=back):
                     saved = step
             # What a preemption's save would take: the whole write, not the blocking part.
             pre.save_s = max(tr.times["time/checkpoint"], tr.times.get("time/checkpoint_write", 0))
@@ -749,7 +745,7 @@ def _run(
         tr.logger.close()
         cleanup(ctx, getattr(tr.engine, "close", lambda: None))
         return {"before": before, "after": {}, "last": last, "out_dir": str(out), "preempted": info}
-    finish_trainer_save(tr)  # none in flight (the last step's is foreground): for certain
+    tr.finish_checkpoint()  # none in flight (the last step's is foreground): for certain
     pre.enter(t.steps, "eval")
     tr.source.close()  # async: the workers are done; the evaluation runs here
 
@@ -785,18 +781,15 @@ def _checkpoint_last(
     ``(ok, path, wrote)``: ``ok`` False when the write failed (``train.on_save_error=continue``),
     ``path`` '' when no step completed, ``wrote`` " written in N s" or " (already written)"."""
     path = str(Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)) if done else ""
-    if getattr(tr, "pending_save", None) is not None:  # train.async_save: committed first
+    if tr.checkpoint_pending:  # train.async_save: committed first
         with tr.phase(done, "checkpoint"):
-            waited = finish_trainer_save(tr)
+            waited = tr.finish_checkpoint()
         if waited is not None and not waited[1]:  # it failed: the newest one is older
             saved = min(saved, waited[0] - 1)
     if done <= saved:
         return True, path, " (already written)" if done else ""
     with tr.phase(done, "checkpoint"):
-        if begin is None:
-            ok = save_trainer(tr, done, data=tr.source.data_state(done), background=False)
-        else:
-            ok = save_trainer(tr, done, data=begin[0], rng=begin[1], background=False)
+        ok = tr.checkpoint(done, begin=begin, background=False)
     return ok, path, f" written in {tr.times['time/checkpoint']:.1f} s"
 
 
@@ -889,7 +882,10 @@ def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
         f"{len(conds)} condition(s): {', '.join(map(str, conds))}"
     )
     with tr.source.evaluating(tr.policy, step):  # async: the eval engine gets the weights
-        m = evaluate(tr, seed=t.seed, per_prompt=prompts, label=label)
+        m = evaluate(
+            tr.cfg, tr.ctx, tr.policy, tr.runner, tr.val_samples,
+            seed=t.seed, per_prompt=prompts, label=label,
+        )  # fmt: skip
     tr.logger.log(step, m, kind=kind)
     tr.logger.log_heldout(step, kind, prompts)
     return m

@@ -1,9 +1,10 @@
 """The trainer's checkpoint written in the background (``train.async_save``:
-``paravt.checkpoint.save_trainer(background=True)`` and ``finish_trainer_save``).
+``paravt.checkpoint.Checkpointer.save(background=True)`` and ``Checkpointer.finish``, through
+``Trainer.checkpoint`` / ``finish_checkpoint``).
 
-* On two gloo ranks under FSDP2 (float32 masters, bf16 compute): ``save_trainer`` returns
+* On two gloo ranks under FSDP2 (float32 masters, bf16 compute): ``Checkpointer.save`` returns
   while every rank's shard write is still held back, the step folder is not in place until
-  ``finish_trainer_save``, the next step's update runs meanwhile, and the committed
+  ``Checkpointer.finish``, the next step's update runs meanwhile, and the committed
   checkpoint holds the state of the step it was taken at (a snapshot): bitwise the same
   training state, export and ``trainer_state.pt`` as a synchronous save of that state, and a
   resume on 2 and on 1 ranks gets it back bitwise.
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_trainer import small_trainer
 from test_checkpoint_sharded import COMMON, RESUME
 from torchrun import run_worker
 
@@ -66,7 +68,7 @@ ASYNC = SMALL + textwrap.dedent(
         train_step()
     rng = C.rng_state()
     # The baseline: a synchronous save of this state (train.async_save unset: off).
-    assert C.save_trainer(trainer(ctx, model, opt, sched, out_sync), 1, rng=rng)
+    assert trainer(ctx, model, opt, sched, out_sync).checkpoint(1, begin=({"pos": 7}, rng))
     # (a copy: the gathered optimizer state holds the live step counts, updated in place)
     want = copy.deepcopy(full_state(model, opt, ctx))
     if ctx.is_main:
@@ -80,18 +82,18 @@ ASYNC = SMALL + textwrap.dedent(
     go = threading.Event()
     def held(*a, **k):
         if not go.wait(20):
-            raise TimeoutError("save_trainer did not return before its shards were written")
+            raise TimeoutError("the save did not return before its shards were written")
         return real(*a, **k)
     fs._write_item = held
-    assert C.save_trainer(tr, 1, rng=rng) is True
+    assert tr.checkpoint(1, begin=({"pos": 7}, rng)) is True
     root = Path(out) / C.CKPT_DIR
-    in_flight = tr.pending_save is not None and not (root / "step_000001").exists()
+    in_flight = tr.checkpointer.pending is not None and not (root / "step_000001").exists()
     train_step()                      # step 2's update: the live state moves on
     moved = full_state(model, opt, ctx)
     go.set()
-    done = C.finish_trainer_save(tr)
+    done = tr.finish_checkpoint()
     fs._write_item = real
-    assert done == (1, True) and tr.pending_save is None and (root / "step_000001").is_dir()
+    assert done == (1, True) and tr.checkpointer.pending is None and (root / "step_000001").is_dir()
     changed = any(not torch.equal(moved["masters"][k], v) for k, v in want["masters"].items())
 
     # A write that fails after the save started (the last rank's disk is full): the save
@@ -102,10 +104,10 @@ ASYNC = SMALL + textwrap.dedent(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/the/shard/file")
     if ctx.rank == ctx.world_size - 1:
         fs._write_item = full_disk
-    assert C.save_trainer(tr, 2) is True
+    assert tr.checkpoint(2) is True
     late.set()
     try:
-        C.finish_trainer_save(tr)
+        tr.finish_checkpoint()
         error = ""
     except C.CheckpointSaveError as e:
         error = str(e)
@@ -226,11 +228,7 @@ def _one_process(out: Path) -> tuple[Any, Any]:
         master_dtype="float32",
     )
     cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="float32"))
-    tr = types.SimpleNamespace(
-        cfg=cfg, ctx=DistContext(), policy=lin, optimizer=opt, scheduler=sched,
-        sampler=types.SimpleNamespace(state=lambda: {"pos": 7}),
-        bundle=types.SimpleNamespace(tokenizer=None), init_dir=None, times={},
-    )  # fmt: skip
+    tr = small_trainer(cfg, DistContext(), lin, opt, sched, {"pos": 7})
     return tr, step
 
 
@@ -243,12 +241,12 @@ def test_one_process_async_save_holds_the_state_it_was_taken_at(tmp_path: Path) 
     moments = {
         n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in lin.named_parameters()
     }
-    assert C.save_trainer(tr, 1)
-    assert tr.pending_save is not None
+    assert tr.checkpoint(1)
+    assert tr.checkpointer.pending is not None
     step()  # changes the weights, the moments, the step counts and the learning rate in place
     assert not torch.equal(lin.weight, weights["weight"])
-    assert C.finish_trainer_save(tr) == (1, True)
-    assert C.finish_trainer_save(tr) is None  # nothing in flight any more
+    assert tr.finish_checkpoint() == (1, True)
+    assert tr.finish_checkpoint() is None  # nothing in flight any more
     ckpt = C.latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == "step_000001"
     _same(C.load_model_state(ckpt), weights, "export")
@@ -266,7 +264,7 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(
     background shard write: step 1 stays the newest and loads; the next save clears the
     debris."""
     tr, _ = _one_process(tmp_path)
-    assert C.save_trainer(tr, 1, background=False)
+    assert tr.checkpoint(1, background=False)
     want = C.read_train_state(C.latest_checkpoint(tmp_path))
     pid = os.fork()
     if pid == 0:  # child: never returns into pytest
@@ -277,8 +275,8 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(
                 os.kill(os.getpid(), signal.SIGKILL)
 
             monkeypatch.setattr(fs, "_write_item", die)
-            C.save_trainer(tr, 2)
-            C.finish_trainer_save(tr)
+            tr.checkpoint(2)
+            tr.finish_checkpoint()
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
@@ -288,8 +286,8 @@ def test_kill_during_the_background_write_leaves_the_previous_checkpoint(
     ckpt = C.latest_checkpoint(tmp_path)
     assert ckpt is not None and ckpt.name == "step_000001"
     _same(C.read_train_state(ckpt), want, "step 1")
-    assert C.save_trainer(tr, 3)
-    assert C.finish_trainer_save(tr) == (3, True)
+    assert tr.checkpoint(3)
+    assert tr.finish_checkpoint() == (3, True)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001", "step_000003"]
 
 
@@ -307,16 +305,15 @@ def test_the_train_loop_commits_background_saves_at_the_next_one_and_on_sigterm(
     from paravt.preempt import TEST_SIGNAL_ENV
 
     commits: list[tuple[int, bool]] = []  # every commit of a background save (the real one)
-    real = C.finish_trainer_save
+    real = C.Checkpointer.finish
 
-    def finish(tr: Any) -> tuple[int, bool] | None:
-        done = real(tr)
+    def finish(self: C.Checkpointer) -> C.Saved | None:
+        done = real(self)
         if done is not None:
-            commits.append(done)
+            commits.append((done.step, done.ok))
         return done
 
-    monkeypatch.setattr(C, "finish_trainer_save", finish)
-    monkeypatch.setattr(T, "finish_trainer_save", finish)
+    monkeypatch.setattr(C.Checkpointer, "finish", finish)
     monkeypatch.setenv(TEST_SIGNAL_ENV, "SIGTERM:3:metrics")
     out = tmp_path / "run"
     over = tiny_overrides(assets, out, 4)

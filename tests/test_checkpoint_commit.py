@@ -87,8 +87,8 @@ def test_the_export_is_on_disk_before_the_checkpoint_is_committed(
     monkeypatch.setattr(os, "replace", replace)
     tr = _trainer(tmp_path)
     tr.cfg.train.async_save = background
-    assert C.save_trainer(tr, 1)
-    C.finish_trainer_save(tr)
+    assert tr.checkpoint(1)
+    tr.finish_checkpoint()
     ckpt = tmp_path / C.CKPT_DIR / "step_000001"
     assert ckpt.is_dir() and len(at_commit) == 1
     done = at_commit[0]

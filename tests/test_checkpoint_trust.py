@@ -1,6 +1,6 @@
 """Checkpoints that ``--resume`` can trust (issue 66 items 1 and 6, checkpoint files).
 
-A real checkpoint of a small one-process trainer (``paravt.checkpoint.save_trainer``: HF
+A real checkpoint of a small one-process trainer (``paravt.checkpoint.Checkpointer``: HF
 export, ``trainer_state.pt``, DCP ``train_state/.metadata`` and ``__0_0.distcp``,
 ``manifest.json``), two steps of it, then each hostile input in turn, checked through
 ``resume_checkpoint`` (what ``paravt.train.build_trainer`` calls on ``--resume``):
@@ -32,13 +32,15 @@ from typing import Any
 
 import pytest
 import torch
+from ckpt_trainer import small_trainer
 
 from paravt import checkpoint as C
 from paravt.checkpoint import CheckpointLoadError, resume_checkpoint
 from paravt.distributed import DistContext
+from paravt.trainer import Trainer
 
 
-def _trainer(out: Path, seed: int = 0) -> types.SimpleNamespace:
+def _trainer(out: Path, seed: int = 0) -> Trainer:
     torch.manual_seed(seed)
     lin = torch.nn.Linear(16, 8)
     opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
@@ -51,18 +53,14 @@ def _trainer(out: Path, seed: int = 0) -> types.SimpleNamespace:
         master_dtype="float32",
     )  # fmt: skip
     cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="float32"))
-    return types.SimpleNamespace(
-        cfg=cfg, ctx=DistContext(), policy=lin, optimizer=opt, scheduler=sched,
-        sampler=types.SimpleNamespace(state=lambda: {"pos": 7}),
-        bundle=types.SimpleNamespace(tokenizer=None), init_dir=None, times={},
-    )  # fmt: skip
+    return small_trainer(cfg, DistContext(), lin, opt, sched, {"pos": 7})
 
 
 def _run_with_two(out: Path, seed: int = 0) -> tuple[Path, Path]:
     """A run folder with its id and checkpoints at steps 1 and 2 (``latest`` = step 2)."""
     C.run_id(out, create=True)
     tr = _trainer(out, seed)
-    assert C.save_trainer(tr, 1) and C.save_trainer(tr, 2)
+    assert tr.checkpoint(1) and tr.checkpoint(2)
     root = out / C.CKPT_DIR
     return root / "step_000001", root / "step_000002"
 

@@ -73,7 +73,9 @@ WORKER = textwrap.dedent(
     # entries rank 0 gathers alone; owners in contiguous runs.
     from paravt.distributed import gathered_state_dict, spread_state_dict
     whole = gathered_state_dict(model, ctx, torch.bfloat16)
-    mine, owners = spread_state_dict(model, ctx, torch.bfloat16)
+    mine, split = spread_state_dict(model, ctx, torch.bfloat16)
+    owners = split.owners
+    assert split.nbytes == {k: v.numel() * 2 for k, v in sd.items()}, split.nbytes
     parts = all_gather_objects(mine, ctx)
     assert list(owners.values()) == sorted(owners.values()), owners
     assert all(owners[k] == r for r, part in enumerate(parts) for k in part), owners

@@ -30,14 +30,14 @@ def _fill_disk_after_step1(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
-    import paravt.train as T
+    from paravt.trainer import Trainer
 
     full = {"on": False}
-    real_save, real_open = T.save_trainer, builtins.open
+    real_save, real_open = Trainer.checkpoint, builtins.open
     real_write_bytes, real_write_text = Path.write_bytes, Path.write_text
     real_torch_save, real_flush = torch.save, SummaryWriter.flush
 
-    def save_trainer(tr, step, **k):
+    def checkpoint(tr, step, **k):
         ok = real_save(tr, step, **k)
         full["on"] = True
         return ok
@@ -75,7 +75,7 @@ def _fill_disk_after_step1(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             raise _enospc(fname)
         raise AssertionError("unreachable: the plot is only saved into the run folder")
 
-    monkeypatch.setattr(T, "save_trainer", save_trainer)
+    monkeypatch.setattr(Trainer, "checkpoint", checkpoint)
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(Path, "write_bytes", write_bytes)
     monkeypatch.setattr(Path, "write_text", write_text)

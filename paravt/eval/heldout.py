@@ -19,11 +19,12 @@ from paravt.agent import AgentRunner
 from paravt.agent.loop import stable_seed
 from paravt.config import Config
 from paravt.data.synth import summary_correct
-from paravt.distributed import all_gather_objects, shard_list
+from paravt.distributed import DistContext, all_gather_objects, shard_list
 from paravt.eval.conditions import eval_conditions
 from paravt.log import get_logger
 from paravt.metrics import TABLE_ROWS, clustered_mean_ci95, rollout_metrics, trajectory_record
 from paravt.rewards import score_groups
+from paravt.types import Sample
 
 log = get_logger(__name__)
 
@@ -78,13 +79,21 @@ def prompt_row(name: str, g: Any, recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 @torch.no_grad()
 def evaluate(
-    tr: Any, seed: int, per_prompt: list[dict[str, Any]] | None = None, label: str = "held-out"
+    cfg: Config,
+    ctx: DistContext,
+    policy: torch.nn.Module,
+    runner: AgentRunner | None,
+    samples: list[Sample],
+    seed: int,
+    per_prompt: list[dict[str, Any]] | None = None,
+    label: str = "held-out",
 ) -> dict[str, float]:
-    """Roll out the validation prompts under each ``train.eval_conditions`` entry
+    """Roll out the validation prompts ``samples`` under each ``train.eval_conditions`` entry
     (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
-    them: the before/after numbers of the final table. ``tr``: the run's
-    ``paravt.trainer.Trainer`` (its config, distributed context, policy, agent runner and
-    ``val_samples``).
+    them: the before/after numbers of the final table (``paravt.train``'s ``_evaluate``: the
+    run's config, distributed context, policy, agent runner and ``val_samples``). Every rank
+    takes its share of ``samples``; ``runner`` (over an engine that holds ``policy``'s
+    weights) rolls them out: None only where there is nothing to evaluate.
 
     Per condition ``{name}/accuracy`` with ``{name}/accuracy_ci95`` (the half-width of its 95%
     interval, rollouts of one prompt averaged first), format compliance, parse-error rate, tool
@@ -99,16 +108,18 @@ def evaluate(
     condition logs when its rollouts are done, e.g. ``[eval] before RL: condition 2/3
     K4_notools done (41 s)``; minutes pass between them on a CPU.
     """
-    cfg = tr.cfg
     t0, n_conds = time.perf_counter(), len(eval_conditions(cfg))
-    if not tr.val_samples:
+    if not samples:
         return {}
-    n = len(tr.val_samples) - len(tr.val_samples) % tr.ctx.world_size
-    mine = shard_list(tr.val_samples[:n], tr.ctx)
-    tr.policy.eval()
+    if runner is None:
+        raise ValueError("a held-out evaluation needs an agent runner (an evaluation engine)")
+    n = len(samples) - len(samples) % ctx.world_size
+    mine = shard_list(samples[:n], ctx)
+    policy.eval()
     out: dict[str, float] = {}
+    base = runner
     for i, (name, k, tools, greedy) in enumerate(eval_conditions(cfg)):
-        runner = tr.runner
+        runner = base
         if not tools or greedy:  # no tool round (the answer forced at once), or greedy
             c = cfg
             if not tools:
@@ -143,9 +154,9 @@ def evaluate(
             recs += mine_g
             if per_prompt is not None and mine_g:
                 rows.append(prompt_row(name, g, mine_g))
-        recs = [r for part in all_gather_objects(recs, tr.ctx) for r in part]
+        recs = [r for part in all_gather_objects(recs, ctx) for r in part]
         if per_prompt is not None:
-            per_prompt += [r for part in all_gather_objects(rows, tr.ctx) for r in part]
+            per_prompt += [r for part in all_gather_objects(rows, ctx) for r in part]
         m = rollout_metrics(recs)
         acc = [r["breakdown"].get("acc", 0.0) for r in recs]
         m["accuracy"], m["accuracy_ci95"] = clustered_mean_ci95(acc, [r["prompt"] for r in recs])
