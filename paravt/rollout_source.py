@@ -140,13 +140,13 @@ class LocalRollout:
 
     def collect(self, step: int, preempt: Preemption | None) -> RolloutBatch | None:
         plan = plan_prompts(self.sampler, self.cfg, step, self.ctx)
-        groups = self.runner.rollout(
+        done = self.runner.rollout(
             plan.samples, plan.budgets, group_size=self.cfg.rollout.group_size, seed=plan.seed
         )
         # GPU vLLM: free the device for the update (weights to host, KV cache dropped); the
         # weight push of ``publish`` wakes it. A no-op for the HF engine and on the CPU.
         getattr(self.engine, "sleep", lambda: None)()
-        return RolloutBatch(groups, list(self.runner.errors), self.runner.stats)
+        return RolloutBatch(done.groups, list(done.errors), done.stats)
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         push_weights(self.engine, policy, self.cfg)

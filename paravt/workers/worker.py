@@ -254,13 +254,14 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             runner.before_turn = swap
             t1 = time.perf_counter()
             try:
-                groups = runner.rollout(
+                done = runner.rollout(
                     job.samples,
                     job.budgets,
                     group_size=cfg.rollout.group_size,
                     seed=job.seed,
                     first_group=job.first_group,
                 )
+                groups = done.groups
                 if slow is not None:  # test hook: a deliberately slow worker
                     _be_slow(slow, groups, weights, stop)
             except WorkerStopped:
@@ -272,19 +273,19 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 groups = strip_pixels(groups, frames=cfg.rollout.async_pixels == "frames")
             else:  # each clip once, in storage of its own (not its turn's packed tensor)
                 groups = compact_pixels(groups)
-            done = {
+            report = {
                 "worker": roles.rank,
-                "errors": tuple(runner.errors),
-                "stats": runner.stats,  # a new RolloutStats per rollout
+                "errors": tuple(done.errors),
+                "stats": done.stats,
                 "busy_s": busy,
                 "idle_s": idle,
             }
             reply: ClaimRollouts | StepRollouts
             if group:  # one entry per claimed ticket: its group, or why it has none
-                entries = ticket_entries(job.tickets, job.first_group, groups, runner.skipped)
-                reply = ClaimRollouts(tickets=job.tickets, entries=tuple(entries), **done)
+                entries = ticket_entries(job.tickets, job.first_group, groups, done.skipped)
+                reply = ClaimRollouts(tickets=job.tickets, entries=tuple(entries), **report)
             else:
-                reply = StepRollouts(step=job.step, groups=tuple(groups), **done)
+                reply = StepRollouts(step=job.step, groups=tuple(groups), **report)
             _send_or_gone(results, roles.rank, reply)
             totals["steps"] += 1
             totals["groups"] += len(groups)
