@@ -145,7 +145,7 @@ class LocalRollout:
         )
         # GPU vLLM: free the device for the update (weights to host, KV cache dropped); the
         # weight push of ``publish`` wakes it. A no-op for the HF engine and on the CPU.
-        getattr(self.engine, "sleep", lambda: None)()
+        self.engine.sleep()
         return RolloutBatch(done.groups, list(done.errors), done.stats)
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from paravt.agent import AgentRunner
 from paravt.config import load_config
+from paravt.engines.engine import Engine
 from paravt.engines.hf import HFEngine
 from paravt.engines.oracle import OracleMainEngine, load_oracle
 from paravt.eval.__main__ import main
@@ -221,7 +222,7 @@ def test_changed_settings_are_refused(assets, synth_dir, tmp_path, capsys):
     assert "frames: saved 4, now 8" in err and "another --out" in err
 
 
-class _Boom:
+class _Boom(Engine):  # (the protocol's no-op sleep / close)
     def generate(self, requests):
         raise RuntimeError("device lost")
 

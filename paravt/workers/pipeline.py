@@ -358,7 +358,7 @@ class RolloutPipeline:
             yield
         finally:
             if self.engine is not None and step < self.cfg.train.steps:
-                getattr(self.engine, "sleep", lambda: None)()
+                self.engine.sleep()
 
     def close(self) -> None:
         """Stop the workers (each says bye; its receiving thread ends). Not after a failure:

@@ -309,7 +309,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     receiver.join(timeout=30)
     if weights.heartbeat is not None:
         weights.heartbeat.stop()
-    getattr(engine, "close", lambda: None)()
+    engine.close()
     done = f"{totals['groups']} group(s)" if group else f"{totals['steps']} step(s)"
     log.info(
         f"{tag} stopped after {done}: busy {totals['busy_s']:.1f} s, idle {totals['idle_s']:.1f} s",
