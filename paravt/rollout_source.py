@@ -109,6 +109,10 @@ class RolloutSource(Protocol):
     def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
         """A context manager around an evaluation of the policy after step ``step``."""
 
+    def push_metrics(self) -> dict[str, float] | None:
+        """The weight push's metrics for the step's row (the asynchronous trainer rank 0's:
+        ``async/push_s``, each worker's wait for weights); None: this rank pushes none."""
+
     def close(self) -> None:
         """The run is over (or stopped early): release what the source runs."""
 
@@ -160,6 +164,9 @@ class LocalRollout:
     @contextmanager
     def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
         yield  # the engine holds the policy's weights already (pushed after every update)
+
+    def push_metrics(self) -> dict[str, float] | None:
+        return None  # (the push into this rank's engine is the step's ``time/sync``)
 
     def close(self) -> None:
         return None

@@ -360,6 +360,11 @@ class RolloutPipeline:
             if self.engine is not None and step < self.cfg.train.steps:
                 self.engine.sleep()
 
+    def push_metrics(self) -> dict[str, float] | None:
+        """Rank 0: its ``WeightPublisher``'s metrics (``async/push_s``, each worker's wait for
+        weights); None on the other trainer ranks."""
+        return self.publisher.metrics() if self.publisher is not None else None
+
     def close(self) -> None:
         """Stop the workers (each says bye; its receiving thread ends). Not after a failure:
         a dead worker cannot take part in the broadcast."""
