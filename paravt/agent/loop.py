@@ -47,7 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paravt.agent.calls import CallJob, run_calls
 from paravt.agent.context import Clip, Context, TextCache, add_tool_turn, tool_turn_max_tokens
@@ -64,6 +64,9 @@ from paravt.config import Config
 from paravt.engines.engine import Engine, GenerationResult, SamplingParams, context_limit
 from paravt.types import Group, RolloutStats, Sample, Trajectory, Turn, VideoMeta
 from paravt.video import DecodePlanner, VideoError, VideoUnsupported
+
+if TYPE_CHECKING:
+    from paravt.models import ModelBundle
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +138,7 @@ class AgentRunner:
     def __init__(
         self,
         engine: Engine,
-        bundle: Any,
+        bundle: ModelBundle,
         cfg: Config,
         *,
         planner: DecodePlanner | None = None,

@@ -473,7 +473,7 @@ _ROLLOUTS_DONE = [0]  # the ``h`` hook's count of this worker's rollouts
 
 
 def _be_slow(
-    slow: tuple[str, float], groups: list[Any], weights: _Weights, stop: threading.Event
+    slow: tuple[str, float], groups: list[Group], weights: _Weights, stop: threading.Event
 ) -> None:
     """Apply the ``_slow_hook`` (after a rollout, before its result is sent); a stop from the
     trainer ends the wait (``WorkerStopped``)."""
