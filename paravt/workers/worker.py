@@ -3,11 +3,13 @@ trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the 
 
 Three threads:
 
-* the control thread reads the trainer's ordered stream on ``roles.ctrl``: ``hello`` (the
-  model folder), ``assign`` (dispatch=group: ticketed groups, each with its prompt, K, seed
-  and index; static: one step's prompts with their K and seed), ``weights`` (a header;
-  ``rollout.weight_sync=host``: then one broadcast per tensor into a staging copy, received
-  here; ``bucketed``: handed to the weight thread), ``stop``;
+* the control thread reads the trainer's ordered stream on ``roles.ctrl`` (the messages are
+  ``paravt.workers.messages``'): ``Hello`` (the model folder), ``AssignGroups``
+  (dispatch=group: ticketed groups, each with its prompt, K, seed and index) or
+  ``AssignStep`` (static: one step's prompts with their K and seed), a weight push's header
+  (``rollout.weight_sync=host``: then one broadcast per tensor into a staging copy, received
+  here; ``bucketed``: handed to the weight thread), ``Stop``; anything else is this worker's
+  failure (``UnexpectedMessage``, reported to the trainer);
 * the weight thread receives each bucketed version over ``roles.weights`` into buffers on the
   worker's device (``paravt.weight_sync.receive``), so the control stream is never held
   up by a push. Either way a version is staged only once it is whole and its tensors match the
@@ -27,10 +29,11 @@ after loading, is a ``WeightSyncError`` naming the tensor and the version: the w
 to the trainer (which raises ``WorkerFailed``) and exits 1.
 
 Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the worker's own
-``roles.results`` channel; a claim's reply has one entry per ticket (``ticket_entries``: its
-group, or ``skipped`` with the runner's reason when the video could not be read), and each
-claim is announced first (``claimed``, for the trainer's ``ClaimWatchdog``), with the runner's errors and counters and the worker's busy / idle
-seconds; under ``rollout.async_pixels=frames`` (the default) its rows carry their clips' uint8
+``roles.results`` channel (``ClaimRollouts`` or ``StepRollouts``); a claim's reply has one
+entry per ticket (``ticket_entries``: its ``TicketGroup``, or ``TicketSkipped`` with the
+runner's reason when the video could not be read), and each claim is announced first
+(``Claimed``, for the trainer's ``ClaimWatchdog``), with the runner's errors and counters and
+the worker's busy / idle seconds; under ``rollout.async_pixels=frames`` (the default) its rows carry their clips' uint8
 frames instead of their pixels, under ``decode`` their decode requests
 (``paravt.workers.pixels.strip_pixels``; ``ship``: each clip's pixels compacted once,
 ``compact_pixels``). A rollout that raises sends its traceback and the worker
