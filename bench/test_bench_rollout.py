@@ -113,12 +113,13 @@ def _run(bundle, samples, cfg, script, pay_main_cost=False):
     main = ScriptedMain(real, bundle.tokenizer, script, pay_main_cost)
     runner = AgentRunner(main, bundle, cfg)
     t0 = time.perf_counter()
-    groups = runner.rollout(samples, [8] * len(samples), group_size=G, seed=0)
+    done = runner.rollout(samples, [8] * len(samples), group_size=G, seed=0)
+    groups = done.groups
     dt = time.perf_counter() - t0
     n = sum(len(g.trajectories) for g in groups)
-    assert runner.stats["crops"] == n * len(WINDOWS)
+    assert done.stats["crops"] == n * len(WINDOWS)
     sub_tokens = real.stats["generated_tokens"] - main.main_tokens
-    return dt, n, runner.stats, sub_tokens, main.main_tokens
+    return dt, n, done.stats, sub_tokens, main.main_tokens
 
 
 def _best(bundle, samples, cfg, script, pay_main_cost, rounds=2):

@@ -72,10 +72,11 @@ def _run(setup, name: str, oracle: bool) -> tuple[float, int, dict, int]:
     )
     runner = AgentRunner(main, bundle, cfg)
     t0 = time.perf_counter()
-    groups = runner.rollout(samples, [K] * len(samples), group_size=G, seed=0)
+    done = runner.rollout(samples, [K] * len(samples), group_size=G, seed=0)
+    groups = done.groups
     dt = time.perf_counter() - t0
     n = sum(len(g.trajectories) for g in groups)
-    return dt, n, dict(runner.stats), eng.stats["generated_tokens"] - tokens0
+    return dt, n, dict(done.stats), eng.stats["generated_tokens"] - tokens0
 
 
 def _best(setup, name: str, oracle: bool, rounds: int = 2):

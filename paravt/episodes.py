@@ -195,13 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     t_setup = time.perf_counter() - t0
     t1 = time.perf_counter()
-    groups = runner.rollout(samples, budgets, group_size=G, seed=seed)
+    done = runner.rollout(samples, budgets, group_size=G, seed=seed)
+    groups = done.groups
     score_groups(groups, cfg.reward)
     dt = time.perf_counter() - t1
     print_groups(groups, args.show)
     n_ep = sum(len(g.trajectories) for g in groups)
     log.info("=" * _WRAP)
-    st = runner.stats
+    st = done.stats
     calls = {k: int(v) for k, v in st.calls.items() if v}
     log.info(
         f"{len(groups)} prompt(s) x G={G}: {n_ep} episodes in {dt:.2f} s "
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if groups:
         rewards = [t.reward for g in groups for t in g.trajectories]
         log.info(f"mean reward {sum(rewards) / len(rewards):.3f}")
-    for err in runner.errors:
+    for err in done.errors:
         log.info(f"skipped: {err}")
     return 0
 

@@ -109,6 +109,10 @@ class RolloutSource(Protocol):
     def evaluating(self, policy: torch.nn.Module, step: int) -> AbstractContextManager[None]:
         """A context manager around an evaluation of the policy after step ``step``."""
 
+    def push_metrics(self) -> dict[str, float] | None:
+        """The weight push's metrics for the step's row (the asynchronous trainer rank 0's:
+        ``async/push_s``, each worker's wait for weights); None: this rank pushes none."""
+
     def close(self) -> None:
         """The run is over (or stopped early): release what the source runs."""
 
@@ -140,13 +144,13 @@ class LocalRollout:
 
     def collect(self, step: int, preempt: Preemption | None) -> RolloutBatch | None:
         plan = plan_prompts(self.sampler, self.cfg, step, self.ctx)
-        groups = self.runner.rollout(
+        done = self.runner.rollout(
             plan.samples, plan.budgets, group_size=self.cfg.rollout.group_size, seed=plan.seed
         )
         # GPU vLLM: free the device for the update (weights to host, KV cache dropped); the
         # weight push of ``publish`` wakes it. A no-op for the HF engine and on the CPU.
-        getattr(self.engine, "sleep", lambda: None)()
-        return RolloutBatch(groups, list(self.runner.errors), self.runner.stats)
+        self.engine.sleep()
+        return RolloutBatch(done.groups, list(done.errors), done.stats)
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         push_weights(self.engine, policy, self.cfg)
@@ -160,6 +164,9 @@ class LocalRollout:
     @contextmanager
     def evaluating(self, policy: torch.nn.Module, step: int) -> Iterator[None]:
         yield  # the engine holds the policy's weights already (pushed after every update)
+
+    def push_metrics(self) -> dict[str, float] | None:
+        return None  # (the push into this rank's engine is the step's ``time/sync``)
 
     def close(self) -> None:
         return None

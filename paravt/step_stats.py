@@ -2,7 +2,8 @@
 ranks once at its end (one packed all-reduce of every sum, one gather of the trajectory records
 and skipped-prompt errors), turned into the step's ``metrics.jsonl`` row.
 
-Used by ``paravt.train.train_step`` (step 7). Before this record a step ran eight collectives
+Used by ``paravt.train.train_step`` (step 7: ``reduce``, then ``Reduced.result``, which
+returns the step's row and errors as a ``StepResult``). Before this record a step ran eight collectives
 for its metrics alone (each sum its own all-reduce); the collectives that decide something
 (the non-finite guard, the rank balance, the loss denominators, the micro-batch counts) are not
 metrics and stay where they decide.
@@ -116,6 +117,15 @@ class StepStats:
         )
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What a step hands back (``Reduced.result``): its ``metrics.jsonl`` row and every rank's
+    skipped prompts' errors (the empty-step alarm quotes them)."""
+
+    metrics: dict[str, float]
+    errors: list[str]
+
+
 @dataclass
 class Reduced:
     """A step's numbers over every rank (``StepStats.reduce``)."""
@@ -123,6 +133,40 @@ class Reduced:
     sums: dict[str, float]
     records: list[dict[str, Any]]
     errors: list[str]
+
+    def result(
+        self,
+        stats: StepStats,
+        batch: RolloutBatch,
+        *,
+        seconds: float,
+        lr: float,
+        times: dict[str, float],
+        released_bytes: float,
+        guard: dict[str, float],
+        push: dict[str, float] | None,
+    ) -> StepResult:
+        """The step's whole row and errors: ``metrics`` (``seconds``: the step's wall time,
+        ``time/step``), then the phase times (``times``: ``Trainer.times``), the device cache
+        this rank released (``released_bytes``), the rollout's parts (this rank's ``batch``; an
+        asynchronous step's summed over its workers: overview decode + pixel pack, main-agent
+        generation, crop decode + pack, sub-agents), the non-finite guard's metrics, an
+        asynchronous step's ``async/*`` (rank 0: staleness, queue depth, idle times, and
+        ``push``: the weight publisher's, each worker's wait for weights)."""
+        m = self.metrics(stats, seconds, lr)
+        m.update(times)
+        m["time/step"] = seconds
+        m["mem/cache_released_gib"] = released_bytes / 2**30  # this rank's (0 off CUDA)
+        for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"),
+                        ("crop_s", "crops"), ("sub_gen_s", "sub_gen")):  # fmt: skip
+            m[f"time/{name}"] = float(getattr(batch.stats, k))
+        m.update(guard)
+        if batch.metrics:  # asynchronous (rank 0)
+            m.update(batch.metrics)
+            m["async/trainer_idle_frac"] = m["time/rollout"] / max(m["time/step"], 1e-9)
+        if push is not None:  # rank 0's weight push
+            m.update(push)
+        return StepResult(m, self.errors)
 
     def metrics(self, stats: StepStats, seconds: float, lr: float) -> dict[str, float]:
         """The step's row (without the phase times, the guard's and the async metrics): the

@@ -471,29 +471,24 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
         reduced = stats.reduce(ctx)
         if reduced.sums["save_written"] >= ctx.world_size:
             tr.finish_checkpoint()
-        tr.times["time/step"] = time.perf_counter() - t_step
-        m = reduced.metrics(stats, tr.times["time/step"], float(tr.scheduler.get_last_lr()[0]))
-        m.update(tr.times)
-        m["mem/cache_released_gib"] = released / 2**30  # this rank's (0 off CUDA)
-        # The rollout's parts (this rank's; an asynchronous step's: summed over its workers):
-        # overview decode + pixel pack, main-agent generation, crop decode + pack, sub-agents.
-        for k, name in (("overview_s", "overview"), ("main_gen_s", "main_gen"),
-                        ("crop_s", "crops"), ("sub_gen_s", "sub_gen")):  # fmt: skip
-            m[f"time/{name}"] = float(getattr(batch.stats, k))
-        m.update(guard.metrics())
-        if batch.metrics:  # asynchronous (rank 0): staleness, queue depth, idle times
-            m.update(batch.metrics)
-            m["async/trainer_idle_frac"] = m["time/rollout"] / max(m["time/step"], 1e-9)
-        if (pub := getattr(tr.source, "publisher", None)) is not None:  # rank 0's weight push
-            m.update(pub.metrics())  # async/push_s, each worker's wait for weights
-        tr.step_errors = reduced.errors
+        done = reduced.result(
+            stats,
+            batch,
+            seconds=time.perf_counter() - t_step,
+            lr=float(tr.scheduler.get_last_lr()[0]),
+            times=tr.times,
+            released_bytes=released,
+            guard=guard.metrics(),
+            push=tr.source.push_metrics(),
+        )
         if ctx.is_main and cfg.train.log_trajectories:
             tr.logger.log_trajectories(
                 step,
                 trajectory_samples(batch.groups, cfg.train.log_trajectories,
                                    video_meta=tr.video_meta, store=tr.thumbs),
             )  # fmt: skip
-    return m
+    tr.step_errors = done.errors  # (the run loop's empty-step alarm reads them there)
+    return done.metrics
 
 
 def drop_unfit_prompts(batch: RolloutBatch) -> int:

@@ -305,7 +305,7 @@ class Group:
 
 @dataclass
 class RolloutStats:
-    """The agent loop's counters of one ``AgentRunner.rollout`` call (``AgentRunner.stats``),
+    """The agent loop's counters of one ``AgentRunner.rollout`` call (``RolloutResult.stats``),
     named: a misspelt counter is an ``AttributeError``, not a metric that stays 0. Several
     runners' counters (an asynchronous step's workers) add up with ``+``."""
 
@@ -347,7 +347,7 @@ class RolloutBatch:
     (synchronous, ``paravt.rollout_source.LocalRollout``) or from the rollout workers
     (``paravt.workers.pipeline``).
 
-    ``errors`` / ``stats``: the runners' skipped prompts and counters (``AgentRunner.errors``,
+    ``errors`` / ``stats``: the runners' skipped prompts and counters (``RolloutResult.errors``,
     ``.stats``; an asynchronous run's are on trainer rank 0 only, so sums over ranks count
     each once); ``metrics``: the asynchronous run's ``async/*`` metrics of the step (staleness,
     queue depth, idle times; rank 0), empty when synchronous."""

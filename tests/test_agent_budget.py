@@ -102,13 +102,14 @@ def _run(hf, video: str, limit: int, max_turns: int = 1, g: int = 2):
     cfg = _cfg(**{"agent.max_turns": max_turns, "agent.max_parallel": 5,
                   "agent.max_tool_response_tokens": 104, "rollout.max_new_tokens": 12})  # fmt: skip
     runner = AgentRunner(eng, hf, cfg, planner=DecodePlanner("pyav", cache_frames=64))
-    (grp,) = runner.rollout([Sample("q", video, "Which?", "B", "mcq")], [4], group_size=g, seed=0)
-    return grp, eng, runner
+    done = runner.rollout([Sample("q", video, "Which?", "B", "mcq")], [4], group_size=g, seed=0)
+    (grp,) = done.groups
+    return grp, eng, runner, done
 
 
 def test_over_limit_calls_share_one_error_and_the_turn_stays_in_budget(hf, make_clip) -> None:
     video = make_clip(duration=20.0, size=(64, 64))
-    grp, eng, runner = _run(hf, video, limit=0)
+    grp, eng, runner, done = _run(hf, video, limit=0)
     cfg = runner.cfg.agent
     tok = hf.tokenizer
     opn = tok.convert_tokens_to_ids("<tool_response>")
@@ -129,13 +130,13 @@ def test_over_limit_calls_share_one_error_and_the_turn_stays_in_budget(hf, make_
         shown = tok.decode(tool)
         assert "Error: calls 6-74 were not run: at most 5 tool calls run per turn." in shown
         assert shown.count("at most 5 tool calls") == 1
-    assert runner.stats.calls["over_parallel_limit"] == 2 * (N_CALLS - 5)  # still counted
+    assert done.stats.calls["over_parallel_limit"] == 2 * (N_CALLS - 5)  # still counted
 
 
 def test_request_past_the_context_ends_the_episode_with_a_counted_status(hf, make_clip):
     """The engine raises as vLLM does; the loop never sends it such a request."""
     video = make_clip(duration=20.0, size=(64, 64))
-    _, eng0, runner0 = _run(hf, video, limit=0, max_turns=2)
+    _, eng0, runner0, _ = _run(hf, video, limit=0, max_turns=2)
     acfg, max_new = runner0.cfg.agent, runner0.cfg.rollout.max_new_tokens
     text = runner0.text
     pre = len(text.markup(acfg.think_prefix))
@@ -147,11 +148,11 @@ def test_request_past_the_context_ends_the_episode_with_a_counted_status(hf, mak
     )
 
     # One token short of a tool turn: the answer is forced now, and cut to what fits.
-    grp, eng, runner = _run(hf, video, limit=p1 + max_new - 1, max_turns=2)
+    grp, eng, runner, done = _run(hf, video, limit=p1 + max_new - 1, max_turns=2)
     assert len(eng.requests) == 4
     assert all(len(r.prompt_ids) + r.sampling.max_new_tokens <= eng.max_model_len
                for r in eng.requests)  # fmt: skip
-    st = runner.stats
+    st = done.stats
     assert (st.context_forced_answers, st.context_cut_answers, st.context_ended) == (
         2, 2, 0,
     )  # fmt: skip
@@ -162,9 +163,9 @@ def test_request_past_the_context_ends_the_episode_with_a_counted_status(hf, mak
         assert any("does not fit the engine's context" in e for e in t.errors)
 
     # No room for even one token after the forced prefix: the episode ends, unanswered.
-    grp, eng, runner = _run(hf, video, limit=p1 - pre + fpre, max_turns=2)
+    grp, eng, runner, done = _run(hf, video, limit=p1 - pre + fpre, max_turns=2)
     assert len(eng.requests) == 2  # turn 0 only
-    st = runner.stats
+    st = done.stats
     assert (st.context_forced_answers, st.context_ended) == (2, 2)
     for t in grp.trajectories:
         assert len(t.turns) == 1 and t.turns[0].calls
@@ -250,7 +251,8 @@ def test_fuzz_hostile_turns_never_pass_the_context(make_clip) -> None:
     totals = RolloutStats()
     while main_turns < 2_000:
         n_req = len(eng.requests)
-        groups = runner.rollout(samples, [2, 4], group_size=32, seed=step)  # must not raise
+        done = runner.rollout(samples, [2, 4], group_size=32, seed=step)
+        groups = done.groups  # must not raise
         step += 1
         new = eng.requests[n_req:]
         main_turns += sum(not eng.is_sub(r) for r in new)
@@ -259,7 +261,7 @@ def test_fuzz_hostile_turns_never_pass_the_context(make_clip) -> None:
         for g in groups:
             for t in g.trajectories + g.sub_trajectories:
                 _check_trajectory(t, eng, special, im_end)
-        totals = totals + runner.stats  # as an asynchronous step sums its workers'
+        totals = totals + done.stats  # as an asynchronous step sums its workers'
     over = totals.calls["over_parallel_limit"]
     print(f"fuzz: {main_turns} main turns, limit {limit}, " + json.dumps(
         {k: getattr(totals, k) for k in ("context_forced_answers", "context_cut_answers",

@@ -108,7 +108,9 @@ def _rollout_one_call(bundle, text: TextCache, video: str, body: str, summary: s
         lambda r: text.plain(summary),
     )
     runner = AgentRunner(eng, bundle, _cfg())
-    (g,) = runner.rollout([Sample("q", video, "Which?", "B", "mcq")], [4], group_size=1, seed=0)
+    (g,) = runner.rollout(
+        [Sample("q", video, "Which?", "B", "mcq")], [4], group_size=1, seed=0
+    ).groups
     (t,) = g.trajectories
     return t, eng
 
@@ -359,7 +361,7 @@ def test_fuzz_agent_loop_with_hostile_turns(bundle, text, make_clip) -> None:
     main_turns, t0, step = 0, time.perf_counter(), 0
     while main_turns < 10_000:
         n_req = len(eng.requests)
-        groups = runner.rollout(samples, [2, 4], group_size=64, seed=step)
+        groups = runner.rollout(samples, [2, 4], group_size=64, seed=step).groups
         step += 1
         new = eng.requests[n_req:]
         main_turns += sum(not eng.is_sub(r) for r in new)

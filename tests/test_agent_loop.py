@@ -168,7 +168,8 @@ def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip, monkeyp
     planner = CountingPlanner()
     cfg = _cfg(**{"agent.max_parallel": 5, "agent.max_turns": 2})
     runner = AgentRunner(eng, bundle, cfg, planner=planner)
-    groups = runner.rollout(_samples(video), [4, 8], group_size=2, seed=3)
+    done = runner.rollout(_samples(video), [4, 8], group_size=2, seed=3)
+    groups = done.groups
 
     # ONE main call per turn for all 4 agents of both groups, ONE sub call for all 8 crops.
     kinds = [[eng.is_sub(r) for r in b] for b in eng.requests]
@@ -209,7 +210,7 @@ def test_parallel_mixed_calls_batched_and_token_exact(bundle, make_clip, monkeyp
             assert s.num_frames >= 2
             prompt = bundle.tokenizer.decode(s.tokens[: s.prompt_len])
             assert g.sample.question in prompt  # sub_agent_include_question default on
-    st = runner.stats
+    st = done.stats
     assert st.calls["ok"] == 8 and st.calls["bad_json"] == 4 and st.crops == 8
     assert st.main_engine_calls == 2 and st.sub_engine_calls == 1
     score_groups(groups, cfg.reward)
@@ -235,7 +236,8 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip, caplog):
     )
     runner = AgentRunner(eng, bundle, _cfg())
     with caplog.at_level("WARNING", logger="paravt.agent.subagent"):
-        (g,) = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+        done = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+        (g,) = done.groups
     # The batch's own error is reported once, before the one-by-one retries.
     assert "a batch of 3 sub-agent requests failed (TimeoutError" in caplog.text
     (t,) = g.trajectories
@@ -256,7 +258,7 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip, caplog):
     head = text.removesuffix(" [truncated]")
     assert head != text and head.startswith("[10.0-14.0 s] Long summary")
     assert ("[10.0-14.0 s] " + c2.response).startswith(head)  # a prefix of the summary, cut
-    assert runner.stats.truncated_responses == 1
+    assert done.stats.truncated_responses == 1
     # The batch raised, so each request was retried alone (3 single calls).
     assert [len(b) for b in eng.requests] == [1, 3, 1, 1, 1, 1]
     # The run continued to the answer; only the good sub-agent has a trajectory.
@@ -264,7 +266,7 @@ def test_sub_agent_failures_become_error_responses(bundle, make_clip, caplog):
     assert [s.uid for s in g.sub_trajectories] == [f"{t.uid}:t0:c2"]
     text = bundle.tokenizer.decode(t.tokens[t.prompt_len :])
     assert "Error: the sub-agent failed (TimeoutError" in text
-    assert runner.stats.calls["sub_agent_error"] == 2 and runner.stats.calls["ok"] == 1
+    assert done.stats.calls["sub_agent_error"] == 2 and done.stats.calls["ok"] == 1
     _check_token_exact(t, eng)
 
 
@@ -276,7 +278,8 @@ def test_forced_answer_after_max_turns_and_length_cut(bundle, make_clip):
     script = ["a\n</think>\n" + _call(1, 3) + LEN, "b\n</think>\n" + _call(3, 5), "B</answer>"]
     eng = ScriptedEngine(bundle.tokenizer, lambda u, t: script[t])
     runner = AgentRunner(eng, bundle, cfg)
-    (g,) = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    done = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    (g,) = done.groups
     (t,) = g.trajectories
     assert [x.forced_answer for x in t.turns] == [False, False, True]
     assert t.turns[0].finish_reason == "length"
@@ -294,7 +297,7 @@ def test_forced_answer_after_max_turns_and_length_cut(bundle, make_clip):
     first_res = eng.results[id(eng.requests[0][0])]
     end0 = len(eng.requests[0][0].prompt_ids) + len(first_res.token_ids)
     assert t.tokens[end0] == im_end and t.loss_mask[end0] == 0
-    assert runner.stats.forced_answers == 1
+    assert done.stats.forced_answers == 1
     score_groups([g], cfg.reward)
     b = t.reward_breakdown
     assert b["acc"] == 1.0 and b["forced"] == 1.0 and b["flow"] == 0.0 and b["n_ok"] == 2.0
@@ -308,7 +311,11 @@ def test_unclosed_final_call_flag(bundle, make_clip):
             bundle.tokenizer, lambda u, t: [text0 + LEN, "y\n</think>\n<answer>B</answer>"][t]
         )
         cfg = _cfg(**{"agent.allow_unclosed_final_call": allow})
-        (g,) = AgentRunner(eng, bundle, cfg).rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+        (g,) = (
+            AgentRunner(eng, bundle, cfg)
+            .rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+            .groups
+        )
         assert [c.status for c in g.trajectories[0].turns[0].calls] == [want]
         assert len(g.sub_trajectories) == (1 if allow else 0)
 
@@ -321,8 +328,8 @@ def test_seeds_reproducible_and_bad_video_skipped(bundle, make_clip, tmp_path):
     def run(seed: int):
         eng = ScriptedEngine(bundle.tokenizer, lambda u, t: "x\n</think>\n<answer>B</answer>")
         r = AgentRunner(eng, bundle, _cfg())
-        groups = r.rollout(samples, [4, 4, 4], group_size=2, seed=seed)
-        return [q.sampling.seed for b in eng.requests for q in b], groups, r
+        done = r.rollout(samples, [4, 4, 4], group_size=2, seed=seed)
+        return [q.sampling.seed for b in eng.requests for q in b], done.groups, done
 
     s1, groups, r = run(5)
     s2, _, _ = run(5)
@@ -336,12 +343,13 @@ def test_generated_visual_token_is_cut(bundle, make_clip):
     video = make_clip(duration=20.0)
     eng = ScriptedEngine(bundle.tokenizer, lambda u, t: "so <|video_pad|> then more")
     runner = AgentRunner(eng, bundle, _cfg())
-    (g,) = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    done = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    (g,) = done.groups
     (t,) = g.trajectories
     vp = bundle.tokenizer.convert_tokens_to_ids("<|video_pad|>")
     assert vp not in t.tokens[t.prompt_len :]
     assert t.turns[0].finish_reason == "visual_token" and len(t.turns) == 1
-    assert runner.stats.visual_token_stops == 1
+    assert done.stats.visual_token_stops == 1
     _check_token_exact(t, eng)
 
 
@@ -369,7 +377,7 @@ def test_oracle_trajectory_uses_the_same_context(bundle, make_clip):
         lambda u, t: [first, final][t].removeprefix(cfg.agent.think_prefix),
         lambda r: next(sums),
     )
-    (g,) = AgentRunner(eng, bundle, cfg).rollout([sample], [4], group_size=1, seed=0)
+    (g,) = AgentRunner(eng, bundle, cfg).rollout([sample], [4], group_size=1, seed=0).groups
     assert traj.tokens == g.trajectories[0].tokens
     assert traj.loss_mask == g.trajectories[0].loss_mask
     assert traj.extras["mm_token_type_ids"] == g.trajectories[0].extras["mm_token_type_ids"]
@@ -400,7 +408,9 @@ def test_max_turns_zero_forces_the_first_turn(bundle, make_clip):
     video = make_clip(duration=20.0)
     eng = ScriptedEngine(bundle.tokenizer, lambda u, t: "B</answer>")
     cfg = _cfg(**{"agent.max_turns": 0})
-    (g,) = AgentRunner(eng, bundle, cfg).rollout(_samples(video)[:1], [4], group_size=2, seed=0)
+    (g,) = (
+        AgentRunner(eng, bundle, cfg).rollout(_samples(video)[:1], [4], group_size=2, seed=0).groups
+    )
     for t in g.trajectories:
         assert len(t.turns) == 1 and t.turns[0].forced_answer and not t.turns[0].calls
         _check_token_exact(t, eng)
@@ -428,7 +438,8 @@ def test_crop_decode_error_is_per_call(bundle, make_clip):
         bundle.tokenizer, lambda u, t: [turn0, "x\n</think>\n<answer>B</answer>"][t]
     )
     runner = AgentRunner(eng, bundle, _cfg(), planner=FailFirstCrop())
-    (g,) = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    done = runner.rollout(_samples(video)[:1], [4], group_size=1, seed=0)
+    (g,) = done.groups
     (t,) = g.trajectories
     c0, c1 = t.turns[0].calls
     assert c0.status == "decode_error" and "frame 17 is corrupt" in c0.error
@@ -436,7 +447,7 @@ def test_crop_decode_error_is_per_call(bundle, make_clip):
     assert "Error: the crop could not be decoded (frame 17 is corrupt)" in bundle.tokenizer.decode(
         t.tokens
     )
-    assert runner.stats.calls["decode_error"] == 1 and runner.stats.calls["ok"] == 1
+    assert done.stats.calls["decode_error"] == 1 and done.stats.calls["ok"] == 1
     score_groups([g], runner.cfg.reward)
     assert (
         t.reward_breakdown["n_system_errors"] == 1.0 and t.reward_breakdown["n_model_errors"] == 0

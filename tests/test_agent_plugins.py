@@ -61,7 +61,8 @@ def test_two_tools_in_one_turn_and_a_reward_term(bundle, make_clip):  # noqa: F8
     planner = CountingPlanner()
     runner = AgentRunner(eng, bundle, cfg, planner=planner)
     sample = Sample("qa", video, "Which shape appears?", "B", "mcq", options=["a", "b", "c", "d"])
-    (g,) = runner.rollout([sample], [4], group_size=2, seed=1)
+    done = runner.rollout([sample], [4], group_size=2, seed=1)
+    (g,) = done.groups
 
     # Both tools' calls of both rollouts: ONE planner run, ONE sub-agent engine call.
     assert planner.runs == [1, 4]
@@ -104,7 +105,7 @@ def test_two_tools_in_one_turn_and_a_reward_term(bundle, make_clip):  # noqa: F8
     assert subs["c0"].visuals.frames[0].shape[0] >= 2  # the crop: several frames of its window
     for s in g.sub_trajectories:
         _check_token_exact(s, eng)
-    st = runner.stats
+    st = done.stats
     assert st.calls["ok"] == 4 and st.crops == 4 and st.sub_engine_calls == 1
 
     # The reward term: logged under its name, weighted into the total.
@@ -138,7 +139,8 @@ def test_a_tool_that_raises_fails_only_its_call(bundle, make_clip, caplog):  # n
     runner = AgentRunner(eng, bundle, cfg, tools=ToolBox([CROP, Broken()]))
     sample = Sample("qa", video, "Which shape appears?", "B", "mcq")
     with caplog.at_level("WARNING", logger="paravt.agent.tools"):
-        (g,) = runner.rollout([sample], [4], group_size=1, seed=0)
+        done = runner.rollout([sample], [4], group_size=1, seed=0)
+        (g,) = done.groups
     (t,) = g.trajectories
     crop, zoom = t.turns[0].calls
     assert crop.status == "ok" and crop.response
@@ -146,7 +148,7 @@ def test_a_tool_that_raises_fails_only_its_call(bundle, make_clip, caplog):  # n
     assert zoom.error == "the zoom_frame tool failed (view: raised RuntimeError: boom)"
     assert "tool zoom_frame: view raised RuntimeError: boom" in caplog.text
     assert [s.uid for s in g.sub_trajectories] == [f"{t.uid}:t0:c0"]
-    assert len(t.turns) == 2 and runner.stats.calls["tool_error"] == 1
+    assert len(t.turns) == 2 and done.stats.calls["tool_error"] == 1
     _check_token_exact(t, eng)
 
 
@@ -240,8 +242,8 @@ def test_two_tools_through_one_train_step(assets, tmp_path) -> None:
     real = tr.runner.rollout
 
     def rollout(*a, **kw):
-        seen["groups"] = real(*a, **kw)
-        return seen["groups"]
+        seen["done"] = real(*a, **kw)
+        return seen["done"]
 
     tr.runner.rollout = rollout
     m = train_step(tr, 1)
@@ -260,7 +262,7 @@ def test_two_tools_through_one_train_step(assets, tmp_path) -> None:
         assert 'data-tool="crop_video"' in page and 'data-tool="zoom_frame"' in page
         assert ">crop_video 1</span>" in page and ">zoom_frame 2</span>" in page
     assert torch.isfinite(torch.tensor(m["loss"]))
-    for g in seen["groups"]:
+    for g in seen["done"].groups:
         for t in g.trajectories:
             assert [(c.name, c.status) for c in t.turns[0].calls] == [
                 ("crop_video", "ok"),

@@ -68,7 +68,7 @@ def test_tiny_model_rollout_reproducible_and_token_exact(tiny, synth_dir):
     runs = []
     for _ in range(2):
         runner = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
-        groups = runner.rollout(samples, [4, 8], group_size=2, seed=11)
+        groups = runner.rollout(samples, [4, 8], group_size=2, seed=11).groups
         score_groups(groups, cfg.reward)
         runs.append(groups)
     g1, g2 = runs
@@ -81,8 +81,10 @@ def test_tiny_model_rollout_reproducible_and_token_exact(tiny, synth_dir):
             assert t.num_frames == a.num_frames
             _check_logprobs(tiny, t, cfg.rollout.temperature)
     # A different seed samples differently.
-    other = AgentRunner(HFEngine(tiny, seed=0), tiny, cfg).rollout(
-        samples, [4, 8], group_size=2, seed=12
+    other = (
+        AgentRunner(HFEngine(tiny, seed=0), tiny, cfg)
+        .rollout(samples, [4, 8], group_size=2, seed=12)
+        .groups
     )
     assert [t.tokens for t in other[0].trajectories] != [t.tokens for t in g1[0].trajectories]
 
@@ -120,7 +122,7 @@ def test_real_sub_agents_token_exact(tiny, synth_dir):
         for s, e in ((5, 9), (20, 26), (40, 44))
     )
     eng = _ScriptedMainRealSub(tiny, "x\n</think>\n" + calls)
-    (g,) = AgentRunner(eng, tiny, cfg).rollout([sample], [4], group_size=2, seed=0)
+    (g,) = AgentRunner(eng, tiny, cfg).rollout([sample], [4], group_size=2, seed=0).groups
     n_ok = sum(c.status == "ok" for t in g.trajectories for c in t.turns[0].calls)
     assert (
         n_ok + sum(c.status == "sub_agent_error" for t in g.trajectories for c in t.turns[0].calls)
@@ -180,10 +182,11 @@ def test_frames_crop_mode_puts_the_crops_in_the_main_context(tiny, synth_dir):
         lambda model, req, ids: [0.0] * (len(ids) - len(req.prompt_ids)),
     )
     runner = AgentRunner(eng, tiny, cfg)
-    (g,) = runner.rollout([sample], [4], group_size=1, seed=0)
+    done = runner.rollout([sample], [4], group_size=1, seed=0)
+    (g,) = done.groups
     (t,) = g.trajectories
-    assert g.sub_trajectories == [] and runner.stats.sub_engine_calls == 0
-    assert runner.stats.crops == 2
+    assert g.sub_trajectories == [] and done.stats.sub_engine_calls == 0
+    assert done.stats.crops == 2
     assert [c.status for c in t.turns[0].calls] == ["ok", "ok"]
     assert all(c.response == "4 frames of this window are shown above." for c in t.turns[0].calls)
     assert len(t.turns) == 2 and t.visuals is not None and t.visuals.num_segments == 3

@@ -20,6 +20,14 @@ from paravt.data.sampler import PromptSampler
 from paravt.distributed import DistContext
 from paravt.rollout_source import plan_prompts
 from paravt.types import Group, RolloutStats, Sample, Trajectory
+from paravt.workers.messages import (
+    AssignGroups,
+    Claimed,
+    ClaimRollouts,
+    PlannedGroup,
+    TicketGroup,
+    TicketSkipped,
+)
 from paravt.workers.pipeline import (
     CLAIM_KEY,
     ClaimWatchdog,
@@ -39,9 +47,9 @@ def _cfg(**kv: object):
     return load_config(overrides=[f"{k}={v}" for k, v in {**over, **kv}.items()])
 
 
-def _key(e: dict) -> tuple:
+def _key(e: PlannedGroup) -> tuple:
     """What decides a group's samples: its slot (the seed), index (the uids), prompt, K."""
-    return (e["slot"], e["index"], e["sample"].id, e["budget"], e["seed"])
+    return (e.slot, e.index, e.sample.id, e.budget, e.seed)
 
 
 def test_slots_are_the_static_steps_prompts() -> None:
@@ -83,11 +91,11 @@ def test_resume_reissues_exactly_the_untrained_groups() -> None:
     second.load(state, start_step=2)
     again = second.issue(len(untrained) + P, version=2)
     assert [_key(e) for e in again[: len(untrained)]] == untrained  # exactly, in order
-    assert [e["ticket"] for e in again] == list(range(len(again)))  # a new job's tickets
+    assert [e.ticket for e in again] == list(range(len(again)))  # a new job's tickets
     # ... then slot 4, as the first run draws it.
     first.issue(len(first.planned) + P, version=2)
     assert [_key(e) for e in again[len(untrained) :]] == [
-        _key(e) for e in first.open.values() if e["slot"] == 4
+        _key(e) for e in first.open.values() if e.slot == 4
     ]
 
 
@@ -99,26 +107,28 @@ def test_state_is_bounded_and_moves_with_training() -> None:
     ledger = GroupLedger(PromptSampler(SAMPLES, seed=1), cfg)
     for _ in range(5):  # five steps of P groups each, trained in order
         for e in ledger.issue(P, version=0):
-            ledger.close(e["ticket"])
+            ledger.close(e.ticket)
     state = ledger.state()
     assert state["slot"] == 6 and state["done"] == []
     assert {k: state[k] for k in ("epoch", "pos")} == ledger.sampler.state()
     old = {"epoch": 0, "pos": 4}  # a checkpoint without "slot": slots follow the steps
     fresh = GroupLedger(PromptSampler(SAMPLES, seed=1), cfg)
     fresh.load(old, start_step=1)
-    assert fresh.issue(1, version=1)[0]["slot"] == 2
+    assert fresh.issue(1, version=1)[0].slot == 2
 
 
-def _assigns() -> list[dict]:
+def _assigns() -> list[AssignGroups]:
     """Three assignments (3, 5, 3 groups) of slots 1-3 as after a resume that had trained
     slot 2's group 1: tickets 0-3 are slot 1's groups 0-3, 4-6 slot 2's 0, 2, 3, 7-10 slot 3's
     0-3."""
     ledger = GroupLedger(PromptSampler(SAMPLES, seed=2), _cfg())
     ledger.done = {(2, 1)}
-    return [{"kind": "assign", "groups": ledger.issue(n, version=0)} for n in (3, 5, 3)]
+    return [AssignGroups(tuple(ledger.issue(n, version=0))) for n in (3, 5, 3)]
 
 
-def _claims(rank: int, store: dist.Store, assigns: list[dict]) -> tuple[GroupClaims, queue.Queue]:
+def _claims(
+    rank: int, store: dist.Store, assigns: list[AssignGroups]
+) -> tuple[GroupClaims, queue.Queue]:
     cfg = _cfg(**{"rollout.dispatch_groups": 3})
     jobs: queue.Queue = queue.Queue()
     for a in assigns:
@@ -139,15 +149,15 @@ def test_a_claim_is_the_next_consecutive_groups_of_one_slot() -> None:
     assigns, store = _assigns(), _store()
     one, _ = _claims(1, store, assigns)
     two, _ = _claims(2, store, assigns)
-    every = [e for a in assigns for e in a["groups"]]
+    every = [e for a in assigns for e in a.groups]
     got = []
     for claims in (one, two, one, two, one, two):
         w = claims.next_work()
-        got.append(w["reply"]["tickets"])
-        es = [every[t] for t in w["reply"]["tickets"]]
-        assert w["seed"] == es[0]["seed"] and w["first_group"] == es[0]["index"]
-        assert w["samples"] == [e["sample"] for e in es]
-        assert w["budgets"] == [e["budget"] for e in es]
+        got.append(list(w.tickets))
+        es = [every[t] for t in w.tickets]
+        assert w.seed == es[0].seed and w.first_group == es[0].index
+        assert w.samples == [e.sample for e in es]
+        assert w.budgets == [e.budget for e in es]
     assert got == [[0, 1, 2], [3], [4], [5, 6], [7, 8, 9], [10]]
     assert store.get(CLAIM_KEY).split(b"/")[0] == b"11"  # every ticket is claimed
 
@@ -162,7 +172,7 @@ def test_racing_workers_claim_each_ticket_once() -> None:
     def run(claims: GroupClaims, rank: int) -> None:
         gate.wait()
         while (w := claims.next_work()) is not None:
-            out.append((rank, w["reply"]["tickets"]))
+            out.append((rank, list(w.tickets)))
 
     workers = []
     for rank in (1, 2):
@@ -219,13 +229,13 @@ def test_a_skipped_ticket_is_closed_and_the_ledger_stays_exact() -> None:
     pipe = RolloutPipeline(cfg, ctx, AsyncRoles(1, [0], [2, 3], store=_store()), None)
     pipe.sampler = PromptSampler(SAMPLES, seed=2)
     issued = pipe.ledger.issue(P, version=0)  # tickets 0-3: slot 1's groups 0-3
-    g1 = Group(issued[1]["sample"], 1, issued[1]["budget"], [], [])
-    why = f"sample {issued[0]['sample'].id}: skipped, its video could not be read (torn)"
+    g1 = Group(issued[1].sample, 1, issued[1].budget, [], [])
+    why = f"sample {issued[0].sample.id}: skipped, its video could not be read (torn)"
     entries = ticket_entries([0, 1], 0, [g1], {0: why})
-    assert entries == [{"ticket": 0, "skipped": why}, {"ticket": 1, "group": g1}]
-    msg = {"kind": "groups", "worker": 2, "tickets": [0, 1], "entries": entries,
-           "errors": [why], "stats": RolloutStats(), "busy_s": 1.0, "idle_s": 0.0}  # fmt: skip
-    pipe._take({"kind": "claimed", "worker": 2, "tickets": [0, 1]}, "in the test")
+    assert entries == [TicketSkipped(0, why), TicketGroup(1, g1)]
+    msg = ClaimRollouts(worker=2, tickets=(0, 1), entries=tuple(entries),
+                        errors=(why,), stats=RolloutStats(), busy_s=1.0, idle_s=0.0)  # fmt: skip
+    pipe._take(Claimed(2, (0, 1)), "in the test")
     assert list(pipe.watchdog.held) == [2]  # the claim is timed from here
     pipe._take(msg, "in the test")
     assert not pipe.watchdog.held and len(pipe.watchdog.durations) == 1
@@ -238,7 +248,7 @@ def test_a_skipped_ticket_is_closed_and_the_ledger_stays_exact() -> None:
     pipe.ledger.close(1)
     fresh = GroupLedger(PromptSampler(SAMPLES, seed=2), cfg)
     fresh.load(json.loads(json.dumps(pipe.ledger.state())), start_step=0)
-    assert [(e["slot"], e["index"]) for e in fresh.issue(2, version=0)] == [(1, 2), (1, 3)]
+    assert [(e.slot, e.index) for e in fresh.issue(2, version=0)] == [(1, 2), (1, 3)]
 
 
 def test_ticket_entries_refuse_a_group_outside_the_claim() -> None:
@@ -246,7 +256,7 @@ def test_ticket_entries_refuse_a_group_outside_the_claim() -> None:
     with pytest.raises(RuntimeError, match=r"groups \[7\] outside its claim of tickets 3..4"):
         ticket_entries([3, 4], 0, [g], {})
     assert ticket_entries([3], 0, [], {}) == [
-        {"ticket": 3, "skipped": "group 0: the rollout returned nothing for it"}
+        TicketSkipped(3, "group 0: the rollout returned nothing for it")
     ]
 
 
@@ -300,3 +310,21 @@ def test_the_claim_watchdog_names_a_worker_hung_from_its_first_claim() -> None:
     (line,) = dog.overdue()
     assert line.startswith("rollout worker rank 1 has held its claim of tickets 0..1 for 21 s")
     assert "no claim has finished yet (limit 20 s)" in line
+
+
+def test_messages_cross_the_wire_and_an_unknown_one_is_named() -> None:
+    """A message pickled as a ``Channel`` carries it comes back equal and of the same type; a
+    receiver that gets something it does not handle there raises ``UnexpectedMessage`` naming
+    it and what it expected (a dict of the old wire format included)."""
+    from paravt.workers.messages import UnexpectedMessage, WorkerError, expect
+    from paravt.workers.roles import _decode, _encode
+
+    g = Group(SAMPLES[0], 1, 4, [_traj("1:s0:r0")], [])
+    msg = ClaimRollouts(worker=2, tickets=(0, 1), entries=(TicketSkipped(0, "torn"), TicketGroup(1, g)),
+                        errors=("torn",), stats=RolloutStats(), busy_s=1.5, idle_s=0.5)  # fmt: skip
+    back = _decode(_encode(msg))
+    assert type(back) is ClaimRollouts and back.tickets == (0, 1) and back.skipped == 1
+    assert back.entries[1].group.trajectories[0].uid == "1:s0:r0" and back.busy_s == 1.5
+    assert expect(back, (Claimed, ClaimRollouts), "here") is back
+    with pytest.raises(UnexpectedMessage, match=r"at the test: unexpected message dict\(kind='groups'\); expected Claimed or WorkerError"):  # fmt: skip
+        expect({"kind": "groups"}, (Claimed, WorkerError), "at the test")

@@ -55,7 +55,11 @@ def _rollout(tiny, samples, crop_mode: str = "subagent") -> list[Group]:
     eng = ScriptedFirstTurn(
         HFEngine(tiny, seed=0), TWO_CROPS, lambda m, r, ids: [0.0] * (len(ids) - len(r.prompt_ids))
     )
-    return AgentRunner(eng, tiny, cfg).rollout(samples, [8] * len(samples), group_size=2, seed=0)
+    return (
+        AgentRunner(eng, tiny, cfg)
+        .rollout(samples, [8] * len(samples), group_size=2, seed=0)
+        .groups
+    )
 
 
 def _rows(groups: list[Group]) -> list[Trajectory]:

@@ -158,7 +158,8 @@ def test_every_tool_method_raising_or_returning_garbage_fails_only_its_call(
         eng.requests.clear()
         eng.turn.clear()
         try:
-            (g,) = runner.rollout([sample], [rng.choice([2, 4])], group_size=1, seed=seed)
+            done = runner.rollout([sample], [rng.choice([2, 4])], group_size=1, seed=seed)
+            (g,) = done.groups
         finally:
             delattr(zoom, method)
         where = f"{method} {label}"
@@ -170,7 +171,7 @@ def test_every_tool_method_raising_or_returning_garbage_fails_only_its_call(
         assert len(call.error) < 400, (where, len(call.error))
         call.error.encode("utf-8")  # no lone surrogate reaches the model's text
         assert any("tool_error" in e for e in t.errors), where
-        assert runner.stats.calls["tool_error"] == 1, where
+        assert done.stats.calls["tool_error"] == 1, where
         assert len(t.turns) == 2, where  # the episode went on to its answer
         # No sub-agent request carried a 1 MB instruction (the 40 GB batch of issue 66).
         subs = [r for b in eng.requests for r in b if eng.is_sub(r)]

@@ -319,7 +319,7 @@ def test_zoom_frame_shows_the_region_upscaled_and_zoom_cost_prices_it(make_clip)
     )
     runner = AgentRunner(eng, eng_bundle, cfg, planner=DecodePlanner("pyav", cache_frames=64))
     sample = Sample("qa", video, "What is there?", "B", "mcq", options=["a", "b", "c", "d"])
-    (g,) = runner.rollout([sample], [4], group_size=1, seed=1)
+    (g,) = runner.rollout([sample], [4], group_size=1, seed=1).groups
     (t,) = g.trajectories
     calls = t.turns[0].calls
     assert [(c.name, c.status) for c in calls] == [

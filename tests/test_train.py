@@ -126,7 +126,7 @@ def test_frame_budget_reaches_the_prompt(assets, tmp_path, gating: bool) -> None
         assert len(set(ks)) > 1  # K varies across the prompts of this dataset
     else:
         assert set(ks) == {cfg.video.fixed_frames}
-    groups = runner.rollout(samples, ks, group_size=2, seed=0)
+    groups = runner.rollout(samples, ks, group_size=2, seed=0).groups
     assert len(groups) == len(samples)
     for g, k in zip(groups, ks):
         assert g.num_frames == k

@@ -74,13 +74,13 @@ def test_hostile_turns_never_fail_vllm(tiny32_dir, make_clip) -> None:
     main_turns, step = 0, 0
     while main_turns < 120:
         n_req = len(eng.requests)
-        runner.rollout(samples, [2, 4], group_size=8, seed=step)  # must not raise
+        done = runner.rollout(samples, [2, 4], group_size=8, seed=step)  # must not raise
         step += 1
         new = eng.requests[n_req:]
         main_turns += sum(not IdEngine.is_sub(r) for r in new)
         for r in new:
             assert len(r.prompt_ids) + r.sampling.max_new_tokens <= limit, r.request_id
-        totals = totals + runner.stats
+        totals = totals + done.stats
     keys = ("context_forced_answers", "context_cut_answers", "context_ended")
     print(f"vLLM fuzz: {main_turns} main turns, limit {limit}, "
           + json.dumps({k: getattr(totals, k) for k in keys}))  # fmt: skip

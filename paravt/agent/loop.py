@@ -31,7 +31,7 @@ same way; a crop whose prompt alone does not fit becomes that call's error.
 Overviews: one ``DecodePlanner.run`` for all prompts; each prompt is encoded once and its
 context copied to its G rollouts (the frame budget K is per prompt, shared by the group).
 A prompt whose video cannot be probed or decoded is skipped with a logged error
-(``AgentRunner.errors``); the rest of the step proceeds.
+(``RolloutResult.errors``); the rest of the step proceeds.
 
 This module is the episode loop only: encoding (prompts, sub-agent prompts, generated text,
 the SFT oracle rows) is ``paravt.agent.encoder``, the tool step ``paravt.agent.calls``, the
@@ -47,7 +47,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paravt.agent.calls import CallJob, run_calls
 from paravt.agent.context import Clip, Context, TextCache, add_tool_turn, tool_turn_max_tokens
@@ -65,13 +65,16 @@ from paravt.engines.engine import Engine, GenerationResult, SamplingParams, cont
 from paravt.types import Group, RolloutStats, Sample, Trajectory, Turn, VideoMeta
 from paravt.video import DecodePlanner, VideoError, VideoUnsupported
 
+if TYPE_CHECKING:
+    from paravt.models import ModelBundle
+
 log = logging.getLogger(__name__)
 
 # How a trajectory's ``errors`` say that its prompt alone passed the engine's context (nothing
 # was generated): the evaluation makes such a sample an error row of kind "context"
 # (``paravt.eval.runner.result_row``), not an unparseable answer.
 PROMPT_TOO_LONG = "the prompt alone"
-# How ``AgentRunner.errors`` says a sample was skipped for a ``VideoUnsupported`` video (one the
+# How ``RolloutResult.errors`` says a sample was skipped for a ``VideoUnsupported`` video (one the
 # model cannot take, whatever the retry): the evaluation's error kind "unsupported".
 UNSUPPORTED = "cannot be used by the model"
 
@@ -100,28 +103,42 @@ class _Episode:
     done: bool = False
 
 
+@dataclass(frozen=True)
+class RolloutResult:
+    """What one ``AgentRunner.rollout`` returns: a ``Group`` per sample whose video could be
+    read (numbered from the call's ``first_group``); ``errors``, one line per skipped sample;
+    ``skipped``, the skipped samples' group index and why (their line in ``errors``; an
+    asynchronous run's worker answers each claimed ticket with a group or this reason,
+    ``paravt.workers.worker.ticket_entries``); ``stats``, the call's counters
+    (``paravt.types.RolloutStats``: tool calls by final status, engine calls, crops, forced and
+    context-cut answers, wall times)."""
+
+    groups: list[Group]
+    errors: list[str] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+
 def _add_time(e: _Episode, key: str, dt: float) -> None:
     e.timings[key] = e.timings.get(key, 0.0) + dt
 
 
 class AgentRunner:
-    """Runs the PARA-GRPO agent: ``rollout(samples, K per sample, G, seed) -> groups``.
+    """Runs the PARA-GRPO agent: ``rollout(samples, K per sample, G, seed) ->
+    RolloutResult`` (the groups, the skipped prompts and the call's counters).
 
     ``engine`` serves both the main agents and the sub-agents (same weights). ``bundle`` is a
-    ``paravt.models.ModelBundle`` (its ``tokenizer`` and ``vision`` spec are used). ``stats``
-    holds the last rollout's counters (``paravt.types.RolloutStats``: tool calls by final
-    status, engine calls, crops, forced and context-cut answers, wall times), a new record per
-    rollout.
+    ``paravt.models.ModelBundle`` (its ``tokenizer`` and ``vision`` spec are used).
 
     A failing *main-agent* engine call raises (nothing can continue without it); sub-agent
     failures, unreadable crops and malformed calls become error tool responses, and prompts
-    whose video cannot be read are skipped (``errors``).
+    whose video cannot be read are skipped (``RolloutResult.errors``).
     """
 
     def __init__(
         self,
         engine: Engine,
-        bundle: Any,
+        bundle: ModelBundle,
         cfg: Config,
         *,
         planner: DecodePlanner | None = None,
@@ -133,12 +150,6 @@ class AgentRunner:
         # Prompts, tool views, generated text (``paravt.agent.encoder``); ``tools`` defaults
         # to ``agent.tools``.
         self.encoder = AgentEncoder(bundle, cfg, planner=planner, tools=tools)
-        self.errors: list[str] = []
-        #: The last rollout's skipped samples, by group index: why (their message in
-        #: ``errors``). An asynchronous run's worker answers each claimed ticket with a group
-        #: or this reason (``paravt.workers.worker.ticket_entries``).
-        self.skipped: dict[int, str] = {}
-        self.stats = RolloutStats()
         # The policy version the engine's weights are (recorded on every sampled token), and
         # an optional hook called before every turn that may swap the engine's weights and
         # returns the version then loaded (``paravt.workers``: an asynchronous run's worker).
@@ -186,10 +197,10 @@ class AgentRunner:
         group_size: int,
         seed: int,
         first_group: int = 0,
-    ) -> list[Group]:
+    ) -> RolloutResult:
         """Roll out ``group_size`` episodes for each sample; returns one ``Group`` per sample
-        whose video could be read (``self.errors`` lists the skipped ones, ``self.skipped``
-        maps their group index to the reason).
+        whose video could be read, the skipped ones' errors and reasons, and the counters
+        (``RolloutResult``).
 
         Reproducible: every request carries a seed derived from ``(seed, uid, turn)``. Groups
         are numbered from ``first_group`` (their ``group_id`` and the uids' prefix): a rollout
@@ -204,8 +215,8 @@ class AgentRunner:
             raise ValueError(f"rollout: group_size={group_size} must be >= 1")
         acfg = self.cfg.agent
         t_start = time.perf_counter()
-        self.errors = []
-        self.skipped = {}
+        errors: list[str] = []
+        skipped: dict[int, str] = {}
         st = RolloutStats()
         t0 = time.perf_counter()
         contexts = self.encoder.encode_overviews(samples, frame_budgets)
@@ -219,8 +230,8 @@ class AgentRunner:
                 how = UNSUPPORTED if isinstance(c, VideoUnsupported) else "could not be read"
                 msg = f"sample {s.id}: skipped, its video {how} ({c})"
                 log.warning(msg)
-                self.errors.append(msg)
-                self.skipped[gi] = msg
+                errors.append(msg)
+                skipped[gi] = msg
                 continue
             groups[gi] = Group(s, gi, int(k), [], [])
             for g in range(group_size):
@@ -281,8 +292,7 @@ class AgentRunner:
         out = self._collect(episodes, groups)
         st.episodes = len(episodes)
         st.rollout_s = time.perf_counter() - t_start
-        self.stats = st
-        return out
+        return RolloutResult(out, errors, skipped, st)
 
     def _plan_turn(
         self, e: _Episode, turn: int, seed: int, st: RolloutStats

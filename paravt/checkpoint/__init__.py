@@ -14,7 +14,7 @@ and loads them (torchtitan's ``CheckpointManager`` contract). The package, by co
 * ``manifest``: the run id and each checkpoint's ``manifest.json``;
 * ``trust``: ``verify_checkpoint`` and ``resume_checkpoint`` (``--resume``'s pick);
 * ``sft_state``: the cold-start SFT's resumable state (``paravt.sft``);
-* ``resolve``: which model folder ``python -m paravt.eval`` / ``paravt.rollout`` read.
+* ``resolve``: which model folder ``python -m paravt.eval`` / ``paravt.episodes`` read.
 
 Every name the rest of paravt, the tests and the benchmarks use is re-exported here
 (``from paravt.checkpoint import ...``).

@@ -16,7 +16,7 @@ from paravt.config import ConfigError
 
 def resolve_model_path(cfg: Any, given: str) -> str:
     """``--model``, else ``model.path``, else the newest checkpoint of ``train.out_dir``
-    (``python -m paravt.eval`` and ``python -m paravt.rollout``). A given training run folder
+    (``python -m paravt.eval`` and ``python -m paravt.episodes``). A given training run folder
     (``runs/train/default``) means its newest checkpoint. Raises ``ConfigError`` when a given
     path is not a directory, is neither an HF model nor a run with checkpoints, or there is no
     checkpoint (the model is untrained)."""

@@ -80,6 +80,11 @@ def context_limit(engine: object) -> int:
 
 @runtime_checkable
 class Engine(Protocol):
+    """What the agent loop and the rollout sources call on an engine. ``generate`` and
+    ``sync_weights`` are each engine's own; ``sleep`` and ``close`` are optional, no-ops here:
+    the engines inherit this class (``HFEngine``, ``VLLMEngine``, ``OracleMainEngine``) and
+    override what they do, and callers call them directly."""
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate for every request (batched); results in request order."""
         ...
@@ -87,3 +92,12 @@ class Engine(Protocol):
     def sync_weights(self, model: object) -> None:
         """Make subsequent generations use ``model``'s current weights."""
         ...
+
+    def sleep(self) -> None:
+        """Free the device for the update until the next ``sync_weights`` (vLLM on a GPU);
+        the default does nothing."""
+        return None
+
+    def close(self) -> None:
+        """Release what the engine holds now (idempotent); the default does nothing."""
+        return None

@@ -49,7 +49,13 @@ from typing import Any
 
 import torch
 
-from paravt.engines.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
+from paravt.engines.engine import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    row_seed,
+    unwrap_module,
+)
 from paravt.models.loader import ModelBundle
 from paravt.models.prefix import clean_cut, common_prefix, split_visuals
 from paravt.models.sampling import sampling_logprobs
@@ -171,7 +177,7 @@ def _share_plan(reqs: list[GenerationRequest], bundle: ModelBundle) -> _SharePla
     return _SharePlan(clusters, prefix, split, cluster_of, split_of)
 
 
-class HFEngine:
+class HFEngine(Engine):
     """Batched generation with transformers models (implements ``paravt.engines.engine.Engine``).
 
     Args:

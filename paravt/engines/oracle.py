@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from paravt.engines.engine import GenerationResult
+from paravt.engines.engine import Engine, GenerationResult
 from paravt.files import read_jsonl
 
 
-class OracleMainEngine:
+class OracleMainEngine(Engine):
     """Main agents replay the synthetic task's oracle turns (``sft.jsonl``); sub-agents (and
     prompts without an oracle row) use the real ``engine``.
 

@@ -73,7 +73,13 @@ import torch
 
 from paravt.distributed import release_device_cache
 from paravt.engines import VLLM_DEFAULT_MAX_MODEL_LEN
-from paravt.engines.engine import GenerationRequest, GenerationResult, row_seed, unwrap_module
+from paravt.engines.engine import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    row_seed,
+    unwrap_module,
+)
 from paravt.log import get_logger, quiet_libraries
 from paravt.models.loader import ModelBundle
 from paravt.types import VisualInputs
@@ -151,7 +157,7 @@ def from_config(cfg: Any, bundle: ModelBundle) -> VLLMEngine:
     return VLLMEngine(bundle, cfg)
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """Batched generation with an in-process vLLM engine (implements ``Engine``).
 
     Args:

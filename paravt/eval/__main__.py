@@ -305,7 +305,7 @@ def _evaluate(
         log.error(f"error: {e}")
         return 1
     finally:
-        cleanup(ctx, getattr(engine, "close", lambda: None))
+        cleanup(ctx, engine.close)
     if ctx.is_main:
         log.info(f"[eval] results in {out}/ (results.jsonl, summary.json)")
     if summary["n"] and summary["n_errors"] == summary["n"]:  # the same on every rank

@@ -131,7 +131,7 @@ def evaluate(
         samples = 1 if greedy else cfg.train.eval_samples
         groups = runner.rollout(
             mine, [k] * len(mine), group_size=samples, seed=stable_seed("eval", seed)
-        )
+        ).groups
         score_groups(groups, cfg.reward)
         dt, t0 = time.perf_counter() - t0, time.perf_counter()
         log.info(f"[eval] {label}: condition {i + 1}/{n_conds} {name} done ({dt:.0f} s)")

@@ -58,7 +58,7 @@ from paravt.files import DISK_FULL, append_text, write_atomic, write_failure
 from paravt.metrics import DiskFullError, call_record, progress_bar, read_metrics
 from paravt.rewards.compose import full_text
 from paravt.runfolder import training_run_in
-from paravt.types import Group, Sample, Trajectory
+from paravt.types import Sample, Trajectory
 
 log = logging.getLogger("paravt.eval")
 
@@ -263,7 +263,7 @@ def evaluate_samples(
         todo.clear()
         t0 = time.perf_counter()
         try:
-            groups: list[Group] = runner.rollout(
+            done = runner.rollout(
                 batch, [frames] * len(batch), group_size=1, seed=stable_seed("eval", seed)
             )
         except Exception as e:  # noqa: BLE001 - recorded per sample, retried on resume
@@ -278,11 +278,11 @@ def evaluate_samples(
             emit(result_row(batch[0], None, frames=frames, error=err, kind="engine"))
             return
         dt = time.perf_counter() - t0
-        by_id = {g.sample.id: g for g in groups}
+        by_id = {g.sample.id: g for g in done.groups}
         for s in batch:
             g = by_id.get(s.id)
             if g is None or not g.trajectories:
-                said = [m for m in runner.errors if m.startswith(f"sample {s.id}: ")]
+                said = [m for m in done.errors if m.startswith(f"sample {s.id}: ")]
                 msg = said[0] if said else f"sample {s.id}: no rollout came back"
                 # A video the model cannot take (aspect ratio ...) is no transient failure.
                 kind = "unsupported" if UNSUPPORTED in msg else "video"

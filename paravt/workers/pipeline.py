@@ -80,24 +80,47 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from paravt.config import Config
+from paravt.data.sampler import PromptSampler
 from paravt.distributed import DistContext, Precision, full_weights
 from paravt.engines.engine import Engine
 from paravt.log import get_logger
+from paravt.preempt import Preemption
 from paravt.rollout_source import plan_prompts, push_weights
 from paravt.types import Group, RolloutBatch, RolloutStats
 from paravt.video.planner import DecodePlanner
 from paravt.weight_sync import PushStalled, PushWatch, Spec, WeightPublisher
+from paravt.workers.messages import (
+    AssignGroups,
+    AssignStep,
+    Bye,
+    Claimed,
+    ClaimRollouts,
+    FromWorker,
+    Hello,
+    IssuedGroup,
+    PlannedGroup,
+    StepRollouts,
+    Stop,
+    TicketGroup,
+    WorkerError,
+    WorkerLost,
+    describe,
+    expect,
+)
 from paravt.workers.pixels import restore_pixels
-from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles
+from paravt.workers.roles import CTRL_TIMEOUT, AsyncRoles, Channel
+
+if TYPE_CHECKING:
+    from paravt.models import ModelBundle
 
 log = get_logger(__name__)
 
@@ -125,9 +148,9 @@ class RolloutPipeline:
         cfg: Config,
         ctx: DistContext,
         roles: AsyncRoles,
-        sampler: Any,
+        sampler: PromptSampler,
         engine: Engine | None = None,
-        bundle: Any = None,
+        bundle: ModelBundle | None = None,
     ) -> None:
         self.cfg, self.ctx, self.roles = cfg, ctx, roles
         self.bundle = bundle
@@ -150,8 +173,8 @@ class RolloutPipeline:
         self.watchdog = ClaimWatchdog(
             cfg.rollout.claim_watchdog_factor, cfg.rollout.claim_watchdog_min_s
         )
-        self._results: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._buffer: dict[int, dict[int, dict[str, Any]]] = {}
+        self._results: queue.Queue[FromWorker] = queue.Queue()
+        self._buffer: dict[int, dict[int, StepRollouts]] = {}  # static: by step, by worker
         self._threads: list[threading.Thread] = []
         self._closing = False
         self.failed = False
@@ -184,17 +207,15 @@ class RolloutPipeline:
     def _stalled(self, worker: int, e: BaseException) -> None:
         """A weight push passed its deadline (``paravt.weight_sync.PushWatch``): worker
         ``worker`` fails like a dead one (``WorkerFailed`` where the trainer next waits)."""
-        self._results.put(
-            {"kind": "failed", "worker": worker, "message": f"{type(e).__name__}: {e}"}
-        )
+        self._results.put(WorkerLost(worker, f"{type(e).__name__}: {e}"))
 
     @property
-    def sampler(self) -> Any:
+    def sampler(self) -> PromptSampler:
         """The run's ``PromptSampler`` (``Trainer.sampler`` reads and replaces it here)."""
         return self.ledger.sampler
 
     @sampler.setter
-    def sampler(self, sampler: Any) -> None:
+    def sampler(self, sampler: PromptSampler) -> None:
         self.ledger.sampler = sampler
 
     # ------------------------------------------------------------------------ outbound
@@ -204,10 +225,24 @@ class RolloutPipeline:
         self.assigned = self._engine_version = start_step
         if self.ctx.is_main:
             if self.group:  # the workers' claims start at ticket 0 (a resumed job's too)
-                self.roles.store.set(CLAIM_KEY, "0")
+                self._store.set(CLAIM_KEY, "0")
                 self._after[start_step] = self.ledger.state()
-            self.roles.ctrl.bcast({"kind": "hello", "init_dir": str(init_dir)})  # type: ignore[union-attr]  # rank 0: set
+            self._ctrl.bcast(Hello(str(init_dir)))
         self.publish(policy, start_step)
+
+    @property
+    def _ctrl(self) -> Channel:
+        """The control channel to the workers (trainer rank 0 holds it: ``AsyncRoles``)."""
+        if self.roles.ctrl is None:
+            raise RuntimeError(f"trainer rank {self.ctx.rank} has no control channel (rank 0's)")
+        return self.roles.ctrl
+
+    @property
+    def _store(self) -> dist.Store:
+        """The job's rendezvous store (every role holds it: ``AsyncRoles``)."""
+        if self.roles.store is None:
+            raise RuntimeError(f"trainer rank {self.ctx.rank} has no rendezvous store")
+        return self.roles.store
 
     def publish(self, policy: torch.nn.Module, version: int) -> None:
         """Stream ``policy``'s weights to the workers as ``version`` (after an update; every
@@ -247,7 +282,7 @@ class RolloutPipeline:
         while not self.publisher.wait(timeout=0.2):
             self._drain(when)
 
-    def _noticed(self, op: Any, when: str = "") -> bool:
+    def _noticed(self, op: Callable[[], object], when: str = "") -> bool:
         """Run ``op`` (rank 0, outside ``collect``); False, with the failure kept for the next
         ``collect``, when a worker is gone or failed (``WorkerFailed``) or a send to the
         workers fails (a peer's sockets closed: its receiving thread names it)."""
@@ -290,20 +325,16 @@ class RolloutPipeline:
         per = self.cfg.train.prompts_per_step
         room = (self.eta + 1) * per - self.ledger.outstanding
         if room > 0:
-            self.roles.ctrl.bcast({"kind": "assign", "groups": self.ledger.issue(room, version)})  # type: ignore[union-attr]  # rank 0: set
+            self._ctrl.bcast(AssignGroups(tuple(self.ledger.issue(room, version))))
 
     def _assign(self, step: int) -> None:
         """Draw step ``step``'s prompts with their K and send them to the workers (static)."""
         self._data_before[step] = self.sampler.state()
         plan = plan_prompts(self.sampler, self.cfg, step)
-        msg = {
-            "kind": "assign",
-            "step": step,
-            "prompts": list(zip(plan.samples, plan.budgets)),
-            "seed": plan.seed,
-            "min_version": max(step - 1 - self.eta, 0),
-        }
-        self.roles.ctrl.bcast(msg)  # type: ignore[union-attr]  # rank 0: set
+        msg = AssignStep(
+            step, tuple(zip(plan.samples, plan.budgets)), plan.seed, max(step - 1 - self.eta, 0)
+        )
+        self._ctrl.bcast(msg)
         self.assigned = step
 
     def data_state(self, done: int) -> dict[str, Any]:
@@ -341,7 +372,12 @@ class RolloutPipeline:
             yield
         finally:
             if self.engine is not None and step < self.cfg.train.steps:
-                getattr(self.engine, "sleep", lambda: None)()
+                self.engine.sleep()
+
+    def push_metrics(self) -> dict[str, float] | None:
+        """Rank 0: its ``WeightPublisher``'s metrics (``async/push_s``, each worker's wait for
+        weights); None on the other trainer ranks."""
+        return self.publisher.metrics() if self.publisher is not None else None
 
     def close(self) -> None:
         """Stop the workers (each says bye; its receiving thread ends). Not after a failure:
@@ -352,7 +388,7 @@ class RolloutPipeline:
             self._await_push("while stopping the workers")
             self._drain("while stopping the workers")
             self._closing = True
-            self.roles.ctrl.bcast({"kind": "stop"})  # type: ignore[union-attr]  # rank 0: set
+            self._ctrl.bcast(Stop())
         except WorkerFailed as e:  # e.g. a preemption that came because a worker died
             log.info(f"error: {e}")
             return
@@ -373,46 +409,52 @@ class RolloutPipeline:
     # ------------------------------------------------------------------------- inbound
     def _receive(self, worker: int) -> None:
         channel = self.roles.results[worker]
+        where = f"trainer rank 0, from rollout worker rank {worker}"
+        kinds = (Claimed, ClaimRollouts, StepRollouts, WorkerError, Bye)
         try:
             while True:
-                msg = channel.recv(1)
-                msg["rx_bytes"] = channel.last_bytes
+                msg = cast("FromWorker", expect(channel.recv(1), kinds, where))
+                if msg.worker != worker:
+                    raise RuntimeError(f"{where}: a message signed by worker {msg.worker}")
+                if isinstance(msg, (ClaimRollouts, StepRollouts)):
+                    msg = replace(msg, rx_bytes=channel.last_bytes)
                 self._results.put(msg)
-                if msg.get("kind") in ("bye", "error"):
+                if isinstance(msg, (Bye, WorkerError)):
                     return
-        except Exception as e:  # the worker's sockets closed: it died
+        except Exception as e:  # the worker's sockets closed (it died), or it sent nonsense
             if not self._closing:
-                self._results.put(
-                    {"kind": "failed", "worker": worker, "message": f"{type(e).__name__}: {e}"}
-                )
+                self._results.put(WorkerLost(worker, f"{type(e).__name__}: {e}"))
 
-    def _take(self, msg: dict[str, Any], when: str) -> None:
-        kind = msg.get("kind")
-        w: Any = msg.get("worker")  # the sender's rank: an int in every message read below
-        if kind == "batch":
-            self._buffer.setdefault(int(msg["step"]), {})[int(w)] = msg
+    def _take(self, msg: FromWorker, when: str) -> None:
+        w = msg.worker
+        if isinstance(msg, StepRollouts):
+            self._buffer.setdefault(msg.step, {})[w] = msg
             return
-        if kind == "claimed":
-            self.watchdog.claimed(int(w), [int(t) for t in msg["tickets"]])
+        if isinstance(msg, Claimed):
+            self.watchdog.claimed(w, list(msg.tickets))
             return
-        if kind == "groups":
-            self.watchdog.finished(int(w))
-            for e in msg["entries"]:  # one per claimed ticket
-                t = int(e["ticket"])
-                if "group" in e:
-                    self._ready[t] = (e["group"], int(w))
+        if isinstance(msg, ClaimRollouts):
+            self.watchdog.finished(w)
+            for e in msg.entries:  # one per claimed ticket
+                if isinstance(e, TicketGroup):
+                    self._ready[e.ticket] = (e.group, w)
                 else:  # skipped (its video could not be read): closed, replaced at once
-                    self.ledger.close(t)
+                    self.ledger.close(e.ticket)
                     self._unreplaced += 1
             self._pool.add(msg)
             return
         self.failed = True
-        if kind == "error":
+        if isinstance(msg, WorkerError):
             raise WorkerFailed(
                 f"rollout worker rank {w} failed (noticed {when}); the run stops (--resume "
-                f"continues from the last checkpoint). Its error:\n{msg['message']}"
+                f"continues from the last checkpoint). Its error:\n{msg.message}"
             )
-        why = msg.get("message", "it said bye before the trainer's stop")
+        if isinstance(msg, Bye):
+            why = "it said bye before the trainer's stop"
+        elif isinstance(msg, WorkerLost):
+            why = msg.message
+        else:  # (a message type added without its case here)
+            why = f"unexpected message {describe(msg)}"
         raise WorkerFailed(
             f"rollout worker rank {w} is gone ({why}), noticed {when}; the run stops (--resume "
             "continues from the last checkpoint)"
@@ -428,7 +470,7 @@ class RolloutPipeline:
                 return
             self._take(msg, when)
 
-    def collect(self, step: int, preempt: Any = None) -> RolloutBatch | None:
+    def collect(self, step: int, preempt: Preemption | None = None) -> RolloutBatch | None:
         """Step ``step``'s rollouts, filtered by staleness, with the ``async/*`` metrics;
         under several trainer ranks each gets its share (by prompt position), whose clips that
         arrived as decode requests it decodes (``paravt.workers.pixels.restore_pixels``). None
@@ -457,7 +499,7 @@ class RolloutPipeline:
         at the worker's would drop groups the worker decoded in time."""
         return (1 + self.cfg.agent.max_turns) * self.cfg.video.decode_timeout_s
 
-    def _share(self, step: int, preempt: Any) -> RolloutBatch | None:
+    def _share(self, step: int, preempt: Preemption | None) -> RolloutBatch | None:
         """This rank's share of step ``step``'s rollouts as they arrived (see ``collect``)."""
         if not self.ctx.distributed:
             return self._collect_main(step, preempt)
@@ -471,16 +513,16 @@ class RolloutPipeline:
             try:
                 batch = self._collect_main(step, preempt)
             except WorkerFailed as e:
-                self.roles.store.set(key, _FAILED + str(e))
+                self._store.set(key, _FAILED + str(e))
                 raise
-            self.roles.store.set(key, "1")
+            self._store.set(key, "1")
         else:
-            self.roles.store.wait([key], CTRL_TIMEOUT)
-            posted = self.roles.store.get(key).decode()
+            self._store.wait([key], CTRL_TIMEOUT)
+            posted = self._store.get(key).decode()
             if posted.startswith(_FAILED):
                 self.failed = True
                 raise WorkerFailed(posted[len(_FAILED) :])
-        shares: list[Any] = [None]
+        shares: list[RolloutBatch | None] = [None]
         out = self._split(batch) if batch is not None else [None] * self.ctx.world_size
         dist.scatter_object_list(shares, out if self.ctx.is_main else None, src=0)
         return shares[0]
@@ -494,7 +536,7 @@ class RolloutPipeline:
         out[0].errors, out[0].stats, out[0].metrics = batch.errors, batch.stats, batch.metrics
         return out
 
-    def _collect_main(self, step: int, preempt: Any) -> RolloutBatch | None:
+    def _collect_main(self, step: int, preempt: Preemption | None) -> RolloutBatch | None:
         if self._failure is not None:  # noticed while pushing the last weights
             raise self._failure
         if self.group:
@@ -506,17 +548,17 @@ class RolloutPipeline:
                 return None
         wait = time.perf_counter() - t0
         parts = self._buffer.pop(step)
-        groups: list[Group] = [g for w in workers for g in parts[w]["groups"]]
-        errors = [e for w in workers for e in parts[w]["errors"]]
-        stats = sum((parts[w]["stats"] for w in workers), RolloutStats())
+        groups: list[Group] = [g for w in workers for g in parts[w].groups]
+        errors = [e for w in workers for e in parts[w].errors]
+        stats = sum((parts[w].stats for w in workers), RolloutStats())
         now = step - 1  # the version this step trains
         kept = [g for g in groups if not _too_stale(g, now, self.eta)]
         dropped = len(groups) - len(kept)
-        busy = sum(parts[w]["busy_s"] for w in workers)
-        idle = sum(parts[w]["idle_s"] for w in workers)
-        rx = sum(parts[w].get("rx_bytes", 0) for w in workers)
+        busy = sum(parts[w].busy_s for w in workers)
+        idle = sum(parts[w].idle_s for w in workers)
+        rx = sum(parts[w].rx_bytes for w in workers)
         metrics = staleness_metrics(kept, now)
-        metrics.update(_by_worker(w for w in workers for _ in parts[w]["groups"]))
+        metrics.update(_by_worker(w for w in workers for _ in parts[w].groups))
         metrics.update(
             {
                 "async/dropped_groups": float(dropped),
@@ -534,7 +576,7 @@ class RolloutPipeline:
         )
         return RolloutBatch(kept, errors, stats, metrics)
 
-    def _take_next(self, step: int, preempt: Any) -> bool:
+    def _take_next(self, step: int, preempt: Preemption | None) -> bool:
         """Take the next message from the workers (waiting 0.2 s at most); False when a
         preemption signal reached this rank meanwhile (both dispatches' wait for a step).
         dispatch=group: names a worker holding a claim far longer than its peers meanwhile
@@ -552,7 +594,7 @@ class RolloutPipeline:
         for line in self.watchdog.overdue():
             log.warning(f"[async] step {step}: {line}")
 
-    def _collect_groups(self, step: int, preempt: Any) -> RolloutBatch | None:
+    def _collect_groups(self, step: int, preempt: Preemption | None) -> RolloutBatch | None:
         """dispatch=group: the first ``prompts_per_step`` finished groups within η (the
         lowest tickets among those finished: the oldest issued, nearest to going stale);
         older ones are dropped, counted and replaced at once."""
@@ -628,13 +670,13 @@ class _Pool:
     rx_bytes: int = 0  # what the channels carried (pickled)
     skipped: int = 0  # tickets answered without a group (their video could not be read)
 
-    def add(self, msg: dict[str, Any]) -> None:
-        self.rx_bytes += int(msg.get("rx_bytes", 0))
-        self.skipped += sum("group" not in e for e in msg.get("entries", ()))
-        self.errors += msg["errors"]
-        self.stats = self.stats + msg["stats"]
-        self.busy += msg["busy_s"]
-        self.idle += msg["idle_s"]
+    def add(self, msg: ClaimRollouts) -> None:
+        self.rx_bytes += msg.rx_bytes
+        self.skipped += msg.skipped
+        self.errors += msg.errors
+        self.stats = self.stats + msg.stats
+        self.busy += msg.busy_s
+        self.idle += msg.idle_s
 
 
 class ClaimWatchdog:
@@ -646,7 +688,9 @@ class ClaimWatchdog:
     ``WorkerFailed`` as before). Fed by the workers' ``claimed`` messages and their replies
     (``RolloutPipeline._take``); asked while the trainer waits (``_take_next``)."""
 
-    def __init__(self, factor: float, min_s: float, clock: Any = time.monotonic) -> None:
+    def __init__(
+        self, factor: float, min_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.factor, self.min_s, self.clock = float(factor), float(min_s), clock
         self.held: dict[int, tuple[list[int], float]] = {}  # worker -> (tickets, since)
         self.durations: list[float] = []  # finished claims' seconds
@@ -707,12 +751,12 @@ class GroupLedger:
     (``slot``), and which groups of that slot and after are (``done``); ``load`` restores it,
     so ``--resume`` re-draws those slots and issues exactly the other groups."""
 
-    def __init__(self, sampler: Any, cfg: Config) -> None:
+    def __init__(self, sampler: PromptSampler, cfg: Config) -> None:
         self.sampler, self.cfg = sampler, cfg
         self.slot = 0  # the last slot drawn
         self.tickets = 0  # tickets issued
-        self.planned: deque[dict[str, Any]] = deque()  # drawn, not issued
-        self.open: dict[int, dict[str, Any]] = {}  # issued, neither trained nor dropped
+        self.planned: deque[PlannedGroup] = deque()  # drawn, not issued
+        self.open: dict[int, IssuedGroup] = {}  # issued, neither trained nor dropped
         self.done: set[tuple[int, int]] = set()  # (slot, index) trained or dropped
         self._before: dict[int, dict[str, int]] = {}  # the sampler's position before slot k
 
@@ -728,15 +772,15 @@ class GroupLedger:
         self.slot = int(state.get("slot", start_step + 1)) - 1
         self.done = {(int(k), int(i)) for k, i in state.get("done", [])}
 
-    def issue(self, n: int, version: int) -> list[dict[str, Any]]:
+    def issue(self, n: int, version: int) -> list[IssuedGroup]:
         """The next ``n`` groups (drawing slots as needed), ticketed; ``min_version``: the
         version a worker must hold to start one (the trainer's, ``version``, sent before)."""
-        out: list[dict[str, Any]] = []
+        out: list[IssuedGroup] = []
         while len(out) < n:
             if not self.planned:
                 self._draw()
                 continue
-            e = {**self.planned.popleft(), "ticket": self.tickets, "min_version": version}
+            e = self.planned.popleft().issued(self.tickets, version)
             self.open[self.tickets] = e
             self.tickets += 1
             out.append(e)
@@ -748,19 +792,16 @@ class GroupLedger:
         plan = plan_prompts(self.sampler, self.cfg, self.slot)
         for i, (sample, k) in enumerate(zip(plan.samples, plan.budgets)):
             if (self.slot, i) not in self.done:  # trained before the checkpoint resumed from
-                self.planned.append(
-                    {"slot": self.slot, "index": i, "sample": sample, "budget": k,
-                     "seed": plan.seed}
-                )  # fmt: skip
+                self.planned.append(PlannedGroup(self.slot, i, sample, k, plan.seed))
 
     def close(self, ticket: int) -> None:
         """Group ``ticket`` was trained or dropped."""
         e = self.open.pop(ticket)
-        self.done.add((e["slot"], e["index"]))
+        self.done.add((e.slot, e.index))
 
     def state(self) -> dict[str, Any]:
         """``{"epoch", "pos", "slot", "done"}`` now (see the class docstring)."""
-        oldest = min((e["slot"] for e in (*self.open.values(), *self.planned)), default=None)
+        oldest = min((e.slot for e in (*self.open.values(), *self.planned)), default=None)
         k = self.slot + 1 if oldest is None else oldest
         self.done = {d for d in self.done if d[0] >= k}
         for old in [j for j in self._before if j < k]:

@@ -49,7 +49,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ from paravt.types import (
 )
 from paravt.video.errors import VideoError
 from paravt.video.planner import DecodePlanner
+
+if TYPE_CHECKING:
+    from paravt.models import ModelBundle
 
 
 def frames_digest(frames: torch.Tensor) -> str:
@@ -188,7 +191,10 @@ def _where(r: FrameRequest) -> str:
 
 
 def restore_pixels(
-    groups: list[Group], planner: DecodePlanner, bundle: Any, who: str = "this trainer rank"
+    groups: list[Group],
+    planner: DecodePlanner,
+    bundle: ModelBundle | None,
+    who: str = "this trainer rank",
 ) -> Restored:
     """Put back the visuals of every row of ``groups`` that travelled as a ``VisualSource``
     (see the module docstring): decoded in one planner run, checked against the worker's

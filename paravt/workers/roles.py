@@ -53,7 +53,7 @@ class Channel:
     """A gloo process group between trainer rank 0 (member 0) and some workers, carrying
     pickled objects and tensors. Each process uses it from one thread."""
 
-    def __init__(self, store: Any, name: str, member: int, size: int) -> None:
+    def __init__(self, store: dist.Store, name: str, member: int, size: int) -> None:
         self.member, self.size = member, size
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(name, store), member, size, CTRL_TIMEOUT)
         self.last_bytes = 0  # the pickled size of the last object ``recv`` returned
@@ -107,7 +107,9 @@ class WeightGroup:
     is CUDA (tensors on it; written for Hopper, not run by this project's CPU tests), gloo
     otherwise (CPU tensors). Each process uses it from one thread."""
 
-    def __init__(self, store: Any, name: str, member: int, size: int, device: torch.device) -> None:
+    def __init__(
+        self, store: dist.Store, name: str, member: int, size: int, device: torch.device
+    ) -> None:
         self.member, self.size, self.device = member, size, torch.device(device)
         self._stream: Any = None  # CUDA: the side stream the broadcasts are ordered on
         prefixed = dist.PrefixStore(name, store)
@@ -168,7 +170,9 @@ class AsyncRoles:
     ctrl: Channel | None = None  # trainer rank 0 and the workers only
     weights: WeightGroup | None = None  # trainer rank 0 and the workers; bucketed sync only
     results: dict[int, Channel] = field(default_factory=dict)  # by worker rank
-    store: Any = None  # torchrun's rendezvous store (the trainers' per-step "ready" keys)
+    store: dist.Store | None = (
+        None  # torchrun's rendezvous store (the trainers' per-step "ready" keys)
+    )
 
     @property
     def is_worker(self) -> bool:

@@ -3,11 +3,13 @@ trainer, returning scored-later ``Group`` s (``paravt.workers.pipeline`` is the 
 
 Three threads:
 
-* the control thread reads the trainer's ordered stream on ``roles.ctrl``: ``hello`` (the
-  model folder), ``assign`` (dispatch=group: ticketed groups, each with its prompt, K, seed
-  and index; static: one step's prompts with their K and seed), ``weights`` (a header;
-  ``rollout.weight_sync=host``: then one broadcast per tensor into a staging copy, received
-  here; ``bucketed``: handed to the weight thread), ``stop``;
+* the control thread reads the trainer's ordered stream on ``roles.ctrl`` (the messages are
+  ``paravt.workers.messages``'): ``Hello`` (the model folder), ``AssignGroups``
+  (dispatch=group: ticketed groups, each with its prompt, K, seed and index) or
+  ``AssignStep`` (static: one step's prompts with their K and seed), a weight push's header
+  (``rollout.weight_sync=host``: then one broadcast per tensor into a staging copy, received
+  here; ``bucketed``: handed to the weight thread), ``Stop``; anything else is this worker's
+  failure (``UnexpectedMessage``, reported to the trainer);
 * the weight thread receives each bucketed version over ``roles.weights`` into buffers on the
   worker's device (``paravt.weight_sync.receive``), so the control stream is never held
   up by a push. Either way a version is staged only once it is whole and its tensors match the
@@ -27,10 +29,11 @@ after loading, is a ``WeightSyncError`` naming the tensor and the version: the w
 to the trainer (which raises ``WorkerFailed``) and exits 1.
 
 Each result (a claim's groups, or a step's slice) goes to trainer rank 0 on the worker's own
-``roles.results`` channel; a claim's reply has one entry per ticket (``ticket_entries``: its
-group, or ``skipped`` with the runner's reason when the video could not be read), and each
-claim is announced first (``claimed``, for the trainer's ``ClaimWatchdog``), with the runner's errors and counters and the worker's busy / idle
-seconds; under ``rollout.async_pixels=frames`` (the default) its rows carry their clips' uint8
+``roles.results`` channel (``ClaimRollouts`` or ``StepRollouts``); a claim's reply has one
+entry per ticket (``ticket_entries``: its ``TicketGroup``, or ``TicketSkipped`` with the
+runner's reason when the video could not be read), and each claim is announced first
+(``Claimed``, for the trainer's ``ClaimWatchdog``), with the runner's errors and counters and
+the worker's busy / idle seconds; under ``rollout.async_pixels=frames`` (the default) its rows carry their clips' uint8
 frames instead of their pixels, under ``decode`` their decode requests
 (``paravt.workers.pixels.strip_pixels``; ``ship``: each clip's pixels compacted once,
 ``compact_pixels``). A rollout that raises sends its traceback and the worker
@@ -52,6 +55,8 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,10 +67,29 @@ from paravt.distributed import DistContext
 from paravt.engines import engine_spec, make_engine
 from paravt.log import ALL_RANKS, get_logger
 from paravt.models import load_model_from_config
+from paravt.types import Group, Sample
 from paravt.weight_sync import Heartbeat, Staged, WeightSyncError, receive, verify_engine
+from paravt.workers.messages import (
+    AssignGroups,
+    AssignStep,
+    Bye,
+    Claimed,
+    ClaimRollouts,
+    Hello,
+    IssuedGroup,
+    StepRollouts,
+    Stop,
+    TicketEntry,
+    TicketGroup,
+    TicketSkipped,
+    UnexpectedMessage,
+    WorkerError,
+    expect,
+    is_weights_header,
+)
 from paravt.workers.pipeline import CLAIM_KEY
 from paravt.workers.pixels import compact_pixels, strip_pixels
-from paravt.workers.roles import AsyncRoles
+from paravt.workers.roles import AsyncRoles, Channel
 
 log = get_logger(__name__)
 
@@ -80,6 +104,26 @@ class WorkerStopped(Exception):
     """The trainer said stop (or vanished) while this worker was rolling out."""
 
 
+#: What the control thread hands the main thread: an assignment, the error that ends the
+#: worker (a failed weight check, the trainer gone), or None (stop).
+Job = AssignGroups | AssignStep | BaseException | None
+
+
+@dataclass(frozen=True)
+class Work:
+    """One rollout of this worker: its prompts with their K, the seed, the first group's
+    index, the version it needs loaded first, and what its reply answers: the claimed
+    ``tickets`` (dispatch=group) or the ``step`` (static)."""
+
+    samples: list[Sample]
+    budgets: list[int]
+    seed: int
+    first_group: int
+    min_version: int
+    tickets: tuple[int, ...] = ()
+    step: int = 0
+
+
 class _Weights:
     """Staged weights from the control or weight thread, swapped into the engine by the main
     thread."""
@@ -90,7 +134,9 @@ class _Weights:
         self.staged_version = -1  # the newest version received (staged or loaded)
         self.arrived = threading.Condition(self.lock)
         self.gone = ""  # why the control stream failed (the trainer is gone), if it did
-        self.failed: WeightSyncError | None = None  # a received version failed its checksums
+        #: A received version failed its checksums, or the control stream sent a message this
+        #: worker does not handle (``UnexpectedMessage``).
+        self.failed: WeightSyncError | UnexpectedMessage | None = None
         #: This worker's heartbeat on the store (``paravt.weight_sync.Heartbeat``): the
         #: versions it holds (the trainer's push deadline) and its wait for weights.
         self.heartbeat: Heartbeat | None = None
@@ -101,7 +147,7 @@ class _Weights:
             self.staged_version = staged.version
             self.arrived.notify_all()
 
-    def fail(self, e: WeightSyncError, jobs: queue.Queue[Any]) -> None:
+    def fail(self, e: WeightSyncError | UnexpectedMessage, jobs: queue.Queue[Job]) -> None:
         """A received version failed its checksums: the main thread raises ``e`` at its next
         swap or job (whichever comes first) and reports it to the trainer."""
         with self.arrived:
@@ -116,9 +162,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     # process of the job, and a worker that died of it would fail the trainer's checkpoint.
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, lambda *_: None)
-    hello = roles.ctrl.bcast()
-    if hello.get("kind") != "hello":
-        raise RuntimeError(f"rollout worker rank {roles.rank}: expected hello, got {hello}")
+    hello = expect(roles.ctrl.bcast(), Hello, f"rollout worker rank {roles.rank}'s first")
     tag = f"[worker {roles.rank}]"
     # The control thread first: the trainer's first weight push and prompts are staged while
     # the model loads and the engine starts (minutes for vLLM), so the trainer never waits.
@@ -127,7 +171,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         weights.heartbeat = Heartbeat(
             roles.store, roles.rank, cfg.rollout.worker_heartbeat_s
         ).start()
-    jobs: queue.Queue[Any] = queue.Queue()
+    jobs: queue.Queue[Job] = queue.Queue()
     headers: queue.Queue[Any] = queue.Queue()  # bucketed weight headers, for the weight thread
     stop = threading.Event()
     ctrl = threading.Thread(
@@ -146,7 +190,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     receiver.start()
     results = roles.results[roles.rank]
     log.info(
-        f"{tag} pid {os.getpid()}: loading {hello['init_dir']} ({cfg.rollout.engine} engine)",
+        f"{tag} pid {os.getpid()}: loading {hello.init_dir} ({cfg.rollout.engine} engine)",
         extra=ALL_RANKS,
     )
     try:
@@ -154,7 +198,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
         # that model stays in host memory (at 8B, 16 GiB of the worker's device saved).
         own = engine_spec(cfg.rollout.engine).own_weights
         where = "cpu" if own else str(ctx.device)
-        bundle = load_model_from_config(hello["init_dir"], cfg.model, device=where)
+        bundle = load_model_from_config(hello.init_dir, cfg.model, device=where)
         bundle.model.eval()
         engine = make_engine(cfg, bundle)
         runner = AgentRunner(engine, bundle, cfg)
@@ -194,14 +238,10 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             if job is None:
                 break
             if group:  # the trainer's watchdog times each claim (``RolloutPipeline``)
-                _send_or_gone(
-                    results,
-                    roles.rank,
-                    {"kind": "claimed", "worker": roles.rank, "tickets": job["reply"]["tickets"]},
-                )
+                _send_or_gone(results, roles.rank, Claimed(roles.rank, job.tickets))
             # The work follows the weights it needs in the stream: wait for the control thread
             # to have staged them (it has, unless the stream is still being read).
-            need = int(job["min_version"])
+            need = job.min_version
             t_wait = time.perf_counter()
             with weights.arrived:
                 weights.arrived.wait_for(
@@ -217,13 +257,14 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             runner.before_turn = swap
             t1 = time.perf_counter()
             try:
-                groups = runner.rollout(
-                    job["samples"],
-                    job["budgets"],
+                done = runner.rollout(
+                    job.samples,
+                    job.budgets,
                     group_size=cfg.rollout.group_size,
-                    seed=job["seed"],
-                    first_group=job["first_group"],
+                    seed=job.seed,
+                    first_group=job.first_group,
                 )
+                groups = done.groups
                 if slow is not None:  # test hook: a deliberately slow worker
                     _be_slow(slow, groups, weights, stop)
             except WorkerStopped:
@@ -235,25 +276,20 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
                 groups = strip_pixels(groups, frames=cfg.rollout.async_pixels == "frames")
             else:  # each clip once, in storage of its own (not its turn's packed tensor)
                 groups = compact_pixels(groups)
-            reply = dict(job["reply"])
+            report = {
+                "worker": roles.rank,
+                "errors": tuple(done.errors),
+                "stats": done.stats,
+                "busy_s": busy,
+                "idle_s": idle,
+            }
+            reply: ClaimRollouts | StepRollouts
             if group:  # one entry per claimed ticket: its group, or why it has none
-                reply["entries"] = ticket_entries(
-                    reply["tickets"], job["first_group"], groups, runner.skipped
-                )
+                entries = ticket_entries(job.tickets, job.first_group, groups, done.skipped)
+                reply = ClaimRollouts(tickets=job.tickets, entries=tuple(entries), **report)
             else:
-                reply["groups"] = groups
-            _send_or_gone(
-                results,
-                roles.rank,
-                {
-                    **reply,
-                    "worker": roles.rank,
-                    "errors": list(runner.errors),
-                    "stats": runner.stats,  # a new RolloutStats per rollout
-                    "busy_s": busy,
-                    "idle_s": idle,
-                },
-            )
+                reply = StepRollouts(step=job.step, groups=tuple(groups), **report)
+            _send_or_gone(results, roles.rank, reply)
             totals["steps"] += 1
             totals["groups"] += len(groups)
             totals["busy_s"] += busy
@@ -268,7 +304,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     if weights.gone:
         raise TrainerGone(weights.gone)
     try:
-        results.send({"kind": "bye", "worker": roles.rank}, 0)
+        results.send(Bye(roles.rank), 0)
     except Exception:  # the trainer stopped us and has exited already: nothing left to say
         if not stop.is_set():
             raise
@@ -276,7 +312,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
     receiver.join(timeout=30)
     if weights.heartbeat is not None:
         weights.heartbeat.stop()
-    getattr(engine, "close", lambda: None)()
+    engine.close()
     done = f"{totals['groups']} group(s)" if group else f"{totals['steps']} step(s)"
     log.info(
         f"{tag} stopped after {done}: busy {totals['busy_s']:.1f} s, idle {totals['idle_s']:.1f} s",
@@ -289,27 +325,29 @@ class _StaticSlices:
     """rollout.dispatch=static: each assignment is a whole step; this worker rolls out its
     fixed slice (``prompts_per_step / W`` prompts at its index)."""
 
-    def __init__(self, cfg: Config, roles: AsyncRoles, jobs: queue.Queue[Any]) -> None:
+    def __init__(self, cfg: Config, roles: AsyncRoles, jobs: queue.Queue[Job]) -> None:
         self.jobs = jobs
+        self.rank = roles.rank
         self.share = cfg.train.prompts_per_step // len(roles.workers)
         self.first = roles.worker_index * self.share
 
-    def next_work(self) -> dict[str, Any] | None:
+    def next_work(self) -> Work | None:
         """The next step's slice (blocks); None: stop."""
         job = self.jobs.get()
         if isinstance(job, BaseException):
             raise job
         if job is None:
             return None
-        mine = job["prompts"][self.first : self.first + self.share]
-        return {
-            "min_version": job["min_version"],
-            "samples": [s for s, _ in mine],
-            "budgets": [k for _, k in mine],
-            "seed": job["seed"],
-            "first_group": self.first,
-            "reply": {"kind": "batch", "step": job["step"]},
-        }
+        job = expect(job, AssignStep, f"rollout worker rank {self.rank} (dispatch=static)")
+        mine = job.prompts[self.first : self.first + self.share]
+        return Work(
+            samples=[s for s, _ in mine],
+            budgets=[k for _, k in mine],
+            seed=job.seed,
+            first_group=self.first,
+            min_version=job.min_version,
+            step=job.step,
+        )
 
 
 class GroupClaims:
@@ -319,30 +357,31 @@ class GroupClaims:
     them (0: ``prompts_per_step / W``), consecutive groups of one slot (one seed, one batched
     rollout). A slow worker thus holds one claim, never a fixed share of every step."""
 
-    def __init__(self, cfg: Config, roles: AsyncRoles, jobs: queue.Queue[Any]) -> None:
+    def __init__(self, cfg: Config, roles: AsyncRoles, jobs: queue.Queue[Job]) -> None:
         self.jobs, self.store, self.rank = jobs, roles.store, roles.rank
         self.chunk = cfg.rollout.dispatch_groups or max(
             cfg.train.prompts_per_step // len(roles.workers), 1
         )
-        self.issued: list[dict[str, Any]] = []  # by ticket
+        self.issued: list[IssuedGroup] = []  # by ticket
         self.tries = itertools.count()
 
-    def _take(self, job: Any) -> bool:
+    def _take(self, job: Job) -> bool:
         """Add an assignment's groups; False: stop."""
         if isinstance(job, BaseException):
             raise job
         if job is None:
             return False
-        for e in job["groups"]:
-            if int(e["ticket"]) != len(self.issued):
+        job = expect(job, AssignGroups, f"rollout worker rank {self.rank} (dispatch=group)")
+        for e in job.groups:
+            if e.ticket != len(self.issued):
                 raise RuntimeError(
-                    f"rollout worker rank {self.rank}: ticket {e['ticket']} arrived after "
+                    f"rollout worker rank {self.rank}: ticket {e.ticket} arrived after "
                     f"{len(self.issued)} ticket(s); the trainer's stream is out of order"
                 )
             self.issued.append(e)
         return True
 
-    def next_work(self) -> dict[str, Any] | None:
+    def next_work(self) -> Work | None:
         """The next claim (blocks until a ticket is free); None: stop."""
         while True:
             while not self.jobs.empty():  # every assignment received so far
@@ -354,14 +393,14 @@ class GroupClaims:
             if not self._take(self.jobs.get()):  # wait for the next assignment
                 return None
         es = [self.issued[t] for t in claim]
-        return {
-            "min_version": max(int(e["min_version"]) for e in es),
-            "samples": [e["sample"] for e in es],
-            "budgets": [e["budget"] for e in es],
-            "seed": es[0]["seed"],
-            "first_group": es[0]["index"],
-            "reply": {"kind": "groups", "tickets": list(claim)},
-        }
+        return Work(
+            samples=[e.sample for e in es],
+            budgets=[e.budget for e in es],
+            seed=es[0].seed,
+            first_group=es[0].index,
+            min_version=max(e.min_version for e in es),
+            tickets=tuple(claim),
+        )
 
     def _claim(self) -> range | None:
         """Claim the next free tickets among those issued; None: every one is claimed."""
@@ -374,8 +413,8 @@ class GroupClaims:
             first = self.issued[cur]
             while (
                 end < limit
-                and self.issued[end]["slot"] == first["slot"]
-                and self.issued[end]["index"] == self.issued[end - 1]["index"] + 1
+                and self.issued[end].slot == first.slot
+                and self.issued[end].index == self.issued[end - 1].index + 1
             ):
                 end += 1
             want = f"{end}/{self.rank}/{next(self.tries)}"  # unique: the set value says who
@@ -384,23 +423,23 @@ class GroupClaims:
 
 
 def ticket_entries(
-    tickets: list[int], first_group: int, groups: list[Any], skipped: dict[int, str]
-) -> list[dict[str, Any]]:
-    """dispatch=group: a claim's reply, one entry per ticket in claim order: ``{"ticket",
-    "group"}`` or, for a sample the rollout skipped (its video could not be read or decoded in
-    time: ``AgentRunner.skipped``), ``{"ticket", "skipped": why}``. Ticket ``j`` of a claim is
+    tickets: Sequence[int], first_group: int, groups: list[Group], skipped: dict[int, str]
+) -> list[TicketEntry]:
+    """dispatch=group: a claim's reply, one entry per ticket in claim order: a
+    ``TicketGroup`` or, for a sample the rollout skipped (its video could not be read or
+    decoded in time: ``AgentRunner.skipped``), a ``TicketSkipped`` with why. Ticket ``j`` of a claim is
     group ``first_group + j`` of the rollout, whatever it returned: a reply paired by position
     (tickets zipped with the groups that came back) marked the wrong groups done after a skip
     and never closed the last ticket (the trainer waited for it forever)."""
     by_id = {int(g.group_id): g for g in groups}
-    out: list[dict[str, Any]] = []
+    out: list[TicketEntry] = []
     for j, t in enumerate(tickets):
         gi = first_group + j
         if gi in by_id:
-            out.append({"ticket": int(t), "group": by_id.pop(gi)})
+            out.append(TicketGroup(int(t), by_id.pop(gi)))
         else:
             why = skipped.get(gi, f"group {gi}: the rollout returned nothing for it")
-            out.append({"ticket": int(t), "skipped": why})
+            out.append(TicketSkipped(int(t), why))
     if by_id:  # cannot happen: a rollout numbers its groups from first_group
         raise RuntimeError(
             f"rollout returned groups {sorted(by_id)} outside its claim of tickets "
@@ -437,7 +476,7 @@ _ROLLOUTS_DONE = [0]  # the ``h`` hook's count of this worker's rollouts
 
 
 def _be_slow(
-    slow: tuple[str, float], groups: list[Any], weights: _Weights, stop: threading.Event
+    slow: tuple[str, float], groups: list[Group], weights: _Weights, stop: threading.Event
 ) -> None:
     """Apply the ``_slow_hook`` (after a rollout, before its result is sent); a stop from the
     trainer ends the wait (``WorkerStopped``)."""
@@ -457,23 +496,29 @@ def _be_slow(
         raise WorkerStopped()
 
 
-def _send_or_gone(results: Any, rank: int, msg: dict[str, Any]) -> None:
-    """Send a finished batch to trainer rank 0; a transport error means the trainer is gone
-    (killed or exited): :class:`TrainerGone`, one line at ``paravt.train.main``."""
+def _send_or_gone(results: Channel, rank: int, msg: Claimed | ClaimRollouts | StepRollouts) -> None:
+    """Send a claim or a finished batch to trainer rank 0; a transport error means the
+    trainer is gone (killed or exited): :class:`TrainerGone`, one line at
+    ``paravt.train.main``."""
     try:
         results.send(msg, 0)
     except RuntimeError as e:
+        what = (
+            f"step {msg.step}'s rollouts"
+            if isinstance(msg, StepRollouts)
+            else f"tickets {list(msg.tickets)}"
+        )
         raise TrainerGone(
-            f"rollout worker rank {rank}: the trainer (rank 0) is gone, sending step "
-            f"{msg.get('step')}'s rollouts failed ({str(e).splitlines()[0][:200]}); stopping"
+            f"rollout worker rank {rank}: the trainer (rank 0) is gone, sending {what} "
+            f"failed ({str(e).splitlines()[0][:200]}); stopping"
         ) from None
 
 
-def _report(results: Any, rank: int, e: BaseException) -> None:
+def _report(results: Channel, rank: int, e: BaseException) -> None:
     """Send the trainer this worker's error (best effort: the trainer may be gone)."""
     try:
         msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        results.send({"kind": "error", "worker": rank, "message": msg}, 0)
+        results.send(WorkerError(rank, msg), 0)
     except Exception:
         pass
 
@@ -486,26 +531,27 @@ class TrainerGone(RuntimeError):
 def _control_loop(
     roles: AsyncRoles,
     weights: _Weights,
-    jobs: queue.Queue[Any],
+    jobs: queue.Queue[Job],
     stop: threading.Event,
-    headers: queue.Queue[Any],
+    headers: queue.Queue[dict[str, Any] | None],
 ) -> None:
     """Read the trainer's stream until ``stop`` (see the module docstring)."""
+    where = f"rollout worker rank {roles.rank}'s control stream"
     try:
         while True:
             msg = roles.ctrl.bcast()
-            kind = msg["kind"]
-            if kind == "assign":
-                jobs.put(msg)
-            elif kind == "weights":
+            if is_weights_header(msg):
                 if msg.get("sync", "host") == "host":  # through ctrl, here, into host memory
                     weights.stage(receive(msg, roles.ctrl, None, heartbeat=weights.heartbeat))
                 else:
                     headers.put(msg)  # the weight thread receives the buckets
-            elif kind == "stop":
+                continue
+            msg = expect(msg, (AssignGroups, AssignStep, Stop), where)
+            if isinstance(msg, Stop):
                 break
-            else:
-                raise RuntimeError(f"unexpected control message {kind!r}")
+            jobs.put(msg)
+    except UnexpectedMessage as e:  # the two ends disagree: this worker's failure, reported
+        weights.fail(e, jobs)
     except WeightSyncError as e:  # this worker's failure, not the trainer's: reported
         weights.fail(e, jobs)
     except Exception as e:
@@ -525,9 +571,9 @@ def _control_loop(
 def _weight_loop(
     roles: AsyncRoles,
     weights: _Weights,
-    jobs: queue.Queue[Any],
+    jobs: queue.Queue[Job],
     stop: threading.Event,
-    headers: queue.Queue[Any],
+    headers: queue.Queue[dict[str, Any] | None],
 ) -> None:
     """Receive each bucketed version the control thread announces (``headers``; None: the
     stream ended) over ``roles.weights``, verify and stage it."""
