@@ -184,6 +184,15 @@ def test_async_save_is_a_snapshot_committed_later_and_resumes_on_two_and_one_ran
     ]  # fmt: skip
     _same(C.read_train_state(ckpt), C.read_train_state(base), "train_state")
     _same(C.load_model_state(ckpt), C.load_model_state(base), "export")
+    # Both spread over the two ranks (each rank's background thread wrote its file), and the
+    # manifest (every rank's digests) names every file of the folder.
+    files = sorted(f.name for f in ckpt.iterdir() if f.is_file())
+    assert files == sorted(f.name for f in base.iterdir() if f.is_file())
+    assert [f for f in files if f.startswith("model")] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", C.EXPORT_INDEX
+    ]  # fmt: skip
+    manifest = json.loads((ckpt / C.MANIFEST).read_text())["files"]
+    assert {f for f in manifest if "/" not in f} == set(files) - {C.MANIFEST}
     _same(C.load_trainer_state(ckpt), C.load_trainer_state(base), "trainer_state")
 
     # The failed background write: raised on both ranks, naming step 2; step 1 is the newest.
