@@ -117,7 +117,7 @@ def _run(bundle, samples, cfg, script, pay_main_cost=False):
     groups = done.groups
     dt = time.perf_counter() - t0
     n = sum(len(g.trajectories) for g in groups)
-    assert done.stats["crops"] == n * len(WINDOWS)
+    assert done.stats.crops == n * len(WINDOWS)
     sub_tokens = real.stats["generated_tokens"] - main.main_tokens
     return dt, n, done.stats, sub_tokens, main.main_tokens
 
@@ -152,8 +152,8 @@ def test_bench_rollout_parallel_vs_sequential(benchmark, setup):
         "with_main_parallel_episodes_per_s": n / par_main[0],
         "with_main_sequential_episodes_per_s": n / seq_main[0],
         "with_main_speedup_parallel_vs_sequential": seq_main[0] / par_main[0],
-        "sub_engine_calls_parallel": par_stats[2]["sub_engine_calls"],
-        "sub_engine_calls_sequential": seq_stats[2]["sub_engine_calls"],
+        "sub_engine_calls_parallel": par_stats[2].sub_engine_calls,
+        "sub_engine_calls_sequential": seq_stats[2].sub_engine_calls,
         "sub_tokens_parallel": par_stats[3],
         "sub_tokens_sequential": seq_stats[3],
         "main_tokens_parallel": par_main[4],
@@ -168,7 +168,7 @@ def test_bench_rollout_parallel_vs_sequential(benchmark, setup):
         f"{n / seq_main[0]:.2f} ep/s -> {seq_main[0] / par_main[0]:.2f}x "
         f"(main-agent tokens {par_main[4]} vs {seq_main[4]})"
     )
-    assert par_stats[2]["sub_engine_calls"] == 1 and seq_stats[2]["sub_engine_calls"] == 3
+    assert par_stats[2].sub_engine_calls == 1 and seq_stats[2].sub_engine_calls == 3
     # Same sub-agent work in both modes (a sampled stop may differ by a token: batch shapes
     # differ, so the logits differ in the last bits).
     assert abs(par_stats[3] - seq_stats[3]) <= 0.1 * seq_stats[3]

@@ -18,6 +18,7 @@ Run: ``pytest bench/test_bench_vllm_engine.py --benchmark-only -s``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import time
 
@@ -76,7 +77,7 @@ def _run(setup, name: str, oracle: bool) -> tuple[float, int, dict, int]:
     groups = done.groups
     dt = time.perf_counter() - t0
     n = sum(len(g.trajectories) for g in groups)
-    return dt, n, dict(done.stats), eng.stats["generated_tokens"] - tokens0
+    return dt, n, dataclasses.asdict(done.stats), eng.stats["generated_tokens"] - tokens0
 
 
 def _best(setup, name: str, oracle: bool, rounds: int = 2):
