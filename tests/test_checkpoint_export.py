@@ -38,7 +38,9 @@ def test_the_spread_export_is_the_one_file_export_in_hf_s_sharded_layout(
     write_export_meta(out, model, split, tokenizer=tok, source_dir=src)
 
     parts = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert written == [[p] for p in parts] and list(part_files(split).values()) == parts
+    assert [list(w) for w in written] == [[p] for p in parts] and list(
+        part_files(split).values()
+    ) == parts
     index = json.loads((out / EXPORT_INDEX).read_text())
     assert index["weight_map"] == {k: parts[owners[k]] for k in sd}
     assert index["metadata"]["total_size"] == sum(nbytes.values())
@@ -72,6 +74,6 @@ def test_a_rank_that_owns_no_entry_writes_no_file(tmp_path: Path) -> None:
     split = ExportSplit({"a": 1, "b": 3}, {"a": 4, "b": 4}, frozenset({torch.float32}))
     assert part_files(split) == {1: "model-00001-of-00002.safetensors",
                                  3: "model-00002-of-00002.safetensors"}  # fmt: skip
-    assert write_export_part(tmp_path, {}, split, 0) == [] and not list(tmp_path.iterdir())
+    assert write_export_part(tmp_path, {}, split, 0) == {} and not list(tmp_path.iterdir())
     got = write_export_part(tmp_path, {"b": torch.ones(1)}, split, 3)
-    assert got == ["model-00002-of-00002.safetensors"]
+    assert list(got) == ["model-00002-of-00002.safetensors"]

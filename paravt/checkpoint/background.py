@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 
 from paravt.checkpoint.export import save_model_dir, write_export_meta, write_export_part
 from paravt.checkpoint.layout import TRAIN_STATE_DIR
-from paravt.checkpoint.manifest import digests, shard_digests, top_digests
+from paravt.checkpoint.manifest import shard_digests, top_digests
 from paravt.checkpoint.sharded import group_up, quiet_single_process
 from paravt.distributed import DistContext, ExportSplit
 
@@ -202,7 +202,7 @@ def _part_and_digest(
 ) -> dict[str, Any]:
     """A rank's background share of a spread export (``write_export_part``; rank 0 also the
     non-weight files and the index, digested at the commit), then its part's digests."""
-    names = write_export_part(tmp, part, split, rank)
+    written = write_export_part(tmp, part, split, rank)
     if rank == 0:
         write_export_meta(tmp, model, split, tokenizer=tok, source_dir=src)
-    return digests(tmp, names)
+    return written

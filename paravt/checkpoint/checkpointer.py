@@ -27,7 +27,7 @@ import torch
 
 from paravt.checkpoint.background import AsyncSave, SaveJob, detached, start_background
 from paravt.checkpoint.commit import commit_folder, prepare_save
-from paravt.checkpoint.export import save_model_dir, write_export_meta, write_export_part
+from paravt.checkpoint.export import gather_export, write_export_part, write_export_rank0
 from paravt.checkpoint.layout import (
     CKPT_DIR,
     SHARDED_FORMAT,
@@ -39,7 +39,7 @@ from paravt.checkpoint.layout import (
     save_error,
     step_dirname,
 )
-from paravt.checkpoint.manifest import digests, run_id, write_manifest
+from paravt.checkpoint.manifest import run_id, write_manifest
 from paravt.checkpoint.sharded import dcp_failure, load_train_state, write_shards
 from paravt.checkpoint.small import write_state
 from paravt.config import Config, TrainConfig
@@ -47,9 +47,7 @@ from paravt.distributed import (
     DistContext,
     Precision,
     all_gather_objects,
-    gathered_state_dict,
     sharded_train_state,
-    spread_state_dict,
 )
 from paravt.log import get_logger
 
@@ -179,14 +177,8 @@ class Checkpointer:
         # Each rank's shards, nothing gathered: float32 masters under bf16 compute (so that
         # --resume continues from the exact masters, not from their bf16 cast) and AdamW's.
         sharded = sharded_train_state(self.policy, self.optimizer, masters=prec.mixed)
-        # The HF export holds the compute dtype (what plain transformers, vLLM and eval load):
-        # gathered onto rank 0 alone, or under several ranks spread over them, each writing
-        # its own file (``export``).
-        split = None
-        if ctx.world_size > 1:
-            export, split = spread_state_dict(self.policy, ctx, prec.compute)
-        else:
-            export = gathered_state_dict(self.policy, ctx, prec.compute)
+        # The HF export holds the compute dtype (what plain transformers, vLLM and eval load).
+        export, split = gather_export(self.policy, ctx, prec.compute)
         run_dir, keep_last = self.train.out_dir, self.train.keep_last
         root = Path(run_dir) / CKPT_DIR
         tmp = root / f".tmp-{step_dirname(step)}"
@@ -223,9 +215,7 @@ class Checkpointer:
             )
             return True
         # Every rank writes its shards into the folder rank 0 made (and its export part).
-        part = None
-        if split is not None:
-            part = lambda: digests(tmp, write_export_part(tmp, export, split, ctx.rank))  # noqa: E731
+        part = None if split is None else lambda: write_export_part(tmp, export, split, ctx.rank)
         bad, written = write_shards(tmp / TRAIN_STATE_DIR, sharded, ctx, then=part)
         return self._complete(job, bad, written, exported=False)
 
@@ -310,15 +300,10 @@ class Checkpointer:
                     raise save_error(step, root, bad[2] or tmp, job.needed, cause, job.prev)
                 try:
                     fsync_dir(tmp / TRAIN_STATE_DIR)  # the shard files' names
-                    if not exported and job.split is not None:  # the parts are written
-                        write_export_meta(
-                            tmp, self.policy, job.split,
-                            tokenizer=self.tokenizer, source_dir=self.source_dir,
-                        )  # fmt: skip
-                    elif not exported:
-                        save_model_dir(
-                            tmp, self.policy, job.export,
-                            tokenizer=self.tokenizer, source_dir=self.source_dir,
+                    if not exported:  # (a spread export's parts are written)
+                        write_export_rank0(
+                            tmp, self.policy, job.export, job.split, self.tokenizer,
+                            self.source_dir,
                         )  # fmt: skip
                     write_state(tmp, step, job.small)
                     write_manifest(tmp, step, run_id(job.run_dir, create=True), digests)

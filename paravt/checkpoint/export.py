@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from paravt.checkpoint.layout import STATE_FILE, WEIGHT_SUFFIXES, fsync_dir
-from paravt.distributed import ExportSplit
+from paravt.checkpoint.manifest import digests
+from paravt.distributed import DistContext, ExportSplit, gathered_state_dict, spread_state_dict
 
 #: A spread export's index (HF's sharded layout): every entry's file, and the total bytes.
 EXPORT_INDEX = "model.safetensors.index.json"
@@ -70,6 +71,17 @@ def _copy_source_files(out: Path, source_dir: str | Path | None) -> None:
                 shutil.copy2(f, out / f.name)
 
 
+def gather_export(
+    model: torch.nn.Module, ctx: DistContext, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], ExportSplit | None]:
+    """A save's export in ``dtype`` (every rank calls it: each entry is a collective): on one
+    rank the whole state dict and None; on several this rank's part and the split (each rank
+    writes its own file, ``write_export_part``)."""
+    if ctx.world_size > 1:
+        return spread_state_dict(model, ctx, dtype)
+    return gathered_state_dict(model, ctx, dtype), None
+
+
 def part_files(split: ExportSplit) -> dict[int, str]:
     """Each writing rank's file of a spread export, HF's sharded names
     (``model-00001-of-00004.safetensors``); a rank that owns no entry writes none."""
@@ -79,20 +91,36 @@ def part_files(split: ExportSplit) -> dict[int, str]:
 
 def write_export_part(
     out: Path, part: dict[str, torch.Tensor], split: ExportSplit, rank: int
-) -> list[str]:
+) -> dict[str, list[Any]]:
     """Rank ``rank``'s file of a spread export: ``part``, the entries ``spread_state_dict``
-    gathered onto it, fsynced (every rank of a ``Checkpointer.save``, in parallel). The names
-    written ([] when the rank owns no entry), for the manifest's digests."""
+    gathered onto it, fsynced (every rank of a ``Checkpointer.save``, in parallel). Its
+    manifest digests ({} when the rank owns no entry)."""
     from safetensors.torch import save_file
 
     name = part_files(split).get(rank)
     if name is None:
-        return []
+        return {}
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in part.items()}
     save_file(tensors, str(out / name), metadata={"format": "pt"})
     _fsync_files(out, [name])
-    return [name]
+    return digests(out, [name])
+
+
+def write_export_rank0(
+    out: Path,
+    model: torch.nn.Module,
+    export: dict[str, torch.Tensor],
+    split: ExportSplit | None,
+    tokenizer: Any,
+    source_dir: str | Path | None,
+) -> None:
+    """Rank 0's share of a save's export besides its part: the whole export on one rank
+    (``save_model_dir``), the index and non-weight files on several (``write_export_meta``)."""
+    if split is None:
+        save_model_dir(out, model, export, tokenizer=tokenizer, source_dir=source_dir)
+    else:
+        write_export_meta(out, model, split, tokenizer=tokenizer, source_dir=source_dir)
 
 
 def write_export_meta(
