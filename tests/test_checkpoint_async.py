@@ -302,6 +302,7 @@ def test_the_train_loop_commits_background_saves_at_the_next_one_and_on_sigterm(
     save, which then has nothing left to write. Each holds its own step's state."""
     from test_train_resume import tiny_overrides
 
+    import paravt.run as R
     import paravt.train as T
     from paravt.config import load_config
     from paravt.preempt import TEST_SIGNAL_ENV
@@ -316,13 +317,15 @@ def test_the_train_loop_commits_background_saves_at_the_next_one_and_on_sigterm(
         return done
 
     monkeypatch.setattr(C, "finish_trainer_save", finish)
-    monkeypatch.setattr(T, "finish_trainer_save", finish)
+    monkeypatch.setattr(T, "finish_trainer_save", finish)  # train_step's (step 7)
+    monkeypatch.setattr(R, "finish_trainer_save", finish)  # the run's (the end, a stop)
     monkeypatch.setenv(TEST_SIGNAL_ENV, "SIGTERM:3:metrics")
     out = tmp_path / "run"
     over = tiny_overrides(assets, out, 4)
     over += ["train.save_every=1", "train.keep_last=2", "train.async_save=true"]
     res = T.run(load_config(overrides=over))
-    assert res["preempted"]["ok"] and res["preempted"]["outcome"] == "finished step 3"
+    assert res.stopped is not None
+    assert res.stopped.ok and res.stopped.outcome == "finished step 3"
     assert commits == [(1, True), (2, True), (3, True)]
     two, three = (out / C.CKPT_DIR / C.step_dirname(s) for s in (2, 3))
     assert C.list_checkpoints(out) == [two, three] and C.latest_checkpoint(out) == three

@@ -30,10 +30,10 @@ def _fill_disk_after_step1(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
-    import paravt.train as T
+    import paravt.run as R
 
     full = {"on": False}
-    real_save, real_open = T.save_trainer, builtins.open
+    real_save, real_open = R.save_trainer, builtins.open
     real_write_bytes, real_write_text = Path.write_bytes, Path.write_text
     real_torch_save, real_flush = torch.save, SummaryWriter.flush
 
@@ -75,7 +75,7 @@ def _fill_disk_after_step1(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             raise _enospc(fname)
         raise AssertionError("unreachable: the plot is only saved into the run folder")
 
-    monkeypatch.setattr(T, "save_trainer", save_trainer)
+    monkeypatch.setattr(R, "save_trainer", save_trainer)
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(Path, "write_bytes", write_bytes)
     monkeypatch.setattr(Path, "write_text", write_text)
