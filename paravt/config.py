@@ -1302,7 +1302,7 @@ def _cross_section_errors(cfg: Config) -> list[str]:
         )
     if cfg.train.eval_every and cfg.rollout.workers:
         # The trainer's evaluation engine is synced with the policy only after the workers
-        # stop (paravt.train._run); an evaluation between steps would read stale weights.
+        # stop (paravt.run._run); an evaluation between steps would read stale weights.
         errs.append(
             f"train.eval_every={cfg.train.eval_every} needs the synchronous loop "
             f"(rollout.workers={cfg.rollout.workers} evaluates only before and after RL); set "

@@ -81,7 +81,7 @@ class StepAbandoned(Exception):
 
 class SFTPreempted(Exception):
     """Raised by ``paravt.sft.run_sft`` when a preemption stops the cold-start SFT (its state
-    saved for ``--resume``); ``paravt.train`` returns ``info`` as the run's ``"preempted"``."""
+    saved for ``--resume``); ``paravt.run`` returns ``info`` as the run's ``RunStopped``."""
 
     def __init__(self, info: dict[str, Any]) -> None:
         super().__init__(info.get("outcome", "SFT preempted"))
@@ -292,9 +292,9 @@ class Preemption:
 
     def exit_line(self, outcome: str, what: str) -> tuple[str, dict[str, Any]]:
         """The ``[preempt]`` line of a run stopping after a signal (collective: every rank
-        calls it) and the run's ``"preempted"`` record; ``outcome`` says where the run stopped,
-        ``what`` what it saved (it ends in "exiting 0"). The cold-start SFT's stop writes it;
-        ``paravt.train._preempted`` writes the steps' own."""
+        calls it) and the run's record of the stop (``"message"``: the line); ``outcome`` says
+        where the run stopped, ``what`` what it saved (it ends in "exiting 0"). The cold-start
+        SFT's stop writes it; ``paravt.run._stop`` writes the steps' own."""
         arrivals = self.arrivals()
         first, seconds = arrivals[0]
         where = f"{first.signal} at step {first.step} ({first.phase})"
@@ -315,6 +315,7 @@ class Preemption:
             "checkpoint": "",
             "ok": True,
             "seconds": seconds,
+            "message": line,
         }
         return line, info
 

@@ -25,19 +25,18 @@ next token is trained meet the lm_head weight, inside the fused kernels. ``rollo
 ``hf`` (paravt's decode loop) or ``vllm`` (an in-process vLLM engine, ``paravt.engines.vllm``;
 its weights are pushed after every step; on a GPU it sleeps during the update).
 
-This file keeps the run and the step; the stages around them live a floor below, each in
-its own module: the checks before anything loads (``paravt.validate``), the dataset and model
-folders (``paravt.assets``, shared with ``paravt.sft``), the prompt order
-(``paravt.data.sampler``), the held-out evaluation (``paravt.eval.heldout``), the checkpoint
-of the whole trainer (``paravt.checkpoint.Checkpointer``) and the trajectories kept for the
-viewer (``paravt.metrics.trajectory_samples``).
+This file keeps the step and what it touches; the run around them (the loop over the steps,
+its one stop path, its ``RunResult``, the exit codes) is ``paravt.run``; the stages live a
+floor below: the checks before anything loads (``paravt.validate``), the dataset and model
+folders (``paravt.assets``), the prompt order (``paravt.data.sampler``), the held-out
+evaluation (``paravt.eval.heldout``), the checkpoints (``paravt.checkpoint``) and the
+trajectories kept for the viewer (``paravt.metrics.trajectory_samples``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import pickle
 import random
 import re
@@ -45,13 +44,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from paravt.agent.loop import PROMPT_TOO_LONG, AgentRunner
-from paravt.alarms import CollapseDetector, EmptySteps, EmptyStepsError
 from paravt.algo.advantages import apply_kl_reward, build_units
 from paravt.algo.guard import NonFiniteGuard
 from paravt.algo.logprobs import packed_logprobs
@@ -66,73 +63,50 @@ from paravt.assets import prepare_data, prepare_model, read_datasets
 from paravt.checkpoint import (
     Checkpointer,
     CheckpointLoadError,
-    CheckpointSaveError,
-    latest_checkpoint,
     load_trainer_state,
     resume_checkpoint,
-    rng_state,
-    run_id,
-    step_dirname,
 )
 from paravt.config import (
     Config,
     ConfigError,
     ConfigHelpParser,
-    config_summary,
     load_config,
     preset_errors,
     to_dict,
-    to_yaml,
 )
-from paravt.data.readers import DatasetError
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import (
     DistContext,
     Precision,
     all_gather_objects,
     all_reduce_sum,
-    cleanup,
     clip_grad_norm,
-    init_distributed,
-    peer_lost,
     place_reference,
     release_device_cache,
-    release_single_rank_group,
     shard_model,
-    world_size_from_env,
 )
 from paravt.engines import engine_spec, make_engine
-from paravt.eval.conditions import eval_conditions
-from paravt.eval.heldout import before_after_table, evaluate, table_rows
-from paravt.files import FolderError, NotRegularFile, claim_folder, write_atomic
 from paravt.log import get_logger
 from paravt.metrics import (
-    DiskFullError,
     MetricsLogger,
-    RunFolderWrites,
     ThumbnailStore,
-    format_table,
-    plot_summary,
-    postfix,
-    progress_bar,
-    read_metrics,
     trajectory_samples,
 )
 from paravt.models import ModelBundle, load_model_from_config
 from paravt.models.loader import freeze_vit
-from paravt.plan import check_device_memory, device_layout, reference_placement
-from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
+from paravt.plan import device_layout, reference_placement
+from paravt.preempt import StepAbandoned
 from paravt.rewards import score_groups
 from paravt.rollout_source import LocalRollout, RolloutSource
-from paravt.runfolder import check_run_folder, logged_eval, record_run
+from paravt.run import RunResult, command
+from paravt.run import run as run_steps
 from paravt.sft import run_sft
 from paravt.step_stats import StepStats
 from paravt.trainer import Trainer
 from paravt.types import PackedBatch, RolloutBatch
-from paravt.validate import validate_run
 from paravt.video import probe
-from paravt.workers import RolloutPipeline, TrainerGone, WorkerFailed, init_async, run_worker
-from paravt.workers.roles import AsyncRoles, pin_worker_gpu
+from paravt.workers import RolloutPipeline
+from paravt.workers.roles import AsyncRoles
 
 log = get_logger(__name__)
 
@@ -598,369 +572,20 @@ def _dump_batches(tr: Trainer, step: int, batches: list[PackedBatch]) -> None:
 # ---------------------------------------------------------------------------------- main
 
 
-def run(cfg: Config, *, keep_handlers: bool = False) -> dict[str, Any]:
-    """Train with a validated config; returns ``{"before", "after", "last", "out_dir"}``, and
-    ``"preempted"`` (``_preempted``) when a SIGTERM/SIGUSR1 stopped it early (``after`` then
-    empty): the run, not the caller, handles those signals while it runs (``paravt.preempt``;
-    ``keep_handlers``: until the process exits, as ``main`` does). A folder another live
-    process holds (``paravt.files.FolderClaim``: rank 0 holds ``train.out_dir`` for the run's
-    life), a folder that holds another run, or a ``--resume`` with other settings, is refused
-    first (``paravt.runfolder``).
-    """
-    pin_worker_gpu(cfg.rollout.workers, cfg.model.device)  # before anything starts CUDA
-    validate_run(cfg, world_size_from_env())  # before anything heavy loads
-    check_device_memory(cfg, world_size_from_env())  # CUDA: the memory plan fits the device
-    try:  # rank 0 holds the folder for the run's life; a second run into it is refused
-        claim = claim_folder(cfg.train.out_dir, "a paravt.train run", _BUSY_FIX)
-    except FolderError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        return _claimed_run(cfg, keep_handlers)
-    finally:
-        if claim is not None:
-            claim.release()
-
-
-#: What a run refused by another live run's claim on ``train.out_dir`` may do.
-_BUSY_FIX = (
-    "wait for that run to end (or stop it: kill -TERM saves it), or pass another train.out_dir"
-)
-
-
-def _claimed_run(cfg: Config, keep_handlers: bool) -> dict[str, Any]:
-    """:func:`run` once rank 0 holds ``train.out_dir``: the folder check, then the run."""
-    check_run_folder(cfg)  # every rank (workers too), before any of them writes there
-    roles = None
-    if cfg.rollout.workers > 0:  # asynchronous: this process trains or rolls out
-        ctx, roles = init_async(cfg.model.device, cfg.rollout.workers, cfg.rollout.weight_sync)
-        if roles.is_worker:
-            totals = run_worker(cfg, ctx, roles)
-            cleanup(ctx)
-            return {"worker": roles.rank, **totals}
-    else:
-        ctx = init_distributed(cfg.model.device, hsdp=cfg.train.hsdp)
-    with Preemption(cfg.train.preempt_grace_s, ctx, keep=keep_handlers) as pre:
-        try:
-            return _run(cfg, ctx, pre, roles)
-        finally:  # a run that raised: no live group of one at exit or for the next run
-            release_single_rank_group()
-
-
-def _run(
-    cfg: Config, ctx: DistContext, pre: Preemption, roles: AsyncRoles | None = None
-) -> dict[str, Any]:
-    out = Path(cfg.train.out_dir)
-    if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        with RunFolderWrites(cfg.train.on_save_error, out).guard("config", out / "config.yaml"):
-            write_atomic(out / "config.yaml", to_yaml(cfg))
-            if not cfg.train.resume:  # a new run: its identity, which its checkpoints carry
-                run_id(out, create=True)
-            record_run(cfg)  # run.json: what a --resume must match (paravt.runfolder)
-        log.info(config_summary(cfg))
-        log.debug(to_yaml(cfg))
-    t_run = time.perf_counter()
-    try:
-        tr = build_trainer(cfg, ctx, roles)
-    except SFTPreempted as e:  # its state is saved: --resume continues the SFT
-        cleanup(ctx)
-        return {"before": {}, "after": {}, "last": {}, "out_dir": str(out), "preempted": e.info}
-    if ctx.is_main:  # now with the fingerprint of a tiny model built by this run
-        with tr.logger.disk.guard("config", out / "run.json"):
-            record_run(cfg)
-    tr.preempt = pre
-    t = cfg.train
-    tr.source.start(tr.policy, tr.init_dir, tr.start_step)  # async: workers start rolling out
-
-    before: dict[str, float] = {}
-    pre.enter(tr.start_step, "eval")
-    # After a signal the evaluation is skipped (the loop's first boundary then stops the run).
-    if t.eval_prompts and t.eval_before and not pre.requested():
-        # Logged already (the rows kept are the start's: truncated above): not twice.
-        before = logged_eval(out, "eval_before", ctx=ctx)
-        if not before:
-            before = _evaluate(tr, tr.start_step, "eval_before")
-
-    bar = progress_bar(
-        t.steps, initial=tr.start_step, enabled=ctx.is_main and t.progress, desc="PARA-GRPO"
-    )
-    # Collapse alarms; on --resume the kept rows restore starting levels and armed states.
-    alarms = CollapseDetector.from_config(t)
-    empty = EmptySteps(t.max_empty_steps)
-    if tr.start_step > 0:
-        alarms.replay(read_metrics(out / "metrics.jsonl"))
-        _periodic_eval(tr, tr.start_step, pre, resumed=True)  # one a preemption skipped
-    last: dict[str, float] = {}
-    # Preemption (paravt.preempt): the last completed step, the step the newest checkpoint
-    # holds, and what the step in progress started from (what an abandoned step leaves).
-    done = saved = tr.start_step
-    begin: tuple[dict[str, int], Any] | None = None
-    abandoned = 0
-    for step in range(tr.start_step + 1, t.steps + 1):
-        if pre.start_step(step):  # any rank, during the previous step or before the first
-            break
-        begin = (tr.source.data_state(step - 1), rng_state())
-        try:
-            last = train_step(tr, step)
-        except StepAbandoned:
-            abandoned = step
-            break
-        except WorkerFailed:  # raised by collect: the policy is still step `done`'s
-            _save_after_worker_failure(tr, done, saved, begin)
-            tr.logger.close()
-            cleanup(ctx, getattr(tr.engine, "close", lambda: None))
-            raise
-        done = step
-        pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
-        tr.logger.log(step, last)
-        fired = alarms.update(step, last)
-        if (a := empty.update(step, last, tr.step_errors)) is not None:
-            fired.append(a)
-        for a in fired:
-            tr.logger.log(step, a.row(), kind="alarm")
-            if ctx.is_main:
-                bar.write(f"[alarm] step {step}: {a.message}")
-        empty.check(step)  # train.max_empty_steps empty steps in a row: EmptyStepsError
-        bar.set_postfix(postfix(last))
-        bar.update(1)
-        _periodic_eval(tr, step, pre)  # before the checkpoint: a resume from it has the row
-        if (t.save_every and step % t.save_every == 0) or step == t.steps:
-            # train.async_save: written in the background while the next steps run, committed
-            # at the next save (or the end); the last step's in the foreground (nothing after).
-            with tr.phase(step, "checkpoint"):
-                back = t.async_save and step < t.steps
-                if tr.checkpoint(step, background=back):
-                    saved = step
-            # What a preemption's save would take: the whole write, not the blocking part.
-            pre.save_s = max(tr.times["time/checkpoint"], tr.times.get("time/checkpoint_write", 0))
-    bar.close()
-    if abandoned or pre.requested():
-        info = _preempted(tr, done, saved, begin if abandoned else None)
-        tr.source.close()
-        tr.logger.close()
-        cleanup(ctx, getattr(tr.engine, "close", lambda: None))
-        return {"before": before, "after": {}, "last": last, "out_dir": str(out), "preempted": info}
-    tr.finish_checkpoint()  # none in flight (the last step's is foreground): for certain
-    pre.enter(t.steps, "eval")
-    tr.source.close()  # async: the workers are done; the evaluation runs here
-
-    # A resumed finished run has its evaluation logged already: reused, not logged twice.
-    after = logged_eval(out, "eval_after", t.steps, ctx) if t.eval_prompts else {}
-    if t.eval_prompts and not after:
-        after = _evaluate(tr, t.steps, "eval_after")
-    if ctx.is_main:
-        if t.summary_plot:
-            with tr.logger.disk.guard("summary plot", out / "summary.png"):
-                plot_summary(out / "metrics.jsonl", out / "summary.png")
-        table = {"before RL": before, "after RL": after, "last step": last}
-        log.info("\n" + format_table(table, table_rows(cfg)))
-        if before and after:
-            log.info("\n" + paired_table(tr))
-        log.info(
-            f"\n[train] {t.steps} steps in {time.perf_counter() - t_run:.0f} s; run folder: "
-            f"{out} (metrics.jsonl, tb/, trajectories.jsonl, summary.png, checkpoints/)"
-        )
-    tr.logger.close()
-    cleanup(ctx, getattr(tr.engine, "close", lambda: None))
-    return {"before": before, "after": after, "last": last, "out_dir": str(out)}
-
-
-def _checkpoint_last(
-    tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any] | None
-) -> tuple[bool, str, str]:
-    """A run that stops early (a preemption, a lost rollout worker; every rank): checkpoint the
-    last completed step ``done`` unless ``saved`` (the newest checkpoint's step) is it already.
-
-    ``begin``: when the step after ``done`` was abandoned before its update, the sampler
-    position and RNG states it started from, to save instead of the current ones. Returns
-    ``(ok, path, wrote)``: ``ok`` False when the write failed (``train.on_save_error=continue``),
-    ``path`` '' when no step completed, ``wrote`` " written in N s" or " (already written)"."""
-    path = str(Path(tr.cfg.train.out_dir) / "checkpoints" / step_dirname(done)) if done else ""
-    if tr.checkpoint_pending:  # train.async_save: committed first
-        with tr.phase(done, "checkpoint"):
-            waited = tr.finish_checkpoint()
-        if waited is not None and not waited[1]:  # it failed: the newest one is older
-            saved = min(saved, waited[0] - 1)
-    if done <= saved:
-        return True, path, " (already written)" if done else ""
-    with tr.phase(done, "checkpoint"):
-        ok = tr.checkpoint(done, begin=begin, background=False)
-    return ok, path, f" written in {tr.times['time/checkpoint']:.1f} s"
-
-
-def _save_after_worker_failure(
-    tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any]
-) -> None:
-    """Asynchronous: a rollout worker died or failed (``WorkerFailed``, raised by ``collect``
-    on every trainer rank before anything of step ``done + 1`` ran): checkpoint step ``done``
-    with the sampler position and RNG states that step started from, so ``--resume`` loses
-    nothing, and say so on rank 0. A node that dies takes its workers with it: the same path."""
-    ok, path, wrote = _checkpoint_last(tr, done, saved, begin)
-    if not path:
-        what = "no step completed, nothing to checkpoint (--resume starts at step 0)"
-    elif ok:
-        what = f"checkpoint {path}{wrote}"
-    else:
-        what = f"checkpoint {path} NOT written (see the warning above)"
-    log.info(f"[async] a rollout worker is gone after step {done}: {what}")
-
-
-def _preempted(
-    tr: Trainer, done: int, saved: int, begin: tuple[dict[str, int], Any] | None
-) -> dict[str, Any]:
-    """After a SIGTERM/SIGUSR1 (every rank): checkpoint the last completed step ``done`` unless
-    ``saved`` (the newest checkpoint's step) is it already, and report on rank 0.
-
-    ``begin``: when the step after ``done`` was abandoned mid-way, the sampler position and RNG
-    states it started from, to save instead of the current ones. Returns ``{"signal", "step",
-    "phase", "ranks", "outcome", "checkpoint", "ok", "seconds"}``: ``ok`` False when the
-    checkpoint could not be written (``train.on_save_error=continue``; ``main`` exits 1).
-    """
-    pre, t = tr.preempt, tr.cfg.train
-    ok, path, wrote = _checkpoint_last(tr, done, saved, begin)
-    # After the save: how long since the earliest signal (``pre`` is set: a signal came).
-    arrivals = pre.arrivals()  # type: ignore[union-attr]
-    first, seconds = arrivals[0]
-    where = f"{first.signal} at step {first.step} ({first.phase})"
-    if tr.ctx.world_size > 1:
-        ranks = sorted(a[0].rank for a in arrivals)
-        where += f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-    if begin is not None:
-        outcome = f"abandoned step {done + 1} {tr.source.abandon_when}"
-    elif first.phase in ("startup", "eval"):
-        outcome = "no step in progress"
-    else:
-        outcome = f"finished step {done}"
-    if not ok:
-        what = f"checkpoint {path} NOT written (see the warning above); exiting 1"
-    elif path:
-        what = f"checkpoint {path}{wrote}; exiting 0"
-    else:
-        what = "no step completed, nothing to checkpoint (--resume starts at step 0); exiting 0"
-    late = f", past the grace of {t.preempt_grace_s:g} s" if seconds > t.preempt_grace_s else ""
-    log.info(
-        f"[preempt] {where}: {outcome}, {what} {seconds:.1f} s after the signal"
-        f"{late or f' (grace {t.preempt_grace_s:g} s)'}"
-    )
-    return {
-        "signal": first.signal,
-        "step": first.step,
-        "phase": first.phase,
-        "ranks": [a[0].rank for a in arrivals],
-        "outcome": outcome,
-        "checkpoint": path,
-        "ok": ok,
-        "seconds": seconds,
-    }
-
-
-def paired_table(tr: Trainer) -> str:
-    """The before/after table paired by prompt (``paravt.eval.heldout.before_after_table``)
-    from the run's ``heldout.jsonl``, with a uniform guess's accuracy on the held-out mcq
-    prompts beside the no-tool conditions."""
-    mcq = [1 / len(s.options) for s in tr.val_samples if s.options]
-    guess = sum(mcq) / len(mcq) if mcq else None
-    rows = read_metrics(tr.logger.heldout_path)
-    return before_after_table(rows, eval_conditions(tr.cfg), guess)
-
-
-def _evaluate(tr: Trainer, step: int, kind: str) -> dict[str, float]:
-    """The held-out evaluation (``paravt.eval.heldout.evaluate``) of the policy now, logged at
-    ``step`` as a ``kind`` row (``eval_before``, ``eval_step``, ``eval_after``) of
-    ``metrics.jsonl`` and one row per prompt and condition in ``heldout.jsonl``."""
-    prompts: list[dict[str, Any]] = []
-    t = tr.cfg.train
-    label = {"eval_before": "before RL", "eval_after": "after RL"}.get(kind, f"step {step}")
-    conds = list(t.eval_conditions) or [f"{t.eval_frames or tr.cfg.video.fixed_frames}:tools"]
-    log.info(
-        f"[eval] {label}: {len(tr.val_samples)} held-out prompt(s), "
-        f"{len(conds)} condition(s): {', '.join(map(str, conds))}"
-    )
-    with tr.source.evaluating(tr.policy, step):  # async: the eval engine gets the weights
-        m = evaluate(
-            tr.cfg, tr.ctx, tr.policy, tr.runner, tr.val_samples,
-            seed=t.seed, per_prompt=prompts, label=label,
-        )  # fmt: skip
-    tr.logger.log(step, m, kind=kind)
-    tr.logger.log_heldout(step, kind, prompts)
-    return m
-
-
-def _periodic_eval(tr: Trainer, step: int, pre: Preemption, *, resumed: bool = False) -> None:
-    """``train.eval_every``: after every that many steps (not the last: ``eval_after`` is
-    its evaluation), an ``eval_step`` evaluation. Skipped after a SIGTERM/SIGUSR1 (the run
-    stops at the next boundary); ``resumed``: at a resumed run's first step, the evaluation
-    its checkpoint's step is owed when the preempted run skipped it."""
-    t = tr.cfg.train
-    if not (t.eval_every and t.eval_prompts) or step % t.eval_every or not 0 < step < t.steps:
-        return
-    if pre.requested() or (resumed and logged_eval(t.out_dir, "eval_step", step, tr.ctx)):
-        return
-    pre.enter(step, "eval")
-    _evaluate(tr, step, "eval_step")
-
-
-def _lost_peer(e: BaseException, cfg: Config | None) -> str:
-    """The one line for a rank whose collective failed because another rank is gone: which
-    rank saw it, the backend's words, and the checkpoint ``--resume`` continues from (the
-    training state is sharded over the ranks, so the survivors cannot save it)."""
-    rank = os.environ.get("RANK", "0")
-    words = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    newest = latest_checkpoint(cfg.train.out_dir) if cfg is not None else None
-    resume = (
-        f"--resume continues from {newest}"
-        if newest is not None
-        else "no checkpoint was written yet: --resume starts at step 0"
-    )
-    return (
-        f"rank {rank} lost a peer rank of the job (its process or node died): {words}. The "
-        f"training state is sharded over the ranks, so the run stops without saving; {resume}"
-    )
+def run(cfg: Config, *, keep_handlers: bool = False) -> RunResult:
+    """Train with a validated config: ``paravt.run.run`` (the loop, its one stop path, its
+    typed result) driving :func:`build_trainer` and :func:`train_step`. A SIGTERM/SIGUSR1
+    stops it early (``RunResult.stopped``); ``keep_handlers``: the run's signal handlers stay
+    until the process exits, as ``main`` does."""
+    return run_steps(cfg, build_trainer, train_step, keep_handlers=keep_handlers)
 
 
 def main(argv: Sequence[str] | None = None, *, keep_handlers: bool = False) -> int:
-    """The command line; ``keep_handlers`` (``python -m paravt.train``): the preemption
-    handlers stay until the process exits, so a repeated signal during the teardown after the
-    ``[preempt]`` line cannot turn its exit 0 into 143."""
-    cfg = None
-    try:
-        cfg, _ = parse_args(argv)
-        res = run(cfg, keep_handlers=keep_handlers)
-        if not res.get("preempted", {}).get("ok", True):
-            return 1
-    except ConfigError as e:
-        log.error(f"error: {e}")
-        return 2
-    # A full disk; no data; a link or a FIFO planted where the run writes a file.
-    except (
-        CheckpointSaveError,
-        CheckpointLoadError,
-        DiskFullError,
-        EmptyStepsError,
-        NotRegularFile,
-    ) as e:
-        log.error(f"error: {e}")
-        return 1
-    # Asynchronous: a rollout worker died or raised (the trainer's view), or the trainer died
-    # (a worker's view): one line each, no traceback.
-    except (WorkerFailed, TrainerGone) as e:
-        log.error(f"error: {e}")
-        return 1
-    except RuntimeError as e:  # another rank's process or node died mid-collective
-        if not peer_lost(e):
-            raise
-        log.error(f"error: {_lost_peer(e, cfg)}")
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C before the run's handlers (paravt.preempt) are set
-        log.error("interrupted before the run started; nothing was written")
-        return 130
-    except DatasetError as e:  # raised before any model loads (read_datasets)
-        log.error(
-            f"error: {e}\n(the dataset is checked before any model loads: fix it, or point "
-            "data.path at another dataset)",
-        )
-        return 2
-    return 0
+    """The command line (``paravt.run.command``: the exit codes); ``keep_handlers``
+    (``python -m paravt.train``): the preemption handlers stay until the process exits, so a
+    repeated signal during the teardown after the ``[preempt]`` line cannot turn its exit 0
+    into 143."""
+    return command(lambda: parse_args(argv)[0], lambda c: run(c, keep_handlers=keep_handlers))
 
 
 if __name__ == "__main__":

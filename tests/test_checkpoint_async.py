@@ -328,7 +328,8 @@ def test_the_train_loop_commits_background_saves_at_the_next_one_and_on_sigterm(
     over = tiny_overrides(assets, out, 4)
     over += ["train.save_every=1", "train.keep_last=2", "train.async_save=true"]
     res = T.run(load_config(overrides=over))
-    assert res["preempted"]["ok"] and res["preempted"]["outcome"] == "finished step 3"
+    assert res.stopped is not None
+    assert res.stopped.ok and res.stopped.outcome == "finished step 3"
     assert commits == [(1, True), (2, True), (3, True)]
     two, three = (out / C.CKPT_DIR / C.step_dirname(s) for s in (2, 3))
     assert C.list_checkpoints(out) == [two, three] and C.latest_checkpoint(out) == three

@@ -187,13 +187,14 @@ def test_train_refuses_a_run_that_would_train_on_nothing_or_write_here(
 ) -> None:
     """One rollout per prompt has advantage r - mean(r) = 0: a run of nothing, refused as
     greedy sampling is; an empty train.out_dir would put the run into the current folder."""
+    import paravt.run as R
     import paravt.train as T
 
     def started(*a, **k):
         raise AssertionError("the run started: it should have been refused before")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(T, "_run", started)
+    monkeypatch.setattr(R, "_run", started)
     assert T.main([override]) == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err
@@ -210,13 +211,14 @@ def test_train_wandb_without_wandb_is_refused_before_anything_loads(
     import sys
     import types
 
+    import paravt.run as R
     import paravt.train as T
 
     def started(*a, **k):
         raise AssertionError("the run started: it should have been refused before")
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(T, "_run", started)
+    monkeypatch.setattr(R, "_run", started)
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, as if uninstalled
     assert T.main(["train.wandb=true"]) == 2
     err = capsys.readouterr().err

@@ -361,6 +361,7 @@ def test_train_stops_before_loading_when_the_plan_does_not_fit_the_cuda_device(
 
     import torch
 
+    import paravt.run
     from paravt import train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -369,7 +370,7 @@ def test_train_stops_before_loading_when_the_plan_does_not_fit_the_cuda_device(
     )
     built = []
     monkeypatch.setattr(train, "build_trainer", lambda *a: built.append(a) or 1 / 0)
-    monkeypatch.setattr(train, "init_distributed", lambda *a, **k: built.append(a) or 1 / 0)
+    monkeypatch.setattr(paravt.run, "init_distributed", lambda *a, **k: built.append(a) or 1 / 0)
     args = ["model.device=cuda", f"train.out_dir={tmp_path}/run", f"data.synth_dir={tmp_path}/d"]
     assert train.main(args) == 2
     err = capsys.readouterr().err

@@ -174,11 +174,11 @@ def test_rl_beats_its_cold_start_in_the_default_world(tmp_path) -> None:
     failed = [
         f"{c}:{name}"
         for c in ("K4_tools", "K4_tools_greedy", "K8_tools", "K8_tools_greedy")
-        for name, (_, ok) in bars(res["before"], res["after"], c).items()
+        for name, (_, ok) in bars(res.before, res.after, c).items()
         if not ok
     ]
-    assert failed == [], (failed, res["before"], res["after"])
+    assert failed == [], (failed, res.before, res.after)
     train = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
     for a in (0, 30):
         assert max(r["adv/nonzero_groups"] for r in train[a : a + 30]) > 0
-    assert not all(ok for _, ok in bars(res["before"], res["before"], "K4_tools").values())
+    assert not all(ok for _, ok in bars(res.before, res.before, "K4_tools").values())

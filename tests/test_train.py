@@ -66,7 +66,7 @@ def test_default_preset_two_steps_updates_parameters_and_logs_every_metric(asset
         assert all(r[k] >= 0 for k in parts) and r["time/main_gen"] > 0
         assert sum(r[k] for k in parts) <= r["time/rollout"]
         assert r["packed_tokens"] > r["trained_tokens"] > 0
-    assert res["last"]["loss"] == rows[-1]["loss"]
+    assert res.last["loss"] == rows[-1]["loss"]
 
     # Parameters changed: the step-2 checkpoint differs from the SFT starting point.
     start = load_model_state(out / "sft")
@@ -351,7 +351,7 @@ def test_evaluation_conditions_report_intervals_and_forbid_tools(assets, tmp_pat
     )
     res = run(cfg)
     for phase in ("before", "after"):
-        m = res[phase]
+        m = getattr(res, phase)
         # Split by need (the spot rows record need_K2): the two parts cover the prompts.
         parts = [m.get(f"K2_tools/{p}/prompts", 0.0) for p in ("need", "seen")]
         assert sum(parts) == 2.0 and m["K2_tools_greedy/prompts"] == 2.0

@@ -46,7 +46,7 @@ def test_a_prompt_longer_than_the_context_is_skipped_and_counted(assets, tmp_pat
     assert row["num_groups"] == 2.0 and row["skipped_prompts"] == 1.0
     # What was packed is the two short prompts' rows, nowhere near the long one's 8k tokens.
     assert row["packed_tokens"] < 4 * 2_000, row["packed_tokens"]
-    assert res["last"]["skipped_context"] == 1.0
+    assert res.last["skipped_context"] == 1.0
 
 
 def test_drop_unfit_prompts_keeps_groups_that_generated() -> None:

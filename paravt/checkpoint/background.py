@@ -24,7 +24,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -163,7 +163,8 @@ def start_background(
     # This rank's digests of what it wrote, in the background too (its shards; rank 0 also
     # the export): the commit at a step's end reads no byte.
     pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="paravt-save")
-    shards = pool.submit(_then_digest, shards, job.tmp / TRAIN_STATE_DIR, ctx.rank)
+    written = cast("Future[Any]", shards)  # the THREAD type's handle
+    shards = pool.submit(_then_digest, written, job.tmp / TRAIN_STATE_DIR, ctx.rank)
     export = None
     if job.split is not None:  # several ranks: each writes its part of the export
         export = pool.submit(

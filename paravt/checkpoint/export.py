@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,7 +49,8 @@ def save_model_dir(
     _copy_source_files(out, source_dir)
     state_dict = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        hf: Any = model  # a transformers model (``save_pretrained``)
+        hf.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         _set_config_dtype(out / "config.json", {v.dtype for v in state_dict.values()})
     else:
         from safetensors.torch import save_file
@@ -143,7 +144,7 @@ def write_export_meta(
         _set_config_dtype(out / "config.json", set(split.dtypes))
         can_generate = getattr(model, "can_generate", lambda: False)
         if can_generate() and getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(out)
+            cast(Any, model).generation_config.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     files = part_files(split)

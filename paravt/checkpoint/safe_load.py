@@ -55,7 +55,7 @@ def checked_reader(path: str | Path) -> Any:
 
     class _Reader(dcp.FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            md = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            md = read_dcp_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
             md.storage_meta.load_id = self.load_id

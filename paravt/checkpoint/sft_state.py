@@ -86,7 +86,7 @@ def save_sft_state(
             shutil.rmtree(old, ignore_errors=True)
         except OSError as e:
             err = e
-    bad = bad or all_gather_objects(err and str(err), ctx)[0]
+    bad = bad or all_gather_objects(str(err) if err else None, ctx)[0]
     if bad:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)

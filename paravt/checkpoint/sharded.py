@@ -83,7 +83,7 @@ def write_shards(
     sharded: dict[str, Any],
     ctx: DistContext,
     then: Callable[[], dict[str, Any]] | None = None,
-) -> tuple[tuple[int, str, str] | None, dict[str, Any]]:
+) -> tuple[tuple[int | None, str | None, Any] | None, dict[str, Any]]:
     """Every rank writes its shards (``save_sharded``) and digests them (``shard_digests``),
     then runs ``then`` (its other files' write, returning their digests: its part of a spread
     HF export); the first failed rank's ``(errno, strerror, filename)``, the same on every

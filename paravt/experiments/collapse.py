@@ -373,8 +373,8 @@ def _evaluate_cold_start(cfg: Config) -> None:
     driver (``DriverInterrupted``); a rerun redoes the evaluation."""
 
     res = run(cfg)
-    if res.get("preempted"):
-        sig = signal.Signals[res["preempted"]["signal"]]
+    if res.stopped is not None:
+        sig = signal.Signals[res.stopped.signal]
         raise DriverInterrupted(sig, "the cold start's evaluation", 0)
 
 
