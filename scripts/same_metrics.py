@@ -43,7 +43,14 @@ RUNS: dict[str, tuple[int, list[str]]] = {
 #: Keys that measure wall-clock time (legitimately differ between two runs).
 TIMING = ("time/", "tokens_per_s", "async/trainer_wait_s", "async/worker_busy_s",
           "async/worker_idle_s", "async/worker_idle_frac", "async/trainer_idle_frac",
-          "async/queue_depth", "eval/seconds")  # fmt: skip
+          "async/queue_depth", "eval/seconds", "async/push_s", "async/push_snapshot_s",
+          "async/restore_s")  # fmt: skip
+#: ... and by suffix: each worker's wait for weights (``async/worker_<rank>_wait_weights_s``).
+TIMING_SUFFIX = ("_wait_weights_s",)
+
+
+def _timing(key: str) -> bool:
+    return key.startswith(TIMING) or key.endswith(TIMING_SUFFIX)
 
 
 def run(out: Path, sft_steps: int = 20) -> None:
@@ -89,8 +96,8 @@ def compare(a: Path, b: Path) -> int:
             continue
         n = 0
         for key in ra:
-            ka = {k for k in ra[key] if not k.startswith(TIMING)}
-            kb = {k for k in rb[key] if not k.startswith(TIMING)}
+            ka = {k for k in ra[key] if not _timing(k)}
+            kb = {k for k in rb[key] if not _timing(k)}
             if ka != kb:
                 print(f"{name} {key}: keys differ: {sorted(ka ^ kb)}")
                 bad += 1
