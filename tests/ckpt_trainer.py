@@ -48,3 +48,40 @@ def small_trainer(
     )  # fmt: skip
     tr.checkpointer = Checkpointer.from_config(cfg, ctx, policy, optimizer, states={"trainer": tr})
     return tr
+
+
+def linear_trainer(
+    out: Any,
+    *,
+    shape: tuple[int, int],
+    rows: int,
+    keep_last: int,
+    seed: int = 0,
+    warmup: int = 0,
+    async_save: bool = False,
+    data: dict[str, Any] | None = None,
+) -> tuple[Trainer, Any]:
+    """``small_trainer`` of one process around a ``Linear(*shape)`` with AdamW (lr 1e-2) and a
+    warm-up schedule over ``warmup`` steps (0: constant), checkpointing into ``out``; and its
+    ``step()`` (a forward of ``rows`` random rows, backward, optimizer and schedule steps), taken
+    once so that the optimizer has state."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(*shape)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+    )
+
+    def step() -> None:
+        lin(torch.randn(rows, shape[0])).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+    step()
+    train = types.SimpleNamespace(
+        out_dir=str(out), keep_last=keep_last, on_save_error="fail", async_save=async_save,
+        master_dtype="float32",
+    )  # fmt: skip
+    cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="float32"))
+    return small_trainer(cfg, DistContext(), lin, opt, sched, data), step

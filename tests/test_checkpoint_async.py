@@ -22,18 +22,16 @@ import signal
 import subprocess
 import sys
 import textwrap
-import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from ckpt_trainer import small_trainer
+from ckpt_trainer import linear_trainer
 from test_checkpoint_sharded import COMMON, RESUME
 from torchrun import run_worker
 
 from paravt import checkpoint as C
-from paravt.distributed import DistContext
 
 # test_checkpoint_sharded's harness with a smaller model (8 blocks of 128x128, 0.5 MB of
 # masters): what is tested here is when and what the write writes, not its memory.
@@ -216,28 +214,8 @@ def test_async_save_is_a_snapshot_committed_later_and_resumes_on_two_and_one_ran
 def _one_process(out: Path) -> tuple[Any, Any]:
     """A trainer of one process without a process group (a plain module and AdamW) that has
     taken two steps, and its step function."""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 32)
-    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-
-    def step() -> None:
-        lin(torch.randn(4, 64)).square().mean().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-
+    tr, step = linear_trainer(out, shape=(64, 32), rows=4, keep_last=2, warmup=4, async_save=True)
     step()
-    step()
-    train = types.SimpleNamespace(
-        out_dir=str(out),
-        keep_last=2,
-        on_save_error="fail",
-        async_save=True,
-        master_dtype="float32",
-    )
-    cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="float32"))
-    tr = small_trainer(cfg, DistContext(), lin, opt, sched, {"pos": 7})
     return tr, step
 
 

@@ -26,13 +26,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from ckpt_trainer import small_trainer
+from ckpt_trainer import linear_trainer
 
 from paravt import checkpoint as C
 from paravt.checkpoint import CheckpointLoadError, resume_checkpoint
@@ -41,19 +40,7 @@ from paravt.trainer import Trainer
 
 
 def _trainer(out: Path, seed: int = 0) -> Trainer:
-    torch.manual_seed(seed)
-    lin = torch.nn.Linear(16, 8)
-    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    lin(torch.randn(4, 16)).square().mean().backward()
-    opt.step()
-    sched.step()
-    train = types.SimpleNamespace(
-        out_dir=str(out), keep_last=3, on_save_error="fail", async_save=False,
-        master_dtype="float32",
-    )  # fmt: skip
-    cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="float32"))
-    return small_trainer(cfg, DistContext(), lin, opt, sched, {"pos": 7})
+    return linear_trainer(out, shape=(16, 8), rows=4, keep_last=3, seed=seed)[0]
 
 
 def _run_with_two(out: Path, seed: int = 0) -> tuple[Path, Path]:

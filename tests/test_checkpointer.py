@@ -13,34 +13,19 @@
 
 from __future__ import annotations
 
-import types
 import typing
 from pathlib import Path
 
 import pytest
 import torch
-from ckpt_trainer import small_trainer
+from ckpt_trainer import linear_trainer
 
 from paravt import checkpoint as C
-from paravt.distributed import DistContext
 from paravt.trainer import Trainer, TrainerState
 
 
 def _trainer(out: Path, seed: int, data: dict[str, int]) -> Trainer:
-    torch.manual_seed(seed)
-    lin = torch.nn.Linear(8, 4)
-    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
-    lin(torch.randn(3, 8)).square().mean().backward()
-    opt.step()
-    sched.step()
-    opt.zero_grad()
-    train = types.SimpleNamespace(
-        out_dir=str(out), keep_last=2, on_save_error="fail", async_save=False,
-        master_dtype="float32",
-    )  # fmt: skip
-    cfg = types.SimpleNamespace(train=train, model=types.SimpleNamespace(dtype="float32"))
-    return small_trainer(cfg, DistContext(), lin, opt, sched, data)
+    return linear_trainer(out, shape=(8, 4), rows=3, keep_last=2, seed=seed, warmup=4, data=data)[0]
 
 
 def test_the_small_state_is_the_trainers_schema_and_loads_back_whole(tmp_path: Path) -> None:

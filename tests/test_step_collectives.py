@@ -18,7 +18,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from assets_task import ASSETS_TASK
+from assets_task import SHORT_ROLLOUT, on_assets
 from torchrun import run_worker
 
 WORKER = textwrap.dedent(
@@ -68,22 +68,13 @@ WORKER = textwrap.dedent(
 def test_one_step_runs_one_collective_for_its_sums_and_one_gather(assets, tmp_path: Path) -> None:
     out = tmp_path / "counts.json"
     overrides = [
-        f"data.synth_dir={assets['data']}",
-        *(f"{k}={v}" for k, v in ASSETS_TASK.items()),
-        "data.synth_num_videos=2",
-        f"model.tiny_dir={assets['model']}",
-        f"train.out_dir={tmp_path / 'run'}",
+        *on_assets(assets, tmp_path / "run"),
         "train.prompts_per_step=2",
         "train.eval_prompts=0",
         "train.progress=false",
         "train.log_trajectories=0",
         "sft.steps=0",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "rollout.sub_max_new_tokens=4",
-        "agent.max_turns=1",
-        "agent.max_tool_response_tokens=8",
-        "video.frame_budgets=[2,4]",
+        *SHORT_ROLLOUT,
         "algo.adv_bias=0.1",  # non-zero advantages: the update runs
         "algo.minibatches=2",
     ]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from assets_task import ASSETS_TASK
+from assets_task import SHORT_ROLLOUT, on_assets
 from torchrun import lose_node, running_nodes, torchrun_nodes
 from train_runs import ROOT, train_rows, wait_for
 
@@ -38,11 +38,7 @@ LR = 1e-4
 def _overrides(assets: dict[str, str], out: Path, dtype: str = "float32") -> list[str]:
     return [
         f"model.dtype={dtype}",
-        f"data.synth_dir={assets['data']}",
-        *(f"{k}={v}" for k, v in ASSETS_TASK.items()),  # that folder's own task
-        "data.synth_num_videos=2",
-        f"model.tiny_dir={assets['model']}",
-        f"train.out_dir={out}",
+        *on_assets(assets, out),
         "train.steps=2",
         "train.prompts_per_step=2",
         "train.save_every=1",
@@ -51,12 +47,7 @@ def _overrides(assets: dict[str, str], out: Path, dtype: str = "float32") -> lis
         "train.progress=false",
         "train.summary_plot=false",
         "train.dump_batches=true",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "rollout.sub_max_new_tokens=4",
-        "agent.max_turns=1",
-        "agent.max_tool_response_tokens=8",
-        "video.frame_budgets=[2,4]",
+        *SHORT_ROLLOUT,
         # One SFT step under FSDP2 too; RL then starts from out/sft (gathered full weights).
         "sft.steps=1",
         "sft.batch_size=2",

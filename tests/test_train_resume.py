@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from assets_task import ASSETS_TASK
+from assets_task import SHORT_ROLLOUT, on_assets
 
 from paravt.config import load_config
 from paravt.metrics import read_metrics
@@ -25,11 +25,7 @@ def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
     """The tiny run (~1 s a step on 2 CPU cores) as ``key=value`` overrides; the other
     train-loop tests (test_train_nonfinite.py, test_train_kill.py) use it too."""
     return [
-        f"data.synth_dir={assets['data']}",
-        *(f"{k}={v}" for k, v in ASSETS_TASK.items()),  # that folder's own task
-        "data.synth_num_videos=2",
-        f"model.tiny_dir={assets['model']}",
-        f"train.out_dir={out}",
+        *on_assets(assets, out),
         f"train.steps={steps}",
         "train.prompts_per_step=1",
         "train.save_every=3",
@@ -37,12 +33,7 @@ def tiny_overrides(assets: dict[str, str], out: Path, steps: int) -> list[str]:
         "train.eval_prompts=0",
         "train.progress=false",
         "train.summary_plot=false",  # 1.7 s a run (matplotlib); test_train.py checks it
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "rollout.sub_max_new_tokens=4",
-        "agent.max_turns=1",
-        "agent.max_tool_response_tokens=8",
-        "video.frame_budgets=[2,4]",
+        *SHORT_ROLLOUT,
         "sft.steps=0",
         "algo.adv_bias=0.1",  # non-zero advantages even when group rewards tie
         "algo.lr=1e-3",
