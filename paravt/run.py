@@ -61,6 +61,7 @@ from paravt.metrics import (
 from paravt.plan import check_device_memory
 from paravt.preempt import Preemption, SFTPreempted, StepAbandoned
 from paravt.runfolder import check_run_folder, logged_eval, record_run
+from paravt.step_stats import StepResult
 from paravt.trainer import Trainer
 from paravt.validate import validate_run
 from paravt.workers import TrainerGone, WorkerFailed, init_async, run_worker
@@ -72,7 +73,7 @@ log = get_logger(__name__)
 #: asynchronous run's trainer rank; None: this rank rolls out).
 BuildTrainer = Callable[[Config, DistContext, AsyncRoles | None], Trainer]
 #: ``paravt.train.train_step``: one step; its metrics (global over ranks, on every rank).
-TrainStep = Callable[[Trainer, int], dict[str, float]]
+TrainStep = Callable[[Trainer, int], StepResult]
 
 
 class StopReason(enum.Enum):
@@ -256,18 +257,18 @@ def _run(
             break
         begin = (tr.source.data_state(step - 1), rng_state())
         try:
-            last = train_step(tr, step)
+            res = train_step(tr, step)
         except StepAbandoned:
             stop = StopReason.ABANDONED
             break
         except WorkerFailed as e:  # raised by collect: the policy is still step `done`'s
             stop, failure = StopReason.WORKER_LOST, e
             break
-        done = step
+        done, last = step, res.metrics
         pre.rest_s = last["time/step"] - last["time/rollout"]  # for should_abandon
         tr.logger.log(step, last)
         fired = alarms.update(step, last)
-        if (a := empty.update(step, last, tr.step_errors)) is not None:
+        if (a := empty.update(step, last, res.errors)) is not None:
             fired.append(a)
         for a in fired:
             tr.logger.log(step, a.row(), kind="alarm")

@@ -101,7 +101,7 @@ from paravt.rollout_source import LocalRollout, RolloutSource
 from paravt.run import RunResult, command
 from paravt.run import run as run_steps
 from paravt.sft import run_sft
-from paravt.step_stats import StepStats
+from paravt.step_stats import StepResult, StepStats
 from paravt.trainer import Trainer
 from paravt.types import PackedBatch, RolloutBatch
 from paravt.video import probe
@@ -371,9 +371,10 @@ def build_trainer(cfg: Config, ctx: DistContext, roles: AsyncRoles | None = None
 # ---------------------------------------------------------------------------------- step
 
 
-def train_step(tr: Trainer, step: int) -> dict[str, float]:
-    """One PARA-GRPO step, top to bottom; returns its metrics (global over ranks, on every
-    rank). Each phase's seconds are ``time/<phase>`` (``Trainer.phase``)."""
+def train_step(tr: Trainer, step: int) -> StepResult:
+    """One PARA-GRPO step, top to bottom; returns its metrics row (global over ranks, on every
+    rank) and every rank's skipped prompts' errors (``StepResult``). Each phase's seconds are
+    ``time/<phase>`` (``Trainer.phase``)."""
     cfg, ctx, algo = tr.cfg, tr.ctx, tr.cfg.algo
     tr.times = {}
     t_step = time.perf_counter()
@@ -461,8 +462,7 @@ def train_step(tr: Trainer, step: int) -> dict[str, float]:
                 trajectory_samples(batch.groups, cfg.train.log_trajectories,
                                    video_meta=tr.video_meta, store=tr.thumbs),
             )  # fmt: skip
-    tr.step_errors = done.errors  # (the run loop's empty-step alarm reads them there)
-    return done.metrics
+    return done
 
 
 def drop_unfit_prompts(batch: RolloutBatch) -> int:

@@ -77,9 +77,6 @@ class Trainer:
     start_step: int = 0
     thumbs: ThumbnailStore | None = None  # the viewer's overview thumbnails (rank 0)
     preempt: Preemption | None = None  # the run's signal handling (None: no mid-step check)
-    # The last step's skipped prompts' errors (every rank's): what the empty-step alarm and
-    # error quote when it trained on nothing (paravt.alarms.EmptySteps).
-    step_errors: list[str] = field(default_factory=list)
     # Seconds of each phase of the step in progress (``time/<phase>``; reset by each step).
     times: dict[str, float] = field(default_factory=dict)
     # The step the trainer's state is at (the last completed one): what ``state_dict``

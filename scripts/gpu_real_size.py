@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                     acts.append(torch.profiler.ProfilerActivity.CUDA)
                 prof = torch.profiler.profile(activities=acts)
                 prof.__enter__()
-            m = train.train_step(tr, step)
+            m = train.train_step(tr, step).metrics
             clock.enter(step, "end")
             if prof is not None:
                 prof.__exit__(None, None, None)

@@ -246,7 +246,7 @@ def test_two_tools_through_one_train_step(assets, tmp_path) -> None:
         return seen["done"]
 
     tr.runner.rollout = rollout
-    m = train_step(tr, 1)
+    m = train_step(tr, 1).metrics
     assert m["reward/zoom_calls"] == 1.0
     # One call of each tool per rollout; each logged call names its tool, and the viewer
     # labels (and colours) its window by it.

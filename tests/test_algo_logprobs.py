@@ -119,7 +119,7 @@ def step(assets, tmp_path_factory):
             mp.setattr(paravt_kernels, "linear_logprob", counting_lp)
             mp.setattr(paravt_kernels, "linear_policy_loss", counting_fused)
             mp.setattr(loss_mod, "minibatch_backward", capturing_backward)
-            metrics = train_step(tr, 1)
+            metrics = train_step(tr, 1).metrics
     finally:
         for h in hooks:
             h.remove()

@@ -124,7 +124,7 @@ def test_the_step_releases_the_cache_after_the_rollout_and_before_the_push(
     monkeypatch.setattr(
         train_mod, "update_policy", lambda *a, **k: events.append("update") or real_update(*a, **k)
     )
-    m = train_mod.train_step(tr, 1)
+    m = train_mod.train_step(tr, 1).metrics
     if on:
         assert events == ["collect", "release", "update", "release", "publish"]
     else:

@@ -54,7 +54,7 @@ WORKER = textwrap.dedent(
     real = {n: getattr(dist, n) for n in names}
     for n in names:
         setattr(dist, n, counted(n, real[n]))
-    m = train_step(tr, 1)
+    m = train_step(tr, 1).metrics
     for n in names:
         setattr(dist, n, real[n])
     if ctx.is_main:
