@@ -3,7 +3,7 @@
 checkpoint keeps of it (``Trainer.state_dict`` / ``load_state_dict``: ``TrainerState``, the
 one schema of ``trainer_state.pt``'s trainer keys).
 
-Read by ``paravt.train`` (the step and the run loop); saved and loaded by its
+Read by ``paravt.train`` (the step) and ``paravt.run`` (the run loop); saved and loaded by its
 ``paravt.checkpoint.Checkpointer`` (``states={"trainer": trainer}``).
 """
 

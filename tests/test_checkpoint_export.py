@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
+from namespaces import namespaced, run_in
 
 from paravt.checkpoint import EXPORT_INDEX, load_model_state, save_model_dir
 from paravt.checkpoint.export import part_files, write_export_meta, write_export_part
@@ -77,3 +79,50 @@ def test_a_rank_that_owns_no_entry_writes_no_file(tmp_path: Path) -> None:
     assert write_export_part(tmp_path, {}, split, 0) == {} and not list(tmp_path.iterdir())
     got = write_export_part(tmp_path, {"b": torch.ones(1)}, split, 3)
     assert list(got) == ["model-00002-of-00002.safetensors"]
+
+
+def test_a_full_disk_under_a_part_is_an_oserror_naming_the_file(tmp_path: Path) -> None:
+    """safetensors' writer reports a full disk as its own ``SafetensorError``; the part's write
+    turns it into the ``OSError`` a save's error path reports (``CheckpointSaveError``,
+    ``train.on_save_error``) instead of a bug. A real full file system: a 64 KiB tmpfs."""
+    if why := namespaced():
+        pytest.skip(why)
+    d = tmp_path / "full"
+    d.mkdir()
+    code = f"""
+        from pathlib import Path
+        import torch
+        from paravt.checkpoint.export import write_export_part
+        from paravt.distributed import ExportSplit
+        split = ExportSplit({{"a": 0}}, {{"a": 400_000}}, frozenset({{torch.float32}}))
+        try:
+            write_export_part(Path({str(d)!r}), {{"a": torch.ones(100_000)}}, split, 0)
+        except OSError as e:
+            print("ERR", e.errno, e.filename)
+        """
+    r = run_in(f"mount -t tmpfs -o size=64k tmpfs {d}", code)
+    assert r.returncode == 0, r.stderr
+    assert f"ERR 28 {d / 'model-00001-of-00001.safetensors'}" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_failed_export_part_is_every_rank_s_outcome(tmp_path: Path) -> None:
+    """``write_shards``' ``then`` (a rank's export part): its ``OSError`` is the save's failed
+    write, a bug raises after the gather (on every rank: none is left waiting in it)."""
+    from paravt.checkpoint.sharded import write_shards
+    from paravt.distributed import DistContext
+
+    state = {"w": torch.ones(4)}
+
+    def full() -> dict:
+        raise OSError(28, "No space left on device", str(tmp_path / "part"))
+
+    bad, _ = write_shards(tmp_path / "a", state, DistContext(), then=full)
+    assert bad == (28, "No space left on device", str(tmp_path / "part"))
+    bad, got = write_shards(tmp_path / "b", state, DistContext(), then=lambda: {"x": [1, "d"]})
+    assert bad is None and got["x"] == [1, "d"]
+
+    def bug() -> dict:
+        raise ValueError("a bug")
+
+    with pytest.raises(RuntimeError, match=r"rank 0 failed: ValueError: a bug"):
+        write_shards(tmp_path / "c", state, DistContext(), then=bug)

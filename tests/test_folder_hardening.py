@@ -20,14 +20,13 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from namespaces import namespaced, run_in
 
 from paravt.files import FolderBusy, FolderClaim, FolderError, claim_folder, writes_as_rank0
 
@@ -88,35 +87,8 @@ def test_a_lock_record_that_hits_a_full_disk_is_one_line_and_leaves_no_lock(
         pass
 
 
-def _namespaced() -> str:
-    """Why a user + mount namespace cannot be made here ("" when it can)."""
-    if not shutil.which("unshare"):
-        return "no unshare(1) on this machine"
-    r = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=16k tmpfs /tmp"],
-        capture_output=True,
-        text=True,
-    )
-    return "" if r.returncode == 0 else f"unshare -rm cannot mount here: {r.stderr.strip()}"
-
-
-def _run(setup: str, code: str) -> subprocess.CompletedProcess:
-    """``code`` (Python) in a process of its own; after ``setup`` (sh: mounts) in a namespace of
-    its own when given (``unshare -rm``)."""
-    code = textwrap.dedent(code)
-    argv = [sys.executable, "-c", code]
-    if setup:
-        argv = ["unshare", "-rm", "sh", "-c", f"{setup} && exec {sys.executable} -c {_sq(code)}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-
-
-def _sq(s: str) -> str:
-    return "'" + s.replace("'", "'\\''") + "'"
-
-
 def test_a_really_full_file_system_is_one_line_and_leaves_no_lock(tmp_path: Path) -> None:
-    if why := _namespaced():
+    if why := namespaced():
         pytest.skip(why)
     d = tmp_path / "full"
     d.mkdir()
@@ -138,7 +110,7 @@ def test_a_really_full_file_system_is_one_line_and_leaves_no_lock(tmp_path: Path
             print("ERR", e)
         print("LEFT", sorted(os.listdir(out)))
         """
-    r = _run(f"mount -t tmpfs -o size=16k tmpfs {d}", code)
+    r = run_in(f"mount -t tmpfs -o size=16k tmpfs {d}", code)
     assert r.returncode == 0, r.stderr
     err = next(line for line in r.stdout.splitlines() if line.startswith("ERR"))
     assert f"{d / 'out'}: no space left on its file system" in err, r.stdout
@@ -222,7 +194,7 @@ def _read_only(tmp_path: Path) -> tuple[Path, str]:
     if os.geteuid() != 0:
         d.chmod(0o555)
         return d, ""
-    if why := _namespaced():
+    if why := namespaced():
         pytest.skip(f"running as root, where chmod blocks nothing, and {why}")
     return d, f"mount --bind {d} {d} && mount -o remount,bind,ro {d}"
 
@@ -238,7 +210,7 @@ def test_a_read_only_output_folder_is_one_line(tmp_path: Path) -> None:
             except FolderError as e:
                 print("ERR", e)
         """
-    r = _run(setup, code)
+    r = run_in(setup, code)
     assert r.returncode == 0, r.stderr
     errs = [line for line in r.stdout.splitlines() if line.startswith("ERR")]
     assert len(errs) == 2, r.stdout
@@ -261,7 +233,7 @@ def test_view_of_a_read_only_run_folder_is_one_line(tmp_path: Path) -> None:
         from paravt.view import main
         sys.exit(main([{str(d)!r}]))
         """
-    r = _run(setup, code)
+    r = run_in(setup, code)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert f"{d / 'view'}" in r.stderr and "--out DIR" in r.stderr
@@ -277,7 +249,7 @@ def test_an_experiment_driver_on_a_read_only_out_is_one_line(tmp_path: Path) -> 
         sys.exit(main(["ablation", "--seeds", "1", "--arms", "vanilla", "--out",
                        {str(d / "abl")!r}]))
         """
-    r = _run(setup, code)
+    r = run_in(setup, code)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
     assert f"error: {d}" in r.stderr and "is not writable" in r.stderr, r.stderr

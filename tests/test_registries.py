@@ -5,17 +5,31 @@ names engines or benchmarks reads the entry, not a spelled-out name."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from paravt.config import ConfigError, load_config
-from paravt.engines import ENGINES, EngineSpec, engine_missing, make_engine
+from paravt.engines import ENGINES, Engine, EngineSpec, engine_missing, make_engine
 from paravt.eval.__main__ import parse_args
 from paravt.eval.benchmarks import BENCHMARK_SPECS, Benchmark, benchmark_headline, load_benchmark
 from paravt.eval.runner import settings_metric
 from paravt.eval.scoring import summarize
 from paravt.models.tiny import tiny_checkpoint_args
 from paravt.types import Sample
+
+
+class ShowArgs(Engine):
+    """An engine factory that keeps its arguments (``make_engine(cfg, bundle)``)."""
+
+    def __init__(self, cfg: Any, bundle: Any) -> None:
+        self.start, self.stop = cfg, bundle
+
+    def generate(self, requests: list[Any]) -> list[Any]:
+        return []
+
+    def sync_weights(self, model: Any) -> None:
+        return None
 
 
 def test_a_registered_engine_is_accepted_everywhere_the_names_are_read(monkeypatch) -> None:
@@ -34,11 +48,19 @@ def test_a_registered_engine_is_accepted_everywhere_the_names_are_read(monkeypat
     assert parse_args(["--benchmark", "synth", "--engine", "fake"]).engine == "fake"
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):  # its availability check
         engine_missing("fake")
-    # A factory that shows its arguments: slice(cfg, bundle).
-    monkeypatch.setitem(ENGINES, "fake", EngineSpec("fake", "builtins:slice", "Fake"))
+    # A factory that shows its arguments (an Engine: sleep / close inherited).
+    monkeypatch.setitem(ENGINES, "fake", EngineSpec("fake", "test_registries:ShowArgs", "Fake"))
     assert engine_missing("fake") is None
     built = make_engine(cfg, "bundle")
     assert (built.start, built.stop) == (cfg, "bundle")
+    built.sleep()
+    built.close()
+    # One that builds something else (no sleep / close, which the callers call directly) is
+    # refused where it is built, naming what it lacks.
+    monkeypatch.setitem(ENGINES, "fake", EngineSpec("fake", "builtins:slice", "Fake"))
+    with pytest.raises(TypeError, match=r"built a slice, which has no generate, sync_weights, "
+                       r"sleep, close; subclass paravt.engines.engine.Engine"):  # fmt: skip
+        make_engine(cfg, "bundle")
     with pytest.raises(ConfigError, match=r"is not one of hf\|vllm\|fake"):
         load_config(overrides=["rollout.engine=other"])
 

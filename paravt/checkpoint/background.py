@@ -4,7 +4,8 @@ this rank's shards into fresh CPU tensors (``_CopyStager``: one copy, a GPU shar
 one's; the update after the save does not reach it, checked bitwise by
 ``tests/test_checkpoint_async.py``) and writes them from a thread, coordinating over a gloo
 process group of its own (``_save_group``) while the training step's collectives use the
-default one; rank 0 writes the export from a second thread (``start_background``). The call
+default one; each rank writes its part of the export from a second thread (one rank: the
+whole export; ``start_background``). The call
 returns after the copy, and the ``Checkpointer`` holds the ``AsyncSave`` until it commits it
 (``Checkpointer.finish``): at the end of the first step by which every rank's write is done
 (each rank adds ``AsyncSave.written`` to the step's one all-reduce, the ``save_written`` sum
@@ -45,7 +46,7 @@ class AsyncSave:
 
     job: SaveJob
     shards: Future[Any]
-    export: Future[Any] | None  # rank 0's HF export (None elsewhere)
+    export: Future[Any] | None  # this rank's export part (one rank: the whole export)
     started: float  # time.perf_counter() at the start
 
     def written(self) -> bool:

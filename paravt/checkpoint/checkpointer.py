@@ -1,7 +1,7 @@
 """The trainer's checkpoints: ``Checkpointer`` (built once by ``paravt.train.build_trainer``
 from the policy, its optimizer and ``states={"trainer": trainer}``), in torchtitan's
 contract: it saves and loads the model and optimizer itself (``sharded``: each rank its
-shards; rank 0 the HF export, ``export``) and every entry of ``states`` (anything with
+shards; the HF export, ``export``: rank 0's, or each rank's part under several) and every entry of ``states`` (anything with
 ``state_dict`` / ``load_state_dict``: the trainer's small state) through
 ``trainer_state.pt`` (``small``). It never sees a trainer: it holds the background save in
 flight itself (``pending``) and returns what it measured (``Saved.times``) instead of writing
@@ -128,12 +128,12 @@ class Checkpointer:
 
     def save(self, step: int, *, background: bool | None = None) -> Saved:
         """Checkpoint step ``step``, on every rank: each rank writes its own shards of the
-        masters (under mixed precision) and of the optimizer state (``save_sharded``), rank 0
-        the HF export (the compute-dtype weights, gathered one tensor at a time) and
-        ``trainer_state.pt`` (``{"step": step}``, the layout's flags and each state's
+        masters (under mixed precision) and of the optimizer state (``save_sharded``) and its
+        part of the HF export (the compute-dtype weights, gathered one tensor at a time onto
+        their owner rank; one rank: all of it), rank 0 ``trainer_state.pt`` (``{"step": step}``, the layout's flags and each state's
         ``state_dict``).
 
-        ``background`` (None: ``train.async_save``): write the shards (and rank 0 the export)
+        ``background`` (None: ``train.async_save``): write the shards and the export parts
         in background threads and return once the state is copied (``pending``); ``finish``
         commits it, and runs first here for a save still in flight (one at a time): its
         ``times`` are this call's."""
@@ -228,12 +228,12 @@ class Checkpointer:
 
     def finish(self) -> Saved | None:
         """Wait for the background write (``save(background=True)``) and commit it, on every
-        rank: once every rank's shards and rank 0's export are written, rank 0 writes
+        rank: once every rank's shards and export part are written, rank 0 writes
         ``trainer_state.pt`` and renames the folder into place (``latest``, ``keep_last``), as
         a synchronous save does. None when no save is in flight.
 
-        Called by the next ``save``, and by ``paravt.train`` at a step's end (every rank's
-        write done) and before the run ends or stops (preemption, a lost rollout worker). A
+        Called by the next ``save``, by ``paravt.train.train_step`` at a step's end (every
+        rank's write done) and by ``paravt.run`` before the run ends or stops (preemption, a lost rollout worker). A
         write that failed on any rank fails on every rank, naming the step:
         ``CheckpointSaveError`` (disk full, I/O: ``train.on_save_error`` decides, as for a
         synchronous save; ``ok`` False under ``continue``) or a ``RuntimeError`` (anything

@@ -13,10 +13,13 @@ pass). Rank 0 no longer gathers and writes the whole model while the other ranks
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -50,16 +53,36 @@ def save_model_dir(
     state_dict = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
     if hasattr(model, "save_pretrained"):
         hf: Any = model  # a transformers model (``save_pretrained``)
-        hf.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        with os_errors(out):
+            hf.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         _set_config_dtype(out / "config.json", {v.dtype for v in state_dict.values()})
     else:
         from safetensors.torch import save_file
 
-        save_file(state_dict, str(out / "model.safetensors"))
+        with os_errors(out / "model.safetensors"):
+            save_file(state_dict, str(out / "model.safetensors"))
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     _fsync_files(out)
     return out
+
+
+@contextlib.contextmanager
+def os_errors(path: Path) -> Iterator[None]:
+    """safetensors' writer (Rust) reports a failed write (a full disk, an I/O error) as a
+    ``SafetensorError`` ("... (os error 28)"), not an ``OSError``: turned into the
+    ``OSError`` (its errno, ``path``) that a save's error path reports (``CheckpointSaveError``,
+    ``train.on_save_error``) instead of treating it as a bug."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as e:
+        m = re.search(r"os error (\d+)", str(e))
+        if m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 def _copy_source_files(out: Path, source_dir: str | Path | None) -> None:
@@ -103,7 +126,8 @@ def write_export_part(
         return {}
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous() for k, v in part.items()}
-    save_file(tensors, str(out / name), metadata={"format": "pt"})
+    with os_errors(out / name):
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
     _fsync_files(out, [name])
     return digests(out, [name])
 

@@ -4,8 +4,10 @@ save's error (every path of the package reads them).
 One directory per saved step, under ``<out_dir>/checkpoints``::
 
     step_000004/
-      config.json, model.safetensors, tokenizer files ...   <- the exported model, written by
-                                                              rank 0 (``export``): what eval,
+      config.json, model.safetensors, tokenizer files ...   <- the exported model (``export``):
+                                                              rank 0's model.safetensors, or
+                                                              under several ranks a file per
+                                                              rank and the index; what eval,
                                                               vLLM and --resume's model load read
       trainer_state.pt                                      <- rank 0, small (``small``):
                                                               "step", the trainer's

@@ -88,25 +88,35 @@ def write_shards(
     then runs ``then`` (its other files' write, returning their digests: its part of a spread
     HF export); the first failed rank's ``(errno, strerror, filename)``, the same on every
     rank, or None when every write succeeded, and every rank's digests (one gather). A failure
-    that is not the file system's (a bug) raises, on every rank alike (DCP's).
+    that is not the file system's (a bug) raises, on every rank alike (DCP's; ``then``'s after
+    the gather, so that no rank waits in it for the one that failed).
     ``Checkpointer.save``'s and ``save_sft_state``'s shard write."""
     from torch.distributed.checkpoint import CheckpointException
 
     err: OSError | None = None
+    bug = ""
     digests: dict[str, Any] = {}
     try:
         save_sharded(path, sharded)
         digests = shard_digests(path, ctx.rank)
-        if then is not None:
-            digests.update(then())
     except (OSError, CheckpointException) as e:
         err = dcp_failure(e)
         if err is None:
             raise
+    if then is not None and err is None:
+        try:
+            digests.update(then())
+        except OSError as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 - a bug: raised on every rank after the gather
+            bug = f"{type(e).__name__}: {e}"
     mine = None if err is None else (err.errno, err.strerror, err.filename)
-    got = all_gather_objects((mine, digests), ctx)
-    return next((x for x, _ in got if x is not None), None), {
-        k: v for _, d in got for k, v in d.items()
+    got = all_gather_objects((mine, digests, bug), ctx)
+    bugs = [(r, b) for r, (_, _, b) in enumerate(got) if b]
+    if bugs:  # (no rank is left waiting in a collective for the rank that failed)
+        raise RuntimeError(f"checkpoint write of {path}: rank {bugs[0][0]} failed: {bugs[0][1]}")
+    return next((x for x, _, _ in got if x is not None), None), {
+        k: v for _, d, _ in got for k, v in d.items()
     }
 
 

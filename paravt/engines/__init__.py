@@ -136,4 +136,13 @@ def make_engine(cfg: Any, bundle: Any) -> Engine:
     why = engine_missing(spec.name)
     if why:
         raise SystemExit(why)
-    return factory(cfg, bundle)
+    engine = factory(cfg, bundle)
+    if not isinstance(engine, Engine):  # the callers call sleep / close directly
+        lacks = [m for m in ("generate", "sync_weights", "sleep", "close")
+                 if not callable(getattr(engine, m, None))]  # fmt: skip
+        raise TypeError(
+            f"rollout.engine={spec.name!r}: {spec.factory} built a {type(engine).__qualname__}, "
+            f"which has no {', '.join(lacks)}; subclass paravt.engines.engine.Engine (its "
+            "sleep and close do nothing) or define them"
+        )
+    return engine

@@ -90,7 +90,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Roll out the validation prompts ``samples`` under each ``train.eval_conditions`` entry
     (``eval_samples`` each, rollout temperature, one fixed seed for every condition) and score
-    them: the before/after numbers of the final table (``paravt.train``'s ``_evaluate``: the
+    them: the before/after numbers of the final table (``paravt.run``'s ``_evaluate``: the
     run's config, distributed context, policy, agent runner and ``val_samples``). Every rank
     takes its share of ``samples``; ``runner`` (over an engine that holds ``policy``'s
     weights) rolls them out: None only where there is nothing to evaluate.
@@ -128,9 +128,9 @@ def evaluate(
                 greedy_rollout = dict(temperature=0.0, sub_temperature=0.0, top_p=1.0)
                 c = replace(c, rollout=replace(c.rollout, **greedy_rollout))
             runner = AgentRunner(runner.engine, runner.bundle, c, planner=runner.planner)
-        samples = 1 if greedy else cfg.train.eval_samples
+        group_size = 1 if greedy else cfg.train.eval_samples
         groups = runner.rollout(
-            mine, [k] * len(mine), group_size=samples, seed=stable_seed("eval", seed)
+            mine, [k] * len(mine), group_size=group_size, seed=stable_seed("eval", seed)
         ).groups
         score_groups(groups, cfg.reward)
         dt, t0 = time.perf_counter() - t0, time.perf_counter()

@@ -65,7 +65,7 @@ its node lost) closes its sockets and the thread's receive fails at once, and a 
 rollout raises sends its traceback. The failure is raised by ``collect`` only, on every trainer
 rank (rank 0 posts it on the rendezvous store where the others wait), as ``WorkerFailed``
 naming the worker's rank: the policy is then exactly the last completed step's, which the
-training loop checkpoints before it stops (``paravt.train``). A failure noticed while pushing
+training loop checkpoints before it stops (``paravt.run``). A failure noticed while pushing
 weights (the step's update is done; a background push's error is noticed when the next
 ``publish`` or ``close`` waits for it) skips the rest of the push and is raised by the next
 ``collect``, so that step is logged and saved too. A worker whose received or loaded weights
