@@ -75,7 +75,7 @@ WORKER = textwrap.dedent(
     whole = gathered_state_dict(model, ctx, torch.bfloat16)
     mine, split = spread_state_dict(model, ctx, torch.bfloat16)
     owners = split.owners
-    assert split.nbytes == {k: v.numel() * 2 for k, v in sd.items()}, split.nbytes
+    assert split.nbytes == {n: p.numel() * 2 for n, p in model.named_parameters()}, split.nbytes
     parts = all_gather_objects(mine, ctx)
     assert list(owners.values()) == sorted(owners.values()), owners
     assert all(owners[k] == r for r, part in enumerate(parts) for k in part), owners
