@@ -149,7 +149,7 @@ def test_a_stamp_from_before_sft_save_every_left_it_still_matches(tmp_path, caps
     """Stamps written while ``sft_stamp`` still recorded ``sft.save_every`` (how often the
     SFT's state is saved, not what it trains) match today's; any other difference refuses."""
     from paravt.config import ConfigError, load_config
-    from paravt.experiments.arms import reused_checkpoint, sft_stamp
+    from paravt.experiments.arms import code_stamp, reused_checkpoint, sft_stamp
 
     dst = tmp_path / "sft"
     dst.mkdir()
@@ -157,8 +157,70 @@ def test_a_stamp_from_before_sft_save_every_left_it_still_matches(tmp_path, caps
     made = {"sft": sft_stamp(load_config("tiny_cpu").sft), "seed": 0}
     assert "save_every" not in made["sft"]
     stamp = tmp_path / "sft_params.json"
-    stamp.write_text(json.dumps({**made, "sft": {**made["sft"], "save_every": 500}}))
+    code = {"code": code_stamp()}
+    stamp.write_text(json.dumps({**made, **code, "sft": {**made["sft"], "save_every": 500}}))
     assert reused_checkpoint(dst, "t", stamp, made) is True
-    stamp.write_text(json.dumps({**made, "sft": {**made["sft"], "steps": 1}}))
-    with pytest.raises(ConfigError, match="other cold-start settings"):
+    stamp.write_text(json.dumps({**made, **code, "sft": {**made["sft"], "steps": 1}}))
+    with pytest.raises(ConfigError, match=r"other cold-start settings or code .*sft.steps: 1 ->"):
         reused_checkpoint(dst, "t", stamp, made)
+
+
+def test_a_cold_start_made_by_other_code_is_not_reused(tmp_path) -> None:
+    """Issue 62 item 1: the reuse stamp records the code that trained the checkpoint (a hash
+    of the package's files) beside its settings; a checkpoint made by other code, or with a
+    stamp from before the code was recorded, is refused naming the code; where the code came
+    from (``made_by``: commit, edited tree, versions) is recorded and never compared."""
+    import shutil
+
+    from paravt.config import ConfigError, load_config
+    from paravt.experiments import arms
+    from paravt.experiments.arms import code_stamp, reused_checkpoint, sft_stamp
+
+    # The hash covers every .py/.json file of the package, by path and bytes, and nothing else.
+    pkg = tmp_path / "pkg"
+    shutil.copytree(Path(arms.__file__).parents[1], pkg, ignore=shutil.ignore_patterns("*.so"))
+    first = code_stamp(pkg)["paravt"]
+    assert first == code_stamp(Path(arms.__file__).parents[1])["paravt"]  # the same files
+    (pkg / "__pycache__").mkdir(exist_ok=True)
+    (pkg / "__pycache__" / "x.json").write_text("{}")
+    (pkg / "notes.txt").write_text("not code")
+    assert code_stamp.__wrapped__(pkg)["paravt"] == first
+    sft = pkg / "sft.py"
+    sft.write_text(sft.read_text() + "\n# an edit\n")
+    edited = code_stamp.__wrapped__(pkg)["paravt"]
+    assert edited != first
+    (pkg / "models" / "arch" / "qwen3vl_2b.json").write_text("{}")
+    assert code_stamp.__wrapped__(pkg)["paravt"] not in (first, edited)
+
+    dst = tmp_path / "sft"
+    dst.mkdir()
+    (dst / "config.json").write_text("{}")
+    made = {"sft": sft_stamp(load_config("tiny_cpu").sft), "seed": 0}
+    stamp = tmp_path / "sft_params.json"
+    mine = {**made, "code": code_stamp(), "made_by": {"commit": "x", "paravt_edited": True}}
+    stamp.write_text(json.dumps(mine))
+    assert reused_checkpoint(dst, "t", stamp, made) is True  # made_by is not compared
+    stamp.write_text(json.dumps({**made, "code": {"paravt": edited}}))
+    with pytest.raises(ConfigError, match=f"code.paravt: {edited} -> {code_stamp()['paravt']}"):
+        reused_checkpoint(dst, "t", stamp, made)
+    stamp.write_text(json.dumps(made))  # written before the code was recorded
+    with pytest.raises(ConfigError, match=r"code.paravt: \(absent\) ->"):
+        reused_checkpoint(dst, "t", stamp, made)
+
+
+def test_an_arm_run_made_by_other_code_is_redone(tmp_path) -> None:
+    """The arm runs' and the cold-start evaluation's stamp (``run_stamp``) carries the code
+    too: a finished run made by other code is not kept."""
+    from paravt.config import load_config
+    from paravt.experiments.arms import code_stamp, kept_run, run_stamp, write_stamp
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "eval_after", "step": 1}) + "\n")
+    stamp = run_stamp(load_config("tiny_cpu"), eval_every=5)
+    assert stamp["code"] == code_stamp()
+    write_stamp(run, stamp)
+    assert kept_run(run, stamp)[0]
+    write_stamp(run, {**stamp, "code": {"paravt": "0" * 64}})
+    keep, why = kept_run(run, stamp)
+    assert not keep and f"code.paravt: {'0' * 64} -> {code_stamp()['paravt']}" in why

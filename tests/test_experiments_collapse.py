@@ -209,7 +209,13 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     # vanilla_ref (the reference's vanilla, no pinned <think>) stands for the ungated arms.
     args = ["collapse", "--arms", "vanilla_ref,paragrpo", "--seeds", "1", "--first-seed", "7"]
     args += _args(spot_task, assets, out)
-    assert main(args) == 0
+    # --cold-only (protocol 5's tuning): the cold start and its evaluation, no arm run.
+    assert main([*args, "--cold-only"]) == 0
+    printed = capsys.readouterr().out
+    assert "## Regime cold start" in printed and "| P3 call rate, needing prompts |" in printed
+    assert (out / "cold" / "seed7" / "sft_eval" / "heldout.jsonl").is_file()
+    assert not (out / "collapse.json").exists() and not (out / "paragrpo").exists()
+    assert main(args) == 0  # reuses that cold start and its evaluation
     printed = capsys.readouterr().out
     assert "| vanilla_ref |" in printed and "| paragrpo |" in printed
     res = json.loads((out / "collapse.json").read_text())
@@ -270,6 +276,11 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     stage2 = json.loads((cold / "sft_params.json").read_text())
     assert stage2["model_path"] == str(cold / "base_sft") and stage2["sft"]["steps"] == 2
     assert (cold / "sft" / "config.json").is_file() and stage2["seed"] == 7
+    # Both stamps hold the code that trained them (compared on reuse) and where it came from.
+    from paravt.experiments.arms import code_stamp
+
+    assert stage2["code"] == base_params["code"] == code_stamp()
+    assert set(stage2["made_by"]) == {"commit", "paravt_edited", "torch", "transformers"}
     # Stage 2's data by default: a share u = 0.75 of the tool turns leaves <think> open, and a
     # quarter of the records are stage 1's direct answers (replayed).
     assert stage2["replay"] == 0.25 and stage2["unclosed_think"] == 0.75
@@ -284,6 +295,16 @@ def test_collapse_runs_the_arms_from_one_cold_start_and_resumes(
     assert set(res["same_k_start"]) == {"2", "4"} and len(res["bars"]) == 8
     assert res["task"] == "spot_late" and "Every arm at the same K = 4" in printed
     assert res["decoy_share"] is None  # q: spot_decoy's only
+    # Protocol 5's paired reading of the same folder: the same per-seed values.
+    assert main(["paired", f"L={out}", "--k", "4", "--json", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    rep = json.loads((tmp_path / "p.json").read_text())["regimes"]["L"]
+    start = res["same_k_start_seeds"][0]["same_k"]["4"]
+    assert rep["cold"]["7"]["tool_rate_need"] == start["tool_rate_need"]
+    assert (
+        rep["arms"]["paragrpo"]["7"]["acc_need"]
+        == (res["arms"]["paragrpo"]["seeds"][0]["same_k"]["4"]["acc_need"])
+    )
     # The phase diagram (item 7) reads this folder as one (u, q) cell: the same numbers.
     assert main(["phase", str(out), "--out", str(tmp_path / "phase")]) == 0
     assert "| u | q | seeds |" in capsys.readouterr().out

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -130,28 +132,88 @@ def sft_stamp(sft: Any) -> dict[str, Any]:
     return out
 
 
+@functools.cache
+def code_stamp(root: Path | None = None) -> dict[str, str]:
+    """The code a cold start or an arm run is made by, for their stamps: ``{"paravt": SHA-256
+    over the relative path and bytes of every ``.py`` and ``.json`` file of the package}``
+    (``paravt/models/arch/*.json`` shape the tiny model; ``root``: another copy of the
+    package, for tests). Computed once per process, at its
+    first stamp: the code it runs, not what an edit under a running driver makes of the tree.
+
+    An edit anywhere in the package changes it, so a rerun after one retrains (or, for a
+    cold start, refuses to reuse) rather than mixing two codes' results into one experiment:
+    protocol 4's seed 600 cold start was reused from a run made from a tree being edited,
+    and its stamp compared settings only (issue 62)."""
+    root = Path(__file__).resolve().parents[1] if root is None else root
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.suffix in (".py", ".json") and "__pycache__" not in f.parts and f.is_file():
+            h.update(f.relative_to(root).as_posix().encode() + b"\0")
+            h.update(f.read_bytes() + b"\0")
+    return {"paravt": h.hexdigest()}
+
+
+def made_by() -> dict[str, Any]:
+    """Where a cold start's code came from, recorded beside its stamp for the reader and
+    never compared (:func:`code_stamp` is): the checkout's commit and whether its tree
+    differed from it, and the torch and transformers versions."""
+    import torch
+    import transformers
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            r = subprocess.run(
+                ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--untracked-files=no", "--", "paravt")
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "paravt_edited": None if status is None else bool(status),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+#: The key of a cold start's stamp that records where its code came from (never compared).
+MADE_BY = "made_by"
+
+
 def reused_checkpoint(
     dst: Path, tag: str, stamp: Path | None = None, made: dict[str, Any] | None = None
 ) -> bool:
     """Whether ``dst`` already holds the experiment's SFT checkpoint (a rerun reuses it).
 
-    With ``stamp``: the settings ``made`` it was trained with are recorded there
-    (:func:`train_checkpoint`); a checkpoint made with other settings raises ``ConfigError``
-    rather than being mixed into a new experiment."""
+    With ``stamp``: the settings ``made`` it was trained with and the code that trained it
+    (:func:`code_stamp`) are recorded there (:func:`train_checkpoint`); a checkpoint made with
+    other settings or by other code (a stamp from before the code was recorded included)
+    raises ``ConfigError`` naming what differs, rather than being mixed into a new
+    experiment."""
     if not (dst / "config.json").is_file():
         return False
     unchecked = ""
     if stamp is not None:
         old = json.loads(stamp.read_text()) if stamp.is_file() else None
-        if old is not None and isinstance(old.get("sft"), dict):
-            old["sft"].pop("save_every", None)  # stamps written before sft_stamp dropped it
-        if old is not None and old != json.loads(json.dumps(made)):
-            raise ConfigError(
-                f"{dst} was trained with other cold-start settings ({stamp}: {old}); use "
-                f"another --out or delete {dst} to train the new one"
-            )
-        if old is None:
-            unchecked = f" (no {stamp.name}: its settings are unchecked)"
+        if old is not None:
+            old.pop(MADE_BY, None)
+            if isinstance(old.get("sft"), dict):
+                old["sft"].pop("save_every", None)  # stamps written before sft_stamp dropped it
+            want = json.loads(json.dumps({**(made or {}), "code": code_stamp()}))
+            if diff := stamp_diff(old, want):
+                shown = "; ".join(diff[:6]) + (
+                    f"; ... {len(diff) - 6} more" if len(diff) > 6 else ""
+                )
+                raise ConfigError(
+                    f"{dst} was trained with other cold-start settings or code ({stamp} "
+                    f"differs: {shown}); use another --out or delete {dst} to train the new one"
+                )
+        else:
+            unchecked = f" (no {stamp.name}: its settings and code are unchecked)"
     log.info(f"[{tag}] SFT checkpoint {dst} exists: reused{unchecked}")
     return True
 
@@ -169,13 +231,15 @@ def train_checkpoint(
     """``paravt.sft.run_sft`` of ``cfg`` into ``dst``, one line of its loss printed as
     ``[tag] what: nll/token ...``; ``dirs``: the (data, model) directories when the caller
     prepared them already (else ``paravt.assets.prepare_assets``). ``made`` is recorded in
-    ``stamp`` once the checkpoint is written (:func:`reused_checkpoint` reads it)."""
+    ``stamp`` once the checkpoint is written, with the code that made it (:func:`code_stamp`,
+    compared by :func:`reused_checkpoint`) and :func:`made_by` (recorded, never compared)."""
 
     ctx = DistContext()
     data_dir, model_dir = dirs if dirs is not None else prepare_assets(cfg, ctx)
     res = run_sft(cfg, model_dir=model_dir, data_dir=data_dir, out_dir=dst, ctx=ctx)
     if stamp is not None:
-        write_atomic(stamp, json.dumps(made, indent=1) + "\n")
+        rec = {**(made or {}), "code": code_stamp(), MADE_BY: made_by()}
+        write_atomic(stamp, json.dumps(rec, indent=1) + "\n")
     log.info(
         f"[{tag}] {what}: nll/token {res['sft/loss_first']:.3f} -> {res['sft/loss_last']:.3f} "
         f"({res['sft/seconds']:.0f} s) -> {dst}"
@@ -189,11 +253,14 @@ STAMP = "stamp.json"
 
 
 def run_stamp(cfg: Config, **extra: Any) -> dict[str, Any]:
-    """What makes an arm run what it is: its resolved config (every key, RL settings included)
-    and the driver's own settings that shape its rows (``extra``, e.g. ``eval_every``), as
-    JSON values. The drivers write it into the run folder before starting the run and keep a
-    finished run on a rerun only when it matches (:func:`kept_run`)."""
-    return json.loads(json.dumps({"config": dataclasses.asdict(cfg), **extra}))
+    """What makes an arm run what it is: its resolved config (every key, RL settings included),
+    the code that runs it (:func:`code_stamp`) and the driver's own settings that shape its
+    rows (``extra``, e.g. ``eval_every``), as JSON values. The drivers write it into the run
+    folder before starting the run and keep a finished run on a rerun only when it matches
+    (:func:`kept_run`): a run made by other code is redone (the earlier one set aside), as a
+    cold start evaluated by it is."""
+    made = {"config": dataclasses.asdict(cfg), "code": code_stamp(), **extra}
+    return json.loads(json.dumps(made))
 
 
 def write_stamp(run_dir: Path, stamp: dict[str, Any]) -> None:
@@ -520,7 +587,8 @@ def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -
     """The exit of ``python -m paravt.experiments NAME``: run ``body`` (parse, run the arms,
     aggregate: returns the result with its ``table``) and map its failures to exit codes: a
     bad configuration 2, a forwarded SIGTERM/SIGINT/SIGUSR1 128 + the signal, another
-    failure 1; on success print the table and the files written under ``out``."""
+    failure 1; on success print the table and the files written under ``out`` (none when the
+    result is None)."""
 
     try:
         res = body()
@@ -534,7 +602,8 @@ def run_driver(name: str, body: Callable[[], dict[str, Any]], out: str | Path) -
         log.error(f"error: {e}")
         return 1
     print(res["table"])  # the command's result (stdout)
-    log.info(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
+    if res.get("result") is not None:  # None: nothing aggregated (collapse --cold-only)
+        log.info(f"[{name}] {out}/{name}.md, {name}.json, {name}.png")
     return 0
 
 

@@ -7,6 +7,7 @@
     python -m paravt.experiments tool-path --data TASK EVAL_DIR [...]   (where answers come from)
     python -m paravt.experiments tools-pay RUN_DIR [...] [--k 4]   (greedy, with vs without tools)
     python -m paravt.experiments rl-learns RUN_DIR [...]   (before vs after RL, by need, over seeds)
+    python -m paravt.experiments paired L=DIR M=DIR [--k 32]   (collapse protocol 5, by seed)
 
 ``ablation``: ``paravt.experiments.ablation``; ``collapse``: ``paravt.experiments.collapse``;
 both run their arms with ``paravt.experiments.arms.run_arms``.
@@ -24,6 +25,7 @@ from paravt.experiments import ablation as ablation_module
 from paravt.experiments.ablation import ablation
 from paravt.experiments.arms import ABLATION_ARMS, ARMS, parse_arms, run_driver
 from paravt.experiments.collapse import main as collapse_main
+from paravt.experiments.paired import main as paired_main
 from paravt.experiments.phase import main as phase_main
 from paravt.experiments.rl_learns import main as rl_learns_main
 from paravt.experiments.tool_path import main as tool_path_main
@@ -44,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return tools_pay_main(argv[1:])
     if argv[:1] == ["rl-learns"]:  # paravt/experiments/rl_learns.py
         return rl_learns_main(argv[1:])
+    if argv[:1] == ["paired"]:  # paravt/experiments/paired.py
+        return paired_main(argv[1:])
     raw = argparse.RawDescriptionHelpFormatter
     p = ConfigHelpParser(prog="python -m paravt.experiments", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -74,6 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rl-learns",
         help="before vs after RL by need over finished runs, judged by issue 60's bars (see "
         "python -m paravt.experiments rl-learns -h)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "paired",
+        help="collapse protocol 5: regimes x arms paired by seed, from finished collapse "
+        "folders (see python -m paravt.experiments paired -h)",
         add_help=False,
     )
     a = sub.add_parser(

@@ -93,7 +93,9 @@ from paravt.experiments.arms import (
     train_checkpoint,
     write_stamp,
 )
-from paravt.experiments.report import RunInfo, format_markdown, plot, summarise
+from paravt.experiments.paired import markdown as paired_markdown
+from paravt.experiments.paired import paired_report
+from paravt.experiments.report import BAR_K, RunInfo, format_markdown, plot, summarise
 from paravt.files import write_atomic
 from paravt.log import get_logger
 from paravt.metrics import json_safe, read_metrics
@@ -251,10 +253,14 @@ def collapse(
     unclosed_think: float = 0.0,
     base: Config | None = None,
     replay: float = 0.0,
+    cold_only: bool = False,
 ) -> dict[str, Any]:
     """Run the experiment (module docstring); returns ``{"result", "table"}``. ``base_args``:
     the ``--preset``/``--config``/overrides that built ``cfg``; ``base``: the config whose
-    ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1)."""
+    ``sft`` trains the cold start's stage 1 (:func:`base_sft`; None: no stage 1);
+    ``cold_only``: each seed's cold start and its evaluation, no arm run (``result`` None,
+    ``table`` the cold starts' values and protocol 5's preconditions,
+    ``paravt.experiments.paired``): how protocol 5 tunes a cold-start regime on seeds 0-2."""
     for a in parse_arms(",".join(arms), list(ARMS)):  # none, or an unknown one: refused
         arm_overrides(a, cfg)
     check_task(cfg)
@@ -265,7 +271,7 @@ def collapse(
     with FolderLock(out, "collapse") as lock:
         return _collapse(
             cfg, out, arms, seeds, eval_k, eval_every, windows, base_args, unclosed_think,
-            base, replay, lock,
+            base, replay, lock, cold_only,
         )  # fmt: skip
 
 
@@ -282,6 +288,7 @@ def _collapse(
     base: Config | None,
     replay: float,
     lock: FolderLock,
+    cold_only: bool = False,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     conds = "[" + ",".join(f"{k}:tools" for k in eval_k) + "]"
@@ -326,6 +333,10 @@ def _collapse(
             f"[collapse] seed {seed}: cold start evaluated "
             f"({(time.perf_counter() - t0) / 60:.1f} min)"
         )
+    if cold_only:
+        k = BAR_K if BAR_K in eval_k else max(eval_k)
+        rep = paired_report({"cold start": [out]}, k=k, cold_only=True)
+        return {"result": None, "table": paired_markdown(rep)}
     run_arms(
         out,
         [(a, s) for a in arms for s in seeds],
@@ -441,6 +452,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "all-tool SFT (default: the preset's sft.steps, 4000 for tiny_cpu; 0: no stage 1, the "
         "all-tool SFT starts from the random tiny model; ignored with model.path=...)",
     )
+    p.add_argument(
+        "--cold-only",
+        action="store_true",
+        help="each seed's cold start and its evaluation only, no arm run (protocol 5's tuning "
+        "of a cold-start regime; read them with python -m paravt.experiments paired)",
+    )
     p.add_argument("--preset", default="tiny_cpu")
     p.add_argument(
         "--config", action="append", default=None, help="YAML (default configs/collapse.yaml)"
@@ -484,6 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             unclosed_think=args.unclosed_think,
             replay=args.replay,
             base=stage1 if stage1.sft.steps > 0 else None,
+            cold_only=args.cold_only,
         )
 
     return run_driver("collapse", body, args.out)
