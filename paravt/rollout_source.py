@@ -29,7 +29,7 @@ from paravt.algo.gating import step_budgets
 from paravt.config import Config
 from paravt.data.sampler import PromptSampler
 from paravt.distributed import DistContext, Precision, full_weights, is_sharded, shard_list
-from paravt.engines.engine import Engine
+from paravt.engines.engine import Engine, unwrap_module
 from paravt.preempt import Preemption
 from paravt.types import RolloutBatch, Sample
 from paravt.weight_sync import SumRecorder, verify_engine
@@ -68,15 +68,20 @@ def push_weights(engine: Engine, policy: torch.nn.Module, cfg: Config) -> None:
     are streamed (``paravt.distributed.full_weights``: one entry all-gathered and cast to the
     compute dtype at a time, never a full state dict) into the rank's engine: vLLM's reload
     path, or the HF engine's replica, copied in place. The HF replica is then read back and
-    checked against the streamed tensors' checksums (``paravt.weight_sync``: a
-    ``WeightSyncError`` naming the first tensor that differs); vLLM's copy is not read back
-    (its reload raises for any parameter it did not reach)."""
+    checked against the streamed tensors' checksums, and vLLM's copy (one process or several)
+    against their element sums (``paravt.weight_sync.verify_engine``: a ``WeightSyncError``
+    naming the first tensor or parameter that differs; vLLM's reload also raises for any
+    parameter it did not reach)."""
+    elem_dtype = getattr(engine, "weight_dtype", None)  # vLLM: its copy read back by sums
     if is_sharded(policy):
-        stream = SumRecorder(full_weights(policy, Precision.from_config(cfg).compute))
-        engine.sync_weights(stream)
-        verify_engine(engine, stream.staged(version=-1))
-    else:
+        stream = SumRecorder(full_weights(policy, Precision.from_config(cfg).compute), elem_dtype)
+    elif elem_dtype is not None:  # vLLM: the state dict's tensors, recorded as they pass
+        stream = SumRecorder(unwrap_module(policy).state_dict().items(), elem_dtype)
+    else:  # one process, the HF engine: it shares the policy module (nothing copied)
         engine.sync_weights(policy)
+        return
+    engine.sync_weights(stream)
+    verify_engine(engine, stream.staged(version=-1))
 
 
 class RolloutSource(Protocol):

@@ -33,11 +33,15 @@ the same on CPU and CUDA, bit-exact, in a few reductions on the tensor's device.
 sums what it sends (after the cast). The worker checks:
 
 1. the staged tensors as received and unpacked (``receive``): a transport or unpack error;
-2. after the swap, the engine's own copy (``verify_engine``), where the engine can return it
-   by name (``loaded_weights``: the HF engine's module state dict, read back and summed on its
-   device). vLLM's copy cannot be read back cheaply (repacked checkpoint names: fused qkv /
-   gate-up, tensor-parallel shards), so for vLLM only step 1 runs; its reload raises itself
-   for any parameter it did not reach (``paravt.engines.vllm``).
+2. after the swap, the engine's own copy (``verify_engine``): the HF engine's by name
+   (``loaded_weights``: its module state dict, read back and summed on its device); vLLM's by
+   ``element_sum`` (``VLLMEngine.element_sums``): vLLM renames and fuses the checkpoint's
+   tensors (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``) and may repack a layout,
+   so its parameters are compared by the sum of their elements' bit patterns, which is blind
+   to order and adds over concatenation: a fused parameter's sum is its parts'. Where vLLM
+   keeps no tensor to read (on CPU it moves linear weights into oneDNN handles and empties
+   them; GPU keeps them) or shards it (tensor parallel), that parameter is not compared;
+   vLLM's reload raises itself for any parameter it did not reach (``paravt.engines.vllm``).
 
 A mismatch raises ``WeightSyncError`` naming the tensor and the version: the worker reports it
 and exits, and the trainer raises it as ``WorkerFailed`` at its next ``collect`` (the existing
@@ -309,6 +313,9 @@ class Staged:
     specs: list[Spec]
     tensors: list[torch.Tensor]
     sums: torch.Tensor  # (n, 3) int64: the trainer's checksums
+    #: (n,) int64 ``element_sum`` of each tensor in the engine's weight dtype, where the
+    #: tensors were streamed past (``SumRecorder``, colocated); None: computed from ``tensors``
+    elems: torch.Tensor | None = None
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return [(s.name, t) for s, t in zip(self.specs, self.tensors)]
@@ -383,6 +390,66 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([total, cols, rows_sum])
 
 
+def element_sum(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The sum, in int64, of ``t``'s elements (cast to ``dtype`` first, if given) read as
+    signed integers of their width (bf16 / fp16 as int16, fp32 as int32): a 0-d tensor on
+    ``t``'s device. Unlike :func:`checksum` it ignores where each element sits, and it adds
+    over concatenation, so a parameter an engine fused from several checkpoint tensors (vLLM's
+    ``qkv_proj``) sums to its parts' sums, and a layout it repacked keeps its sum. What
+    :func:`verify_engine` compares vLLM's copy by. Exact integer arithmetic (below 2^32
+    elements), the same on CPU and CUDA."""
+    x = t.detach()
+    if dtype is not None and x.dtype != dtype:
+        x = x.to(dtype)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.contiguous().view(ints).sum(dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class EngineSums:
+    """An engine's own copy read back by :func:`element_sum` (``VLLMEngine.element_sums``):
+    ``targets`` the engine parameter each checkpoint name was loaded into, ``sums`` each
+    readable parameter's sum in ``dtype``, ``unreadable`` the parameters the engine keeps no
+    tensor for (not compared)."""
+
+    targets: dict[str, str]
+    sums: dict[str, int]
+    unreadable: frozenset[str]
+    dtype: torch.dtype
+
+
+def verify_element_sums(specs: list[Spec], want: list[int], got: EngineSums, version: int) -> int:
+    """Raise ``WeightSyncError`` naming the first engine parameter whose element sum is not the
+    sum of the trainer's tensors loaded into it (``want``: one per spec); returns how many
+    parameters were compared. A push none of whose names reached an engine parameter raises
+    too (a broken name mapping would otherwise check nothing)."""
+    expect: dict[str, int] = {}
+    parts: dict[str, list[str]] = {}
+    for s, w in zip(specs, want):
+        p = got.targets.get(s.name)
+        if p is not None:
+            expect[p] = expect.get(p, 0) + int(w)
+            parts.setdefault(p, []).append(s.name)
+    if specs and not expect:
+        raise WeightSyncError(
+            f"weight sync of version {version}: none of the {len(specs)} tensors pushed maps to "
+            f"a parameter of the engine (e.g. {specs[0].name!r}); its copy cannot be checked"
+        )
+    compared = 0
+    for p, e in expect.items():
+        if p in got.unreadable:
+            continue
+        compared += 1
+        if got.sums.get(p) != e:
+            raise WeightSyncError(
+                f"weight sync: the engine's parameter {p!r} (from {', '.join(parts[p])}) of "
+                f"version {version} differs from the trainer's (element sum in "
+                f"{str(got.dtype).removeprefix('torch.')} {got.sums.get(p)} != {e}); stopping "
+                "rather than generating with wrong weights"
+            )
+    return compared
+
+
 def _first_mismatch(got: torch.Tensor, want: torch.Tensor) -> int | None:
     """Index of the first row where ``got`` and ``want`` ((n, 3) int64) differ; None if none."""
     bad = (got.to(want.device) != want).any(dim=1).nonzero()
@@ -415,13 +482,16 @@ def verify(
 
 def verify_engine(engine: Any, staged: Staged) -> bool:
     """After ``engine.sync_weights(staged.named())``: check the engine's own copy against the
-    trainer's checksums, read back by name where the engine offers it (``loaded_weights()``,
-    the HF engine); False where it cannot (vLLM: the staged tensors were checked on receipt).
-    An engine tensor held in another dtype than sent is cast to the sent one first (exact for
-    a wider engine dtype)."""
+    trainer's. Read back by name where the engine offers it (``loaded_weights()``, the HF
+    engine: each tensor's :func:`checksum`; a tensor held in another dtype than sent is cast
+    to the sent one first, exact for a wider engine dtype), else by :func:`element_sum` where
+    it offers that (``element_sums``, vLLM: each parameter against the sum of the tensors
+    loaded into it, in the engine's ``weight_dtype``; ``staged.elems`` where the tensors were
+    streamed past, else summed from ``staged.tensors``). False where neither is possible (an
+    engine with neither, or vLLM sharded over tensor-parallel workers)."""
     loaded = getattr(engine, "loaded_weights", None)
     if loaded is None:
-        return False
+        return _verify_element_sums(engine, staged)
     own = loaded()
     missing = [s.name for s in staged.specs if s.name not in own]
     if missing:
@@ -434,25 +504,54 @@ def verify_engine(engine: Any, staged: Staged) -> bool:
     return True
 
 
-class SumRecorder:
-    """Wraps a ``(name, tensor)`` stream (``paravt.distributed.full_weights``), recording each
-    tensor's spec and checksum as it passes: what ``push_weights`` checks the colocated HF
-    engine's replica against after ``sync_weights`` consumed the stream."""
+def _verify_element_sums(engine: Any, staged: Staged) -> bool:
+    read = getattr(engine, "element_sums", None)
+    if read is None or (staged.elems is None and len(staged.tensors) != len(staged.specs)):
+        return False
+    dtype = getattr(engine, "weight_dtype", None)
+    got = read({s.name for s in staged.specs}, dtype)
+    if got is None:
+        return False
+    if staged.elems is not None:
+        want = staged.elems.tolist()
+    else:
+        want = [int(element_sum(t, dtype)) for t in staged.tensors]
+    n = verify_element_sums(staged.specs, want, got, staged.version)
+    log.debug(f"weight sync {staged.version}: {n} engine parameters checked by element sum")
+    return True
 
-    def __init__(self, stream: Iterable[tuple[str, torch.Tensor]]) -> None:
+
+class SumRecorder:
+    """Wraps a ``(name, tensor)`` stream (``paravt.distributed.full_weights``, or a state
+    dict's items), recording each tensor's spec and checksum as it passes, and with
+    ``elem_dtype`` (the engine's ``weight_dtype``; vLLM) its :func:`element_sum` in it: what
+    ``push_weights`` checks the colocated engine's copy against after ``sync_weights``
+    consumed the stream."""
+
+    def __init__(
+        self, stream: Iterable[tuple[str, torch.Tensor]], elem_dtype: torch.dtype | None = None
+    ) -> None:
         self.stream = stream
         self.specs: list[Spec] = []
         self._sums: list[torch.Tensor] = []
+        self._elems: list[torch.Tensor] = []
+        self.elem_dtype = elem_dtype
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.stream:
             self.specs.append(Spec(name, tuple(t.shape), t.dtype))
             self._sums.append(checksum(t))
+            if self.elem_dtype is not None:
+                self._elems.append(element_sum(t, self.elem_dtype))
             yield name, t
 
     def staged(self, version: int) -> Staged:
         sums = torch.stack(self._sums) if self._sums else torch.zeros(0, 3, dtype=torch.int64)
-        return Staged(version, self.specs, [], sums)
+        if self.elem_dtype is None:
+            elems = None
+        else:
+            elems = torch.stack(self._elems) if self._elems else torch.zeros(0, dtype=torch.int64)
+        return Staged(version, self.specs, [], sums, elems)
 
 
 # ---------------------------------------------------------------------------- trainer side

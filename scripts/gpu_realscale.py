@@ -8,7 +8,10 @@
 - ``vllm_graphs`` (item 3): vLLM with CUDA graphs, ``rollout.vllm_enforce_eager`` off on
   CUDA; on the GPU the behaviour log-probs must be equal with graphs after a sleep/wake. Needs
   ``vllm``, which the device image lacks and whose CUDA wheel is far over the 64 MiB a call
-  carries: until one of the two changes this step reports that.
+  carries: until one of the two changes this step reports that. The same step runs item 5's
+  vLLM half: after a push vLLM's own parameters are compared by element sum with what was
+  pushed (``tests/test_vllm_engine.py -k checked_against``); on a GPU the fused and linear
+  weights are compared too (the CPU's vLLM moves them into oneDNN handles: 22 of 64 there).
 - ``copy_stream`` (item 5): the weight push copies its buckets on a dedicated CUDA stream, so
   the next step's compute on the default stream is not held up. Besides its tests, measured
   here: the push alone, a bf16 matmul loop alone, and both together (``push_overlap``).
@@ -148,10 +151,11 @@ def push_overlap(dry: bool, mib: int = 1024, tensors: int = 8) -> dict[str, Any]
 
 FEATURES: dict[str, Feature] = {
     "vllm_graphs": Feature(
-        item="issue 61 item 3: vLLM with CUDA graphs (rollout.vllm_enforce_eager)",
+        item="issue 61 items 3 and 5: vLLM with CUDA graphs (rollout.vllm_enforce_eager); "
+        "vLLM's copy read back by element sums (on a GPU its linear weights stay readable)",
         detect=_config_field("rollout", "vllm_enforce_eager"),
         tests=("tests/test_*vllm*.py",),
-        select="cuda and graph",
+        select="(cuda and graph) or checked_against",
         needs=("vllm",),
     ),
     "copy_stream": Feature(

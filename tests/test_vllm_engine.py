@@ -320,6 +320,52 @@ def test_weight_sync_and_stale_cache_regression(bundle, engine):
     assert engine.generate([req])[0].token_ids == before.token_ids  # back to the start, exactly
 
 
+def test_a_push_is_checked_against_vllms_own_copy(bundle, engine, monkeypatch):
+    """Issue 61 item 5: after a colocated push (``paravt.rollout_source.push_weights``) vLLM's
+    own parameters are read back and compared by element sum with the tensors loaded into
+    them (q/k/v into one ``qkv_proj``, named through the model's own mappings). A parameter
+    vLLM holds wrong after its reload (written into its copy after the load here, as a loader
+    bug would leave it) is named with its checkpoint tensor; main returned without looking."""
+    from paravt.config import load_config
+    from paravt.rollout_source import push_weights
+    from paravt.weight_sync import SumRecorder, WeightSyncError, verify_engine
+
+    state = dict(bundle.model.state_dict())
+    rec = SumRecorder(iter(state.items()), engine.weight_dtype)
+    engine.sync_weights(rec)
+    staged = rec.staged(version=5)
+    got = engine.element_sums([s.name for s in staged.specs], engine.weight_dtype)
+    fused = {
+        p for p in got.targets.values() if p.endswith(("qkv_proj.weight", "gate_up_proj.weight"))
+    }
+    print(f"vLLM parameters: {len(got.sums)} read back, {len(got.unreadable)} unreadable "
+          f"(oneDNN-packed), {len(fused)} fused; {len(got.targets)} of {len(state)} names mapped")  # fmt: skip
+    assert fused and len(got.targets) >= len(state) - 1  # every name but a tied lm_head
+    assert verify_engine(engine, staged)
+    assert any("norm" in p for p in got.sums) and any("embed" in p for p in got.sums)
+    target = next(p for p in sorted(got.sums) if p.endswith("norm.weight"))
+    source = next(n for n, p in got.targets.items() if p == target)
+    real = engine.push_weights
+
+    def push_then_corrupt(weights) -> None:
+        real(weights)
+
+        def corrupt(model) -> None:
+            with torch.no_grad():
+                dict(model.named_parameters())[target].view(-1)[0] += 1.0
+
+        engine.llm.apply_model(corrupt)
+
+    monkeypatch.setattr(engine, "push_weights", push_then_corrupt)
+    try:
+        with pytest.raises(WeightSyncError, match=rf"parameter '{target}' \(from {source}\)"):
+            push_weights(engine, bundle.model, load_config("tiny_cpu"))
+    finally:
+        monkeypatch.undo()
+        engine.sync_weights(state)
+    assert verify_engine(engine, staged)  # the full push put it right
+
+
 def test_a_push_that_misses_a_parameter_raises(bundle, engine):
     """vLLM only logs the parameters a reload did not reach (they keep their old values): the
     engine must raise instead of rolling out with half-stale weights."""

@@ -30,14 +30,17 @@ import paravt.weight_sync as ws
 from paravt.engines.hf import HFEngine
 from paravt.models import build_tiny_checkpoint, load_model
 from paravt.weight_sync import (
+    EngineSums,
     Spec,
     Staged,
     SumRecorder,
     WeightPublisher,
     WeightSyncError,
     checksum,
+    element_sum,
     plan_buckets,
     receive,
+    verify_element_sums,
     verify_engine,
 )
 from paravt.workers.roles import Channel, WeightGroup
@@ -202,6 +205,53 @@ def test_checksum_in_chunks_equals_the_whole_tensor_sums() -> None:
     assert torch.equal(checksum(t), want)
     f = torch.randn(CHUNK_ROWS * COLS + 7 * COLS, generator=g)  # 4-byte words, no tail
     assert torch.equal(checksum(f), checksum(f.clone()))
+
+
+def test_element_sum_ignores_order_adds_over_concatenation_and_sees_a_changed_value() -> None:
+    """What an engine that fuses and repacks the checkpoint's tensors (vLLM) is compared by:
+    the same under any permutation, a fused tensor's sum is its parts', a one-ulp change or a
+    sign flip shows, and a cast to the engine's dtype is taken before summing."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 8, generator=g).bfloat16() for n in (16, 4, 4))
+    qkv = torch.cat([q, k, v])
+    assert int(element_sum(qkv)) == sum(int(element_sum(x)) for x in (q, k, v))
+    assert torch.equal(element_sum(qkv.t().contiguous()), element_sum(qkv))  # repacked layout
+    assert torch.equal(element_sum(qkv.flatten()[torch.randperm(qkv.numel())]), element_sum(qkv))
+    bumped = qkv.clone()
+    bumped.view(torch.int16)[3, 5] += 1  # one ulp
+    assert not torch.equal(element_sum(bumped), element_sum(qkv))
+    flipped = qkv.clone()
+    flipped[0, 0] = -flipped[0, 0]
+    assert not torch.equal(element_sum(flipped), element_sum(qkv))
+    f32 = torch.randn(33, generator=g)
+    assert torch.equal(element_sum(f32, torch.bfloat16), element_sum(f32.bfloat16()))
+    assert element_sum(f32).dtype == torch.int64  # fp32 as int32 words, summed in int64
+
+
+def test_element_sums_compare_each_engine_parameter_with_its_parts() -> None:
+    """``verify_element_sums``: a fused parameter against the sum of the tensors loaded into
+    it, named with them on a mismatch; an unreadable parameter is skipped; a push none of
+    whose names reached the engine raises rather than checking nothing."""
+    q, k, v, n = (torch.full((2,), x, dtype=torch.bfloat16) for x in (1.0, 2.0, 3.0, 0.5))
+    specs = [Spec(x, (2,), torch.bfloat16) for x in ("m.q_proj.weight", "m.k_proj.weight",
+                                                     "m.v_proj.weight", "m.norm.weight")]  # fmt: skip
+    want = [int(element_sum(t)) for t in (q, k, v, n)]
+    fused = int(element_sum(torch.cat([q, k, v])))
+    targets = {s.name: "e.qkv_proj.weight" for s in specs[:3]} | {specs[3].name: "e.norm.weight"}
+    good = EngineSums(targets, {"e.qkv_proj.weight": fused, "e.norm.weight": want[3]},
+                      frozenset(), torch.bfloat16)  # fmt: skip
+    assert verify_element_sums(specs, want, good, 3) == 2
+    bad = EngineSums(targets, {**good.sums, "e.qkv_proj.weight": fused + 1}, frozenset(),
+                     torch.bfloat16)  # fmt: skip
+    with pytest.raises(WeightSyncError, match=r"'e.qkv_proj.weight' \(from m.q_proj.weight, "
+                       r"m.k_proj.weight, m.v_proj.weight\) of version 3"):  # fmt: skip
+        verify_element_sums(specs, want, bad, 3)
+    hidden = EngineSums(targets, {"e.norm.weight": want[3]}, frozenset({"e.qkv_proj.weight"}),
+                        torch.bfloat16)  # fmt: skip
+    assert verify_element_sums(specs, want, hidden, 3) == 1  # a oneDNN-packed linear: skipped
+    nowhere = EngineSums({}, {}, frozenset(), torch.bfloat16)
+    with pytest.raises(WeightSyncError, match="none of the 4 tensors pushed maps"):
+        verify_element_sums(specs, want, nowhere, 3)
 
 
 @CUDA

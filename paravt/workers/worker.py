@@ -23,8 +23,8 @@ Three threads:
   (``Trajectory.versions``). Work starts only once the worker holds the version it names
   (the trainer sends those weights before the assignment, so the wait is the stream's order).
 
-After a swap the engine's own copy is checked against the trainer's checksums where it can be
-read back (the HF engine; ``weight_sync.verify_engine``). A checksum mismatch, on receipt or
+After a swap the engine's own copy is read back and checked (``weight_sync.verify_engine``:
+the HF engine's tensors by checksum, vLLM's parameters by element sum). A checksum mismatch, on receipt or
 after loading, is a ``WeightSyncError`` naming the tensor and the version: the worker sends it
 to the trainer (which raises ``WorkerFailed``) and exits 1.
 
@@ -220,7 +220,7 @@ def run_worker(cfg: Config, ctx: DistContext, roles: AsyncRoles) -> dict[str, An
             staged, weights.pending = weights.pending, None
         if staged is not None:
             engine.sync_weights(staged.named())
-            verify_engine(engine, staged)  # the HF engine's copy, read back (not vLLM's)
+            verify_engine(engine, staged)  # the engine's own copy, read back
             version = staged.version
         if pause:  # test hook: slow turns, so that weights arrive mid-episode
             time.sleep(pause)
