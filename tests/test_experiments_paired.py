@@ -82,6 +82,7 @@ def test_the_report_reads_regimes_pairs_by_seed_and_judges(tmp_path, capsys) -> 
     pre = {(p["id"], p["regime"]): p for p in res["preconditions"]}
     assert pre[("P1", "L")]["met"] and pre[("P2", "M")]["met"]
     assert pre[("P3", "L")]["met"] and pre[("P4", "M")]["met"]  # 0.45 >= 0.7 x 0.5
+    assert pre[("P5", "L")]["met"] and "per seed 800: 1.00, 801: 1.00" in pre[("P5", "L")]["text"]
     bars = {(b["id"], b["what"], b["regime"], b["key"]): b for b in res["bars"]}
     q1 = bars[("Q1", "vanilla: M - L", "M-L", "tool_rate_need")]
     assert q1["per_seed"] == pytest.approx({800: 0.8, 801: 0.8, 802: 0.8}) and q1["clears"]

@@ -137,6 +137,7 @@ L_CLOSURE_MAX = 0.15
 M_CLOSURE = (0.2, 0.5)
 CALL_MIN = 0.3
 RIGHT_MIN = 0.7
+READ_MIN = 0.8
 
 
 def preconditions(regimes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,7 +147,10 @@ def preconditions(regimes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     - P2 (regime ``M``): tool-turn closure within :data:`M_CLOSURE`;
     - P3 (each regime): call rate on the needing prompts ≥ :data:`CALL_MIN` (tool use to lose);
     - P4 (each regime): a call is usually right: accuracy on the needing prompts ≥
-      :data:`RIGHT_MIN` × the call rate on them (the overview alone answers them wrong).
+      :data:`RIGHT_MIN` × the call rate on them (the overview alone answers them wrong);
+    - P5 (each regime): the cold start reads the overview: accuracy on the prompts that do
+      not need the tool ≥ :data:`READ_MIN` (reported per seed too: a stage 1 that did not
+      learn to read the colour is a draw, as protocol 4's seed 601 was).
 
     Each ``{"id", "regime", "text", "value", "needed", "met"}`` (met None: a value missing)."""
     out: list[dict[str, Any]] = []
@@ -168,6 +172,10 @@ def preconditions(regimes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         add("P3", name, "call rate, needing prompts", rate, f">= {CALL_MIN}", rate >= CALL_MIN)
         add("P4", name, "accuracy, needing prompts (vs the call rate)", acc,
             f">= {RIGHT_MIN} x {rate:.3f}", acc >= RIGHT_MIN * rate)  # fmt: skip
+        read = _mean(cold, "acc_no_need")
+        per = ", ".join(f"{s}: {v['acc_no_need']:.2f}" for s, v in sorted(cold.items()))
+        add("P5", name, f"accuracy, prompts not needing the tool (per seed {per})", read,
+            f">= {READ_MIN}", read >= READ_MIN)  # fmt: skip
     return out
 
 
