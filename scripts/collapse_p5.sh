@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/collapse_p5}
 SEEDS=${SEEDS:-"800 801 802"}
 U_L=${U_L:-0.75}
-U_M=${U_M:-__U_M__}
+U_M=${U_M:-0.62}
 PY=${PYTHON:-python}
 export OUT U_L U_M PY
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
