@@ -6,9 +6,10 @@
 #   SEEDS="0 1 2" OUT=runs/p5tune scripts/collapse_p5.sh --cold-only   # the tuning check
 #
 # Each seed is its own pair of collapse folders, OUT/L_sN and OUT/M_sN; M's task instance and
-# stage 1 are L's, copied (their stamps, settings and code, are checked on reuse). Two seeds
-# run side by side, every job single-threaded (OMP_NUM_THREADS=1: two torch jobs on two cores
-# never share one). A rerun keeps what finished (the collapse driver's stamps).
+# stage 1 are L's, copied (their stamps, settings and code, are checked on reuse). JOBS seeds
+# (default 3) run side by side, every job single-threaded (OMP_NUM_THREADS=1: no thread pool
+# spins on a core another job holds; the numbers do not depend on it). A rerun keeps what
+# finished (the collapse driver's stamps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/collapse_p5}
@@ -36,7 +37,7 @@ one_seed() {
 }
 export -f one_seed
 mkdir -p "$OUT"
-printf '%s\n' $SEEDS | xargs -P 2 -I{} bash -c 'one_seed {}'
+printf '%s\n' $SEEDS | xargs -P "${JOBS:-3}" -I{} bash -c 'one_seed {}'
 dirs() { local r=$1; printf '%s' "$r="; for s in $SEEDS; do printf '%s,' "$OUT/${r}_s$s"; done; }
 cold=""
 case " $* " in *" --cold-only "*) cold="--cold-only" ;; esac
