@@ -397,12 +397,20 @@ def element_sum(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     over concatenation, so a parameter an engine fused from several checkpoint tensors (vLLM's
     ``qkv_proj``) sums to its parts' sums, and a layout it repacked keeps its sum. What
     :func:`verify_engine` compares vLLM's copy by. Exact integer arithmetic (below 2^32
-    elements), the same on CPU and CUDA."""
-    x = t.detach()
-    if dtype is not None and x.dtype != dtype:
-        x = x.to(dtype)
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return x.contiguous().view(ints).sum(dtype=torch.int64)
+    elements), the same on CPU and CUDA; cast and summed ``CHUNK_ROWS · COLS`` elements at a
+    time, so it holds what :func:`checksum` does besides its input, not an int64 copy of it
+    (the 8B recipe's embedding: 5 GiB)."""
+    x = t.detach().reshape(-1)  # a view of a contiguous tensor
+    want = x.dtype if dtype is None else dtype
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[want.itemsize]
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    step = CHUNK_ROWS * COLS
+    for a in range(0, x.numel(), step):
+        chunk = x[a : a + step]
+        total += (
+            (chunk if chunk.dtype == want else chunk.to(want)).view(ints).sum(dtype=torch.int64)
+        )
+    return total
 
 
 @dataclass(frozen=True)

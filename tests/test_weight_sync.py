@@ -226,6 +226,11 @@ def test_element_sum_ignores_order_adds_over_concatenation_and_sees_a_changed_va
     f32 = torch.randn(33, generator=g)
     assert torch.equal(element_sum(f32, torch.bfloat16), element_sum(f32.bfloat16()))
     assert element_sum(f32).dtype == torch.int64  # fp32 as int32 words, summed in int64
+    from paravt.weight_sync import CHUNK_ROWS, COLS
+
+    big = torch.randn(2 * CHUNK_ROWS * COLS + 7, generator=g)  # three chunks, the last short
+    whole = big.bfloat16().view(torch.int16).to(torch.int64).sum()
+    assert torch.equal(element_sum(big, torch.bfloat16), whole)  # chunked = the whole sum
 
 
 def test_element_sums_compare_each_engine_parameter_with_its_parts() -> None:
