@@ -312,7 +312,9 @@ class Staged:
     version: int
     specs: list[Spec]
     tensors: list[torch.Tensor]
-    sums: torch.Tensor  # (n, 3) int64: the trainer's checksums
+    #: (n, 3) int64: the trainer's checksums; (0, 3) where a colocated push recorded element
+    #: sums instead (``SumRecorder`` with ``elem_dtype``: vLLM is checked by those alone)
+    sums: torch.Tensor
     #: (n,) int64 ``element_sum`` of each tensor in the engine's weight dtype, where the
     #: tensors were streamed past (``SumRecorder``, colocated); None: computed from ``tensors``
     elems: torch.Tensor | None = None
@@ -531,8 +533,10 @@ def _verify_element_sums(engine: Any, staged: Staged) -> bool:
 
 class SumRecorder:
     """Wraps a ``(name, tensor)`` stream (``paravt.distributed.full_weights``, or a state
-    dict's items), recording each tensor's spec and checksum as it passes, and with
-    ``elem_dtype`` (the engine's ``weight_dtype``; vLLM) its :func:`element_sum` in it: what
+    dict's items), recording each tensor's spec as it passes and what the engine is checked
+    by: its :func:`checksum` (the HF engine, read back by name), or with ``elem_dtype`` (the
+    engine's ``weight_dtype``: vLLM) only its :func:`element_sum` in that dtype, the one sum
+    ``verify_engine`` reads for such an engine (``Staged.sums`` is then empty). What
     ``push_weights`` checks the colocated engine's copy against after ``sync_weights``
     consumed the stream."""
 
@@ -548,8 +552,9 @@ class SumRecorder:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self.stream:
             self.specs.append(Spec(name, tuple(t.shape), t.dtype))
-            self._sums.append(checksum(t))
-            if self.elem_dtype is not None:
+            if self.elem_dtype is None:
+                self._sums.append(checksum(t))
+            else:
                 self._elems.append(element_sum(t, self.elem_dtype))
             yield name, t
 
